@@ -1,0 +1,304 @@
+//! The API edge: JSON-RPC method names, parameter parsing and validation. Everything
+//! past this file sees typed, valid values; every error here names the offending field
+//! (`operations[3].resource.name: must be a DNS subdomain …`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use jsonrpsee::types::{ErrorObjectOwned, Params};
+use jsonrpsee::RpcModule;
+use opmon_client::{
+    validate, AddOperationsParams, ApiVersion, EndInProgressParams, ListParams, NameParams,
+    OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::core::Core;
+use crate::error::Error;
+
+/// Longest `wait` a single request may ask for; the client library splits longer ones.
+const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// Largest `list` page.
+const MAX_PAGE: u32 = 1000;
+
+/// Parses params given by name into `T`, naming the field that does not fit.
+fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
+    let raw = params.as_str().unwrap_or("{}");
+    if raw.trim_start().starts_with('[') {
+        return Err(Error::InvalidParams(
+            "params must be passed by name, as a JSON object".into(),
+        ));
+    }
+    let mut de = serde_json::Deserializer::from_str(raw);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        // serde_json appends the position; the field path says more.
+        let reason = match inner.find(" at line ") {
+            Some(i) => inner[..i].to_string(),
+            None => inner,
+        };
+        if path == "." || path.is_empty() {
+            Error::InvalidParams(reason)
+        } else {
+            Error::InvalidParams(format!("{path}: {reason}"))
+        }
+    })
+}
+
+/// `field: reason` as an invalid-params error.
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Error {
+    Error::InvalidParams(format!("{field}: {reason}"))
+}
+
+fn owner_name(name: &str) -> Result<(), Error> {
+    validate::dns_subdomain(name).map_err(|e| invalid("name", e))
+}
+
+fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    validate::uid(&p.uid).map_err(|e| invalid("uid", e))?;
+    if p.item_operation_timeout.is_some_and(|t| t.0.is_zero()) {
+        return Err(invalid("itemOperationTimeout", "must be greater than zero"));
+    }
+    if kind == OwnerKind::Backup && p.finalize.is_some() {
+        return Err(invalid(
+            "finalize",
+            "backups always pass through Finalizing; only restores take this flag",
+        ));
+    }
+    Ok(())
+}
+
+fn check_add(p: &AddOperationsParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    for (i, op) in p.operations.iter().enumerate() {
+        validate::new_operation(op).map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+    }
+    Ok(())
+}
+
+fn check_list(p: &ListParams) -> Result<(), Error> {
+    if p.limit.is_some_and(|l| l == 0 || l > MAX_PAGE) {
+        return Err(invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+    }
+    Ok(())
+}
+
+fn check_wait(p: &WaitParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    if p.timeout.is_some_and(|t| t.0 > MAX_WAIT) {
+        return Err(invalid("timeout", "must be at most 1h0m0s"));
+    }
+    Ok(())
+}
+
+fn check_snapshotter(s: &Snapshotter) -> Result<(), Error> {
+    validate::plugin_name(&s.name).map_err(|e| invalid("name", e))?;
+    match (s.api_version, &s.socket, &s.command) {
+        (ApiVersion::V1, None, None) => Ok(()),
+        (ApiVersion::V1, _, _) => Err(invalid(
+            "apiVersion",
+            "a v1 snapshotter has no Progress or Cancel; register it without socket or command",
+        )),
+        (ApiVersion::V2, Some(_), Some(_)) | (ApiVersion::V2, None, None) => Err(invalid(
+            "socket",
+            "a v2 snapshotter needs exactly one of socket and command",
+        )),
+        (ApiVersion::V2, Some(socket), None) if !socket.is_absolute() => {
+            Err(invalid("socket", "must be an absolute path"))
+        }
+        (ApiVersion::V2, None, Some(command)) if command.first().is_none_or(|p| p.is_empty()) => {
+            Err(invalid("command", "must name a program"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Registers `name`: parse params into `P`, run `handler`, map its error to a code.
+fn register<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
+where
+    P: DeserializeOwned + Send + 'static,
+    R: Serialize + Clone + Send + 'static,
+    F: Fn(Arc<Core>, P) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, Error>> + Send + 'static,
+{
+    module
+        .register_async_method(name, move |params, core, _| {
+            let handler = handler.clone();
+            async move {
+                let parsed: P = parse(&params)?;
+                handler(core, parsed).await.map_err(ErrorObjectOwned::from)
+            }
+        })
+        .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
+}
+
+/// The method names of one owner kind.
+struct Names {
+    kind: OwnerKind,
+    start: &'static str,
+    add_operations: &'static str,
+    end_in_progress: &'static str,
+    get: &'static str,
+    list: &'static str,
+    operations: &'static str,
+    wait: &'static str,
+    item_operations: &'static str,
+    delete: &'static str,
+}
+
+const BACKUP: Names = Names {
+    kind: OwnerKind::Backup,
+    start: "backup.start",
+    add_operations: "backup.addOperations",
+    end_in_progress: "backup.endInProgress",
+    get: "backup.get",
+    list: "backup.list",
+    operations: "backup.operations",
+    wait: "backup.wait",
+    item_operations: "backup.itemOperations",
+    delete: "backup.delete",
+};
+
+const RESTORE: Names = Names {
+    kind: OwnerKind::Restore,
+    start: "restore.start",
+    add_operations: "restore.addOperations",
+    end_in_progress: "restore.endInProgress",
+    get: "restore.get",
+    list: "restore.list",
+    operations: "restore.operations",
+    wait: "restore.wait",
+    item_operations: "restore.itemOperations",
+    delete: "restore.delete",
+};
+
+fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
+    let kind = names.kind;
+    register(module, names.start, move |core, p: StartParams| async move {
+        check_start(kind, &p)?;
+        core.start(kind, p).await
+    });
+    register(module, names.add_operations, move |core, p: AddOperationsParams| async move {
+        check_add(&p)?;
+        core.add_operations(kind, p).await
+    });
+    register(module, names.end_in_progress, move |core, p: EndInProgressParams| async move {
+        owner_name(&p.name)?;
+        core.end_in_progress(kind, p).await
+    });
+    register(module, names.get, move |core, p: NameParams| async move {
+        owner_name(&p.name)?;
+        core.get(kind, p.name).await
+    });
+    register(module, names.list, move |core, p: ListParams| async move {
+        check_list(&p)?;
+        core.list(kind, p).await
+    });
+    register(module, names.operations, move |core, p: OperationsParams| async move {
+        owner_name(&p.name)?;
+        core.operations(kind, p).await
+    });
+    register(module, names.wait, move |core, p: WaitParams| async move {
+        check_wait(&p)?;
+        core.wait(kind, p).await
+    });
+    register(module, names.item_operations, move |core, p: NameParams| async move {
+        owner_name(&p.name)?;
+        core.item_operations(kind, p.name).await
+    });
+    register(module, names.delete, move |core, p: NameParams| async move {
+        owner_name(&p.name)?;
+        core.delete(kind, p.name).await
+    });
+}
+
+/// No parameters expected (absent, `{}` or `[]` are all fine).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+/// Every method of the agent, bound to `core`.
+pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
+    let mut module = RpcModule::from_arc(core);
+    register(&mut module, "agent.status", |core, _: NoParams| async move {
+        core.status().await
+    });
+    register_owner_methods(&mut module, &BACKUP);
+    register_owner_methods(&mut module, &RESTORE);
+    register(&mut module, "snapshotter.register", |core, s: Snapshotter| async move {
+        check_snapshotter(&s)?;
+        core.register_snapshotter(s).await
+    });
+    register(&mut module, "snapshotter.list", |core, _: NoParams| async move {
+        core.snapshotters().await
+    });
+    register(&mut module, "snapshotter.unregister", |core, p: NameParams| async move {
+        validate::plugin_name(&p.name).map_err(|e| invalid("name", e))?;
+        core.unregister_snapshotter(p.name).await
+    });
+    module
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(json: &'static str) -> Params<'static> {
+        Params::new(Some(json))
+    }
+
+    #[test]
+    fn type_errors_name_the_field_path() {
+        let e = parse::<AddOperationsParams>(&params(
+            r#"{"name":"b","operations":[{"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":5},"operationId":"x"}]}"#,
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "operations[0].resource.name: invalid type: integer `5`, expected a string"
+        );
+    }
+
+    #[test]
+    fn positional_params_are_refused() {
+        let e = parse::<NameParams>(&params(r#"["b"]"#)).unwrap_err();
+        assert_eq!(e.to_string(), "params must be passed by name, as a JSON object");
+    }
+
+    #[test]
+    fn validation_errors_name_the_operation_index() {
+        let p: AddOperationsParams = parse(&params(
+            r#"{"name":"b","operations":[
+              {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"ok"},"operationId":"x"},
+              {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}]}"#,
+        ))
+        .unwrap();
+        let e = check_add(&p).unwrap_err().to_string();
+        assert!(
+            e.starts_with("operations[1].resource.name: must be a DNS subdomain"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn snapshotters_need_one_transport() {
+        let mut s = Snapshotter {
+            name: "example.io/copier".into(),
+            api_version: ApiVersion::V2,
+            socket: None,
+            command: None,
+        };
+        assert!(check_snapshotter(&s).is_err());
+        s.socket = Some("relative.sock".into());
+        assert_eq!(
+            check_snapshotter(&s).unwrap_err().to_string(),
+            "socket: must be an absolute path"
+        );
+        s.socket = Some("/run/copier.sock".into());
+        assert!(check_snapshotter(&s).is_ok());
+    }
+}

@@ -1,0 +1,137 @@
+//! The core: decides and commits. It receives typed, validated requests from the API
+//! layer (never JSON), asks the phase machine what follows, commits through the store,
+//! then tells waiters. Nothing here reaches back into the API layer.
+
+mod owners;
+mod poll;
+mod snapshotters;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opmon_client::{AgentStatus, GoDuration};
+use time::OffsetDateTime;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::changes::Changes;
+use crate::error::Error;
+use crate::remote::{CallSettings, Registry};
+use crate::store::{queries, Store};
+
+/// What the core needs to know from the configuration.
+#[derive(Clone, Debug)]
+pub struct CoreSettings {
+    pub poll_interval: Duration,
+    pub default_item_operation_timeout: GoDuration,
+    pub retention: Duration,
+    pub calls: CallSettings,
+}
+
+pub struct Core {
+    store: Arc<Store>,
+    settings: CoreSettings,
+    remotes: Registry,
+    changes: Changes,
+    /// Wakes the poller before its next tick (after a restart, for instance).
+    poll_now: Notify,
+    /// Plugins whose sweep is still running; the next tick skips them.
+    sweeping: Mutex<HashSet<String>>,
+    sweeps: TaskTracker,
+    stopping: CancellationToken,
+    started: Instant,
+}
+
+/// The current time in Unix milliseconds: the one place the core reads the clock.
+fn now_ms() -> i64 {
+    queries::ms_of(OffsetDateTime::now_utc())
+}
+
+impl Core {
+    /// Builds the core on an open store and loads the registered snapshotters.
+    pub async fn new(store: Arc<Store>, settings: CoreSettings) -> Result<Arc<Core>, Error> {
+        let core = Arc::new(Core {
+            store,
+            settings,
+            remotes: Registry::default(),
+            changes: Changes::default(),
+            poll_now: Notify::new(),
+            sweeping: Mutex::new(HashSet::new()),
+            sweeps: TaskTracker::new(),
+            stopping: CancellationToken::new(),
+            started: Instant::now(),
+        });
+        let registered = core
+            .store
+            .read(|conn| queries::snapshotters(conn).map_err(Error::from))
+            .await?;
+        for s in &registered {
+            core.remotes.insert(s, &core.settings.calls);
+        }
+        Ok(core)
+    }
+
+    /// `agent.status`.
+    pub async fn status(&self) -> Result<AgentStatus, Error> {
+        let (owners, unfinished) = self
+            .store
+            .read(|conn| {
+                Ok::<_, Error>((queries::owner_counts(conn)?, queries::unfinished_total(conn)?))
+            })
+            .await?;
+        Ok(AgentStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime: GoDuration(Duration::from_secs(self.started.elapsed().as_secs())),
+            owners,
+            unfinished_operations: unfinished,
+            snapshotters: self.remotes.len() as u64,
+        })
+    }
+
+    /// Runs the periodic work (polling, retention) until [`Core::stop`].
+    pub async fn run_background(self: &Arc<Self>) {
+        let mut poll = tokio::time::interval(self.settings.poll_interval);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Retention is checked hourly, or more often when the retention itself is short.
+        let retention_every = (self.settings.retention / 24).clamp(
+            Duration::from_millis(100),
+            Duration::from_secs(3600),
+        );
+        let mut retention = tokio::time::interval(retention_every);
+        retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.stopping.cancelled() => break,
+                _ = poll.tick() => self.sweep().await,
+                _ = self.poll_now.notified() => self.sweep().await,
+                _ = retention.tick() => {
+                    if let Err(e) = self.expire().await {
+                        tracing::warn!(error = %e, "removing expired owners failed");
+                    }
+                }
+            }
+        }
+        self.sweeps.close();
+        self.sweeps.wait().await;
+    }
+
+    /// Stops the background work; sweeps in flight are abandoned before they commit.
+    pub fn stop(&self) {
+        self.stopping.cancel();
+    }
+
+    /// Removes terminal owners older than the retention period.
+    pub async fn expire(&self) -> Result<u64, Error> {
+        let before = now_ms() - self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
+        let removed = self
+            .store
+            .write(move |conn| queries::delete_expired(conn, before).map_err(Error::from))
+            .await?;
+        if removed > 0 {
+            tracing::info!(removed, "removed owners past the retention period");
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,294 @@
+//! The `backup.*` / `restore.*` requests, one implementation parameterised by kind.
+//! Each checks the owner's phase inside the write transaction that changes it, so two
+//! racing requests cannot both act on the same phase.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opmon_client::{
+    AddOperationsParams, AddOperationsResult, DeleteResult, EndInProgressParams, ItemOperation,
+    ListParams, Operation, OperationsParams, Owner, OwnerKind, OwnerList, OwnerPhase,
+    StartParams, WaitParams, WaitResult,
+};
+use rusqlite::Connection;
+use tokio::sync::broadcast::error::RecvError;
+
+use super::poll::{apply_changes, record_post_items};
+use super::{now_ms, Core};
+use crate::error::Error;
+use crate::phase;
+use crate::store::queries::{self, OwnerRow, Targets};
+
+/// Default `wait` timeout, as ARCHITECTURE.md gives it.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+/// Default and largest `list` page.
+pub const DEFAULT_PAGE: u32 = 100;
+
+fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, Error> {
+    queries::owner_by_name(conn, kind, name)?
+        .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))
+}
+
+fn require_in_progress(row: &OwnerRow, verb: &str) -> Result<(), Error> {
+    if row.owner.phase == OwnerPhase::InProgress {
+        Ok(())
+    } else {
+        Err(Error::WrongPhase(format!(
+            "{} {} is {}; {verb} is allowed only while InProgress",
+            row.owner.kind, row.owner.name, row.owner.phase
+        )))
+    }
+}
+
+/// Reloads an owner after a change, with fresh counts.
+fn reload(conn: &Connection, id: i64) -> Result<Owner, Error> {
+    queries::owner_by_id(conn, id)?
+        .map(|row| row.owner)
+        .ok_or_else(|| Error::NotFound(format!("owner {id} vanished during the request")))
+}
+
+impl Core {
+    /// `start`: creates the owner in InProgress. The same name and uid again returns the
+    /// existing owner, so a backup server may retry safely.
+    pub async fn start(&self, kind: OwnerKind, p: StartParams) -> Result<Owner, Error> {
+        let timeout = p
+            .item_operation_timeout
+            .unwrap_or(self.settings.default_item_operation_timeout);
+        let finalize = match kind {
+            OwnerKind::Backup => true,
+            OwnerKind::Restore => p.finalize.unwrap_or(false),
+        };
+        let now = now_ms();
+        let owner = self
+            .store
+            .write(move |conn| {
+                if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
+                    return if row.owner.uid == p.uid {
+                        Ok(row.owner)
+                    } else {
+                        Err(Error::AlreadyExists(format!(
+                            "{kind} {} already exists with uid {}",
+                            p.name, row.owner.uid
+                        )))
+                    };
+                }
+                let id = queries::insert_owner(conn, kind, &p.name, &p.uid, timeout, finalize, now)?;
+                reload(conn, id)
+            })
+            .await?;
+        self.changes.notify(kind, &owner.name);
+        Ok(owner)
+    }
+
+    /// `addOperations`: only while InProgress; idempotent on (plugin, operationId).
+    pub async fn add_operations(
+        &self,
+        kind: OwnerKind,
+        p: AddOperationsParams,
+    ) -> Result<AddOperationsResult, Error> {
+        let now = now_ms();
+        let name = p.name.clone();
+        let (added, already_known) = self
+            .store
+            .write(move |conn| {
+                let row = require(conn, kind, &p.name)?;
+                require_in_progress(&row, "addOperations")?;
+                Ok::<_, Error>(queries::insert_operations(conn, row.id, &p.operations, now)?)
+            })
+            .await?;
+        if added > 0 {
+            self.changes.notify(kind, &name);
+        }
+        Ok(AddOperationsResult {
+            added,
+            already_known,
+        })
+    }
+
+    /// `endInProgress`: fails the owner outright, or polls every operation once right
+    /// then and settles the owner by the result.
+    pub async fn end_in_progress(
+        self: &Arc<Self>,
+        kind: OwnerKind,
+        p: EndInProgressParams,
+    ) -> Result<Owner, Error> {
+        if p.failed {
+            return self.fail(kind, p).await;
+        }
+        let name = p.name.clone();
+        let (row, targets) = self
+            .store
+            .read(move |conn| {
+                let row = require(conn, kind, &name)?;
+                require_in_progress(&row, "endInProgress")?;
+                let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
+                Ok::<_, Error>((row, targets))
+            })
+            .await?;
+        let changes = self.poll_once(targets).await;
+        let now = now_ms();
+        let owner = self
+            .store
+            .write(move |conn| {
+                let mut current = require(conn, kind, &p.name)?;
+                if current.id != row.id {
+                    return Err(Error::WrongPhase(format!(
+                        "{kind} {} was replaced during endInProgress",
+                        p.name
+                    )));
+                }
+                require_in_progress(&current, "endInProgress")?;
+                let newly_failed = apply_changes(conn, &changes)?
+                    .get(&current.id)
+                    .copied()
+                    .unwrap_or(0);
+                let unfinished = queries::unfinished_count(conn, current.id)?;
+                let o = &mut current.owner;
+                o.errors = p.errors.saturating_add(newly_failed);
+                o.warnings = p.warnings;
+                o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
+                record_post_items(conn, &mut current, unfinished)?;
+                queries::update_owner(conn, &current, now)?;
+                reload(conn, current.id)
+            })
+            .await?;
+        tracing::info!(%kind, owner = %owner.name, phase = %owner.phase, "left InProgress");
+        self.changes.notify(kind, &owner.name);
+        Ok(owner)
+    }
+
+    /// `endInProgress {failed: true}`: Failed at once, then Cancel on every unfinished
+    /// operation (which the agent stops monitoring).
+    async fn fail(&self, kind: OwnerKind, p: EndInProgressParams) -> Result<Owner, Error> {
+        let now = now_ms();
+        let (owner, targets) = self
+            .store
+            .write(move |conn| {
+                let mut row = require(conn, kind, &p.name)?;
+                require_in_progress(&row, "endInProgress")?;
+                let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
+                queries::fail_unfinished(conn, row.id, &format!("cancelled: the {kind} failed"), now)?;
+                row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, p.errors, 0);
+                row.owner.errors = p.errors;
+                row.owner.warnings = p.warnings;
+                queries::update_owner(conn, &row, now)?;
+                Ok::<_, Error>((reload(conn, row.id)?, targets))
+            })
+            .await?;
+        tracing::info!(%kind, owner = %owner.name, cancelling = targets.len(), "failed by the server");
+        self.changes.notify(kind, &owner.name);
+        self.cancel_all(&targets).await;
+        Ok(owner)
+    }
+
+    /// `get`.
+    pub async fn get(&self, kind: OwnerKind, name: String) -> Result<Owner, Error> {
+        self.store
+            .read(move |conn| require(conn, kind, &name).map(|row| row.owner))
+            .await
+    }
+
+    /// `list`: a page of owners by name, `next` set when more follow.
+    pub async fn list(&self, kind: OwnerKind, p: ListParams) -> Result<OwnerList, Error> {
+        let limit = p.limit.unwrap_or(DEFAULT_PAGE);
+        let mut rows = self
+            .store
+            .read(move |conn| {
+                queries::list_owners(conn, kind, p.phases.as_deref(), p.after.as_deref(), limit + 1)
+                    .map_err(Error::from)
+            })
+            .await?;
+        let more = rows.len() > limit as usize;
+        rows.truncate(limit as usize);
+        let next = if more {
+            rows.last().map(|r| r.owner.name.clone())
+        } else {
+            None
+        };
+        Ok(OwnerList {
+            items: rows.into_iter().map(|r| r.owner).collect(),
+            next,
+        })
+    }
+
+    /// `operations`.
+    pub async fn operations(
+        &self,
+        kind: OwnerKind,
+        p: OperationsParams,
+    ) -> Result<Vec<Operation>, Error> {
+        self.store
+            .read(move |conn| {
+                let row = require(conn, kind, &p.name)?;
+                Ok(queries::operations(conn, row.id, p.phases.as_deref())?)
+            })
+            .await
+    }
+
+    /// `itemOperations`: the records of `-itemoperations.json.gz`.
+    pub async fn item_operations(
+        &self,
+        kind: OwnerKind,
+        name: String,
+    ) -> Result<Vec<ItemOperation>, Error> {
+        self.store
+            .read(move |conn| {
+                let row = require(conn, kind, &name)?;
+                let ops = queries::operations(conn, row.id, None)?;
+                Ok(ops
+                    .iter()
+                    .map(|op| ItemOperation::from_operation(&row.owner, op))
+                    .collect())
+            })
+            .await
+    }
+
+    /// `wait`: until the owner reaches `until` or the timeout passes.
+    pub async fn wait(&self, kind: OwnerKind, p: WaitParams) -> Result<WaitResult, Error> {
+        // Subscribe before the first read, so no change can slip between them.
+        let mut changed = self.changes.subscribe(kind, &p.name);
+        let deadline = tokio::time::Instant::now() + p.timeout.map(|t| t.0).unwrap_or(DEFAULT_WAIT);
+        loop {
+            let owner = self.get(kind, p.name.clone()).await?;
+            if p.until.is_reached(owner.phase) {
+                return Ok(WaitResult {
+                    owner,
+                    timed_out: false,
+                });
+            }
+            match tokio::time::timeout_at(deadline, changed.recv()).await {
+                Err(_) => {
+                    return Ok(WaitResult {
+                        owner,
+                        timed_out: true,
+                    })
+                }
+                Ok(Ok(())) | Ok(Err(RecvError::Lagged(_))) => {}
+                Ok(Err(RecvError::Closed)) => changed = self.changes.subscribe(kind, &p.name),
+            }
+        }
+    }
+
+    /// `delete`: cancels the unfinished operations, then removes the owner.
+    pub async fn delete(&self, kind: OwnerKind, name: String) -> Result<DeleteResult, Error> {
+        let key = name.clone();
+        let targets = self
+            .store
+            .read(move |conn| {
+                let row = require(conn, kind, &key)?;
+                Ok::<_, Error>(queries::poll_targets(conn, Targets::Owner(row.id))?)
+            })
+            .await?;
+        let cancelled = self.cancel_all(&targets).await;
+        let key = name.clone();
+        self.store
+            .write(move |conn| {
+                let row = require(conn, kind, &key)?;
+                Ok::<_, Error>(queries::delete_owner(conn, row.id)?)
+            })
+            .await?;
+        tracing::info!(%kind, owner = %name, cancelled, "deleted");
+        self.changes.notify(kind, &name);
+        Ok(DeleteResult { cancelled })
+    }
+}

@@ -1,0 +1,286 @@
+//! Polling: asking snapshotters for progress, deciding with the phase machine, calling
+//! Cancel where a timeout passed, and committing the changes in batches.
+//!
+//! The periodic sweep polls each snapshotter's operations in a task of its own, and a
+//! snapshotter whose previous sweep is still running is skipped for that tick: a hung
+//! snapshotter delays only its own operations. Changes commit per chunk, with the
+//! owners they touch settled in the same transaction, so an owner's phase always
+//! agrees with its operations.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use futures::stream::{self, StreamExt};
+use opmon_client::{OperationPhase, OperationRef, OwnerPhase, OwnerRef};
+use rusqlite::Connection;
+
+use super::{now_ms, Core};
+use crate::error::Error;
+use crate::phase::{self, Observation, OperationState};
+use crate::remote::Remote;
+use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
+
+/// Operations polled and committed together in one sweep step; bounds the memory a
+/// sweep holds and the size of one transaction.
+const SWEEP_CHUNK: usize = 4096;
+/// Cancel calls in flight at once.
+const CANCEL_CONCURRENCY: usize = 16;
+
+/// A decided change to one operation, waiting to be committed.
+pub(super) struct Change {
+    pub target: PollTarget,
+    pub next: OperationState,
+}
+
+fn operation_ref(t: &PollTarget) -> OperationRef {
+    OperationRef {
+        plugin: t.plugin.clone(),
+        operation_id: t.operation_id.clone(),
+        owner: (*t.owner).clone(),
+    }
+}
+
+/// Groups targets by the plugin (and so the snapshotter) that owns them.
+fn by_plugin(targets: Vec<PollTarget>) -> BTreeMap<String, Vec<PollTarget>> {
+    let mut groups: BTreeMap<String, Vec<PollTarget>> = BTreeMap::new();
+    for t in targets {
+        groups.entry(t.plugin.name.clone()).or_default().push(t);
+    }
+    groups
+}
+
+/// Writes the changes of still-unfinished operations; returns, per owner row touched,
+/// how many of its operations newly failed.
+pub(super) fn apply_changes(
+    conn: &Connection,
+    changes: &[Change],
+) -> rusqlite::Result<HashMap<i64, u32>> {
+    let mut touched: HashMap<i64, u32> = HashMap::new();
+    for c in changes {
+        if queries::update_operation(conn, c.target.row, &c.next)? {
+            let failed = touched.entry(c.target.owner_row).or_default();
+            if c.next.phase == OperationPhase::Failed {
+                *failed += 1;
+            }
+        }
+    }
+    Ok(touched)
+}
+
+/// Fills in the post-operation items once nothing is unfinished.
+pub(super) fn record_post_items(
+    conn: &Connection,
+    row: &mut OwnerRow,
+    unfinished: u64,
+) -> rusqlite::Result<()> {
+    if unfinished == 0 && row.owner.post_operation_items.is_none() {
+        row.owner.post_operation_items = Some(queries::post_operation_items(conn, row.id)?);
+    }
+    Ok(())
+}
+
+/// Moves a waiting owner on after some of its operations changed.
+fn settle_waiting(
+    conn: &Connection,
+    owner_row: i64,
+    newly_failed: u32,
+    now: i64,
+) -> rusqlite::Result<()> {
+    let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
+        return Ok(()); // deleted meanwhile
+    };
+    if !row.owner.phase.is_waiting() {
+        return Ok(());
+    }
+    row.owner.errors = row.owner.errors.saturating_add(newly_failed);
+    let unfinished = queries::unfinished_count(conn, row.id)?;
+    row.owner.phase = phase::after_poll(row.owner.phase, row.owner.finalize, row.owner.errors, unfinished);
+    record_post_items(conn, &mut row, unfinished)?;
+    queries::update_owner(conn, &row, now)
+}
+
+impl Core {
+    /// Polls `targets` once and returns what changed. Cancel has been called (and has
+    /// answered or run out of time) for every change that needs it.
+    pub(super) async fn poll_once(&self, targets: Vec<PollTarget>) -> Vec<Change> {
+        let groups = by_plugin(targets);
+        let polls = groups
+            .into_iter()
+            .map(|(plugin, group)| async move { self.poll_group(&plugin, group).await });
+        futures::future::join_all(polls)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Polls the operations of one plugin.
+    async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<Change> {
+        let remote = self.remotes.get(plugin);
+        let observations: Vec<Observation> = match remote.as_deref() {
+            None => {
+                let e = format!("no snapshotter is registered for plugin {plugin}");
+                targets.iter().map(|_| Observation::Error(e.clone())).collect()
+            }
+            Some(Remote::V1) => targets.iter().map(|_| Observation::V1Adapter).collect(),
+            Some(remote) => {
+                let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
+                remote
+                    .progress(&refs)
+                    .await
+                    .into_iter()
+                    .map(|answer| match answer {
+                        Ok(p) => Observation::Progress(p),
+                        Err(e) => Observation::Error(e),
+                    })
+                    .collect()
+            }
+        };
+        let now = now_ms();
+        let mut changes = Vec::new();
+        let mut to_cancel = Vec::new();
+        for (target, observation) in targets.into_iter().zip(observations) {
+            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now) {
+                if d.cancel {
+                    to_cancel.push(target.clone());
+                }
+                changes.push(Change { target, next: d.next });
+            }
+        }
+        if !to_cancel.is_empty() {
+            self.cancel_all(&to_cancel).await;
+        }
+        changes
+    }
+
+    /// Calls Cancel for each target; failures are logged, as Cancel is best effort.
+    /// Returns how many Cancel calls were made.
+    pub(super) async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
+        stream::iter(targets.iter().cloned())
+            .map(|t| async move {
+                let op = operation_ref(&t);
+                match self.remotes.get(&t.plugin.name) {
+                    Some(remote) => {
+                        if let Err(e) = remote.cancel(&op).await {
+                            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                                error = %e, "cancel failed");
+                        }
+                    }
+                    None => tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                        plugin = %t.plugin.name, "cannot cancel: no snapshotter registered"),
+                }
+            })
+            .buffer_unordered(CANCEL_CONCURRENCY)
+            .count()
+            .await as u64
+    }
+
+    /// Commits polled changes and settles the waiting owners they touched.
+    async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
+        let mut owners: Vec<Arc<OwnerRef>> = changes.iter().map(|c| c.target.owner.clone()).collect();
+        owners.dedup();
+        let now = now_ms();
+        self.store
+            .write(move |conn| {
+                for (owner_row, failed) in apply_changes(conn, &changes)? {
+                    settle_waiting(conn, owner_row, failed, now)?;
+                }
+                Ok::<_, Error>(())
+            })
+            .await?;
+        for o in owners {
+            self.changes.notify(o.kind, &o.name);
+        }
+        Ok(())
+    }
+
+    /// One periodic pass: starts a sweep task for each snapshotter not still busy.
+    pub(super) async fn sweep(self: &Arc<Self>) {
+        let targets = match self
+            .store
+            .read(|conn| queries::poll_targets(conn, Targets::Waiting).map_err(Error::from))
+            .await
+        {
+            Ok(targets) => targets,
+            Err(e) => {
+                tracing::warn!(error = %e, "loading operations to poll failed");
+                return;
+            }
+        };
+        for (plugin, group) in by_plugin(targets) {
+            let idle = self
+                .sweeping
+                .lock()
+                .map(|mut busy| busy.insert(plugin.clone()))
+                .unwrap_or(false);
+            if !idle {
+                tracing::debug!(plugin, "previous sweep still running; skipped");
+                continue;
+            }
+            let core = self.clone();
+            self.sweeps.spawn(async move {
+                tokio::select! {
+                    _ = core.stopping.cancelled() => {}
+                    result = core.sweep_plugin(&plugin, group) => {
+                        if let Err(e) = result {
+                            tracing::warn!(plugin, error = %e, "committing poll results failed");
+                        }
+                    }
+                }
+                if let Ok(mut busy) = core.sweeping.lock() {
+                    busy.remove(&plugin);
+                }
+            });
+        }
+    }
+
+    async fn sweep_plugin(&self, plugin: &str, targets: Vec<PollTarget>) -> Result<(), Error> {
+        let mut targets = targets.into_iter().peekable();
+        while targets.peek().is_some() {
+            let chunk: Vec<PollTarget> = targets.by_ref().take(SWEEP_CHUNK).collect();
+            let changes = self.poll_group(plugin, chunk).await;
+            if !changes.is_empty() {
+                self.commit_sweep(changes).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The restart workflow: owners left InProgress fail (their server died mid-way)
+    /// and their unfinished operations are cancelled; waiting owners are polled at
+    /// once; finalizing owners keep waiting for `finalize`.
+    pub async fn recover(self: &Arc<Self>) -> Result<(), Error> {
+        let now = now_ms();
+        let (abandoned, failed_owners) = self
+            .store
+            .write(move |conn| {
+                let mut abandoned = Vec::new();
+                let mut owners = Vec::new();
+                for id in queries::owners_in_phases(conn, &[OwnerPhase::InProgress])? {
+                    let Some(mut row) = queries::owner_by_id(conn, id)? else { continue };
+                    abandoned.extend(queries::poll_targets(conn, Targets::Owner(id))?);
+                    let reason = format!(
+                        "cancelled: the agent restarted while the {} was InProgress",
+                        row.owner.kind
+                    );
+                    queries::fail_unfinished(conn, id, &reason, now)?;
+                    row.owner.phase = phase::after_restart(row.owner.phase);
+                    queries::update_owner(conn, &row, now)?;
+                    owners.push((row.owner.kind, row.owner.name));
+                }
+                Ok::<_, Error>((abandoned, owners))
+            })
+            .await?;
+        for (kind, name) in &failed_owners {
+            tracing::warn!(%kind, owner = %name, "InProgress at restart: now Failed");
+        }
+        if !abandoned.is_empty() {
+            let core = self.clone();
+            self.sweeps.spawn(async move {
+                core.cancel_all(&abandoned).await;
+            });
+        }
+        self.poll_now.notify_one();
+        Ok(())
+    }
+}

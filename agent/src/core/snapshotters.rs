@@ -1,0 +1,39 @@
+//! `snapshotter.*`: the registry of who owns which plugin's operations. The database
+//! is the record; the in-memory registry follows each commit.
+
+use opmon_client::Snapshotter;
+
+use super::Core;
+use crate::error::Error;
+use crate::store::queries;
+
+impl Core {
+    /// Registers or replaces a snapshotter (already validated).
+    pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
+        let stored = s.clone();
+        self.store
+            .write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
+            .await?;
+        self.remotes.insert(&s, &self.settings.calls);
+        tracing::info!(snapshotter = %s.name, "snapshotter registered");
+        Ok(s)
+    }
+
+    pub async fn snapshotters(&self) -> Result<Vec<Snapshotter>, Error> {
+        self.store
+            .read(|conn| queries::snapshotters(conn).map_err(Error::from))
+            .await
+    }
+
+    pub async fn unregister_snapshotter(&self, name: String) -> Result<Snapshotter, Error> {
+        let key = name.clone();
+        let removed = self
+            .store
+            .write(move |conn| queries::delete_snapshotter(conn, &key).map_err(Error::from))
+            .await?;
+        let removed =
+            removed.ok_or_else(|| Error::NotFound(format!("snapshotter {name} not found")))?;
+        self.remotes.remove(&name);
+        Ok(removed)
+    }
+}

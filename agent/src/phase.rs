@@ -1,0 +1,376 @@
+//! The phase machine: pure functions from facts to the next phase.
+//!
+//! Nothing here reads the clock, the database or a snapshotter; time comes in as
+//! milliseconds since the Unix epoch. Every rule of ARCHITECTURE.md's "Phases" section
+//! lives in this file and is tested here, row by row.
+
+use opmon_client::{OperationPhase, OperationProgress, OwnerPhase};
+
+/// The error an operation gets when its item operation timeout passes.
+pub const TIMED_OUT: &str = "Asynchronous action timed out";
+
+/// What the agent knows about one operation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OperationState {
+    pub phase: OperationPhase,
+    pub error: String,
+    pub n_completed: i64,
+    pub n_total: i64,
+    pub operation_units: String,
+    pub description: String,
+    pub created_ms: i64,
+    pub started_ms: Option<i64>,
+    pub updated_ms: Option<i64>,
+}
+
+/// What one poll learned about an operation.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Observation {
+    /// The snapshotter answered Progress.
+    Progress(OperationProgress),
+    /// Progress could not be had: the call failed, the snapshotter said 2001/2002, or no
+    /// snapshotter is registered for the plugin. The text becomes the operation's error.
+    Error(String),
+    /// The snapshotter speaks v1, which has no Progress: the operation is complete.
+    V1Adapter,
+}
+
+/// The outcome of a poll for one operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub next: OperationState,
+    /// Cancel must be called (and answered or timed out) before `next` is committed.
+    pub cancel: bool,
+}
+
+/// Applies `observation` to `current`. Returns `None` when nothing changed, so an
+/// unchanged operation costs no write. Order follows Velero's controller: a completed
+/// report wins; otherwise a passed timeout cancels and fails; otherwise the progress is
+/// recorded and a reported start moves New to InProgress.
+pub fn observe(
+    current: &OperationState,
+    observation: Observation,
+    timeout_ms: i64,
+    now_ms: i64,
+) -> Option<Decision> {
+    if !current.phase.is_unfinished() {
+        return None;
+    }
+    let mut next = current.clone();
+    let mut cancel = false;
+    match observation {
+        Observation::Error(message) => {
+            next.phase = OperationPhase::Failed;
+            next.error = message;
+            next.updated_ms = Some(now_ms);
+        }
+        Observation::V1Adapter => {
+            next.phase = OperationPhase::Completed;
+            next.updated_ms = Some(now_ms);
+        }
+        Observation::Progress(p) => {
+            next.n_completed = p.n_completed;
+            next.n_total = p.n_total;
+            next.operation_units = p.operation_units;
+            next.description = p.description;
+            let started = p.started.map(ms).filter(|&t| t > 0);
+            if started.is_some() {
+                next.started_ms = started;
+            }
+            if let Some(updated) = p.updated.map(ms).filter(|&t| t > 0) {
+                next.updated_ms = Some(updated);
+            }
+            if p.completed {
+                if p.err.is_empty() {
+                    next.phase = OperationPhase::Completed;
+                } else {
+                    next.phase = OperationPhase::Failed;
+                    next.error = p.err;
+                }
+            } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
+                cancel = true;
+                next.phase = OperationPhase::Failed;
+                next.error = TIMED_OUT.to_string();
+            } else if next.phase == OperationPhase::New && next.started_ms.is_some() {
+                next.phase = OperationPhase::InProgress;
+            }
+            if next != *current && next.updated_ms == current.updated_ms {
+                next.updated_ms = Some(now_ms);
+            }
+        }
+    }
+    (next != *current).then_some(Decision { next, cancel })
+}
+
+fn ms(t: time::OffsetDateTime) -> i64 {
+    (t.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+/// The phase an owner settles in once the InProgress work (or a poll) is done:
+/// waiting while operations are unfinished, else finalizing or terminal.
+fn settle(finalize: bool, has_errors: bool, unfinished: u64) -> OwnerPhase {
+    match (unfinished > 0, has_errors, finalize) {
+        (true, false, _) => OwnerPhase::WaitingForPluginOperations,
+        (true, true, _) => OwnerPhase::WaitingForPluginOperationsPartiallyFailed,
+        (false, false, true) => OwnerPhase::Finalizing,
+        (false, true, true) => OwnerPhase::FinalizingPartiallyFailed,
+        (false, false, false) => OwnerPhase::Completed,
+        (false, true, false) => OwnerPhase::PartiallyFailed,
+    }
+}
+
+/// `endInProgress`: `failed` goes to Failed; otherwise the owner settles given the
+/// errors so far (the server's plus failures found by the immediate poll) and the
+/// operations still unfinished after that poll. `finalize` is true for backups and for
+/// restores started with `finalize: true`.
+pub fn leave_in_progress(finalize: bool, failed: bool, errors: u32, unfinished: u64) -> OwnerPhase {
+    if failed {
+        OwnerPhase::Failed
+    } else {
+        settle(finalize, errors > 0, unfinished)
+    }
+}
+
+/// After a poll of a waiting owner. Once partially failed, an owner stays so.
+/// Owners in other phases are not moved by polls.
+pub fn after_poll(phase: OwnerPhase, finalize: bool, errors: u32, unfinished: u64) -> OwnerPhase {
+    if !phase.is_waiting() {
+        return phase;
+    }
+    let has_errors =
+        errors > 0 || phase == OwnerPhase::WaitingForPluginOperationsPartiallyFailed;
+    settle(finalize, has_errors, unfinished)
+}
+
+/// `finalize`: Finalizing → Completed, FinalizingPartiallyFailed → PartiallyFailed;
+/// `None` from any other phase.
+pub fn finalized(phase: OwnerPhase) -> Option<OwnerPhase> {
+    match phase {
+        OwnerPhase::Finalizing => Some(OwnerPhase::Completed),
+        OwnerPhase::FinalizingPartiallyFailed => Some(OwnerPhase::PartiallyFailed),
+        _ => None,
+    }
+}
+
+/// On agent start: owners left InProgress failed with their backup server.
+pub fn after_restart(phase: OwnerPhase) -> OwnerPhase {
+    if phase == OwnerPhase::InProgress {
+        OwnerPhase::Failed
+    } else {
+        phase
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opmon_client::OwnerPhase::*;
+    use time::OffsetDateTime;
+
+    const HOUR: i64 = 3_600_000;
+
+    fn new_op(created_ms: i64) -> OperationState {
+        OperationState {
+            created_ms,
+            ..Default::default()
+        }
+    }
+
+    fn at(ms: i64) -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000).unwrap()
+    }
+
+    fn progress(completed: bool, err: &str) -> OperationProgress {
+        OperationProgress {
+            completed,
+            err: err.into(),
+            n_completed: 5,
+            n_total: 10,
+            operation_units: "byte".into(),
+            ..Default::default()
+        }
+    }
+
+    // The table of ARCHITECTURE.md "Phases", leaving InProgress, one test per row.
+
+    #[test]
+    fn unfinished_ops_without_errors_wait() {
+        assert_eq!(leave_in_progress(true, false, 0, 3), WaitingForPluginOperations);
+        assert_eq!(leave_in_progress(false, false, 0, 3), WaitingForPluginOperations);
+    }
+
+    #[test]
+    fn errors_from_in_progress_are_carried_into_waiting_partially_failed() {
+        assert_eq!(
+            leave_in_progress(true, false, 2, 1),
+            WaitingForPluginOperationsPartiallyFailed
+        );
+        assert_eq!(
+            leave_in_progress(false, false, 2, 1),
+            WaitingForPluginOperationsPartiallyFailed
+        );
+    }
+
+    #[test]
+    fn completed_ops_take_a_backup_to_finalizing() {
+        assert_eq!(leave_in_progress(true, false, 0, 0), Finalizing);
+    }
+
+    #[test]
+    fn finished_with_errors_takes_a_backup_to_finalizing_partially_failed() {
+        assert_eq!(leave_in_progress(true, false, 1, 0), FinalizingPartiallyFailed);
+    }
+
+    #[test]
+    fn restores_go_straight_to_completed_or_partially_failed() {
+        assert_eq!(leave_in_progress(false, false, 0, 0), Completed);
+        assert_eq!(leave_in_progress(false, false, 1, 0), PartiallyFailed);
+    }
+
+    #[test]
+    fn failed_true_goes_to_failed_whatever_else() {
+        assert_eq!(leave_in_progress(true, true, 0, 5), Failed);
+        assert_eq!(leave_in_progress(false, true, 3, 0), Failed);
+    }
+
+    // While waiting.
+
+    #[test]
+    fn an_error_while_waiting_moves_to_waiting_partially_failed() {
+        assert_eq!(
+            after_poll(WaitingForPluginOperations, true, 1, 2),
+            WaitingForPluginOperationsPartiallyFailed
+        );
+    }
+
+    #[test]
+    fn waiting_partially_failed_stays_partially_failed_when_done() {
+        assert_eq!(
+            after_poll(WaitingForPluginOperationsPartiallyFailed, true, 0, 0),
+            FinalizingPartiallyFailed
+        );
+        assert_eq!(
+            after_poll(WaitingForPluginOperationsPartiallyFailed, false, 0, 0),
+            PartiallyFailed
+        );
+    }
+
+    #[test]
+    fn waiting_owner_with_nothing_unfinished_moves_on() {
+        assert_eq!(after_poll(WaitingForPluginOperations, true, 0, 0), Finalizing);
+        assert_eq!(after_poll(WaitingForPluginOperations, false, 0, 0), Completed);
+        assert_eq!(
+            after_poll(WaitingForPluginOperations, true, 0, 1),
+            WaitingForPluginOperations
+        );
+    }
+
+    #[test]
+    fn polls_do_not_move_owners_outside_waiting() {
+        for phase in [InProgress, Finalizing, Completed, Failed] {
+            assert_eq!(after_poll(phase, true, 3, 0), phase);
+        }
+    }
+
+    #[test]
+    fn finalize_moves_finalizing_phases_to_terminal_ones() {
+        assert_eq!(finalized(Finalizing), Some(Completed));
+        assert_eq!(finalized(FinalizingPartiallyFailed), Some(PartiallyFailed));
+        assert_eq!(finalized(WaitingForPluginOperations), None);
+        assert_eq!(finalized(Completed), None);
+    }
+
+    #[test]
+    fn restart_fails_in_progress_owners_and_keeps_the_rest() {
+        assert_eq!(after_restart(InProgress), Failed);
+        assert_eq!(after_restart(WaitingForPluginOperations), WaitingForPluginOperations);
+        assert_eq!(after_restart(Finalizing), Finalizing);
+    }
+
+    // Operations.
+
+    #[test]
+    fn new_moves_to_in_progress_once_started_is_reported() {
+        let op = new_op(0);
+        let mut p = progress(false, "");
+        let d = observe(&op, Observation::Progress(p.clone()), 4 * HOUR, 1000).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New, "no start reported yet");
+        p.started = Some(at(500));
+        let d = observe(&d.next, Observation::Progress(p), 4 * HOUR, 2000).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::InProgress);
+        assert_eq!(d.next.started_ms, Some(500));
+        assert!(!d.cancel);
+    }
+
+    #[test]
+    fn epoch_start_means_unknown_and_keeps_new() {
+        let mut p = progress(false, "");
+        p.started = Some(at(0));
+        let d = observe(&new_op(0), Observation::Progress(p), HOUR, 10).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New);
+        assert_eq!(d.next.started_ms, None);
+    }
+
+    #[test]
+    fn completed_progress_completes_and_completed_with_err_fails() {
+        let d = observe(&new_op(0), Observation::Progress(progress(true, "")), HOUR, 1).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Completed);
+        let d = observe(&new_op(0), Observation::Progress(progress(true, "disk gone")), HOUR, 1)
+            .unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(d.next.error, "disk gone");
+    }
+
+    #[test]
+    fn timed_out_operation_is_cancelled_then_failed() {
+        let d = observe(
+            &new_op(0),
+            Observation::Progress(progress(false, "")),
+            HOUR,
+            HOUR + 1,
+        )
+        .unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(d.next.error, TIMED_OUT);
+    }
+
+    #[test]
+    fn completion_reported_after_the_timeout_still_completes() {
+        let d = observe(&new_op(0), Observation::Progress(progress(true, "")), HOUR, 2 * HOUR)
+            .unwrap();
+        assert!(!d.cancel);
+        assert_eq!(d.next.phase, OperationPhase::Completed);
+    }
+
+    #[test]
+    fn progress_errors_fail_the_operation_with_their_message() {
+        let d = observe(&new_op(0), Observation::Error("no snapshotter".into()), HOUR, 5).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(d.next.error, "no snapshotter");
+        assert!(!d.cancel);
+    }
+
+    #[test]
+    fn v1_adapter_completes_at_first_poll() {
+        let d = observe(&new_op(0), Observation::V1Adapter, HOUR, 5).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Completed);
+    }
+
+    #[test]
+    fn unchanged_progress_needs_no_write() {
+        let d = observe(&new_op(0), Observation::Progress(progress(false, "")), HOUR, 5).unwrap();
+        assert_eq!(d.next.updated_ms, Some(5));
+        assert_eq!(
+            observe(&d.next, Observation::Progress(progress(false, "")), HOUR, 9),
+            None
+        );
+    }
+
+    #[test]
+    fn finished_operations_are_never_changed() {
+        let mut done = new_op(0);
+        done.phase = OperationPhase::Completed;
+        assert_eq!(observe(&done, Observation::Error("late".into()), HOUR, 5), None);
+    }
+}

@@ -1,0 +1,229 @@
+//! Durable state: one SQLite file in WAL mode with `synchronous=FULL`.
+//!
+//! Writes go through the group-commit [`writer`]; reads use a small pool of their own
+//! connections and, thanks to WAL, never wait for the writer. The database file is
+//! created 0600 and guarded by an exclusive lock on `<db>.lock`, which also records
+//! the holder's pid so a second agent can say who has it.
+
+pub mod queries;
+pub mod schema;
+pub mod writer;
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use nix::fcntl::{Flock, FlockArg};
+use rusqlite::{Connection, ErrorCode, OpenFlags};
+
+use self::writer::Writer;
+
+/// A storage failure, described for an operator: what failed and why.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct StoreError {
+    pub message: String,
+    pub disk_full: bool,
+}
+
+impl StoreError {
+    fn closed() -> Self {
+        StoreError {
+            message: "the agent is shutting down; the database is closed".into(),
+            disk_full: false,
+        }
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        let disk_full = matches!(e.sqlite_error_code(), Some(ErrorCode::DiskFull));
+        let message = if disk_full {
+            format!("the disk holding the database is full ({e})")
+        } else {
+            format!("database error: {e}")
+        };
+        StoreError { message, disk_full }
+    }
+}
+
+/// Why the store could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("database {db} is in use by another opmon-agent (pid {pid})")]
+    Locked { db: PathBuf, pid: String },
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("opening database {db}: {source}")]
+    Sqlite { db: PathBuf, source: rusqlite::Error },
+    #[error("database {db}: {source}")]
+    Migrate {
+        db: PathBuf,
+        source: schema::MigrateError,
+    },
+}
+
+/// The open database.
+pub struct Store {
+    path: PathBuf,
+    writer: Writer,
+    readers: Mutex<Vec<Connection>>,
+    _lock: Flock<File>,
+}
+
+/// Connection settings every connection shares. `busy_timeout` covers the moments a
+/// checkpoint holds the file briefly.
+fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "PRAGMA foreign_keys = ON;
+         PRAGMA synchronous = FULL;
+         PRAGMA busy_timeout = 10000;",
+    )
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path`, takes its lock, migrates it,
+    /// and starts the writer. `on_commit` is told the size of every committed group.
+    pub fn open(path: &Path, on_commit: impl Fn(usize) + Send + 'static) -> Result<Store, OpenError> {
+        let lock = lock(path)?;
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|source| OpenError::Io {
+                what: "creating database",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let sqlite = |source| OpenError::Sqlite {
+            db: path.to_path_buf(),
+            source,
+        };
+        let mut conn = Connection::open(path).map_err(sqlite)?;
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+            .map_err(sqlite)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(OpenError::Io {
+                what: "enabling WAL on",
+                path: path.to_path_buf(),
+                source: std::io::Error::other(format!("journal mode stayed {mode}")),
+            });
+        }
+        configure(&conn).map_err(sqlite)?;
+        schema::migrate(&mut conn).map_err(|source| OpenError::Migrate {
+            db: path.to_path_buf(),
+            source,
+        })?;
+        Ok(Store {
+            path: path.to_path_buf(),
+            writer: Writer::start(conn, on_commit),
+            readers: Mutex::new(Vec::new()),
+            _lock: lock,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `work` in the group transaction; see [`Writer::write`].
+    pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+    {
+        self.writer.write(work).await
+    }
+
+    /// Runs `work` on a read connection, on the blocking pool. Sees the last commit.
+    pub async fn read<T, E, F>(self: &std::sync::Arc<Self>, work: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+    {
+        let store = self.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            let conn = store.take_reader()?;
+            let result = work(&conn);
+            if let Ok(mut pool) = store.readers.lock() {
+                pool.push(conn);
+            }
+            result
+        })
+        .await;
+        joined.unwrap_or_else(|e| {
+            Err(E::from(StoreError {
+                message: format!("a database read failed: {e}"),
+                disk_full: false,
+            }))
+        })
+    }
+
+    fn take_reader(&self) -> Result<Connection, StoreError> {
+        if let Some(conn) = self.readers.lock().ok().and_then(|mut p| p.pop()) {
+            return Ok(conn);
+        }
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        configure(&conn)?;
+        conn.execute_batch("PRAGMA query_only = ON")?;
+        Ok(conn)
+    }
+
+    /// Lets queued writes commit, then closes every connection (the last one to close
+    /// checkpoints the WAL into the database file).
+    pub fn close(&self) {
+        if let Ok(mut pool) = self.readers.lock() {
+            pool.clear();
+        }
+        self.writer.close();
+    }
+}
+
+/// Takes the exclusive lock on `<db>.lock` and writes our pid into it.
+fn lock(db: &Path) -> Result<Flock<File>, OpenError> {
+    let mut lock_path = db.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let io = |what| {
+        let path = lock_path.clone();
+        move |source| OpenError::Io { what, path, source }
+    };
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .open(&lock_path)
+        .map_err(io("opening lock file"))?;
+    let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(locked) => locked,
+        Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            let pid = pid.trim();
+            return Err(OpenError::Locked {
+                db: db.to_path_buf(),
+                pid: if pid.is_empty() { "unknown".into() } else { pid.into() },
+            });
+        }
+        Err((_, errno)) => return Err(io("locking")(std::io::Error::from(errno))),
+    };
+    locked.set_len(0).map_err(io("writing pid to"))?;
+    locked.rewind().map_err(io("writing pid to"))?;
+    writeln!(locked, "{}", std::process::id()).map_err(io("writing pid to"))?;
+    Ok(locked)
+}

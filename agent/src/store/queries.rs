@@ -1,0 +1,558 @@
+//! The SQL the agent runs, one function per question or change. Each takes a plain
+//! `&Connection`, so the same function serves a read connection and a write job.
+//! Times are stored as Unix milliseconds; JSON columns hold resource lists.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use opmon_client::{
+    ApiVersion, GoDuration, NewOperation, Operation, OperationPhase, OwnerKind, OwnerPhase,
+    OwnerRef, PluginKind, PluginRef, ResourceIdentifier, Snapshotter,
+};
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use time::OffsetDateTime;
+
+use crate::phase::OperationState;
+
+/// Converts stored milliseconds to a timestamp; stored values are always in range.
+pub fn time_of(ms: i64) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+}
+
+/// Milliseconds since the Unix epoch of `t`.
+pub fn ms_of(t: OffsetDateTime) -> i64 {
+    (t.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+fn parse_column<T: std::str::FromStr<Err = String>>(
+    row: &Row<'_>,
+    index: usize,
+) -> rusqlite::Result<T> {
+    let text: String = row.get(index)?;
+    text.parse().map_err(|e: String| {
+        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
+    })
+}
+
+fn json_column<T: serde::de::DeserializeOwned>(row: &Row<'_>, index: usize) -> rusqlite::Result<T> {
+    let text: String = row.get(index)?;
+    serde_json::from_str(&text).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
+    })
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> String {
+    // Serializing plain data structs to a string cannot fail.
+    serde_json::to_string(value).unwrap_or_else(|_| "[]".into())
+}
+
+/// An owner with its row id.
+#[derive(Clone, Debug)]
+pub struct OwnerRow {
+    pub id: i64,
+    pub owner: opmon_client::Owner,
+}
+
+const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
+     errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms";
+
+fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
+    let post: Option<String> = row.get(9)?;
+    let post_operation_items = match post {
+        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(9, rusqlite::types::Type::Text, e.into())
+        })?),
+        None => None,
+    };
+    Ok(OwnerRow {
+        id: row.get(0)?,
+        owner: opmon_client::Owner {
+            kind: parse_column(row, 1)?,
+            name: row.get(2)?,
+            uid: row.get(3)?,
+            phase: parse_column(row, 4)?,
+            item_operation_timeout: GoDuration::from_millis(row.get::<_, i64>(5)?.max(0) as u64),
+            finalize: row.get(6)?,
+            errors: row.get(7)?,
+            warnings: row.get(8)?,
+            operations_attempted: 0,
+            operations_completed: 0,
+            operations_failed: 0,
+            post_operation_items,
+            created: time_of(row.get(10)?),
+            updated: time_of(row.get(11)?),
+            completed: row.get::<_, Option<i64>>(12)?.map(time_of),
+        },
+    })
+}
+
+/// Fills the operation counts of `row` from its operations.
+fn fill_counts(conn: &Connection, row: &mut OwnerRow) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT phase, COUNT(*) FROM operations WHERE owner_id = ?1 GROUP BY phase",
+    )?;
+    let mut rows = stmt.query([row.id])?;
+    let owner = &mut row.owner;
+    owner.operations_attempted = 0;
+    owner.operations_completed = 0;
+    owner.operations_failed = 0;
+    while let Some(r) = rows.next()? {
+        let phase: OperationPhase = parse_column(r, 0)?;
+        let count = r.get::<_, i64>(1)? as u64;
+        owner.operations_attempted += count;
+        match phase {
+            OperationPhase::Completed => owner.operations_completed += count,
+            OperationPhase::Failed => owner.operations_failed += count,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The owner `kind`/`name`, with its counts.
+pub fn owner_by_name(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+) -> rusqlite::Result<Option<OwnerRow>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2"
+    ))?;
+    let found = stmt
+        .query_row(params![kind.as_str(), name], owner_from_row)
+        .optional()?;
+    found
+        .map(|mut row| fill_counts(conn, &mut row).map(|_| row))
+        .transpose()
+}
+
+/// The owner with row id `id`, with its counts.
+pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerRow>> {
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {OWNER_COLUMNS} FROM owners WHERE id = ?1"))?;
+    let found = stmt.query_row([id], owner_from_row).optional()?;
+    found
+        .map(|mut row| fill_counts(conn, &mut row).map(|_| row))
+        .transpose()
+}
+
+/// Creates an owner in InProgress; returns its row id.
+pub fn insert_owner(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+    uid: &str,
+    timeout: GoDuration,
+    finalize: bool,
+    now_ms: i64,
+) -> rusqlite::Result<i64> {
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
+         created_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+    )?;
+    stmt.execute(params![
+        kind.as_str(),
+        name,
+        uid,
+        OwnerPhase::InProgress.as_str(),
+        timeout.0.as_millis().min(i64::MAX as u128) as i64,
+        finalize,
+        now_ms
+    ])?;
+    Ok(conn.last_insert_rowid())
+}
+
+/// One page of owners of `kind`, by name, optionally filtered by phase.
+pub fn list_owners(
+    conn: &Connection,
+    kind: OwnerKind,
+    phases: Option<&[OwnerPhase]>,
+    after: Option<&str>,
+    limit: u32,
+) -> rusqlite::Result<Vec<OwnerRow>> {
+    let phase_filter = match phases {
+        Some(list) => {
+            let names: Vec<String> = list.iter().map(|p| format!("'{}'", p.as_str())).collect();
+            format!("AND phase IN ({})", names.join(", "))
+        }
+        None => String::new(),
+    };
+    let sql = format!(
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name > ?2 {phase_filter} \
+         ORDER BY name LIMIT ?3"
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(
+        params![kind.as_str(), after.unwrap_or(""), limit],
+        owner_from_row,
+    )?;
+    let mut owners = rows.collect::<rusqlite::Result<Vec<_>>>()?;
+    for row in &mut owners {
+        fill_counts(conn, row)?;
+    }
+    Ok(owners)
+}
+
+/// Writes an owner's mutable fields.
+pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite::Result<()> {
+    let o = &row.owner;
+    let mut stmt = conn.prepare_cached(
+        "UPDATE owners SET phase = ?2, errors = ?3, warnings = ?4, post_operation_items = ?5, \
+         updated_ms = ?6, completed_ms = ?7 WHERE id = ?1",
+    )?;
+    let completed = if o.phase.is_terminal() {
+        Some(o.completed.map(ms_of).unwrap_or(now_ms))
+    } else {
+        None
+    };
+    stmt.execute(params![
+        row.id,
+        o.phase.as_str(),
+        o.errors,
+        o.warnings,
+        o.post_operation_items.as_ref().map(to_json),
+        now_ms,
+        completed
+    ])?;
+    Ok(())
+}
+
+/// Removes an owner and (by cascade) its operations.
+pub fn delete_owner(conn: &Connection, id: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached("DELETE FROM owners WHERE id = ?1")?
+        .execute([id])?;
+    Ok(())
+}
+
+/// Adds operations, ignoring ones already known by (plugin, operationId).
+/// Returns (added, already known).
+pub fn insert_operations(
+    conn: &Connection,
+    owner_id: i64,
+    operations: &[NewOperation],
+    now_ms: i64,
+) -> rusqlite::Result<(u64, u64)> {
+    let mut stmt = conn.prepare_cached(
+        "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group, \
+         res_resource, res_namespace, res_name, operation_id, post_operation_items, created_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )?;
+    let mut added = 0;
+    for op in operations {
+        let r = &op.resource;
+        added += stmt.execute(params![
+            owner_id,
+            op.plugin.kind.as_str(),
+            op.plugin.name,
+            r.group,
+            r.resource,
+            r.namespace,
+            r.name,
+            op.operation_id,
+            to_json(&op.post_operation_items),
+            now_ms
+        ])? as u64;
+    }
+    Ok((added, operations.len() as u64 - added))
+}
+
+const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
+     res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
+     n_total, operation_units, description, created_ms, started_ms, updated_ms";
+
+fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
+    Ok(Operation {
+        plugin: PluginRef {
+            kind: parse_column(row, 0)?,
+            name: row.get(1)?,
+        },
+        resource: ResourceIdentifier {
+            group: row.get(2)?,
+            resource: row.get(3)?,
+            namespace: row.get(4)?,
+            name: row.get(5)?,
+        },
+        operation_id: row.get(6)?,
+        post_operation_items: json_column(row, 7)?,
+        phase: parse_column(row, 8)?,
+        error: row.get(9)?,
+        n_completed: row.get(10)?,
+        n_total: row.get(11)?,
+        operation_units: row.get(12)?,
+        description: row.get(13)?,
+        created: time_of(row.get(14)?),
+        started: row.get::<_, Option<i64>>(15)?.map(time_of),
+        updated: row.get::<_, Option<i64>>(16)?.map(time_of),
+    })
+}
+
+fn phase_list<T: Copy>(phases: &[T], name: impl Fn(T) -> &'static str) -> String {
+    let quoted: Vec<String> = phases.iter().map(|p| format!("'{}'", name(*p))).collect();
+    quoted.join(", ")
+}
+
+/// The operations of an owner in the order they were added, optionally by phase.
+pub fn operations(
+    conn: &Connection,
+    owner_id: i64,
+    phases: Option<&[OperationPhase]>,
+) -> rusqlite::Result<Vec<Operation>> {
+    let filter = phases
+        .map(|p| format!("AND phase IN ({})", phase_list(p, OperationPhase::as_str)))
+        .unwrap_or_default();
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {OPERATION_COLUMNS} FROM operations WHERE owner_id = ?1 {filter} ORDER BY id"
+    ))?;
+    let rows = stmt.query_map([owner_id], operation_from_row)?;
+    rows.collect()
+}
+
+/// How many of the owner's operations are New or InProgress.
+pub fn unfinished_count(conn: &Connection, owner_id: i64) -> rusqlite::Result<u64> {
+    conn.prepare_cached(
+        "SELECT COUNT(*) FROM operations WHERE owner_id = ?1 AND phase IN ('New', 'InProgress')",
+    )?
+    .query_row([owner_id], |r| r.get::<_, i64>(0).map(|n| n as u64))
+}
+
+/// The union of the owner's post-operation items, sorted and without duplicates.
+pub fn post_operation_items(
+    conn: &Connection,
+    owner_id: i64,
+) -> rusqlite::Result<Vec<ResourceIdentifier>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT post_operation_items FROM operations WHERE owner_id = ?1 \
+         AND post_operation_items != '[]'",
+    )?;
+    let mut rows = stmt.query([owner_id])?;
+    let mut union = std::collections::BTreeSet::new();
+    while let Some(row) = rows.next()? {
+        let items: Vec<ResourceIdentifier> = json_column(row, 0)?;
+        union.extend(items);
+    }
+    Ok(union.into_iter().collect())
+}
+
+/// One unfinished operation, with what a poll of it needs to know.
+#[derive(Clone, Debug)]
+pub struct PollTarget {
+    pub row: i64,
+    pub owner_row: i64,
+    pub owner: Arc<OwnerRef>,
+    pub timeout_ms: i64,
+    pub plugin: PluginRef,
+    pub operation_id: String,
+    pub state: OperationState,
+}
+
+/// Which unfinished operations to load.
+#[derive(Clone, Copy, Debug)]
+pub enum Targets {
+    /// Those of every owner in a Waiting phase (the periodic sweep).
+    Waiting,
+    /// Those of one owner, whatever its phase.
+    Owner(i64),
+}
+
+/// The unfinished operations selected by `which`.
+pub fn poll_targets(conn: &Connection, which: Targets) -> rusqlite::Result<Vec<PollTarget>> {
+    let (owner_filter, arg) = match which {
+        Targets::Waiting => (
+            "w.phase IN ('WaitingForPluginOperations', \
+             'WaitingForPluginOperationsPartiallyFailed') AND ?1 = ?1",
+            0,
+        ),
+        Targets::Owner(id) => ("w.id = ?1", id),
+    };
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
+         o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
+         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms \
+         FROM owners w JOIN operations o ON o.owner_id = w.id \
+         WHERE {owner_filter} AND o.phase IN ('New', 'InProgress') ORDER BY o.owner_id, o.id"
+    ))?;
+    let mut rows = stmt.query([arg])?;
+    let mut targets = Vec::new();
+    let mut last_owner: Option<Arc<OwnerRef>> = None;
+    while let Some(row) = rows.next()? {
+        let owner_row: i64 = row.get(1)?;
+        let kind: OwnerKind = parse_column(row, 2)?;
+        let name: String = row.get(3)?;
+        let owner = match &last_owner {
+            Some(o) if o.kind == kind && o.name == name => o.clone(),
+            _ => {
+                let o = Arc::new(OwnerRef {
+                    kind,
+                    name,
+                    uid: row.get(4)?,
+                });
+                last_owner = Some(o.clone());
+                o
+            }
+        };
+        targets.push(PollTarget {
+            row: row.get(0)?,
+            owner_row,
+            owner,
+            timeout_ms: row.get(5)?,
+            plugin: PluginRef {
+                kind: parse_column::<PluginKind>(row, 6)?,
+                name: row.get(7)?,
+            },
+            operation_id: row.get(8)?,
+            state: OperationState {
+                phase: parse_column(row, 9)?,
+                error: row.get(10)?,
+                n_completed: row.get(11)?,
+                n_total: row.get(12)?,
+                operation_units: row.get(13)?,
+                description: row.get(14)?,
+                created_ms: row.get(15)?,
+                started_ms: row.get(16)?,
+                updated_ms: row.get(17)?,
+            },
+        });
+    }
+    Ok(targets)
+}
+
+/// Writes a polled operation's new state, only if it is still unfinished (a concurrent
+/// delete or failure wins). Returns whether the row changed.
+pub fn update_operation(conn: &Connection, row: i64, s: &OperationState) -> rusqlite::Result<bool> {
+    let mut stmt = conn.prepare_cached(
+        "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
+         operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
+         WHERE id = ?1 AND phase IN ('New', 'InProgress')",
+    )?;
+    let changed = stmt.execute(params![
+        row,
+        s.phase.as_str(),
+        s.error,
+        s.n_completed,
+        s.n_total,
+        s.operation_units,
+        s.description,
+        s.started_ms,
+        s.updated_ms
+    ])?;
+    Ok(changed > 0)
+}
+
+/// Fails every unfinished operation of an owner with `error`; returns how many.
+pub fn fail_unfinished(
+    conn: &Connection,
+    owner_id: i64,
+    error: &str,
+    now_ms: i64,
+) -> rusqlite::Result<u64> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE operations SET phase = 'Failed', error = ?2, updated_ms = ?3 \
+             WHERE owner_id = ?1 AND phase IN ('New', 'InProgress')",
+        )?
+        .execute(params![owner_id, error, now_ms])?;
+    Ok(changed as u64)
+}
+
+/// Owner ids whose phase is one of `phases`.
+pub fn owners_in_phases(conn: &Connection, phases: &[OwnerPhase]) -> rusqlite::Result<Vec<i64>> {
+    let mut stmt = conn.prepare(&format!(
+        "SELECT id FROM owners WHERE phase IN ({}) ORDER BY id",
+        phase_list(phases, OwnerPhase::as_str)
+    ))?;
+    let rows = stmt.query_map([], |r| r.get(0))?;
+    rows.collect()
+}
+
+/// Deletes terminal owners completed before `before_ms`; returns how many.
+pub fn delete_expired(conn: &Connection, before_ms: i64) -> rusqlite::Result<u64> {
+    let terminal = phase_list(
+        &[
+            OwnerPhase::Completed,
+            OwnerPhase::PartiallyFailed,
+            OwnerPhase::Failed,
+            OwnerPhase::FailedValidation,
+        ],
+        OwnerPhase::as_str,
+    );
+    let n = conn.execute(
+        &format!(
+            "DELETE FROM owners WHERE phase IN ({terminal}) AND completed_ms IS NOT NULL \
+             AND completed_ms < ?1"
+        ),
+        [before_ms],
+    )?;
+    Ok(n as u64)
+}
+
+/// Owners counted by phase.
+pub fn owner_counts(conn: &Connection) -> rusqlite::Result<BTreeMap<OwnerPhase, u64>> {
+    let mut stmt = conn.prepare_cached("SELECT phase, COUNT(*) FROM owners GROUP BY phase")?;
+    let mut rows = stmt.query([])?;
+    let mut counts = BTreeMap::new();
+    while let Some(row) = rows.next()? {
+        counts.insert(parse_column(row, 0)?, row.get::<_, i64>(1)? as u64);
+    }
+    Ok(counts)
+}
+
+/// Unfinished operations across all owners.
+pub fn unfinished_total(conn: &Connection) -> rusqlite::Result<u64> {
+    conn.prepare_cached("SELECT COUNT(*) FROM operations WHERE phase IN ('New', 'InProgress')")?
+        .query_row([], |r| r.get::<_, i64>(0).map(|n| n as u64))
+}
+
+fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
+    let api_version: ApiVersion = parse_column(row, 1)?;
+    let command: Option<String> = row.get(3)?;
+    Ok(Snapshotter {
+        name: row.get(0)?,
+        api_version,
+        socket: row.get::<_, Option<String>>(2)?.map(Into::into),
+        command: match command {
+            Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, e.into())
+            })?),
+            None => None,
+        },
+    })
+}
+
+/// Registers (or replaces) a snapshotter.
+pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO snapshotters (name, api_version, socket, command) VALUES (?1, ?2, ?3, ?4) \
+         ON CONFLICT (name) DO UPDATE SET api_version = excluded.api_version, \
+         socket = excluded.socket, command = excluded.command",
+    )?
+    .execute(params![
+        s.name,
+        s.api_version.as_str(),
+        s.socket.as_ref().map(|p| p.to_string_lossy().into_owned()),
+        s.command.as_ref().map(to_json)
+    ])?;
+    Ok(())
+}
+
+/// All snapshotters, by name.
+pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT name, api_version, socket, command FROM snapshotters ORDER BY name",
+    )?;
+    let rows = stmt.query_map([], snapshotter_from_row)?;
+    rows.collect()
+}
+
+/// Removes a snapshotter; returns it if it existed.
+pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Option<Snapshotter>> {
+    let found = conn
+        .prepare_cached("SELECT name, api_version, socket, command FROM snapshotters WHERE name = ?1")?
+        .query_row([name], snapshotter_from_row)
+        .optional()?;
+    if found.is_some() {
+        conn.prepare_cached("DELETE FROM snapshotters WHERE name = ?1")?
+            .execute([name])?;
+    }
+    Ok(found)
+}

@@ -1,0 +1,110 @@
+//! The database schema and its forward migrations.
+//!
+//! `PRAGMA user_version` is the number of migrations applied. Opening a database runs
+//! the missing ones in order inside one transaction, so a crash mid-upgrade leaves the
+//! old version intact. A database newer than this agent is refused rather than guessed
+//! at. Migrations are append-only: a released step is never edited.
+
+use rusqlite::Connection;
+
+/// Each entry moves the schema from version `index` to `index + 1`.
+pub const MIGRATIONS: &[&str] = &[
+    // 1: owners and their operations.
+    "CREATE TABLE owners (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL CHECK (kind IN ('backup', 'restore')),
+        name TEXT NOT NULL,
+        uid TEXT NOT NULL,
+        phase TEXT NOT NULL,
+        item_operation_timeout_ms INTEGER NOT NULL,
+        errors INTEGER NOT NULL DEFAULT 0,
+        warnings INTEGER NOT NULL DEFAULT 0,
+        post_operation_items TEXT,
+        created_ms INTEGER NOT NULL,
+        updated_ms INTEGER NOT NULL,
+        completed_ms INTEGER,
+        UNIQUE (kind, name)
+    );
+    CREATE INDEX owners_by_phase ON owners (phase);
+    CREATE TABLE operations (
+        id INTEGER PRIMARY KEY,
+        owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
+        plugin_kind TEXT NOT NULL,
+        plugin_name TEXT NOT NULL,
+        res_group TEXT NOT NULL,
+        res_resource TEXT NOT NULL,
+        res_namespace TEXT NOT NULL,
+        res_name TEXT NOT NULL,
+        operation_id TEXT NOT NULL,
+        post_operation_items TEXT NOT NULL DEFAULT '[]',
+        phase TEXT NOT NULL DEFAULT 'New',
+        error TEXT NOT NULL DEFAULT '',
+        n_completed INTEGER NOT NULL DEFAULT 0,
+        n_total INTEGER NOT NULL DEFAULT 0,
+        operation_units TEXT NOT NULL DEFAULT '',
+        description TEXT NOT NULL DEFAULT '',
+        created_ms INTEGER NOT NULL,
+        started_ms INTEGER,
+        updated_ms INTEGER,
+        UNIQUE (owner_id, plugin_kind, plugin_name, operation_id)
+    );
+    CREATE INDEX operations_by_owner_phase ON operations (owner_id, phase);",
+    // 2: registered snapshotters survive restarts.
+    "CREATE TABLE snapshotters (
+        name TEXT PRIMARY KEY,
+        api_version TEXT NOT NULL CHECK (api_version IN ('v1', 'v2')),
+        socket TEXT,
+        command TEXT
+    );",
+    // 3: restores may opt into the Finalizing phases; backups always pass through them.
+    "ALTER TABLE owners ADD COLUMN finalize INTEGER NOT NULL DEFAULT 0;
+    UPDATE owners SET finalize = 1 WHERE kind = 'backup';",
+];
+
+/// The schema version this agent writes.
+pub const CURRENT_VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// Why the schema could not be brought to [`CURRENT_VERSION`].
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("schema version {found} is newer than this agent supports ({supported}); use a newer opmon-agent")]
+    TooNew { found: u32, supported: u32 },
+    #[error("migrating the schema to version {to}: {source}")]
+    Sql { to: u32, source: rusqlite::Error },
+}
+
+/// Applies the migrations `conn` lacks, all in one transaction.
+pub fn migrate(conn: &mut Connection) -> Result<u32, MigrateError> {
+    migrate_to(conn, CURRENT_VERSION)
+}
+
+/// Applies migrations up to `target` (tests build older databases with it).
+pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateError> {
+    let sql_err = |to| move |source| MigrateError::Sql { to, source };
+    let found: u32 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(sql_err(0))?;
+    if found > CURRENT_VERSION {
+        return Err(MigrateError::TooNew {
+            found,
+            supported: CURRENT_VERSION,
+        });
+    }
+    if found >= target {
+        return Ok(found);
+    }
+    let tx = conn.transaction().map_err(sql_err(found + 1))?;
+    for (index, step) in MIGRATIONS
+        .iter()
+        .enumerate()
+        .take(target as usize)
+        .skip(found as usize)
+    {
+        let to = index as u32 + 1;
+        tx.execute_batch(step).map_err(sql_err(to))?;
+        tx.pragma_update(None, "user_version", to)
+            .map_err(sql_err(to))?;
+    }
+    tx.commit().map_err(sql_err(target))?;
+    Ok(target)
+}

@@ -1,0 +1,180 @@
+//! The single writer, with group commit.
+//!
+//! One thread owns the only read-write connection. Requests queue up while a commit is
+//! being made durable (fsync under `synchronous=FULL`); the next transaction takes all of
+//! them at once, so concurrent requests share one fsync. Each request runs in its own
+//! savepoint: one that fails is rolled back alone and does not spoil the others.
+//! Invariant: a request's reply is sent only after the transaction holding its changes
+//! has committed, so anything acknowledged survives a crash.
+
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+
+use rusqlite::Connection;
+use tokio::sync::{mpsc, oneshot};
+
+use super::StoreError;
+
+/// Most requests folded into one transaction.
+const MAX_GROUP: usize = 4096;
+
+/// A request that has run inside the transaction and waits for its commit.
+trait Pending: Send {
+    fn finish(self: Box<Self>, commit: Result<(), StoreError>);
+}
+
+/// A request waiting to run.
+trait Job: Send {
+    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending>;
+    fn abort(self: Box<Self>, error: StoreError);
+}
+
+struct TypedJob<T, E, F> {
+    work: F,
+    reply: oneshot::Sender<Result<T, E>>,
+}
+
+struct TypedPending<T, E> {
+    result: Result<T, E>,
+    reply: oneshot::Sender<Result<T, E>>,
+}
+
+impl<T, E, F> Job for TypedJob<T, E, F>
+where
+    T: Send + 'static,
+    E: From<StoreError> + Send + 'static,
+    F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+{
+    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending> {
+        let result = match conn.execute_batch("SAVEPOINT request") {
+            Err(e) => Err(E::from(StoreError::from(e))),
+            Ok(()) => {
+                let result = (self.work)(conn);
+                let end = if result.is_ok() {
+                    "RELEASE request"
+                } else {
+                    "ROLLBACK TO request; RELEASE request"
+                };
+                match conn.execute_batch(end) {
+                    Ok(()) => result,
+                    Err(e) => Err(E::from(StoreError::from(e))),
+                }
+            }
+        };
+        Box::new(TypedPending {
+            result,
+            reply: self.reply,
+        })
+    }
+
+    fn abort(self: Box<Self>, error: StoreError) {
+        let _ = self.reply.send(Err(E::from(error)));
+    }
+}
+
+impl<T: Send, E: From<StoreError> + Send> Pending for TypedPending<T, E> {
+    fn finish(self: Box<Self>, commit: Result<(), StoreError>) {
+        let outcome = match commit {
+            Ok(()) => self.result,
+            Err(e) => Err(E::from(e)),
+        };
+        // The requester may have gone (client hung up); its change is committed anyway.
+        let _ = self.reply.send(outcome);
+    }
+}
+
+/// Handle to the writer thread.
+pub struct Writer {
+    queue: Mutex<Option<mpsc::UnboundedSender<Box<dyn Job>>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Writer {
+    /// Starts the writer thread on `conn`, which must be the database's only writer.
+    pub fn start(conn: Connection, on_commit: impl Fn(usize) + Send + 'static) -> Writer {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let thread = std::thread::Builder::new()
+            .name("opmon-store-writer".into())
+            .spawn(move || run(conn, rx, on_commit))
+            .expect("spawning the store writer thread");
+        Writer {
+            queue: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Runs `work` in the next group transaction; resolves after that transaction has
+    /// committed (with `work`'s result) or failed (with the commit's error).
+    pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StoreError> + Send + 'static,
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
+        let sent = match self.queue.lock() {
+            Ok(queue) => match queue.as_ref() {
+                Some(q) => q.send(job).map_err(|_| ()),
+                None => Err(()),
+            },
+            Err(_) => Err(()),
+        };
+        if sent.is_err() {
+            return Err(E::from(StoreError::closed()));
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(E::from(StoreError::closed())))
+    }
+
+    /// Stops accepting work, lets queued work commit, and waits for the thread to close
+    /// the connection.
+    pub fn close(&self) {
+        if let Ok(mut queue) = self.queue.lock() {
+            queue.take();
+        }
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn run(
+    conn: Connection,
+    mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
+    on_commit: impl Fn(usize),
+) {
+    while let Some(first) = rx.blocking_recv() {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            let error = StoreError::from(e);
+            for job in group {
+                job.abort(error.clone());
+            }
+            continue;
+        }
+        let size = group.len();
+        let pending: Vec<Box<dyn Pending>> = group.into_iter().map(|job| job.run(&conn)).collect();
+        let commit = conn.execute_batch("COMMIT").map_err(StoreError::from);
+        if commit.is_err() && !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        if commit.is_ok() {
+            on_commit(size);
+        }
+        for p in pending {
+            p.finish(commit.clone());
+        }
+    }
+    if let Err((_, e)) = conn.close() {
+        tracing::error!(error = %e, "closing the database");
+    }
+}

@@ -1,0 +1,141 @@
+//! The snapshotter SDK: implement [`Snapshotter`], call [`serve`], and the agent can poll
+//! and cancel your operations over a Unix socket.
+//!
+//! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
+//! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
+//! allowed. Errors map to the protocol's codes: [`SnapshotterError::OperationsNotSupported`]
+//! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002.
+//!
+//! ```no_run
+//! use opmon_client::snapshotter::{serve, Snapshotter, SnapshotterError};
+//! use opmon_client::{OperationProgress, OperationRef};
+//!
+//! struct Instant;
+//!
+//! impl Snapshotter for Instant {
+//!     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
+//!         if !op.operation_id.starts_with("copy-") {
+//!             return Err(SnapshotterError::InvalidOperationId(op.operation_id));
+//!         }
+//!         Ok(OperationProgress { completed: true, n_completed: 1, n_total: 1, ..Default::default() })
+//!     }
+//!
+//!     async fn cancel(&self, _op: OperationRef) -> Result<(), SnapshotterError> {
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn demo() -> std::io::Result<()> {
+//! serve("/run/my-snapshotter.sock", Instant).await
+//! # }
+//! ```
+
+use std::future::Future;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use jsonrpsee::types::ErrorObjectOwned;
+use jsonrpsee::RpcModule;
+
+use crate::codes;
+use crate::server::{self, AdmitAll, ServeConfig};
+use crate::types::{OperationProgress, OperationRef};
+
+/// Why a snapshotter could not answer for an operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SnapshotterError {
+    /// This snapshotter should not be handling the item (code 2001).
+    #[error("operations not supported: {0}")]
+    OperationsNotSupported(String),
+    /// The operation ID is unknown, e.g. forgotten after a restart (code 2002).
+    #[error("invalid operation ID: {0}")]
+    InvalidOperationId(String),
+    /// Anything else: the progress could not be read right now.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<SnapshotterError> for ErrorObjectOwned {
+    fn from(e: SnapshotterError) -> Self {
+        let code = match &e {
+            SnapshotterError::OperationsNotSupported(_) => codes::OPERATIONS_NOT_SUPPORTED,
+            SnapshotterError::InvalidOperationId(_) => codes::INVALID_OPERATION_ID,
+            SnapshotterError::Other(_) => jsonrpsee::types::error::INTERNAL_ERROR_CODE,
+        };
+        ErrorObjectOwned::owned(code, e.to_string(), None::<()>)
+    }
+}
+
+/// A process that owns long-running operations.
+///
+/// Both calls may arrive concurrently and for operations of several owners. `progress`
+/// must keep answering for an operation after the snapshotter restarts (keep the state
+/// somewhere durable); `cancel` should return `Ok` whether or not the operation could be
+/// stopped, as Velero's Cancel does.
+pub trait Snapshotter: Send + Sync + 'static {
+    fn progress(
+        &self,
+        op: OperationRef,
+    ) -> impl Future<Output = Result<OperationProgress, SnapshotterError>> + Send;
+
+    fn cancel(&self, op: OperationRef) -> impl Future<Output = Result<(), SnapshotterError>> + Send;
+}
+
+/// The JSON-RPC methods of `snapshotter`, for embedding into a server of your own.
+pub fn rpc_module<S: Snapshotter>(snapshotter: S) -> RpcModule<S> {
+    let mut module = RpcModule::new(snapshotter);
+    module
+        .register_async_method("operation.progress", |params, s: Arc<S>, _| async move {
+            let op: OperationRef = params.parse()?;
+            s.progress(op).await.map_err(ErrorObjectOwned::from)
+        })
+        .expect("method names are unique");
+    module
+        .register_async_method("operation.cancel", |params, s: Arc<S>, _| async move {
+            let op: OperationRef = params.parse()?;
+            s.cancel(op).await.map_err(ErrorObjectOwned::from)
+        })
+        .expect("method names are unique");
+    module
+}
+
+/// Serves `snapshotter` on the Unix socket `socket` (mode 0660) until SIGTERM or SIGINT.
+pub async fn serve<S: Snapshotter>(socket: impl AsRef<Path>, snapshotter: S) -> io::Result<()> {
+    serve_until(socket, snapshotter, termination()).await
+}
+
+/// Serves `snapshotter` on `socket` until `shutdown` resolves, then finishes the calls
+/// in flight and returns.
+pub async fn serve_until<S: Snapshotter>(
+    socket: impl AsRef<Path>,
+    snapshotter: S,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let listener = server::bind(socket.as_ref(), 0o660).await?;
+    server::serve(
+        listener,
+        rpc_module(snapshotter),
+        ServeConfig::default(),
+        AdmitAll,
+        shutdown,
+    )
+    .await;
+    Ok(())
+}
+
+/// Resolves at the first SIGTERM or SIGINT.
+pub async fn termination() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the process ends by the default action anyway.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

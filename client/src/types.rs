@@ -1,0 +1,630 @@
+//! The API's types, defined once: the agent deserializes exactly what the client
+//! serializes. Field names are camelCase, times RFC 3339 UTC, durations Go strings, as
+//! ARCHITECTURE.md ("The API") fixes them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::duration::GoDuration;
+
+/// A point in time, serialized as RFC 3339 in UTC.
+pub type Timestamp = OffsetDateTime;
+
+/// Whether an owner is a backup or a restore. One implementation serves both; the kind
+/// only picks method names, file names and the few phase rules that differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OwnerKind {
+    Backup,
+    Restore,
+}
+
+impl OwnerKind {
+    pub const ALL: [OwnerKind; 2] = [OwnerKind::Backup, OwnerKind::Restore];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OwnerKind::Backup => "backup",
+            OwnerKind::Restore => "restore",
+        }
+    }
+}
+
+impl fmt::Display for OwnerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OwnerKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "backup" => Ok(OwnerKind::Backup),
+            "restore" => Ok(OwnerKind::Restore),
+            other => Err(format!("unknown owner kind {other:?} (backup or restore)")),
+        }
+    }
+}
+
+/// Declares a string-valued enum whose wire names equal the variant names, with
+/// `as_str`, `Display` and `FromStr`, so the database and the API spell phases alike.
+macro_rules! wire_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => stringify!($variant)),+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $(stringify!($variant) => Ok($name::$variant),)+
+                    other => Err(format!(
+                        concat!("unknown ", stringify!($name), " {:?}"), other
+                    )),
+                }
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// The phase of a backup or restore, with Velero's names (seeds/001).
+    OwnerPhase {
+        /// Exists for compatibility; the agent never creates an owner in it.
+        New,
+        /// Exists for compatibility; the backup server handles validation.
+        FailedValidation,
+        InProgress,
+        WaitingForPluginOperations,
+        WaitingForPluginOperationsPartiallyFailed,
+        Finalizing,
+        FinalizingPartiallyFailed,
+        Completed,
+        PartiallyFailed,
+        Failed,
+    }
+}
+
+impl OwnerPhase {
+    /// Completed, PartiallyFailed, Failed or FailedValidation: nothing more happens.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            OwnerPhase::Completed
+                | OwnerPhase::PartiallyFailed
+                | OwnerPhase::Failed
+                | OwnerPhase::FailedValidation
+        )
+    }
+
+    /// The phases in which the poller watches the owner's operations.
+    pub fn is_waiting(self) -> bool {
+        matches!(
+            self,
+            OwnerPhase::WaitingForPluginOperations
+                | OwnerPhase::WaitingForPluginOperationsPartiallyFailed
+        )
+    }
+
+    /// The phases that wait for `finalize`.
+    pub fn is_finalizing(self) -> bool {
+        matches!(
+            self,
+            OwnerPhase::Finalizing | OwnerPhase::FinalizingPartiallyFailed
+        )
+    }
+}
+
+wire_enum! {
+    /// The phase of one operation.
+    OperationPhase {
+        New,
+        InProgress,
+        Completed,
+        Failed,
+    }
+}
+
+impl Default for OperationPhase {
+    fn default() -> Self {
+        OperationPhase::New
+    }
+}
+
+impl OperationPhase {
+    /// New or InProgress: the operation is still polled.
+    pub fn is_unfinished(self) -> bool {
+        matches!(self, OperationPhase::New | OperationPhase::InProgress)
+    }
+}
+
+wire_enum! {
+    /// Which kind of Velero plugin started an operation.
+    PluginKind {
+        BackupItemAction,
+        RestoreItemAction,
+        VolumeSnapshotter,
+    }
+}
+
+/// A Kubernetes object: the item an operation belongs to or an item to back up again.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceIdentifier {
+    /// API group; empty for the core group.
+    #[serde(default)]
+    pub group: String,
+    /// Plural resource name, e.g. `persistentvolumeclaims`.
+    pub resource: String,
+    /// Empty for cluster-scoped items.
+    #[serde(default)]
+    pub namespace: String,
+    pub name: String,
+}
+
+/// The plugin that owns an operation; `name` is `domain/name` and picks the snapshotter.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginRef {
+    pub kind: PluginKind,
+    pub name: String,
+}
+
+/// What a snapshotter reports for one operation (seeds/001 `OperationProgress`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct OperationProgress {
+    /// True once the operation has finished, successfully or not.
+    pub completed: bool,
+    /// Set when the operation failed.
+    pub err: String,
+    pub n_completed: i64,
+    pub n_total: i64,
+    pub operation_units: String,
+    pub description: String,
+    /// When the operation started; absent (or the Unix epoch) if unknown.
+    #[serde(with = "time::serde::rfc3339::option", skip_serializing_if = "Option::is_none")]
+    pub started: Option<Timestamp>,
+    #[serde(with = "time::serde::rfc3339::option", skip_serializing_if = "Option::is_none")]
+    pub updated: Option<Timestamp>,
+}
+
+/// One operation as the agent keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Operation {
+    pub plugin: PluginRef,
+    pub resource: ResourceIdentifier,
+    pub operation_id: String,
+    pub post_operation_items: Vec<ResourceIdentifier>,
+    pub phase: OperationPhase,
+    pub error: String,
+    pub n_completed: i64,
+    pub n_total: i64,
+    pub operation_units: String,
+    pub description: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created: Timestamp,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub started: Option<Timestamp>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub updated: Option<Timestamp>,
+}
+
+/// A backup or restore as the agent keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Owner {
+    pub kind: OwnerKind,
+    pub name: String,
+    pub uid: String,
+    pub phase: OwnerPhase,
+    pub item_operation_timeout: GoDuration,
+    /// Whether this owner passes through Finalizing (always for backups; opt-in for
+    /// restores).
+    pub finalize: bool,
+    pub errors: u32,
+    pub warnings: u32,
+    pub operations_attempted: u64,
+    pub operations_completed: u64,
+    pub operations_failed: u64,
+    /// The union of the operations' post-operation items, set once no operation is
+    /// unfinished.
+    pub post_operation_items: Option<Vec<ResourceIdentifier>>,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created: Timestamp,
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated: Timestamp,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub completed: Option<Timestamp>,
+}
+
+/// `agent.status` result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStatus {
+    pub version: String,
+    pub uptime: GoDuration,
+    /// Owner counts by phase name; phases with no owner are left out.
+    pub owners: BTreeMap<OwnerPhase, u64>,
+    pub unfinished_operations: u64,
+    /// Number of registered snapshotters.
+    pub snapshotters: u64,
+}
+
+/// `*.start` params.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StartParams {
+    pub name: String,
+    pub uid: String,
+    /// Defaults to `4h0m0s`, as in Velero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_operation_timeout: Option<GoDuration>,
+    /// Restores only: pass through Finalizing and wait for `restore.finalize`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finalize: Option<bool>,
+}
+
+/// One operation a plugin returned, as `*.addOperations` takes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NewOperation {
+    pub plugin: PluginRef,
+    pub resource: ResourceIdentifier,
+    pub operation_id: String,
+    #[serde(default)]
+    pub post_operation_items: Vec<ResourceIdentifier>,
+}
+
+/// `*.addOperations` params.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AddOperationsParams {
+    pub name: String,
+    pub operations: Vec<NewOperation>,
+}
+
+/// `*.addOperations` result: how many were new and how many the agent had already.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOperationsResult {
+    pub added: u64,
+    pub already_known: u64,
+}
+
+/// `*.endInProgress` params: the backup server's verdict on the InProgress phase.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EndInProgressParams {
+    pub name: String,
+    #[serde(default)]
+    pub errors: u32,
+    #[serde(default)]
+    pub warnings: u32,
+    /// The backup or restore failed outright: go to Failed, cancel what is unfinished.
+    #[serde(default)]
+    pub failed: bool,
+}
+
+/// Params of the methods that only name an owner or snapshotter.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NameParams {
+    pub name: String,
+}
+
+/// `*.list` params: optional phase filter and paging by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListParams {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<Vec<OwnerPhase>>,
+    /// Page size; default 100, at most 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    /// Return owners whose name sorts after this one (the previous page's `next`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+}
+
+/// `*.list` result; `next` is set when more owners follow.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerList {
+    pub items: Vec<Owner>,
+    pub next: Option<String>,
+}
+
+/// `*.operations` params.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OperationsParams {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<Vec<OperationPhase>>,
+}
+
+/// What `*.wait` waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WaitUntil {
+    /// A Finalizing phase or a terminal one (a restore without finalize never finalizes).
+    ReadyToFinalize,
+    Terminal,
+}
+
+impl WaitUntil {
+    pub fn is_reached(self, phase: OwnerPhase) -> bool {
+        match self {
+            WaitUntil::ReadyToFinalize => phase.is_finalizing() || phase.is_terminal(),
+            WaitUntil::Terminal => phase.is_terminal(),
+        }
+    }
+}
+
+/// `*.wait` params.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WaitParams {
+    pub name: String,
+    pub until: WaitUntil,
+    /// Defaults to 30 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<GoDuration>,
+}
+
+/// `*.wait` result: the owner as it was when the wait ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitResult {
+    pub owner: Owner,
+    pub timed_out: bool,
+}
+
+/// `*.delete` result: how many unfinished operations were cancelled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeleteResult {
+    pub cancelled: u64,
+}
+
+/// The snapshotter API a snapshotter speaks: v1 has no Progress (its operations
+/// complete at their first poll), v2 has Progress and Cancel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiVersion {
+    V1,
+    V2,
+}
+
+impl ApiVersion {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiVersion::V1 => "v1",
+            ApiVersion::V2 => "v2",
+        }
+    }
+}
+
+impl FromStr for ApiVersion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "v1" => Ok(ApiVersion::V1),
+            "v2" => Ok(ApiVersion::V2),
+            other => Err(format!("unknown apiVersion {other:?} (v1 or v2)")),
+        }
+    }
+}
+
+/// A registered snapshotter; `name` equals the plugin name (`domain/name`) whose
+/// operations it owns. Exactly one of `socket` and `command` is set for v2; a v1
+/// snapshotter needs neither.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Snapshotter {
+    pub name: String,
+    pub api_version: ApiVersion,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
+}
+
+/// Which owner an operation belongs to, as the snapshotter protocol passes it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerRef {
+    pub kind: OwnerKind,
+    pub name: String,
+    pub uid: String,
+}
+
+/// Params of the snapshotter protocol's `operation.progress` and `operation.cancel`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperationRef {
+    pub plugin: PluginRef,
+    pub operation_id: String,
+    pub owner: OwnerRef,
+}
+
+/// Velero's `ResourceIdentifier` as it appears in `-itemoperations.json.gz`: a Go
+/// struct without JSON tags, so the keys are the capitalised field names.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VeleroResourceIdentifier {
+    #[serde(rename = "Group")]
+    pub group: String,
+    #[serde(rename = "Resource")]
+    pub resource: String,
+    #[serde(rename = "Namespace")]
+    pub namespace: String,
+    #[serde(rename = "Name")]
+    pub name: String,
+}
+
+impl From<&ResourceIdentifier> for VeleroResourceIdentifier {
+    fn from(r: &ResourceIdentifier) -> Self {
+        VeleroResourceIdentifier {
+            group: r.group.clone(),
+            resource: r.resource.clone(),
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+        }
+    }
+}
+
+/// The `spec` of a backup's item-operation record (seeds/001).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupOperationSpec {
+    pub backup_name: String,
+    #[serde(rename = "backupUID")]
+    pub backup_uid: String,
+    pub backup_item_action: String,
+    pub resource_identifier: VeleroResourceIdentifier,
+    #[serde(rename = "operationID")]
+    pub operation_id: String,
+    pub post_operation_items: Vec<VeleroResourceIdentifier>,
+}
+
+/// The `spec` of a restore's item-operation record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreOperationSpec {
+    pub restore_name: String,
+    #[serde(rename = "restoreUID")]
+    pub restore_uid: String,
+    pub restore_item_action: String,
+    pub resource_identifier: VeleroResourceIdentifier,
+    #[serde(rename = "operationID")]
+    pub operation_id: String,
+    pub post_operation_items: Vec<VeleroResourceIdentifier>,
+}
+
+/// A record's spec: the backup or the restore form.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ItemOperationSpec {
+    Backup(BackupOperationSpec),
+    Restore(RestoreOperationSpec),
+}
+
+/// The `status` of an item-operation record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ItemOperationStatus {
+    pub phase: OperationPhase,
+    pub error: String,
+    pub n_completed: i64,
+    pub n_total: i64,
+    pub operation_units: String,
+    pub description: String,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub created: Option<Timestamp>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub started: Option<Timestamp>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub updated: Option<Timestamp>,
+}
+
+/// One record of `-itemoperations.json.gz`, and of `*.itemOperations`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ItemOperation {
+    pub spec: ItemOperationSpec,
+    pub status: ItemOperationStatus,
+}
+
+impl ItemOperation {
+    /// The record of `op` as Velero writes it for `owner`.
+    pub fn from_operation(owner: &Owner, op: &Operation) -> Self {
+        let resource_identifier = VeleroResourceIdentifier::from(&op.resource);
+        let post_operation_items = op.post_operation_items.iter().map(Into::into).collect();
+        let spec = match owner.kind {
+            OwnerKind::Backup => ItemOperationSpec::Backup(BackupOperationSpec {
+                backup_name: owner.name.clone(),
+                backup_uid: owner.uid.clone(),
+                backup_item_action: op.plugin.name.clone(),
+                resource_identifier,
+                operation_id: op.operation_id.clone(),
+                post_operation_items,
+            }),
+            OwnerKind::Restore => ItemOperationSpec::Restore(RestoreOperationSpec {
+                restore_name: owner.name.clone(),
+                restore_uid: owner.uid.clone(),
+                restore_item_action: op.plugin.name.clone(),
+                resource_identifier,
+                operation_id: op.operation_id.clone(),
+                post_operation_items,
+            }),
+        };
+        ItemOperation {
+            spec,
+            status: ItemOperationStatus {
+                phase: op.phase,
+                error: op.error.clone(),
+                n_completed: op.n_completed,
+                n_total: op.n_total,
+                operation_units: op.operation_units.clone(),
+                description: op.description.clone(),
+                created: Some(op.created),
+                started: op.started,
+                updated: op.updated,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_round_trip_through_their_wire_names() {
+        for phase in OwnerPhase::ALL {
+            let json = serde_json::to_string(phase).unwrap();
+            assert_eq!(json, format!("\"{}\"", phase.as_str()));
+            assert_eq!(phase.as_str().parse::<OwnerPhase>().unwrap(), *phase);
+        }
+        assert!("Done".parse::<OwnerPhase>().is_err());
+    }
+
+    #[test]
+    fn ready_to_finalize_includes_terminal_phases() {
+        assert!(WaitUntil::ReadyToFinalize.is_reached(OwnerPhase::Finalizing));
+        assert!(WaitUntil::ReadyToFinalize.is_reached(OwnerPhase::Completed));
+        assert!(!WaitUntil::ReadyToFinalize.is_reached(OwnerPhase::WaitingForPluginOperations));
+        assert!(!WaitUntil::Terminal.is_reached(OwnerPhase::FinalizingPartiallyFailed));
+    }
+
+    #[test]
+    fn progress_accepts_missing_fields_and_null_times() {
+        let p: OperationProgress =
+            serde_json::from_str(r#"{"completed":true,"started":null}"#).unwrap();
+        assert!(p.completed);
+        assert_eq!(p.started, None);
+        assert_eq!(p.n_total, 0);
+    }
+}
