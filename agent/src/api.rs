@@ -75,14 +75,18 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
 fn check_add(p: &AddOperationsParams) -> Result<(), Error> {
     owner_name(&p.name)?;
     for (i, op) in p.operations.iter().enumerate() {
-        validate::new_operation(op).map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+        validate::new_operation(op)
+            .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
     }
     Ok(())
 }
 
 fn check_list(p: &ListParams) -> Result<(), Error> {
     if p.limit.is_some_and(|l| l == 0 || l > MAX_PAGE) {
-        return Err(invalid("limit", format!("must be between 1 and {MAX_PAGE}")));
+        return Err(invalid(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE}"),
+        ));
     }
     Ok(())
 }
@@ -178,18 +182,30 @@ const RESTORE: Names = Names {
 
 fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     let kind = names.kind;
-    register(module, names.start, move |core, p: StartParams| async move {
-        check_start(kind, &p)?;
-        core.start(kind, p).await
-    });
-    register(module, names.add_operations, move |core, p: AddOperationsParams| async move {
-        check_add(&p)?;
-        core.add_operations(kind, p).await
-    });
-    register(module, names.end_in_progress, move |core, p: EndInProgressParams| async move {
-        owner_name(&p.name)?;
-        core.end_in_progress(kind, p).await
-    });
+    register(
+        module,
+        names.start,
+        move |core, p: StartParams| async move {
+            check_start(kind, &p)?;
+            core.start(kind, p).await
+        },
+    );
+    register(
+        module,
+        names.add_operations,
+        move |core, p: AddOperationsParams| async move {
+            check_add(&p)?;
+            core.add_operations(kind, p).await
+        },
+    );
+    register(
+        module,
+        names.end_in_progress,
+        move |core, p: EndInProgressParams| async move {
+            owner_name(&p.name)?;
+            core.end_in_progress(kind, p).await
+        },
+    );
     register(module, names.get, move |core, p: NameParams| async move {
         owner_name(&p.name)?;
         core.get(kind, p.name).await
@@ -198,22 +214,34 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
         check_list(&p)?;
         core.list(kind, p).await
     });
-    register(module, names.operations, move |core, p: OperationsParams| async move {
-        owner_name(&p.name)?;
-        core.operations(kind, p).await
-    });
+    register(
+        module,
+        names.operations,
+        move |core, p: OperationsParams| async move {
+            owner_name(&p.name)?;
+            core.operations(kind, p).await
+        },
+    );
     register(module, names.wait, move |core, p: WaitParams| async move {
         check_wait(&p)?;
         core.wait(kind, p).await
     });
-    register(module, names.item_operations, move |core, p: NameParams| async move {
-        owner_name(&p.name)?;
-        core.item_operations(kind, p.name).await
-    });
-    register(module, names.delete, move |core, p: NameParams| async move {
-        owner_name(&p.name)?;
-        core.delete(kind, p.name).await
-    });
+    register(
+        module,
+        names.item_operations,
+        move |core, p: NameParams| async move {
+            owner_name(&p.name)?;
+            core.item_operations(kind, p.name).await
+        },
+    );
+    register(
+        module,
+        names.delete,
+        move |core, p: NameParams| async move {
+            owner_name(&p.name)?;
+            core.delete(kind, p.name).await
+        },
+    );
 }
 
 /// No parameters expected (absent, `{}` or `[]` are all fine).
@@ -224,22 +252,34 @@ struct NoParams {}
 /// Every method of the agent, bound to `core`.
 pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     let mut module = RpcModule::from_arc(core);
-    register(&mut module, "agent.status", |core, _: NoParams| async move {
-        core.status().await
-    });
+    register(
+        &mut module,
+        "agent.status",
+        |core, _: NoParams| async move { core.status().await },
+    );
     register_owner_methods(&mut module, &BACKUP);
     register_owner_methods(&mut module, &RESTORE);
-    register(&mut module, "snapshotter.register", |core, s: Snapshotter| async move {
-        check_snapshotter(&s)?;
-        core.register_snapshotter(s).await
-    });
-    register(&mut module, "snapshotter.list", |core, _: NoParams| async move {
-        core.snapshotters().await
-    });
-    register(&mut module, "snapshotter.unregister", |core, p: NameParams| async move {
-        validate::plugin_name(&p.name).map_err(|e| invalid("name", e))?;
-        core.unregister_snapshotter(p.name).await
-    });
+    register(
+        &mut module,
+        "snapshotter.register",
+        |core, s: Snapshotter| async move {
+            check_snapshotter(&s)?;
+            core.register_snapshotter(s).await
+        },
+    );
+    register(
+        &mut module,
+        "snapshotter.list",
+        |core, _: NoParams| async move { core.snapshotters().await },
+    );
+    register(
+        &mut module,
+        "snapshotter.unregister",
+        |core, p: NameParams| async move {
+            validate::plugin_name(&p.name).map_err(|e| invalid("name", e))?;
+            core.unregister_snapshotter(p.name).await
+        },
+    );
     module
 }
 
@@ -266,7 +306,10 @@ mod tests {
     #[test]
     fn positional_params_are_refused() {
         let e = parse::<NameParams>(&params(r#"["b"]"#)).unwrap_err();
-        assert_eq!(e.to_string(), "params must be passed by name, as a JSON object");
+        assert_eq!(
+            e.to_string(),
+            "params must be passed by name, as a JSON object"
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
 
-use crate::store::StoreError;
+use crate::store::{StorageCause, StoreError};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
@@ -56,5 +56,17 @@ impl From<rusqlite::Error> for Error {
 impl From<Error> for ErrorObjectOwned {
     fn from(e: Error) -> Self {
         ErrorObjectOwned::owned(e.code(), e.to_string(), None::<()>)
+    }
+}
+
+impl StorageCause for Error {
+    fn storage_cause(&self) -> StoreError {
+        match self {
+            Error::Storage(e) => e.clone(),
+            other => StoreError {
+                message: format!("the transaction was rolled back: {other}"),
+                disk_full: false,
+            },
+        }
     }
 }

@@ -137,8 +137,7 @@ pub fn after_poll(phase: OwnerPhase, finalize: bool, errors: u32, unfinished: u6
     if !phase.is_waiting() {
         return phase;
     }
-    let has_errors =
-        errors > 0 || phase == OwnerPhase::WaitingForPluginOperationsPartiallyFailed;
+    let has_errors = errors > 0 || phase == OwnerPhase::WaitingForPluginOperationsPartiallyFailed;
     settle(finalize, has_errors, unfinished)
 }
 
@@ -195,8 +194,14 @@ mod tests {
 
     #[test]
     fn unfinished_ops_without_errors_wait() {
-        assert_eq!(leave_in_progress(true, false, 0, 3), WaitingForPluginOperations);
-        assert_eq!(leave_in_progress(false, false, 0, 3), WaitingForPluginOperations);
+        assert_eq!(
+            leave_in_progress(true, false, 0, 3),
+            WaitingForPluginOperations
+        );
+        assert_eq!(
+            leave_in_progress(false, false, 0, 3),
+            WaitingForPluginOperations
+        );
     }
 
     #[test]
@@ -218,7 +223,10 @@ mod tests {
 
     #[test]
     fn finished_with_errors_takes_a_backup_to_finalizing_partially_failed() {
-        assert_eq!(leave_in_progress(true, false, 1, 0), FinalizingPartiallyFailed);
+        assert_eq!(
+            leave_in_progress(true, false, 1, 0),
+            FinalizingPartiallyFailed
+        );
     }
 
     #[test]
@@ -257,8 +265,14 @@ mod tests {
 
     #[test]
     fn waiting_owner_with_nothing_unfinished_moves_on() {
-        assert_eq!(after_poll(WaitingForPluginOperations, true, 0, 0), Finalizing);
-        assert_eq!(after_poll(WaitingForPluginOperations, false, 0, 0), Completed);
+        assert_eq!(
+            after_poll(WaitingForPluginOperations, true, 0, 0),
+            Finalizing
+        );
+        assert_eq!(
+            after_poll(WaitingForPluginOperations, false, 0, 0),
+            Completed
+        );
         assert_eq!(
             after_poll(WaitingForPluginOperations, true, 0, 1),
             WaitingForPluginOperations
@@ -283,7 +297,10 @@ mod tests {
     #[test]
     fn restart_fails_in_progress_owners_and_keeps_the_rest() {
         assert_eq!(after_restart(InProgress), Failed);
-        assert_eq!(after_restart(WaitingForPluginOperations), WaitingForPluginOperations);
+        assert_eq!(
+            after_restart(WaitingForPluginOperations),
+            WaitingForPluginOperations
+        );
         assert_eq!(after_restart(Finalizing), Finalizing);
     }
 
@@ -313,10 +330,21 @@ mod tests {
 
     #[test]
     fn completed_progress_completes_and_completed_with_err_fails() {
-        let d = observe(&new_op(0), Observation::Progress(progress(true, "")), HOUR, 1).unwrap();
+        let d = observe(
+            &new_op(0),
+            Observation::Progress(progress(true, "")),
+            HOUR,
+            1,
+        )
+        .unwrap();
         assert_eq!(d.next.phase, OperationPhase::Completed);
-        let d = observe(&new_op(0), Observation::Progress(progress(true, "disk gone")), HOUR, 1)
-            .unwrap();
+        let d = observe(
+            &new_op(0),
+            Observation::Progress(progress(true, "disk gone")),
+            HOUR,
+            1,
+        )
+        .unwrap();
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(d.next.error, "disk gone");
     }
@@ -337,15 +365,26 @@ mod tests {
 
     #[test]
     fn completion_reported_after_the_timeout_still_completes() {
-        let d = observe(&new_op(0), Observation::Progress(progress(true, "")), HOUR, 2 * HOUR)
-            .unwrap();
+        let d = observe(
+            &new_op(0),
+            Observation::Progress(progress(true, "")),
+            HOUR,
+            2 * HOUR,
+        )
+        .unwrap();
         assert!(!d.cancel);
         assert_eq!(d.next.phase, OperationPhase::Completed);
     }
 
     #[test]
     fn progress_errors_fail_the_operation_with_their_message() {
-        let d = observe(&new_op(0), Observation::Error("no snapshotter".into()), HOUR, 5).unwrap();
+        let d = observe(
+            &new_op(0),
+            Observation::Error("no snapshotter".into()),
+            HOUR,
+            5,
+        )
+        .unwrap();
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(d.next.error, "no snapshotter");
         assert!(!d.cancel);
@@ -359,7 +398,13 @@ mod tests {
 
     #[test]
     fn unchanged_progress_needs_no_write() {
-        let d = observe(&new_op(0), Observation::Progress(progress(false, "")), HOUR, 5).unwrap();
+        let d = observe(
+            &new_op(0),
+            Observation::Progress(progress(false, "")),
+            HOUR,
+            5,
+        )
+        .unwrap();
         assert_eq!(d.next.updated_ms, Some(5));
         assert_eq!(
             observe(&d.next, Observation::Progress(progress(false, "")), HOUR, 9),
@@ -371,6 +416,9 @@ mod tests {
     fn finished_operations_are_never_changed() {
         let mut done = new_op(0);
         done.phase = OperationPhase::Completed;
-        assert_eq!(observe(&done, Observation::Error("late".into()), HOUR, 5), None);
+        assert_eq!(
+            observe(&done, Observation::Error("late".into()), HOUR, 5),
+            None
+        );
     }
 }

@@ -71,7 +71,12 @@ impl Remote {
         match self {
             Remote::V1 => ops
                 .iter()
-                .map(|_| Ok(OperationProgress { completed: true, ..Default::default() }))
+                .map(|_| {
+                    Ok(OperationProgress {
+                        completed: true,
+                        ..Default::default()
+                    })
+                })
                 .collect(),
             Remote::Socket(s) => s.progress(ops).await,
             Remote::Command(c) => {
@@ -125,18 +130,27 @@ struct ErrorEntry {
 impl SocketRemote {
     async fn progress(&self, ops: &[OperationRef]) -> Vec<Result<OperationProgress, String>> {
         let size = self.settings.batch_size.max(1);
-        let answers: Vec<Vec<Result<Box<RawValue>, String>>> = stream::iter((0..ops.len()).step_by(size))
-            .map(|start| self.batch("operation.progress", &ops[start..(start + size).min(ops.len())]))
-            .buffered(self.settings.socket_concurrency.max(1))
-            .collect()
-            .await;
+        let answers: Vec<Vec<Result<Box<RawValue>, String>>> =
+            stream::iter((0..ops.len()).step_by(size))
+                .map(|start| {
+                    self.batch(
+                        "operation.progress",
+                        &ops[start..(start + size).min(ops.len())],
+                    )
+                })
+                .buffered(self.settings.socket_concurrency.max(1))
+                .collect()
+                .await;
         answers
             .into_iter()
             .flatten()
             .map(|answer| {
                 answer.and_then(|raw| {
                     serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
-                        format!("snapshotter {} answered an invalid progress: {e}", self.name)
+                        format!(
+                            "snapshotter {} answered an invalid progress: {e}",
+                            self.name
+                        )
                     })
                 })
             })
@@ -144,25 +158,33 @@ impl SocketRemote {
     }
 
     /// Sends one JSON-RPC batch of `method` for `ops`; one answer per op, in order.
-    async fn batch(&self, method: &str, ops: &[OperationRef]) -> Vec<Result<Box<RawValue>, String>> {
+    async fn batch(
+        &self,
+        method: &str,
+        ops: &[OperationRef],
+    ) -> Vec<Result<Box<RawValue>, String>> {
         let _permit = self.in_flight.acquire().await;
         let body = match encode_batch(method, ops) {
             Ok(body) => body,
             Err(e) => return ops.iter().map(|_| Err(e.clone())).collect(),
         };
-        let response =
-            match tokio::time::timeout(self.settings.deadline, self.post(Bytes::from(body))).await {
-                Ok(Ok(bytes)) => bytes,
-                Ok(Err(e)) => return ops.iter().map(|_| Err(e.clone())).collect(),
-                Err(_) => {
-                    let e = format!(
-                        "snapshotter {} did not answer within {}",
-                        self.name,
-                        opmon_client::GoDuration(self.settings.deadline)
-                    );
-                    return ops.iter().map(|_| Err(e.clone())).collect();
-                }
-            };
+        let response = match tokio::time::timeout(
+            self.settings.deadline,
+            self.post(Bytes::from(body)),
+        )
+        .await
+        {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => return ops.iter().map(|_| Err(e.clone())).collect(),
+            Err(_) => {
+                let e = format!(
+                    "snapshotter {} did not answer within {}",
+                    self.name,
+                    opmon_client::GoDuration(self.settings.deadline)
+                );
+                return ops.iter().map(|_| Err(e.clone())).collect();
+            }
+        };
         self.decode_batch(&response, ops.len())
     }
 
@@ -182,7 +204,12 @@ impl SocketRemote {
             }
         };
         let mut answers: Vec<Result<Box<RawValue>, String>> = (0..count)
-            .map(|_| Err(format!("snapshotter {} left the call unanswered", self.name)))
+            .map(|_| {
+                Err(format!(
+                    "snapshotter {} left the call unanswered",
+                    self.name
+                ))
+            })
             .collect();
         for entry in entries {
             let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
@@ -191,7 +218,10 @@ impl SocketRemote {
             *slot = match (entry.result, entry.error) {
                 (_, Some(e)) => Err(self.describe(&e)),
                 (Some(result), None) => Ok(result.to_owned()),
-                (None, None) => Err(format!("snapshotter {} answered without a result", self.name)),
+                (None, None) => Err(format!(
+                    "snapshotter {} answered without a result",
+                    self.name
+                )),
             };
         }
         answers
@@ -200,10 +230,16 @@ impl SocketRemote {
     fn describe(&self, e: &ErrorEntry) -> String {
         match e.code {
             codes::OPERATIONS_NOT_SUPPORTED => {
-                format!("OperationsNotSupported: snapshotter {}: {}", self.name, e.message)
+                format!(
+                    "OperationsNotSupported: snapshotter {}: {}",
+                    self.name, e.message
+                )
             }
             codes::INVALID_OPERATION_ID => {
-                format!("InvalidOperationId: snapshotter {}: {}", self.name, e.message)
+                format!(
+                    "InvalidOperationId: snapshotter {}: {}",
+                    self.name, e.message
+                )
             }
             code => format!("snapshotter {}: {} (code {code})", self.name, e.message),
         }
@@ -323,19 +359,18 @@ impl CommandRemote {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("snapshotter {}: running {program}: {e}", self.name))?;
-        let output = match tokio::time::timeout(self.settings.deadline, child.wait_with_output())
-            .await
-        {
-            Ok(Ok(output)) => output,
-            Ok(Err(e)) => return Err(format!("snapshotter {}: {e}", self.name)),
-            Err(_) => {
-                return Err(format!(
-                    "snapshotter {} did not answer within {}",
-                    self.name,
-                    opmon_client::GoDuration(self.settings.deadline)
-                ))
-            }
-        };
+        let output =
+            match tokio::time::timeout(self.settings.deadline, child.wait_with_output()).await {
+                Ok(Ok(output)) => output,
+                Ok(Err(e)) => return Err(format!("snapshotter {}: {e}", self.name)),
+                Err(_) => {
+                    return Err(format!(
+                        "snapshotter {} did not answer within {}",
+                        self.name,
+                        opmon_client::GoDuration(self.settings.deadline)
+                    ))
+                }
+            };
         if output.status.success() {
             return Ok(output.stdout);
         }
@@ -376,7 +411,8 @@ impl Registry {
         }
     }
 
-    pub fn len(&self) -> usize {
+    /// How many snapshotters are registered.
+    pub fn count(&self) -> usize {
         self.remotes.read().map(|m| m.len()).unwrap_or(0)
     }
 }

@@ -55,9 +55,6 @@ impl FromStr for GoDuration {
         };
         let mut rest = s.strip_prefix('+').unwrap_or(s);
         if rest.starts_with('-') {
-            if rest[1..].chars().all(|c| c == '0' || c == '.') && rest.len() > 1 {
-                return Ok(GoDuration(Duration::ZERO));
-            }
             return Err(fail("must not be negative"));
         }
         if rest == "0" {

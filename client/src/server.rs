@@ -84,10 +84,7 @@ pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     let listener = UnixListener::bind(path)
         .map_err(|e| io::Error::new(e.kind(), format!("binding {}: {e}", path.display())))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("setting mode of {}: {e}", path.display()),
-        )
+        io::Error::new(e.kind(), format!("setting mode of {}: {e}", path.display()))
     })?;
     Ok(listener)
 }

@@ -79,7 +79,8 @@ pub trait Snapshotter: Send + Sync + 'static {
         op: OperationRef,
     ) -> impl Future<Output = Result<OperationProgress, SnapshotterError>> + Send;
 
-    fn cancel(&self, op: OperationRef) -> impl Future<Output = Result<(), SnapshotterError>> + Send;
+    fn cancel(&self, op: OperationRef)
+        -> impl Future<Output = Result<(), SnapshotterError>> + Send;
 }
 
 /// The JSON-RPC methods of `snapshotter`, for embedding into a server of your own.

@@ -138,17 +138,13 @@ impl OwnerPhase {
 
 wire_enum! {
     /// The phase of one operation.
+    #[derive(Default)]
     OperationPhase {
+        #[default]
         New,
         InProgress,
         Completed,
         Failed,
-    }
-}
-
-impl Default for OperationPhase {
-    fn default() -> Self {
-        OperationPhase::New
     }
 }
 
@@ -204,9 +200,15 @@ pub struct OperationProgress {
     pub operation_units: String,
     pub description: String,
     /// When the operation started; absent (or the Unix epoch) if unknown.
-    #[serde(with = "time::serde::rfc3339::option", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub started: Option<Timestamp>,
-    #[serde(with = "time::serde::rfc3339::option", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub updated: Option<Timestamp>,
 }
 

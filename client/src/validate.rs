@@ -42,9 +42,11 @@ pub fn dns_label(value: &str) -> Result<(), String> {
     if value.len() <= 63 && !value.contains('.') && dns_subdomain(value).is_ok() {
         Ok(())
     } else {
-        Err("must be a DNS label (lowercase letters, digits and '-', starting and ending \
+        Err(
+            "must be a DNS label (lowercase letters, digits and '-', starting and ending \
              with a letter or digit, at most 63 characters)"
-            .to_string())
+                .to_string(),
+        )
     }
 }
 
@@ -151,7 +153,14 @@ mod tests {
     fn plugin_names_need_a_domain_and_a_name() {
         assert!(plugin_name("velero.io/csi-pvc").is_ok());
         assert!(plugin_name("example.com/my_plugin.v2").is_ok());
-        for bad in ["csi", "velero.io/", "/csi", "Velero.io/csi", "a/b/c", "a/b c"] {
+        for bad in [
+            "csi",
+            "velero.io/",
+            "/csi",
+            "Velero.io/csi",
+            "a/b/c",
+            "a/b c",
+        ] {
             assert!(plugin_name(bad).is_err(), "{bad}");
         }
     }

@@ -1,0 +1,364 @@
+//! Harness for the end-to-end tests: starts the real `opmon-agent` binary and real
+//! snapshotter processes on sockets in a temporary directory, and cleans them up.
+//!
+//! Readiness is a condition, never a sleep: a process is ready when its socket accepts a
+//! connection (checked in a bounded retry loop that fails with the process's log).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+
+/// How long a process may take to open its socket before the test fails.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// A binary of this workspace, next to the test executables (`cargo test --workspace`
+/// builds them all before running any test).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
+        path.display()
+    );
+    path
+}
+
+/// The SDK snapshotter built for the tests.
+pub fn test_snapshotter_binary() -> PathBuf {
+    workspace_binary("opmon-test-snapshotter")
+}
+
+/// The command snapshotter script.
+pub fn command_snapshotter_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("snapshotters/command-snapshotter.sh")
+}
+
+/// Waits until `socket` accepts connections, failing with `log` if `child` exits first.
+fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
+    let start = Instant::now();
+    loop {
+        if UnixStream::connect(socket).is_ok() {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "process exited ({status}) before serving {}:\n{}",
+                socket.display(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(
+            start.elapsed() < READY_WITHIN,
+            "{} not ready within {READY_WITHIN:?}:\n{}",
+            socket.display(),
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A running `opmon-agent`.
+pub struct Agent {
+    child: Option<Child>,
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub log: PathBuf,
+    args: Vec<String>,
+}
+
+impl Agent {
+    /// Starts an agent in `dir` (socket `dir/run/agent.sock`, state `dir/state`),
+    /// polling every 100 ms, with `extra` flags.
+    pub fn start(dir: &Path, extra: &[&str]) -> Agent {
+        let mut agent = Agent::unstarted(dir, &dir.join("run/agent.sock"), &dir.join("state"));
+        agent.args = extra.iter().map(|s| s.to_string()).collect();
+        agent.launch();
+        agent
+    }
+
+    /// An agent on `socket` and `state_dir`, logging to `dir/agent.log`; not started.
+    pub fn unstarted(dir: &Path, socket: &Path, state_dir: &Path) -> Agent {
+        Agent {
+            child: None,
+            dir: dir.to_path_buf(),
+            socket: socket.to_path_buf(),
+            state_dir: state_dir.to_path_buf(),
+            log: dir.join("agent.log"),
+            args: Vec::new(),
+        }
+    }
+
+    fn launch(&mut self) {
+        let child = self.spawn();
+        self.child = Some(child);
+        let log = self.log.clone();
+        let socket = self.socket.clone();
+        wait_for_socket(&socket, self.child.as_mut().expect("just spawned"), &log);
+    }
+
+    /// Spawns the agent without waiting for it to serve.
+    pub fn spawn(&self) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("agent log");
+        Command::new(workspace_binary("opmon-agent"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["--poll-interval", "100ms"])
+            .args(&self.args)
+            .env("OPMON_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawning opmon-agent")
+    }
+
+    /// A client connected to this agent.
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.socket)
+            .await
+            .expect("connecting to the agent")
+    }
+
+    /// SIGKILL: the agent gets no chance to clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("agent is running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+        child.wait().expect("waiting for the agent")
+    }
+
+    /// Starts the agent again on the same socket and state.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the agent before restarting it");
+        self.launch();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A running `opmon-test-snapshotter`.
+pub struct SdkSnapshotter {
+    child: Child,
+    pub socket: PathBuf,
+}
+
+impl SdkSnapshotter {
+    /// Starts the SDK snapshotter on `dir/<name>.sock`, with gate files in `gates` and
+    /// its journal at `journal`.
+    pub fn start(dir: &Path, name: &str, gates: &Path, journal: &Path) -> SdkSnapshotter {
+        let socket = dir.join(format!("{name}.sock"));
+        let log_path = dir.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).expect("snapshotter log");
+        let mut child = Command::new(test_snapshotter_binary())
+            .arg(&socket)
+            .arg(gates)
+            .arg(journal)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawning opmon-test-snapshotter");
+        wait_for_socket(&socket, &mut child, &log_path);
+        SdkSnapshotter { child, socket }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for SdkSnapshotter {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// The journal's lines (`verb id owner`), or none if it does not exist yet.
+pub fn journal(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Opens the gate of operation `id`: the test snapshotters complete it from now on.
+pub fn open_gate(gates: &Path, id: &str) {
+    std::fs::write(gates.join(id), b"").expect("writing gate file");
+}
+
+/// A namespaced PVC reference.
+pub fn pvc(name: &str) -> ResourceIdentifier {
+    ResourceIdentifier {
+        group: String::new(),
+        resource: "persistentvolumeclaims".into(),
+        namespace: "app".into(),
+        name: name.into(),
+    }
+}
+
+/// An operation of `plugin` on PVC `item` with ID `id`, re-backing up `post`.
+pub fn operation(plugin: &str, id: &str, item: &str, post: &[&str]) -> NewOperation {
+    NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: plugin.into(),
+        },
+        resource: pvc(item),
+        operation_id: id.into(),
+        post_operation_items: post.iter().map(|p| pvc(p)).collect(),
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection to a socket, for sending raw bytes and reading
+/// raw answers: what a misbehaving client does.
+pub struct RawHttp {
+    reader: BufReader<UnixStream>,
+}
+
+impl RawHttp {
+    pub fn connect(socket: &Path) -> RawHttp {
+        let stream = UnixStream::connect(socket).expect("connecting raw");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .expect("read timeout");
+        RawHttp {
+            reader: BufReader::new(stream),
+        }
+    }
+
+    /// POSTs `body` to `/`; returns the status and the body.
+    pub fn post(&mut self, body: &[u8]) -> (u16, String) {
+        let head = format!(
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let stream = self.reader.get_mut();
+        stream.write_all(head.as_bytes()).expect("writing head");
+        // A server may answer (and close) before reading an oversized body: the answer
+        // is still there to read.
+        if let Err(e) = stream.write_all(body) {
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe,
+                "writing body: {e}"
+            );
+        }
+        let mut status_line = String::new();
+        self.reader
+            .read_line(&mut status_line)
+            .expect("status line");
+        let status: u16 = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        let mut length = 0usize;
+        loop {
+            let mut line = String::new();
+            self.reader.read_line(&mut line).expect("header line");
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().expect("content-length");
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).expect("body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// POSTs `body` and parses the JSON answer.
+    pub fn call(&mut self, body: &str) -> serde_json::Value {
+        let (status, text) = self.post(body.as_bytes());
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+    }
+}
+
+/// The plugin the fixture's SDK snapshotter is registered for.
+pub const PLUGIN: &str = "example.io/copier";
+
+/// A temporary directory with an agent and an SDK snapshotter registered for [`PLUGIN`].
+pub struct Fixture {
+    pub gates: PathBuf,
+    pub journal: PathBuf,
+    pub snapshotter: SdkSnapshotter,
+    pub agent: Agent,
+    pub dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// Starts the snapshotter and an agent with `extra` flags, and registers the one
+    /// with the other.
+    pub async fn new(extra: &[&str]) -> Fixture {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let gates = dir.path().join("gates");
+        std::fs::create_dir(&gates).expect("gates directory");
+        let journal = dir.path().join("journal");
+        let snapshotter = SdkSnapshotter::start(dir.path(), "copier", &gates, &journal);
+        let agent = Agent::start(dir.path(), extra);
+        let client = agent.client().await;
+        client
+            .register_snapshotter(&opmon_client::Snapshotter {
+                name: PLUGIN.into(),
+                api_version: opmon_client::ApiVersion::V2,
+                socket: Some(snapshotter.socket.clone()),
+                command: None,
+            })
+            .await
+            .expect("registering the snapshotter");
+        Fixture {
+            gates,
+            journal,
+            snapshotter,
+            agent,
+            dir,
+        }
+    }
+
+    pub fn open_gate(&self, id: &str) {
+        open_gate(&self.gates, id)
+    }
+
+    pub fn journal(&self) -> Vec<String> {
+        journal(&self.journal)
+    }
+}

@@ -78,7 +78,10 @@ impl Core {
         let (owners, unfinished) = self
             .store
             .read(|conn| {
-                Ok::<_, Error>((queries::owner_counts(conn)?, queries::unfinished_total(conn)?))
+                Ok::<_, Error>((
+                    queries::owner_counts(conn)?,
+                    queries::unfinished_total(conn)?,
+                ))
             })
             .await?;
         Ok(AgentStatus {
@@ -86,7 +89,7 @@ impl Core {
             uptime: GoDuration(Duration::from_secs(self.started.elapsed().as_secs())),
             owners,
             unfinished_operations: unfinished,
-            snapshotters: self.remotes.len() as u64,
+            snapshotters: self.remotes.count() as u64,
         })
     }
 
@@ -95,10 +98,8 @@ impl Core {
         let mut poll = tokio::time::interval(self.settings.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Retention is checked hourly, or more often when the retention itself is short.
-        let retention_every = (self.settings.retention / 24).clamp(
-            Duration::from_millis(100),
-            Duration::from_secs(3600),
-        );
+        let retention_every = (self.settings.retention / 24)
+            .clamp(Duration::from_millis(100), Duration::from_secs(3600));
         let mut retention = tokio::time::interval(retention_every);
         retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use opmon_client::{
     AddOperationsParams, AddOperationsResult, DeleteResult, EndInProgressParams, ItemOperation,
-    ListParams, Operation, OperationsParams, Owner, OwnerKind, OwnerList, OwnerPhase,
-    StartParams, WaitParams, WaitResult,
+    ListParams, Operation, OperationsParams, Owner, OwnerKind, OwnerList, OwnerPhase, StartParams,
+    WaitParams, WaitResult,
 };
 use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
@@ -72,7 +72,8 @@ impl Core {
                         )))
                     };
                 }
-                let id = queries::insert_owner(conn, kind, &p.name, &p.uid, timeout, finalize, now)?;
+                let id =
+                    queries::insert_owner(conn, kind, &p.name, &p.uid, timeout, finalize, now)?;
                 reload(conn, id)
             })
             .await?;
@@ -93,7 +94,12 @@ impl Core {
             .write(move |conn| {
                 let row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "addOperations")?;
-                Ok::<_, Error>(queries::insert_operations(conn, row.id, &p.operations, now)?)
+                Ok::<_, Error>(queries::insert_operations(
+                    conn,
+                    row.id,
+                    &p.operations,
+                    now,
+                )?)
             })
             .await?;
         if added > 0 {
@@ -167,7 +173,12 @@ impl Core {
                 let mut row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "endInProgress")?;
                 let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
-                queries::fail_unfinished(conn, row.id, &format!("cancelled: the {kind} failed"), now)?;
+                queries::fail_unfinished(
+                    conn,
+                    row.id,
+                    &format!("cancelled: the {kind} failed"),
+                    now,
+                )?;
                 row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, p.errors, 0);
                 row.owner.errors = p.errors;
                 row.owner.warnings = p.warnings;
@@ -194,8 +205,14 @@ impl Core {
         let mut rows = self
             .store
             .read(move |conn| {
-                queries::list_owners(conn, kind, p.phases.as_deref(), p.after.as_deref(), limit + 1)
-                    .map_err(Error::from)
+                queries::list_owners(
+                    conn,
+                    kind,
+                    p.phases.as_deref(),
+                    p.after.as_deref(),
+                    limit + 1,
+                )
+                .map_err(Error::from)
             })
             .await?;
         let more = rows.len() > limit as usize;

@@ -94,7 +94,12 @@ fn settle_waiting(
     }
     row.owner.errors = row.owner.errors.saturating_add(newly_failed);
     let unfinished = queries::unfinished_count(conn, row.id)?;
-    row.owner.phase = phase::after_poll(row.owner.phase, row.owner.finalize, row.owner.errors, unfinished);
+    row.owner.phase = phase::after_poll(
+        row.owner.phase,
+        row.owner.finalize,
+        row.owner.errors,
+        unfinished,
+    );
     record_post_items(conn, &mut row, unfinished)?;
     queries::update_owner(conn, &row, now)
 }
@@ -120,7 +125,10 @@ impl Core {
         let observations: Vec<Observation> = match remote.as_deref() {
             None => {
                 let e = format!("no snapshotter is registered for plugin {plugin}");
-                targets.iter().map(|_| Observation::Error(e.clone())).collect()
+                targets
+                    .iter()
+                    .map(|_| Observation::Error(e.clone()))
+                    .collect()
             }
             Some(Remote::V1) => targets.iter().map(|_| Observation::V1Adapter).collect(),
             Some(remote) => {
@@ -144,7 +152,10 @@ impl Core {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
-                changes.push(Change { target, next: d.next });
+                changes.push(Change {
+                    target,
+                    next: d.next,
+                });
             }
         }
         if !to_cancel.is_empty() {
@@ -177,7 +188,8 @@ impl Core {
 
     /// Commits polled changes and settles the waiting owners they touched.
     async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
-        let mut owners: Vec<Arc<OwnerRef>> = changes.iter().map(|c| c.target.owner.clone()).collect();
+        let mut owners: Vec<Arc<OwnerRef>> =
+            changes.iter().map(|c| c.target.owner.clone()).collect();
         owners.dedup();
         let now = now_ms();
         self.store
@@ -257,7 +269,9 @@ impl Core {
                 let mut abandoned = Vec::new();
                 let mut owners = Vec::new();
                 for id in queries::owners_in_phases(conn, &[OwnerPhase::InProgress])? {
-                    let Some(mut row) = queries::owner_by_id(conn, id)? else { continue };
+                    let Some(mut row) = queries::owner_by_id(conn, id)? else {
+                        continue;
+                    };
                     abandoned.extend(queries::poll_targets(conn, Targets::Owner(id))?);
                     let reason = format!(
                         "cancelled: the agent restarted while the {} was InProgress",

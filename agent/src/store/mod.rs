@@ -7,6 +7,8 @@
 
 pub mod queries;
 pub mod schema;
+#[cfg(test)]
+mod tests;
 pub mod writer;
 
 use std::fs::{File, OpenOptions};
@@ -18,6 +20,7 @@ use std::sync::Mutex;
 use nix::fcntl::{Flock, FlockArg};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::writer::StorageCause;
 use self::writer::Writer;
 
 /// A storage failure, described for an operator: what failed and why.
@@ -61,7 +64,10 @@ pub enum OpenError {
         source: std::io::Error,
     },
     #[error("opening database {db}: {source}")]
-    Sqlite { db: PathBuf, source: rusqlite::Error },
+    Sqlite {
+        db: PathBuf,
+        source: rusqlite::Error,
+    },
     #[error("database {db}: {source}")]
     Migrate {
         db: PathBuf,
@@ -90,7 +96,10 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
 impl Store {
     /// Opens (creating if needed) the database at `path`, takes its lock, migrates it,
     /// and starts the writer. `on_commit` is told the size of every committed group.
-    pub fn open(path: &Path, on_commit: impl Fn(usize) + Send + 'static) -> Result<Store, OpenError> {
+    pub fn open(
+        path: &Path,
+        on_commit: impl Fn(usize) + Send + 'static,
+    ) -> Result<Store, OpenError> {
         let lock = lock(path)?;
         OpenOptions::new()
             .create(true)
@@ -130,6 +139,11 @@ impl Store {
         })
     }
 
+    /// Write requests waiting for the next group transaction.
+    pub fn queued_writes(&self) -> usize {
+        self.writer.queued()
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -138,7 +152,7 @@ impl Store {
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
-        E: From<StoreError> + Send + 'static,
+        E: From<StoreError> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         self.writer.write(work).await
@@ -217,7 +231,11 @@ fn lock(db: &Path) -> Result<Flock<File>, OpenError> {
             let pid = pid.trim();
             return Err(OpenError::Locked {
                 db: db.to_path_buf(),
-                pid: if pid.is_empty() { "unknown".into() } else { pid.into() },
+                pid: if pid.is_empty() {
+                    "unknown".into()
+                } else {
+                    pid.into()
+                },
             });
         }
         Err((_, errno)) => return Err(io("locking")(std::io::Error::from(errno))),

@@ -547,7 +547,9 @@ pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
 /// Removes a snapshotter; returns it if it existed.
 pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Option<Snapshotter>> {
     let found = conn
-        .prepare_cached("SELECT name, api_version, socket, command FROM snapshotters WHERE name = ?1")?
+        .prepare_cached(
+            "SELECT name, api_version, socket, command FROM snapshotters WHERE name = ?1",
+        )?
         .query_row([name], snapshotter_from_row)
         .optional()?;
     if found.is_some() {

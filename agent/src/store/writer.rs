@@ -7,7 +7,8 @@
 //! Invariant: a request's reply is sent only after the transaction holding its changes
 //! has committed, so anything acknowledged survives a crash.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use rusqlite::Connection;
@@ -25,8 +26,22 @@ trait Pending: Send {
 
 /// A request waiting to run.
 trait Job: Send {
-    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending>;
+    /// Runs the request in its savepoint. The second value is set when the request's
+    /// failure made SQLite roll back the whole transaction (it does so for a full disk
+    /// and some I/O errors): then every request run so far in it has lost its changes.
+    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StoreError>);
     fn abort(self: Box<Self>, error: StoreError);
+}
+
+/// Turns a request's error into the storage error that explains a lost transaction.
+pub trait StorageCause {
+    fn storage_cause(&self) -> StoreError;
+}
+
+impl StorageCause for StoreError {
+    fn storage_cause(&self) -> StoreError {
+        self.clone()
+    }
 }
 
 struct TypedJob<T, E, F> {
@@ -42,14 +57,28 @@ struct TypedPending<T, E> {
 impl<T, E, F> Job for TypedJob<T, E, F>
 where
     T: Send + 'static,
-    E: From<StoreError> + Send + 'static,
+    E: From<StoreError> + StorageCause + Send + 'static,
     F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
 {
-    fn run(self: Box<Self>, conn: &Connection) -> Box<dyn Pending> {
+    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StoreError>) {
         let result = match conn.execute_batch("SAVEPOINT request") {
             Err(e) => Err(E::from(StoreError::from(e))),
             Ok(()) => {
                 let result = (self.work)(conn);
+                if conn.is_autocommit() {
+                    let cause = match &result {
+                        Err(e) => e.storage_cause(),
+                        Ok(_) => StoreError {
+                            message: "the transaction ended inside a request".into(),
+                            disk_full: false,
+                        },
+                    };
+                    let pending = Box::new(TypedPending {
+                        result: Err(E::from(cause.clone())),
+                        reply: self.reply,
+                    });
+                    return (pending, Some(cause));
+                }
                 let end = if result.is_ok() {
                     "RELEASE request"
                 } else {
@@ -61,10 +90,11 @@ where
                 }
             }
         };
-        Box::new(TypedPending {
+        let pending = Box::new(TypedPending {
             result,
             reply: self.reply,
-        })
+        });
+        (pending, None)
     }
 
     fn abort(self: Box<Self>, error: StoreError) {
@@ -86,6 +116,8 @@ impl<T: Send, E: From<StoreError> + Send> Pending for TypedPending<T, E> {
 /// Handle to the writer thread.
 pub struct Writer {
     queue: Mutex<Option<mpsc::UnboundedSender<Box<dyn Job>>>>,
+    /// Requests sent but not yet taken into a transaction.
+    queued: Arc<AtomicUsize>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -93,12 +125,15 @@ impl Writer {
     /// Starts the writer thread on `conn`, which must be the database's only writer.
     pub fn start(conn: Connection, on_commit: impl Fn(usize) + Send + 'static) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let taken = queued.clone();
         let thread = std::thread::Builder::new()
             .name("opmon-store-writer".into())
-            .spawn(move || run(conn, rx, on_commit))
+            .spawn(move || run(conn, rx, &taken, on_commit))
             .expect("spawning the store writer thread");
         Writer {
             queue: Mutex::new(Some(tx)),
+            queued,
             thread: Mutex::new(Some(thread)),
         }
     }
@@ -108,11 +143,12 @@ impl Writer {
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
-        E: From<StoreError> + Send + 'static,
+        E: From<StoreError> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
+        self.queued.fetch_add(1, Ordering::SeqCst);
         let sent = match self.queue.lock() {
             Ok(queue) => match queue.as_ref() {
                 Some(q) => q.send(job).map_err(|_| ()),
@@ -121,11 +157,17 @@ impl Writer {
             Err(_) => Err(()),
         };
         if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(E::from(StoreError::closed()));
         }
         answer
             .await
             .unwrap_or_else(|_| Err(E::from(StoreError::closed())))
+    }
+
+    /// Requests waiting for the next transaction.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
     }
 
     /// Stops accepting work, lets queued work commit, and waits for the thread to close
@@ -141,9 +183,15 @@ impl Writer {
     }
 }
 
+fn begin(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute_batch("BEGIN IMMEDIATE")
+        .map_err(StoreError::from)
+}
+
 fn run(
     conn: Connection,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
+    queued: &AtomicUsize,
     on_commit: impl Fn(usize),
 ) {
     while let Some(first) = rx.blocking_recv() {
@@ -154,21 +202,37 @@ fn run(
                 Err(_) => break,
             }
         }
-        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
-            let error = StoreError::from(e);
-            for job in group {
-                job.abort(error.clone());
+        let size = group.len();
+        queued.fetch_sub(size, Ordering::SeqCst);
+        let mut jobs = group.into_iter();
+        let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
+        let mut open = begin(&conn);
+        while let Some(job) = jobs.next() {
+            if let Err(e) = &open {
+                job.abort(e.clone());
+                jobs.by_ref().for_each(|j| j.abort(e.clone()));
+                break;
             }
+            let (done, lost) = job.run(&conn);
+            pending.push(done);
+            if let Some(cause) = lost {
+                // Everything run in this transaction is gone: say so to those requests
+                // and go on with the rest in a fresh transaction.
+                for p in pending.drain(..) {
+                    p.finish(Err(cause.clone()));
+                }
+                open = begin(&conn);
+            }
+        }
+        if open.is_err() {
             continue;
         }
-        let size = group.len();
-        let pending: Vec<Box<dyn Pending>> = group.into_iter().map(|job| job.run(&conn)).collect();
         let commit = conn.execute_batch("COMMIT").map_err(StoreError::from);
         if commit.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
         if commit.is_ok() {
-            on_commit(size);
+            on_commit(pending.len());
         }
         for p in pending {
             p.finish(commit.clone());

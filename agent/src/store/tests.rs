@@ -1,0 +1,332 @@
+//! Store tests on real database files.
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::{Arc, Mutex};
+
+use opmon_client::{GoDuration, OwnerKind, OwnerPhase};
+use rusqlite::Connection;
+
+use super::schema::{self, CURRENT_VERSION};
+use super::{queries, OpenError, Store, StoreError};
+
+fn temp_db() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("agent.db");
+    (dir, db)
+}
+
+/// Writes rows the way an agent at schema `version` would have.
+fn fill_old_database(conn: &Connection, version: u32) {
+    if version >= 1 {
+        conn.execute_batch(
+            "INSERT INTO owners (id, kind, name, uid, phase, item_operation_timeout_ms, errors,
+                 warnings, created_ms, updated_ms)
+             VALUES (1, 'backup', 'old-backup', 'u1', 'WaitingForPluginOperations', 14400000,
+                 0, 0, 1000, 1000),
+                    (2, 'restore', 'old-restore', 'u2', 'InProgress', 60000, 0, 0, 1000, 1000);
+             INSERT INTO operations (owner_id, plugin_kind, plugin_name, res_group, res_resource,
+                 res_namespace, res_name, operation_id, created_ms)
+             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'p', 'op-1', 1000);",
+        )
+        .unwrap();
+    }
+    if version >= 2 {
+        conn.execute_batch(
+            "INSERT INTO snapshotters (name, api_version, socket)
+             VALUES ('example.io/copier', 'v2', '/run/copier.sock');",
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn every_older_schema_version_opens_and_keeps_its_data() {
+    for version in 0..CURRENT_VERSION {
+        let (_dir, db) = temp_db();
+        {
+            let mut conn = Connection::open(&db).unwrap();
+            assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
+            fill_old_database(&conn, version);
+        }
+        let store = Store::open(&db, |_| {}).unwrap_or_else(|e| panic!("version {version}: {e}"));
+        let conn = Connection::open(&db).unwrap();
+        let found: u32 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(found, CURRENT_VERSION, "from version {version}");
+        if version >= 1 {
+            let backup = queries::owner_by_name(&conn, OwnerKind::Backup, "old-backup")
+                .unwrap()
+                .expect("backup kept");
+            assert_eq!(backup.owner.phase, OwnerPhase::WaitingForPluginOperations);
+            assert!(backup.owner.finalize, "backups always finalize");
+            assert_eq!(backup.owner.operations_attempted, 1);
+            let restore = queries::owner_by_name(&conn, OwnerKind::Restore, "old-restore")
+                .unwrap()
+                .expect("restore kept");
+            assert!(!restore.owner.finalize, "restores keep the default");
+            assert_eq!(
+                restore.owner.item_operation_timeout,
+                GoDuration::from_secs(60)
+            );
+        }
+        if version >= 2 {
+            assert_eq!(queries::snapshotters(&conn).unwrap().len(), 1);
+        }
+        store.close();
+    }
+}
+
+#[test]
+fn a_database_newer_than_the_agent_is_refused() {
+    let (_dir, db) = temp_db();
+    Connection::open(&db)
+        .unwrap()
+        .pragma_update(None, "user_version", CURRENT_VERSION + 1)
+        .unwrap();
+    let err = Store::open(&db, |_| {}).err().expect("refused").to_string();
+    assert!(
+        err.contains(&format!(
+            "schema version {} is newer than this agent supports ({CURRENT_VERSION})",
+            CURRENT_VERSION + 1
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
+    let (_dir, db) = temp_db();
+    let store = Store::open(&db, |_| {}).unwrap();
+    let mode = std::fs::metadata(&db).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let journal: String = Connection::open(&db)
+        .unwrap()
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(journal, "wal");
+    match Store::open(&db, |_| {}) {
+        Err(OpenError::Locked { db: locked, pid }) => {
+            assert_eq!(locked, db);
+            assert_eq!(pid, std::process::id().to_string());
+        }
+        other => panic!("expected the lock to refuse, got {:?}", other.err()),
+    }
+    store.close();
+    drop(store);
+    Store::open(&db, |_| {}).expect("the lock is released with the store");
+}
+
+/// Occupies the writer with a request that blocks inside its transaction until the
+/// returned sender is used. Returns once the writer is inside that request, so every
+/// request sent afterwards queues for the next transaction.
+async fn hold_writer(
+    store: &Arc<Store>,
+) -> (
+    tokio::task::JoinHandle<Result<(), StoreError>>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (inside, entered) = tokio::sync::oneshot::channel::<()>();
+    let blocker = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .write(move |_| {
+                    let _ = inside.send(());
+                    held.recv().ok();
+                    Ok::<_, StoreError>(())
+                })
+                .await
+        }
+    });
+    entered.await.expect("the writer ran the blocking request");
+    (blocker, release)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_share_one_transaction() {
+    let (_dir, db) = temp_db();
+    let groups = Arc::new(Mutex::new(Vec::new()));
+    let seen = groups.clone();
+    let store = Arc::new(Store::open(&db, move |n| seen.lock().unwrap().push(n)).unwrap());
+
+    // Hold the writer inside a first transaction until 64 more requests are queued.
+    let (blocker, release) = hold_writer(&store).await;
+    let writers: Vec<_> = (0..64)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .write(move |conn| {
+                        queries::insert_owner(
+                            conn,
+                            OwnerKind::Backup,
+                            &format!("b{i}"),
+                            "u",
+                            GoDuration::from_secs(60),
+                            true,
+                            0,
+                        )
+                        .map_err(StoreError::from)
+                    })
+                    .await
+            })
+        })
+        .collect();
+    while store.queued_writes() < 64 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    for w in writers {
+        w.await.unwrap().unwrap();
+    }
+    assert_eq!(*groups.lock().unwrap(), vec![1, 64]);
+    let count: i64 = Connection::open(&db)
+        .unwrap()
+        .query_row("SELECT COUNT(*) FROM owners", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(count, 64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_request_is_rolled_back_alone_within_its_group() {
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_| {}).unwrap());
+    let (blocker, release) = hold_writer(&store).await;
+    let insert = |name: &'static str, fail: bool| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .write(move |conn| {
+                    queries::insert_owner(
+                        conn,
+                        OwnerKind::Backup,
+                        name,
+                        "u",
+                        GoDuration::from_secs(1),
+                        true,
+                        0,
+                    )
+                    .map_err(StoreError::from)?;
+                    if fail {
+                        return Err(StoreError {
+                            message: "refused".into(),
+                            disk_full: false,
+                        });
+                    }
+                    Ok(())
+                })
+                .await
+        })
+    };
+    let good = insert("kept", false);
+    let bad = insert("dropped", true);
+    while store.queued_writes() < 2 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    good.await.unwrap().unwrap();
+    assert_eq!(bad.await.unwrap().unwrap_err().message, "refused");
+    let conn = Connection::open(&db).unwrap();
+    assert!(queries::owner_by_name(&conn, OwnerKind::Backup, "kept")
+        .unwrap()
+        .is_some());
+    assert!(queries::owner_by_name(&conn, OwnerKind::Backup, "dropped")
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_space_is_back() {
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_| {}).unwrap());
+    let add = |name: &'static str| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .write(move |conn| {
+                    queries::insert_owner(
+                        conn,
+                        OwnerKind::Backup,
+                        name,
+                        "u",
+                        GoDuration::from_secs(1),
+                        true,
+                        0,
+                    )
+                    .map_err(StoreError::from)
+                })
+                .await
+        })
+    };
+    let (blocker, release) = hold_writer(&store).await;
+    let before = add("before-full");
+    while store.queued_writes() < 1 {
+        tokio::task::yield_now().await;
+    }
+    let full = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .write(|conn| {
+                    // Cap the file at its current size: the next page allocation fails
+                    // with SQLITE_FULL, exactly as a full file system makes it.
+                    let pages: i64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+                    conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(()))?;
+                    conn.execute(
+                        "INSERT INTO snapshotters (name, api_version, command) VALUES ('a/b', 'v2', ?1)",
+                        [&"x".repeat(1 << 20)],
+                    )?;
+                    Ok::<_, StoreError>(())
+                })
+                .await
+        }
+    });
+    while store.queued_writes() < 2 {
+        tokio::task::yield_now().await;
+    }
+    let after = add("after-full");
+    while store.queued_writes() < 3 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+
+    let err = full.await.unwrap().unwrap_err();
+    assert!(err.disk_full, "{}", err.message);
+    assert!(
+        err.message
+            .starts_with("the disk holding the database is full"),
+        "{}",
+        err.message
+    );
+    // SQLite rolled the whole transaction back: the request that ran before it in the
+    // same group is told so, not acknowledged.
+    let before = before.await.unwrap().unwrap_err();
+    assert!(before.disk_full, "{}", before.message);
+    // The one after it ran in a fresh transaction; the cap still holds, but one owner
+    // row fits in the pages already there.
+    after.await.unwrap().unwrap();
+
+    // Space comes back: writes resume on the same connection, no restart.
+    store
+        .write(|conn| {
+            conn.query_row("PRAGMA max_page_count = 1073741823", [], |_| Ok(()))
+                .map_err(StoreError::from)
+        })
+        .await
+        .unwrap();
+    add("after-space").await.unwrap().unwrap();
+    let conn = Connection::open(&db).unwrap();
+    let names: Vec<String> = conn
+        .prepare("SELECT name FROM owners ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(names, ["after-full", "after-space"]);
+}

@@ -1,0 +1,134 @@
+//! A snapshotter built with the SDK, for the end-to-end tests. It is a real process on a
+//! real socket; its behaviour for an operation is chosen by the operation ID's prefix:
+//!
+//! | prefix | Progress answers |
+//! |---|---|
+//! | `done-` | completed, 100/100 bytes |
+//! | `fail-` | completed with err `copy failed` |
+//! | `gate-` | 30/100 bytes, started; completed once the file `<gates>/<id>` exists |
+//! | `failgate-` | like `gate-`, but completes with err `copy failed` |
+//! | `never-` | 50/100 bytes, started, never completes |
+//! | `unsupported-` | error 2001 OperationsNotSupported |
+//! | anything else | error 2002 InvalidOperationId |
+//!
+//! While the file `<gates>/HANG` exists, every call hangs. Each call is appended to the
+//! journal file (`progress ID` or `cancel ID`) before it is answered, so tests can see
+//! what the agent asked and in which order.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use opmon_client::snapshotter::{serve, Snapshotter, SnapshotterError};
+use opmon_client::{OperationProgress, OperationRef};
+use time::OffsetDateTime;
+
+struct Scripted {
+    gates: PathBuf,
+    journal: Mutex<std::fs::File>,
+}
+
+impl Scripted {
+    fn record(&self, verb: &str, op: &OperationRef) {
+        if let Ok(mut journal) = self.journal.lock() {
+            let _ = writeln!(journal, "{verb} {} {}", op.operation_id, op.owner.name);
+            let _ = journal.flush();
+        }
+    }
+
+    async fn hang_if_asked(&self) {
+        if self.gates.join("HANG").exists() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    fn progress(n: i64, completed: bool, err: &str) -> OperationProgress {
+        OperationProgress {
+            completed,
+            err: err.into(),
+            n_completed: n,
+            n_total: 100,
+            operation_units: "byte".into(),
+            description: if completed {
+                "done".into()
+            } else {
+                "copying".into()
+            },
+            started: Some(OffsetDateTime::UNIX_EPOCH + time::Duration::days(20_000)),
+            updated: None,
+        }
+    }
+}
+
+impl Snapshotter for Scripted {
+    async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
+        self.hang_if_asked().await;
+        self.record("progress", &op);
+        let id = op.operation_id.as_str();
+        let open = || self.gates.join(id).exists();
+        if id.starts_with("done-") {
+            Ok(Self::progress(100, true, ""))
+        } else if id.starts_with("fail-") {
+            Ok(Self::progress(40, true, "copy failed"))
+        } else if id.starts_with("gate-") {
+            Ok(if open() {
+                Self::progress(100, true, "")
+            } else {
+                Self::progress(30, false, "")
+            })
+        } else if id.starts_with("failgate-") {
+            Ok(if open() {
+                Self::progress(60, true, "copy failed")
+            } else {
+                Self::progress(30, false, "")
+            })
+        } else if id.starts_with("never-") {
+            Ok(Self::progress(50, false, ""))
+        } else if id.starts_with("unsupported-") {
+            Err(SnapshotterError::OperationsNotSupported(format!(
+                "{id} is not mine"
+            )))
+        } else {
+            Err(SnapshotterError::InvalidOperationId(format!(
+                "no operation {id}"
+            )))
+        }
+    }
+
+    async fn cancel(&self, op: OperationRef) -> Result<(), SnapshotterError> {
+        self.hang_if_asked().await;
+        self.record("cancel", &op);
+        Ok(())
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, socket, gates, journal] = args.as_slice() else {
+        eprintln!("usage: opmon-test-snapshotter SOCKET GATES_DIR JOURNAL");
+        return std::process::ExitCode::from(2);
+    };
+    let journal = match std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(journal)
+    {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("opening {journal}: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let snapshotter = Scripted {
+        gates: PathBuf::from(gates),
+        journal: Mutex::new(journal),
+    };
+    match serve(socket, snapshotter).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("opmon-test-snapshotter: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,550 @@
+//! End-to-end: backups and restores through their phases, against the real agent and
+//! real snapshotter processes.
+
+use std::time::Duration;
+
+use opmon_client::{
+    codes, ApiVersion, ListParams, OperationPhase, OwnerPhase, Snapshotter, StartParams, WaitUntil,
+};
+use opmon_tests::{command_snapshotter_script, operation, pvc, Fixture, PLUGIN};
+
+const LONG: Duration = Duration::from_secs(120);
+
+#[tokio::test]
+async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post_items() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    let owner = backups.start("nightly-1", "uid-1", None).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::InProgress);
+    let added = backups
+        .add_operations(
+            "nightly-1",
+            vec![
+                operation(PLUGIN, "done-1", "data", &["vsb-data", "shared"]),
+                operation(PLUGIN, "gate-2", "logs", &["shared", "vsb-logs"]),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!((added.added, added.already_known), (2, 0));
+
+    let owner = backups
+        .end_in_progress("nightly-1", 0, 0, false)
+        .await
+        .unwrap();
+    assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
+    assert_eq!(
+        owner.operations_completed, 1,
+        "done-1 finished at the immediate poll"
+    );
+    assert_eq!(
+        owner.post_operation_items, None,
+        "set only once nothing is unfinished"
+    );
+
+    f.open_gate("gate-2");
+    let waited = backups
+        .wait("nightly-1", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap();
+    assert!(!waited.timed_out);
+    let owner = waited.owner;
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+    assert_eq!(
+        (
+            owner.operations_attempted,
+            owner.operations_completed,
+            owner.operations_failed
+        ),
+        (2, 2, 0)
+    );
+    assert_eq!(
+        owner.post_operation_items,
+        Some(vec![pvc("shared"), pvc("vsb-data"), pvc("vsb-logs")])
+    );
+    let ops = backups.operations("nightly-1", None).await.unwrap();
+    assert!(ops.iter().all(|o| o.phase == OperationPhase::Completed));
+    assert_eq!(ops[1].n_completed, 100);
+    assert_eq!(ops[1].operation_units, "byte");
+    assert!(ops[1].started.is_some());
+}
+
+#[tokio::test]
+async fn one_failed_operation_makes_the_backup_finalizing_partially_failed() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("b", "u", None).await.unwrap();
+    backups
+        .add_operations(
+            "b",
+            vec![
+                operation(PLUGIN, "fail-1", "a", &[]),
+                operation(PLUGIN, "gate-2", "b", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    assert_eq!(
+        owner.phase,
+        OwnerPhase::WaitingForPluginOperationsPartiallyFailed
+    );
+    assert_eq!(owner.errors, 1);
+    f.open_gate("gate-2");
+    let owner = backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    assert_eq!(owner.operations_failed, 1);
+    let failed = backups
+        .operations("b", Some(vec![OperationPhase::Failed]))
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].operation_id, "fail-1");
+    assert_eq!(failed[0].error, "copy failed");
+}
+
+#[tokio::test]
+async fn errors_reported_at_end_of_in_progress_carry_into_waiting_partially_failed() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("b", "u", None).await.unwrap();
+    backups
+        .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
+        .await
+        .unwrap();
+    let owner = backups.end_in_progress("b", 3, 2, false).await.unwrap();
+    assert_eq!(
+        owner.phase,
+        OwnerPhase::WaitingForPluginOperationsPartiallyFailed
+    );
+    assert_eq!((owner.errors, owner.warnings), (3, 2));
+    f.open_gate("gate-1");
+    let owner = backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+}
+
+#[tokio::test]
+async fn timed_out_operation_is_cancelled_then_failed() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups
+        .start("slow", "u", Some(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    backups
+        .add_operations("slow", vec![operation(PLUGIN, "never-1", "a", &[])])
+        .await
+        .unwrap();
+    let owner = backups.end_in_progress("slow", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
+    let owner = backups
+        .wait("slow", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    let ops = backups.operations("slow", None).await.unwrap();
+    assert_eq!(ops[0].phase, OperationPhase::Failed);
+    assert_eq!(ops[0].error, "Asynchronous action timed out");
+    let journal = f.journal();
+    let cancel = journal.iter().position(|l| l == "cancel never-1 slow");
+    assert!(cancel.is_some(), "snapshotter saw no cancel: {journal:?}");
+}
+
+#[tokio::test]
+async fn a_restore_goes_straight_to_completed() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    restores.start("r1", "u", None).await.unwrap();
+    restores
+        .add_operations("r1", vec![operation(PLUGIN, "done-1", "a", &[])])
+        .await
+        .unwrap();
+    let owner = restores.end_in_progress("r1", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::Completed);
+    assert!(owner.completed.is_some());
+
+    restores.start("r2", "u", None).await.unwrap();
+    restores
+        .add_operations("r2", vec![operation(PLUGIN, "gate-r2", "a", &[])])
+        .await
+        .unwrap();
+    let owner = restores.end_in_progress("r2", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
+    f.open_gate("gate-r2");
+    let owner = restores
+        .wait("r2", WaitUntil::Terminal, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::Completed);
+    // Backups and restores are separate name spaces.
+    assert_eq!(
+        client.backups().get("r1").await.unwrap_err().code(),
+        Some(codes::NOT_FOUND)
+    );
+}
+
+#[tokio::test]
+async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("doomed", "u", None).await.unwrap();
+    backups
+        .add_operations(
+            "doomed",
+            vec![
+                operation(PLUGIN, "never-1", "a", &[]),
+                operation(PLUGIN, "never-2", "b", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    let owner = backups.end_in_progress("doomed", 1, 0, true).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::Failed);
+    let journal = f.journal();
+    for id in ["never-1", "never-2"] {
+        assert!(
+            journal.contains(&format!("cancel {id} doomed")),
+            "{journal:?}"
+        );
+        assert!(
+            !journal.contains(&format!("progress {id} doomed")),
+            "a failed backup is not polled"
+        );
+    }
+    let ops = backups.operations("doomed", None).await.unwrap();
+    assert!(ops
+        .iter()
+        .all(|o| o.phase == OperationPhase::Failed && o.error == "cancelled: the backup failed"));
+}
+
+#[tokio::test]
+async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_specified() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    client
+        .register_snapshotter(&Snapshotter {
+            name: "example.io/legacy".into(),
+            api_version: ApiVersion::V1,
+            socket: None,
+            command: None,
+        })
+        .await
+        .unwrap();
+    let backups = client.backups();
+    backups.start("mixed", "u", None).await.unwrap();
+    backups
+        .add_operations(
+            "mixed",
+            vec![
+                operation(PLUGIN, "unsupported-1", "a", &[]),
+                operation(PLUGIN, "forgotten-2", "b", &[]),
+                operation("example.io/nobody", "x-3", "c", &[]),
+                operation("example.io/legacy", "snap-4", "d", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    let owner = backups.end_in_progress("mixed", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    assert_eq!(
+        (owner.operations_failed, owner.operations_completed),
+        (3, 1)
+    );
+    let ops = backups.operations("mixed", None).await.unwrap();
+    assert!(
+        ops[0].error.starts_with("OperationsNotSupported: "),
+        "{}",
+        ops[0].error
+    );
+    assert!(
+        ops[1].error.starts_with("InvalidOperationId: "),
+        "{}",
+        ops[1].error
+    );
+    assert_eq!(
+        ops[2].error,
+        "no snapshotter is registered for plugin example.io/nobody"
+    );
+    assert_eq!(
+        ops[3].phase,
+        OperationPhase::Completed,
+        "v1 adapter completes at first poll"
+    );
+}
+
+#[tokio::test]
+async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let journal = f.dir.path().join("command-journal");
+    client
+        .register_snapshotter(&Snapshotter {
+            name: "example.io/script".into(),
+            api_version: ApiVersion::V2,
+            socket: None,
+            command: Some(vec![
+                "/bin/sh".into(),
+                command_snapshotter_script().display().to_string(),
+                journal.display().to_string(),
+                f.gates.display().to_string(),
+            ]),
+        })
+        .await
+        .unwrap();
+    let backups = client.backups();
+    backups.start("scripted", "uid-9", None).await.unwrap();
+    backups
+        .add_operations(
+            "scripted",
+            vec![
+                operation("example.io/script", "done-1", "a", &[]),
+                operation("example.io/script", "gate-2", "b", &[]),
+                operation("example.io/script", "broken-3", "c", &[]),
+                operation("example.io/script", "garbage-4", "d", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    let owner = backups
+        .end_in_progress("scripted", 0, 0, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        owner.phase,
+        OwnerPhase::WaitingForPluginOperationsPartiallyFailed
+    );
+    f.open_gate("gate-2");
+    let owner = backups
+        .wait("scripted", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    let ops = backups.operations("scripted", None).await.unwrap();
+    assert_eq!(ops[0].phase, OperationPhase::Completed);
+    assert_eq!(
+        (ops[0].n_completed, ops[0].operation_units.as_str()),
+        (7, "file")
+    );
+    assert_eq!(ops[1].phase, OperationPhase::Completed);
+    assert!(
+        ops[2].error.ends_with(": volume broken-3 is gone"),
+        "{}",
+        ops[2].error
+    );
+    assert!(
+        ops[3].error.contains("invalid progress"),
+        "{}",
+        ops[3].error
+    );
+    let lines = opmon_tests::journal(&journal);
+    assert!(
+        lines.contains(&"progress done-1 backup/scripted uid-9 example.io/script".to_string()),
+        "{lines:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
+    // The hung snapshotter's calls get a deadline far beyond this test's waits.
+    let f = Fixture::new(&["--call-deadline", "10m"]).await;
+    let hung_gates = f.dir.path().join("hung-gates");
+    std::fs::create_dir(&hung_gates).unwrap();
+    let hung = opmon_tests::SdkSnapshotter::start(
+        f.dir.path(),
+        "hung",
+        &hung_gates,
+        &f.dir.path().join("hung-journal"),
+    );
+    let client = f.agent.client().await;
+    client
+        .register_snapshotter(&Snapshotter {
+            name: "example.io/hung".into(),
+            api_version: ApiVersion::V2,
+            socket: Some(hung.socket.clone()),
+            command: None,
+        })
+        .await
+        .unwrap();
+    let backups = client.backups();
+    backups.start("stuck", "u", None).await.unwrap();
+    backups
+        .add_operations(
+            "stuck",
+            vec![operation("example.io/hung", "gate-s", "a", &[])],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        backups
+            .end_in_progress("stuck", 0, 0, false)
+            .await
+            .unwrap()
+            .phase,
+        OwnerPhase::WaitingForPluginOperations
+    );
+    // From now on every call to the hung snapshotter blocks.
+    opmon_tests::open_gate(&hung_gates, "HANG");
+
+    backups.start("healthy", "u", None).await.unwrap();
+    backups
+        .add_operations("healthy", vec![operation(PLUGIN, "gate-h", "a", &[])])
+        .await
+        .unwrap();
+    backups
+        .end_in_progress("healthy", 0, 0, false)
+        .await
+        .unwrap();
+    f.open_gate("gate-h");
+    let waited = backups
+        .wait("healthy", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap();
+    assert!(!waited.timed_out);
+    assert_eq!(waited.owner.phase, OwnerPhase::Finalizing);
+    // Progress of the healthy snapshotter kept its cadence: several polls answered.
+    let polls = f
+        .journal()
+        .iter()
+        .filter(|l| l.starts_with("progress gate-h"))
+        .count();
+    assert!(
+        polls >= 2,
+        "the healthy snapshotter was polled {polls} times"
+    );
+    assert_eq!(
+        backups.get("stuck").await.unwrap().phase,
+        OwnerPhase::WaitingForPluginOperations
+    );
+}
+
+#[tokio::test]
+async fn start_is_idempotent_per_uid_and_operations_per_plugin_and_id() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    let first = backups.start("b", "uid-a", None).await.unwrap();
+    let again = backups.start("b", "uid-a", None).await.unwrap();
+    assert_eq!(first, again);
+    let other = backups.start("b", "uid-b", None).await.unwrap_err();
+    assert_eq!(other.code(), Some(codes::ALREADY_EXISTS));
+    assert_eq!(
+        other.to_string(),
+        "backup b already exists with uid uid-a (code 1002)"
+    );
+
+    let ops = vec![
+        operation(PLUGIN, "gate-1", "a", &[]),
+        operation(PLUGIN, "gate-2", "b", &[]),
+    ];
+    backups.add_operations("b", ops.clone()).await.unwrap();
+    let again = backups.add_operations("b", ops).await.unwrap();
+    assert_eq!((again.added, again.already_known), (0, 2));
+    assert_eq!(backups.get("b").await.unwrap().operations_attempted, 2);
+}
+
+#[tokio::test]
+async fn wait_times_out_list_pages_and_delete_cancels() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    for i in 0..5 {
+        let name = format!("b{i}");
+        backups.start(&name, "u", None).await.unwrap();
+        backups
+            .add_operations(
+                &name,
+                vec![operation(PLUGIN, &format!("never-{i}"), "a", &[])],
+            )
+            .await
+            .unwrap();
+    }
+    backups.end_in_progress("b3", 0, 0, false).await.unwrap();
+
+    let waited = backups
+        .wait("b3", WaitUntil::ReadyToFinalize, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(waited.timed_out);
+    assert_eq!(waited.owner.phase, OwnerPhase::WaitingForPluginOperations);
+
+    let page = backups
+        .list(ListParams {
+            limit: Some(2),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let names: Vec<_> = page.items.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(names, ["b0", "b1"]);
+    assert_eq!(page.next.as_deref(), Some("b1"));
+    let page = backups
+        .list(ListParams {
+            limit: Some(10),
+            after: page.next,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.items.len(), 3);
+    assert_eq!(page.next, None);
+    let waiting = backups
+        .list(ListParams {
+            phases: Some(vec![OwnerPhase::WaitingForPluginOperations]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(waiting.items.len(), 1);
+    assert_eq!(waiting.items[0].name, "b3");
+
+    let deleted = backups.delete("b3").await.unwrap();
+    assert_eq!(deleted.cancelled, 1);
+    assert!(f.journal().contains(&"cancel never-3 b3".to_string()));
+    assert_eq!(
+        backups.get("b3").await.unwrap_err().code(),
+        Some(codes::NOT_FOUND)
+    );
+    let status = client.status().await.unwrap();
+    assert_eq!(status.owners.get(&OwnerPhase::InProgress), Some(&4));
+    assert_eq!(status.unfinished_operations, 4);
+    assert_eq!(status.snapshotters, 1);
+}
+
+#[tokio::test]
+async fn an_opted_in_restore_waits_in_finalizing() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    restores
+        .start_with(StartParams {
+            name: "r".into(),
+            uid: "u".into(),
+            item_operation_timeout: None,
+            finalize: Some(true),
+        })
+        .await
+        .unwrap();
+    restores
+        .add_operations("r", vec![operation(PLUGIN, "done-1", "a", &[])])
+        .await
+        .unwrap();
+    let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+}
