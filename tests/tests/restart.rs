@@ -222,3 +222,42 @@ fn curl_can_call_agent_status() {
     assert_eq!(answer["result"]["unfinishedOperations"], 0);
     assert!(answer["result"]["uptime"].as_str().unwrap().ends_with('s'));
 }
+
+#[tokio::test]
+async fn terminal_owners_are_removed_after_the_retention_period_and_others_kept() {
+    let f = Fixture::new(&["--retention", "300ms"]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    restores.start("finished", "u", None).await.unwrap();
+    restores
+        .add_operations("finished", vec![operation(PLUGIN, "done-1", "a", &[])])
+        .await
+        .unwrap();
+    let finished = restores
+        .end_in_progress("finished", 0, 0, false)
+        .await
+        .unwrap();
+    assert_eq!(finished.phase, OwnerPhase::Completed);
+    let completed = finished
+        .completed
+        .expect("a terminal owner has a completion time");
+    restores.start("running", "u", None).await.unwrap();
+    // The periodic task removes it once it is older than 300ms; wait for that, bounded.
+    let start = std::time::Instant::now();
+    while restores.get("finished").await.is_ok() {
+        assert!(
+            start.elapsed() < LONG,
+            "the completed restore was never removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let age = time::OffsetDateTime::now_utc() - completed;
+    assert!(
+        age >= time::Duration::milliseconds(300),
+        "removed {age} after completion"
+    );
+    assert_eq!(
+        restores.get("running").await.unwrap().phase,
+        OwnerPhase::InProgress
+    );
+}
