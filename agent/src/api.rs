@@ -9,8 +9,8 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::{
-    validate, AddOperationsParams, ApiVersion, EndInProgressParams, ListParams, NameParams,
-    OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
+    validate, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
+    NameParams, OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -77,6 +77,23 @@ fn check_add(p: &AddOperationsParams) -> Result<(), Error> {
     for (i, op) in p.operations.iter().enumerate() {
         validate::new_operation(op)
             .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+    }
+    Ok(())
+}
+
+fn check_finalize(kind: OwnerKind, p: &FinalizeParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    if kind == OwnerKind::Restore && p.contents.is_some() {
+        return Err(invalid(
+            "contents",
+            "a restore has no backup tarball to rewrite",
+        ));
+    }
+    if p.contents.is_none() && !p.updated_items.is_empty() {
+        return Err(invalid(
+            "updatedItems",
+            "needs contents: the tarball to put them in",
+        ));
     }
     Ok(())
 }
@@ -151,6 +168,7 @@ struct Names {
     operations: &'static str,
     wait: &'static str,
     item_operations: &'static str,
+    finalize: &'static str,
     delete: &'static str,
 }
 
@@ -164,6 +182,7 @@ const BACKUP: Names = Names {
     operations: "backup.operations",
     wait: "backup.wait",
     item_operations: "backup.itemOperations",
+    finalize: "backup.finalize",
     delete: "backup.delete",
 };
 
@@ -177,6 +196,7 @@ const RESTORE: Names = Names {
     operations: "restore.operations",
     wait: "restore.wait",
     item_operations: "restore.itemOperations",
+    finalize: "restore.finalize",
     delete: "restore.delete",
 };
 
@@ -232,6 +252,14 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
         move |core, p: NameParams| async move {
             owner_name(&p.name)?;
             core.item_operations(kind, p.name).await
+        },
+    );
+    register(
+        module,
+        names.finalize,
+        move |core, p: FinalizeParams| async move {
+            check_finalize(kind, &p)?;
+            core.finalize(kind, p).await
         },
     );
     register(

@@ -65,6 +65,10 @@ pub struct Args {
     #[arg(long, env = "OPMON_RETENTION", default_value = "720h0m0s", value_parser = go_duration)]
     pub retention: GoDuration,
 
+    /// Largest decompressed size of a backup tarball finalize reads, in bytes.
+    #[arg(long, env = "OPMON_MAX_DECOMPRESSED_SIZE", default_value_t = 16 * 1024 * 1024 * 1024)]
+    pub max_decompressed_size: u64,
+
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "OPMON_MAX_REQUEST_SIZE", default_value_t = 16 * 1024 * 1024)]
     pub max_request_size: u32,
@@ -134,6 +138,7 @@ impl Args {
                 poll_interval: self.poll_interval.0,
                 default_item_operation_timeout: self.item_operation_timeout,
                 retention: self.retention.0,
+                max_decompressed_size: self.max_decompressed_size,
                 calls: CallSettings {
                     deadline: self.call_deadline.0,
                     batch_size: self.batch_size as usize,

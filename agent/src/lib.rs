@@ -12,7 +12,9 @@ pub mod core;
 pub mod error;
 pub mod phase;
 pub mod remote;
+pub mod storage;
 pub mod store;
+pub mod tarball;
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
@@ -54,7 +56,8 @@ pub async fn run(settings: Settings) -> Result<(), String> {
             std::io::ErrorKind::AddrInUse => format!("{e}: is another opmon-agent running?"),
             _ => e.to_string(),
         })?;
-    let core = Core::new(store.clone(), settings.core.clone())
+    let storage = storage::Storage::new(settings.storage_dir.clone());
+    let core = Core::new(store.clone(), storage, settings.core.clone())
         .await
         .map_err(|e| e.to_string())?;
     core.recover().await.map_err(|e| e.to_string())?;

@@ -317,6 +317,13 @@ impl Owners<'_> {
             .await
     }
 
+    /// `finalize`: for owners in a Finalizing phase; rewrites the tarball if `contents`
+    /// is given, writes the item-operations file, and moves the owner to its terminal
+    /// phase. Idempotent: a finalized owner returns the same result.
+    pub async fn finalize(&self, params: FinalizeParams) -> Result<FinalizeResult, Error> {
+        self.call("finalize", params).await
+    }
+
     /// `delete`: removes the owner, cancelling its unfinished operations.
     pub async fn delete(&self, name: &str) -> Result<DeleteResult, Error> {
         self.call("delete", NameParams { name: name.into() }).await

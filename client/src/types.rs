@@ -412,6 +412,52 @@ pub struct DeleteResult {
     pub cancelled: u64,
 }
 
+/// The backup tarball `finalize` rewrites: `input` is read, `output` written (atomically).
+/// Relative paths are taken relative to the agent's storage directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Contents {
+    pub input: PathBuf,
+    pub output: PathBuf,
+}
+
+/// A Kubernetes object to put into the backup tarball in place of the one there, or in
+/// addition if absent: the post-operation items, as they are after the operations.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UpdatedItem {
+    pub resource: ResourceIdentifier,
+    /// The object as the API server returns it; its `apiVersion` picks the version
+    /// directory of an appended entry.
+    pub object: serde_json::Value,
+}
+
+/// `*.finalize` params.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FinalizeParams {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contents: Option<Contents>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub updated_items: Vec<UpdatedItem>,
+}
+
+/// `*.finalize` result. A repeated `finalize` returns the first one's result again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FinalizeResult {
+    pub owner: Owner,
+    /// The `-itemoperations.json.gz` file.
+    pub item_operations_file: PathBuf,
+    /// The rewritten tarball, when `contents` was given.
+    pub contents_file: Option<PathBuf>,
+    /// Entries of the tarball replaced by updated items.
+    pub replaced: u64,
+    /// Updated items appended because the tarball lacked them (entries, not items).
+    pub added: u64,
+}
+
 /// The snapshotter API a snapshotter speaks: v1 has no Progress (its operations
 /// complete at their first poll), v2 has Progress and Cancel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

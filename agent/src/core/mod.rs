@@ -2,15 +2,17 @@
 //! layer (never JSON), asks the phase machine what follows, commits through the store,
 //! then tells waiters. Nothing here reaches back into the API layer.
 
+mod finalize;
 mod owners;
 mod poll;
+mod records;
 mod snapshotters;
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::{AgentStatus, GoDuration};
+use opmon_client::{AgentStatus, GoDuration, OwnerKind};
 use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -19,6 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::changes::Changes;
 use crate::error::Error;
 use crate::remote::{CallSettings, Registry};
+use crate::storage::Storage;
 use crate::store::{queries, Store};
 
 /// What the core needs to know from the configuration.
@@ -27,11 +30,16 @@ pub struct CoreSettings {
     pub poll_interval: Duration,
     pub default_item_operation_timeout: GoDuration,
     pub retention: Duration,
+    /// Largest decompressed size of a tarball `finalize` reads.
+    pub max_decompressed_size: u64,
     pub calls: CallSettings,
 }
 
 pub struct Core {
     store: Arc<Store>,
+    storage: Storage,
+    /// Owners whose item-operations file failed to write; retried each poll tick.
+    records_pending: Mutex<BTreeSet<(OwnerKind, String)>>,
     settings: CoreSettings,
     remotes: Registry,
     changes: Changes,
@@ -51,9 +59,15 @@ fn now_ms() -> i64 {
 
 impl Core {
     /// Builds the core on an open store and loads the registered snapshotters.
-    pub async fn new(store: Arc<Store>, settings: CoreSettings) -> Result<Arc<Core>, Error> {
+    pub async fn new(
+        store: Arc<Store>,
+        storage: Storage,
+        settings: CoreSettings,
+    ) -> Result<Arc<Core>, Error> {
         let core = Arc::new(Core {
             store,
+            storage,
+            records_pending: Mutex::new(BTreeSet::new()),
             settings,
             remotes: Registry::default(),
             changes: Changes::default(),
@@ -105,7 +119,10 @@ impl Core {
         loop {
             tokio::select! {
                 _ = self.stopping.cancelled() => break,
-                _ = poll.tick() => self.sweep().await,
+                _ = poll.tick() => {
+                    self.retry_records().await;
+                    self.sweep().await;
+                }
                 _ = self.poll_now.notified() => self.sweep().await,
                 _ = retention.tick() => {
                     if let Err(e) = self.expire().await {
@@ -123,16 +140,19 @@ impl Core {
         self.stopping.cancel();
     }
 
-    /// Removes terminal owners older than the retention period.
-    pub async fn expire(&self) -> Result<u64, Error> {
+    /// Removes terminal owners older than the retention period, with their files.
+    pub async fn expire(&self) -> Result<usize, Error> {
         let before = now_ms() - self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
         let removed = self
             .store
             .write(move |conn| queries::delete_expired(conn, before).map_err(Error::from))
             .await?;
-        if removed > 0 {
-            tracing::info!(removed, "removed owners past the retention period");
+        for (kind, name) in &removed {
+            tracing::info!(%kind, owner = %name, "removed: past the retention period");
+            if let Err(e) = self.storage.remove_owner(*kind, name) {
+                tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
+            }
         }
-        Ok(removed)
+        Ok(removed.len())
     }
 }

@@ -159,6 +159,7 @@ impl Core {
             })
             .await?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase, "left InProgress");
+        self.refresh_records([(kind, owner.name.clone())]).await;
         self.changes.notify(kind, &owner.name);
         Ok(owner)
     }
@@ -189,6 +190,7 @@ impl Core {
         tracing::info!(%kind, owner = %owner.name, cancelling = targets.len(), "failed by the server");
         self.changes.notify(kind, &owner.name);
         self.cancel_all(&targets).await;
+        self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
     }
 
@@ -305,6 +307,9 @@ impl Core {
             })
             .await?;
         tracing::info!(%kind, owner = %name, cancelled, "deleted");
+        if let Err(e) = self.storage.remove_owner(kind, &name) {
+            tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
+        }
         self.changes.notify(kind, &name);
         Ok(DeleteResult { cancelled })
     }

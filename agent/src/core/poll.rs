@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use futures::stream::{self, StreamExt};
-use opmon_client::{OperationPhase, OperationRef, OwnerPhase, OwnerRef};
+use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerPhase, OwnerRef};
 use rusqlite::Connection;
 
 use super::{now_ms, Core};
@@ -79,18 +79,19 @@ pub(super) fn record_post_items(
     Ok(())
 }
 
-/// Moves a waiting owner on after some of its operations changed.
+/// Moves a waiting owner on after some of its operations changed. Returns the owner
+/// if its item-operations file is due: an operation failed, or it left Waiting.
 fn settle_waiting(
     conn: &Connection,
     owner_row: i64,
     newly_failed: u32,
     now: i64,
-) -> rusqlite::Result<()> {
+) -> rusqlite::Result<Option<(OwnerKind, String)>> {
     let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
-        return Ok(()); // deleted meanwhile
+        return Ok(None); // deleted meanwhile
     };
     if !row.owner.phase.is_waiting() {
-        return Ok(());
+        return Ok(None);
     }
     row.owner.errors = row.owner.errors.saturating_add(newly_failed);
     let unfinished = queries::unfinished_count(conn, row.id)?;
@@ -101,7 +102,9 @@ fn settle_waiting(
         unfinished,
     );
     record_post_items(conn, &mut row, unfinished)?;
-    queries::update_owner(conn, &row, now)
+    queries::update_owner(conn, &row, now)?;
+    let due = newly_failed > 0 || !row.owner.phase.is_waiting();
+    Ok(due.then_some((row.owner.kind, row.owner.name)))
 }
 
 impl Core {
@@ -192,14 +195,17 @@ impl Core {
             changes.iter().map(|c| c.target.owner.clone()).collect();
         owners.dedup();
         let now = now_ms();
-        self.store
+        let due = self
+            .store
             .write(move |conn| {
+                let mut due = Vec::new();
                 for (owner_row, failed) in apply_changes(conn, &changes)? {
-                    settle_waiting(conn, owner_row, failed, now)?;
+                    due.extend(settle_waiting(conn, owner_row, failed, now)?);
                 }
-                Ok::<_, Error>(())
+                Ok::<_, Error>(due)
             })
             .await?;
+        self.refresh_records(due).await;
         for o in owners {
             self.changes.notify(o.kind, &o.name);
         }
@@ -288,6 +294,7 @@ impl Core {
         for (kind, name) in &failed_owners {
             tracing::warn!(%kind, owner = %name, "InProgress at restart: now Failed");
         }
+        self.refresh_records(failed_owners).await;
         if !abandoned.is_empty() {
             let core = self.clone();
             self.sweeps.spawn(async move {

@@ -465,8 +465,26 @@ pub fn owners_in_phases(conn: &Connection, phases: &[OwnerPhase]) -> rusqlite::R
     rows.collect()
 }
 
-/// Deletes terminal owners completed before `before_ms`; returns how many.
-pub fn delete_expired(conn: &Connection, before_ms: i64) -> rusqlite::Result<u64> {
+/// The stored result of an owner's `finalize`, if it was finalized.
+pub fn finalize_result(conn: &Connection, id: i64) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached("SELECT finalize_result FROM owners WHERE id = ?1")?
+        .query_row([id], |r| r.get(0))
+        .optional()
+        .map(Option::flatten)
+}
+
+/// Records the result of an owner's `finalize`.
+pub fn set_finalize_result(conn: &Connection, id: i64, result: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE owners SET finalize_result = ?2 WHERE id = ?1")?
+        .execute(params![id, result])?;
+    Ok(())
+}
+
+/// Deletes terminal owners completed before `before_ms`; returns which.
+pub fn delete_expired(
+    conn: &Connection,
+    before_ms: i64,
+) -> rusqlite::Result<Vec<(OwnerKind, String)>> {
     let terminal = phase_list(
         &[
             OwnerPhase::Completed,
@@ -476,14 +494,12 @@ pub fn delete_expired(conn: &Connection, before_ms: i64) -> rusqlite::Result<u64
         ],
         OwnerPhase::as_str,
     );
-    let n = conn.execute(
-        &format!(
-            "DELETE FROM owners WHERE phase IN ({terminal}) AND completed_ms IS NOT NULL \
-             AND completed_ms < ?1"
-        ),
-        [before_ms],
-    )?;
-    Ok(n as u64)
+    let mut stmt = conn.prepare(&format!(
+        "DELETE FROM owners WHERE phase IN ({terminal}) AND completed_ms IS NOT NULL \
+         AND completed_ms < ?1 RETURNING kind, name"
+    ))?;
+    let rows = stmt.query_map([before_ms], |r| Ok((parse_column(r, 0)?, r.get(1)?)))?;
+    rows.collect()
 }
 
 /// Owners counted by phase.

@@ -59,6 +59,8 @@ pub const MIGRATIONS: &[&str] = &[
     // 3: restores may opt into the Finalizing phases; backups always pass through them.
     "ALTER TABLE owners ADD COLUMN finalize INTEGER NOT NULL DEFAULT 0;
     UPDATE owners SET finalize = 1 WHERE kind = 'backup';",
+    // 4: the result of finalize, returned again when finalize is repeated.
+    "ALTER TABLE owners ADD COLUMN finalize_result TEXT;",
 ];
 
 /// The schema version this agent writes.

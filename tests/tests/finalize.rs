@@ -1,0 +1,442 @@
+//! End-to-end: item-operation files in the storage directory and the finalize step,
+//! with real tarballs built and read by the system `tar` and `gzip`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use opmon_client::{
+    codes, Contents, FinalizeParams, OwnerPhase, ResourceIdentifier, StartParams, UpdatedItem,
+    WaitUntil,
+};
+use opmon_tests::{operation, pvc, Fixture, PLUGIN};
+use serde_json::{json, Value};
+
+const LONG: Duration = Duration::from_secs(120);
+
+fn run(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().expect("running a system tool");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// Writes a backup's resources in Velero's layout under `tree`; returns every file
+/// with its content.
+fn velero_tree(tree: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut files = BTreeMap::new();
+    files.insert("metadata/version".to_string(), b"1\n".to_vec());
+    for dir in ["", "v1-preferredversion/"] {
+        files.insert(
+            format!("resources/persistentvolumeclaims/{dir}namespaces/app/data.json"),
+            br#"{"apiVersion":"v1","kind":"PersistentVolumeClaim","status":{"phase":"Pending"}}"#
+                .to_vec(),
+        );
+        files.insert(
+            format!("resources/persistentvolumes/{dir}cluster/pv-data.json"),
+            br#"{"apiVersion":"v1","kind":"PersistentVolume"}"#.to_vec(),
+        );
+        for i in 0..150 {
+            files.insert(
+                format!("resources/configmaps/{dir}namespaces/app/cm-{i}.json"),
+                format!(r#"{{"apiVersion":"v1","kind":"ConfigMap","data":{{"n":"{i}"}}}}"#)
+                    .into_bytes(),
+            );
+        }
+    }
+    for (path, content) in &files {
+        let full = tree.join(path);
+        std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+        std::fs::write(full, content).unwrap();
+    }
+    files
+}
+
+fn listing(tarball: &Path) -> Vec<String> {
+    String::from_utf8(run(Command::new("tar").arg("-tzf").arg(tarball)))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn gunzip_json(path: &Path) -> Value {
+    serde_json::from_slice(&run(Command::new("gzip").arg("-dc").arg(path))).unwrap()
+}
+
+fn keys(v: &Value) -> Vec<&str> {
+    let mut k: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    k.sort();
+    k
+}
+
+#[tokio::test]
+async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk() {
+    let f = Fixture::new(&[]).await;
+    let storage = f.agent.state_dir.join("storage");
+    let tree = f.dir.path().join("tree");
+    let files = velero_tree(&tree);
+    let backup_dir = storage.join("backups/nightly");
+    std::fs::create_dir_all(&backup_dir).unwrap();
+    let input = backup_dir.join("nightly.tar.gz");
+    run(Command::new("tar")
+        .arg("-czf")
+        .arg(&input)
+        .arg("-C")
+        .arg(&tree)
+        .args(["metadata", "resources"]));
+
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("nightly", "uid-7", None).await.unwrap();
+    backups
+        .add_operations(
+            "nightly",
+            vec![operation(PLUGIN, "gate-1", "data", &["data"])],
+        )
+        .await
+        .unwrap();
+    backups
+        .end_in_progress("nightly", 0, 0, false)
+        .await
+        .unwrap();
+
+    // Leaving InProgress wrote the file already, with the operation still running.
+    let records_file = backup_dir.join("nightly-itemoperations.json.gz");
+    let early = gunzip_json(&records_file);
+    assert_eq!(early[0]["status"]["phase"], "InProgress");
+
+    f.open_gate("gate-1");
+    let owner = backups
+        .wait("nightly", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+
+    let pvc_now =
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "status": {"phase": "Bound"}});
+    let pv_now = json!({"apiVersion": "v1", "kind": "PersistentVolume", "spec": {"csi": {"volumeHandle": "h"}}});
+    let vsb = json!({"apiVersion": "velero.io/v1", "kind": "VolumeSnapshotBackup", "status": {"phase": "Completed"}});
+    let params = FinalizeParams {
+        name: "nightly".into(),
+        contents: Some(Contents {
+            input: "backups/nightly/nightly.tar.gz".into(),
+            output: "backups/nightly/nightly-finalized.tar.gz".into(),
+        }),
+        updated_items: vec![
+            UpdatedItem {
+                resource: pvc("data"),
+                object: pvc_now.clone(),
+            },
+            UpdatedItem {
+                resource: ResourceIdentifier {
+                    group: String::new(),
+                    resource: "persistentvolumes".into(),
+                    namespace: String::new(),
+                    name: "pv-data".into(),
+                },
+                object: pv_now.clone(),
+            },
+            UpdatedItem {
+                resource: ResourceIdentifier {
+                    group: "velero.io".into(),
+                    resource: "volumesnapshotbackups".into(),
+                    namespace: "app".into(),
+                    name: "vsb-1".into(),
+                },
+                object: vsb.clone(),
+            },
+        ],
+    };
+    let result = backups.finalize(params.clone()).await.unwrap();
+    assert_eq!(result.owner.phase, OwnerPhase::Completed);
+    assert_eq!((result.replaced, result.added), (4, 2));
+    let output = backup_dir.join("nightly-finalized.tar.gz");
+    assert_eq!(result.contents_file.as_deref(), Some(output.as_path()));
+    assert_eq!(result.item_operations_file, records_file);
+
+    // The listing is the input's, in order, with the two appended entries at the end.
+    let mut expected = listing(&input);
+    expected.push("resources/volumesnapshotbackups.velero.io/namespaces/app/vsb-1.json".into());
+    expected.push(
+        "resources/volumesnapshotbackups.velero.io/v1-preferredversion/namespaces/app/vsb-1.json"
+            .into(),
+    );
+    assert_eq!(listing(&output), expected);
+    let verbose = String::from_utf8(run(Command::new("tar").arg("-tzvf").arg(&output))).unwrap();
+    assert_eq!(verbose.lines().count(), expected.len());
+
+    // Extracted, every file is the original except the updated items.
+    let out_tree = f.dir.path().join("extracted");
+    std::fs::create_dir_all(&out_tree).unwrap();
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(&output)
+        .arg("-C")
+        .arg(&out_tree));
+    let replaced: BTreeMap<&str, &Value> = [
+        (
+            "resources/persistentvolumeclaims/namespaces/app/data.json",
+            &pvc_now,
+        ),
+        (
+            "resources/persistentvolumeclaims/v1-preferredversion/namespaces/app/data.json",
+            &pvc_now,
+        ),
+        ("resources/persistentvolumes/cluster/pv-data.json", &pv_now),
+        (
+            "resources/persistentvolumes/v1-preferredversion/cluster/pv-data.json",
+            &pv_now,
+        ),
+    ]
+    .into();
+    for (path, original) in &files {
+        let got = std::fs::read(out_tree.join(path)).unwrap();
+        match replaced.get(path.as_str()) {
+            Some(object) => assert_eq!(
+                serde_json::from_slice::<Value>(&got).unwrap(),
+                **object,
+                "{path}"
+            ),
+            None => assert_eq!(&got, original, "{path} changed"),
+        }
+    }
+    for path in &expected[expected.len() - 2..] {
+        let got: Value =
+            serde_json::from_slice(&std::fs::read(out_tree.join(path)).unwrap()).unwrap();
+        assert_eq!(got, vsb);
+    }
+
+    // The item-operations file, decoded by plain gzip, has Velero's field names.
+    let records = gunzip_json(&records_file);
+    let record = &records[0];
+    assert_eq!(records.as_array().unwrap().len(), 1);
+    assert_eq!(keys(record), ["spec", "status"]);
+    let spec = &record["spec"];
+    assert_eq!(
+        keys(spec),
+        [
+            "backupItemAction",
+            "backupName",
+            "backupUID",
+            "operationID",
+            "postOperationItems",
+            "resourceIdentifier"
+        ]
+    );
+    assert_eq!(spec["backupName"], "nightly");
+    assert_eq!(spec["backupUID"], "uid-7");
+    assert_eq!(spec["backupItemAction"], PLUGIN);
+    assert_eq!(spec["operationID"], "gate-1");
+    let data = json!({"Group": "", "Resource": "persistentvolumeclaims", "Namespace": "app", "Name": "data"});
+    assert_eq!(spec["resourceIdentifier"], data);
+    assert_eq!(spec["postOperationItems"], json!([data]));
+    let status = &record["status"];
+    assert_eq!(
+        keys(status),
+        [
+            "created",
+            "description",
+            "error",
+            "nCompleted",
+            "nTotal",
+            "operationUnits",
+            "phase",
+            "started",
+            "updated"
+        ]
+    );
+    assert_eq!(status["phase"], "Completed");
+    assert_eq!(status["error"], "");
+    assert_eq!(
+        (status["nCompleted"].as_i64(), status["nTotal"].as_i64()),
+        (Some(100), Some(100))
+    );
+    assert_eq!(status["operationUnits"], "byte");
+    assert_eq!(status["description"], "done");
+    for time in ["created", "started", "updated"] {
+        let text = status[time]
+            .as_str()
+            .unwrap_or_else(|| panic!("{time} is not a string"));
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+            .unwrap_or_else(|e| panic!("{time} {text:?}: {e}"));
+        assert!(text.ends_with('Z'), "{time} is UTC: {text}");
+    }
+    // itemOperations returns the same records.
+    let via_api = serde_json::to_value(backups.item_operations("nightly").await.unwrap()).unwrap();
+    assert_eq!(via_api, records);
+
+    // Finalizing again returns the same result, and rewrites nothing.
+    let before = std::fs::metadata(&output).unwrap().modified().unwrap();
+    let again = backups.finalize(params).await.unwrap();
+    assert_eq!(again, result);
+    assert_eq!(
+        std::fs::metadata(&output).unwrap().modified().unwrap(),
+        before
+    );
+}
+
+/// A gzipped tarball with one symbolic link, written by the system tar.
+fn tarball_with_symlink(dir: &Path) -> PathBuf {
+    let tree = dir.join("evil-tree");
+    std::fs::create_dir_all(tree.join("resources")).unwrap();
+    std::fs::write(tree.join("resources/ok.json"), b"{}").unwrap();
+    std::os::unix::fs::symlink("/etc/shadow", tree.join("resources/link.json")).unwrap();
+    let tarball = dir.join("evil.tar.gz");
+    run(Command::new("tar")
+        .arg("-czf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&tree)
+        .arg("resources"));
+    tarball
+}
+
+#[tokio::test]
+async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_behind() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("b", "u", None).await.unwrap();
+    backups
+        .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
+        .await
+        .unwrap();
+    backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    let early = backups
+        .finalize(FinalizeParams {
+            name: "b".into(),
+            contents: None,
+            updated_items: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(early.code(), Some(codes::WRONG_PHASE));
+    assert_eq!(
+        early.to_string(),
+        "backup b is WaitingForPluginOperations; finalize needs Finalizing or FinalizingPartiallyFailed (code 1003)"
+    );
+    f.open_gate("gate-1");
+    backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap();
+
+    let input = tarball_with_symlink(f.dir.path());
+    let output = f.dir.path().join("out/b.tar.gz");
+    let err = backups
+        .finalize(FinalizeParams {
+            name: "b".into(),
+            contents: Some(Contents {
+                input: input.clone(),
+                output: output.clone(),
+            }),
+            updated_items: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(codes::FINALIZE_FAILED));
+    assert!(
+        err.to_string()
+            .contains("entry resources/link.json: symbolic links are not allowed"),
+        "{err}"
+    );
+    assert!(!output.exists(), "no partial output");
+    let leftovers: Vec<_> = std::fs::read_dir(output.parent().unwrap())
+        .unwrap()
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "no temporary files left: {leftovers:?}"
+    );
+    assert_eq!(
+        backups.get("b").await.unwrap().phase,
+        OwnerPhase::Finalizing
+    );
+
+    // Without contents it only moves the phase and writes the file.
+    let done = backups
+        .finalize(FinalizeParams {
+            name: "b".into(),
+            contents: None,
+            updated_items: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(done.owner.phase, OwnerPhase::Completed);
+    assert_eq!(done.contents_file, None);
+    assert!(done.item_operations_file.exists());
+}
+
+#[tokio::test]
+async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    restores
+        .start_with(StartParams {
+            name: "r".into(),
+            uid: "ru".into(),
+            item_operation_timeout: None,
+            finalize: Some(true),
+        })
+        .await
+        .unwrap();
+    restores
+        .add_operations("r", vec![operation(PLUGIN, "fail-1", "a", &[])])
+        .await
+        .unwrap();
+    let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    let result = restores
+        .finalize(FinalizeParams {
+            name: "r".into(),
+            contents: None,
+            updated_items: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(result.owner.phase, OwnerPhase::PartiallyFailed);
+    let file = f
+        .agent
+        .state_dir
+        .join("storage/restores/r/restore-r-itemoperations.json.gz");
+    assert_eq!(result.item_operations_file, file);
+    let records = gunzip_json(&file);
+    assert_eq!(
+        keys(&records[0]["spec"]),
+        [
+            "operationID",
+            "postOperationItems",
+            "resourceIdentifier",
+            "restoreItemAction",
+            "restoreName",
+            "restoreUID"
+        ]
+    );
+    assert_eq!(records[0]["status"]["error"], "copy failed");
+
+    // A plain restore never finalizes.
+    restores.start("plain", "u", None).await.unwrap();
+    restores
+        .end_in_progress("plain", 0, 0, false)
+        .await
+        .unwrap();
+    let err = restores
+        .finalize(FinalizeParams {
+            name: "plain".into(),
+            contents: None,
+            updated_items: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(codes::WRONG_PHASE));
+    // Deleting removes the files.
+    restores.delete("r").await.unwrap();
+    assert!(!file.exists());
+}
