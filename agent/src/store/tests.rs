@@ -37,6 +37,18 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 3 {
+        // From version 3 on, agents store the finalize flag when they create an owner.
+        conn.execute_batch("UPDATE owners SET finalize = 1 WHERE kind = 'backup';")
+            .unwrap();
+    }
+    if version >= 4 {
+        conn.execute_batch(
+            "UPDATE owners SET finalize_result = '{\"contentsFile\":null,\"replaced\":0,\"added\":0}'
+             WHERE name = 'old-backup';",
+        )
+        .unwrap();
+    }
 }
 
 #[test]
