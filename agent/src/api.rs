@@ -170,6 +170,9 @@ struct Names {
     item_operations: &'static str,
     finalize: &'static str,
     delete: &'static str,
+    subscribe: &'static str,
+    changed: &'static str,
+    unsubscribe: &'static str,
 }
 
 const BACKUP: Names = Names {
@@ -184,6 +187,9 @@ const BACKUP: Names = Names {
     item_operations: "backup.itemOperations",
     finalize: "backup.finalize",
     delete: "backup.delete",
+    subscribe: "backup.subscribe",
+    changed: "backup.changed",
+    unsubscribe: "backup.unsubscribe",
 };
 
 const RESTORE: Names = Names {
@@ -198,6 +204,9 @@ const RESTORE: Names = Names {
     item_operations: "restore.itemOperations",
     finalize: "restore.finalize",
     delete: "restore.delete",
+    subscribe: "restore.subscribe",
+    changed: "restore.changed",
+    unsubscribe: "restore.unsubscribe",
 };
 
 fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
@@ -272,6 +281,50 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     );
 }
 
+/// `subscribe`: over WebSocket, an [`opmon_client::OwnerUpdate`] notification per
+/// change until the owner is terminal. Errors before the subscription starts are
+/// answered like any call's; a deleted owner ends it with an error notification.
+fn register_subscription(module: &mut RpcModule<Core>, names: &Names) {
+    let kind = names.kind;
+    module
+        .register_subscription(
+            names.subscribe,
+            names.changed,
+            names.unsubscribe,
+            move |params, pending, core, _| async move {
+                let started = match parse::<NameParams>(&params) {
+                    Ok(p) => match owner_name(&p.name) {
+                        Ok(()) => core.subscribe(kind, p.name).await,
+                        Err(e) => Err(e),
+                    },
+                    Err(e) => Err(e),
+                };
+                let mut updates = match started {
+                    Ok(updates) => updates,
+                    Err(e) => {
+                        pending.reject(ErrorObjectOwned::from(e)).await;
+                        return Ok(());
+                    }
+                };
+                let sink = pending.accept().await?;
+                loop {
+                    let next = tokio::select! {
+                        _ = sink.closed() => return Ok(()),
+                        next = updates.next() => next,
+                    };
+                    match next {
+                        None => return Ok(()),
+                        Some(Ok(update)) => {
+                            sink.send(serde_json::value::to_raw_value(&update)?).await?;
+                        }
+                        Some(Err(e)) => return Err(e.to_string().into()),
+                    }
+                }
+            },
+        )
+        .unwrap_or_else(|e| panic!("method {} registered twice: {e}", names.subscribe));
+}
+
 /// No parameters expected (absent, `{}` or `[]` are all fine).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -285,8 +338,10 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
         "agent.status",
         |core, _: NoParams| async move { core.status().await },
     );
-    register_owner_methods(&mut module, &BACKUP);
-    register_owner_methods(&mut module, &RESTORE);
+    for names in [&BACKUP, &RESTORE] {
+        register_owner_methods(&mut module, names);
+        register_subscription(&mut module, names);
+    }
     register(
         &mut module,
         "snapshotter.register",

@@ -32,8 +32,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures::Stream;
 use jsonrpsee::client_transport::ws::{Url, WsTransportClientBuilder};
-use jsonrpsee::core::client::{ClientBuilder, ClientT};
+use jsonrpsee::core::client::{ClientBuilder, ClientT, SubscriptionClientT};
 use jsonrpsee::core::traits::ToRpcParams;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -322,6 +323,42 @@ impl Owners<'_> {
     /// phase. Idempotent: a finalized owner returns the same result.
     pub async fn finalize(&self, params: FinalizeParams) -> Result<FinalizeResult, Error> {
         self.call("finalize", params).await
+    }
+
+    /// `subscribe`: every change of the owner and its operations, as a stream that ends
+    /// after the update showing a terminal phase (or when the owner is deleted). The
+    /// first update holds all operations, later ones only those that changed.
+    pub async fn subscribe(
+        &self,
+        name: &str,
+    ) -> Result<impl Stream<Item = Result<OwnerUpdate, Error>> + Unpin + 'static, Error> {
+        let subscription = self
+            .client
+            .rpc
+            .subscribe::<OwnerUpdate, _>(
+                &self.method("subscribe"),
+                Named(NameParams { name: name.into() }),
+                &self.method("unsubscribe"),
+            )
+            .await?;
+        Ok(Box::pin(futures::stream::unfold(
+            (subscription, false),
+            |(mut subscription, done)| async move {
+                if done {
+                    return None;
+                }
+                match subscription.next().await? {
+                    Ok(update) => {
+                        let terminal = update.owner.phase.is_terminal();
+                        Some((Ok(update), (subscription, terminal)))
+                    }
+                    Err(e) => Some((
+                        Err(Error::Transport(format!("reading an update: {e}"))),
+                        (subscription, true),
+                    )),
+                }
+            },
+        )))
     }
 
     /// `delete`: removes the owner, cancelling its unfinished operations.

@@ -113,10 +113,21 @@ pub async fn serve_until<S: Snapshotter>(
     snapshotter: S,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
+    serve_methods(socket, rpc_module(snapshotter), shutdown).await
+}
+
+/// Serves any set of methods on `socket` until `shutdown` resolves: for a snapshotter
+/// that adds methods of its own (say, one that starts operations) to
+/// [`rpc_module`]'s.
+pub async fn serve_methods(
+    socket: impl AsRef<Path>,
+    methods: impl Into<jsonrpsee::Methods>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
     let listener = server::bind(socket.as_ref(), 0o660).await?;
     server::serve(
         listener,
-        rpc_module(snapshotter),
+        methods,
         ServeConfig::default(),
         AdmitAll,
         shutdown,

@@ -405,6 +405,20 @@ pub struct WaitResult {
     pub timed_out: bool,
 }
 
+/// One notification of `*.subscribe`: the owner as it is now and the operations that
+/// changed since the previous notification. The first notification, and any after the
+/// subscriber fell behind (`lagged`), carries every operation instead.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerUpdate {
+    pub owner: Owner,
+    pub operations: Vec<Operation>,
+    /// Notifications were dropped because this subscriber read too slowly; `operations`
+    /// holds all of them so nothing is missed.
+    #[serde(default)]
+    pub lagged: bool,
+}
+
 /// `*.delete` result: how many unfinished operations were cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

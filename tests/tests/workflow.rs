@@ -548,3 +548,67 @@ async fn an_opted_in_restore_waits_in_finalizing() {
     let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
 }
+
+#[tokio::test]
+async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_terminal_phase() {
+    use futures::StreamExt;
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    restores.start("watched", "u", None).await.unwrap();
+    restores
+        .add_operations(
+            "watched",
+            vec![
+                operation(PLUGIN, "gate-w", "a", &[]),
+                operation(PLUGIN, "done-w", "b", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    let other = f.agent.client().await;
+    let mut first = client.restores().subscribe("watched").await.unwrap();
+    let mut second = other.restores().subscribe("watched").await.unwrap();
+    for stream in [&mut first, &mut second] {
+        let initial = stream.next().await.unwrap().unwrap();
+        assert_eq!(initial.owner.phase, OwnerPhase::InProgress);
+        assert_eq!(
+            initial.operations.len(),
+            2,
+            "the first update carries every operation"
+        );
+        assert!(!initial.lagged);
+    }
+    restores
+        .end_in_progress("watched", 0, 0, false)
+        .await
+        .unwrap();
+    f.open_gate("gate-w");
+    for stream in [first, second] {
+        let updates: Vec<_> = stream.map(|u| u.unwrap()).collect().await;
+        let last = updates.last().expect("updates until the end");
+        assert_eq!(last.owner.phase, OwnerPhase::Completed);
+        let gate_updates: Vec<_> = updates
+            .iter()
+            .flat_map(|u| &u.operations)
+            .filter(|op| op.operation_id == "gate-w")
+            .map(|op| op.phase)
+            .collect();
+        assert_eq!(
+            gate_updates.last(),
+            Some(&OperationPhase::Completed),
+            "{gate_updates:?}"
+        );
+        assert!(
+            updates.iter().all(|u| u.operations.len() <= 2),
+            "later updates carry only what changed"
+        );
+    }
+    let missing = client
+        .restores()
+        .subscribe("nobody")
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(missing.code(), Some(codes::NOT_FOUND));
+}

@@ -124,7 +124,7 @@ impl Core {
             .ok_or_else(|| Error::NotFound(format!("{kind} {} not found", p.name)))?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase,
             replaced = stored.replaced, added = stored.added, "finalized");
-        self.changes.notify(kind, &owner.name);
+        self.changes.notify(kind, &owner.name, Vec::new());
         Ok(FinalizeResult {
             owner,
             item_operations_file: records_file,

@@ -7,6 +7,9 @@ mod owners;
 mod poll;
 mod records;
 mod snapshotters;
+mod subscribe;
+
+pub use subscribe::OwnerStream;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};

@@ -77,7 +77,7 @@ impl Core {
                 reload(conn, id)
             })
             .await?;
-        self.changes.notify(kind, &owner.name);
+        self.changes.notify(kind, &owner.name, Vec::new());
         Ok(owner)
     }
 
@@ -89,7 +89,8 @@ impl Core {
     ) -> Result<AddOperationsResult, Error> {
         let now = now_ms();
         let name = p.name.clone();
-        let (added, already_known) = self
+        let requested = p.operations.len() as u64;
+        let added = self
             .store
             .write(move |conn| {
                 let row = require(conn, kind, &p.name)?;
@@ -102,12 +103,13 @@ impl Core {
                 )?)
             })
             .await?;
-        if added > 0 {
-            self.changes.notify(kind, &name);
+        let count = added.len() as u64;
+        if count > 0 {
+            self.changes.notify(kind, &name, added);
         }
         Ok(AddOperationsResult {
-            added,
-            already_known,
+            added: count,
+            already_known: requested - count,
         })
     }
 
@@ -132,6 +134,7 @@ impl Core {
             })
             .await?;
         let changes = self.poll_once(targets).await;
+        let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
         let now = now_ms();
         let owner = self
             .store
@@ -160,7 +163,7 @@ impl Core {
             .await?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase, "left InProgress");
         self.refresh_records([(kind, owner.name.clone())]).await;
-        self.changes.notify(kind, &owner.name);
+        self.changes.notify(kind, &owner.name, changed);
         Ok(owner)
     }
 
@@ -188,7 +191,8 @@ impl Core {
             })
             .await?;
         tracing::info!(%kind, owner = %owner.name, cancelling = targets.len(), "failed by the server");
-        self.changes.notify(kind, &owner.name);
+        self.changes
+            .notify(kind, &owner.name, targets.iter().map(|t| t.row).collect());
         self.cancel_all(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
@@ -282,7 +286,7 @@ impl Core {
                         timed_out: true,
                     })
                 }
-                Ok(Ok(())) | Ok(Err(RecvError::Lagged(_))) => {}
+                Ok(Ok(_)) | Ok(Err(RecvError::Lagged(_))) => {}
                 Ok(Err(RecvError::Closed)) => changed = self.changes.subscribe(kind, &p.name),
             }
         }
@@ -310,7 +314,7 @@ impl Core {
         if let Err(e) = self.storage.remove_owner(kind, &name) {
             tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
         }
-        self.changes.notify(kind, &name);
+        self.changes.notify(kind, &name, Vec::new());
         Ok(DeleteResult { cancelled })
     }
 }

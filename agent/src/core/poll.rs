@@ -191,9 +191,16 @@ impl Core {
 
     /// Commits polled changes and settles the waiting owners they touched.
     async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
-        let mut owners: Vec<Arc<OwnerRef>> =
-            changes.iter().map(|c| c.target.owner.clone()).collect();
-        owners.dedup();
+        // Targets come grouped by owner, so consecutive runs gather each owner's rows.
+        let mut changed: Vec<(Arc<OwnerRef>, Vec<i64>)> = Vec::new();
+        for c in &changes {
+            match changed.last_mut() {
+                Some((owner, rows)) if Arc::ptr_eq(owner, &c.target.owner) => {
+                    rows.push(c.target.row)
+                }
+                _ => changed.push((c.target.owner.clone(), vec![c.target.row])),
+            }
+        }
         let now = now_ms();
         let due = self
             .store
@@ -206,8 +213,8 @@ impl Core {
             })
             .await?;
         self.refresh_records(due).await;
-        for o in owners {
-            self.changes.notify(o.kind, &o.name);
+        for (owner, rows) in changed {
+            self.changes.notify(owner.kind, &owner.name, rows);
         }
         Ok(())
     }

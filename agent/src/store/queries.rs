@@ -226,22 +226,22 @@ pub fn delete_owner(conn: &Connection, id: i64) -> rusqlite::Result<()> {
 }
 
 /// Adds operations, ignoring ones already known by (plugin, operationId).
-/// Returns (added, already known).
+/// Returns the rows of the added ones.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
     operations: &[NewOperation],
     now_ms: i64,
-) -> rusqlite::Result<(u64, u64)> {
+) -> rusqlite::Result<Vec<i64>> {
     let mut stmt = conn.prepare_cached(
         "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group, \
          res_resource, res_namespace, res_name, operation_id, post_operation_items, created_ms) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
     )?;
-    let mut added = 0;
+    let mut added = Vec::new();
     for op in operations {
         let r = &op.resource;
-        added += stmt.execute(params![
+        let inserted = stmt.execute(params![
             owner_id,
             op.plugin.kind.as_str(),
             op.plugin.name,
@@ -252,9 +252,12 @@ pub fn insert_operations(
             op.operation_id,
             to_json(&op.post_operation_items),
             now_ms
-        ])? as u64;
+        ])?;
+        if inserted > 0 {
+            added.push(conn.last_insert_rowid());
+        }
     }
-    Ok((added, operations.len() as u64 - added))
+    Ok(added)
 }
 
 const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
@@ -306,6 +309,29 @@ pub fn operations(
     ))?;
     let rows = stmt.query_map([owner_id], operation_from_row)?;
     rows.collect()
+}
+
+/// The owner's operations with the given row ids, in the order they were added.
+pub fn operations_by_rows(
+    conn: &Connection,
+    owner_id: i64,
+    rows: &[i64],
+) -> rusqlite::Result<Vec<Operation>> {
+    let mut found = Vec::with_capacity(rows.len());
+    // Row ids are integers: listing them inline is safe, and chunks keep statements small.
+    for chunk in rows.chunks(500) {
+        let list: Vec<String> = chunk.iter().map(i64::to_string).collect();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {OPERATION_COLUMNS} FROM operations WHERE owner_id = ?1 AND id IN ({}) \
+             ORDER BY id",
+            list.join(", ")
+        ))?;
+        let ops = stmt.query_map([owner_id], operation_from_row)?;
+        for op in ops {
+            found.push(op?);
+        }
+    }
+    Ok(found)
 }
 
 /// How many of the owner's operations are New or InProgress.

@@ -1,0 +1,166 @@
+//! Subscriptions: a stream of [`OwnerUpdate`]s for one owner, fed by the change
+//! notifications of every commit that touches it, ending after its terminal phase.
+//! The first update carries all operations; later ones only those that changed, except
+//! after the subscriber lagged, when it gets everything again.
+
+use std::sync::Arc;
+
+use opmon_client::{OwnerKind, OwnerUpdate};
+use tokio::sync::broadcast::{self, error::RecvError};
+
+use super::Core;
+use crate::changes::Changed;
+use crate::error::Error;
+use crate::store::queries;
+
+/// The updates of one owner, as one subscriber sees them.
+pub struct OwnerStream {
+    core: Arc<Core>,
+    kind: OwnerKind,
+    name: String,
+    changes: broadcast::Receiver<Changed>,
+    started: bool,
+    done: bool,
+}
+
+impl OwnerStream {
+    /// The next update; `None` once the owner was terminal (or deleted) and said so.
+    pub async fn next(&mut self) -> Option<Result<OwnerUpdate, Error>> {
+        if self.done {
+            return None;
+        }
+        let update = if !self.started {
+            self.started = true;
+            self.core
+                .owner_update(self.kind, &self.name, None, false)
+                .await
+        } else {
+            loop {
+                match self.changes.recv().await {
+                    Ok(rows) => {
+                        break self
+                            .core
+                            .owner_update(self.kind, &self.name, Some(rows), false)
+                            .await
+                    }
+                    Err(RecvError::Lagged(_)) => {
+                        break self
+                            .core
+                            .owner_update(self.kind, &self.name, None, true)
+                            .await
+                    }
+                    Err(RecvError::Closed) => {
+                        self.changes = self.core.changes.subscribe(self.kind, &self.name)
+                    }
+                }
+            }
+        };
+        match &update {
+            Ok(u) => self.done = u.owner.phase.is_terminal(),
+            Err(_) => self.done = true,
+        }
+        Some(update)
+    }
+}
+
+impl Core {
+    /// Starts a subscription to the owner; fails at once if it does not exist.
+    pub async fn subscribe(
+        self: &Arc<Self>,
+        kind: OwnerKind,
+        name: String,
+    ) -> Result<OwnerStream, Error> {
+        // Subscribe before the first read, so no change falls between them.
+        let changes = self.changes.subscribe(kind, &name);
+        self.get(kind, name.clone()).await?;
+        Ok(OwnerStream {
+            core: self.clone(),
+            kind,
+            name,
+            changes,
+            started: false,
+            done: false,
+        })
+    }
+
+    /// The owner now, with the operations in `rows` (all of them if `None`).
+    async fn owner_update(
+        &self,
+        kind: OwnerKind,
+        name: &str,
+        rows: Option<Changed>,
+        lagged: bool,
+    ) -> Result<OwnerUpdate, Error> {
+        let name = name.to_string();
+        self.store
+            .read(move |conn| {
+                let row = queries::owner_by_name(conn, kind, &name)?
+                    .ok_or_else(|| Error::NotFound(format!("{kind} {name} was deleted")))?;
+                let operations = match rows {
+                    Some(rows) => queries::operations_by_rows(conn, row.id, &rows)?,
+                    None => queries::operations(conn, row.id, None)?,
+                };
+                Ok(OwnerUpdate {
+                    owner: row.owner,
+                    operations,
+                    lagged,
+                })
+            })
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use opmon_client::{GoDuration, OwnerKind, StartParams};
+
+    use crate::core::{Core, CoreSettings};
+    use crate::remote::CallSettings;
+    use crate::storage::Storage;
+    use crate::store::Store;
+
+    async fn core(dir: &std::path::Path) -> Arc<Core> {
+        let store = Arc::new(Store::open(&dir.join("agent.db"), |_| {}).unwrap());
+        let settings = CoreSettings {
+            poll_interval: Duration::from_secs(10),
+            default_item_operation_timeout: GoDuration::from_secs(3600),
+            retention: Duration::from_secs(3600),
+            max_decompressed_size: u64::MAX,
+            calls: CallSettings {
+                deadline: Duration::from_secs(1),
+                batch_size: 10,
+                socket_concurrency: 1,
+                command_concurrency: 1,
+            },
+        };
+        Core::new(store, Storage::new(dir.join("storage")), settings)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_that_falls_behind_is_told_and_gets_everything() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = core(dir.path()).await;
+        let start = StartParams {
+            name: "b".into(),
+            uid: "u".into(),
+            item_operation_timeout: None,
+            finalize: None,
+        };
+        core.start(OwnerKind::Backup, start).await.unwrap();
+        let mut stream = core.subscribe(OwnerKind::Backup, "b".into()).await.unwrap();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(!first.lagged);
+        // Far more changes than the buffer holds, none read: the committer never waits.
+        for _ in 0..1000 {
+            core.changes.notify(OwnerKind::Backup, "b", vec![12345]);
+        }
+        let next = stream.next().await.unwrap().unwrap();
+        assert!(next.lagged, "the subscriber is told it lagged");
+        assert_eq!(next.owner.name, "b");
+    }
+}

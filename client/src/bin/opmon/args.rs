@@ -1,0 +1,202 @@
+//! The command line, as clap sees it. Every API method has a subcommand; `backup` and
+//! `restore` share one definition.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use opmon_client::{ApiVersion, GoDuration, OperationPhase, OwnerPhase, PluginKind};
+
+fn go_duration(text: &str) -> Result<GoDuration, String> {
+    text.parse::<GoDuration>().map_err(|e| e.to_string())
+}
+
+fn owner_phase(text: &str) -> Result<OwnerPhase, String> {
+    text.parse()
+}
+
+fn operation_phase(text: &str) -> Result<OperationPhase, String> {
+    text.parse()
+}
+
+fn plugin_kind(text: &str) -> Result<PluginKind, String> {
+    text.parse()
+}
+
+fn api_version(text: &str) -> Result<ApiVersion, String> {
+    text.parse()
+}
+
+/// opmon: drive and watch the opmon agent's backups, restores and snapshotters.
+///
+/// Exit codes: 0 success; 1 the owner is PartiallyFailed (or on its way there);
+/// 2 it Failed, or the command failed; 3 `wait` timed out.
+#[derive(Parser, Debug)]
+#[command(name = "opmon", version, about, long_about)]
+pub struct Cli {
+    /// The agent's socket [default: as the agent resolves it].
+    #[arg(long, env = "OPMON_SOCKET", global = true)]
+    pub socket: Option<PathBuf>,
+
+    /// How reads are printed; json is exactly the API's result.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table, global = true)]
+    pub output: Output,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The agent's version, uptime and counts.
+    Status,
+    /// Backups.
+    #[command(subcommand)]
+    Backup(OwnerCommand),
+    /// Restores.
+    #[command(subcommand)]
+    Restore(OwnerCommand),
+    /// Snapshotters: who owns which plugin's operations.
+    #[command(subcommand)]
+    Snapshotter(SnapshotterCommand),
+    /// Prints a shell completion script.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum OwnerCommand {
+    /// Creates it in InProgress (same name and uid again is fine).
+    Start {
+        name: String,
+        #[arg(long)]
+        uid: String,
+        /// Go duration, e.g. 4h0m0s [default: the agent's].
+        #[arg(long, value_parser = go_duration)]
+        item_operation_timeout: Option<GoDuration>,
+        /// Restores only: pass through Finalizing and wait for `finalize`.
+        #[arg(long)]
+        finalize: bool,
+    },
+    /// Registers operations a plugin returned: one from flags, or many from a JSON file.
+    AddOperation(AddOperation),
+    /// Ends InProgress: polls every operation once and moves to the next phase.
+    EndInProgress {
+        name: String,
+        #[arg(long, default_value_t = 0)]
+        errors: u32,
+        #[arg(long, default_value_t = 0)]
+        warnings: u32,
+        /// The backup or restore failed: go to Failed and cancel unfinished operations.
+        #[arg(long)]
+        failed: bool,
+    },
+    /// One owner.
+    Get { name: String },
+    /// Owners, by name, a page at a time.
+    List {
+        /// Only these phases (repeatable).
+        #[arg(long = "phase", value_parser = owner_phase)]
+        phases: Vec<OwnerPhase>,
+        #[arg(long)]
+        limit: Option<u32>,
+        /// Start after this name (the previous page's last).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// The owner's operations.
+    Operations {
+        name: String,
+        #[arg(long = "phase", value_parser = operation_phase)]
+        phases: Vec<OperationPhase>,
+    },
+    /// The owner, readable; with --details, each operation too.
+    Describe {
+        name: String,
+        #[arg(long)]
+        details: bool,
+    },
+    /// Waits, showing progress, until ready to finalize (or terminal).
+    Wait {
+        name: String,
+        #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
+        until: Until,
+        /// Give up after this long (Go duration) with exit code 3 [default: never].
+        #[arg(long, value_parser = go_duration)]
+        timeout: Option<GoDuration>,
+    },
+    /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
+    /// and completes.
+    Finalize {
+        name: String,
+        /// The backup tarball to read (relative paths are under the agent's storage dir).
+        #[arg(long, requires = "contents_output")]
+        contents_input: Option<PathBuf>,
+        /// Where to write the rewritten tarball.
+        #[arg(long, requires = "contents_input")]
+        contents_output: Option<PathBuf>,
+        /// A JSON file with `[{"resource": …, "object": …}]`, or - for standard input.
+        #[arg(long, requires = "contents_input")]
+        updated_items: Option<PathBuf>,
+    },
+    /// The -itemoperations.json.gz records.
+    ItemOperations { name: String },
+    /// Removes it, cancelling unfinished operations.
+    Delete { name: String },
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Until {
+    ReadyToFinalize,
+    Terminal,
+}
+
+#[derive(Args, Debug)]
+pub struct AddOperation {
+    pub name: String,
+    /// A JSON file with an array of operations as the API takes them, or - for stdin.
+    #[arg(long, conflicts_with_all = ["plugin", "item", "operation_id"])]
+    pub file: Option<PathBuf>,
+    /// Plugin name, domain/name.
+    #[arg(long, required_unless_present = "file")]
+    pub plugin: Option<String>,
+    /// Plugin kind [default: BackupItemAction for backups, RestoreItemAction for restores].
+    #[arg(long, value_parser = plugin_kind)]
+    pub plugin_kind: Option<PluginKind>,
+    /// The item, RESOURCE[.GROUP]/NAMESPACE/NAME or RESOURCE[.GROUP]/NAME (cluster-scoped).
+    #[arg(long, required_unless_present = "file")]
+    pub item: Option<String>,
+    #[arg(long, required_unless_present = "file")]
+    pub operation_id: Option<String>,
+    /// An item to back up again once operations finish (repeatable), same form as --item.
+    #[arg(long = "post-item")]
+    pub post_items: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SnapshotterCommand {
+    /// Registers (or replaces) a snapshotter for a plugin name.
+    Register {
+        /// The plugin name it serves, domain/name.
+        name: String,
+        #[arg(long, value_parser = api_version, default_value = "v2")]
+        api_version: ApiVersion,
+        /// Its JSON-RPC socket (`--socket` is the agent's).
+        #[arg(long, conflicts_with = "command")]
+        snapshotter_socket: Option<PathBuf>,
+        /// The command to run per call (after --, e.g. -- /usr/bin/snap --flag).
+        #[arg(last = true)]
+        command: Vec<String>,
+    },
+    /// All snapshotters.
+    List,
+    /// Removes one.
+    Unregister { name: String },
+}
