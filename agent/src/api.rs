@@ -116,7 +116,7 @@ fn check_wait(p: &WaitParams) -> Result<(), Error> {
     Ok(())
 }
 
-fn check_snapshotter(s: &Snapshotter) -> Result<(), Error> {
+pub(crate) fn check_snapshotter(s: &Snapshotter) -> Result<(), Error> {
     validate::plugin_name(&s.name).map_err(|e| invalid("name", e))?;
     match (s.api_version, &s.socket, &s.command) {
         (ApiVersion::V1, None, None) => Ok(()),

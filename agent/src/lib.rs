@@ -5,11 +5,13 @@
 //! pure [`phase`] machine) → [`store`] (commit) → reply. The poller, inside [`core`],
 //! reaches snapshotters through [`remote`].
 
+pub mod access;
 pub mod api;
 pub mod changes;
 pub mod config;
 pub mod core;
 pub mod error;
+pub mod metrics;
 pub mod phase;
 pub mod remote;
 pub mod storage;
@@ -20,10 +22,13 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use opmon_client::server::{self, AdmitAll, ServeConfig};
+use jsonrpsee::server::middleware::rpc::RpcServiceBuilder;
+use opmon_client::server::{self, ServeConfig};
 
+use crate::access::PeerCheck;
 use crate::config::Settings;
 use crate::core::Core;
+use crate::metrics::{CountRequests, Metrics};
 use crate::store::Store;
 
 /// Creates `dir` (and parents) with `mode` if it does not exist yet.
@@ -41,44 +46,167 @@ fn ensure_dir(dir: &Path, mode: u32, what: &str) -> Result<(), String> {
         .map_err(|e| format!("setting mode of {what} {}: {e}", dir.display()))
 }
 
-/// Runs the agent until SIGTERM or SIGINT: opens the database, serves the socket,
-/// polls; then stops accepting, finishes in-flight requests and closes the database.
-pub async fn run(settings: Settings) -> Result<(), String> {
-    ensure_dir(&settings.state_dir, 0o700, "state directory")?;
-    let db = settings.database();
-    let store = Arc::new(Store::open(&db, |_| {}).map_err(|e| e.to_string())?);
+/// The listening socket: the one systemd passed (socket activation, `LISTEN_FDS`), or
+/// one bound here with the configured mode and group.
+async fn listener(settings: &Settings) -> Result<tokio::net::UnixListener, String> {
+    let passed: Vec<_> = sd_notify::listen_fds()
+        .map_err(|e| format!("reading LISTEN_FDS: {e}"))?
+        .collect();
+    if let Some(&fd) = passed.first() {
+        use std::os::fd::FromRawFd;
+        // SAFETY: systemd hands us this descriptor to own (sd_listen_fds protocol); it is
+        // taken exactly once, here.
+        let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+        std_listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("using the socket passed by systemd: {e}"))?;
+        tracing::info!(fd, "serving on the socket passed by systemd");
+        return tokio::net::UnixListener::from_std(std_listener)
+            .map_err(|e| format!("using the socket passed by systemd: {e}"));
+    }
     if let Some(parent) = settings.socket.parent() {
         ensure_dir(parent, 0o750, "socket directory")?;
     }
-    let listener = server::bind(&settings.socket, 0o660)
+    let listener = server::bind(&settings.socket, settings.socket_mode)
         .await
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => format!("{e}: is another opmon-agent running?"),
             _ => e.to_string(),
         })?;
-    let storage = storage::Storage::new(settings.storage_dir.clone());
-    let core = Core::new(store.clone(), storage, settings.core.clone())
+    if let Some(gid) = settings.socket_group {
+        nix::unistd::chown(
+            &settings.socket,
+            None,
+            Some(nix::unistd::Gid::from_raw(gid)),
+        )
+        .map_err(|e| format!("giving {} to group {gid}: {e}", settings.socket.display()))?;
+    }
+    Ok(listener)
+}
+
+/// Serves `GET /metrics` on a TCP address until `shutdown` resolves.
+async fn serve_metrics_tcp(
+    address: std::net::SocketAddr,
+    core: Arc<Core>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), String> {
+    use http_body_util::Full;
+    let listener = tokio::net::TcpListener::bind(address)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| format!("binding the metrics listener {address}: {e}"))?;
+    tracing::info!(%address, "serving metrics");
+    tokio::spawn(async move {
+        loop {
+            let stream = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting a metrics connection failed");
+                        continue;
+                    }
+                },
+            };
+            let core = core.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |request: hyper::Request<hyper::body::Incoming>| {
+                        let core = core.clone();
+                        async move {
+                            let found = request.method() == hyper::Method::GET
+                                && request.uri().path() == "/metrics";
+                            let (status, body) = if found {
+                                (hyper::StatusCode::OK, core.metrics_page().await)
+                            } else {
+                                (
+                                    hyper::StatusCode::NOT_FOUND,
+                                    "only GET /metrics is served here\n".to_string(),
+                                )
+                            };
+                            let mut response =
+                                hyper::Response::new(Full::new(bytes::Bytes::from(body)));
+                            *response.status_mut() = status;
+                            Ok::<_, std::convert::Infallible>(response)
+                        }
+                    },
+                );
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Runs the agent until SIGTERM or SIGINT: opens the database, serves the socket,
+/// polls; then stops accepting, finishes in-flight requests and closes the database.
+pub async fn run(settings: Settings) -> Result<(), String> {
+    ensure_dir(&settings.state_dir, 0o700, "state directory")?;
+    let db = settings.database();
+    let metrics = Metrics::new();
+    let committed = metrics.clone();
+    let store = Arc::new(
+        Store::open(&db, move |size, took| committed.committed(size, took))
+            .map_err(|e| e.to_string())?,
+    );
+    let listener = listener(&settings).await?;
+    let storage = storage::Storage::new(settings.storage_dir.clone());
+    let core = Core::new(
+        store.clone(),
+        storage,
+        metrics.clone(),
+        settings.core.clone(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    for s in &settings.snapshotters {
+        api::check_snapshotter(s).map_err(|e| format!("config snapshotter {}: {e}", s.name))?;
+        core.register_snapshotter(s.clone())
+            .await
+            .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;
+    }
     core.recover().await.map_err(|e| e.to_string())?;
+    let stop_metrics = tokio_util::sync::CancellationToken::new();
+    if let Some(address) = settings.metrics_listen {
+        serve_metrics_tcp(address, core.clone(), stop_metrics.clone()).await?;
+    }
     let background = tokio::spawn({
         let core = core.clone();
         async move { core.run_background().await }
     });
     tracing::info!(socket = %settings.socket.display(), database = %db.display(), "serving");
+    let page_core = core.clone();
     let config = ServeConfig {
         max_request_body_size: settings.max_request_size,
+        metrics: Some(Arc::new(move || {
+            let core = page_core.clone();
+            Box::pin(async move { core.metrics_page().await })
+        })),
         ..ServeConfig::default()
     };
+    let admission = PeerCheck::new(
+        &settings.allowed_uids,
+        &settings.allowed_gids,
+        metrics.clone(),
+    );
+    let counting = RpcServiceBuilder::new().layer_fn(CountRequests::layer(metrics));
+    if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+        tracing::debug!(error = %e, "notifying systemd failed");
+    }
     server::serve(
         listener,
         api::rpc_module(core.clone()),
         config,
-        AdmitAll,
+        counting,
+        admission,
         opmon_client::snapshotter::termination(),
     )
     .await;
     tracing::info!("stopping: requests finished");
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    stop_metrics.cancel();
     core.stop();
     let _ = background.await;
     let _ = std::fs::remove_file(&settings.socket);

@@ -1,24 +1,29 @@
-//! The `opmon-agent` binary: parse settings, set up logging, run.
+//! The `opmon-agent` binary: settings, logging, run.
 
-use clap::Parser;
-use opmon_agent::config::Args;
+use opmon_agent::config::{self, LogFormat};
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("OPMON_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let settings = match args.resolve() {
-        Ok(s) => s,
+    let (settings, print) = match config::load() {
+        Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("opmon-agent: {e}");
             return std::process::ExitCode::from(2);
         }
     };
+    if print {
+        print!("{}", settings.describe());
+        return std::process::ExitCode::SUCCESS;
+    }
+    // The level was validated with the settings.
+    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match settings.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Human => logs.init(),
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -29,6 +34,7 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(opmon_agent::run(settings)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
+            tracing::error!("{e}");
             eprintln!("opmon-agent: {e}");
             std::process::ExitCode::FAILURE
         }

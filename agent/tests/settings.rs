@@ -17,7 +17,7 @@ fn a_poll_interval_below_100ms_is_refused_by_name() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr).trim(),
-        "opmon-agent: poll interval 10ms is below the minimum of 100ms"
+        "opmon-agent: poll_interval (from flag --poll-interval): 10ms is below the minimum of 100ms"
     );
     assert!(!dir.path().join("state").exists(), "nothing was created");
 }

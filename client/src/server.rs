@@ -11,13 +11,24 @@ use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
 
-use jsonrpsee::server::{serve_with_graceful_shutdown, stop_channel, Methods, ServerConfig};
+use jsonrpsee::core::BoxError;
+use jsonrpsee::server::middleware::rpc::{RpcService, RpcServiceBuilder, RpcServiceT};
+use jsonrpsee::server::{
+    serve_with_graceful_shutdown, stop_channel, HttpBody, HttpResponse, MethodResponse, Methods,
+    ServerConfig,
+};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::task::TaskTracker;
+use tower::Service;
 
-/// Limits of a served socket.
-#[derive(Clone, Debug)]
+/// Renders the page served at `GET /metrics`.
+pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Send>> + Send + Sync>;
+
+/// Limits and extras of a served socket.
+#[derive(Clone)]
 pub struct ServeConfig {
     /// Largest request body accepted, in bytes; larger ones are refused unread.
     pub max_request_body_size: u32,
@@ -25,6 +36,8 @@ pub struct ServeConfig {
     pub max_response_body_size: u32,
     /// Connections served at once; more are refused by jsonrpsee.
     pub max_connections: u32,
+    /// If set, `GET /metrics` answers with this page (Prometheus text format).
+    pub metrics: Option<MetricsPage>,
 }
 
 impl Default for ServeConfig {
@@ -33,6 +46,7 @@ impl Default for ServeConfig {
             max_request_body_size: 16 * 1024 * 1024,
             max_response_body_size: 256 * 1024 * 1024,
             max_connections: 4096,
+            metrics: None,
         }
     }
 }
@@ -89,6 +103,30 @@ pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     Ok(listener)
 }
 
+/// Answers `GET /metrics` from `page` when there is one; everything else is JSON-RPC.
+async fn route<S>(
+    request: hyper::Request<hyper::body::Incoming>,
+    mut rpc: S,
+    page: Option<MetricsPage>,
+) -> Result<HttpResponse, BoxError>
+where
+    S: Service<hyper::Request<hyper::body::Incoming>, Response = HttpResponse, Error = BoxError>,
+{
+    match page {
+        Some(page)
+            if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" =>
+        {
+            let mut response = HttpResponse::new(HttpBody::from(page().await));
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            Ok(response)
+        }
+        _ => rpc.call(request).await,
+    }
+}
+
 /// Decides, before any request is read, whether a connection may be served.
 pub trait Admission: Send + Sync + 'static {
     fn admit(&self, stream: &UnixStream) -> bool;
@@ -103,14 +141,25 @@ impl Admission for AdmitAll {
     }
 }
 
-/// Serves `methods` on `listener` until `shutdown` resolves, then drains.
-pub async fn serve(
+/// Serves `methods` on `listener` until `shutdown` resolves, then drains. Every call
+/// passes through `rpc_middleware` (`RpcServiceBuilder::new()` for none).
+pub async fn serve<L>(
     listener: UnixListener,
     methods: impl Into<Methods>,
     config: ServeConfig,
+    rpc_middleware: RpcServiceBuilder<L>,
     admission: impl Admission,
     shutdown: impl Future<Output = ()>,
-) {
+) where
+    L: tower::Layer<RpcService> + Clone + Send + Sync + 'static,
+    L::Service: RpcServiceT<
+            MethodResponse = MethodResponse,
+            BatchResponse = MethodResponse,
+            NotificationResponse = MethodResponse,
+        > + Send
+        + Sync
+        + 'static,
+{
     let methods: Methods = methods.into();
     let server_config = ServerConfig::builder()
         .max_request_body_size(config.max_request_body_size)
@@ -119,6 +168,7 @@ pub async fn serve(
         .build();
     let builder = jsonrpsee::server::Server::builder()
         .set_config(server_config)
+        .set_rpc_middleware(rpc_middleware)
         .to_service_builder();
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
@@ -140,7 +190,13 @@ pub async fn serve(
         if !admission.admit(&stream) {
             continue;
         }
-        let service = builder.clone().build(methods.clone(), stop_handle.clone());
+        let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
+        let page = config.metrics.clone();
+        let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            let rpc = rpc.clone();
+            let page = page.clone();
+            route(request, rpc, page)
+        });
         let stopped = stop_handle.clone().shutdown();
         connections.spawn(async move {
             if let Err(e) = serve_with_graceful_shutdown(stream, service, stopped).await {

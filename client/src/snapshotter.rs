@@ -129,6 +129,7 @@ pub async fn serve_methods(
         listener,
         methods,
         ServeConfig::default(),
+        jsonrpsee::server::middleware::rpc::RpcServiceBuilder::new(),
         AdmitAll,
         shutdown,
     )

@@ -23,6 +23,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::changes::Changes;
 use crate::error::Error;
+use crate::metrics::Metrics;
 use crate::remote::{CallSettings, Registry};
 use crate::storage::Storage;
 use crate::store::{queries, Store};
@@ -41,6 +42,7 @@ pub struct CoreSettings {
 pub struct Core {
     store: Arc<Store>,
     storage: Storage,
+    metrics: Arc<Metrics>,
     /// Owners whose item-operations file failed to write; retried each poll tick.
     records_pending: Mutex<BTreeSet<(OwnerKind, String)>>,
     settings: CoreSettings,
@@ -65,11 +67,13 @@ impl Core {
     pub async fn new(
         store: Arc<Store>,
         storage: Storage,
+        metrics: Arc<Metrics>,
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
         let core = Arc::new(Core {
             store,
             storage,
+            metrics,
             records_pending: Mutex::new(BTreeSet::new()),
             settings,
             remotes: Registry::default(),
@@ -110,8 +114,52 @@ impl Core {
         })
     }
 
-    /// Runs the periodic work (polling, retention) until [`Core::stop`].
+    /// The metrics page: counters plus gauges read now.
+    pub async fn metrics_page(&self) -> String {
+        match self.status().await {
+            Ok(status) => self.metrics.render(&status),
+            Err(e) => format!("# metrics unavailable: {e}\n"),
+        }
+    }
+
+    /// Tells systemd (when it asked, through `NOTIFY_SOCKET`) how things stand.
+    async fn report_status(&self, watchdog: bool) {
+        let status = match self.status().await {
+            Ok(s) => {
+                let waiting: u64 = s
+                    .owners
+                    .iter()
+                    .filter(|(phase, _)| phase.is_waiting())
+                    .map(|(_, n)| n)
+                    .sum();
+                format!(
+                    "{waiting} backups/restores waiting, {} unfinished operations, {} snapshotters",
+                    s.unfinished_operations, s.snapshotters
+                )
+            }
+            Err(e) => format!("status unavailable: {e}"),
+        };
+        let mut states = vec![sd_notify::NotifyState::Status(&status)];
+        if watchdog {
+            states.push(sd_notify::NotifyState::Watchdog);
+        }
+        if let Err(e) = sd_notify::notify(false, &states) {
+            tracing::debug!(error = %e, "notifying systemd failed");
+        }
+    }
+
+    /// Runs the periodic work (polling, retention, systemd watchdog) until
+    /// [`Core::stop`]. The watchdog is fed from this loop, so a stalled poller stops
+    /// feeding it and systemd restarts the agent.
     pub async fn run_background(self: &Arc<Self>) {
+        let mut watchdog_usec = 0;
+        let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
+        let mut feed = tokio::time::interval(if watchdog {
+            Duration::from_micros(watchdog_usec / 2).max(Duration::from_millis(10))
+        } else {
+            Duration::from_secs(30)
+        });
+        feed.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut poll = tokio::time::interval(self.settings.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Retention is checked hourly, or more often when the retention itself is short.
@@ -127,6 +175,7 @@ impl Core {
                     self.sweep().await;
                 }
                 _ = self.poll_now.notified() => self.sweep().await,
+                _ = feed.tick() => self.report_status(watchdog).await,
                 _ = retention.tick() => {
                     if let Err(e) = self.expire().await {
                         tracing::warn!(error = %e, "removing expired owners failed");

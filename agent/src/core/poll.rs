@@ -136,9 +136,12 @@ impl Core {
             Some(Remote::V1) => targets.iter().map(|_| Observation::V1Adapter).collect(),
             Some(remote) => {
                 let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
-                remote
-                    .progress(&refs)
-                    .await
+                let began = std::time::Instant::now();
+                let answers = remote.progress(&refs).await;
+                let errors = answers.iter().filter(|a| a.is_err()).count();
+                self.metrics
+                    .polled(plugin, answers.len(), errors, began.elapsed());
+                answers
                     .into_iter()
                     .map(|answer| match answer {
                         Ok(p) => Observation::Progress(p),

@@ -123,7 +123,7 @@ mod tests {
     use crate::store::Store;
 
     async fn core(dir: &std::path::Path) -> Arc<Core> {
-        let store = Arc::new(Store::open(&dir.join("agent.db"), |_| {}).unwrap());
+        let store = Arc::new(Store::open(&dir.join("agent.db"), |_, _| {}).unwrap());
         let settings = CoreSettings {
             poll_interval: Duration::from_secs(10),
             default_item_operation_timeout: GoDuration::from_secs(3600),
@@ -136,9 +136,14 @@ mod tests {
                 command_concurrency: 1,
             },
         };
-        Core::new(store, Storage::new(dir.join("storage")), settings)
-            .await
-            .unwrap()
+        Core::new(
+            store,
+            Storage::new(dir.join("storage")),
+            crate::metrics::Metrics::new(),
+            settings,
+        )
+        .await
+        .unwrap()
     }
 
     #[tokio::test]

@@ -98,7 +98,7 @@ impl Store {
     /// and starts the writer. `on_commit` is told the size of every committed group.
     pub fn open(
         path: &Path,
-        on_commit: impl Fn(usize) + Send + 'static,
+        on_commit: impl Fn(usize, std::time::Duration) + Send + 'static,
     ) -> Result<Store, OpenError> {
         let lock = lock(path)?;
         OpenOptions::new()

@@ -60,7 +60,8 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
             fill_old_database(&conn, version);
         }
-        let store = Store::open(&db, |_| {}).unwrap_or_else(|e| panic!("version {version}: {e}"));
+        let store =
+            Store::open(&db, |_, _| {}).unwrap_or_else(|e| panic!("version {version}: {e}"));
         let conn = Connection::open(&db).unwrap();
         let found: u32 = conn
             .query_row("PRAGMA user_version", [], |r| r.get(0))
@@ -96,7 +97,10 @@ fn a_database_newer_than_the_agent_is_refused() {
         .unwrap()
         .pragma_update(None, "user_version", CURRENT_VERSION + 1)
         .unwrap();
-    let err = Store::open(&db, |_| {}).err().expect("refused").to_string();
+    let err = Store::open(&db, |_, _| {})
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(
         err.contains(&format!(
             "schema version {} is newer than this agent supports ({CURRENT_VERSION})",
@@ -109,7 +113,7 @@ fn a_database_newer_than_the_agent_is_refused() {
 #[test]
 fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
     let (_dir, db) = temp_db();
-    let store = Store::open(&db, |_| {}).unwrap();
+    let store = Store::open(&db, |_, _| {}).unwrap();
     let mode = std::fs::metadata(&db).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
     let journal: String = Connection::open(&db)
@@ -117,7 +121,7 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
         .query_row("PRAGMA journal_mode", [], |r| r.get(0))
         .unwrap();
     assert_eq!(journal, "wal");
-    match Store::open(&db, |_| {}) {
+    match Store::open(&db, |_, _| {}) {
         Err(OpenError::Locked { db: locked, pid }) => {
             assert_eq!(locked, db);
             assert_eq!(pid, std::process::id().to_string());
@@ -126,7 +130,7 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
     }
     store.close();
     drop(store);
-    Store::open(&db, |_| {}).expect("the lock is released with the store");
+    Store::open(&db, |_, _| {}).expect("the lock is released with the store");
 }
 
 /// Occupies the writer with a request that blocks inside its transaction until the
@@ -161,7 +165,7 @@ async fn concurrent_writes_share_one_transaction() {
     let (_dir, db) = temp_db();
     let groups = Arc::new(Mutex::new(Vec::new()));
     let seen = groups.clone();
-    let store = Arc::new(Store::open(&db, move |n| seen.lock().unwrap().push(n)).unwrap());
+    let store = Arc::new(Store::open(&db, move |n, _| seen.lock().unwrap().push(n)).unwrap());
 
     // Hold the writer inside a first transaction until 64 more requests are queued.
     let (blocker, release) = hold_writer(&store).await;
@@ -205,7 +209,7 @@ async fn concurrent_writes_share_one_transaction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_request_is_rolled_back_alone_within_its_group() {
     let (_dir, db) = temp_db();
-    let store = Arc::new(Store::open(&db, |_| {}).unwrap());
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
     let (blocker, release) = hold_writer(&store).await;
     let insert = |name: &'static str, fail: bool| {
         let store = store.clone();
@@ -254,7 +258,7 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_space_is_back() {
     let (_dir, db) = temp_db();
-    let store = Arc::new(Store::open(&db, |_| {}).unwrap());
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
     let add = |name: &'static str| {
         let store = store.clone();
         tokio::spawn(async move {

@@ -123,7 +123,10 @@ pub struct Writer {
 
 impl Writer {
     /// Starts the writer thread on `conn`, which must be the database's only writer.
-    pub fn start(conn: Connection, on_commit: impl Fn(usize) + Send + 'static) -> Writer {
+    pub fn start(
+        conn: Connection,
+        on_commit: impl Fn(usize, std::time::Duration) + Send + 'static,
+    ) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let taken = queued.clone();
@@ -192,7 +195,7 @@ fn run(
     conn: Connection,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     queued: &AtomicUsize,
-    on_commit: impl Fn(usize),
+    on_commit: impl Fn(usize, std::time::Duration),
 ) {
     while let Some(first) = rx.blocking_recv() {
         let mut group = vec![first];
@@ -206,6 +209,7 @@ fn run(
         queued.fetch_sub(size, Ordering::SeqCst);
         let mut jobs = group.into_iter();
         let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
+        let began = std::time::Instant::now();
         let mut open = begin(&conn);
         while let Some(job) = jobs.next() {
             if let Err(e) = &open {
@@ -232,7 +236,7 @@ fn run(
             let _ = conn.execute_batch("ROLLBACK");
         }
         if commit.is_ok() {
-            on_commit(pending.len());
+            on_commit(pending.len(), began.elapsed());
         }
         for p in pending {
             p.finish(commit.clone());

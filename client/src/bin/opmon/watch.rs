@@ -86,7 +86,15 @@ impl Bars {
         if let Some(bar) = self.ops.get(&op.operation_id) {
             return bar.clone();
         }
-        let bar = self.multi.add(ProgressBar::new(op.n_total.max(0) as u64));
+        // Rates and ETAs count from when the operation started, not from when we looked.
+        let running_for = op
+            .started
+            .map(|t| (time::OffsetDateTime::now_utc() - t).max(time::Duration::ZERO))
+            .and_then(|d| Duration::try_from(d).ok())
+            .unwrap_or_default();
+        let bar = self
+            .multi
+            .add(ProgressBar::new(op.n_total.max(0) as u64).with_elapsed(running_for));
         let template = if op.operation_units.starts_with("byte") {
             "  {prefix:24} [{bar:30.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}  {msg}"
         } else {

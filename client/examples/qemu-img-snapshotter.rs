@@ -1,0 +1,879 @@
+//! `qemu-img-snapshotter`: a real snapshotter built on opmon's SDK. It copies qcow2 disk
+//! images (or one of their internal snapshots) into a backup directory with
+//! `qemu-img convert`, and answers the agent's Progress and Cancel calls for each copy.
+//!
+//! It needs `qemu-img` on `PATH` (Debian/Ubuntu: `apt-get install qemu-utils`). With an
+//! agent running and the README quick start's `call` helper defined, serve it, register
+//! it, start a copy with its own `start` command and hand the operation ID to a backup:
+//!
+//! ```sh
+//! cargo build -p opmon-client --example qemu-img-snapshotter
+//! Q=target/debug/examples/qemu-img-snapshotter
+//! $Q serve --socket /tmp/qemu-img.sock --state-dir /tmp/qis/state --backup-dir /tmp/qis/backups &
+//! call snapshotter.register '{"name":"example.io/qemu-img","apiVersion":"v2","socket":"/tmp/qemu-img.sock"}'
+//!
+//! qemu-img create -f qcow2 disk.qcow2 64M && qemu-io -c 'write -P 0xab 0 64M' disk.qcow2
+//! ID=$($Q start --socket /tmp/qemu-img.sock --disk disk.qcow2 --rate-limit 8388608)
+//!
+//! call backup.start '{"name":"vm-1","uid":"7d2e"}'
+//! call backup.addOperations '{"name":"vm-1","operations":[{"plugin":{"kind":"BackupItemAction","name":"example.io/qemu-img"},"resource":{"resource":"persistentvolumeclaims","namespace":"vms","name":"vm-1-disk"},"operationId":"'$ID'"}]}'
+//! call backup.endInProgress '{"name":"vm-1"}'
+//! call backup.operations '{"name":"vm-1"}'     # nCompleted grows to nTotal in about 8 s
+//! call backup.wait '{"name":"vm-1","until":"readyToFinalize"}'
+//! qemu-img compare disk.qcow2 /tmp/qis/backups/$ID.qcow2
+//! ```
+//!
+//! Besides the snapshotter protocol's `operation.progress` and `operation.cancel`, the
+//! socket serves `copy.start {disk, snapshot?, rateLimit?}` → `{operationId}`: `disk` is
+//! the absolute path of a qcow2 image, `snapshot` the name of one of its internal
+//! snapshots, `rateLimit` bytes per second. SIGTERM stops `serve`; copies it interrupts
+//! start over at its next start.
+//!
+//! Invariants:
+//! - A copy's record is in the state file (`<state dir>/operations.json`, replaced
+//!   atomically) before its ID is handed out, and again whenever it finishes, so Progress
+//!   answers for every copy after any restart.
+//! - A copy that was running when the snapshotter stopped is started again from scratch
+//!   at the next start; its qemu-img process does not outlive the snapshotter.
+//! - Within one run of a copy `nCompleted` never decreases; it equals `nTotal` (the
+//!   image's virtual size) once the copy has succeeded.
+//! - `<id>.qcow2` in the backup directory exists only for a completed copy; qemu-img
+//!   writes `<id>.qcow2.partial`, which a failed or cancelled copy removes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use clap::{Args, Parser, Subcommand};
+use jsonrpsee::core::client::{ClientBuilder, ClientT};
+use jsonrpsee::core::traits::ToRpcParams;
+use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
+use jsonrpsee::types::ErrorObjectOwned;
+use opmon_client::codes;
+use opmon_client::snapshotter::{
+    rpc_module, serve_methods, termination, Snapshotter, SnapshotterError,
+};
+use opmon_client::{OperationProgress, OperationRef, Timestamp};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use time::OffsetDateTime;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::Command;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// The program every copy runs.
+const QEMU_IMG: &str = "qemu-img";
+/// The state file's name inside `--state-dir`.
+const STATE_FILE: &str = "operations.json";
+/// The state file's format; a snapshotter refuses files of another version.
+const STATE_VERSION: u32 = 1;
+
+#[derive(Parser)]
+#[command(
+    name = "qemu-img-snapshotter",
+    about = "An opmon snapshotter that copies qcow2 disks with qemu-img convert"
+)]
+struct Cli {
+    #[command(subcommand)]
+    action: Action,
+}
+
+#[derive(Subcommand)]
+enum Action {
+    /// Serve the snapshotter protocol and copy.start on a Unix socket until SIGTERM.
+    Serve(ServeArgs),
+    /// Ask a running `serve` to copy a disk; prints the new operation ID.
+    Start(StartArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The Unix socket to serve on (register this path with the agent).
+    #[arg(long)]
+    socket: PathBuf,
+    /// Where the operations are remembered across restarts; created if missing.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// Where the copies are written, as `<operation ID>.qcow2`; created if missing.
+    #[arg(long)]
+    backup_dir: PathBuf,
+}
+
+#[derive(Args)]
+struct StartArgs {
+    /// The socket of a running `qemu-img-snapshotter serve`.
+    #[arg(long)]
+    socket: PathBuf,
+    /// The qcow2 image to copy (a relative path is taken from the current directory).
+    #[arg(long)]
+    disk: PathBuf,
+    /// Copy this internal snapshot of the disk instead of its current state.
+    #[arg(long)]
+    snapshot: Option<String>,
+    /// Copy at most this many bytes per second.
+    #[arg(long)]
+    rate_limit: Option<u64>,
+}
+
+/// `copy.start` params: what the `start` command sends and `serve` parses.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct CopyStartParams {
+    disk: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rate_limit: Option<u64>,
+}
+
+impl ToRpcParams for CopyStartParams {
+    fn to_rpc_params(self) -> Result<Option<Box<RawValue>>, serde_json::Error> {
+        serde_json::value::to_raw_value(&self).map(Some)
+    }
+}
+
+/// `copy.start` result.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CopyStarted {
+    operation_id: String,
+}
+
+/// What to copy, validated: `disk` is an absolute path to a regular file, `snapshot` is
+/// one of its internal snapshots and `rate_limit` is positive.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CopyJob {
+    disk: PathBuf,
+    snapshot: Option<String>,
+    rate_limit: Option<u64>,
+}
+
+/// Where a copy stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "camelCase")]
+enum CopyStatus {
+    Running,
+    Completed,
+    Failed { error: String },
+}
+
+/// One operation, as the state file keeps it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CopyRecord {
+    job: CopyJob,
+    status: CopyStatus,
+    /// The source's virtual size in bytes.
+    n_total: i64,
+    /// Bytes copied so far; only saved when the copy finishes.
+    n_completed: i64,
+    #[serde(with = "time::serde::rfc3339::option")]
+    started: Option<Timestamp>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    updated: Option<Timestamp>,
+}
+
+impl CopyRecord {
+    fn progress(&self) -> OperationProgress {
+        let name = self.job.disk.file_name().map_or_else(
+            || self.job.disk.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        OperationProgress {
+            completed: self.status != CopyStatus::Running,
+            err: match &self.status {
+                CopyStatus::Failed { error } => error.clone(),
+                _ => String::new(),
+            },
+            n_completed: self.n_completed,
+            n_total: self.n_total,
+            operation_units: "bytes".into(),
+            description: match &self.job.snapshot {
+                Some(snapshot) => format!("copying snapshot {snapshot} of {name}"),
+                None => format!("copying {name}"),
+            },
+            started: self.started,
+            updated: self.updated,
+        }
+    }
+}
+
+/// The state file's contents.
+#[derive(Deserialize)]
+struct StateFile {
+    version: u32,
+    operations: BTreeMap<String, CopyRecord>,
+}
+
+/// A copy whose qemu-img process is running: how to stop it and wait for its cleanup.
+struct RunningCopy {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+/// Everything behind the one lock: the records and the copies in progress.
+struct Copies {
+    records: BTreeMap<String, CopyRecord>,
+    running: HashMap<String, RunningCopy>,
+}
+
+/// The snapshotter's state, shared by the RPC handlers and the copy tasks.
+struct Copier {
+    state_dir: PathBuf,
+    backup_dir: PathBuf,
+    copies: Mutex<Copies>,
+    /// Serialises state-file writes, so that the last write holds the latest state.
+    save_turn: tokio::sync::Mutex<()>,
+    /// Held for the process's life: a second snapshotter on the same state directory
+    /// would overwrite this one's records.
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// The [`Snapshotter`] the SDK serves; a handle on the shared [`Copier`].
+#[derive(Clone)]
+struct QemuImgSnapshotter(Arc<Copier>);
+
+impl Snapshotter for QemuImgSnapshotter {
+    async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
+        self.0
+            .lock()
+            .records
+            .get(&op.operation_id)
+            .map(CopyRecord::progress)
+            .ok_or(SnapshotterError::InvalidOperationId(op.operation_id))
+    }
+
+    /// Stops the copy if it runs and returns once its process is gone, its partial file
+    /// removed and its failure recorded; a finished or unknown copy is left alone.
+    async fn cancel(&self, op: OperationRef) -> Result<(), SnapshotterError> {
+        let running = self.0.lock().running.remove(&op.operation_id);
+        if let Some(running) = running {
+            // The copy may have just finished by itself; then there is nothing to stop.
+            let _ = running.stop.send(());
+            let _ = running.task.await;
+        }
+        Ok(())
+    }
+}
+
+impl Copier {
+    /// Opens the state in `state_dir`, creating both directories if needed.
+    fn open(state_dir: &Path, backup_dir: &Path) -> Result<Copier, String> {
+        for (flag, dir) in [("--state-dir", state_dir), ("--backup-dir", backup_dir)] {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("{flag}: cannot create {}: {e}", dir.display()))?;
+        }
+        let lock_path = state_dir.join("lock");
+        let lock_file = std::fs::File::create(&lock_path)
+            .map_err(|e| format!("cannot create {}: {e}", lock_path.display()))?;
+        let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| {
+                format!(
+                    "{} is in use by another qemu-img-snapshotter ({e})",
+                    state_dir.display()
+                )
+            })?;
+        let records = load_state(&state_dir.join(STATE_FILE))?;
+        // Absolute, so that log lines and qemu-img's arguments do not depend on the
+        // working directory.
+        let absolute = |flag: &str, dir: &Path| {
+            std::path::absolute(dir).map_err(|e| format!("{flag} {}: {e}", dir.display()))
+        };
+        Ok(Copier {
+            state_dir: absolute("--state-dir", state_dir)?,
+            backup_dir: absolute("--backup-dir", backup_dir)?,
+            copies: Mutex::new(Copies {
+                records,
+                running: HashMap::new(),
+            }),
+            save_turn: tokio::sync::Mutex::new(()),
+            _lock: lock,
+        })
+    }
+
+    /// The lock is only ever held for map updates, which cannot panic halfway; a
+    /// poisoned lock still holds consistent data.
+    fn lock(&self) -> MutexGuard<'_, Copies> {
+        self.copies.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn final_path(&self, id: &str) -> PathBuf {
+        self.backup_dir.join(format!("{id}.qcow2"))
+    }
+
+    fn partial_path(&self, id: &str) -> PathBuf {
+        self.backup_dir.join(format!("{id}.qcow2.partial"))
+    }
+
+    /// Writes every record to the state file, atomically.
+    async fn save(&self) -> Result<(), String> {
+        let _turn = self.save_turn.lock().await;
+        let json = {
+            let copies = self.lock();
+            serde_json::to_vec_pretty(&StateFileRef {
+                version: STATE_VERSION,
+                operations: &copies.records,
+            })
+        }
+        .map_err(|e| format!("encoding the state: {e}"))?;
+        let dir = self.state_dir.clone();
+        tokio::task::spawn_blocking(move || write_atomically(&dir, STATE_FILE, &json))
+            .await
+            .map_err(|e| format!("writing the state file: {e}"))?
+    }
+
+    /// `copy.start`: validates the request, records the copy durably, starts it.
+    async fn start_copy(
+        self: &Arc<Self>,
+        params: CopyStartParams,
+    ) -> Result<CopyStarted, ErrorObjectOwned> {
+        let job = validate(params)?;
+        let info = image_info(&job.disk).await?;
+        if let Some(snapshot) = &job.snapshot {
+            if !info.snapshots.iter().any(|s| &s.name == snapshot) {
+                return Err(invalid_params(format!(
+                    "snapshot: {} has no internal snapshot named {snapshot:?}",
+                    job.disk.display()
+                )));
+            }
+        }
+        let n_total = i64::try_from(info.virtual_size).map_err(|_| {
+            invalid_params(format!(
+                "disk: {} has an impossible virtual size {}",
+                job.disk.display(),
+                info.virtual_size
+            ))
+        })?;
+        let record = CopyRecord {
+            job,
+            status: CopyStatus::Running,
+            n_total,
+            n_completed: 0,
+            started: None,
+            updated: None,
+        };
+        let id = self.admit(record);
+        if let Err(e) = self.save().await {
+            self.lock().records.remove(&id);
+            return Err(ErrorObjectOwned::owned(INTERNAL_ERROR_CODE, e, None::<()>));
+        }
+        // Nobody knows the ID before this call returns, so no Cancel can slip in
+        // between recording the copy and launching it.
+        self.launch(&id);
+        Ok(CopyStarted { operation_id: id })
+    }
+
+    /// Inserts `record` under a new, unused operation ID and returns the ID.
+    fn admit(&self, record: CopyRecord) -> String {
+        let mut copies = self.lock();
+        let mut n = OffsetDateTime::now_utc().unix_timestamp_nanos();
+        let id = loop {
+            let id = format!("copy-{n:x}");
+            if !copies.records.contains_key(&id) {
+                break id;
+            }
+            n += 1;
+        };
+        copies.records.insert(id.clone(), record);
+        id
+    }
+
+    /// Restarts from scratch the copies the state file says were running: their
+    /// qemu-img died with the previous snapshotter process.
+    fn resume_interrupted(self: &Arc<Self>) {
+        let interrupted: Vec<String> = {
+            let mut copies = self.lock();
+            copies
+                .records
+                .iter_mut()
+                .filter(|(_, r)| r.status == CopyStatus::Running)
+                .map(|(id, r)| {
+                    r.n_completed = 0;
+                    r.started = None;
+                    r.updated = Some(OffsetDateTime::now_utc());
+                    id.clone()
+                })
+                .collect()
+        };
+        for id in interrupted {
+            eprintln!("{id}: interrupted by a restart; copying again from the start");
+            self.launch(&id);
+        }
+    }
+
+    /// Runs copy `id` in a task of its own and remembers how to stop it.
+    fn launch(self: &Arc<Self>, id: &str) {
+        let (stop, stopped) = oneshot::channel();
+        // Holding the lock while spawning keeps the task from finishing (and removing
+        // its entry) before the entry exists.
+        let mut copies = self.lock();
+        let copier = Arc::clone(self);
+        let task_id = id.to_string();
+        let task = tokio::spawn(async move { copier.run(task_id, stopped).await });
+        copies
+            .running
+            .insert(id.to_string(), RunningCopy { stop, task });
+    }
+
+    /// One copy from start to recorded outcome.
+    async fn run(self: Arc<Self>, id: String, stopped: oneshot::Receiver<()>) {
+        let Some(job) = self.lock().records.get(&id).map(|r| r.job.clone()) else {
+            return;
+        };
+        let partial = self.partial_path(&id);
+        let outcome = match self.convert(&id, &job, &partial, stopped).await {
+            Ok(()) => publish(&partial, &self.final_path(&id)).await,
+            Err(e) => {
+                if let Err(rm) = std::fs::remove_file(&partial) {
+                    if rm.kind() != io::ErrorKind::NotFound {
+                        eprintln!("{id}: removing {}: {rm}", partial.display());
+                    }
+                }
+                Err(e)
+            }
+        };
+        match &outcome {
+            Ok(()) => eprintln!("{id}: completed"),
+            Err(e) => eprintln!("{id}: failed: {e}"),
+        }
+        self.finish(&id, outcome).await;
+    }
+
+    /// Runs `qemu-img convert` for `job` into `partial` until it exits or `stopped`
+    /// fires; the error is qemu-img's last stderr line, or `cancelled`.
+    async fn convert(
+        &self,
+        id: &str,
+        job: &CopyJob,
+        partial: &Path,
+        stopped: oneshot::Receiver<()>,
+    ) -> Result<(), String> {
+        let mut child = convert_command(job, partial)
+            .spawn()
+            .map_err(|e| format!("cannot run {QEMU_IMG}: {e}"))?;
+        self.mark_started(id);
+        eprintln!(
+            "{id}: copying {} to {}",
+            job.disk.display(),
+            partial.display()
+        );
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+        let exited = tokio::select! {
+            exited = async {
+                let (status, (), last) = tokio::join!(
+                    child.wait(),
+                    self.follow_progress(id, stdout),
+                    last_line_of(stderr),
+                );
+                (status, last)
+            } => Some(exited),
+            // A dropped sender (shutdown) is not a cancel: the copy stays Running on disk.
+            Ok(()) = stopped => None,
+        };
+        match exited {
+            None => {
+                // kill() also waits, so the process no longer writes once this returns.
+                if let Err(e) = child.kill().await {
+                    eprintln!("{id}: killing qemu-img: {e}");
+                }
+                Err("cancelled".into())
+            }
+            Some((Ok(status), _)) if status.success() => Ok(()),
+            Some((Ok(status), last)) => {
+                Err(last.unwrap_or_else(|| format!("{QEMU_IMG} exited with {status}")))
+            }
+            Some((Err(e), _)) => Err(format!("waiting for {QEMU_IMG}: {e}")),
+        }
+    }
+
+    fn mark_started(&self, id: &str) {
+        if let Some(record) = self.lock().records.get_mut(id) {
+            let now = OffsetDateTime::now_utc();
+            record.started = Some(now);
+            record.updated = Some(now);
+        }
+    }
+
+    /// Reads qemu-img's `-p` output, `    (12.34/100%)` updates separated by `\r`, and
+    /// records each percentage as bytes.
+    async fn follow_progress(&self, id: &str, stdout: Option<impl AsyncRead + Unpin>) {
+        let Some(mut stdout) = stdout else { return };
+        let mut chunk = [0u8; 1024];
+        let mut pending = String::new();
+        loop {
+            let n = match stdout.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            pending.push_str(&String::from_utf8_lossy(&chunk[..n]));
+            while let Some(end) = pending.find(['\r', '\n']) {
+                if let Some(percent) = parse_percent(&pending[..end]) {
+                    self.record_progress(id, percent);
+                }
+                pending.drain(..=end);
+            }
+            // Updates are short; anything this long is not one, so do not let it grow.
+            if pending.len() > 4096 {
+                pending.clear();
+            }
+        }
+    }
+
+    /// Raises nCompleted to `percent` of nTotal; it never goes down.
+    fn record_progress(&self, id: &str, percent: f64) {
+        if let Some(record) = self.lock().records.get_mut(id) {
+            let bytes = ((percent / 100.0) * record.n_total as f64) as i64;
+            let bytes = bytes.clamp(0, record.n_total);
+            if bytes > record.n_completed {
+                record.n_completed = bytes;
+                record.updated = Some(OffsetDateTime::now_utc());
+            }
+        }
+    }
+
+    /// Records how copy `id` ended and saves the state.
+    async fn finish(&self, id: &str, outcome: Result<(), String>) {
+        {
+            let mut copies = self.lock();
+            copies.running.remove(id);
+            if let Some(record) = copies.records.get_mut(id) {
+                match outcome {
+                    Ok(()) => {
+                        record.status = CopyStatus::Completed;
+                        record.n_completed = record.n_total;
+                    }
+                    Err(error) => record.status = CopyStatus::Failed { error },
+                }
+                record.updated = Some(OffsetDateTime::now_utc());
+            }
+        }
+        // The outcome is right in memory; the next save (or a rerun after a restart)
+        // makes it durable.
+        if let Err(e) = self.save().await {
+            eprintln!("{id}: saving its outcome: {e}");
+        }
+    }
+}
+
+/// [`StateFile`] by reference, to save without cloning every record.
+#[derive(Serialize)]
+struct StateFileRef<'a> {
+    version: u32,
+    operations: &'a BTreeMap<String, CopyRecord>,
+}
+
+/// The records in the state file at `path`; none if it does not exist yet.
+fn load_state(path: &Path) -> Result<BTreeMap<String, CopyRecord>, String> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(format!("reading the state file {}: {e}", path.display())),
+    };
+    let state: StateFile = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("the state file {} is not valid: {e}", path.display()))?;
+    if state.version != STATE_VERSION {
+        return Err(format!(
+            "the state file {} has version {}; this snapshotter reads version {STATE_VERSION}",
+            path.display(),
+            state.version
+        ));
+    }
+    Ok(state.operations)
+}
+
+/// Replaces `dir/name` with `bytes` so that a crash leaves the old or the new contents,
+/// never a mix: temporary file, fsync, rename, fsync of the directory.
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), String> {
+    let path = dir.join(name);
+    let context = |e: io::Error| format!("writing the state file {}: {e}", path.display());
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(context)?;
+    tmp.write_all(bytes).map_err(context)?;
+    tmp.as_file().sync_all().map_err(context)?;
+    tmp.persist(&path).map_err(|e| context(e.error))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(context)
+}
+
+/// Makes the finished copy durable, then gives it its final name.
+async fn publish(partial: &Path, final_path: &Path) -> Result<(), String> {
+    let (partial, final_path) = (partial.to_path_buf(), final_path.to_path_buf());
+    tokio::task::spawn_blocking(move || {
+        let context = |e: io::Error| format!("publishing {}: {e}", final_path.display());
+        std::fs::File::open(&partial)
+            .and_then(|f| f.sync_all())
+            .map_err(context)?;
+        std::fs::rename(&partial, &final_path).map_err(context)?;
+        match final_path.parent() {
+            Some(dir) => std::fs::File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(context),
+            None => Ok(()),
+        }
+    })
+    .await
+    .map_err(|e| format!("publishing the copy: {e}"))?
+}
+
+/// Checks what `copy.start` was given; errors name the field.
+fn validate(params: CopyStartParams) -> Result<CopyJob, ErrorObjectOwned> {
+    let disk = params.disk;
+    // An absolute path also keeps qemu-img from reading `proto:…` as a protocol.
+    if !disk.is_absolute() {
+        return Err(invalid_params(format!(
+            "disk: {:?} is not an absolute path",
+            disk.display().to_string()
+        )));
+    }
+    match std::fs::metadata(&disk) {
+        Ok(meta) if meta.is_file() => {}
+        Ok(_) => {
+            return Err(invalid_params(format!(
+                "disk: {} is not a regular file",
+                disk.display()
+            )))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(invalid_params(format!(
+                "disk: {} does not exist",
+                disk.display()
+            )))
+        }
+        Err(e) => {
+            return Err(invalid_params(format!(
+                "disk: cannot read {}: {e}",
+                disk.display()
+            )))
+        }
+    }
+    if params.snapshot.as_deref() == Some("") {
+        return Err(invalid_params("snapshot: must not be empty".into()));
+    }
+    if params.rate_limit == Some(0) {
+        return Err(invalid_params(
+            "rateLimit: must be at least 1 byte per second".into(),
+        ));
+    }
+    Ok(CopyJob {
+        disk,
+        snapshot: params.snapshot,
+        rate_limit: params.rate_limit,
+    })
+}
+
+fn invalid_params(message: String) -> ErrorObjectOwned {
+    ErrorObjectOwned::owned(codes::INVALID_PARAMS, message, None::<()>)
+}
+
+/// What `qemu-img info --output=json` says about an image, as far as copies care.
+#[derive(Deserialize)]
+struct ImageInfo {
+    #[serde(rename = "virtual-size")]
+    virtual_size: u64,
+    #[serde(default)]
+    snapshots: Vec<SnapshotInfo>,
+}
+
+#[derive(Deserialize)]
+struct SnapshotInfo {
+    name: String,
+}
+
+/// Runs `qemu-img info` on `disk`, which must be a qcow2 image.
+async fn image_info(disk: &Path) -> Result<ImageInfo, ErrorObjectOwned> {
+    let output = Command::new(QEMU_IMG)
+        .args(["info", "-f", "qcow2", "--output=json"])
+        .arg(disk)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| {
+            ErrorObjectOwned::owned(
+                INTERNAL_ERROR_CODE,
+                format!("cannot run {QEMU_IMG}: {e}"),
+                None::<()>,
+            )
+        })?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let reason = last_line(&stderr).unwrap_or_else(|| format!("exit {}", output.status));
+        return Err(invalid_params(format!(
+            "disk: {QEMU_IMG} info {} failed: {reason}",
+            disk.display()
+        )));
+    }
+    serde_json::from_slice(&output.stdout).map_err(|e| {
+        ErrorObjectOwned::owned(
+            INTERNAL_ERROR_CODE,
+            format!(
+                "reading {QEMU_IMG} info's output for {}: {e}",
+                disk.display()
+            ),
+            None::<()>,
+        )
+    })
+}
+
+/// `qemu-img convert` of `job` into `partial`, with progress on stdout.
+fn convert_command(job: &CopyJob, partial: &Path) -> Command {
+    let mut command = Command::new(QEMU_IMG);
+    command.args(["convert", "-p", "-f", "qcow2", "-O", "qcow2"]);
+    if let Some(rate) = job.rate_limit {
+        command.arg("-r").arg(rate.to_string());
+    }
+    if let Some(snapshot) = &job.snapshot {
+        // QEMU option syntax: a comma inside a value is written twice.
+        command
+            .arg("-l")
+            .arg(format!("snapshot.name={}", snapshot.replace(',', ",,")));
+    }
+    command
+        .arg(&job.disk)
+        .arg(partial)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // A graceful exit drops the copy tasks, and with them the processes.
+        .kill_on_drop(true);
+    die_with_parent(&mut command);
+    command
+}
+
+/// Makes the kernel kill the child if this process dies (even by SIGKILL), so that no
+/// orphaned qemu-img keeps writing a copy that the next start begins again.
+///
+/// PR_SET_PDEATHSIG fires when the spawning *thread* exits; copies are spawned from
+/// tokio's worker threads, which live as long as the process.
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: between fork and exec the closure makes only async-signal-safe system
+    // calls (prctl, getppid) and allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+            // The parent may have died before prctl took effect.
+            if nix::unistd::getppid() != parent {
+                return Err(nix::errno::Errno::ESRCH.into());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
+
+/// The percentage in one `qemu-img convert -p` update such as `    (12.34/100%)`.
+fn parse_percent(update: &str) -> Option<f64> {
+    let number = update.trim().strip_prefix('(')?.strip_suffix("/100%)")?;
+    let percent: f64 = number.trim().parse().ok()?;
+    (0.0..=100.0).contains(&percent).then_some(percent)
+}
+
+/// The last non-empty line of `text`.
+fn last_line(text: &str) -> Option<String> {
+    text.lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())
+        .map(str::to_string)
+}
+
+/// Reads `stream` to its end; returns its last non-empty line. Only the tail is kept,
+/// so a chatty process cannot make it grow without bound.
+async fn last_line_of(stream: Option<impl AsyncRead + Unpin>) -> Option<String> {
+    const KEEP: usize = 64 * 1024;
+    let mut stream = stream?;
+    let mut tail = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                tail.extend_from_slice(&chunk[..n]);
+                if tail.len() > 2 * KEEP {
+                    tail.drain(..tail.len() - KEEP);
+                }
+            }
+        }
+    }
+    last_line(&String::from_utf8_lossy(&tail))
+}
+
+/// `serve`: loads the state, restarts interrupted copies, serves until SIGTERM/SIGINT.
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    let copier = Arc::new(Copier::open(&args.state_dir, &args.backup_dir)?);
+    copier.resume_interrupted();
+    let mut module = rpc_module(QemuImgSnapshotter(Arc::clone(&copier)));
+    module
+        .register_async_method("copy.start", |params, s, _| async move {
+            let params: CopyStartParams = params.parse()?;
+            s.0.start_copy(params).await
+        })
+        .map_err(|e| format!("registering copy.start: {e}"))?;
+    eprintln!(
+        "serving on {} (state {}, copies into {})",
+        args.socket.display(),
+        args.state_dir.display(),
+        args.backup_dir.display()
+    );
+    serve_methods(&args.socket, module, termination())
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// `start`: calls `copy.start` on a running `serve` and prints the operation ID.
+async fn start(args: StartArgs) -> Result<(), String> {
+    let socket = args.socket.display();
+    let disk = std::path::absolute(&args.disk)
+        .map_err(|e| format!("--disk {}: {e}", args.disk.display()))?;
+    let stream = tokio::net::UnixStream::connect(&args.socket)
+        .await
+        .map_err(|e| format!("cannot connect to a snapshotter at {socket}: {e}"))?;
+    let url: jsonrpsee::client_transport::ws::Url = "ws://localhost/"
+        .parse()
+        .map_err(|e| format!("building the WebSocket URL: {e}"))?;
+    let (sender, receiver) = jsonrpsee::client_transport::ws::WsTransportClientBuilder::default()
+        .build_with_stream(url, stream)
+        .await
+        .map_err(|e| format!("{socket} does not speak JSON-RPC over WebSocket: {e}"))?;
+    let client = ClientBuilder::default().build_with_tokio(sender, receiver);
+    let params = CopyStartParams {
+        disk,
+        snapshot: args.snapshot,
+        rate_limit: args.rate_limit,
+    };
+    let started: CopyStarted = client
+        .request("copy.start", params)
+        .await
+        .map_err(|e| match e {
+            jsonrpsee::core::client::Error::Call(e) => {
+                format!("copy.start refused: {}", e.message())
+            }
+            other => format!("copy.start on {socket}: {other}"),
+        })?;
+    println!("{}", started.operation_id);
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.action {
+        Action::Serve(args) => serve(args).await,
+        Action::Start(args) => start(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("qemu-img-snapshotter: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
