@@ -48,7 +48,7 @@ fn ensure_dir(dir: &Path, mode: u32, what: &str) -> Result<(), String> {
 
 /// The listening socket: the one systemd passed (socket activation, `LISTEN_FDS`), or
 /// one bound here with the configured mode and group.
-async fn listener(settings: &Settings) -> Result<tokio::net::UnixListener, String> {
+async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool), String> {
     let passed: Vec<_> = sd_notify::listen_fds()
         .map_err(|e| format!("reading LISTEN_FDS: {e}"))?
         .collect();
@@ -57,12 +57,21 @@ async fn listener(settings: &Settings) -> Result<tokio::net::UnixListener, Strin
         // SAFETY: systemd hands us this descriptor to own (sd_listen_fds protocol); it is
         // taken exactly once, here.
         let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+        let passed_error =
+            |e: &dyn std::fmt::Display| format!("using the socket passed by systemd: {e}");
+        // Snapshotter commands must not inherit the listening socket.
+        nix::fcntl::fcntl(
+            &std_listener,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| passed_error(&e))?;
         std_listener
             .set_nonblocking(true)
-            .map_err(|e| format!("using the socket passed by systemd: {e}"))?;
+            .map_err(|e| passed_error(&e))?;
         tracing::info!(fd, "serving on the socket passed by systemd");
-        return tokio::net::UnixListener::from_std(std_listener)
-            .map_err(|e| format!("using the socket passed by systemd: {e}"));
+        let listener =
+            tokio::net::UnixListener::from_std(std_listener).map_err(|e| passed_error(&e))?;
+        return Ok((listener, true));
     }
     if let Some(parent) = settings.socket.parent() {
         ensure_dir(parent, 0o750, "socket directory")?;
@@ -81,7 +90,7 @@ async fn listener(settings: &Settings) -> Result<tokio::net::UnixListener, Strin
         )
         .map_err(|e| format!("giving {} to group {gid}: {e}", settings.socket.display()))?;
     }
-    Ok(listener)
+    Ok((listener, false))
 }
 
 /// Serves `GET /metrics` on a TCP address until `shutdown` resolves.
@@ -151,7 +160,8 @@ pub async fn run(settings: Settings) -> Result<(), String> {
         Store::open(&db, move |size, took| committed.committed(size, took))
             .map_err(|e| e.to_string())?,
     );
-    let listener = listener(&settings).await?;
+    // A passed socket belongs to systemd's socket unit: it is never removed here.
+    let (listener, activated) = listener(&settings).await?;
     let storage = storage::Storage::new(settings.storage_dir.clone());
     let core = Core::new(
         store.clone(),
@@ -209,7 +219,9 @@ pub async fn run(settings: Settings) -> Result<(), String> {
     stop_metrics.cancel();
     core.stop();
     let _ = background.await;
-    let _ = std::fs::remove_file(&settings.socket);
+    if !activated {
+        let _ = std::fs::remove_file(&settings.socket);
+    }
     drop(core);
     tokio::task::spawn_blocking(move || store.close())
         .await

@@ -17,8 +17,10 @@ fn main() -> std::process::ExitCode {
     // The level was validated with the settings.
     let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only for a person at a terminal, never into files or the journal.
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match settings.log_format {
         LogFormat::Json => logs.json().init(),

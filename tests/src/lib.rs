@@ -86,6 +86,14 @@ impl Agent {
         agent
     }
 
+    /// Starts an agent logging to `dir/agent.log` on `socket` and `state_dir`.
+    pub fn start_at(dir: &Path, socket: &Path, state_dir: &Path, extra: &[&str]) -> Agent {
+        let mut agent = Agent::unstarted(dir, socket, state_dir);
+        agent.args = extra.iter().map(|s| s.to_string()).collect();
+        agent.launch();
+        agent
+    }
+
     /// An agent on `socket` and `state_dir`, logging to `dir/agent.log`; not started.
     pub fn unstarted(dir: &Path, socket: &Path, state_dir: &Path) -> Agent {
         Agent {

@@ -153,7 +153,8 @@ impl Core {
     /// feeding it and systemd restarts the agent.
     pub async fn run_background(self: &Arc<Self>) {
         let mut watchdog_usec = 0;
-        let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
+        // Unset, so snapshotter commands do not inherit the watchdog variables.
+        let watchdog = sd_notify::watchdog_enabled(true, &mut watchdog_usec);
         let mut feed = tokio::time::interval(if watchdog {
             Duration::from_micros(watchdog_usec / 2).max(Duration::from_millis(10))
         } else {

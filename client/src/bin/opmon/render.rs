@@ -224,7 +224,11 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
             owner.operations_attempted, owner.operations_completed, owner.operations_failed
         ),
     );
-    if let Some(items) = &owner.post_operation_items {
+    if let Some(items) = owner
+        .post_operation_items
+        .as_ref()
+        .filter(|i| !i.is_empty())
+    {
         let _ = writeln!(out, "Items to update after operations:");
         for i in items {
             let _ = writeln!(out, "  {}", item(i));
@@ -233,11 +237,12 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     let Some(ops) = details else {
         return out;
     };
-    let action = match owner.kind {
-        opmon_client::OwnerKind::Backup => "Backup Item Action Plugin:",
-        opmon_client::OwnerKind::Restore => "Restore Item Action Plugin:",
-    };
     for op in ops {
+        let action = match op.plugin.kind {
+            opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
+            opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
+            opmon_client::PluginKind::VolumeSnapshotter => "Volume Snapshotter Plugin:",
+        };
         let _ = writeln!(out, "\nOperation for {}:", item(&op.resource));
         let sub = |out: &mut String, label: &str, value: &dyn std::fmt::Display| {
             let _ = writeln!(out, "  {label:<28}{value}");
