@@ -18,8 +18,9 @@ use serde::Serialize;
 use crate::core::Core;
 use crate::error::Error;
 
-/// Longest `wait` a single request may ask for; the client library splits longer ones.
-const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// Longest `wait` a single request may ask for (less than the default idle timeout);
+/// the client library splits longer waits.
+const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Largest `list` page.
 const MAX_PAGE: u32 = 1000;
 
@@ -111,7 +112,7 @@ fn check_list(p: &ListParams) -> Result<(), Error> {
 fn check_wait(p: &WaitParams) -> Result<(), Error> {
     owner_name(&p.name)?;
     if p.timeout.is_some_and(|t| t.0 > MAX_WAIT) {
-        return Err(invalid("timeout", "must be at most 1h0m0s"));
+        return Err(invalid("timeout", "must be at most 10m0s"));
     }
     Ok(())
 }

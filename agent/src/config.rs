@@ -93,6 +93,12 @@ pub struct Args {
     /// How long terminal backups and restores are kept.
     #[arg(long, env = "OPMON_RETENTION", value_parser = go_duration)]
     pub retention: Option<GoDuration>,
+    /// How long a snapshotter may be unreachable before its operations fail.
+    #[arg(long, env = "OPMON_UNREACHABLE_GRACE", value_parser = go_duration)]
+    pub unreachable_grace: Option<GoDuration>,
+    /// Connections with no traffic for this long are closed.
+    #[arg(long, env = "OPMON_IDLE_TIMEOUT", value_parser = go_duration)]
+    pub idle_timeout: Option<GoDuration>,
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "OPMON_MAX_REQUEST_SIZE")]
     pub max_request_size: Option<u32>,
@@ -132,6 +138,8 @@ struct FileConfig {
     command_concurrency: Option<Spanned<u32>>,
     item_operation_timeout: Option<Spanned<GoDuration>>,
     retention: Option<Spanned<GoDuration>>,
+    unreachable_grace: Option<Spanned<GoDuration>>,
+    idle_timeout: Option<Spanned<GoDuration>>,
     max_request_size: Option<Spanned<u32>>,
     max_decompressed_size: Option<Spanned<u64>>,
     allowed_uids: Option<Spanned<Vec<u32>>>,
@@ -197,6 +205,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub log_level: String,
     pub metrics_listen: Option<SocketAddr>,
+    pub idle_timeout: Duration,
     pub snapshotters: Vec<Snapshotter>,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
@@ -473,6 +482,18 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         file.retention,
         GoDuration::from_secs(30 * 24 * 3600),
     )?;
+    let unreachable_grace = positive(
+        "unreachable_grace",
+        args.unreachable_grace,
+        file.unreachable_grace,
+        GoDuration::from_secs(600),
+    )?;
+    let idle_timeout = positive(
+        "idle_timeout",
+        args.idle_timeout,
+        file.idle_timeout,
+        GoDuration::from_secs(15 * 60),
+    )?;
     let mut count = |key: &'static str, cli, file, default: u32, max: u32| {
         let (value, source) = layers.take(key, cli, file, || default, |v: &u32| v.to_string());
         if value == 0 || value > max {
@@ -584,6 +605,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         log_format,
         log_level,
         metrics_listen,
+        idle_timeout: idle_timeout.0,
         snapshotters,
         provenance,
         core: CoreSettings {
@@ -591,6 +613,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             default_item_operation_timeout: item_operation_timeout,
             retention: retention.0,
             max_decompressed_size,
+            unreachable_grace: unreachable_grace.0,
             calls: CallSettings {
                 deadline: call_deadline.0,
                 batch_size: batch_size as usize,

@@ -190,6 +190,7 @@ pub async fn run(settings: Settings) -> Result<(), String> {
     let page_core = core.clone();
     let config = ServeConfig {
         max_request_body_size: settings.max_request_size,
+        idle_timeout: Some(settings.idle_timeout),
         metrics: Some(Arc::new(move || {
             let core = page_core.clone();
             Box::pin(async move { core.metrics_page().await })

@@ -33,6 +33,14 @@ pub enum Observation {
     Error(String),
     /// The snapshotter speaks v1, which has no Progress: the operation is complete.
     V1Adapter,
+    /// The snapshotter could not be reached (since `since_ms`, for the last time with
+    /// `error`). Nothing changes until `grace_ms` has passed; then the operation fails
+    /// saying so, rather than waiting hours for its timeout.
+    Unreachable {
+        error: String,
+        since_ms: i64,
+        grace_ms: i64,
+    },
 }
 
 /// The outcome of a poll for one operation.
@@ -66,6 +74,24 @@ pub fn observe(
         }
         Observation::V1Adapter => {
             next.phase = OperationPhase::Completed;
+            next.updated_ms = Some(now_ms);
+        }
+        Observation::Unreachable {
+            error,
+            since_ms,
+            grace_ms,
+        } => {
+            if now_ms > current.created_ms.saturating_add(timeout_ms) {
+                cancel = true;
+                next.phase = OperationPhase::Failed;
+                next.error = TIMED_OUT.to_string();
+            } else if now_ms.saturating_sub(since_ms) >= grace_ms {
+                next.phase = OperationPhase::Failed;
+                let grace = opmon_client::GoDuration::from_millis(grace_ms.max(0) as u64);
+                next.error = format!("unreachable for more than {grace}: {error}");
+            } else {
+                return None;
+            }
             next.updated_ms = Some(now_ms);
         }
         Observation::Progress(p) => {
@@ -388,6 +414,40 @@ mod tests {
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(d.next.error, "no snapshotter");
         assert!(!d.cancel);
+    }
+
+    #[test]
+    fn an_unreachable_snapshotter_changes_nothing_until_the_grace_period_passes() {
+        let unreachable = |since_ms| Observation::Unreachable {
+            error: "connection refused".into(),
+            since_ms,
+            grace_ms: 600_000,
+        };
+        assert_eq!(observe(&new_op(0), unreachable(1_000), HOUR, 500_000), None);
+        let d = observe(&new_op(0), unreachable(1_000), HOUR, 601_000).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(
+            d.next.error,
+            "unreachable for more than 10m0s: connection refused"
+        );
+        assert!(!d.cancel);
+    }
+
+    #[test]
+    fn an_unreachable_snapshotter_still_times_out() {
+        let d = observe(
+            &new_op(0),
+            Observation::Unreachable {
+                error: "deadline".into(),
+                since_ms: HOUR,
+                grace_ms: 10 * HOUR,
+            },
+            HOUR,
+            HOUR + 1,
+        )
+        .unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.next.error, TIMED_OUT);
     }
 
     #[test]

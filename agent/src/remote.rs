@@ -38,6 +38,30 @@ pub struct CallSettings {
     pub command_concurrency: usize,
 }
 
+/// Why a call to a snapshotter brought no progress.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// The snapshotter could not be reached or did not answer in time (connection
+    /// refused, reset, deadline passed, process not startable). Transient: the
+    /// operation is polled again until the grace period runs out.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The snapshotter answered, with an error or with something that is not a
+    /// progress: the operation fails now.
+    #[error("{0}")]
+    Answered(String),
+}
+
+impl CallError {
+    pub fn message(&self) -> &str {
+        match self {
+            CallError::Unreachable(m) | CallError::Answered(m) => m,
+        }
+    }
+}
+
+type Answer<T> = Result<T, CallError>;
+
 /// How the agent reaches one snapshotter.
 pub enum Remote {
     /// v1: no Progress, no Cancel.
@@ -66,8 +90,8 @@ impl Remote {
         }
     }
 
-    /// Progress of each operation, in order. Errors are the operation's error text.
-    pub async fn progress(&self, ops: &[OperationRef]) -> Vec<Result<OperationProgress, String>> {
+    /// Progress of each operation, in order.
+    pub async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
         match self {
             Remote::V1 => ops
                 .iter()
@@ -92,7 +116,7 @@ impl Remote {
     }
 
     /// Asks the snapshotter to cancel `op`; a no-op for v1.
-    pub async fn cancel(&self, op: &OperationRef) -> Result<(), String> {
+    pub async fn cancel(&self, op: &OperationRef) -> Answer<()> {
         match self {
             Remote::V1 => Ok(()),
             Remote::Socket(s) => {
@@ -128,29 +152,28 @@ struct ErrorEntry {
 }
 
 impl SocketRemote {
-    async fn progress(&self, ops: &[OperationRef]) -> Vec<Result<OperationProgress, String>> {
+    async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
         let size = self.settings.batch_size.max(1);
-        let answers: Vec<Vec<Result<Box<RawValue>, String>>> =
-            stream::iter((0..ops.len()).step_by(size))
-                .map(|start| {
-                    self.batch(
-                        "operation.progress",
-                        &ops[start..(start + size).min(ops.len())],
-                    )
-                })
-                .buffered(self.settings.socket_concurrency.max(1))
-                .collect()
-                .await;
+        let answers: Vec<Vec<Answer<Box<RawValue>>>> = stream::iter((0..ops.len()).step_by(size))
+            .map(|start| {
+                self.batch(
+                    "operation.progress",
+                    &ops[start..(start + size).min(ops.len())],
+                )
+            })
+            .buffered(self.settings.socket_concurrency.max(1))
+            .collect()
+            .await;
         answers
             .into_iter()
             .flatten()
             .map(|answer| {
                 answer.and_then(|raw| {
                     serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
-                        format!(
+                        CallError::Answered(format!(
                             "snapshotter {} answered an invalid progress: {e}",
                             self.name
-                        )
+                        ))
                     })
                 })
             })
@@ -158,15 +181,14 @@ impl SocketRemote {
     }
 
     /// Sends one JSON-RPC batch of `method` for `ops`; one answer per op, in order.
-    async fn batch(
-        &self,
-        method: &str,
-        ops: &[OperationRef],
-    ) -> Vec<Result<Box<RawValue>, String>> {
+    async fn batch(&self, method: &str, ops: &[OperationRef]) -> Vec<Answer<Box<RawValue>>> {
         let _permit = self.in_flight.acquire().await;
         let body = match encode_batch(method, ops) {
             Ok(body) => body,
-            Err(e) => return ops.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => {
+                let e = CallError::Answered(e);
+                return ops.iter().map(|_| Err(e.clone())).collect();
+            }
         };
         let response = match tokio::time::timeout(
             self.settings.deadline,
@@ -177,19 +199,23 @@ impl SocketRemote {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(e)) => return ops.iter().map(|_| Err(e.clone())).collect(),
             Err(_) => {
-                let e = format!(
+                let e = CallError::Unreachable(format!(
                     "snapshotter {} did not answer within {}",
                     self.name,
                     opmon_client::GoDuration(self.settings.deadline)
-                );
+                ));
                 return ops.iter().map(|_| Err(e.clone())).collect();
             }
         };
         self.decode_batch(&response, ops.len())
     }
 
-    fn decode_batch(&self, response: &[u8], count: usize) -> Vec<Result<Box<RawValue>, String>> {
-        let whole = |e: String| (0..count).map(|_| Err(e.clone())).collect();
+    fn decode_batch(&self, response: &[u8], count: usize) -> Vec<Answer<Box<RawValue>>> {
+        let whole = |e: String| {
+            (0..count)
+                .map(|_| Err(CallError::Answered(e.clone())))
+                .collect()
+        };
         let entries: Vec<ResponseEntry<'_>> = match serde_json::from_slice(response) {
             Ok(entries) => entries,
             Err(_) => {
@@ -203,12 +229,12 @@ impl SocketRemote {
                 };
             }
         };
-        let mut answers: Vec<Result<Box<RawValue>, String>> = (0..count)
+        let mut answers: Vec<Answer<Box<RawValue>>> = (0..count)
             .map(|_| {
-                Err(format!(
+                Err(CallError::Answered(format!(
                     "snapshotter {} left the call unanswered",
                     self.name
-                ))
+                )))
             })
             .collect();
         for entry in entries {
@@ -216,12 +242,12 @@ impl SocketRemote {
                 continue;
             };
             *slot = match (entry.result, entry.error) {
-                (_, Some(e)) => Err(self.describe(&e)),
+                (_, Some(e)) => Err(CallError::Answered(self.describe(&e))),
                 (Some(result), None) => Ok(result.to_owned()),
-                (None, None) => Err(format!(
+                (None, None) => Err(CallError::Answered(format!(
                     "snapshotter {} answered without a result",
                     self.name
-                )),
+                ))),
             };
         }
         answers
@@ -246,7 +272,7 @@ impl SocketRemote {
     }
 
     /// POSTs `body` to `/`, reusing a pooled connection when one is idle.
-    async fn post(&self, body: Bytes) -> Result<Bytes, String> {
+    async fn post(&self, body: Bytes) -> Result<Bytes, CallError> {
         let pooled = self.pool.lock().ok().and_then(|mut p| p.pop());
         let mut sender = match pooled {
             Some(s) if !s.is_closed() => s,
@@ -256,9 +282,18 @@ impl SocketRemote {
             .header(hyper::header::HOST, "localhost")
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
-            .map_err(|e| format!("building a request for snapshotter {}: {e}", self.name))?;
+            .map_err(|e| {
+                CallError::Answered(format!(
+                    "building a request for snapshotter {}: {e}",
+                    self.name
+                ))
+            })?;
         let unreachable = |e: &dyn std::fmt::Display| {
-            format!("snapshotter {} at {}: {e}", self.name, self.path.display())
+            CallError::Unreachable(format!(
+                "snapshotter {} at {}: {e}",
+                self.name,
+                self.path.display()
+            ))
         };
         sender.ready().await.map_err(|e| unreachable(&e))?;
         let response = sender
@@ -269,7 +304,18 @@ impl SocketRemote {
         let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
             .collect()
             .await
-            .map_err(|e| unreachable(&format!("reading the answer: {e}")))?
+            .map_err(|e| {
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some()
+                {
+                    CallError::Answered(format!(
+                        "snapshotter {} answered more than {MAX_RESPONSE_BYTES} bytes",
+                        self.name
+                    ))
+                } else {
+                    unreachable(&format!("reading the answer: {e}"))
+                }
+            })?
             .to_bytes();
         if !sender.is_closed() {
             if let Ok(mut pool) = self.pool.lock() {
@@ -284,13 +330,20 @@ impl SocketRemote {
         Ok(bytes)
     }
 
-    async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, String> {
+    async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, CallError> {
+        let unreachable = |e: &dyn std::fmt::Display| {
+            CallError::Unreachable(format!(
+                "snapshotter {} at {}: {e}",
+                self.name,
+                self.path.display()
+            ))
+        };
         let stream = tokio::net::UnixStream::connect(&self.path)
             .await
-            .map_err(|e| format!("snapshotter {} at {}: {e}", self.name, self.path.display()))?;
+            .map_err(|e| unreachable(&e))?;
         let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| format!("snapshotter {} at {}: {e}", self.name, self.path.display()))?;
+            .map_err(|e| unreachable(&e))?;
         tokio::spawn(async move {
             let _ = connection.await;
         });
@@ -328,21 +381,24 @@ pub struct CommandRemote {
 }
 
 impl CommandRemote {
-    async fn progress(&self, op: &OperationRef) -> Result<OperationProgress, String> {
+    async fn progress(&self, op: &OperationRef) -> Answer<OperationProgress> {
         let stdout = self.run("progress", op).await?;
         serde_json::from_slice(&stdout).map_err(|e| {
-            format!(
+            CallError::Answered(format!(
                 "snapshotter {} printed an invalid progress for {}: {e}",
                 self.name, op.operation_id
-            )
+            ))
         })
     }
 
     /// Runs `argv… VERB OPERATION_ID`; returns stdout, or stderr's last line on failure.
-    async fn run(&self, verb: &str, op: &OperationRef) -> Result<Vec<u8>, String> {
+    async fn run(&self, verb: &str, op: &OperationRef) -> Answer<Vec<u8>> {
         let _permit = self.running.acquire().await;
         let Some((program, args)) = self.argv.split_first() else {
-            return Err(format!("snapshotter {} has an empty command", self.name));
+            return Err(CallError::Answered(format!(
+                "snapshotter {} has an empty command",
+                self.name
+            )));
         };
         let child = tokio::process::Command::new(program)
             .args(args)
@@ -358,17 +414,24 @@ impl CommandRemote {
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("snapshotter {}: running {program}: {e}", self.name))?;
+            .map_err(|e| {
+                CallError::Unreachable(format!("snapshotter {}: running {program}: {e}", self.name))
+            })?;
         let output =
             match tokio::time::timeout(self.settings.deadline, child.wait_with_output()).await {
                 Ok(Ok(output)) => output,
-                Ok(Err(e)) => return Err(format!("snapshotter {}: {e}", self.name)),
+                Ok(Err(e)) => {
+                    return Err(CallError::Unreachable(format!(
+                        "snapshotter {}: {e}",
+                        self.name
+                    )))
+                }
                 Err(_) => {
-                    return Err(format!(
+                    return Err(CallError::Unreachable(format!(
                         "snapshotter {} did not answer within {}",
                         self.name,
                         opmon_client::GoDuration(self.settings.deadline)
-                    ))
+                    )))
                 }
             };
         if output.status.success() {
@@ -381,10 +444,10 @@ impl CommandRemote {
             .find(|l| !l.trim().is_empty())
             .unwrap_or("")
             .trim();
-        Err(format!(
+        Err(CallError::Answered(format!(
             "snapshotter {} {verb} {} failed ({}): {last}",
             self.name, op.operation_id, output.status
-        ))
+        )))
     }
 }
 

@@ -124,6 +124,11 @@ impl Client {
                 message: e.to_string(),
             })?;
         let rpc = ClientBuilder::default()
+            // Pings keep a quiet connection (a long subscription) from counting as idle.
+            .enable_ws_ping(
+                jsonrpsee::core::client::async_client::PingConfig::new()
+                    .ping_interval(Duration::from_secs(30)),
+            )
             .request_timeout(WAIT_SLICE + Duration::from_secs(60))
             .max_buffer_capacity_per_subscription(1024)
             .build_with_tokio(sender, receiver);

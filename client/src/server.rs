@@ -38,6 +38,8 @@ pub struct ServeConfig {
     pub max_connections: u32,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
+    /// A connection whose peer sends nothing for this long is closed.
+    pub idle_timeout: Option<std::time::Duration>,
 }
 
 impl Default for ServeConfig {
@@ -47,6 +49,7 @@ impl Default for ServeConfig {
             max_response_body_size: 256 * 1024 * 1024,
             max_connections: 4096,
             metrics: None,
+            idle_timeout: None,
         }
     }
 }
@@ -127,6 +130,97 @@ where
     }
 }
 
+/// When a connection's peer last sent a byte.
+#[derive(Clone)]
+struct Activity {
+    start: tokio::time::Instant,
+    /// Milliseconds after `start` of the last read.
+    last_ms: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Activity {
+    fn touch(&self) {
+        let now = self.start.elapsed().as_millis() as u64;
+        self.last_ms
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing has moved for `timeout`.
+    async fn idle_for(&self, timeout: std::time::Duration) {
+        loop {
+            let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
+            let deadline = self.start + std::time::Duration::from_millis(last) + timeout;
+            tokio::time::sleep_until(deadline).await;
+            if self.last_ms.load(std::sync::atomic::Ordering::Relaxed) == last {
+                return;
+            }
+        }
+    }
+}
+
+/// A stream that records its activity, for the idle timeout.
+struct Watched<S> {
+    inner: S,
+    activity: Activity,
+}
+
+impl<S> Watched<S> {
+    fn new(inner: S) -> (Watched<S>, Activity) {
+        let activity = Activity {
+            start: tokio::time::Instant::now(),
+            last_ms: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
+        (
+            Watched {
+                inner,
+                activity: activity.clone(),
+            },
+            activity,
+        )
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        // Only what the peer sends counts as activity: a client that sends nothing is
+        // idle even while the server is still writing to it.
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// Decides, before any request is read, whether a connection may be served.
 pub trait Admission: Send + Sync + 'static {
     fn admit(&self, stream: &UnixStream) -> bool;
@@ -198,9 +292,21 @@ pub async fn serve<L>(
             route(request, rpc, page)
         });
         let stopped = stop_handle.clone().shutdown();
+        let idle_timeout = config.idle_timeout;
         connections.spawn(async move {
-            if let Err(e) = serve_with_graceful_shutdown(stream, service, stopped).await {
-                tracing::debug!(error = %e, "connection ended with an error");
+            let (stream, activity) = Watched::new(stream);
+            let served = serve_with_graceful_shutdown(stream, service, stopped);
+            let idle = async {
+                match idle_timeout {
+                    Some(timeout) => activity.idle_for(timeout).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                result = served => if let Err(e) = result {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                },
+                _ = idle => tracing::debug!("closed an idle connection"),
             }
         });
     }

@@ -11,7 +11,7 @@ mod subscribe;
 
 pub use subscribe::OwnerStream;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,8 @@ pub struct CoreSettings {
     pub retention: Duration,
     /// Largest decompressed size of a tarball `finalize` reads.
     pub max_decompressed_size: u64,
+    /// How long a snapshotter may be unreachable before its operations fail.
+    pub unreachable_grace: Duration,
     pub calls: CallSettings,
 }
 
@@ -50,6 +52,8 @@ pub struct Core {
     changes: Changes,
     /// Wakes the poller before its next tick (after a restart, for instance).
     poll_now: Notify,
+    /// Since when (Unix ms) each unreachable snapshotter, by plugin name, has been so.
+    unreachable: Mutex<HashMap<String, i64>>,
     /// Plugins whose sweep is still running; the next tick skips them.
     sweeping: Mutex<HashSet<String>>,
     sweeps: TaskTracker,
@@ -80,6 +84,7 @@ impl Core {
             changes: Changes::default(),
             poll_now: Notify::new(),
             sweeping: Mutex::new(HashSet::new()),
+            unreachable: Mutex::new(HashMap::new()),
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),

@@ -17,7 +17,7 @@ use rusqlite::Connection;
 use super::{now_ms, Core};
 use crate::error::Error;
 use crate::phase::{self, Observation, OperationState};
-use crate::remote::Remote;
+use crate::remote::{CallError, Remote};
 use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 
 /// Operations polled and committed together in one sweep step; bounds the memory a
@@ -141,11 +141,22 @@ impl Core {
                 let errors = answers.iter().filter(|a| a.is_err()).count();
                 self.metrics
                     .polled(plugin, answers.len(), errors, began.elapsed());
+                let since = self.reachability(plugin, &answers);
+                let grace_ms = self
+                    .settings
+                    .unreachable_grace
+                    .as_millis()
+                    .min(i64::MAX as u128) as i64;
                 answers
                     .into_iter()
                     .map(|answer| match answer {
                         Ok(p) => Observation::Progress(p),
-                        Err(e) => Observation::Error(e),
+                        Err(CallError::Answered(e)) => Observation::Error(e),
+                        Err(CallError::Unreachable(error)) => Observation::Unreachable {
+                            error,
+                            since_ms: since.unwrap_or_else(now_ms),
+                            grace_ms,
+                        },
                     })
                     .collect()
             }
@@ -168,6 +179,33 @@ impl Core {
             self.cancel_all(&to_cancel).await;
         }
         changes
+    }
+
+    /// Records whether `plugin`'s snapshotter answered anything; returns since when it
+    /// has been unreachable, if it is.
+    fn reachability<T>(&self, plugin: &str, answers: &[Result<T, CallError>]) -> Option<i64> {
+        let reached = answers
+            .iter()
+            .any(|a| !matches!(a, Err(CallError::Unreachable(_))));
+        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        if reached || answers.is_empty() {
+            if unreachable.remove(plugin).is_some() {
+                tracing::info!(snapshotter = plugin, "snapshotter reachable again");
+            }
+            None
+        } else {
+            let since = *unreachable.entry(plugin.to_string()).or_insert_with(|| {
+                let error = answers
+                    .iter()
+                    .find_map(|a| a.as_ref().err())
+                    .map(|e| e.message().to_string())
+                    .unwrap_or_default();
+                tracing::warn!(snapshotter = plugin, %error,
+                    "snapshotter unreachable; its operations wait for the grace period");
+                now_ms()
+            });
+            Some(since)
+        }
     }
 
     /// Calls Cancel for each target; failures are logged, as Cancel is best effort.
@@ -224,18 +262,18 @@ impl Core {
 
     /// One periodic pass: starts a sweep task for each snapshotter not still busy.
     pub(super) async fn sweep(self: &Arc<Self>) {
-        let targets = match self
+        let plugins = match self
             .store
-            .read(|conn| queries::poll_targets(conn, Targets::Waiting).map_err(Error::from))
+            .read(|conn| queries::plugins_with_unfinished(conn).map_err(Error::from))
             .await
         {
-            Ok(targets) => targets,
+            Ok(plugins) => plugins,
             Err(e) => {
-                tracing::warn!(error = %e, "loading operations to poll failed");
+                tracing::warn!(error = %e, "finding operations to poll failed");
                 return;
             }
         };
-        for (plugin, group) in by_plugin(targets) {
+        for plugin in plugins {
             let idle = self
                 .sweeping
                 .lock()
@@ -249,9 +287,9 @@ impl Core {
             self.sweeps.spawn(async move {
                 tokio::select! {
                     _ = core.stopping.cancelled() => {}
-                    result = core.sweep_plugin(&plugin, group) => {
+                    result = core.sweep_plugin(&plugin) => {
                         if let Err(e) = result {
-                            tracing::warn!(plugin, error = %e, "committing poll results failed");
+                            tracing::warn!(plugin, error = %e, "sweeping failed");
                         }
                     }
                 }
@@ -262,16 +300,36 @@ impl Core {
         }
     }
 
-    async fn sweep_plugin(&self, plugin: &str, targets: Vec<PollTarget>) -> Result<(), Error> {
-        let mut targets = targets.into_iter().peekable();
-        while targets.peek().is_some() {
-            let chunk: Vec<PollTarget> = targets.by_ref().take(SWEEP_CHUNK).collect();
-            let changes = self.poll_group(plugin, chunk).await;
+    /// Polls every unfinished operation of `plugin`'s waiting owners, a page at a time:
+    /// memory is bounded by the page, whatever the number of operations.
+    async fn sweep_plugin(&self, plugin: &str) -> Result<(), Error> {
+        let mut after = 0;
+        loop {
+            let name = plugin.to_string();
+            let page = self
+                .store
+                .read(move |conn| {
+                    let which = Targets::WaitingPage {
+                        plugin: &name,
+                        after,
+                        limit: SWEEP_CHUNK as i64,
+                    };
+                    queries::poll_targets(conn, which).map_err(Error::from)
+                })
+                .await?;
+            let Some(last) = page.last() else {
+                return Ok(());
+            };
+            after = last.row;
+            let full = page.len() == SWEEP_CHUNK;
+            let changes = self.poll_group(plugin, page).await;
             if !changes.is_empty() {
                 self.commit_sweep(changes).await?;
             }
+            if !full {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 
     /// The restart workflow: owners left InProgress fail (their server died mid-way)

@@ -129,6 +129,7 @@ mod tests {
             default_item_operation_timeout: GoDuration::from_secs(3600),
             retention: Duration::from_secs(3600),
             max_decompressed_size: u64::MAX,
+            unreachable_grace: Duration::from_secs(600),
             calls: CallSettings {
                 deadline: Duration::from_secs(1),
                 batch_size: 10,

@@ -374,31 +374,57 @@ pub struct PollTarget {
 
 /// Which unfinished operations to load.
 #[derive(Clone, Copy, Debug)]
-pub enum Targets {
-    /// Those of every owner in a Waiting phase (the periodic sweep).
-    Waiting,
+pub enum Targets<'a> {
     /// Those of one owner, whatever its phase.
     Owner(i64),
+    /// A page of those of `plugin` whose owner is waiting: rows after `after`, at most
+    /// `limit` of them, in row order (the periodic sweep).
+    WaitingPage {
+        plugin: &'a str,
+        after: i64,
+        limit: i64,
+    },
+}
+
+/// The plugins that have unfinished operations (of any owner).
+pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ('New', 'InProgress') \
+         ORDER BY plugin_name",
+    )?;
+    let rows = stmt.query_map([], |r| r.get(0))?;
+    rows.collect()
 }
 
 /// The unfinished operations selected by `which`.
-pub fn poll_targets(conn: &Connection, which: Targets) -> rusqlite::Result<Vec<PollTarget>> {
-    let (owner_filter, arg) = match which {
-        Targets::Waiting => (
-            "w.phase IN ('WaitingForPluginOperations', \
-             'WaitingForPluginOperationsPartiallyFailed') AND ?1 = ?1",
-            0,
-        ),
-        Targets::Owner(id) => ("w.id = ?1", id),
-    };
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
+pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Vec<PollTarget>> {
+    const COLUMNS: &str = "o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
          o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
-         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms \
-         FROM owners w JOIN operations o ON o.owner_id = w.id \
-         WHERE {owner_filter} AND o.phase IN ('New', 'InProgress') ORDER BY o.owner_id, o.id"
-    ))?;
-    let mut rows = stmt.query([arg])?;
+         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms";
+    let (mut stmt, mut rows);
+    match which {
+        Targets::Owner(id) => {
+            stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id \
+                 WHERE w.id = ?1 AND o.phase IN ('New', 'InProgress') ORDER BY o.id"
+            ))?;
+            rows = stmt.query([id])?;
+        }
+        Targets::WaitingPage {
+            plugin,
+            after,
+            limit,
+        } => {
+            // Driven by the partial index on unfinished operations by plugin.
+            stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
+                 WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN ('New', 'InProgress') \
+                 AND w.phase IN ('WaitingForPluginOperations', \
+                 'WaitingForPluginOperationsPartiallyFailed') ORDER BY o.id LIMIT ?3"
+            ))?;
+            rows = stmt.query(params![plugin, after, limit])?;
+        }
+    }
     let mut targets = Vec::new();
     let mut last_owner: Option<Arc<OwnerRef>> = None;
     while let Some(row) = rows.next()? {

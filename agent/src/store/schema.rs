@@ -61,6 +61,9 @@ pub const MIGRATIONS: &[&str] = &[
     UPDATE owners SET finalize = 1 WHERE kind = 'backup';",
     // 4: the result of finalize, returned again when finalize is repeated.
     "ALTER TABLE owners ADD COLUMN finalize_result TEXT;",
+    // 5: the sweep pages through each snapshotter's unfinished operations.
+    "CREATE INDEX operations_unfinished_by_plugin ON operations (plugin_name, id)
+        WHERE phase IN ('New', 'InProgress');",
 ];
 
 /// The schema version this agent writes.
