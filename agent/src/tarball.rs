@@ -320,6 +320,14 @@ pub fn rewrite<R: Read, W: Write>(
                     "a {kind:?} header of {size} bytes is larger than the {MAX_EXTENSION} allowed"
                 )));
             }
+            // Bound them together too: a run of extensions before one entry is held
+            // in memory until that entry comes.
+            let pending: u64 = extensions.iter().map(|e| e.data.len() as u64).sum();
+            if pending + size > MAX_EXTENSION {
+                return Err(RewriteError::Archive(format!(
+                    "the header extensions before one entry exceed the {MAX_EXTENSION} bytes allowed"
+                )));
+            }
             let mut data = Vec::with_capacity(size as usize);
             Exact {
                 inner: &mut entry,

@@ -107,27 +107,48 @@ pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
 }
 
 /// Answers `GET /metrics` from `page` when there is one; everything else is JSON-RPC.
+/// A body without a declared length (chunked) is read up to `max_body` here, so one
+/// past the limit gets 413 like a declared one, not an internal error.
 async fn route<S>(
     request: hyper::Request<hyper::body::Incoming>,
     mut rpc: S,
     page: Option<MetricsPage>,
+    max_body: u32,
 ) -> Result<HttpResponse, BoxError>
 where
-    S: Service<hyper::Request<hyper::body::Incoming>, Response = HttpResponse, Error = BoxError>,
+    S: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
 {
-    match page {
-        Some(page)
-            if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" =>
-        {
+    if let Some(page) = page {
+        if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
             let mut response = HttpResponse::new(HttpBody::from(page().await));
             response.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,
                 hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
             );
-            Ok(response)
+            return Ok(response);
         }
-        _ => rpc.call(request).await,
     }
+    let (parts, body) = request.into_parts();
+    let unsized_post = parts.method == hyper::Method::POST
+        && !parts.headers.contains_key(hyper::header::CONTENT_LENGTH);
+    let body = if unsized_post {
+        use http_body_util::BodyExt;
+        match http_body_util::Limited::new(body, max_body as usize).collect().await {
+            Ok(collected) => HttpBody::new(http_body_util::Full::new(collected.to_bytes())),
+            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                let text = format!(
+                    r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":-32007,"message":"Request is too big: over {max_body} bytes"}}}}"#
+                );
+                let mut response = HttpResponse::new(HttpBody::from(text));
+                *response.status_mut() = hyper::StatusCode::PAYLOAD_TOO_LARGE;
+                return Ok(response);
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        HttpBody::new(body)
+    };
+    rpc.call(hyper::Request::from_parts(parts, body)).await
 }
 
 /// When a connection's peer last sent a byte.
@@ -286,10 +307,11 @@ pub async fn serve<L>(
         }
         let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
         let page = config.metrics.clone();
+        let max_body = config.max_request_body_size;
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
             let rpc = rpc.clone();
             let page = page.clone();
-            route(request, rpc, page)
+            route(request, rpc, page, max_body)
         });
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;

@@ -1,0 +1,1470 @@
+//! Property tests of the finalize tarball rewrite (`opmon_agent::tarball::rewrite`)
+//! against hostile input: random tar structures (Velero-layout paths, every entry type,
+//! GNU long names, PAX and ustar-prefix names, extension headers without an entry),
+//! gzip-compressed in one or more members, then often corrupted (bytes flipped, cut
+//! short, garbage appended), with random updated items.
+//!
+//! Properties, for every case:
+//! - `rewrite` returns (no panic) within a bound, and allocates at most a bounded amount
+//!   beyond the output it produces (a counting global allocator measures the peak);
+//! - it succeeds exactly when an independent model of the input says it should: the
+//!   archive reads to its end, no entry has an absolute path, `..`, or a type other
+//!   than file or directory, no header extension exceeds 1 MiB, and the decompressed
+//!   size fits the limit;
+//! - on success the output is a valid `.tar.gz` whose entries are the input's, in
+//!   order (copied ones byte for byte, header extensions included; updated items'
+//!   entries with the new content), followed by two entries per updated item the input
+//!   lacked, and the outcome counts them;
+//! - on failure the message names the offending entry or the archive problem.
+//!
+//! `OPMON_FUZZ_TARBALL_CASES` (default 100000) sets the number of cases,
+//! `PROPTEST_RNG_SEED` replays a run (the seed is printed at the start).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flate2::read::{GzDecoder, MultiGzDecoder};
+use flate2::Compression;
+use opmon_agent::tarball::{rewrite, Updates};
+use opmon_client::{ResourceIdentifier, UpdatedItem};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
+use serde_json::{json, Value};
+use tar::{EntryType, Header};
+
+// ---------------------------------------------------------------------------------
+// Memory: a global allocator that keeps, per thread, the live bytes and their peak.
+// `rewrite` runs entirely on the calling thread, so its peak is measured exactly.
+
+struct Counting;
+
+thread_local! {
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+    static PEAK: Cell<isize> = const { Cell::new(0) };
+}
+
+fn account(delta: isize) {
+    let _ = LIVE.try_with(|live| {
+        let now = live.get() + delta;
+        live.set(now);
+        let _ = PEAK.try_with(|peak| {
+            if now > peak.get() {
+                peak.set(now)
+            }
+        });
+    });
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the bookkeeping
+// only touches const-initialised thread-locals without destructors (no allocation).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            account(layout.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            account(layout.size() as isize);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        account(-(layout.size() as isize));
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            account(new_size as isize - layout.size() as isize);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Runs `f`, returning its result and the most bytes it had allocated at once.
+fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let start = LIVE.with(Cell::get);
+    PEAK.with(|p| p.set(start));
+    let result = f();
+    let peak = PEAK.with(Cell::get);
+    (result, (peak - start).max(0) as usize)
+}
+
+/// Memory a rewrite may use besides its output: two 256 KiB read buffers, the gzip
+/// state both ways, one pending header extension of up to 1 MiB, and slack.
+const MEMORY_ALLOWANCE: usize = 6 * 1024 * 1024;
+
+// ---------------------------------------------------------------------------------
+// Hangs: a watchdog thread per run aborts the process, naming the case, if one rewrite
+// runs too long. Each run (test function) has its own thread, watch and tally.
+
+const HANG: Duration = Duration::from_secs(60);
+
+#[derive(Default)]
+struct Watch {
+    case: AtomicU64,
+    /// When the current rewrite started, in ms since the epoch; 0 between rewrites.
+    started_ms: AtomicU64,
+}
+
+thread_local! {
+    static WATCH: std::cell::RefCell<Option<Arc<Watch>>> = const { std::cell::RefCell::new(None) };
+    /// How often each kind of outcome was seen (error messages with paths left out),
+    /// to show what the cases exercised.
+    static OUTCOMES: std::cell::RefCell<BTreeMap<String, u64>> = const { std::cell::RefCell::new(BTreeMap::new()) };
+    /// The most a single rewrite allocated at once.
+    static MAX_PEAK: Cell<usize> = const { Cell::new(0) };
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Marks the start (`true`) or end of a rewrite for the watchdog.
+fn watch(running: bool) {
+    WATCH.with(|w| {
+        if let Some(w) = w.borrow().as_ref() {
+            w.started_ms
+                .store(if running { now_ms() } else { 0 }, Ordering::SeqCst);
+        }
+    });
+}
+
+fn start_watchdog(seed: u64) -> Arc<Watch> {
+    let w = Arc::new(Watch::default());
+    let watched = w.clone();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let started = watched.started_ms.load(Ordering::SeqCst);
+        if started != 0 && now_ms().saturating_sub(started) > HANG.as_millis() as u64 {
+            eprintln!(
+                "rewrite of case {} (PROPTEST_RNG_SEED={seed}) ran for more than {HANG:?}",
+                watched.case.load(Ordering::SeqCst)
+            );
+            std::process::abort();
+        }
+    });
+    w
+}
+
+fn tally(what: String) {
+    OUTCOMES.with(|o| *o.borrow_mut().entry(what).or_default() += 1);
+}
+
+/// An error message with the entry path replaced, to count kinds of errors.
+fn shape(message: &str) -> String {
+    let message = match message.strip_prefix("entry ") {
+        Some(rest) => match rest.rfind(": ") {
+            Some(i) => format!("entry …: {}", &rest[i + 2..]),
+            None => "entry …".to_string(),
+        },
+        None => message.to_string(),
+    };
+    message
+        .split(|c: char| c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("#")
+}
+
+// ---------------------------------------------------------------------------------
+// Generation. proptest generates and shrinks small choices and seeds ([`Knobs`]); a
+// case is derived from them with a small deterministic generator. Cheap to generate
+// in a debug build, and every case is replayable from the printed knobs.
+
+/// A splitmix64 generator.
+struct Gen(u64);
+
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo)
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
+    }
+
+    /// An index into `weights`, each chosen in proportion to its weight.
+    fn weighted(&mut self, weights: &[u32]) -> usize {
+        let total: u32 = weights.iter().sum();
+        let mut x = (self.next() % u64::from(total)) as u32;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        weights.len() - 1
+    }
+
+    fn chars(&mut self, alphabet: &[u8], len: usize) -> String {
+        (0..len).map(|_| self.pick(alphabet) as char).collect()
+    }
+
+    fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// What proptest generates: the number and kind of pieces, and seeds.
+#[derive(Clone, Debug)]
+struct Knobs {
+    pieces: Vec<(u8, u64)>,
+    end_blocks: u8,
+    members: u8,
+    level: u8,
+    mutation: (u8, u64),
+    updates: Vec<u64>,
+    limit: (u8, u64),
+}
+
+fn knobs() -> impl Strategy<Value = Knobs> {
+    (
+        prop::collection::vec((any::<u8>(), any::<u64>()), 0..6),
+        0u8..5,
+        0u8..5,
+        0u8..4,
+        (any::<u8>(), any::<u64>()),
+        prop::collection::vec(any::<u64>(), 0..4),
+        (any::<u8>(), any::<u64>()),
+    )
+        .prop_map(
+            |(pieces, end_blocks, members, level, mutation, updates, limit)| Knobs {
+                pieces,
+                end_blocks,
+                members,
+                level,
+                mutation,
+                updates,
+                limit,
+            },
+        )
+}
+
+/// How an entry's path is stored.
+#[derive(Clone, Copy, Debug)]
+enum NameForm {
+    /// In the header's 100-byte name field (cut there if longer).
+    Plain,
+    /// A GNU long-name (`L`) entry before it.
+    GnuLong,
+    /// A PAX (`x`) entry with a `path` record before it.
+    Pax,
+    /// Split between the ustar prefix and name fields when it fits.
+    UstarPrefix,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Format {
+    Gnu,
+    Ustar,
+    Old,
+}
+
+#[derive(Clone, Debug)]
+struct EntrySpec {
+    path: Vec<u8>,
+    form: NameForm,
+    format: Format,
+    kind: u8,
+    link: Vec<u8>,
+    data: Vec<u8>,
+    mode: u32,
+    mtime: u64,
+}
+
+#[derive(Clone, Debug)]
+enum Piece {
+    Entry(EntrySpec),
+    /// A PAX global header (`g`) with some records.
+    Global(Vec<u8>),
+    /// A run of extension headers (`L` if true, else `x`) of the given sizes, then an
+    /// entry.
+    ExtensionRun(Vec<(bool, usize)>, EntrySpec),
+    /// An extension header with no entry after it (when last).
+    Stray(u8, Vec<u8>),
+}
+
+#[derive(Clone, Debug)]
+enum Mutation {
+    None,
+    /// Set bytes of the uncompressed tar (offsets modulo its length).
+    FlipTar(Vec<(u64, u8)>),
+    /// Cut the uncompressed tar.
+    CutTar(u64),
+    /// Set bytes of the compressed stream.
+    FlipGz(Vec<(u64, u8)>),
+    /// Cut the compressed stream.
+    CutGz(u64),
+    /// Append bytes after the compressed stream.
+    AppendGz(Vec<u8>),
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    pieces: Vec<Piece>,
+    /// 0, 1 or 2 zero blocks at the end.
+    end_blocks: usize,
+    /// Split into this many gzip members (at block boundaries).
+    members: usize,
+    /// Gzip level of the members (0: stored blocks).
+    level: u32,
+    mutation: Mutation,
+    updates: Vec<UpdateSpec>,
+    /// The decompressed-size limit as a fraction of the decompressed size, or none.
+    limit: Option<f64>,
+}
+
+#[derive(Clone, Debug)]
+struct UpdateSpec {
+    resource: ResourceIdentifier,
+    api_version: Option<Value>,
+    payload: String,
+}
+
+/// Group-resources with their (group, resource), as Velero names the directories.
+const GROUP_RESOURCES: &[(&str, &str, &str)] = &[
+    ("persistentvolumeclaims", "", "persistentvolumeclaims"),
+    ("pods", "", "pods"),
+    (
+        "volumesnapshots.snapshot.storage.k8s.io",
+        "snapshot.storage.k8s.io",
+        "volumesnapshots",
+    ),
+    ("widgets.example.com", "example.com", "widgets"),
+    ("persistentvolumes", "", "persistentvolumes"),
+];
+const NAMESPACES: &[&str] = &[
+    "ns",
+    "app",
+    "",
+    "nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn",
+];
+const VERSION_DIRS: &[Option<&str>] = &[
+    None,
+    Some("v1-preferredversion"),
+    Some("v1"),
+    Some("v2beta1"),
+    Some("v1beta1-preferredversion"),
+];
+const OTHER_PATHS: &[&str] = &[
+    "metadata/version",
+    "resources/",
+    "resources/pods/",
+    "resources/pods/namespaces/ns/",
+    "resources/pods/namespaces/ns/.json",
+    "/etc/passwd",
+    "../escape",
+    "resources/../../x.json",
+    "resources/pods/namespaces/ns/..",
+    "..",
+    ".",
+    "./",
+    "a//b",
+    "resources/pods/namespaces/ns/../p.json",
+    "/",
+    "",
+];
+const LOWER: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+
+fn item_name(g: &mut Gen) -> String {
+    match g.weighted(&[4, 1, 1]) {
+        0 => g.pick(&["data", "a", "vm-1-disk", "x.y"]).to_string(),
+        1 => "l".repeat(200),
+        _ => {
+            let len = g.range(1, 20);
+            g.chars(LOWER, len)
+        }
+    }
+}
+
+/// `resources/<gr>/[<version>/](namespaces/<ns>|cluster)/<name>.json`, sometimes with
+/// `./` in front or another extension.
+fn velero_path(g: &mut Gen) -> String {
+    let mut path = String::new();
+    if g.below(10) == 0 {
+        path.push_str("./");
+    }
+    path.push_str("resources/");
+    path.push_str(g.pick(GROUP_RESOURCES).0);
+    path.push('/');
+    if let Some(v) = g.pick(VERSION_DIRS) {
+        path.push_str(v);
+        path.push('/');
+    }
+    let ns = g.pick(NAMESPACES);
+    if ns.is_empty() {
+        path.push_str("cluster/");
+    } else {
+        path.push_str("namespaces/");
+        path.push_str(ns);
+        path.push('/');
+    }
+    path.push_str(&item_name(g));
+    path.push_str(g.pick(&[".json", ".json", ".json", ".yaml", ""]));
+    path
+}
+
+fn other_path(g: &mut Gen) -> Vec<u8> {
+    match g.weighted(&[3, 3, 1, 1]) {
+        0 => g.pick(OTHER_PATHS).as_bytes().to_vec(),
+        1 => {
+            let len = g.below(41);
+            g.chars(b"abcdefghijklmnopqrstuvwxyz./_-", len).into_bytes()
+        }
+        2 => {
+            let first = g.range(1, 12);
+            let mut p = g.chars(LOWER, first);
+            for _ in 0..g.range(2, 6) {
+                p.push('/');
+                let len = g.range(1, 70);
+                p.push_str(&g.chars(b"abcdefghijklmnopqrstuvwxyz0123456789.", len));
+            }
+            p.into_bytes()
+        }
+        _ => {
+            let len = g.range(1, 130);
+            (0..len).map(|_| (g.next() as u8).max(1)).collect()
+        }
+    }
+}
+
+fn entry_kind(g: &mut Gen) -> u8 {
+    match g.weighted(&[12, 2, 3, 1, 1, 1]) {
+        0 => b'0',
+        1 => b'\0',
+        2 => b'5',
+        3 => b'7',
+        4 => g.pick(b"1234 6SVMND"),
+        _ => g.next() as u8,
+    }
+}
+
+fn content(g: &mut Gen) -> Vec<u8> {
+    match g.weighted(&[5, 2, 1, 2]) {
+        0 => format!("{{\"{}\":{}}}", g.chars(LOWER, 5), g.below(1_000_000)).into_bytes(),
+        1 => {
+            let len = g.below(200);
+            g.bytes(len)
+        }
+        2 => vec![g.next() as u8; g.below(1200)],
+        _ => Vec::new(),
+    }
+}
+
+fn entry(g: &mut Gen) -> EntrySpec {
+    let path = if g.weighted(&[3, 2]) == 0 {
+        velero_path(g).into_bytes()
+    } else {
+        other_path(g)
+    };
+    let form = [
+        NameForm::Plain,
+        NameForm::GnuLong,
+        NameForm::Pax,
+        NameForm::UstarPrefix,
+    ][g.weighted(&[6, 2, 2, 1])];
+    EntrySpec {
+        path,
+        form,
+        format: g.pick(&[Format::Gnu, Format::Ustar, Format::Old]),
+        kind: entry_kind(g),
+        link: g
+            .pick(&["", "metadata/version", "/etc/shadow", "../x"])
+            .as_bytes()
+            .to_vec(),
+        data: content(g),
+        mode: g.pick(&[0o644, 0o755, 0o4777, 0]),
+        mtime: g.pick(&[0, 1_700_000_000, 0o77777777777]),
+    }
+}
+
+fn piece(choice: u8, seed: u64) -> Piece {
+    let g = &mut Gen(seed);
+    match choice % 23 {
+        0..=19 => Piece::Entry(entry(g)),
+        20 => Piece::Global(pax_record("comment", g.chars(LOWER, 8).as_bytes())),
+        21 => {
+            let run = (0..g.range(1, 4))
+                .map(|_| (g.below(2) == 0, g.range(1, 700)))
+                .collect();
+            Piece::ExtensionRun(run, entry(g))
+        }
+        _ => {
+            let kind = g.pick(b"LxK");
+            let len = g.range(1, 150);
+            let path = g.chars(b"abcdefghijklmnopqrstuvwxyz/", len);
+            Piece::Stray(
+                kind,
+                match kind {
+                    b'x' => pax_record("path", path.as_bytes()),
+                    _ => nul_terminated(path.as_bytes()),
+                },
+            )
+        }
+    }
+}
+
+fn mutation((choice, seed): (u8, u64)) -> Mutation {
+    let g = &mut Gen(seed);
+    let flips = |g: &mut Gen| {
+        (0..g.range(1, 4))
+            .map(|_| (g.next(), g.next() as u8))
+            .collect()
+    };
+    match choice % 20 {
+        0..=9 => Mutation::None,
+        10..=12 => Mutation::FlipTar(flips(g)),
+        13 | 14 => Mutation::CutTar(g.next()),
+        15 | 16 => Mutation::FlipGz(flips(g)),
+        17 | 18 => Mutation::CutGz(g.next()),
+        _ => {
+            let len = g.range(1, 40);
+            Mutation::AppendGz(g.bytes(len))
+        }
+    }
+}
+
+fn update(seed: u64) -> UpdateSpec {
+    let g = &mut Gen(seed);
+    let (_, group, resource) = g.pick(GROUP_RESOURCES);
+    let namespace = g.pick(NAMESPACES).to_string();
+    let name = if g.below(40) == 0 {
+        "Not_A_Name".to_string()
+    } else {
+        item_name(g)
+    };
+    let api_version = match g.weighted(&[57, 1, 1, 1]) {
+        0 => Some(json!(g.pick(&[
+            "v1",
+            "snapshot.storage.k8s.io/v1",
+            "example.com/v2beta1",
+            "v1beta1",
+        ]))),
+        1 => Some(json!(g.pick(&["", "apps/"]))),
+        2 => Some(json!(7)),
+        _ => None,
+    };
+    let len = g.below(60);
+    UpdateSpec {
+        resource: ResourceIdentifier {
+            group: group.to_string(),
+            resource: resource.to_string(),
+            namespace,
+            name,
+        },
+        api_version,
+        payload: g.chars(b" !#$%&()*+,-./0123456789:;<=>?@ABCXYZ[]^_`abcxyz{|}~", len),
+    }
+}
+
+impl Case {
+    fn of(k: &Knobs) -> Case {
+        let pieces: Vec<Piece> = k.pieces.iter().map(|(c, s)| piece(*c, *s)).collect();
+        // Half of the updated items are items the archive holds, so entries get replaced.
+        let held: Vec<ResourceIdentifier> = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Entry(e) | Piece::ExtensionRun(_, e) => std::str::from_utf8(&e.path).ok(),
+                _ => None,
+            })
+            .filter_map(item_of_path)
+            .filter_map(|(gr, namespace, name)| {
+                let (_, group, resource) = GROUP_RESOURCES.iter().find(|g| g.0 == gr)?;
+                Some(ResourceIdentifier {
+                    group: group.to_string(),
+                    resource: resource.to_string(),
+                    namespace,
+                    name,
+                })
+            })
+            .collect();
+        let updates = k
+            .updates
+            .iter()
+            .map(|seed| {
+                let mut u = update(*seed);
+                if !held.is_empty() && seed % 2 == 0 {
+                    u.resource = held[(seed >> 8) as usize % held.len()].clone();
+                }
+                u
+            })
+            .collect();
+        Case {
+            pieces,
+            end_blocks: [2, 2, 2, 1, 0][usize::from(k.end_blocks) % 5],
+            members: [1, 1, 1, 2, 3][usize::from(k.members) % 5],
+            level: [0, 0, 0, 1][usize::from(k.level) % 4],
+            mutation: mutation(k.mutation),
+            updates,
+            limit: (k.limit.0 % 7 == 6).then(|| (k.limit.1 % 1300) as f64 / 1000.0),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Building archives by hand, so hostile names and types get in as an attacker writes
+// them (the tar crate's own API refuses them).
+
+fn nul_terminated(bytes: &[u8]) -> Vec<u8> {
+    let mut v = bytes.to_vec();
+    v.push(0);
+    v
+}
+
+/// One PAX record, `"<len> <key>=<value>\n"`, its length counting itself.
+fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
+    let body = key.len() + value.len() + 3; // ' ', '=', '\n'
+    let mut len = body + 1;
+    while len != body + len.to_string().len() {
+        len = body + len.to_string().len();
+    }
+    let mut v = format!("{len} {key}=").into_bytes();
+    v.extend_from_slice(value);
+    v.push(b'\n');
+    assert_eq!(v.len(), len);
+    v
+}
+
+fn new_header(format: Format) -> Header {
+    match format {
+        Format::Gnu => Header::new_gnu(),
+        Format::Ustar => Header::new_ustar(),
+        Format::Old => Header::new_old(),
+    }
+}
+
+fn put(slot: &mut [u8], bytes: &[u8]) {
+    slot.fill(0);
+    let n = bytes.len().min(slot.len());
+    slot[..n].copy_from_slice(&bytes[..n]);
+}
+
+fn push_entry(tar: &mut Vec<u8>, header: &Header, data: &[u8]) {
+    tar.extend_from_slice(header.as_bytes());
+    tar.extend_from_slice(data);
+    let pad = (512 - data.len() % 512) % 512;
+    tar.extend(std::iter::repeat_n(0u8, pad));
+}
+
+fn push_extension(tar: &mut Vec<u8>, kind: u8, data: &[u8]) {
+    let mut h = if kind == b'L' || kind == b'K' {
+        let mut h = Header::new_gnu();
+        put(&mut h.as_old_mut().name, b"././@LongLink");
+        h
+    } else {
+        let mut h = Header::new_ustar();
+        put(&mut h.as_old_mut().name, b"PaxHeaders.0/entry");
+        h
+    };
+    h.set_entry_type(EntryType::new(kind));
+    h.set_mode(0o644);
+    h.set_size(data.len() as u64);
+    h.set_cksum();
+    push_entry(tar, &h, data);
+}
+
+fn push_spec(tar: &mut Vec<u8>, e: &EntrySpec) {
+    let mut h = new_header(e.format);
+    match e.form {
+        NameForm::Plain => put(&mut h.as_old_mut().name, &e.path),
+        NameForm::GnuLong => {
+            push_extension(tar, b'L', &nul_terminated(&e.path));
+            put(&mut h.as_old_mut().name, &e.path);
+        }
+        NameForm::Pax => {
+            push_extension(tar, b'x', &pax_record("path", &e.path));
+            put(&mut h.as_old_mut().name, &e.path);
+        }
+        NameForm::UstarPrefix => {
+            let split = (e.path.len() > 100)
+                .then(|| {
+                    e.path
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, b)| **b == b'/' && *i <= 155 && e.path.len() - i - 1 <= 100)
+                        .map(|(i, _)| i)
+                        .next()
+                })
+                .flatten();
+            match (split, h.as_ustar_mut()) {
+                (Some(i), Some(ustar)) => {
+                    put(&mut ustar.prefix, &e.path[..i]);
+                    put(&mut ustar.name, &e.path[i + 1..]);
+                }
+                _ => put(&mut h.as_old_mut().name, &e.path),
+            }
+        }
+    }
+    put(&mut h.as_old_mut().linkname, &e.link);
+    h.set_entry_type(EntryType::new(e.kind));
+    h.set_mode(e.mode);
+    h.set_mtime(e.mtime);
+    h.set_size(e.data.len() as u64);
+    h.set_cksum();
+    push_entry(tar, &h, &e.data);
+}
+
+fn build_tar(case: &Case) -> Vec<u8> {
+    let mut tar = Vec::new();
+    for piece in &case.pieces {
+        match piece {
+            Piece::Entry(e) => push_spec(&mut tar, e),
+            Piece::Global(records) => push_extension(&mut tar, b'g', records),
+            Piece::ExtensionRun(run, e) => {
+                for (gnu, size) in run {
+                    if *gnu {
+                        let mut name = vec![b'n'; *size];
+                        name.push(0);
+                        push_extension(&mut tar, b'L', &name);
+                    } else {
+                        let filler = pax_record("comment", &vec![b'c'; size.saturating_sub(16)]);
+                        push_extension(&mut tar, b'x', &filler);
+                    }
+                }
+                push_spec(&mut tar, e);
+            }
+            Piece::Stray(kind, data) => push_extension(&mut tar, *kind, data),
+        }
+    }
+    tar.extend(std::iter::repeat_n(0u8, 512 * case.end_blocks));
+    tar
+}
+
+// Gzip framing done here rather than by flate2's gz types: in a debug build their
+// CRC-32 dominates the run time, a table-driven one is several times faster.
+
+const CRC_TABLE: [u32; 256] = {
+    let mut table = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut k = 0;
+        while k < 8 {
+            c = if c & 1 != 0 {
+                0xedb8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+            k += 1;
+        }
+        table[i] = c;
+        i += 1;
+    }
+    table
+};
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for b in data {
+        c = CRC_TABLE[((c ^ u32::from(*b)) & 0xff) as usize] ^ (c >> 8);
+    }
+    !c
+}
+
+/// One gzip member of `data`: level 0 as stored blocks, others deflated by flate2.
+fn gzip_at(data: &[u8], level: u32) -> Vec<u8> {
+    let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 255];
+    if level == 0 {
+        let mut chunks = data.chunks(65535).peekable();
+        if chunks.peek().is_none() {
+            out.extend([1, 0, 0, 0xff, 0xff]);
+        }
+        while let Some(chunk) = chunks.next() {
+            let last = chunks.peek().is_none();
+            let len = chunk.len() as u16;
+            out.push(u8::from(last));
+            out.extend(len.to_le_bytes());
+            out.extend((!len).to_le_bytes());
+            out.extend_from_slice(chunk);
+        }
+    } else {
+        let mut e = flate2::write::DeflateEncoder::new(out, Compression::new(level));
+        e.write_all(data).unwrap();
+        out = e.finish().unwrap();
+    }
+    out.extend(crc32(data).to_le_bytes());
+    out.extend((data.len() as u32).to_le_bytes());
+    out
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    gzip_at(data, 1)
+}
+
+/// Decodes a single-member gzip stream, checking its CRC and length.
+fn gunzip_one(data: &[u8]) -> Result<Vec<u8>, String> {
+    if data.len() < 18 || data[..3] != [0x1f, 0x8b, 8] {
+        return Err("no gzip header".into());
+    }
+    if data[3] != 0 {
+        // Optional header fields: let flate2 read them.
+        let mut out = Vec::new();
+        return GzDecoder::new(data)
+            .read_to_end(&mut out)
+            .map(|_| out)
+            .map_err(|e| e.to_string());
+    }
+    let mut deflate = flate2::read::DeflateDecoder::new(&data[10..]);
+    let mut out = Vec::new();
+    deflate.read_to_end(&mut out).map_err(|e| e.to_string())?;
+    let rest = &data[10 + deflate.total_in() as usize..];
+    if rest.len() != 8 {
+        return Err(format!("{} bytes follow the deflate stream", rest.len()));
+    }
+    if rest[..4] != crc32(&out).to_le_bytes() || rest[4..] != (out.len() as u32).to_le_bytes() {
+        return Err("gzip trailer mismatch".into());
+    }
+    Ok(out)
+}
+
+fn pick(at: u64, len: usize) -> usize {
+    (at % len.max(1) as u64) as usize
+}
+
+/// The input `.tar.gz` of a case, and the tar inside it unless the compressed stream
+/// was tampered with.
+fn build_input(case: &Case) -> (Vec<u8>, Option<Vec<u8>>) {
+    let mut tar = build_tar(case);
+    match &case.mutation {
+        Mutation::FlipTar(flips) => {
+            for (at, byte) in flips {
+                let i = pick(*at, tar.len());
+                if let Some(b) = tar.get_mut(i) {
+                    *b = *byte;
+                }
+            }
+        }
+        Mutation::CutTar(at) => {
+            let i = pick(*at, tar.len());
+            tar.truncate(i);
+        }
+        _ => {}
+    }
+    // Members split at block boundaries.
+    let blocks = tar.len().div_ceil(512).max(1);
+    let per = blocks.div_ceil(case.members).max(1) * 512;
+    let mut gz = Vec::new();
+    for chunk in tar.chunks(per) {
+        gz.extend(gzip_at(chunk, case.level));
+    }
+    if tar.is_empty() {
+        gz.extend(gzip_at(&[], case.level));
+    }
+    match &case.mutation {
+        Mutation::FlipGz(flips) => {
+            for (at, byte) in flips {
+                let i = pick(*at, gz.len());
+                if let Some(b) = gz.get_mut(i) {
+                    *b = *byte;
+                }
+            }
+        }
+        Mutation::CutGz(at) => {
+            let i = pick(*at, gz.len());
+            gz.truncate(i);
+        }
+        Mutation::AppendGz(extra) => gz.extend_from_slice(extra),
+        _ => return (gz, Some(tar)),
+    }
+    (gz, None)
+}
+
+fn updated_items(case: &Case) -> Vec<UpdatedItem> {
+    case.updates
+        .iter()
+        .map(|u| {
+            let mut object = json!({
+                "kind": "Thing",
+                "metadata": {"name": u.resource.name, "namespace": u.resource.namespace},
+                "spec": {"payload": u.payload},
+            });
+            if let Some(v) = &u.api_version {
+                object["apiVersion"] = v.clone();
+            }
+            UpdatedItem {
+                resource: u.resource.clone(),
+                object,
+            }
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------
+// The model: what a correct rewrite does with an input, derived from the
+// specification (README "Results on disk", ARCHITECTURE "Files"), not from the code.
+
+/// One tar record: the 512-byte header and the data that follows it.
+#[derive(Clone, Debug, PartialEq)]
+struct Raw {
+    header: Vec<u8>,
+    data: Vec<u8>,
+}
+
+/// An entry with the header extensions that describe it.
+#[derive(Clone, Debug)]
+struct Logical {
+    extensions: Vec<Raw>,
+    entry: Raw,
+    kind: EntryType,
+    path: String,
+}
+
+/// How reading an archive ended.
+#[derive(Debug)]
+enum Reading {
+    /// Every entry read, up to the end of the archive.
+    Complete(Vec<Logical>, u64),
+    /// The first problem: `Some(path)` if it is an entry the rewrite must refuse (its
+    /// message then names that path), `None` if the archive itself is broken there
+    /// (truncated, bad checksum, oversized extension...).
+    Refused(Option<String>),
+}
+
+const MAX_EXTENSION: u64 = 1024 * 1024;
+
+fn is_extension(kind: EntryType) -> bool {
+    matches!(
+        kind,
+        EntryType::GNULongName
+            | EntryType::GNULongLink
+            | EntryType::XHeader
+            | EntryType::XGlobalHeader
+    )
+}
+
+/// The path an entry stands for: the last GNU long name or PAX `path` among its
+/// extensions, else the header's own (ustar prefix included).
+fn logical_path(header: &Header, extensions: &[Raw]) -> String {
+    for ext in extensions.iter().rev() {
+        let h = Header::from_byte_slice(&ext.header);
+        match h.entry_type() {
+            EntryType::GNULongName => {
+                let name = ext.data.split(|b| *b == 0).next().unwrap_or_default();
+                return String::from_utf8_lossy(name).into_owned();
+            }
+            EntryType::XHeader => {
+                for record in tar::PaxExtensions::new(&ext.data).flatten() {
+                    if record.key() == Ok("path") {
+                        return String::from_utf8_lossy(record.value_bytes()).into_owned();
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    String::from_utf8_lossy(&header.path_bytes()).into_owned()
+}
+
+/// Reads a whole (uncompressed) tar the way the specification describes.
+fn read_tar(tar: &[u8]) -> Reading {
+    let mut archive = tar::Archive::new(tar);
+    let mut out = Vec::new();
+    let mut extensions = Vec::new();
+    let mut consumed = 0u64;
+    let entries = match archive.entries() {
+        Ok(e) => e.raw(true),
+        Err(_) => return Reading::Refused(None),
+    };
+    for entry in entries {
+        let Ok(mut entry) = entry else {
+            return Reading::Refused(None);
+        };
+        let header = entry.header().clone();
+        let kind = header.entry_type();
+        let Ok(size) = header.entry_size() else {
+            if is_extension(kind) {
+                return Reading::Refused(None);
+            }
+            let path = logical_path(&header, &extensions);
+            return Reading::Refused(Some(path));
+        };
+        if is_extension(kind) && size > MAX_EXTENSION {
+            return Reading::Refused(None);
+        }
+        if !is_extension(kind) {
+            let path = logical_path(&header, &extensions);
+            let hostile = path.starts_with('/')
+                || path.split('/').any(|p| p == "..")
+                || !matches!(
+                    kind,
+                    EntryType::Regular | EntryType::Continuous | EntryType::Directory
+                );
+            if hostile {
+                return Reading::Refused(Some(path));
+            }
+        }
+        let mut data = Vec::new();
+        if entry.read_to_end(&mut data).is_err() || (data.len() as u64) < size {
+            return Reading::Refused(None);
+        }
+        consumed += 512 + size.div_ceil(512) * 512;
+        let raw = Raw {
+            header: header.as_bytes().to_vec(),
+            data,
+        };
+        if is_extension(kind) {
+            extensions.push(raw);
+            continue;
+        }
+        let path = logical_path(&header, &extensions);
+        out.push(Logical {
+            extensions: std::mem::take(&mut extensions),
+            entry: raw,
+            kind,
+            path,
+        });
+    }
+    Reading::Complete(out, consumed)
+}
+
+/// `(group-resource, namespace, name)` of an item path:
+/// `resources/<gr>/[<version dir>/](namespaces/<ns>|cluster)/<name>.json`.
+fn item_of_path(path: &str) -> Option<(String, String, String)> {
+    let path = path.strip_prefix("./").unwrap_or(path);
+    let parts: Vec<&str> = path.split('/').collect();
+    let (gr, ns, file) = match parts.as_slice() {
+        ["resources", gr, "namespaces", ns, file] => (*gr, *ns, *file),
+        ["resources", gr, _, "namespaces", ns, file] => (*gr, *ns, *file),
+        ["resources", gr, "cluster", file] => (*gr, "", *file),
+        ["resources", gr, _, "cluster", file] => (*gr, "", *file),
+        _ => return None,
+    };
+    let name = file.strip_suffix(".json").filter(|n| !n.is_empty())?;
+    Some((gr.to_string(), ns.to_string(), name.to_string()))
+}
+
+fn item_of_resource(r: &ResourceIdentifier) -> (String, String, String) {
+    let gr = if r.group.is_empty() {
+        r.resource.clone()
+    } else {
+        format!("{}.{}", r.resource, r.group)
+    };
+    (gr, r.namespace.clone(), r.name.clone())
+}
+
+/// What the updates put in the tarball: per item, its JSON bytes and the version of its
+/// `apiVersion` (for the `<version>-preferredversion` directory).
+fn expected_updates(
+    items: &[UpdatedItem],
+) -> BTreeMap<(String, String, String), (Vec<u8>, String)> {
+    items
+        .iter()
+        .map(|item| {
+            let version = item.object["apiVersion"]
+                .as_str()
+                .unwrap()
+                .rsplit('/')
+                .next()
+                .unwrap()
+                .to_string();
+            (
+                item_of_resource(&item.resource),
+                (serde_json::to_vec(&item.object).unwrap(), version),
+            )
+        })
+        .collect()
+}
+
+fn plain_path((gr, ns, name): &(String, String, String), version_dir: Option<&str>) -> String {
+    let mut p = format!("resources/{gr}/");
+    if let Some(v) = version_dir {
+        p.push_str(v);
+        p.push('/');
+    }
+    if ns.is_empty() {
+        p.push_str("cluster/");
+    } else {
+        p.push_str(&format!("namespaces/{ns}/"));
+    }
+    p.push_str(name);
+    p.push_str(".json");
+    p
+}
+
+fn gunzip_all(data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+    let mut out = Vec::new();
+    MultiGzDecoder::new(data).read_to_end(&mut out).map(|_| out)
+}
+
+fn normalized(path: &str) -> &str {
+    path.strip_prefix("./").unwrap_or(path)
+}
+
+/// Checks one case; `Err` describes the property that failed.
+fn check(case: &Case) -> Result<(), TestCaseError> {
+    let (input, tar) = build_input(case);
+    let items = updated_items(case);
+    let updates = match Updates::new(&items) {
+        Ok(u) => u,
+        Err(message) => {
+            // Invalid updated items are refused by index and field before any reading.
+            prop_assert!(message.starts_with("updatedItems["), "{message}");
+            let i: usize = message["updatedItems[".len()..]
+                .split(']')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(usize::MAX);
+            prop_assert!(i < items.len(), "{message}");
+            tally(format!("updates refused: {}", shape(&message)));
+            return Ok(());
+        }
+    };
+    let expected_items = expected_updates(&items);
+    let decompressed = match tar {
+        Some(tar) => Ok(tar),
+        None => gunzip_all(&input),
+    };
+    let limit = match (case.limit, &decompressed) {
+        (Some(f), Ok(d)) => (d.len() as f64 * f) as u64,
+        (Some(f), Err(_)) => (input.len() as f64 * f * 4.0) as u64,
+        (None, _) => u64::MAX,
+    };
+
+    let mut output = Vec::new();
+    let started = Instant::now();
+    watch(true);
+    let (result, peak) = peak_of(|| rewrite(&input[..], &mut output, &updates, limit));
+    watch(false);
+    MAX_PEAK.with(|m| m.set(m.get().max(peak)));
+    let took = started.elapsed();
+    prop_assert!(
+        took < Duration::from_secs(20),
+        "rewrite took {took:?} for {} input bytes",
+        input.len()
+    );
+    prop_assert!(
+        peak <= MEMORY_ALLOWANCE + 3 * output.capacity().max(output.len()),
+        "rewrite allocated {peak} bytes at its peak for an output of {} bytes",
+        output.len()
+    );
+
+    // What the model says, when the compressed stream decodes cleanly. (When it does
+    // not, how far the rewrite reads before noticing depends on its buffering; only
+    // the general properties are checked then.)
+    let model = decompressed
+        .as_ref()
+        .ok()
+        .map(|d| (read_tar(d), d.len() as u64));
+    match &result {
+        Err(e) => {
+            let message = e.to_string();
+            tally(shape(&message));
+            prop_assert!(!message.trim().is_empty(), "an empty error message");
+            prop_assert!(output.len() < 1 << 30);
+            if let Some((reading, total)) = &model {
+                match reading {
+                    Reading::Complete(..) => {
+                        // Only the size limit may refuse a readable, harmless archive.
+                        prop_assert!(
+                            *total > limit && message.contains("exceeds the limit of"),
+                            "a valid archive ({total} decompressed bytes, limit {limit}) was refused: {message}"
+                        );
+                    }
+                    Reading::Refused(Some(path)) => {
+                        let named = message.starts_with(&format!("entry {path}: "));
+                        let limited = message.contains("exceeds the limit of") && *total > limit;
+                        prop_assert!(
+                            named || limited,
+                            "the refusal does not name entry {path:?}: {message}"
+                        );
+                    }
+                    Reading::Refused(None) => {
+                        prop_assert!(
+                            message.starts_with("entry ")
+                                || message.contains("truncated")
+                                || message.contains("archive")
+                                || message.contains("header")
+                                || message.contains("limit")
+                                || message.contains("checksum")
+                                || message.contains("invalid")
+                                || message.contains("numeric")
+                                || message.contains("corrupt")
+                                || message.contains("end")
+                                || message.contains("block")
+                                || message.contains("EOF"),
+                            "the error says nothing about the archive: {message}"
+                        );
+                    }
+                }
+            }
+        }
+        Ok(outcome) => {
+            tally(format!(
+                "ok (replaced {}, added {})",
+                outcome.replaced.min(1),
+                outcome.added.min(1)
+            ));
+            // The output is a complete .tar.gz in one gzip member.
+            let tar = gunzip_one(&output)
+                .map_err(|e| TestCaseError::fail(format!("the output is not gzip: {e}")))?;
+            let written = match read_tar(&tar) {
+                Reading::Complete(entries, _) => entries,
+                other => {
+                    return Err(TestCaseError::fail(format!(
+                        "the output is not a clean tar: {other:?}"
+                    )))
+                }
+            };
+            let Some((reading, _)) = &model else {
+                return Ok(());
+            };
+            let entries = match reading {
+                Reading::Complete(entries, consumed) => {
+                    prop_assert!(
+                        *consumed <= limit,
+                        "read {consumed} bytes past the limit {limit}"
+                    );
+                    entries
+                }
+                Reading::Refused(why) => {
+                    return Err(TestCaseError::fail(format!(
+                        "an archive that must be refused ({why:?}) was rewritten"
+                    )))
+                }
+            };
+            let mut present = BTreeSet::new();
+            let mut replaced = 0u64;
+            let mut out = written.iter();
+            for input_entry in entries {
+                let got = out.next().ok_or_else(|| {
+                    TestCaseError::fail(format!(
+                        "entry {} is missing from the output",
+                        input_entry.path
+                    ))
+                })?;
+                let key = (input_entry.kind != EntryType::Directory)
+                    .then(|| item_of_path(&input_entry.path))
+                    .flatten()
+                    .filter(|k| expected_items.contains_key(k));
+                match key {
+                    Some(key) => {
+                        let (content, _) = &expected_items[&key];
+                        prop_assert_eq!(normalized(&got.path), normalized(&input_entry.path));
+                        prop_assert_eq!(
+                            &got.entry.data,
+                            content,
+                            "replaced content of {}",
+                            input_entry.path
+                        );
+                        prop_assert_eq!(got.kind, input_entry.kind);
+                        present.insert(key);
+                        replaced += 1;
+                    }
+                    None => {
+                        prop_assert_eq!(&got.path, &input_entry.path);
+                        prop_assert!(
+                            got.extensions == input_entry.extensions,
+                            "the header extensions of {} changed",
+                            input_entry.path
+                        );
+                        prop_assert!(
+                            got.entry == input_entry.entry,
+                            "entry {} was not copied byte for byte",
+                            input_entry.path
+                        );
+                    }
+                }
+            }
+            let mut appended: Vec<(String, Vec<u8>)> = out
+                .map(|l| (l.path.clone(), l.entry.data.clone()))
+                .collect();
+            appended.sort();
+            let mut want: Vec<(String, Vec<u8>)> = expected_items
+                .iter()
+                .filter(|(k, _)| !present.contains(*k))
+                .flat_map(|(k, (content, version))| {
+                    let preferred = format!("{version}-preferredversion");
+                    [
+                        (plain_path(k, None), content.clone()),
+                        (plain_path(k, Some(&preferred)), content.clone()),
+                    ]
+                })
+                .collect();
+            want.sort();
+            prop_assert_eq!(&appended, &want, "appended entries");
+            prop_assert_eq!(outcome.replaced, replaced);
+            prop_assert_eq!(outcome.added, want.len() as u64);
+        }
+    }
+    Ok(())
+}
+
+fn cases() -> u32 {
+    std::env::var("OPMON_FUZZ_TARBALL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
+}
+
+fn seed(salt: u64) -> u64 {
+    std::env::var("PROPTEST_RNG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                ^ u64::from(std::process::id())
+                ^ salt
+        })
+}
+
+/// Runs `cases` cases from `seed`, printing what they exercised.
+fn fuzz(run: &str, cases: u32, seed: u64) {
+    println!("fuzz_tarball {run}: {cases} cases, PROPTEST_RNG_SEED={seed}");
+    let watched = start_watchdog(seed);
+    WATCH.with(|w| *w.borrow_mut() = Some(watched.clone()));
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        max_shrink_iters: 2000,
+        rng_seed: RngSeed::Fixed(seed),
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let started = Instant::now();
+    let result = runner.run(&knobs(), |knobs| {
+        watched.case.fetch_add(1, Ordering::SeqCst);
+        let case = Case::of(&knobs);
+        check(&case).map_err(|e| match e {
+            TestCaseError::Fail(why) => {
+                let mut shown = format!("{case:?}");
+                if let Some((cut, _)) = shown.char_indices().nth(8000) {
+                    shown.truncate(cut);
+                }
+                TestCaseError::fail(format!("{why}\nthe case: {shown}"))
+            }
+            other => other,
+        })
+    });
+    println!(
+        "fuzz_tarball {run}: {} cases (shrinking included) in {:?}; peak allocation of one rewrite {} KiB",
+        watched.case.load(Ordering::SeqCst),
+        started.elapsed(),
+        MAX_PEAK.with(Cell::get) / 1024
+    );
+    let mut seen: Vec<(String, u64)> = OUTCOMES.with(|o| o.borrow().clone()).into_iter().collect();
+    seen.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    for (what, n) in seen.iter().take(40) {
+        println!("{n:>8}  {what:?}");
+    }
+    if let Err(e) = result {
+        panic!("{e}\n(replay with PROPTEST_RNG_SEED={seed} cargo test -p opmon-agent --test fuzz_tarball {run})");
+    }
+}
+
+// The cases are split between two tests so they run on two threads.
+
+#[test]
+fn rewrite_is_total_bounded_and_faithful_on_random_and_corrupted_archives_1() {
+    fuzz("_1", cases() / 2, seed(0));
+}
+
+#[test]
+fn rewrite_is_total_bounded_and_faithful_on_random_and_corrupted_archives_2() {
+    fuzz("_2", cases() - cases() / 2, seed(0x5eed_5eed));
+}
+
+/// A header extension of exactly the largest size is accepted and copied; one byte
+/// more is refused, and the error says what was too large.
+#[test]
+fn a_header_extension_may_have_1_mib_and_not_a_byte_more() {
+    for (size, accepted) in [(1024 * 1024, true), (1024 * 1024 + 1, false)] {
+        let mut tar = Vec::new();
+        let record = pax_record("comment", &vec![b'c'; size - 16]);
+        let record = pax_record("comment", &vec![b'c'; size - 16 - (record.len() - size)]);
+        assert_eq!(record.len(), size);
+        push_extension(&mut tar, b'x', &record);
+        let mut h = Header::new_ustar();
+        put(&mut h.as_old_mut().name, b"metadata/version");
+        h.set_size(1);
+        h.set_mode(0o644);
+        h.set_cksum();
+        push_entry(&mut tar, &h, b"1");
+        tar.extend([0u8; 1024]);
+        let input = gzip(&tar);
+        let updates = Updates::new(&[]).unwrap();
+        let mut output = Vec::new();
+        let result = rewrite(&input[..], &mut output, &updates, u64::MAX);
+        if accepted {
+            result.unwrap_or_else(|e| panic!("an extension of {size} bytes was refused: {e}"));
+            let out = gunzip_one(&output).unwrap();
+            assert_eq!(
+                out[..512 + size],
+                tar[..512 + size],
+                "the extension is copied as it was"
+            );
+        } else {
+            let message = result
+                .expect_err("an oversized extension was accepted")
+                .to_string();
+            assert!(
+                message.contains(&size.to_string()) && message.contains("larger than"),
+                "{message}"
+            );
+        }
+    }
+}
+
+/// Many header extensions before one entry, each within the 1 MiB a single one may
+/// have: what they may hold in memory together is bounded too, not only each one.
+#[test]
+fn a_run_of_header_extensions_does_not_accumulate_in_memory() {
+    let mut tar = Vec::new();
+    for _ in 0..12 {
+        let filler = pax_record("comment", &vec![b'c'; 1_000_000]);
+        push_extension(&mut tar, b'x', &filler);
+    }
+    let mut h = Header::new_ustar();
+    put(&mut h.as_old_mut().name, b"metadata/version");
+    h.set_size(1);
+    h.set_mode(0o644);
+    h.set_cksum();
+    push_entry(&mut tar, &h, b"1");
+    tar.extend([0u8; 1024]);
+    let input = gzip(&tar);
+    assert!(input.len() < 1024 * 1024, "the input compresses well");
+    let updates = Updates::new(&[]).unwrap();
+    let mut output = Vec::new();
+    let (result, peak) = peak_of(|| rewrite(&input[..], &mut output, &updates, u64::MAX));
+    let bound = MEMORY_ALLOWANCE + 3 * output.capacity();
+    assert!(
+        peak <= bound,
+        "{} input bytes ({} decompressed) made the rewrite allocate {peak} bytes (bound {bound}); result {:?}",
+        input.len(),
+        tar.len(),
+        result.map_err(|e| e.to_string())
+    );
+}

@@ -1,0 +1,450 @@
+//! End-to-end: hostile clients. A client that hangs up in the middle of a large
+//! `addOperations` leaves all of it or none of it, and nothing behind; a thousand idle
+//! connections are held without the agent's memory passing 64 MiB while other clients
+//! are served as usual.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use opmon_tests::{operation, Agent, RawHttp};
+use serde_json::{json, Value};
+
+const PLUGIN: &str = "example.io/unregistered";
+
+fn request(method: &str, params: Value) -> String {
+    json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
+}
+
+/// The agent's pid, from the lock file it holds next to its database.
+fn agent_pid(agent: &Agent) -> u32 {
+    let lock = agent.state_dir.join("agent.db.lock");
+    let text = std::fs::read_to_string(&lock)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", lock.display()));
+    text.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{} holds {text:?}: {e}", lock.display()))
+}
+
+/// The resident set size of `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/<pid>/status");
+    kib * 1024
+}
+
+/// How many sockets `pid` has open: its listener and its connections. (Other
+/// descriptors come and go with its pool of database connections.)
+fn open_sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("reading /proc/<pid>/fd")
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
+        })
+        .count()
+}
+
+/// Polls `condition` every 10 ms until it holds or `within` passes.
+fn eventually(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The number of operations of backup `name`.
+fn operation_count(http: &mut RawHttp, name: &str) -> u64 {
+    let answer = http.call(&request("backup.get", json!({"name": name})));
+    answer["result"]["operationsAttempted"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no operation count in {answer}"))
+}
+
+/// Where the hostile client stops.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// In the middle of the request head.
+    Head,
+    /// After the head, before any of the body.
+    NoBody,
+    /// After this share (per mille) of the body.
+    Body(usize),
+    /// After the whole body, closing at once without reading the answer.
+    Whole,
+    /// After the whole body, shutting down only its own direction.
+    WholeHalfClosed,
+}
+
+#[test]
+fn a_client_hanging_up_mid_request_leaves_all_of_its_batch_or_none() {
+    const OPS: usize = 2000;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let mut http = RawHttp::connect(&agent.socket);
+    // Answered, so accepted: the baseline counts this connection.
+    http.call(&request("agent.status", json!({})));
+    let baseline_sockets = open_sockets(pid);
+    let cuts = [
+        Cut::Head,
+        Cut::NoBody,
+        Cut::Body(1),
+        Cut::Body(500),
+        Cut::Body(999),
+        Cut::Whole,
+        Cut::WholeHalfClosed,
+        Cut::Body(250),
+        Cut::Whole,
+        Cut::Whole,
+    ];
+    let mut committed = Vec::new();
+    for (round, cut) in cuts.iter().enumerate() {
+        let name = format!("cut-{round}");
+        let started = http.call(&request("backup.start", json!({"name": name, "uid": "u"})));
+        assert_eq!(started["result"]["phase"], "InProgress", "{started}");
+        let ops: Vec<_> = (0..OPS)
+            .map(|i| operation(PLUGIN, &format!("{name}-op-{i}"), "data", &[]))
+            .collect();
+        let body = request(
+            "backup.addOperations",
+            json!({"name": name, "operations": ops}),
+        )
+        .into_bytes();
+        let head = format!(
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        let (head_part, body_part) = match cut {
+            Cut::Head => (&head[..head.len() / 2], &body[..0]),
+            Cut::NoBody => (&head[..], &body[..0]),
+            Cut::Body(per_mille) => (&head[..], &body[..body.len() * per_mille / 1000]),
+            Cut::Whole | Cut::WholeHalfClosed => (&head[..], &body[..]),
+        };
+        {
+            let mut stream = UnixStream::connect(&agent.socket).unwrap();
+            stream.write_all(head_part).unwrap();
+            stream.write_all(body_part).unwrap();
+            if let Cut::WholeHalfClosed = cut {
+                stream.shutdown(std::net::Shutdown::Write).unwrap();
+            }
+            // Dropped here: the connection closes with the request unanswered.
+        }
+        let whole = matches!(cut, Cut::Whole | Cut::WholeHalfClosed);
+        // Every observation is all or nothing, until the agent has let go of the
+        // connection (after which nothing of the request can be queued any more) and a
+        // later write has committed (so whatever was queued before it has too).
+        let mut seen = Vec::new();
+        let released = eventually(Duration::from_secs(10), || {
+            seen.push(operation_count(&mut http, &name));
+            open_sockets(pid) <= baseline_sockets
+        });
+        assert!(
+            released,
+            "{cut:?}: the agent still holds the connection 10 s after the client hung up"
+        );
+        http.call(&request(
+            "backup.start",
+            json!({"name": format!("{name}-barrier"), "uid": "u"}),
+        ));
+        seen.push(operation_count(&mut http, &name));
+        assert!(
+            seen.iter().all(|n| *n == 0 || *n == OPS as u64),
+            "{cut:?}: the batch was seen partly committed: {seen:?}"
+        );
+        assert!(
+            whole || seen.iter().all(|n| *n == 0),
+            "{cut:?}: an incomplete request was committed: {seen:?}"
+        );
+        committed.push((*cut, *seen.last().unwrap() == OPS as u64));
+        // The batch is not stuck half-way either: the same request, sent again whole,
+        // gives exactly the missing operations.
+        let again = http.call(std::str::from_utf8(&body).unwrap());
+        let added = again["result"]["added"].as_u64().expect("added");
+        let known = again["result"]["alreadyKnown"]
+            .as_u64()
+            .expect("alreadyKnown");
+        assert!(
+            (added, known) == (OPS as u64, 0) || (added, known) == (0, OPS as u64),
+            "{cut:?}: resending the batch added {added} and found {known}"
+        );
+        assert_eq!(operation_count(&mut http, &name), OPS as u64);
+    }
+    println!("committed after the hang-up: {committed:?}");
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+}
+
+/// Raises this process's soft limit on open files (the agent, started after, inherits
+/// it) to at least `want`, within the hard limit.
+fn raise_open_files(want: u64) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    let raised = if soft < want { want.min(hard) } else { soft };
+    if raised != soft {
+        setrlimit(Resource::RLIMIT_NOFILE, raised, hard).expect("setrlimit");
+    }
+    assert!(
+        raised >= want,
+        "RLIMIT_NOFILE is {raised} (hard limit {hard}); this test needs {want}"
+    );
+}
+
+const WEBSOCKET_UPGRADE: &str = "GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
+
+/// Reads until the end of an HTTP response head.
+fn read_head(stream: &mut UnixStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            other => panic!(
+                "reading a response head: {other:?} after {:?}",
+                String::from_utf8_lossy(&head)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are_served() {
+    const IDLE: usize = 1000;
+    const RSS_LIMIT: u64 = 64 * 1024 * 1024;
+    raise_open_files(4096);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+
+    // Warm up with a few requests, so the baseline includes what any serving agent
+    // has allocated.
+    let client = agent.client().await;
+    let backups = client.backups();
+    backups.start("warm", "u", None).await.unwrap();
+    backups
+        .add_operations(
+            "warm",
+            (0..100)
+                .map(|i| operation(PLUGIN, &format!("warm-{i}"), "data", &[]))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let baseline_rss = rss(pid);
+    let baseline_sockets = open_sockets(pid);
+
+    // The idle crowd: silent connections, keep-alive connections idle after one
+    // answered request, half-sent request heads, and idle WebSocket connections.
+    let socket = agent.socket.clone();
+    let held: Vec<(&'static str, UnixStream)> = tokio::task::spawn_blocking(move || {
+        let mut held = Vec::with_capacity(IDLE);
+        for i in 0..IDLE {
+            let mut s = UnixStream::connect(&socket)
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let kind = match i % 10 {
+                0..=3 => "silent",
+                4..=6 => {
+                    let body = request("agent.status", json!({}));
+                    write!(
+                        s,
+                        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .unwrap();
+                    let head = read_head(&mut s);
+                    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .expect("content-length");
+                    let mut body = vec![0; length];
+                    s.read_exact(&mut body).unwrap();
+                    "keep-alive"
+                }
+                7 | 8 => {
+                    s.write_all(b"POST / HTTP/1.1\r\nHost: local").unwrap();
+                    "half-head"
+                }
+                _ => {
+                    s.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
+                    let head = read_head(&mut s);
+                    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+                    "websocket"
+                }
+            };
+            held.push((kind, s));
+        }
+        held
+    })
+    .await
+    .unwrap();
+    // All of them accepted, not waiting in the listen backlog.
+    assert!(
+        eventually(Duration::from_secs(30), || open_sockets(pid)
+            >= baseline_sockets + IDLE),
+        "the agent holds {} sockets, {baseline_sockets} + {IDLE} expected",
+        open_sockets(pid)
+    );
+
+    // Other clients are served as usual meanwhile.
+    let served = Instant::now();
+    let other = agent.client().await;
+    let backups = other.backups();
+    backups.start("busy", "u", None).await.unwrap();
+    for batch in 0..10 {
+        let ops = (0..100)
+            .map(|i| operation(PLUGIN, &format!("busy-{batch}-{i}"), "data", &[]))
+            .collect();
+        let added = backups.add_operations("busy", ops).await.unwrap();
+        assert_eq!(added.added, 100);
+    }
+    let owner = backups.get("busy").await.unwrap();
+    assert_eq!(owner.operations_attempted, 1000);
+    let ended = backups.end_in_progress("busy", 0, 0, false).await.unwrap();
+    assert!(ended.phase.is_finalizing(), "{}", ended.phase);
+    let status = other.status().await.unwrap();
+    assert_eq!(status.unfinished_operations, 100, "warm's operations");
+    let took = served.elapsed();
+
+    let held_rss = rss(pid);
+    let fds = open_sockets(pid);
+    println!(
+        "agent RSS: {:.1} MiB before, {:.1} MiB with {IDLE} idle connections ({fds} sockets); \
+         the other client's 14 requests took {took:?}",
+        baseline_rss as f64 / 1048576.0,
+        held_rss as f64 / 1048576.0,
+    );
+    assert!(
+        held_rss <= RSS_LIMIT,
+        "the agent's RSS is {held_rss} bytes with {IDLE} idle connections (limit {RSS_LIMIT}); \
+         it was {baseline_rss} before them"
+    );
+    assert!(
+        fds >= baseline_sockets + IDLE,
+        "the agent dropped idle connections while others were served: {fds} sockets"
+    );
+
+    // The idle connections still work: each kind gets an answer to a request now.
+    let mut by_kind = std::collections::BTreeMap::new();
+    for (kind, s) in held {
+        by_kind.entry(kind).or_insert_with(Vec::new).push(s);
+    }
+    for (kind, streams) in by_kind.iter_mut() {
+        let s = streams.first_mut().unwrap();
+        let body = request("agent.status", json!({}));
+        let answer = match *kind {
+            "websocket" => continue,
+            "half-head" => format!(
+                "host\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+            _ => format!(
+                "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+        };
+        s.write_all(answer.as_bytes()).unwrap();
+        let head = read_head(s);
+        assert!(
+            head.starts_with("HTTP/1.1 200"),
+            "a {kind} connection answered {head}"
+        );
+    }
+    drop(by_kind);
+    drop(other);
+    assert!(
+        eventually(Duration::from_secs(30), || open_sockets(pid)
+            <= baseline_sockets),
+        "{} sockets after the idle clients left, {baseline_sockets} before",
+        open_sockets(pid)
+    );
+}
+
+/// An oversized request is answered with 413 as soon as it is known to be too large:
+/// from its declared length before any of the body is read, or, with chunked
+/// encoding, once the limit is passed, without waiting for the rest.
+#[test]
+fn requests_over_the_default_size_limit_are_refused_without_reading_them_whole() {
+    const LIMIT: usize = 16 * 1024 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let chunk = vec![b'a'; 64 * 1024];
+
+    // A declared length past the limit, with a fraction of the body sent.
+    let mut s = UnixStream::connect(&agent.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        LIMIT + 1
+    )
+    .unwrap();
+    s.write_all(&chunk).unwrap();
+    let head = read_head(&mut s);
+    assert!(
+        head.starts_with("HTTP/1.1 413"),
+        "declared length {}: {head}",
+        LIMIT + 1
+    );
+
+    // Chunked, with no end: the answer comes once the limit is passed.
+    let mut s = UnixStream::connect(&agent.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(
+        b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+    )
+    .unwrap();
+    let mut writer = s.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        // A request whose one string never ends.
+        let start = br#"{"jsonrpc":"2.0","id":1,"method":"agent.status","params":{"pad":""#;
+        let mut sent = start.len();
+        let frame = [format!("{:x}\r\n", start.len()).as_bytes(), start, b"\r\n"].concat();
+        if writer.write_all(&frame).is_err() {
+            return sent;
+        }
+        while sent < 4 * LIMIT {
+            let frame = [
+                format!("{:x}\r\n", chunk.len()).as_bytes(),
+                &chunk[..],
+                b"\r\n",
+            ]
+            .concat();
+            if writer.write_all(&frame).is_err() {
+                break;
+            }
+            sent += chunk.len();
+        }
+        sent
+    });
+    let head = read_head(&mut s);
+    drop(s);
+    let sent = sender.join().unwrap();
+    assert!(head.starts_with("HTTP/1.1 413"), "chunked: {head}");
+    assert!(
+        sent < 4 * LIMIT,
+        "the agent read {sent} bytes of a request it had to refuse past {LIMIT}"
+    );
+
+    let mut http = RawHttp::connect(&agent.socket);
+    let answer = http.call(&request("backup.list", json!({})));
+    assert_eq!(answer["result"]["items"], json!([]), "nothing was stored");
+}
