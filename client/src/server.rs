@@ -133,9 +133,15 @@ where
         && !parts.headers.contains_key(hyper::header::CONTENT_LENGTH);
     let body = if unsized_post {
         use http_body_util::BodyExt;
-        match http_body_util::Limited::new(body, max_body as usize).collect().await {
+        match http_body_util::Limited::new(body, max_body as usize)
+            .collect()
+            .await
+        {
             Ok(collected) => HttpBody::new(http_body_util::Full::new(collected.to_bytes())),
-            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(e)
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
                 let text = format!(
                     r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":-32007,"message":"Request is too big: over {max_body} bytes"}}}}"#
                 );

@@ -26,7 +26,10 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
     let client = f.agent.client().await;
     let backups = client.backups();
     backups.start("b", "u", None).await.unwrap();
-    backups.add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])]).await.unwrap();
+    backups
+        .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
+        .await
+        .unwrap();
     backups.end_in_progress("b", 0, 0, false).await.unwrap();
     let polls_before = f.journal().len();
     f.snapshotter.kill9();
@@ -37,14 +40,25 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
         if text.contains("snapshotter unreachable; its operations wait for the grace period") {
             break;
         }
-        assert!(start.elapsed() < LONG, "the agent never noticed the crash:\n{text}");
+        assert!(
+            start.elapsed() < LONG,
+            "the agent never noticed the crash:\n{text}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ops = backups.operations("b", None).await.unwrap();
-    assert_eq!(ops[0].phase, OperationPhase::InProgress, "an unreachable snapshotter fails nothing yet");
+    assert_eq!(
+        ops[0].phase,
+        OperationPhase::InProgress,
+        "an unreachable snapshotter fails nothing yet"
+    );
     f.open_gate("gate-1");
     f.snapshotter = SdkSnapshotter::start(f.dir.path(), "copier", &f.gates, &f.journal);
-    let owner = backups.wait("b", WaitUntil::ReadyToFinalize, LONG).await.unwrap().owner;
+    let owner = backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
     assert_eq!(owner.operations_failed, 0);
     assert!(f.journal().len() > polls_before);
@@ -57,10 +71,21 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
     let hung_gates = f.dir.path().join("hung-gates");
     std::fs::create_dir(&hung_gates).unwrap();
     opmon_tests::open_gate(&hung_gates, "HANG");
-    let hung = SdkSnapshotter::start(f.dir.path(), "hung", &hung_gates, &f.dir.path().join("hung-journal"));
-    client.register_snapshotter(&socket_snapshotter("example.io/hung", &hung.socket)).await.unwrap();
+    let hung = SdkSnapshotter::start(
+        f.dir.path(),
+        "hung",
+        &hung_gates,
+        &f.dir.path().join("hung-journal"),
+    );
     client
-        .register_snapshotter(&socket_snapshotter("example.io/gone", &f.dir.path().join("nobody.sock")))
+        .register_snapshotter(&socket_snapshotter("example.io/hung", &hung.socket))
+        .await
+        .unwrap();
+    client
+        .register_snapshotter(&socket_snapshotter(
+            "example.io/gone",
+            &f.dir.path().join("nobody.sock"),
+        ))
         .await
         .unwrap();
     let backups = client.backups();
@@ -78,10 +103,24 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
         .unwrap();
     let started = Instant::now();
     let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
-    assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations, "nothing failed at once");
-    assert_eq!(owner.operations_completed, 1, "the healthy snapshotter's operation completed");
-    let owner = backups.wait("b", WaitUntil::ReadyToFinalize, LONG).await.unwrap().owner;
-    assert!(started.elapsed() >= Duration::from_millis(500), "failed before the grace period");
+    assert_eq!(
+        owner.phase,
+        OwnerPhase::WaitingForPluginOperations,
+        "nothing failed at once"
+    );
+    assert_eq!(
+        owner.operations_completed, 1,
+        "the healthy snapshotter's operation completed"
+    );
+    let owner = backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap()
+        .owner;
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "failed before the grace period"
+    );
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let ops = backups.operations("b", None).await.unwrap();
     assert!(
@@ -89,7 +128,13 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
         "{}",
         ops[0].error
     );
-    assert!(ops[1].error.starts_with("unreachable for more than 500ms: snapshotter example.io/gone at "), "{}", ops[1].error);
+    assert!(
+        ops[1]
+            .error
+            .starts_with("unreachable for more than 500ms: snapshotter example.io/gone at "),
+        "{}",
+        ops[1].error
+    );
     assert_eq!(ops[2].phase, OperationPhase::Completed);
 }
 
@@ -104,7 +149,9 @@ async fn bad_snapshotter(socket: PathBuf, body: Vec<u8>) {
                 let mut buf = [0u8; 65536];
                 // Read the head and the announced body, then answer.
                 loop {
-                    let Ok(n) = stream.read(&mut buf).await else { return };
+                    let Ok(n) = stream.read(&mut buf).await else {
+                        return;
+                    };
                     if n == 0 {
                         return;
                     }
@@ -113,7 +160,11 @@ async fn bad_snapshotter(socket: PathBuf, body: Vec<u8>) {
                     if let Some(head_end) = text.find("\r\n\r\n") {
                         let length: usize = text[..head_end]
                             .lines()
-                            .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse().unwrap_or(0))
+                            })
                             .unwrap_or(0);
                         if request.len() >= head_end + 4 + length {
                             break;
@@ -136,8 +187,14 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
     let huge = f.dir.path().join("huge.sock");
     bad_snapshotter(garbage.clone(), b"<html>not json-rpc</html>".to_vec()).await;
     bad_snapshotter(huge.clone(), vec![b' '; 17 * 1024 * 1024]).await;
-    client.register_snapshotter(&socket_snapshotter("example.io/garbage", &garbage)).await.unwrap();
-    client.register_snapshotter(&socket_snapshotter("example.io/huge", &huge)).await.unwrap();
+    client
+        .register_snapshotter(&socket_snapshotter("example.io/garbage", &garbage))
+        .await
+        .unwrap();
+    client
+        .register_snapshotter(&socket_snapshotter("example.io/huge", &huge))
+        .await
+        .unwrap();
     let backups = client.backups();
     backups.start("b", "u", None).await.unwrap();
     backups
@@ -154,10 +211,20 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
     let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let ops = backups.operations("b", None).await.unwrap();
-    assert_eq!(ops[0].error, "snapshotter example.io/garbage answered something that is not a JSON-RPC response");
-    assert_eq!(ops[1].error, "snapshotter example.io/huge answered more than 16777216 bytes");
+    assert_eq!(
+        ops[0].error,
+        "snapshotter example.io/garbage answered something that is not a JSON-RPC response"
+    );
+    assert_eq!(
+        ops[1].error,
+        "snapshotter example.io/huge answered more than 16777216 bytes"
+    );
     assert_eq!(ops[2].phase, OperationPhase::Completed);
-    assert_eq!(client.status().await.unwrap().snapshotters, 3, "the agent is unaffected");
+    assert_eq!(
+        client.status().await.unwrap().snapshotters,
+        3,
+        "the agent is unaffected"
+    );
 }
 
 #[tokio::test]
@@ -178,15 +245,26 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
     struct Unmount(PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
         }
     }
     let _unmount = Unmount(disk.clone());
-    let mut agent = Agent::start_at(dir.path(), &dir.path().join("run/agent.sock"), &disk.join("state"), &[]);
+    let mut agent = Agent::start_at(
+        dir.path(),
+        &dir.path().join("run/agent.sock"),
+        &disk.join("state"),
+        &[],
+    );
     let client = agent.client().await;
     let backups = client.backups();
     backups.start("kept", "u", None).await.unwrap();
-    backups.add_operations("kept", vec![operation(PLUGIN, "op-1", "a", &[])]).await.unwrap();
+    backups
+        .add_operations("kept", vec![operation(PLUGIN, "op-1", "a", &[])])
+        .await
+        .unwrap();
 
     // Fill the file system to the last block.
     let filler = disk.join("filler");
@@ -196,12 +274,32 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
     let _ = file.write_all(&[0u8; 512]);
     drop(file);
 
-    let big: Vec<_> = (0..2000).map(|i| operation(PLUGIN, &format!("fill-{i:04}-{}", "x".repeat(200)), "b", &[])).collect();
-    let err = backups.add_operations("kept", big.clone()).await.unwrap_err();
+    let big: Vec<_> = (0..2000)
+        .map(|i| {
+            operation(
+                PLUGIN,
+                &format!("fill-{i:04}-{}", "x".repeat(200)),
+                "b",
+                &[],
+            )
+        })
+        .collect();
+    let err = backups
+        .add_operations("kept", big.clone())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Some(codes::STORAGE_FAILURE), "{err}");
-    assert!(err.to_string().contains("disk holding the database is full"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("disk holding the database is full"),
+        "{err}"
+    );
     let ops = backups.operations("kept", None).await.unwrap();
-    assert_eq!(ops.len(), 1, "earlier state is intact and nothing half-written shows");
+    assert_eq!(
+        ops.len(),
+        1,
+        "earlier state is intact and nothing half-written shows"
+    );
 
     std::fs::remove_file(&filler).unwrap();
     let added = backups.add_operations("kept", big).await.unwrap();
@@ -209,7 +307,9 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
     assert_eq!(backups.operations("kept", None).await.unwrap().len(), 2001);
     agent.kill9();
     let check = rusqlite::Connection::open(disk.join("state/agent.db")).unwrap();
-    let integrity: String = check.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    let integrity: String = check
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(integrity, "ok");
 }
 
@@ -224,12 +324,25 @@ async fn an_unwritable_storage_directory_fails_the_file_write_and_it_is_retried(
     let client = f.agent.client().await;
     let backups = client.backups();
     backups.start("b", "u", None).await.unwrap();
-    backups.add_operations("b", vec![operation(PLUGIN, "done-1", "a", &[])]).await.unwrap();
+    backups
+        .add_operations("b", vec![operation(PLUGIN, "done-1", "a", &[])])
+        .await
+        .unwrap();
     let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
-    assert_eq!(owner.phase, OwnerPhase::Finalizing, "the request itself succeeds");
+    assert_eq!(
+        owner.phase,
+        OwnerPhase::Finalizing,
+        "the request itself succeeds"
+    );
     let log = f.agent.log_text();
-    assert!(log.contains("writing the item-operations file failed; will retry"), "{log}");
-    assert!(log.contains(&format!("creating {}", storage.join("backups/b").display())), "{log}");
+    assert!(
+        log.contains("writing the item-operations file failed; will retry"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("creating {}", storage.join("backups/b").display())),
+        "{log}"
+    );
 
     std::fs::remove_file(storage.join("backups")).unwrap();
     let file = storage.join("backups/b/b-itemoperations.json.gz");
@@ -248,9 +361,14 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
     idle.set_read_timeout(Some(LONG)).unwrap();
     let opened = Instant::now();
     let mut buf = [0u8; 16];
-    let n = idle.read(&mut buf).expect("the agent closes the connection");
+    let n = idle
+        .read(&mut buf)
+        .expect("the agent closes the connection");
     assert_eq!(n, 0, "closed without a word");
-    assert!(opened.elapsed() >= Duration::from_millis(300), "closed before the timeout");
+    assert!(
+        opened.elapsed() >= Duration::from_millis(300),
+        "closed before the timeout"
+    );
     // A busy connection is not idle: requests keep it open past the timeout.
     let mut busy = opmon_tests::RawHttp::connect(&agent.socket);
     for _ in 0..5 {
