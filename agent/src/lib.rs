@@ -152,6 +152,8 @@ async fn serve_metrics_tcp(
 /// Runs the agent until SIGTERM or SIGINT: opens the database, serves the socket,
 /// polls; then stops accepting, finishes in-flight requests and closes the database.
 pub async fn run(settings: Settings) -> Result<(), String> {
+    // First of all, so SIGTERM during start-up still means a clean stop.
+    let terminated = opmon_client::snapshotter::termination();
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
     let metrics = Metrics::new();
@@ -212,7 +214,7 @@ pub async fn run(settings: Settings) -> Result<(), String> {
         config,
         counting,
         admission,
-        opmon_client::snapshotter::termination(),
+        terminated,
     )
     .await;
     tracing::info!("stopping: requests finished");

@@ -67,9 +67,12 @@ impl Storage {
     ) -> io::Result<PathBuf> {
         let path = self.item_operations_file(kind, name);
         write_atomically(&path, |out| {
-            let mut gz = GzEncoder::new(out, Compression::new(6));
-            serde_json::to_writer(&mut gz, records)?;
-            gz.finish()?;
+            // serde_json writes in small pieces; buffer them so the compressor gets
+            // whole blocks rather than one call per fragment.
+            let gz = GzEncoder::new(out, Compression::new(6));
+            let mut json = BufWriter::with_capacity(64 * 1024, gz);
+            serde_json::to_writer(&mut json, records)?;
+            json.into_inner().map_err(|e| e.into_error())?.finish()?;
             Ok(())
         })?;
         Ok(path)

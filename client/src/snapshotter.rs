@@ -137,18 +137,24 @@ pub async fn serve_methods(
     Ok(())
 }
 
-/// Resolves at the first SIGTERM or SIGINT.
-pub async fn termination() {
+/// Resolves at the first SIGTERM or SIGINT. The handlers are installed when this is
+/// called, not when the future is first polled, so a signal that arrives while the
+/// caller is still starting up is not lost (and does not kill the process outright).
+/// Must be called within a tokio runtime.
+pub fn termination() -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let handlers = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the process ends by the default action anyway.
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    );
+    async move {
+        let (Ok(mut term), Ok(mut int)) = handlers else {
+            // Without handlers the process ends by the default action anyway.
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
 }

@@ -57,7 +57,8 @@ pub(super) fn apply_changes(
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     for c in changes {
-        if queries::update_operation(conn, c.target.row, &c.next)? {
+        let phase_changed = c.next.phase != c.target.state.phase;
+        if queries::update_operation(conn, c.target.row, &c.next, phase_changed)? {
             let failed = touched.entry(c.target.owner_row).or_default();
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;

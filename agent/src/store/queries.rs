@@ -470,24 +470,50 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
 }
 
 /// Writes a polled operation's new state, only if it is still unfinished (a concurrent
-/// delete or failure wins). Returns whether the row changed.
-pub fn update_operation(conn: &Connection, row: i64, s: &OperationState) -> rusqlite::Result<bool> {
-    let mut stmt = conn.prepare_cached(
-        "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
-         operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
-         WHERE id = ?1 AND phase IN ('New', 'InProgress')",
-    )?;
-    let changed = stmt.execute(params![
-        row,
-        s.phase.as_str(),
-        s.error,
-        s.n_completed,
-        s.n_total,
-        s.operation_units,
-        s.description,
-        s.started_ms,
-        s.updated_ms
-    ])?;
+/// delete or failure wins). `phase_changed` says whether the phase differs from the
+/// one read: when it does not, the phase column (and its index entry) is left alone.
+/// Returns whether the row changed.
+pub fn update_operation(
+    conn: &Connection,
+    row: i64,
+    s: &OperationState,
+    phase_changed: bool,
+) -> rusqlite::Result<bool> {
+    let changed = if phase_changed {
+        conn.prepare_cached(
+            "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
+             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
+             WHERE id = ?1 AND phase IN ('New', 'InProgress')",
+        )?
+        .execute(params![
+            row,
+            s.phase.as_str(),
+            s.error,
+            s.n_completed,
+            s.n_total,
+            s.operation_units,
+            s.description,
+            s.started_ms,
+            s.updated_ms
+        ])?
+    } else {
+        conn.prepare_cached(
+            "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
+             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
+             WHERE id = ?1 AND phase = ?2",
+        )?
+        .execute(params![
+            row,
+            s.phase.as_str(),
+            s.error,
+            s.n_completed,
+            s.n_total,
+            s.operation_units,
+            s.description,
+            s.started_ms,
+            s.updated_ms
+        ])?
+    };
     Ok(changed > 0)
 }
 

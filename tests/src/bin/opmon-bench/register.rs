@@ -1,0 +1,263 @@
+//! register-batch and register-concurrent: `backup.addOperations` throughput against
+//! raw rusqlite inserts of the same rows.
+
+use std::time::Instant;
+
+use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+
+use crate::agent::{self, Spec};
+use crate::table::{median_f64, per_sec, thousands, Row};
+use crate::{raw, sqlite, Ctx};
+
+/// Flags of an agent that should not poll while it is measured.
+pub const QUIET: &[&str] = &["--poll-interval", "1h", "--call-deadline", "1h"];
+
+/// Operation `i` of owner `owner` for `plugin`: a CSI-style volume snapshot of a PVC.
+pub fn operation(plugin: &str, owner: usize, i: usize) -> NewOperation {
+    NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: plugin.into(),
+        },
+        resource: ResourceIdentifier {
+            group: String::new(),
+            resource: "persistentvolumeclaims".into(),
+            namespace: format!("ns-{}", i % 50),
+            name: format!("data-{owner}-{i}"),
+        },
+        operation_id: format!(
+            "ns-{}/velero-data-{owner}-{i}-{:08x}",
+            i % 50,
+            mix(owner, i)
+        ),
+        post_operation_items: Vec::new(),
+    }
+}
+
+/// A stable pseudo-random number per (owner, i), so IDs look like Velero's.
+fn mix(owner: usize, i: usize) -> u32 {
+    let mut x = (owner as u64) << 32 | i as u64;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x as u32
+}
+
+/// A UUID-shaped uid derived from the name.
+pub fn uid(name: &str) -> String {
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        h >> 32,
+        (h >> 16) & 0xffff,
+        h & 0xfff,
+        (h >> 4) & 0xfff,
+        h & 0xffff_ffff_ffff
+    )
+}
+
+/// Starts backups `names` on `client`.
+pub async fn start_backups(client: &Client, names: &[String]) -> Result<(), String> {
+    for name in names {
+        client
+            .backups()
+            .start(name, &uid(name), None)
+            .await
+            .map_err(|e| format!("backup.start {name}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// The mean size of the agent's commit groups, from its metrics.
+fn mean_commit_group(socket: &std::path::Path) -> Option<f64> {
+    let page = raw::metrics(socket).ok()?;
+    let sum = raw::metric_sum(&page, "opmon_commit_batch_size_sum")?;
+    let count = raw::metric_sum(&page, "opmon_commit_batch_size_count")?;
+    (count > 0.0).then(|| sum / count)
+}
+
+/// One run of register-batch in `dir`: the agent's rate and the baseline's.
+async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64), String> {
+    let s = &ctx.sizes;
+    let per_owner = s.batch_total / s.batch_backups;
+    let owners: Vec<Vec<NewOperation>> = (0..s.batch_backups)
+        .map(|b| {
+            (0..per_owner)
+                .map(|i| operation("example.io/bench", b, i))
+                .collect()
+        })
+        .collect();
+    let total = per_owner * s.batch_backups;
+
+    let spec = Spec::new(ctx, dir, QUIET);
+    let (mut agent, _) = spec.start().await?;
+    let client = agent.client().await?;
+    let names: Vec<String> = (0..s.batch_backups).map(|b| format!("batch-{b}")).collect();
+    start_backups(&client, &names).await?;
+    let calls: Vec<(String, Vec<NewOperation>)> = names
+        .iter()
+        .zip(&owners)
+        .flat_map(|(name, ops)| {
+            ops.chunks(s.batch_per_call)
+                .map(|chunk| (name.clone(), chunk.to_vec()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let began = Instant::now();
+    for (name, chunk) in calls {
+        let n = chunk.len() as u64;
+        let added = client
+            .backups()
+            .add_operations(&name, chunk)
+            .await
+            .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+        if added.added != n {
+            return Err(format!(
+                "backup.addOperations {name} added {} of {n}",
+                added.added
+            ));
+        }
+    }
+    let took = began.elapsed();
+    drop(client);
+    agent.terminate()?;
+    let base = sqlite::batched(&dir.join("baseline.db"), &owners, s.batch_per_call)?;
+    Ok((
+        total as f64 / took.as_secs_f64(),
+        total as f64 / base.as_secs_f64(),
+    ))
+}
+
+/// register-batch: `addOperations` of 1,000 ops per call, one call at a time, against
+/// raw inserts of the same rows, 1,000 per transaction.
+pub async fn batch(ctx: &Ctx) -> Result<Vec<Row>, String> {
+    let s = &ctx.sizes;
+    let (mut rates, mut bases) = (Vec::new(), Vec::new());
+    for r in 0..s.repeats {
+        let dir = ctx.subdir(&format!("register-batch/{r}"))?;
+        let (rate, base) = batch_once(ctx, &dir).await?;
+        rates.push(rate);
+        bases.push(base);
+    }
+    let total = s.batch_total / s.batch_backups * s.batch_backups;
+    Ok(vec![Row::ratio_at_least(
+        format!(
+            "register-batch: addOperations ops/s, {} ops/call, {} ops, one call at a time \
+             (baseline: rusqlite, {} rows/tx); median of {}",
+            thousands(s.batch_per_call as f64),
+            thousands(total as f64),
+            thousands(s.batch_per_call as f64),
+            s.repeats
+        ),
+        per_sec(median_f64(rates), "ops"),
+        per_sec(median_f64(bases), "ops"),
+        0.5,
+    )])
+}
+
+/// What one run of register-concurrent measured.
+struct ConcurrentRun {
+    rate: f64,
+    base: f64,
+    group: Option<f64>,
+    problems: Vec<String>,
+}
+
+async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentRun, String> {
+    let s = &ctx.sizes;
+    let spec = Spec::new(ctx, dir, QUIET);
+    let (mut agent, _) = spec.start().await?;
+    let mut workers = Vec::new();
+    for c in 0..s.concurrent_clients {
+        let client = agent.client().await?;
+        let name = format!("concurrent-{c}");
+        start_backups(&client, std::slice::from_ref(&name)).await?;
+        let ops: Vec<NewOperation> = (0..s.concurrent_calls)
+            .map(|i| operation("example.io/bench", c, i))
+            .collect();
+        workers.push((client, name, ops));
+    }
+    let total = s.concurrent_clients * s.concurrent_calls;
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(s.concurrent_clients + 1));
+    let tasks: Vec<_> = workers
+        .into_iter()
+        .map(|(client, name, ops)| {
+            let start = start.clone();
+            tokio::spawn(async move {
+                start.wait().await;
+                for op in ops {
+                    let added = client
+                        .backups()
+                        .add_operations(&name, vec![op])
+                        .await
+                        .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+                    if added.added != 1 {
+                        return Err(format!("backup.addOperations {name} added nothing"));
+                    }
+                }
+                Ok::<_, String>(client)
+            })
+        })
+        .collect();
+    start.wait().await;
+    let began = Instant::now();
+    let mut clients = Vec::new();
+    for task in tasks {
+        clients.push(
+            task.await
+                .map_err(|e| format!("a client task failed: {e}"))??,
+        );
+    }
+    let took = began.elapsed();
+    let group = mean_commit_group(&spec.socket);
+    drop(clients);
+    agent.terminate()?;
+
+    let ops: Vec<NewOperation> = (0..total)
+        .map(|i| operation("example.io/bench", 0, i))
+        .collect();
+    let base = sqlite::one_per_commit(&dir.join("baseline.db"), &ops)?;
+    Ok(ConcurrentRun {
+        rate: total as f64 / took.as_secs_f64(),
+        base: total as f64 / base.as_secs_f64(),
+        group,
+        problems: agent::log_problems(&spec.log),
+    })
+}
+
+/// register-concurrent: 64 clients, each on its own connection and backup, adding one
+/// operation per call, against raw inserts of one row per committed transaction.
+pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
+    let s = &ctx.sizes;
+    let mut runs = Vec::new();
+    for r in 0..s.repeats {
+        let dir = ctx.subdir(&format!("register-concurrent/{r}"))?;
+        runs.push(concurrent_once(ctx, &dir).await?);
+    }
+    let mut rows = vec![Row::ratio_at_least(
+        format!(
+            "register-concurrent: addOperations ops/s, {} clients × {} calls of 1 op \
+             (baseline: rusqlite, 1 row per committed tx); median of {}",
+            s.concurrent_clients, s.concurrent_calls, s.repeats
+        ),
+        per_sec(median_f64(runs.iter().map(|r| r.rate).collect()), "ops"),
+        per_sec(median_f64(runs.iter().map(|r| r.base).collect()), "ops"),
+        5.0,
+    )];
+    let groups: Vec<f64> = runs.iter().filter_map(|r| r.group).collect();
+    if !groups.is_empty() {
+        rows.push(Row::info(
+            "register-concurrent: mean requests per group commit (opmon_commit_batch_size)",
+            format!("{:.1}", median_f64(groups)),
+        ));
+    }
+    if let Some(problems) = runs.iter().map(|r| &r.problems).find(|p| !p.is_empty()) {
+        rows.push(Row::info(
+            "register: agent log warnings/errors",
+            format!("{}: {}", problems.len(), problems[0]),
+        ));
+    }
+    Ok(rows)
+}

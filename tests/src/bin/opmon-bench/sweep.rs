@@ -1,0 +1,544 @@
+//! sweep, memory, subscribe and restart: one agent's database with N unfinished
+//! operations of 10 backups, all owned by the bench snapshotter.
+//!
+//! One pass is measured like this: the snapshotter holds its calls; the agent is
+//! (re)started with the flags under test, and at start it sweeps every waiting owner's
+//! operations (`recover` wakes the poller), so its first calls arrive and wait. Once the
+//! agent is idle (the targets are loaded, the first batches are in flight), the calls
+//! are released: the clock runs from the release until the change of the last call is
+//! committed (read back from the database). What the agent does before its first call
+//! (finding what to poll, loading its first page of targets) is outside the window.
+//! Subscribers (for `subscribe`) are connected while the calls are held.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use opmon_client::{ApiVersion, Client, OwnerPhase, Snapshotter};
+use rusqlite::OptionalExtension;
+
+use crate::agent::{self, Agent, Spec};
+use crate::register::{operation, start_backups, QUIET};
+use crate::snap::{Bench, Marked};
+use crate::table::{dur, median, mib, per_sec, quantile, thousands, Row};
+use crate::{rtt, Ctx};
+
+const PLUGIN: &str = "example.io/bench";
+/// Longest a pass (even the serial one) may take.
+const PASS_WITHIN: Duration = Duration::from_secs(600);
+
+/// Which figures to produce.
+#[derive(Clone, Copy, Debug)]
+pub struct Want {
+    pub sweep: bool,
+    pub memory: bool,
+    pub subscribe: bool,
+    pub restart: bool,
+}
+
+impl Want {
+    pub fn any(&self) -> bool {
+        self.sweep || self.memory || self.subscribe || self.restart
+    }
+}
+
+/// CPU time the process has used, in clock ticks (`/proc/<pid>/stat`; `self` for
+/// this process).
+fn cpu_ticks(pid: impl std::fmt::Display) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Waits until the agent has used no CPU for `quiet`.
+async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), String> {
+    let began = Instant::now();
+    let mut last = cpu_ticks(agent.pid);
+    let mut since = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = cpu_ticks(agent.pid);
+        if now != last {
+            last = now;
+            since = Instant::now();
+        } else if since.elapsed() >= quiet {
+            return Ok(());
+        }
+        if began.elapsed() > Duration::from_secs(120) {
+            return Err("the agent stayed busy for 2 minutes while its calls were held".into());
+        }
+    }
+}
+
+/// The committed `nCompleted` of the marked operation.
+fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option<i64>> {
+    conn.query_row(
+        "SELECT o.n_completed FROM operations o JOIN owners w ON w.id = o.owner_id \
+         WHERE w.kind = 'backup' AND w.name = ?1 AND o.plugin_kind = ?2 \
+         AND o.plugin_name = ?3 AND o.operation_id = ?4",
+        rusqlite::params![m.owner, m.plugin_kind, m.plugin, m.operation_id],
+        |r| r.get(0),
+    )
+    .optional()
+}
+
+/// Waits until the marked call's change is committed; returns when that was seen.
+async fn wait_committed(db: &Path, m: &Marked) -> Result<Instant, String> {
+    let sql = |e: rusqlite::Error| format!("reading {}: {e}", db.display());
+    let conn = rusqlite::Connection::open_with_flags(
+        db,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(sql)?;
+    conn.execute_batch("PRAGMA query_only = ON; PRAGMA busy_timeout = 10000;")
+        .map_err(sql)?;
+    let began = Instant::now();
+    loop {
+        let value = tokio::task::block_in_place(|| committed(&conn, m)).map_err(sql)?;
+        if value.is_some_and(|v| v >= m.value) {
+            return Ok(Instant::now());
+        }
+        if began.elapsed() > PASS_WITHIN {
+            return Err(format!(
+                "the progress of {} was answered but not committed within {PASS_WITHIN:?}",
+                m.operation_id
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[derive(Default)]
+struct Delivered {
+    notifications: AtomicU64,
+    operations: AtomicU64,
+    errors: AtomicU64,
+    last: Mutex<Option<Instant>>,
+    first_error: Mutex<Option<String>>,
+}
+
+/// Subscribers, each on a WebSocket connection of its own.
+struct Subscribers {
+    clients: Vec<Client>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    delivered: Arc<Delivered>,
+}
+
+struct SubscriberFigures {
+    notifications: u64,
+    operations: u64,
+    window: Duration,
+    errors: u64,
+    first_error: Option<String>,
+}
+
+impl Subscribers {
+    /// Subscribes `count` times, spread over `names`, each after the last one's first
+    /// update (all operations) arrived.
+    async fn start(agent: &Agent, names: &[String], count: usize) -> Result<Subscribers, String> {
+        let delivered = Arc::new(Delivered::default());
+        let mut clients = Vec::new();
+        let mut tasks = Vec::new();
+        for i in 0..count {
+            let client = agent.client().await?;
+            let name = &names[i % names.len()];
+            let mut stream = client
+                .backups()
+                .subscribe(name)
+                .await
+                .map_err(|e| format!("backup.subscribe {name}: {e}"))?;
+            match stream.next().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(format!("the first update of {name}: {e}")),
+                None => return Err(format!("the subscription to {name} ended at once")),
+            }
+            let d = delivered.clone();
+            tasks.push(tokio::spawn(async move {
+                while let Some(update) = stream.next().await {
+                    match update {
+                        Ok(u) => {
+                            d.notifications.fetch_add(1, Ordering::SeqCst);
+                            d.operations
+                                .fetch_add(u.operations.len() as u64, Ordering::SeqCst);
+                            if let Ok(mut last) = d.last.lock() {
+                                *last = Some(Instant::now());
+                            }
+                        }
+                        Err(e) => {
+                            d.errors.fetch_add(1, Ordering::SeqCst);
+                            if let Ok(mut first) = d.first_error.lock() {
+                                first.get_or_insert(e.to_string());
+                            }
+                            break;
+                        }
+                    }
+                }
+            }));
+            clients.push(client);
+        }
+        Ok(Subscribers {
+            clients,
+            tasks,
+            delivered,
+        })
+    }
+
+    /// Waits until notifications stop coming (none for half a second), then hangs up.
+    async fn finish(self, released: Instant) -> SubscriberFigures {
+        let began = Instant::now();
+        loop {
+            let before = self.delivered.notifications.load(Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let after = self.delivered.notifications.load(Ordering::SeqCst);
+            if after == before || began.elapsed() > Duration::from_secs(120) {
+                break;
+            }
+        }
+        for task in &self.tasks {
+            task.abort();
+        }
+        drop(self.clients);
+        let d = &self.delivered;
+        let last = d.last.lock().ok().and_then(|l| *l).unwrap_or(released);
+        SubscriberFigures {
+            notifications: d.notifications.load(Ordering::SeqCst),
+            operations: d.operations.load(Ordering::SeqCst),
+            window: last.saturating_duration_since(released),
+            errors: d.errors.load(Ordering::SeqCst),
+            first_error: d.first_error.lock().ok().and_then(|f| f.clone()),
+        }
+    }
+}
+
+struct Pass {
+    agent: Agent,
+    /// Release → the last call's change committed.
+    took: Duration,
+    /// Release → the last call answered.
+    calls: Duration,
+    /// CPU seconds used in the window by the agent and by this process (whose work in
+    /// the window is the snapshotter's).
+    agent_cpu: f64,
+    bench_cpu: f64,
+    subscribers: Option<SubscriberFigures>,
+}
+
+/// Starts the agent of `spec` and measures its startup sweep over `n` operations.
+async fn pass(
+    spec: &Spec,
+    snap: &Bench,
+    n: usize,
+    subscribe: Option<(&[String], usize)>,
+) -> Result<Pass, String> {
+    snap.hold();
+    snap.arm(n as u64);
+    let (agent, _) = spec.start().await?;
+    snap.wait_held(1, Duration::from_secs(120)).await?;
+    let subscribers = match subscribe {
+        Some((names, count)) => Some(Subscribers::start(&agent, names, count).await?),
+        None => None,
+    };
+    wait_idle(&agent, Duration::from_millis(150)).await?;
+    let cpu = || {
+        (
+            cpu_ticks(agent.pid).unwrap_or(0),
+            cpu_ticks("self").unwrap_or(0),
+        )
+    };
+    let cpu_before = cpu();
+    let released = Instant::now();
+    snap.release();
+    let marked = snap.wait_marked(PASS_WITHIN).await?;
+    let done = wait_committed(&spec.database(), &marked).await?;
+    let cpu_after = cpu();
+    let tick = 1.0
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+    let subscribers = match subscribers {
+        Some(s) => Some(s.finish(released).await),
+        None => None,
+    };
+    Ok(Pass {
+        agent,
+        took: done - released,
+        calls: marked.at.saturating_duration_since(released),
+        agent_cpu: cpu_after.0.saturating_sub(cpu_before.0) as f64 * tick,
+        bench_cpu: cpu_after.1.saturating_sub(cpu_before.1) as f64 * tick,
+        subscribers,
+    })
+}
+
+pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
+    let s = &ctx.sizes;
+    let dir = ctx.subdir("sweep")?;
+    let snap = Bench::start(&dir.join("snapshotter.sock")).await?;
+    let spec = Spec::new(ctx, &dir, QUIET);
+    let (mut agent, _) = spec.start().await?;
+    let client = agent.client().await?;
+    client
+        .register_snapshotter(&Snapshotter {
+            name: PLUGIN.into(),
+            api_version: ApiVersion::V2,
+            socket: Some(snap.socket.clone()),
+            command: None,
+        })
+        .await
+        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    let per = s.sweep_ops / s.sweep_backups;
+    let n = per * s.sweep_backups;
+    let names: Vec<String> = (0..s.sweep_backups).map(|b| format!("sweep-{b}")).collect();
+    start_backups(&client, &names).await?;
+    for (b, name) in names.iter().enumerate() {
+        let ops: Vec<_> = (0..per).map(|i| operation(PLUGIN, b, i)).collect();
+        for chunk in ops.chunks(1000) {
+            client
+                .backups()
+                .add_operations(name, chunk.to_vec())
+                .await
+                .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+        }
+    }
+    let mut rows = Vec::new();
+
+    // endInProgress of every backup at once: it polls each operation once and commits.
+    let began = Instant::now();
+    let owners = {
+        let backups = client.backups();
+        futures::future::join_all(
+            names
+                .iter()
+                .map(|name| backups.end_in_progress(name, 0, 0, false)),
+        )
+        .await
+    };
+    let ended = began.elapsed();
+    for (name, owner) in names.iter().zip(owners) {
+        let owner = owner.map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
+        if owner.phase != OwnerPhase::WaitingForPluginOperations {
+            return Err(format!(
+                "{name} is {} after endInProgress; expected WaitingForPluginOperations",
+                owner.phase
+            ));
+        }
+    }
+    rows.push(Row::info(
+        format!(
+            "sweep: endInProgress of {} backups at once ({} ops polled + committed), calls/s",
+            s.sweep_backups,
+            thousands(n as f64)
+        ),
+        per_sec(n as f64 / ended.as_secs_f64(), "calls").1,
+    ));
+    drop(client);
+    agent.terminate()?;
+
+    if want.sweep || want.memory || want.subscribe {
+        // Passes alternate between the agent as configured and the serial baseline, so
+        // both see the same machine; each figure is the median of its passes.
+        let serial_spec =
+            spec.with_args(&[QUIET, &["--batch-size", "1", "--socket-concurrency", "1"]].concat());
+        let (mut main_took, mut main_calls) = (Vec::new(), Vec::new());
+        let (mut serial_took, mut serial_calls) = (Vec::new(), Vec::new());
+        let (mut rss, mut peak) = (0, 0);
+        let (mut main_cpu, mut serial_cpu) = (Vec::new(), Vec::new());
+        let mut status = Vec::new();
+        let repeats = if want.sweep { s.repeats } else { 1 };
+        for r in 0..repeats {
+            let main = pass(&spec, &snap, n, None).await?;
+            let mut agent = main.agent;
+            main_took.push(main.took);
+            main_calls.push(main.calls);
+            main_cpu.push((main.agent_cpu, main.bench_cpu, main.took));
+            rss = rss.max(agent.rss_kib()?);
+            peak = peak.max(agent.peak_rss_kib()?);
+            if r == 0 {
+                let socket = spec.socket.clone();
+                status = tokio::task::block_in_place(|| rtt::agent_status(&socket, 10, 200))?;
+            }
+            agent.terminate()?;
+            if want.sweep {
+                let serial = pass(&serial_spec, &snap, n, None).await?;
+                let mut serial_agent = serial.agent;
+                serial_agent.terminate()?;
+                serial_took.push(serial.took);
+                serial_calls.push(serial.calls);
+                serial_cpu.push((serial.agent_cpu, serial.bench_cpu, serial.took));
+            }
+        }
+        let rate_of = |d: Vec<Duration>| n as f64 / median(d).as_secs_f64();
+        let rate = rate_of(main_took);
+        if want.sweep {
+            let serial_rate = rate_of(serial_took);
+            rows.push(Row::ratio_at_least(
+                format!(
+                    "sweep: progress calls/s, one pass over {} unfinished ops of {} backups, \
+                     progress committed (baseline: --batch-size 1 --socket-concurrency 1); \
+                     median of {repeats}",
+                    thousands(n as f64),
+                    s.sweep_backups
+                ),
+                per_sec(rate, "calls"),
+                per_sec(serial_rate, "calls"),
+                20.0,
+            ));
+            rows.push(Row::absolute(
+                "sweep: progress calls/s of that pass",
+                per_sec(rate, "calls").1,
+                "≥ 50,000 calls/s",
+                rate >= 50_000.0,
+            ));
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let per_k = |v: &[(f64, f64, Duration)]| {
+                let (a, b, t) = v.iter().fold((0.0, 0.0, 0.0), |acc, x| {
+                    (acc.0 + x.0, acc.1 + x.1, acc.2 + x.2.as_secs_f64())
+                });
+                let calls = (n * v.len()) as f64 / 1000.0;
+                format!(
+                    "agent {:.1} + snapshotter {:.1} ms CPU per 1,000 calls ({:.0} % of {cores} cores)",
+                    a * 1e3 / calls,
+                    b * 1e3 / calls,
+                    100.0 * (a + b) / (t * cores as f64)
+                )
+            };
+            rows.push(Row {
+                figure: "sweep: CPU in those passes (agent process; bench process = the SDK \
+                         snapshotter)"
+                    .into(),
+                value: per_k(&main_cpu),
+                baseline: per_k(&serial_cpu),
+                ratio: "–".into(),
+                target: "–".into(),
+                verdict: crate::table::Verdict::Info,
+            });
+            rows.push(Row::info_vs(
+                "sweep: the same passes up to the last answer, before its commit",
+                per_sec(rate_of(main_calls), "calls"),
+                per_sec(rate_of(serial_calls), "calls"),
+            ));
+        }
+        if want.memory {
+            rows.push(Row::absolute(
+                format!(
+                    "memory: agent RSS after the sweep, {} unfinished ops (highest of the passes)",
+                    thousands(n as f64)
+                ),
+                mib(rss),
+                "≤ 64 MiB",
+                rss <= 64 * 1024,
+            ));
+            rows.push(Row::info(
+                "memory: agent peak RSS (VmHWM) during start and sweep",
+                mib(peak),
+            ));
+        }
+        rows.push(Row::info(
+            format!(
+                "agent.status p50 / p99 with {} unfinished ops (one HTTP connection)",
+                thousands(n as f64)
+            ),
+            format!(
+                "{} / {}",
+                dur(quantile(&status, 0.5)).1,
+                dur(quantile(&status, 0.99)).1
+            ),
+        ));
+        if want.subscribe {
+            let with = pass(&spec, &snap, n, Some((&names, s.subscribers))).await?;
+            let mut with_agent = with.agent;
+            with_agent.terminate()?;
+            let with_rate = n as f64 / with.took.as_secs_f64();
+            let figures = with.subscribers.ok_or("no subscriber figures")?;
+            let window = figures.window.as_secs_f64().max(1e-9);
+            rows.push(Row::info(
+                format!(
+                    "subscribe: notifications/s delivered to {} subscribers during that sweep",
+                    s.subscribers
+                ),
+                format!(
+                    "{} ({} notifications, {} op records, over {})",
+                    per_sec(figures.notifications as f64 / window, "notifications").1,
+                    thousands(figures.notifications as f64),
+                    thousands(figures.operations as f64),
+                    dur(figures.window).1
+                ),
+            ));
+            rows.push(Row::ratio_at_least(
+                format!(
+                    "subscribe: sweep calls/s with {} subscribers (baseline: no subscribers)",
+                    s.subscribers
+                ),
+                per_sec(with_rate, "calls"),
+                per_sec(rate, "calls"),
+                0.9,
+            ));
+            if figures.errors > 0 {
+                rows.push(Row::info(
+                    "subscribe: subscriptions that ended with an error",
+                    format!(
+                        "{}: {}",
+                        figures.errors,
+                        figures.first_error.unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+    }
+
+    if want.restart {
+        snap.release();
+        const LIST: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"snapshotter.list"}"#;
+        // Starts alternate between the two probes: `agent.status` (the figure) and the
+        // cheap `snapshotter.list` (which tells start-up from the status call's cost).
+        let starts = |spec: Spec| async move {
+            let (mut status, mut list) = (Vec::new(), Vec::new());
+            for _ in 0..s.restarts {
+                let (mut a, ready) = spec.start().await?;
+                status.push(ready);
+                a.terminate()?;
+                let (mut a, ready) = spec.start_probing(LIST).await?;
+                list.push(ready);
+                a.terminate()?;
+            }
+            Ok::<_, String>((median(status), median(list)))
+        };
+        let (full_status, full_list) = starts(spec.clone()).await?;
+        let empty_dir = dir.join("empty");
+        std::fs::create_dir_all(&empty_dir)
+            .map_err(|e| format!("creating {}: {e}", empty_dir.display()))?;
+        let empty_spec = Spec::new(ctx, &empty_dir, QUIET);
+        let (mut first, _) = empty_spec.start().await?;
+        first.terminate()?;
+        let (empty_status, empty_list) = starts(empty_spec).await?;
+        rows.push(Row::ratio_at_most(
+            format!(
+                "restart: spawn → first answered agent.status, {} ops in the database \
+                 (baseline: empty database), median of {}",
+                thousands(n as f64),
+                s.restarts
+            ),
+            dur(full_status),
+            dur(empty_status),
+            2.0,
+        ));
+        rows.push(Row::info_vs(
+            "restart: the same with snapshotter.list as the first call",
+            dur(full_list),
+            dur(empty_list),
+        ));
+    }
+
+    let problems = agent::log_problems(&spec.log);
+    if !problems.is_empty() {
+        rows.push(Row::info(
+            "sweep: agent log warnings/errors",
+            format!("{}, first: {}", problems.len(), problems[0]),
+        ));
+    }
+    Ok(rows)
+}
