@@ -536,26 +536,54 @@ impl Copier {
         }
     }
 
-    /// Records how copy `id` ended and saves the state.
+    /// Records how copy `id` ended: first in the state file, then in memory, so Progress
+    /// never reports an outcome that a crash could take back.
     async fn finish(&self, id: &str, outcome: Result<(), String>) {
-        {
-            let mut copies = self.lock();
-            copies.running.remove(id);
-            if let Some(record) = copies.records.get_mut(id) {
-                match outcome {
-                    Ok(()) => {
-                        record.status = CopyStatus::Completed;
-                        record.n_completed = record.n_total;
-                    }
-                    Err(error) => record.status = CopyStatus::Failed { error },
+        let now = OffsetDateTime::now_utc();
+        let settle = |record: &mut CopyRecord| {
+            match &outcome {
+                Ok(()) => {
+                    record.status = CopyStatus::Completed;
+                    record.n_completed = record.n_total;
                 }
-                record.updated = Some(OffsetDateTime::now_utc());
+                Err(error) => {
+                    record.status = CopyStatus::Failed {
+                        error: error.clone(),
+                    }
+                }
             }
-        }
-        // The outcome is right in memory; the next save (or a rerun after a restart)
-        // makes it durable.
-        if let Err(e) = self.save().await {
+            record.updated = Some(now);
+        };
+        let _turn = self.save_turn.lock().await;
+        let json = {
+            let copies = self.lock();
+            let mut records = copies.records.clone();
+            if let Some(record) = records.get_mut(id) {
+                settle(record);
+            }
+            serde_json::to_vec_pretty(&StateFileRef {
+                version: STATE_VERSION,
+                operations: &records,
+            })
+        };
+        let saved = match json {
+            Ok(json) => {
+                let dir = self.state_dir.clone();
+                tokio::task::spawn_blocking(move || write_atomically(&dir, STATE_FILE, &json))
+                    .await
+                    .map_err(|e| format!("writing the state file: {e}"))
+                    .and_then(|r| r)
+            }
+            Err(e) => Err(format!("encoding the state: {e}")),
+        };
+        if let Err(e) = saved {
+            // Still settle in memory: the copy did end; a restart reruns it.
             eprintln!("{id}: saving its outcome: {e}");
+        }
+        let mut copies = self.lock();
+        copies.running.remove(id);
+        if let Some(record) = copies.records.get_mut(id) {
+            settle(record);
         }
     }
 }
