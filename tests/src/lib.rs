@@ -229,6 +229,24 @@ pub fn open_gate(gates: &Path, id: &str) {
     std::fs::write(gates.join(id), b"").expect("writing gate file");
 }
 
+/// Starts owner `name` (uid `u`) with `operations` and ends its InProgress phase, as a
+/// backup server does; returns the owner in the phase that left it.
+pub async fn start_and_end_in_progress(
+    owners: &opmon_client::Owners<'_>,
+    name: &str,
+    operations: Vec<NewOperation>,
+) -> opmon_client::Owner {
+    owners.start(name, "u", None).await.expect("start");
+    owners
+        .add_operations(name, operations)
+        .await
+        .expect("addOperations");
+    owners
+        .end_in_progress(name, 0, 0, false)
+        .await
+        .expect("endInProgress")
+}
+
 /// A namespaced PVC reference.
 pub fn pvc(name: &str) -> ResourceIdentifier {
     ResourceIdentifier {

@@ -302,12 +302,12 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
-    backups
-        .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
-        .await
-        .unwrap();
-    backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    opmon_tests::start_and_end_in_progress(
+        &backups,
+        "b",
+        vec![operation(PLUGIN, "gate-1", "a", &[])],
+    )
+    .await;
     let early = backups
         .finalize(FinalizeParams {
             name: "b".into(),

@@ -14,12 +14,12 @@ async fn a_backup_waiting_when_the_agent_is_killed_still_reaches_finalizing() {
     {
         let client = f.agent.client().await;
         let backups = client.backups();
-        backups.start("b", "u", None).await.unwrap();
-        backups
-            .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &["vsb"])])
-            .await
-            .unwrap();
-        let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+        let owner = opmon_tests::start_and_end_in_progress(
+            &backups,
+            "b",
+            vec![operation(PLUGIN, "gate-1", "a", &["vsb"])],
+        )
+        .await;
         assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     }
     f.agent.kill9();
@@ -47,15 +47,12 @@ async fn an_in_progress_backup_is_failed_after_a_restart_and_its_operations_canc
             .add_operations("interrupted", vec![operation(PLUGIN, "never-1", "a", &[])])
             .await
             .unwrap();
-        backups.start("finalizing", "u", None).await.unwrap();
-        backups
-            .add_operations("finalizing", vec![operation(PLUGIN, "done-1", "a", &[])])
-            .await
-            .unwrap();
-        backups
-            .end_in_progress("finalizing", 0, 0, false)
-            .await
-            .unwrap();
+        opmon_tests::start_and_end_in_progress(
+            &backups,
+            "finalizing",
+            vec![operation(PLUGIN, "done-1", "a", &[])],
+        )
+        .await;
         client
             .restores()
             .start("restore-interrupted", "u", None)
@@ -228,15 +225,12 @@ async fn terminal_owners_are_removed_after_the_retention_period_and_others_kept(
     let f = Fixture::new(&["--retention", "300ms"]).await;
     let client = f.agent.client().await;
     let restores = client.restores();
-    restores.start("finished", "u", None).await.unwrap();
-    restores
-        .add_operations("finished", vec![operation(PLUGIN, "done-1", "a", &[])])
-        .await
-        .unwrap();
-    let finished = restores
-        .end_in_progress("finished", 0, 0, false)
-        .await
-        .unwrap();
+    let finished = opmon_tests::start_and_end_in_progress(
+        &restores,
+        "finished",
+        vec![operation(PLUGIN, "done-1", "a", &[])],
+    )
+    .await;
     assert_eq!(finished.phase, OwnerPhase::Completed);
     let completed = finished
         .completed

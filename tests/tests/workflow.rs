@@ -75,18 +75,15 @@ async fn one_failed_operation_makes_the_backup_finalizing_partially_failed() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
-    backups
-        .add_operations(
-            "b",
-            vec![
-                operation(PLUGIN, "fail-1", "a", &[]),
-                operation(PLUGIN, "gate-2", "b", &[]),
-            ],
-        )
-        .await
-        .unwrap();
-    let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &backups,
+        "b",
+        vec![
+            operation(PLUGIN, "fail-1", "a", &[]),
+            operation(PLUGIN, "gate-2", "b", &[]),
+        ],
+    )
+    .await;
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
@@ -168,21 +165,21 @@ async fn a_restore_goes_straight_to_completed() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let restores = client.restores();
-    restores.start("r1", "u", None).await.unwrap();
-    restores
-        .add_operations("r1", vec![operation(PLUGIN, "done-1", "a", &[])])
-        .await
-        .unwrap();
-    let owner = restores.end_in_progress("r1", 0, 0, false).await.unwrap();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &restores,
+        "r1",
+        vec![operation(PLUGIN, "done-1", "a", &[])],
+    )
+    .await;
     assert_eq!(owner.phase, OwnerPhase::Completed);
     assert!(owner.completed.is_some());
 
-    restores.start("r2", "u", None).await.unwrap();
-    restores
-        .add_operations("r2", vec![operation(PLUGIN, "gate-r2", "a", &[])])
-        .await
-        .unwrap();
-    let owner = restores.end_in_progress("r2", 0, 0, false).await.unwrap();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &restores,
+        "r2",
+        vec![operation(PLUGIN, "gate-r2", "a", &[])],
+    )
+    .await;
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     f.open_gate("gate-r2");
     let owner = restores
@@ -247,20 +244,17 @@ async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_s
         .await
         .unwrap();
     let backups = client.backups();
-    backups.start("mixed", "u", None).await.unwrap();
-    backups
-        .add_operations(
-            "mixed",
-            vec![
-                operation(PLUGIN, "unsupported-1", "a", &[]),
-                operation(PLUGIN, "forgotten-2", "b", &[]),
-                operation("example.io/nobody", "x-3", "c", &[]),
-                operation("example.io/legacy", "snap-4", "d", &[]),
-            ],
-        )
-        .await
-        .unwrap();
-    let owner = backups.end_in_progress("mixed", 0, 0, false).await.unwrap();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &backups,
+        "mixed",
+        vec![
+            operation(PLUGIN, "unsupported-1", "a", &[]),
+            operation(PLUGIN, "forgotten-2", "b", &[]),
+            operation("example.io/nobody", "x-3", "c", &[]),
+            operation("example.io/legacy", "snap-4", "d", &[]),
+        ],
+    )
+    .await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     assert_eq!(
         (owner.operations_failed, owner.operations_completed),
@@ -402,15 +396,12 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
     // From now on every call to the hung snapshotter blocks.
     opmon_tests::open_gate(&hung_gates, "HANG");
 
-    backups.start("healthy", "u", None).await.unwrap();
-    backups
-        .add_operations("healthy", vec![operation(PLUGIN, "gate-h", "a", &[])])
-        .await
-        .unwrap();
-    backups
-        .end_in_progress("healthy", 0, 0, false)
-        .await
-        .unwrap();
+    opmon_tests::start_and_end_in_progress(
+        &backups,
+        "healthy",
+        vec![operation(PLUGIN, "gate-h", "a", &[])],
+    )
+    .await;
     f.open_gate("gate-h");
     let waited = backups
         .wait("healthy", WaitUntil::ReadyToFinalize, LONG)
