@@ -18,7 +18,10 @@
 //! - on failure the message names the offending entry or the archive problem.
 //!
 //! `OPMON_FUZZ_TARBALL_CASES` (default 100000) sets the number of cases,
-//! `PROPTEST_RNG_SEED` replays a run (the seed is printed at the start).
+//! every run uses the same fixed seeds unless `PROPTEST_RNG_SEED` sets another
+//! (the seed is printed at the start).
+
+mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -1320,27 +1323,6 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn cases() -> u32 {
-    std::env::var("OPMON_FUZZ_TARBALL_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100_000)
-}
-
-fn seed(salt: u64) -> u64 {
-    std::env::var("PROPTEST_RNG_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                ^ u64::from(std::process::id())
-                ^ salt
-        })
-}
-
 /// Runs `cases` cases from `seed`, printing what they exercised.
 fn fuzz(run: &str, cases: u32, seed: u64) {
     println!("fuzz_tarball {run}: {cases} cases, PROPTEST_RNG_SEED={seed}");
@@ -1389,12 +1371,14 @@ fn fuzz(run: &str, cases: u32, seed: u64) {
 
 #[test]
 fn rewrite_is_total_bounded_and_faithful_on_random_and_corrupted_archives_1() {
-    fuzz("_1", cases() / 2, seed(0));
+    let cases = common::cases("OPMON_FUZZ_TARBALL_CASES");
+    fuzz("_1", cases / 2, common::seed(0));
 }
 
 #[test]
 fn rewrite_is_total_bounded_and_faithful_on_random_and_corrupted_archives_2() {
-    fuzz("_2", cases() - cases() / 2, seed(0x5eed_5eed));
+    let cases = common::cases("OPMON_FUZZ_TARBALL_CASES");
+    fuzz("_2", cases - cases / 2, common::seed(0x5eed_5eed));
 }
 
 /// A header extension of exactly the largest size is accepted and copied; one byte
