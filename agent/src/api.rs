@@ -32,6 +32,10 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
             "params must be passed by name, as a JSON object".into(),
         ));
     }
+    // Valid params parse on the fast path; only a failure pays for tracking the path.
+    if let Ok(parsed) = serde_json::from_str(raw) {
+        return Ok(parsed);
+    }
     let mut de = serde_json::Deserializer::from_str(raw);
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();

@@ -105,7 +105,6 @@ impl Core {
         let now = now_ms();
         let name = p.name.clone();
         let owner = self
-            .store
             .write(move |conn| {
                 let mut current = queries::owner_by_name(conn, kind, &name)?
                     .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))?;

@@ -8,6 +8,7 @@ mod poll;
 mod records;
 mod snapshotters;
 mod subscribe;
+mod tally;
 
 pub use subscribe::OwnerStream;
 
@@ -54,6 +55,8 @@ pub struct Core {
     poll_now: Notify,
     /// Since when (Unix ms) each unreachable snapshotter, by plugin name, has been so.
     unreachable: Mutex<HashMap<String, i64>>,
+    /// `agent.status`'s counts between commits.
+    tally: Mutex<tally::Tally>,
     /// Plugins whose sweep is still running; the next tick skips them.
     sweeping: Mutex<HashSet<String>>,
     sweeps: TaskTracker,
@@ -83,6 +86,7 @@ impl Core {
             remotes: Registry::default(),
             changes: Changes::default(),
             poll_now: Notify::new(),
+            tally: Mutex::default(),
             sweeping: Mutex::new(HashSet::new()),
             unreachable: Mutex::new(HashMap::new()),
             sweeps: TaskTracker::new(),
@@ -101,15 +105,7 @@ impl Core {
 
     /// `agent.status`.
     pub async fn status(&self) -> Result<AgentStatus, Error> {
-        let (owners, unfinished) = self
-            .store
-            .read(|conn| {
-                Ok::<_, Error>((
-                    queries::owner_counts(conn)?,
-                    queries::unfinished_total(conn)?,
-                ))
-            })
-            .await?;
+        let (owners, unfinished) = self.counts().await?;
         Ok(AgentStatus {
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime: GoDuration(Duration::from_secs(self.started.elapsed().as_secs())),
@@ -202,7 +198,6 @@ impl Core {
     pub async fn expire(&self) -> Result<usize, Error> {
         let before = now_ms() - self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
         let removed = self
-            .store
             .write(move |conn| queries::delete_expired(conn, before).map_err(Error::from))
             .await?;
         for (kind, name) in &removed {

@@ -60,7 +60,6 @@ impl Core {
         };
         let now = now_ms();
         let owner = self
-            .store
             .write(move |conn| {
                 if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
                     return if row.owner.uid == p.uid {
@@ -91,7 +90,6 @@ impl Core {
         let name = p.name.clone();
         let requested = p.operations.len() as u64;
         let added = self
-            .store
             .write(move |conn| {
                 let row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "addOperations")?;
@@ -137,7 +135,6 @@ impl Core {
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
         let now = now_ms();
         let owner = self
-            .store
             .write(move |conn| {
                 let mut current = require(conn, kind, &p.name)?;
                 if current.id != row.id {
@@ -172,7 +169,6 @@ impl Core {
     async fn fail(&self, kind: OwnerKind, p: EndInProgressParams) -> Result<Owner, Error> {
         let now = now_ms();
         let (owner, targets) = self
-            .store
             .write(move |conn| {
                 let mut row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "endInProgress")?;
@@ -304,12 +300,11 @@ impl Core {
             .await?;
         let cancelled = self.cancel_all(&targets).await;
         let key = name.clone();
-        self.store
-            .write(move |conn| {
-                let row = require(conn, kind, &key)?;
-                Ok::<_, Error>(queries::delete_owner(conn, row.id)?)
-            })
-            .await?;
+        self.write(move |conn| {
+            let row = require(conn, kind, &key)?;
+            Ok::<_, Error>(queries::delete_owner(conn, row.id)?)
+        })
+        .await?;
         tracing::info!(%kind, owner = %name, cancelled, "deleted");
         if let Err(e) = self.storage.remove_owner(kind, &name) {
             tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");

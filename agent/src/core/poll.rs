@@ -233,6 +233,7 @@ impl Core {
 
     /// Commits polled changes and settles the waiting owners they touched.
     async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
+        let phases_change = changes.iter().any(|c| c.next.phase != c.target.state.phase);
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.
         let mut changed: Vec<(Arc<OwnerRef>, Vec<i64>)> = Vec::new();
         for c in &changes {
@@ -244,16 +245,20 @@ impl Core {
             }
         }
         let now = now_ms();
-        let due = self
-            .store
-            .write(move |conn| {
-                let mut due = Vec::new();
-                for (owner_row, failed) in apply_changes(conn, &changes)? {
-                    due.extend(settle_waiting(conn, owner_row, failed, now)?);
-                }
-                Ok::<_, Error>(due)
-            })
-            .await?;
+        let commit = move |conn: &Connection| {
+            let mut due = Vec::new();
+            for (owner_row, failed) in apply_changes(conn, &changes)? {
+                due.extend(settle_waiting(conn, owner_row, failed, now)?);
+            }
+            Ok::<_, Error>(due)
+        };
+        // Progress alone changes no phase, so no count of `agent.status`: only a change
+        // of phase goes through the write that forgets them.
+        let due = if phases_change {
+            self.write(commit).await?
+        } else {
+            self.store.write(commit).await?
+        };
         self.refresh_records(due).await;
         for (owner, rows) in changed {
             self.changes.notify(owner.kind, &owner.name, rows);
@@ -339,7 +344,6 @@ impl Core {
     pub async fn recover(self: &Arc<Self>) -> Result<(), Error> {
         let now = now_ms();
         let (abandoned, failed_owners) = self
-            .store
             .write(move |conn| {
                 let mut abandoned = Vec::new();
                 let mut owners = Vec::new();

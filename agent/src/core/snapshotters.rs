@@ -11,8 +11,7 @@ impl Core {
     /// Registers or replaces a snapshotter (already validated).
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
         let stored = s.clone();
-        self.store
-            .write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
+        self.write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
             .await?;
         self.remotes.insert(&s, &self.settings.calls);
         tracing::info!(snapshotter = %s.name, "snapshotter registered");
@@ -28,7 +27,6 @@ impl Core {
     pub async fn unregister_snapshotter(&self, name: String) -> Result<Snapshotter, Error> {
         let key = name.clone();
         let removed = self
-            .store
             .write(move |conn| queries::delete_snapshotter(conn, &key).map_err(Error::from))
             .await?;
         let removed =

@@ -55,7 +55,8 @@ pub struct OwnerRow {
 }
 
 const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
-     errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms";
+     errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms, n_operations, \
+     n_completed, n_failed";
 
 fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
     let post: Option<String> = row.get(9)?;
@@ -76,38 +77,15 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             finalize: row.get(6)?,
             errors: row.get(7)?,
             warnings: row.get(8)?,
-            operations_attempted: 0,
-            operations_completed: 0,
-            operations_failed: 0,
+            operations_attempted: row.get::<_, i64>(13)?.max(0) as u64,
+            operations_completed: row.get::<_, i64>(14)?.max(0) as u64,
+            operations_failed: row.get::<_, i64>(15)?.max(0) as u64,
             post_operation_items,
             created: time_of(row.get(10)?),
             updated: time_of(row.get(11)?),
             completed: row.get::<_, Option<i64>>(12)?.map(time_of),
         },
     })
-}
-
-/// Fills the operation counts of `row` from its operations.
-fn fill_counts(conn: &Connection, row: &mut OwnerRow) -> rusqlite::Result<()> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT phase, COUNT(*) FROM operations WHERE owner_id = ?1 GROUP BY phase",
-    )?;
-    let mut rows = stmt.query([row.id])?;
-    let owner = &mut row.owner;
-    owner.operations_attempted = 0;
-    owner.operations_completed = 0;
-    owner.operations_failed = 0;
-    while let Some(r) = rows.next()? {
-        let phase: OperationPhase = parse_column(r, 0)?;
-        let count = r.get::<_, i64>(1)? as u64;
-        owner.operations_attempted += count;
-        match phase {
-            OperationPhase::Completed => owner.operations_completed += count,
-            OperationPhase::Failed => owner.operations_failed += count,
-            _ => {}
-        }
-    }
-    Ok(())
 }
 
 /// The owner `kind`/`name`, with its counts.
@@ -119,22 +97,15 @@ pub fn owner_by_name(
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2"
     ))?;
-    let found = stmt
-        .query_row(params![kind.as_str(), name], owner_from_row)
-        .optional()?;
-    found
-        .map(|mut row| fill_counts(conn, &mut row).map(|_| row))
-        .transpose()
+    stmt.query_row(params![kind.as_str(), name], owner_from_row)
+        .optional()
 }
 
 /// The owner with row id `id`, with its counts.
 pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerRow>> {
     let mut stmt =
         conn.prepare_cached(&format!("SELECT {OWNER_COLUMNS} FROM owners WHERE id = ?1"))?;
-    let found = stmt.query_row([id], owner_from_row).optional()?;
-    found
-        .map(|mut row| fill_counts(conn, &mut row).map(|_| row))
-        .transpose()
+    stmt.query_row([id], owner_from_row).optional()
 }
 
 /// Creates an owner in InProgress; returns its row id.
@@ -187,11 +158,7 @@ pub fn list_owners(
         params![kind.as_str(), after.unwrap_or(""), limit],
         owner_from_row,
     )?;
-    let mut owners = rows.collect::<rusqlite::Result<Vec<_>>>()?;
-    for row in &mut owners {
-        fill_counts(conn, row)?;
-    }
-    Ok(owners)
+    rows.collect()
 }
 
 /// Writes an owner's mutable fields.
@@ -225,8 +192,8 @@ pub fn delete_owner(conn: &Connection, id: i64) -> rusqlite::Result<()> {
     Ok(())
 }
 
-/// Adds operations, ignoring ones already known by (plugin, operationId).
-/// Returns the rows of the added ones.
+/// Adds operations (New), ignoring ones already known by (plugin, operationId), and
+/// counts them on the owner. Returns the rows of the added ones.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
@@ -256,6 +223,11 @@ pub fn insert_operations(
         if inserted > 0 {
             added.push(conn.last_insert_rowid());
         }
+    }
+    // New operations count as attempted and unfinished (migration 6).
+    if !added.is_empty() {
+        conn.prepare_cached("UPDATE owners SET n_operations = n_operations + ?2 WHERE id = ?1")?
+            .execute(params![owner_id, added.len() as i64])?;
     }
     Ok(added)
 }
@@ -336,10 +308,10 @@ pub fn operations_by_rows(
 
 /// How many of the owner's operations are New or InProgress.
 pub fn unfinished_count(conn: &Connection, owner_id: i64) -> rusqlite::Result<u64> {
-    conn.prepare_cached(
-        "SELECT COUNT(*) FROM operations WHERE owner_id = ?1 AND phase IN ('New', 'InProgress')",
-    )?
-    .query_row([owner_id], |r| r.get::<_, i64>(0).map(|n| n as u64))
+    conn.prepare_cached("SELECT n_operations - n_completed - n_failed FROM owners WHERE id = ?1")?
+        .query_row([owner_id], |r| r.get::<_, i64>(0).map(|n| n.max(0) as u64))
+        .optional()
+        .map(Option::unwrap_or_default)
 }
 
 /// The union of the owner's post-operation items, sorted and without duplicates.
@@ -580,21 +552,19 @@ pub fn delete_expired(
     rows.collect()
 }
 
-/// Owners counted by phase.
-pub fn owner_counts(conn: &Connection) -> rusqlite::Result<BTreeMap<OwnerPhase, u64>> {
-    let mut stmt = conn.prepare_cached("SELECT phase, COUNT(*) FROM owners GROUP BY phase")?;
+/// Owners counted by phase, and how many operations are unfinished in all.
+pub fn tally(conn: &Connection) -> rusqlite::Result<(BTreeMap<OwnerPhase, u64>, u64)> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT phase, COUNT(*), SUM(n_operations - n_completed - n_failed) FROM owners \
+         GROUP BY phase",
+    )?;
     let mut rows = stmt.query([])?;
-    let mut counts = BTreeMap::new();
+    let (mut owners, mut unfinished) = (BTreeMap::new(), 0);
     while let Some(row) = rows.next()? {
-        counts.insert(parse_column(row, 0)?, row.get::<_, i64>(1)? as u64);
+        owners.insert(parse_column(row, 0)?, row.get::<_, i64>(1)? as u64);
+        unfinished += row.get::<_, i64>(2)?.max(0) as u64;
     }
-    Ok(counts)
-}
-
-/// Unfinished operations across all owners.
-pub fn unfinished_total(conn: &Connection) -> rusqlite::Result<u64> {
-    conn.prepare_cached("SELECT COUNT(*) FROM operations WHERE phase IN ('New', 'InProgress')")?
-        .query_row([], |r| r.get::<_, i64>(0).map(|n| n as u64))
+    Ok((owners, unfinished))
 }
 
 fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {

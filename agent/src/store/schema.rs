@@ -64,6 +64,27 @@ pub const MIGRATIONS: &[&str] = &[
     // 5: the sweep pages through each snapshotter's unfinished operations.
     "CREATE INDEX operations_unfinished_by_plugin ON operations (plugin_name, id)
         WHERE phase IN ('New', 'InProgress');",
+    // 6: each owner counts its operations by phase, so reading an owner no longer scans
+    // its operations. `insert_operations` counts what it adds (one update per call, not
+    // per row); a trigger counts phase changes in the transaction that makes them.
+    // Operations are only ever removed with their owner, so deletes need no counting.
+    "ALTER TABLE owners ADD COLUMN n_operations INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE owners ADD COLUMN n_completed INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE owners ADD COLUMN n_failed INTEGER NOT NULL DEFAULT 0;
+    UPDATE owners SET
+        n_operations = (SELECT COUNT(*) FROM operations WHERE owner_id = owners.id),
+        n_completed = (SELECT COUNT(*) FROM operations
+            WHERE owner_id = owners.id AND phase = 'Completed'),
+        n_failed = (SELECT COUNT(*) FROM operations
+            WHERE owner_id = owners.id AND phase = 'Failed');
+    CREATE TRIGGER operations_counted_on_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE owners SET
+            n_completed = n_completed + (NEW.phase = 'Completed') - (OLD.phase = 'Completed'),
+            n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
+        WHERE id = NEW.owner_id;
+    END;",
 ];
 
 /// The schema version this agent writes.

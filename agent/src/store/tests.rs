@@ -26,7 +26,13 @@ fn fill_old_database(conn: &Connection, version: u32) {
                     (2, 'restore', 'old-restore', 'u2', 'InProgress', 60000, 0, 0, 1000, 1000);
              INSERT INTO operations (owner_id, plugin_kind, plugin_name, res_group, res_resource,
                  res_namespace, res_name, operation_id, created_ms)
-             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'p', 'op-1', 1000);",
+             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'p', 'op-1', 1000);
+             INSERT INTO operations (owner_id, plugin_kind, plugin_name, res_group, res_resource,
+                 res_namespace, res_name, operation_id, phase, created_ms)
+             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'q', 'op-2',
+                     'Completed', 1000),
+                    (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'r', 'op-3',
+                     'Failed', 1000);",
         )
         .unwrap();
     }
@@ -73,7 +79,16 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 .expect("backup kept");
             assert_eq!(backup.owner.phase, OwnerPhase::WaitingForPluginOperations);
             assert!(backup.owner.finalize, "backups always finalize");
-            assert_eq!(backup.owner.operations_attempted, 1);
+            assert_eq!(
+                (
+                    backup.owner.operations_attempted,
+                    backup.owner.operations_completed,
+                    backup.owner.operations_failed
+                ),
+                (3, 1, 1),
+                "counts from version {version}"
+            );
+            assert_eq!(queries::unfinished_count(&conn, backup.id).unwrap(), 1);
             let restore = queries::owner_by_name(&conn, OwnerKind::Restore, "old-restore")
                 .unwrap()
                 .expect("restore kept");
@@ -88,6 +103,125 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         }
         store.close();
     }
+}
+
+/// Each owner's counts as a scan of its operations finds them.
+fn recount(conn: &Connection) -> Vec<(i64, u64, u64, u64)> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT w.id, COUNT(o.id), COUNT(o.id) FILTER (WHERE o.phase = 'Completed'),
+                    COUNT(o.id) FILTER (WHERE o.phase = 'Failed')
+             FROM owners w LEFT JOIN operations o ON o.owner_id = w.id GROUP BY w.id ORDER BY w.id",
+        )
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| {
+            let n = |i| r.get::<_, i64>(i).map(|n| n as u64);
+            Ok((r.get(0)?, n(1)?, n(2)?, n(3)?))
+        })
+        .unwrap();
+    rows.collect::<rusqlite::Result<_>>().unwrap()
+}
+
+/// The counts stored on each owner, as `owner_by_id` reads them.
+fn stored_counts(conn: &Connection) -> Vec<(i64, u64, u64, u64)> {
+    let ids: Vec<i64> = conn
+        .prepare("SELECT id FROM owners ORDER BY id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    ids.into_iter()
+        .map(|id| {
+            let o = queries::owner_by_id(conn, id).unwrap().unwrap().owner;
+            (
+                id,
+                o.operations_attempted,
+                o.operations_completed,
+                o.operations_failed,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
+    use crate::phase::OperationState;
+    use opmon_client::{NewOperation, OperationPhase, PluginKind, PluginRef, ResourceIdentifier};
+
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    let op = |id: &str| NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: "example.io/copier".into(),
+        },
+        resource: ResourceIdentifier {
+            group: String::new(),
+            resource: "pods".into(),
+            namespace: "ns".into(),
+            name: id.into(),
+        },
+        operation_id: id.into(),
+        post_operation_items: Vec::new(),
+    };
+    let timeout = GoDuration::from_millis(60_000);
+    let a = queries::insert_owner(&conn, OwnerKind::Backup, "a", "u", timeout, true, 1).unwrap();
+    let b = queries::insert_owner(&conn, OwnerKind::Backup, "b", "u", timeout, true, 1).unwrap();
+    let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
+    let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
+    // Already known: ignored, not counted twice.
+    assert!(queries::insert_operations(&conn, a, &ops[..2], 1)
+        .unwrap()
+        .is_empty());
+    queries::insert_operations(&conn, b, &ops[..3], 1).unwrap();
+    assert_eq!(stored_counts(&conn), vec![(a, 6, 0, 0), (b, 3, 0, 0)]);
+
+    let state = |phase| OperationState {
+        phase,
+        ..OperationState::default()
+    };
+    // New → InProgress changes no count; progress without a phase change neither.
+    assert!(
+        queries::update_operation(&conn, rows[0], &state(OperationPhase::InProgress), true)
+            .unwrap()
+    );
+    assert!(
+        queries::update_operation(&conn, rows[0], &state(OperationPhase::InProgress), false)
+            .unwrap()
+    );
+    assert!(
+        queries::update_operation(&conn, rows[0], &state(OperationPhase::Completed), true).unwrap()
+    );
+    assert!(
+        queries::update_operation(&conn, rows[1], &state(OperationPhase::Failed), true).unwrap()
+    );
+    // A finished operation is not updated again, so it is not counted again.
+    assert!(
+        !queries::update_operation(&conn, rows[0], &state(OperationPhase::Failed), true).unwrap()
+    );
+    assert_eq!(stored_counts(&conn), recount(&conn));
+    assert_eq!(stored_counts(&conn)[0], (a, 6, 1, 1));
+    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 4);
+
+    assert_eq!(
+        queries::fail_unfinished(&conn, a, "cancelled", 2).unwrap(),
+        4
+    );
+    assert_eq!(stored_counts(&conn), vec![(a, 6, 1, 5), (b, 3, 0, 0)]);
+    assert_eq!(stored_counts(&conn), recount(&conn));
+    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 0);
+
+    let (owners, unfinished) = queries::tally(&conn).unwrap();
+    assert_eq!(owners.get(&OwnerPhase::InProgress), Some(&2));
+    assert_eq!(unfinished, 3);
+    queries::delete_owner(&conn, b).unwrap();
+    assert_eq!(queries::tally(&conn).unwrap().1, 0);
+    assert_eq!(queries::unfinished_count(&conn, b).unwrap(), 0);
+    assert_eq!(stored_counts(&conn), recount(&conn));
 }
 
 #[test]

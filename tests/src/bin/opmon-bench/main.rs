@@ -64,6 +64,9 @@ struct Args {
     /// experiments such as MALLOC_ARENA_MAX=2.
     #[arg(long, value_name = "KEY=VALUE", value_parser = key_value)]
     agent_env: Vec<(String, String)>,
+    /// Internal: be the rpc-rtt scenario's echo server process on SOCKET.
+    #[arg(long, value_name = "SOCKET", hide = true)]
+    echo_server: Option<PathBuf>,
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -283,6 +286,15 @@ async fn guarded(
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if let Some(socket) = &args.echo_server {
+        return match raw::echo_server(socket) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("opmon-bench: echo server on {}: {e}", socket.display());
+                std::process::ExitCode::from(2)
+            }
+        };
+    }
     let agent_bin = match locate_agent(args.agent.clone()) {
         Ok(p) => p,
         Err(e) => {

@@ -122,28 +122,79 @@ pub fn metric_sum(page: &str, name: &str) -> Option<f64> {
     found
 }
 
-/// Starts an echo server on `socket`: each connection gets back every byte it sends.
+/// Echoes every byte each connection sends, a thread per connection, until the
+/// listener fails.
+fn echo_loop(listener: UnixListener) {
+    for stream in listener.incoming() {
+        let Ok(mut stream) = stream else { break };
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match stream.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if stream.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Starts an echo server on `socket` in a thread of this process.
 pub fn start_echo(socket: &Path) -> std::io::Result<()> {
     let listener = UnixListener::bind(socket)?;
     std::thread::Builder::new()
         .name("echo".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { break };
-                std::thread::spawn(move || {
-                    let mut buf = vec![0u8; 64 * 1024];
-                    loop {
-                        match stream.read(&mut buf) {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => {
-                                if stream.write_all(&buf[..n]).is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                });
-            }
-        })?;
+        .spawn(move || echo_loop(listener))?;
     Ok(())
+}
+
+/// `opmon-bench --echo-server SOCKET`: the echo server as a process of its own, as the
+/// agent is. Says `ready` on stdout once it listens.
+pub fn echo_server(socket: &Path) -> std::io::Result<()> {
+    let listener = UnixListener::bind(socket)?;
+    println!("ready");
+    std::io::stdout().flush()?;
+    echo_loop(listener);
+    Ok(())
+}
+
+/// An echo server process on `socket`, killed when dropped.
+pub struct EchoProcess(std::process::Child);
+
+impl EchoProcess {
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    pub fn start(socket: &Path) -> Result<EchoProcess, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("finding opmon-bench: {e}"))?;
+        let mut child = std::process::Command::new(exe)
+            .arg("--echo-server")
+            .arg(socket)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting the echo server process: {e}"))?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out)
+                .read_line(&mut line)
+                .map_err(|e| format!("reading from the echo server process: {e}"))?;
+        }
+        let echo = EchoProcess(child);
+        if line.trim() != "ready" {
+            return Err(format!("the echo server process did not start: {line:?}"));
+        }
+        Ok(echo)
+    }
+}
+
+impl Drop for EchoProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -2,6 +2,9 @@
 //! against a raw Unix-socket echo of the same request bytes.
 
 use std::path::Path;
+
+use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
 use std::time::{Duration, Instant};
 
 use crate::agent::Spec;
@@ -54,36 +57,106 @@ pub fn agent_status(socket: &Path, warmup: usize, rounds: usize) -> Result<Vec<D
     Ok(samples)
 }
 
-/// Agent and echo round trips in alternating blocks (so both see the same machine),
-/// each sorted.
+/// Round trips of the agent, an echo server process and an echo thread of this
+/// process, in alternating blocks (so all see the same machine), each sorted.
 fn alternating(
     agent: &Path,
-    echo: &Path,
+    echoes: [&Path; 2],
     warmup: usize,
     rounds: usize,
     blocks: usize,
-) -> Result<(Vec<Duration>, Vec<Duration>), String> {
+) -> Result<[Vec<Duration>; 3], String> {
     let request = raw::post_request(raw::STATUS);
     let mut back = vec![0u8; request.len()];
     let mut a = raw::Conn::connect(agent).map_err(|e| format!("connecting: {e}"))?;
-    let mut e = raw::Conn::connect(echo).map_err(|e| format!("connecting to echo: {e}"))?;
+    let mut e = Vec::new();
+    for echo in echoes {
+        e.push(raw::Conn::connect(echo).map_err(|e| format!("connecting to echo: {e}"))?);
+    }
     for _ in 0..warmup {
         status_once(&mut a, &request)?;
-        echo_once(&mut e, &request, &mut back)?;
+        for conn in &mut e {
+            echo_once(conn, &request, &mut back)?;
+        }
     }
     let per_block = (rounds / blocks.max(1)).max(1);
-    let (mut at, mut et) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    let mut times: [Vec<Duration>; 3] = Default::default();
     for _ in 0..blocks.max(1) {
         for _ in 0..per_block {
-            at.push(status_once(&mut a, &request)?);
+            times[0].push(status_once(&mut a, &request)?);
         }
-        for _ in 0..per_block {
-            et.push(echo_once(&mut e, &request, &mut back)?);
+        for (i, conn) in e.iter_mut().enumerate() {
+            for _ in 0..per_block {
+                times[i + 1].push(echo_once(conn, &request, &mut back)?);
+            }
         }
     }
-    at.sort();
-    et.sort();
-    Ok((at, et))
+    for t in &mut times {
+        t.sort();
+    }
+    Ok(times)
+}
+
+/// Binds every thread of each process in `pids` (and so the threads they start later)
+/// to `cpus`.
+fn bind(pids: &[u32], cpus: &CpuSet) -> Result<(), String> {
+    for pid in pids {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map_err(|e| format!("listing the threads of {pid}: {e}"))?;
+        for task in tasks.flatten() {
+            if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
+                sched_setaffinity(Pid::from_raw(tid), cpus)
+                    .map_err(|e| format!("binding thread {tid} of {pid}: {e}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn cpu_set(cpu: usize) -> Result<CpuSet, String> {
+    let mut set = CpuSet::new();
+    set.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+    Ok(set)
+}
+
+/// Where the servers (agent and echo process) and the caller run.
+#[derive(Clone, Copy)]
+enum Placement {
+    /// All on one CPU: no wake-up crosses CPUs.
+    OneCpu,
+    /// The servers on one CPU, the caller on another: every wake-up crosses.
+    TwoCpus,
+}
+
+/// [`alternating`] with the servers (`pids`) and the measuring thread bound as
+/// `placement` says, then unbound again. Equal placement for the agent and the echo
+/// process; unbound, each lands where the scheduler puts it, and on a VM a wake-up of
+/// another (idle) virtual CPU costs tens of microseconds, so unbound figures swing with
+/// placement from run to run.
+fn placed(
+    placement: Placement,
+    pids: &[u32],
+    agent: &Path,
+    echoes: [&Path; 2],
+    warmup: usize,
+    rounds: usize,
+) -> Result<[Vec<Duration>; 3], String> {
+    let all = sched_getaffinity(Pid::from_raw(0)).map_err(|e| format!("reading affinity: {e}"))?;
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| all.is_set(c).unwrap_or(false))
+        .collect();
+    let (servers, caller) = match (placement, cpus.as_slice()) {
+        (Placement::OneCpu, [first, ..]) => (*first, *first),
+        (Placement::TwoCpus, [first, second, ..]) => (*first, *second),
+        _ => return Err(format!("not enough CPUs to bind to: {cpus:?}")),
+    };
+    bind(pids, &cpu_set(servers)?)?;
+    sched_setaffinity(Pid::from_raw(0), &cpu_set(caller)?)
+        .map_err(|e| format!("binding this thread: {e}"))?;
+    let measured = alternating(agent, echoes, warmup, rounds, 4);
+    bind(pids, &all)?;
+    sched_setaffinity(Pid::from_raw(0), &all).map_err(|e| format!("unbinding this thread: {e}"))?;
+    measured
 }
 
 pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
@@ -91,15 +164,44 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let dir = ctx.subdir("rpc-rtt")?;
     let spec = Spec::new(ctx, &dir, QUIET);
     let (mut agent, _) = spec.start().await?;
-    let echo_socket = dir.join("echo.sock");
-    raw::start_echo(&echo_socket).map_err(|e| format!("starting the echo server: {e}"))?;
+    let process_socket = dir.join("echo-process.sock");
+    let echo_process = raw::EchoProcess::start(&process_socket)?;
+    let thread_socket = dir.join("echo-thread.sock");
+    raw::start_echo(&thread_socket).map_err(|e| format!("starting the echo server: {e}"))?;
     let (warmup, rounds, blocks) = (s.rtt_warmup, s.rtt_rounds, s.repeats * 4);
     let socket = spec.socket.clone();
-    let (agent_times, echo_times) = tokio::task::spawn_blocking(move || {
-        alternating(&socket, &echo_socket, warmup, rounds, blocks)
+    let [agent_times, echo_times, thread_times] = tokio::task::spawn_blocking(move || {
+        alternating(
+            &socket,
+            [&process_socket, &thread_socket],
+            warmup,
+            rounds,
+            blocks,
+        )
     })
     .await
     .map_err(|e| format!("the measuring thread failed: {e}"))??;
+    let pids = [agent.pid, echo_process.pid()];
+    let mut bound = Vec::new();
+    for placement in [Placement::OneCpu, Placement::TwoCpus] {
+        let socket = spec.socket.clone();
+        let (process_socket, thread_socket) =
+            (dir.join("echo-process.sock"), dir.join("echo-thread.sock"));
+        let [agent, echo, _] = tokio::task::spawn_blocking(move || {
+            placed(
+                placement,
+                &pids,
+                &socket,
+                [&process_socket, &thread_socket],
+                warmup,
+                rounds,
+            )
+        })
+        .await
+        .map_err(|e| format!("the measuring thread failed: {e}"))??;
+        bound.push((agent, echo));
+    }
+    drop(echo_process);
 
     // The typed client (WebSocket), for context.
     let client = agent.client().await?;
@@ -120,20 +222,42 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
 
     let p = |v: &[Duration], q| dur(quantile(v, q));
     Ok(vec![
-        Row::ratio_at_most(
+        Row::info_vs(
             format!(
-                "rpc-rtt: agent.status p50, HTTP keep-alive POST on one connection, {} calls \
-                 (baseline: Unix-socket echo of the same bytes, in alternating blocks)",
+                "rpc-rtt: agent.status p50, HTTP keep-alive POST on one connection, {} calls, \
+                 unbound (baseline: Unix-socket echo of the same bytes by a process of its own, \
+                 in alternating blocks). Placement decides this one: the echo server sleeps in \
+                 recv() and is woken on the caller's CPU, the agent sleeps in epoll_wait() and \
+                 is woken on its own; the two rows below place both the same way",
                 thousands(agent_times.len() as f64)
             ),
             p(&agent_times, 0.5),
             p(&echo_times, 0.5),
-            2.5,
         ),
         Row::info_vs(
             "rpc-rtt: agent.status p99 (same runs)",
             p(&agent_times, 0.99),
             p(&echo_times, 0.99),
+        ),
+        Row::info_vs(
+            "rpc-rtt: agent.status p50 (same runs) vs an echo thread inside the bench process \
+             (no second process to wake)",
+            p(&agent_times, 0.5),
+            p(&thread_times, 0.5),
+        ),
+        Row::ratio_at_most(
+            "rpc-rtt: agent.status p50, the agent and the echo process on one CPU, the caller on \
+             another (every wake-up crosses CPUs, the same for both)",
+            p(&bound[1].0, 0.5),
+            p(&bound[1].1, 0.5),
+            2.5,
+        ),
+        Row::ratio_at_most(
+            "rpc-rtt: agent.status p50, the agent, the echo process and the caller all on one CPU \
+             (no wake-up crosses CPUs)",
+            p(&bound[0].0, 0.5),
+            p(&bound[0].1, 0.5),
+            2.5,
         ),
         Row::info_vs(
             "rpc-rtt: agent.status p50 over the typed WebSocket client (vs echo p50)",
