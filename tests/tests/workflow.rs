@@ -603,3 +603,85 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         .expect("refused");
     assert_eq!(missing.code(), Some(codes::NOT_FOUND));
 }
+
+/// `agent.status`'s counts are kept in memory between commits (debug builds, as here,
+/// also compare them with the database on every call): each step must show at once.
+#[tokio::test]
+async fn agent_status_counts_follow_every_step_of_a_backup() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    let counts = || async {
+        // Twice: the second answer comes from what the first one kept.
+        let first = client.status().await.unwrap();
+        let second = client.status().await.unwrap();
+        assert_eq!(
+            (&first.owners, first.unfinished_operations),
+            (&second.owners, second.unfinished_operations)
+        );
+        let owners: Vec<(OwnerPhase, u64)> = second.owners.into_iter().collect();
+        (owners, second.unfinished_operations)
+    };
+    assert_eq!(counts().await, (vec![], 0));
+
+    backups.start("b", "u", None).await.unwrap();
+    assert_eq!(counts().await, (vec![(OwnerPhase::InProgress, 1)], 0));
+    backups
+        .add_operations(
+            "b",
+            vec![
+                operation(PLUGIN, "done-1", "a", &[]),
+                operation(PLUGIN, "gate-2", "b", &[]),
+                operation(PLUGIN, "gate-3", "c", &[]),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(counts().await, (vec![(OwnerPhase::InProgress, 1)], 3));
+
+    backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    assert_eq!(
+        counts().await,
+        (vec![(OwnerPhase::WaitingForPluginOperations, 1)], 2),
+        "done-1 finished at the immediate poll"
+    );
+
+    f.open_gate("gate-2");
+    f.open_gate("gate-3");
+    let waited = backups
+        .wait("b", WaitUntil::ReadyToFinalize, LONG)
+        .await
+        .unwrap();
+    assert_eq!(waited.owner.phase, OwnerPhase::Finalizing);
+    assert_eq!(counts().await, (vec![(OwnerPhase::Finalizing, 1)], 0));
+
+    backups
+        .finalize(opmon_client::FinalizeParams {
+            name: "b".into(),
+            contents: None,
+            updated_items: Vec::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(counts().await, (vec![(OwnerPhase::Completed, 1)], 0));
+
+    backups.start("c", "u", None).await.unwrap();
+    backups
+        .add_operations("c", vec![operation(PLUGIN, "never-4", "d", &[])])
+        .await
+        .unwrap();
+    backups.end_in_progress("c", 0, 0, false).await.unwrap();
+    assert_eq!(
+        counts().await,
+        (
+            vec![
+                (OwnerPhase::WaitingForPluginOperations, 1),
+                (OwnerPhase::Completed, 1)
+            ],
+            1
+        )
+    );
+    backups.delete("c").await.unwrap();
+    backups.delete("b").await.unwrap();
+    assert_eq!(counts().await, (vec![], 0));
+}
