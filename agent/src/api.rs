@@ -319,9 +319,7 @@ fn register_subscription(module: &mut RpcModule<Core>, names: &Names) {
                     };
                     match next {
                         None => return Ok(()),
-                        Some(Ok(update)) => {
-                            sink.send(serde_json::value::to_raw_value(&update)?).await?;
-                        }
+                        Some(Ok(update)) => sink.send(update.json.clone()).await?,
                         Some(Err(e)) => return Err(e.to_string().into()),
                     }
                 }

@@ -12,6 +12,7 @@ use opmon_client::{FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
 
 use super::{now_ms, Core};
+use crate::changes::Urgency;
 use crate::error::Error;
 use crate::phase;
 use crate::storage::write_atomically;
@@ -123,7 +124,8 @@ impl Core {
             .ok_or_else(|| Error::NotFound(format!("{kind} {} not found", p.name)))?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase,
             replaced = stored.replaced, added = stored.added, "finalized");
-        self.changes.notify(kind, &owner.name, Vec::new());
+        self.changes
+            .notify(kind, &owner.name, Vec::new(), Urgency::Now);
         Ok(FinalizeResult {
             owner,
             item_operations_file: records_file,

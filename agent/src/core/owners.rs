@@ -15,6 +15,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::poll::{apply_changes, record_post_items};
 use super::{now_ms, Core};
+use crate::changes::Urgency;
 use crate::error::Error;
 use crate::phase;
 use crate::store::queries::{self, OwnerRow, Targets};
@@ -76,7 +77,8 @@ impl Core {
                 reload(conn, id)
             })
             .await?;
-        self.changes.notify(kind, &owner.name, Vec::new());
+        self.changes
+            .notify(kind, &owner.name, Vec::new(), Urgency::Now);
         Ok(owner)
     }
 
@@ -103,7 +105,7 @@ impl Core {
             .await?;
         let count = added.len() as u64;
         if count > 0 {
-            self.changes.notify(kind, &name, added);
+            self.changes.notify(kind, &name, added, Urgency::Now);
         }
         Ok(AddOperationsResult {
             added: count,
@@ -160,7 +162,8 @@ impl Core {
             .await?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase, "left InProgress");
         self.refresh_records([(kind, owner.name.clone())]).await;
-        self.changes.notify(kind, &owner.name, changed);
+        self.changes
+            .notify(kind, &owner.name, changed, Urgency::Now);
         Ok(owner)
     }
 
@@ -187,8 +190,12 @@ impl Core {
             })
             .await?;
         tracing::info!(%kind, owner = %owner.name, cancelling = targets.len(), "failed by the server");
-        self.changes
-            .notify(kind, &owner.name, targets.iter().map(|t| t.row).collect());
+        self.changes.notify(
+            kind,
+            &owner.name,
+            targets.iter().map(|t| t.row).collect(),
+            Urgency::Now,
+        );
         self.cancel_all(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
@@ -309,7 +316,7 @@ impl Core {
         if let Err(e) = self.storage.remove_owner(kind, &name) {
             tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
         }
-        self.changes.notify(kind, &name, Vec::new());
+        self.changes.notify(kind, &name, Vec::new(), Urgency::Now);
         Ok(DeleteResult { cancelled })
     }
 }

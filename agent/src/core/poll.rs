@@ -15,6 +15,7 @@ use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerPhase, OwnerRef
 use rusqlite::Connection;
 
 use super::{now_ms, Core};
+use crate::changes::Urgency;
 use crate::error::Error;
 use crate::phase::{self, Observation, OperationState};
 use crate::remote::{CallError, Remote};
@@ -235,13 +236,23 @@ impl Core {
     async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
         let phases_change = changes.iter().any(|c| c.next.phase != c.target.state.phase);
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.
-        let mut changed: Vec<(Arc<OwnerRef>, Vec<i64>)> = Vec::new();
+        // An owner whose operations only progressed hears of it with the next progress
+        // announcement; one with a phase change (its own may follow) at once.
+        let mut changed: Vec<(Arc<OwnerRef>, Vec<i64>, Urgency)> = Vec::new();
         for c in &changes {
+            let urgency = if c.next.phase != c.target.state.phase {
+                Urgency::Now
+            } else {
+                Urgency::Progress
+            };
             match changed.last_mut() {
-                Some((owner, rows)) if Arc::ptr_eq(owner, &c.target.owner) => {
-                    rows.push(c.target.row)
+                Some((owner, rows, u)) if Arc::ptr_eq(owner, &c.target.owner) => {
+                    rows.push(c.target.row);
+                    if urgency == Urgency::Now {
+                        *u = Urgency::Now;
+                    }
                 }
-                _ => changed.push((c.target.owner.clone(), vec![c.target.row])),
+                _ => changed.push((c.target.owner.clone(), vec![c.target.row], urgency)),
             }
         }
         let now = now_ms();
@@ -260,8 +271,8 @@ impl Core {
             self.store.write(commit).await?
         };
         self.refresh_records(due).await;
-        for (owner, rows) in changed {
-            self.changes.notify(owner.kind, &owner.name, rows);
+        for (owner, rows, urgency) in changed {
+            self.changes.notify(owner.kind, &owner.name, rows, urgency);
         }
         Ok(())
     }

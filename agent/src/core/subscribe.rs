@@ -1,7 +1,9 @@
 //! Subscriptions: a stream of [`OwnerUpdate`]s for one owner, fed by the change
 //! notifications of every commit that touches it, ending after its terminal phase.
 //! The first update carries all operations; later ones only those that changed, except
-//! after the subscriber lagged, when it gets everything again.
+//! after the subscriber lagged, when it gets everything again. An update for a change
+//! is read and serialized once, by whichever subscriber of the owner gets there
+//! first; the others send the same bytes.
 
 use std::sync::Arc;
 
@@ -9,7 +11,7 @@ use opmon_client::{OwnerKind, OwnerUpdate};
 use tokio::sync::broadcast::{self, error::RecvError};
 
 use super::Core;
-use crate::changes::Changed;
+use crate::changes::{Changed, Rendered};
 use crate::error::Error;
 use crate::store::queries;
 
@@ -24,39 +26,33 @@ pub struct OwnerStream {
 }
 
 impl OwnerStream {
-    /// The next update; `None` once the owner was terminal (or deleted) and said so.
-    pub async fn next(&mut self) -> Option<Result<OwnerUpdate, Error>> {
+    /// The next update, serialized; `None` once the owner was terminal (or deleted)
+    /// and said so.
+    pub async fn next(&mut self) -> Option<Result<Arc<Rendered>, Error>> {
         if self.done {
             return None;
         }
+        let (core, kind, name) = (&self.core, self.kind, self.name.as_str());
         let update = if !self.started {
             self.started = true;
-            self.core
-                .owner_update(self.kind, &self.name, None, false)
-                .await
+            core.render(kind, name, None, false).await
         } else {
             loop {
                 match self.changes.recv().await {
-                    Ok(rows) => {
-                        break self
-                            .core
-                            .owner_update(self.kind, &self.name, Some(rows), false)
+                    Ok(change) => {
+                        break change
+                            .rendered
+                            .get_or_try_init(|| core.render(kind, name, Some(&change.rows), false))
                             .await
+                            .cloned()
                     }
-                    Err(RecvError::Lagged(_)) => {
-                        break self
-                            .core
-                            .owner_update(self.kind, &self.name, None, true)
-                            .await
-                    }
-                    Err(RecvError::Closed) => {
-                        self.changes = self.core.changes.subscribe(self.kind, &self.name)
-                    }
+                    Err(RecvError::Lagged(_)) => break core.render(kind, name, None, true).await,
+                    Err(RecvError::Closed) => self.changes = core.changes.subscribe(kind, name),
                 }
             }
         };
         match &update {
-            Ok(u) => self.done = u.owner.phase.is_terminal(),
+            Ok(u) => self.done = u.terminal,
             Err(_) => self.done = true,
         }
         Some(update)
@@ -83,15 +79,17 @@ impl Core {
         })
     }
 
-    /// The owner now, with the operations in `rows` (all of them if `None`).
-    async fn owner_update(
+    /// The owner now, with the operations in `rows` (all of them if `None`), as the
+    /// JSON of an [`OwnerUpdate`].
+    async fn render(
         &self,
         kind: OwnerKind,
         name: &str,
-        rows: Option<Changed>,
+        rows: Option<&[i64]>,
         lagged: bool,
-    ) -> Result<OwnerUpdate, Error> {
+    ) -> Result<Arc<Rendered>, Error> {
         let name = name.to_string();
+        let rows = rows.map(<[i64]>::to_vec);
         self.store
             .read(move |conn| {
                 let row = queries::owner_by_name(conn, kind, &name)?
@@ -100,11 +98,18 @@ impl Core {
                     Some(rows) => queries::operations_by_rows(conn, row.id, &rows)?,
                     None => queries::operations(conn, row.id, None)?,
                 };
-                Ok(OwnerUpdate {
+                let terminal = row.owner.phase.is_terminal();
+                let update = OwnerUpdate {
                     owner: row.owner,
                     operations,
                     lagged,
-                })
+                };
+                // Plain data with string keys always serializes.
+                let json = serde_json::value::to_raw_value(&update).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "serializing an update failed");
+                    serde_json::value::RawValue::NULL.to_owned()
+                });
+                Ok(Arc::new(Rendered { json, terminal }))
             })
             .await
     }
@@ -159,13 +164,21 @@ mod tests {
         };
         core.start(OwnerKind::Backup, start).await.unwrap();
         let mut stream = core.subscribe(OwnerKind::Backup, "b".into()).await.unwrap();
-        let first = stream.next().await.unwrap().unwrap();
+        let parse = |r: Arc<crate::changes::Rendered>| {
+            serde_json::from_str::<opmon_client::OwnerUpdate>(r.json.get()).unwrap()
+        };
+        let first = parse(stream.next().await.unwrap().unwrap());
         assert!(!first.lagged);
         // Far more changes than the buffer holds, none read: the committer never waits.
         for _ in 0..1000 {
-            core.changes.notify(OwnerKind::Backup, "b", vec![12345]);
+            core.changes.notify(
+                OwnerKind::Backup,
+                "b",
+                vec![12345],
+                crate::changes::Urgency::Now,
+            );
         }
-        let next = stream.next().await.unwrap().unwrap();
+        let next = parse(stream.next().await.unwrap().unwrap());
         assert!(next.lagged, "the subscriber is told it lagged");
         assert_eq!(next.owner.name, "b");
     }

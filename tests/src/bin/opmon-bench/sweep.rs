@@ -187,16 +187,23 @@ impl Subscribers {
         })
     }
 
-    /// Waits until notifications stop coming (none for half a second), then hangs up.
-    async fn finish(self, released: Instant) -> SubscriberFigures {
+    /// Waits until the subscribers have been told of `expected` operation changes in
+    /// all (progress is announced up to a second late, merged), or until nothing more
+    /// came for three seconds; then hangs up.
+    async fn finish(self, released: Instant, expected: u64) -> SubscriberFigures {
         let began = Instant::now();
+        let mut last_seen = (0, Instant::now());
         loop {
-            let before = self.delivered.notifications.load(Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let after = self.delivered.notifications.load(Ordering::SeqCst);
-            if after == before || began.elapsed() > Duration::from_secs(120) {
+            let seen = self.delivered.operations.load(Ordering::SeqCst);
+            if seen >= expected || began.elapsed() > Duration::from_secs(120) {
                 break;
             }
+            if seen != last_seen.0 {
+                last_seen = (seen, Instant::now());
+            } else if last_seen.1.elapsed() > Duration::from_secs(3) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         for task in &self.tasks {
             task.abort();
@@ -260,9 +267,13 @@ async fn pass(
             .ok()
             .flatten()
             .unwrap_or(100) as f64;
-    let subscribers = match subscribers {
-        Some(s) => Some(s.finish(released).await),
-        None => None,
+    let subscribers = match (subscribers, subscribe) {
+        (Some(s), Some((names, count))) => {
+            // Every operation of each subscriber's backup progresses once in the pass.
+            let expected = (count * (n / names.len().max(1))) as u64;
+            Some(s.finish(released, expected).await)
+        }
+        _ => None,
     };
     Ok(Pass {
         agent,
@@ -457,14 +468,17 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
             let window = figures.window.as_secs_f64().max(1e-9);
             rows.push(Row::info(
                 format!(
-                    "subscribe: notifications/s delivered to {} subscribers during that sweep",
+                    "subscribe: notifications/s delivered to {} subscribers for that sweep, from \
+                     its start to the last one (progress is merged per backup and announced at \
+                     most once a second)",
                     s.subscribers
                 ),
                 format!(
-                    "{} ({} notifications, {} op records, over {})",
+                    "{} ({} notifications carrying {} of the {} operation changes, over {})",
                     per_sec(figures.notifications as f64 / window, "notifications").1,
                     thousands(figures.notifications as f64),
                     thousands(figures.operations as f64),
+                    thousands((s.subscribers * (n / names.len().max(1))) as f64),
                     dur(figures.window).1
                 ),
             ));
