@@ -105,8 +105,11 @@ fn bind(pids: &[u32], cpus: &CpuSet) -> Result<(), String> {
             .map_err(|e| format!("listing the threads of {pid}: {e}"))?;
         for task in tasks.flatten() {
             if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
-                sched_setaffinity(Pid::from_raw(tid), cpus)
-                    .map_err(|e| format!("binding thread {tid} of {pid}: {e}"))?;
+                match sched_setaffinity(Pid::from_raw(tid), cpus) {
+                    // The thread ended meanwhile (an idle blocking-pool thread).
+                    Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                    Err(e) => return Err(format!("binding thread {tid} of {pid}: {e}")),
+                }
             }
         }
     }
