@@ -96,7 +96,8 @@ fn settle_waiting(
         return Ok(None);
     }
     row.owner.errors = row.owner.errors.saturating_add(newly_failed);
-    let unfinished = queries::unfinished_count(conn, row.id)?;
+    // Read after this commit's changes were applied, so its counts are current.
+    let unfinished = row.unfinished();
     row.owner.phase = phase::after_poll(
         row.owner.phase,
         row.owner.finalize,

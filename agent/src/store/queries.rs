@@ -54,6 +54,16 @@ pub struct OwnerRow {
     pub owner: opmon_client::Owner,
 }
 
+impl OwnerRow {
+    /// How many of its operations were New or InProgress when the row was read.
+    pub fn unfinished(&self) -> u64 {
+        let o = &self.owner;
+        o.operations_attempted
+            .saturating_sub(o.operations_completed)
+            .saturating_sub(o.operations_failed)
+    }
+}
+
 const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
      errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms, n_operations, \
      n_completed, n_failed";
