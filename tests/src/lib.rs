@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
 
+pub mod deploy;
+
 /// How long a process may take to open its socket before the test fails.
 const READY_WITHIN: Duration = Duration::from_secs(60);
 
