@@ -181,14 +181,13 @@ fn the_agents_own_uid_and_root_stay_allowed_when_other_uids_are_configured() {
         let out = agent.cli_status(uid, uid, &[]);
         assert!(succeeded(&out), "{who} was refused: {}", stderr(&out));
     }
+    // The CLI's wording is its own; the agent's reason must reach the user.
     let out = agent.cli_status(1001, 1001, &[]);
     assert!(!succeeded(&out));
-    assert_eq!(
-        stderr(&out),
-        format!(
-            "opmon: opmon agent at {} refused the connection: uid 1001 is not in allowed_uids or allowed_gids (HTTP 403)",
-            agent.socket.display()
-        )
+    assert!(
+        stderr(&out).contains("uid 1001 is not in allowed_uids or allowed_gids"),
+        "{}",
+        stderr(&out)
     );
 }
 
@@ -249,7 +248,7 @@ fn a_supplementary_group_in_allowed_gids_lets_a_peer_in() {
     let out = agent.cli_status(1001, 1001, &[44, 3001]);
     assert!(!succeeded(&out));
     assert!(
-        stderr(&out).ends_with("uid 1001 is not in allowed_uids or allowed_gids (HTTP 403)"),
+        stderr(&out).contains("uid 1001 is not in allowed_uids or allowed_gids"),
         "{}",
         stderr(&out)
     );

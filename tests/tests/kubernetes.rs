@@ -659,7 +659,7 @@ fn deploy_and_back_up(file: &str) {
         &script(
             "opmon backup start b1 --uid 3b9c0f5e-8c0e-4a57-9d84-5d8a2c1e7f10\n\
              opmon backup add-operation b1 --plugin example.io/volume-copier \
-                 --item persistentvolumeclaims/app/data --operation-id copy-1\n\
+                 --item persistentvolumeclaims/app/data --operation-id gate-copy-1\n\
              opmon backup end-in-progress b1",
         ),
     );
@@ -667,7 +667,7 @@ fn deploy_and_back_up(file: &str) {
         out.contains("backup b1 is WaitingForPluginOperations"),
         "{out}"
     );
-    std::fs::write(gates.join("copy-1"), b"").expect("gate");
+    std::fs::write(gates.join("gate-copy-1"), b"").expect("gate");
     let out = run_to_end(
         &node,
         &server_spec,
@@ -688,7 +688,8 @@ fn deploy_and_back_up(file: &str) {
         "the server reads the finalized tarball: {out}"
     );
     assert!(
-        out.contains("\"operationID\":\"copy-1\"") || out.contains("\"operationID\": \"copy-1\""),
+        out.contains("\"operationID\":\"gate-copy-1\"")
+            || out.contains("\"operationID\": \"gate-copy-1\""),
         "the server reads the item operations: {out}"
     );
     assert!(out.contains("\"phase\": \"Completed\""), "{out}");
@@ -705,7 +706,7 @@ fn deploy_and_back_up(file: &str) {
         "agent and server share one storage volume"
     );
     let journal = std::fs::read_to_string(journal_dir.join("journal")).unwrap_or_default();
-    assert!(journal.contains("progress copy-1 backup/b1"), "{journal}");
+    assert!(journal.contains("progress gate-copy-1 b1"), "{journal}");
     // Still healthy after the work.
     for probe in ["readinessProbe", "livenessProbe"] {
         probe_passes(
