@@ -17,11 +17,14 @@
 //!   from the operator.
 //! - A refused peer gets HTTP 403 (not allowed) or 429 (over a limit) with a JSON-RPC
 //!   error naming the rule (answered by the server within a bounded time), and the
-//!   refusal is logged and counted.
+//!   refusal is counted and logged: one line each for the first
+//!   [`LOGGED_PER_WINDOW`] of every [`LOG_WINDOW`], then one line saying how many more,
+//!   so a refused peer cannot flood the log.
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use opmon_client::server::{Admission, Refusal};
 use tokio::net::UnixStream;
@@ -77,6 +80,40 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
     Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
+/// Refusals logged one line each per [`LOG_WINDOW`]; past that they are summed up.
+pub const LOGGED_PER_WINDOW: u32 = 20;
+pub const LOG_WINDOW: Duration = Duration::from_secs(10);
+
+/// How many refusals were logged, and how many were not, in the current window.
+struct RefusalLog {
+    window_start: Instant,
+    logged: u32,
+    unlogged: u32,
+}
+
+impl RefusalLog {
+    /// Whether the refusal at `now` gets its own line, and how many refusals the window
+    /// that just ended left unlogged (to be said in one line).
+    fn note(&mut self, now: Instant) -> (bool, u32) {
+        let mut ended_unlogged = 0;
+        if now.duration_since(self.window_start) >= LOG_WINDOW {
+            ended_unlogged = self.unlogged;
+            *self = RefusalLog {
+                window_start: now,
+                logged: 0,
+                unlogged: 0,
+            };
+        }
+        if self.logged < LOGGED_PER_WINDOW {
+            self.logged += 1;
+            (true, ended_unlogged)
+        } else {
+            self.unlogged += 1;
+            (false, ended_unlogged)
+        }
+    }
+}
+
 /// Open connections by peer uid.
 #[derive(Default)]
 struct Open {
@@ -117,6 +154,7 @@ pub struct PeerCheck {
     /// How many connections uids other than the operators may hold together.
     others_limit: u32,
     open: Arc<Mutex<Open>>,
+    log: Mutex<RefusalLog>,
     metrics: Arc<Metrics>,
 }
 
@@ -137,7 +175,31 @@ impl PeerCheck {
             per_uid,
             others_limit: max_connections.saturating_sub(OPERATOR_RESERVE).max(1),
             open: Arc::default(),
+            log: Mutex::new(RefusalLog {
+                window_start: Instant::now(),
+                logged: 0,
+                unlogged: 0,
+            }),
             metrics,
+        }
+    }
+
+    /// Counts a refusal and logs it within the log's budget.
+    fn refused(&self, line: impl FnOnce()) {
+        self.metrics.refused();
+        let (own_line, unlogged) = match self.log.lock() {
+            Ok(mut log) => log.note(Instant::now()),
+            Err(_) => (true, 0),
+        };
+        if unlogged > 0 {
+            tracing::warn!(
+                unlogged,
+                "refused more connections in {:?} than are logged one by one",
+                LOG_WINDOW
+            );
+        }
+        if own_line {
+            line();
         }
     }
 
@@ -218,8 +280,9 @@ impl Admission for PeerCheck {
         let cred = match stream.peer_cred() {
             Ok(cred) => cred,
             Err(e) => {
-                self.metrics.refused();
-                tracing::warn!(error = %e, "refused a connection: no peer credentials");
+                self.refused(
+                    || tracing::warn!(error = %e, "refused a connection: no peer credentials"),
+                );
                 return Err(refused(
                     hyper::StatusCode::FORBIDDEN,
                     format!("the agent could not read the connection's peer credentials: {e}"),
@@ -238,14 +301,15 @@ impl Admission for PeerCheck {
                 format!("uid {uid} is not in allowed_uids or allowed_gids"),
             )
         };
-        self.metrics.refused();
-        tracing::warn!(
-            uid,
-            gid,
-            pid = cred.pid(),
-            reason = %refusal.message,
-            "refused a connection"
-        );
+        self.refused(|| {
+            tracing::warn!(
+                uid,
+                gid,
+                pid = cred.pid(),
+                reason = %refusal.message,
+                "refused a connection"
+            )
+        });
         Err(refusal)
     }
 }
@@ -293,6 +357,23 @@ mod tests {
         assert!(c.take_slot(1001).is_ok());
         drop(a);
         assert!(c.take_slot(1000).is_ok());
+    }
+
+    #[test]
+    fn refusals_past_the_budget_are_summed_up_once_the_window_ends() {
+        let start = Instant::now();
+        let mut log = RefusalLog {
+            window_start: start,
+            logged: 0,
+            unlogged: 0,
+        };
+        let own_lines = (0..LOGGED_PER_WINDOW + 5)
+            .filter(|_| log.note(start).0)
+            .count();
+        assert_eq!(own_lines, LOGGED_PER_WINDOW as usize);
+        // The next window opens with the sum of the last one's unlogged refusals.
+        assert_eq!(log.note(start + LOG_WINDOW), (true, 5));
+        assert_eq!(log.note(start + LOG_WINDOW), (true, 0));
     }
 
     #[test]
