@@ -28,13 +28,13 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u32 = 256;
 
 /// `OPMON_*` variables that are not settings of the agent but belong to other opmon
 /// programs: an operator's shell or a pod may set them for those, and the agent must
-/// still start. `OPMON_SOCKET` is shared by the agent and the CLI and is a setting.
+/// still start. `OPMON_SOCKET`, the one variable the CLI reads, is also a setting. A
+/// variable the CLI (or a snapshotter SDK) starts reading belongs in this list.
 ///
 /// Every other `OPMON_*` variable that is not a setting stops the agent (a misspelt
 /// setting must not be silently ignored). Programs that start the agent with variables
 /// of their own (test harnesses) remove those from its environment.
 pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
-    ("OPMON_OUTPUT", "the opmon CLI"),
     ("OPMON_PLUGIN", "command snapshotters"),
     ("OPMON_PLUGIN_KIND", "command snapshotters"),
     ("OPMON_OWNER_KIND", "command snapshotters"),

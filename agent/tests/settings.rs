@@ -81,7 +81,6 @@ fn an_opmon_variable_that_is_no_setting_stops_the_agent_naming_it() {
 fn variables_of_the_cli_and_of_command_snapshotters_do_not_stop_the_agent() {
     let out = print_config()
         .env("OPMON_SOCKET", "/tmp/x.sock")
-        .env("OPMON_OUTPUT", "json")
         .env("OPMON_PLUGIN", "example.io/p")
         .env("OPMON_OWNER_NAME", "b")
         .output()

@@ -6,6 +6,12 @@
 //! WebSocket. Shutdown is graceful by construction: once `shutdown` resolves, no new
 //! connection is accepted, in-flight requests finish, and [`serve`] returns only after
 //! every connection task has ended.
+//!
+//! Before a byte of a connection is read, an [`Admission`] decides whether it is
+//! served. A refused peer is answered, not reset: its request gets the refusal's HTTP
+//! status (403, 429) and a JSON-RPC error body, within a fixed time and byte budget and
+//! a bounded number of refusals answered at once, so refused peers cannot tie up the
+//! server.
 
 use std::future::Future;
 use std::io;
@@ -409,7 +415,7 @@ impl Refusals {
 
 /// The body of a refusal: a JSON-RPC error object (id null), as for a request that
 /// could not be read.
-pub fn refusal_body(refusal: &Refusal) -> String {
+fn refusal_body(refusal: &Refusal) -> String {
     let message = serde_json::Value::String(refusal.message.clone());
     format!(
         r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":{},"message":{message}}}}}"#,
