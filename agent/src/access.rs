@@ -1,51 +1,391 @@
-//! Who may talk to the agent: every connection's peer credentials (SO_PEERCRED) are
-//! checked against the allowed uids and gids before a byte of it is read. The socket's
-//! file mode and group are the first gate; this is the second, and the one that holds
-//! when the socket must be reachable by more than one user.
+//! Who may talk to the agent, and how much of it one peer may take.
+//!
+//! Every connection's peer credentials (SO_PEERCRED, and SO_PEERGROUPS for the
+//! supplementary groups) are checked before a byte of it is read. The socket's file
+//! mode and group are the first gate; this is the second, and the one that holds when
+//! the socket must be reachable by more than one user.
+//!
+//! Invariants:
+//! - The agent's own uid and root are always admitted: `allowed_uids`/`allowed_gids`
+//!   only add peers, so no setting locks the operator (and the probes run as the
+//!   agent's user) out.
+//! - A peer is admitted if its uid is allowed, or its primary or any supplementary
+//!   group is in `allowed_gids`. The groups are those the peer had when it connected.
+//! - No uid holds more than `max_connections_per_uid` connections at once, and uids
+//!   other than the agent's own and root together hold at most
+//!   `max_connections - OPERATOR_RESERVE`, so other users cannot take every connection
+//!   from the operator.
+//! - A refused peer gets HTTP 403 (not allowed) or 429 (over a limit) with a JSON-RPC
+//!   error naming the rule (answered by the server within a bounded time), and the
+//!   refusal is counted and logged: one line each for the first
+//!   [`LOGGED_PER_WINDOW`] of every [`LOG_WINDOW`], then one line saying how many more,
+//!   so a refused peer cannot flood the log.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use opmon_client::server::Admission;
+use opmon_client::server::{Admission, Refusal};
 use tokio::net::UnixStream;
 
 use crate::metrics::Metrics;
 
-pub struct PeerCheck {
-    uids: HashSet<u32>,
-    gids: HashSet<u32>,
-    metrics: Arc<Metrics>,
+/// Connections kept for the agent's own uid and root when other uids have taken the
+/// rest.
+pub const OPERATOR_RESERVE: u32 = 64;
+
+/// JSON-RPC error code of a refused connection (the implementation-defined server
+/// error range of JSON-RPC 2.0).
+pub const REFUSED: i32 = -32003;
+
+/// `SO_PEERGROUPS` (Linux ≥ 4.13); the libc crate does not export it for every target.
+#[cfg(target_arch = "sparc64")]
+const SO_PEERGROUPS: nix::libc::c_int = 0x003d;
+#[cfg(not(target_arch = "sparc64"))]
+const SO_PEERGROUPS: nix::libc::c_int = 59;
+
+/// The supplementary groups the peer of `stream` had when it connected.
+fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
+    let fd = stream.as_raw_fd();
+    let mut groups: Vec<nix::libc::gid_t> = vec![0; 64];
+    // Twice at most: the first answer says how big the list is if it did not fit.
+    for _ in 0..2 {
+        let mut len =
+            (groups.len() * std::mem::size_of::<nix::libc::gid_t>()) as nix::libc::socklen_t;
+        // SAFETY: `groups` is a live buffer of `len` bytes; the kernel writes at most
+        // `len` bytes into it and sets `len` to the size it wrote (or needs).
+        let rc = unsafe {
+            nix::libc::getsockopt(
+                fd,
+                nix::libc::SOL_SOCKET,
+                SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let count = len as usize / std::mem::size_of::<nix::libc::gid_t>();
+        if rc == 0 {
+            groups.truncate(count);
+            return Ok(groups);
+        }
+        let error = std::io::Error::last_os_error();
+        // NGROUPS_MAX is 65536: the size the kernel asks for is bounded.
+        if error.raw_os_error() == Some(nix::libc::ERANGE) && count > groups.len() {
+            groups.resize(count.min(65536), 0);
+            continue;
+        }
+        return Err(error);
+    }
+    Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
-impl PeerCheck {
-    pub fn new(uids: &[u32], gids: &[u32], metrics: Arc<Metrics>) -> PeerCheck {
-        PeerCheck {
-            uids: uids.iter().copied().collect(),
-            gids: gids.iter().copied().collect(),
-            metrics,
+/// Refusals logged one line each per [`LOG_WINDOW`]; past that they are summed up.
+pub const LOGGED_PER_WINDOW: u32 = 20;
+pub const LOG_WINDOW: Duration = Duration::from_secs(10);
+
+/// How many refusals were logged, and how many were not, in the current window.
+struct RefusalLog {
+    window_start: Instant,
+    logged: u32,
+    unlogged: u32,
+}
+
+impl RefusalLog {
+    /// Whether the refusal at `now` gets its own line, and how many refusals the window
+    /// that just ended left unlogged (to be said in one line).
+    fn note(&mut self, now: Instant) -> (bool, u32) {
+        let mut ended_unlogged = 0;
+        if now.duration_since(self.window_start) >= LOG_WINDOW {
+            ended_unlogged = self.unlogged;
+            *self = RefusalLog {
+                window_start: now,
+                logged: 0,
+                unlogged: 0,
+            };
+        }
+        if self.logged < LOGGED_PER_WINDOW {
+            self.logged += 1;
+            (true, ended_unlogged)
+        } else {
+            self.unlogged += 1;
+            (false, ended_unlogged)
         }
     }
 }
 
-impl Admission for PeerCheck {
-    fn admit(&self, stream: &UnixStream) -> bool {
-        match stream.peer_cred() {
-            Ok(cred) if self.uids.contains(&cred.uid()) || self.gids.contains(&cred.gid()) => true,
-            Ok(cred) => {
-                self.metrics.refused();
-                tracing::warn!(
-                    uid = cred.uid(),
-                    gid = cred.gid(),
-                    pid = cred.pid(),
-                    "refused a connection: its uid and gid are not allowed"
-                );
-                false
+/// Open connections by peer uid.
+#[derive(Default)]
+struct Open {
+    by_uid: HashMap<u32, u32>,
+    /// Held by uids other than the agent's own and root.
+    others: u32,
+}
+
+/// Gives back a connection's slot when the connection ends.
+pub struct Slot {
+    open: Arc<Mutex<Open>>,
+    uid: u32,
+    operator: bool,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.open.lock() {
+            if let Some(n) = open.by_uid.get_mut(&self.uid) {
+                *n -= 1;
+                if *n == 0 {
+                    open.by_uid.remove(&self.uid);
+                }
             }
+            if !self.operator {
+                open.others = open.others.saturating_sub(1);
+            }
+        }
+    }
+}
+
+pub struct PeerCheck {
+    /// The agent's own uid and root: always admitted.
+    operators: [u32; 2],
+    uids: HashSet<u32>,
+    gids: HashSet<u32>,
+    per_uid: u32,
+    /// How many connections uids other than the operators may hold together.
+    others_limit: u32,
+    open: Arc<Mutex<Open>>,
+    log: Mutex<RefusalLog>,
+    metrics: Arc<Metrics>,
+}
+
+impl PeerCheck {
+    /// Admits the agent's uid, root, `uids` and members of `gids`; at most `per_uid`
+    /// connections per uid, of `max_connections` in all.
+    pub fn new(
+        uids: &[u32],
+        gids: &[u32],
+        per_uid: u32,
+        max_connections: u32,
+        metrics: Arc<Metrics>,
+    ) -> PeerCheck {
+        PeerCheck {
+            operators: [nix::unistd::geteuid().as_raw(), 0],
+            uids: uids.iter().copied().collect(),
+            gids: gids.iter().copied().collect(),
+            per_uid,
+            others_limit: max_connections.saturating_sub(OPERATOR_RESERVE).max(1),
+            open: Arc::default(),
+            log: Mutex::new(RefusalLog {
+                window_start: Instant::now(),
+                logged: 0,
+                unlogged: 0,
+            }),
+            metrics,
+        }
+    }
+
+    /// Counts a refusal and logs it within the log's budget.
+    fn refused(&self, line: impl FnOnce()) {
+        self.metrics.refused();
+        let (own_line, unlogged) = match self.log.lock() {
+            Ok(mut log) => log.note(Instant::now()),
+            Err(_) => (true, 0),
+        };
+        if unlogged > 0 {
+            tracing::warn!(
+                unlogged,
+                "refused more connections in {:?} than are logged one by one",
+                LOG_WINDOW
+            );
+        }
+        if own_line {
+            line();
+        }
+    }
+
+    /// Whether a peer with `uid`, primary `gid` and supplementary groups (read only if
+    /// needed) is allowed.
+    fn allowed(
+        &self,
+        uid: u32,
+        gid: u32,
+        groups: impl FnOnce() -> std::io::Result<Vec<u32>>,
+    ) -> bool {
+        if self.operators.contains(&uid) || self.uids.contains(&uid) || self.gids.contains(&gid) {
+            return true;
+        }
+        if self.gids.is_empty() {
+            return false;
+        }
+        match groups() {
+            Ok(groups) => groups.iter().any(|g| self.gids.contains(g)),
             Err(e) => {
-                self.metrics.refused();
-                tracing::warn!(error = %e, "refused a connection: no peer credentials");
+                tracing::warn!(uid, error = %e, "reading the peer's supplementary groups failed");
                 false
             }
         }
+    }
+
+    /// Takes a connection slot for `uid`, or says which limit it is over.
+    fn take_slot(&self, uid: u32) -> Result<Slot, Refusal> {
+        let operator = self.operators.contains(&uid);
+        let mut open = self.open.lock().map_err(|_| {
+            refused(
+                hyper::StatusCode::SERVICE_UNAVAILABLE,
+                "the agent is failing",
+            )
+        })?;
+        let held = open.by_uid.get(&uid).copied().unwrap_or(0);
+        if held >= self.per_uid {
+            return Err(refused(
+                hyper::StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "uid {uid} already has {held} connections open, the most max_connections_per_uid allows"
+                ),
+            ));
+        }
+        if !operator && open.others >= self.others_limit {
+            return Err(refused(
+                hyper::StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "other uids hold {} connections, all the agent takes from uids other than its own and root",
+                    open.others
+                ),
+            ));
+        }
+        *open.by_uid.entry(uid).or_insert(0) += 1;
+        if !operator {
+            open.others += 1;
+        }
+        Ok(Slot {
+            open: self.open.clone(),
+            uid,
+            operator,
+        })
+    }
+}
+
+fn refused(status: hyper::StatusCode, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status,
+        code: REFUSED,
+        message: message.into(),
+    }
+}
+
+impl Admission for PeerCheck {
+    type Ticket = Slot;
+
+    fn admit(&self, stream: &UnixStream) -> Result<Slot, Refusal> {
+        let cred = match stream.peer_cred() {
+            Ok(cred) => cred,
+            Err(e) => {
+                self.refused(
+                    || tracing::warn!(error = %e, "refused a connection: no peer credentials"),
+                );
+                return Err(refused(
+                    hyper::StatusCode::FORBIDDEN,
+                    format!("the agent could not read the connection's peer credentials: {e}"),
+                ));
+            }
+        };
+        let (uid, gid) = (cred.uid(), cred.gid());
+        let refusal = if self.allowed(uid, gid, || peer_groups(stream)) {
+            match self.take_slot(uid) {
+                Ok(slot) => return Ok(slot),
+                Err(refusal) => refusal,
+            }
+        } else {
+            refused(
+                hyper::StatusCode::FORBIDDEN,
+                format!("uid {uid} is not in allowed_uids or allowed_gids"),
+            )
+        };
+        self.refused(|| {
+            tracing::warn!(
+                uid,
+                gid,
+                pid = cred.pid(),
+                reason = %refusal.message,
+                "refused a connection"
+            )
+        });
+        Err(refusal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(uids: &[u32], gids: &[u32], per_uid: u32, max: u32) -> PeerCheck {
+        PeerCheck::new(uids, gids, per_uid, max, Metrics::new())
+    }
+
+    #[test]
+    fn the_agents_uid_and_root_are_allowed_whatever_is_configured() {
+        let own = nix::unistd::geteuid().as_raw();
+        let c = check(&[1000], &[], 8, 4096);
+        for uid in [own, 0, 1000] {
+            assert!(c.allowed(uid, 12345, || Ok(vec![])), "uid {uid}");
+        }
+        assert!(!c.allowed(1001, 12345, || Ok(vec![])));
+    }
+
+    #[test]
+    fn a_supplementary_group_admits_and_is_read_only_when_needed() {
+        let c = check(&[], &[500], 8, 4096);
+        assert!(c.allowed(2000, 2000, || Ok(vec![7, 500])));
+        assert!(c.allowed(2000, 500, || panic!("the primary group was enough")));
+        assert!(!c.allowed(2000, 2000, || Ok(vec![7, 501])));
+        let none = check(&[], &[], 8, 4096);
+        assert!(!none.allowed(2000, 2000, || panic!("no gids: groups are not read")));
+    }
+
+    #[test]
+    fn one_uid_is_held_to_its_limit_and_gets_slots_back() {
+        let c = check(&[1000], &[], 2, 4096);
+        let a = c.take_slot(1000).unwrap();
+        let _b = c.take_slot(1000).unwrap();
+        let over = c.take_slot(1000).err().unwrap();
+        assert_eq!(over.status, hyper::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            over.message,
+            "uid 1000 already has 2 connections open, the most max_connections_per_uid allows"
+        );
+        // Another uid is not affected; a closed connection frees its slot.
+        assert!(c.take_slot(1001).is_ok());
+        drop(a);
+        assert!(c.take_slot(1000).is_ok());
+    }
+
+    #[test]
+    fn refusals_past_the_budget_are_summed_up_once_the_window_ends() {
+        let start = Instant::now();
+        let mut log = RefusalLog {
+            window_start: start,
+            logged: 0,
+            unlogged: 0,
+        };
+        let own_lines = (0..LOGGED_PER_WINDOW + 5)
+            .filter(|_| log.note(start).0)
+            .count();
+        assert_eq!(own_lines, LOGGED_PER_WINDOW as usize);
+        // The next window opens with the sum of the last one's unlogged refusals.
+        assert_eq!(log.note(start + LOG_WINDOW), (true, 5));
+        assert_eq!(log.note(start + LOG_WINDOW), (true, 0));
+    }
+
+    #[test]
+    fn other_uids_leave_the_reserve_to_the_operator() {
+        let max = OPERATOR_RESERVE + 2;
+        let c = check(&[], &[], 10, max);
+        let _held: Vec<Slot> = (0..2).map(|i| c.take_slot(1000 + i).unwrap()).collect();
+        let over = c.take_slot(1002).err().unwrap();
+        assert_eq!(
+            over.message,
+            "other uids hold 2 connections, all the agent takes from uids other than its own and root"
+        );
+        assert!(c.take_slot(0).is_ok(), "root still gets in");
     }
 }

@@ -23,6 +23,91 @@ use crate::remote::CallSettings;
 /// The config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/opmon/agent.toml";
 
+/// Connections one peer uid may hold at once unless configured.
+pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u32 = 256;
+
+/// `OPMON_*` variables that are not settings of the agent but belong to other opmon
+/// programs: an operator's shell or a pod may set them for those, and the agent must
+/// still start. `OPMON_SOCKET`, the one variable the CLI reads, is also a setting. A
+/// variable the CLI (or a snapshotter SDK) starts reading belongs in this list.
+///
+/// Every other `OPMON_*` variable that is not a setting stops the agent (a misspelt
+/// setting must not be silently ignored). Programs that start the agent with variables
+/// of their own (test harnesses) remove those from its environment.
+pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
+    ("OPMON_PLUGIN", "command snapshotters"),
+    ("OPMON_PLUGIN_KIND", "command snapshotters"),
+    ("OPMON_OWNER_KIND", "command snapshotters"),
+    ("OPMON_OWNER_NAME", "command snapshotters"),
+    ("OPMON_OWNER_UID", "command snapshotters"),
+];
+
+/// The environment variable of every setting, read from the flags' definitions (so a
+/// new setting is known here by being declared once).
+pub fn setting_variables() -> Vec<String> {
+    Args::command()
+        .get_arguments()
+        .filter_map(|a| a.get_env())
+        .map(|v| v.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Refuses an `OPMON_*` variable in `vars` that is neither a setting nor one of
+/// [`OTHER_PROGRAMS_VARIABLES`], naming it (and the settings it resembles).
+pub fn check_environment(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<(), String> {
+    let known = setting_variables();
+    let mut unknown: Vec<String> = vars
+        .into_iter()
+        .map(|(name, _)| name.to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("OPMON_"))
+        .filter(|name| {
+            !known.iter().any(|k| k == name)
+                && !OTHER_PROGRAMS_VARIABLES.iter().any(|(k, _)| k == name)
+        })
+        .collect();
+    unknown.sort();
+    let Some(first) = unknown.first() else {
+        return Ok(());
+    };
+    let mut alike: Vec<&str> = known
+        .iter()
+        .filter(|k| k.starts_with(first.as_str()) || first.starts_with(k.as_str()))
+        .map(String::as_str)
+        .collect();
+    alike.sort_unstable();
+    let hint = if alike.is_empty() {
+        "see opmon-agent --help for the settings' variables".to_string()
+    } else {
+        format!("did you mean {}?", alike.join(" or "))
+    };
+    Err(format!(
+        "environment variable {first} is not an opmon-agent setting ({hint})"
+    ))
+}
+
+/// Refuses a log filter that would silently log nothing or not what was meant: every
+/// comma-separated directive must be a level (`info`) or `target=level`. A bare word
+/// such as `verbose` is a valid `tracing` directive (all levels of a target named
+/// `verbose`, nothing else), which turns logging off.
+pub fn check_log_level(filter: &str) -> Result<(), String> {
+    use tracing_subscriber::filter::LevelFilter;
+    for directive in filter.split(',').map(str::trim) {
+        if directive.is_empty() || directive.contains('=') {
+            continue;
+        }
+        if directive.parse::<LevelFilter>().is_err() {
+            return Err(format!(
+                "{directive:?} is not a level (trace, debug, info, warn, error, off) or a directive like opmon_agent=debug"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map(|_| ())
+        .map_err(|e| format!("{filter:?}: {e}"))
+}
+
 fn go_duration(text: &str) -> Result<GoDuration, String> {
     text.parse::<GoDuration>().map_err(|e| e.to_string())
 }
@@ -105,12 +190,17 @@ pub struct Args {
     /// Largest decompressed size of a backup tarball finalize reads, in bytes.
     #[arg(long, env = "OPMON_MAX_DECOMPRESSED_SIZE")]
     pub max_decompressed_size: Option<u64>,
-    /// Uids allowed to connect, comma-separated [default: the agent's own uid and root].
+    /// Uids allowed to connect besides the agent's own and root (always allowed),
+    /// comma-separated.
     #[arg(long, env = "OPMON_ALLOWED_UIDS", value_delimiter = ',')]
     pub allowed_uids: Vec<u32>,
-    /// Gids allowed to connect, comma-separated [default: none].
+    /// Gids allowed to connect (primary or supplementary group of the peer),
+    /// comma-separated [default: none].
     #[arg(long, env = "OPMON_ALLOWED_GIDS", value_delimiter = ',')]
     pub allowed_gids: Vec<u32>,
+    /// Connections one peer uid may hold open at once.
+    #[arg(long, env = "OPMON_MAX_CONNECTIONS_PER_UID")]
+    pub max_connections_per_uid: Option<u32>,
     /// Log line format.
     #[arg(long, env = "OPMON_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -144,6 +234,7 @@ struct FileConfig {
     max_decompressed_size: Option<Spanned<u64>>,
     allowed_uids: Option<Spanned<Vec<u32>>>,
     allowed_gids: Option<Spanned<Vec<u32>>>,
+    max_connections_per_uid: Option<Spanned<u32>>,
     log_format: Option<Spanned<LogFormat>>,
     log_level: Option<Spanned<String>>,
     metrics_listen: Option<Spanned<String>>,
@@ -200,8 +291,10 @@ pub struct Settings {
     pub state_dir: PathBuf,
     pub storage_dir: PathBuf,
     pub max_request_size: u32,
+    /// Uids allowed besides the agent's own and root, which are always allowed.
     pub allowed_uids: Vec<u32>,
     pub allowed_gids: Vec<u32>,
+    pub max_connections_per_uid: u32,
     pub log_format: LogFormat,
     pub log_level: String,
     pub metrics_listen: Option<SocketAddr>,
@@ -337,12 +430,34 @@ fn show_list(list: &[u32]) -> String {
     format!("[{}]", items.join(", "))
 }
 
+/// The command line (and environment) as parsed at start: a reload resolves the
+/// config file again under the same flags and variables, which keep their precedence.
+#[derive(Clone, Debug)]
+pub struct CommandLine {
+    args: Args,
+    matches: ArgMatches,
+}
+
+impl CommandLine {
+    /// Reads the config file again and resolves every setting.
+    pub fn resolve(&self) -> Result<Settings, String> {
+        resolve(self.args.clone(), &self.matches)
+    }
+
+    /// Whether `--print-config` was given.
+    pub fn print_config(&self) -> bool {
+        self.args.print_config
+    }
+}
+
 /// Parses the command line (and environment) into settings, reading the config file.
-pub fn load() -> Result<(Settings, bool), String> {
+/// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
+pub fn load() -> Result<(Settings, CommandLine), String> {
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
-    let print = args.print_config;
-    resolve(args, &matches).map(|s| (s, print))
+    check_environment(std::env::vars_os())?;
+    let command_line = CommandLine { args, matches };
+    command_line.resolve().map(|s| (s, command_line))
 }
 
 /// Resolves `args` (parsed from `matches`) against the config file and defaults.
@@ -530,15 +645,17 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || 16 * 1024 * 1024 * 1024,
         u64::to_string,
     );
-    let own_uid = nix::unistd::geteuid().as_raw();
     let non_empty = |v: Vec<u32>| (!v.is_empty()).then_some(v);
+    // The agent's own uid and root are always admitted (see access.rs): these lists
+    // only add to them, so no setting can lock the operator out.
     let (mut allowed_uids, _) = layers.take(
         "allowed_uids",
         non_empty(args.allowed_uids),
         file.allowed_uids,
-        || vec![own_uid, 0],
+        Vec::new,
         |l: &Vec<u32>| show_list(l),
     );
+    allowed_uids.sort_unstable();
     allowed_uids.dedup();
     let (allowed_gids, _) = layers.take(
         "allowed_gids",
@@ -547,6 +664,20 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         Vec::new,
         |l: &Vec<u32>| show_list(l),
     );
+    let mut count = |key: &'static str, cli, file, default: u32, max: u32| {
+        let (value, source) = layers.take(key, cli, file, || default, |v: &u32| v.to_string());
+        if value == 0 || value > max {
+            return Err(bad(key, &source, format!("must be between 1 and {max}")));
+        }
+        Ok(value)
+    };
+    let max_connections_per_uid = count(
+        "max_connections_per_uid",
+        args.max_connections_per_uid,
+        file.max_connections_per_uid,
+        DEFAULT_MAX_CONNECTIONS_PER_UID,
+        opmon_client::server::MAX_CONNECTIONS,
+    )?;
     let (log_format, _) = layers.take(
         "log_format",
         args.log_format,
@@ -561,8 +692,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || "info".into(),
         |l| toml_string(l),
     );
-    tracing_subscriber::EnvFilter::try_new(&log_level)
-        .map_err(|e| bad("log_level", &level_source, e))?;
+    check_log_level(&log_level).map_err(|e| bad("log_level", &level_source, e))?;
     let (listen_text, listen_source) = layers.take(
         "metrics_listen",
         args.metrics_listen,
@@ -602,6 +732,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         max_request_size,
         allowed_uids,
         allowed_gids,
+        max_connections_per_uid,
         log_format,
         log_level,
         metrics_listen,

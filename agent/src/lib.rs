@@ -13,6 +13,7 @@ pub mod core;
 pub mod error;
 pub mod metrics;
 pub mod phase;
+pub mod reload;
 pub mod remote;
 pub mod storage;
 pub mod store;
@@ -151,9 +152,13 @@ async fn serve_metrics_tcp(
 
 /// Runs the agent until SIGTERM or SIGINT: opens the database, serves the socket,
 /// polls; then stops accepting, finishes in-flight requests and closes the database.
-pub async fn run(settings: Settings) -> Result<(), String> {
-    // First of all, so SIGTERM during start-up still means a clean stop.
+/// SIGHUP reloads what [`reload`] says, through `reload_with`.
+pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), String> {
+    // First of all, so SIGTERM during start-up still means a clean stop, and SIGHUP
+    // (whose default action ends the process) waits for the reloader.
     let terminated = opmon_client::snapshotter::termination();
+    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
     let metrics = Metrics::new();
@@ -202,8 +207,20 @@ pub async fn run(settings: Settings) -> Result<(), String> {
     let admission = PeerCheck::new(
         &settings.allowed_uids,
         &settings.allowed_gids,
+        settings.max_connections_per_uid,
+        config.max_connections,
         metrics.clone(),
     );
+    let reloader = tokio::spawn({
+        let core = core.clone();
+        let mut running = reload::Running::of(&settings);
+        async move {
+            while hangups.recv().await.is_some() {
+                tracing::info!("SIGHUP: reloading the configuration");
+                reload::reload(&core, &mut running, &reload_with).await;
+            }
+        }
+    });
     let counting = RpcServiceBuilder::new().layer_fn(CountRequests::layer(metrics));
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::debug!(error = %e, "notifying systemd failed");
@@ -218,6 +235,8 @@ pub async fn run(settings: Settings) -> Result<(), String> {
     )
     .await;
     tracing::info!("stopping: requests finished");
+    reloader.abort();
+    let _ = reloader.await;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     stop_metrics.cancel();
     core.stop();

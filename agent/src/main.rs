@@ -1,31 +1,43 @@
 //! The `opmon-agent` binary: settings, logging, run.
 
 use opmon_agent::config::{self, LogFormat};
+use opmon_agent::reload::Reload;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{reload, EnvFilter};
 
 fn main() -> std::process::ExitCode {
-    let (settings, print) = match config::load() {
+    let (settings, command_line) = match config::load() {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("opmon-agent: {e}");
             return std::process::ExitCode::from(2);
         }
     };
-    if print {
+    if command_line.print_config() {
         print!("{}", settings.describe());
         return std::process::ExitCode::SUCCESS;
     }
-    // The level was validated with the settings.
-    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The level was validated with the settings. The filter sits behind a reload
+    // handle so SIGHUP can change it.
+    let filter = EnvFilter::try_new(&settings.log_level).unwrap_or_else(|_| EnvFilter::new("info"));
+    let (filter, handle) = reload::Layer::new(filter);
     // Colours only for a person at a terminal, never into files or the journal.
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter);
     match settings.log_format {
-        LogFormat::Json => logs.json().init(),
-        LogFormat::Human => logs.init(),
+        LogFormat::Json => registry.with(logs.json()).init(),
+        LogFormat::Human => registry.with(logs).init(),
     }
+    let reload_with = Reload {
+        command_line,
+        set_log_level: Box::new(move |level| {
+            let filter = EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+            handle.reload(filter).map_err(|e| e.to_string())
+        }),
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -33,7 +45,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(opmon_agent::run(settings)) {
+    match runtime.block_on(opmon_agent::run(settings, reload_with)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

@@ -2,8 +2,16 @@
 
 use std::process::Command;
 
+/// The agent with none of this process's `OPMON_*` variables: the agent refuses those
+/// that are not its settings, and a test harness may have its own.
 fn agent() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_opmon-agent"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_opmon-agent"));
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OPMON_") {
+            command.env_remove(name);
+        }
+    }
+    command
 }
 
 #[test]
@@ -33,5 +41,115 @@ fn a_duration_that_is_not_go_syntax_is_refused_from_the_environment_too() {
     assert!(
         stderr.contains("invalid duration \"30 seconds\""),
         "{stderr}"
+    );
+}
+
+/// The agent printing its configuration, with no config file.
+fn print_config() -> Command {
+    let mut command = agent();
+    command
+        .env("OPMON_CONFIG", "/dev/null")
+        .arg("--print-config");
+    command
+}
+
+#[test]
+fn an_opmon_variable_that_is_no_setting_stops_the_agent_naming_it() {
+    // The variable the sidecar manifest once set, which did nothing.
+    let out = print_config().env("OPMON_LOG", "info").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon-agent: environment variable OPMON_LOG is not an opmon-agent setting (did you mean OPMON_LOG_FORMAT or OPMON_LOG_LEVEL?)"
+    );
+    let out = print_config()
+        .env("OPMON_POLL_INTERVALL", "1s")
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon-agent: environment variable OPMON_POLL_INTERVALL is not an opmon-agent setting (did you mean OPMON_POLL_INTERVAL?)"
+    );
+    let out = print_config().env("OPMON_COLOUR", "1").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon-agent: environment variable OPMON_COLOUR is not an opmon-agent setting (see opmon-agent --help for the settings' variables)"
+    );
+}
+
+#[test]
+fn variables_of_the_cli_and_of_command_snapshotters_do_not_stop_the_agent() {
+    let out = print_config()
+        .env("OPMON_SOCKET", "/tmp/x.sock")
+        .env("OPMON_PLUGIN", "example.io/p")
+        .env("OPMON_OWNER_NAME", "b")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("socket = \"/tmp/x.sock\"") && text.contains("# environment OPMON_SOCKET"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_log_level_that_is_not_a_level_is_refused_instead_of_logging_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.toml");
+    std::fs::write(&file, "log_level = \"verbose\"\n").unwrap();
+    let out = print_config().env("OPMON_CONFIG", &file).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        format!(
+            "opmon-agent: log_level (from {} line 1): \"verbose\" is not a level (trace, debug, info, warn, error, off) or a directive like opmon_agent=debug",
+            file.display()
+        )
+    );
+    // Levels and target=level directives are fine.
+    for good in [
+        "debug",
+        "WARN",
+        "info,opmon_agent=trace",
+        "opmon_agent::core=debug",
+    ] {
+        let out = print_config()
+            .env("OPMON_LOG_LEVEL", good)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{good}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn max_connections_per_uid_is_a_setting_with_bounds() {
+    let out = print_config().output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("max_connections_per_uid = 256 ") && l.ends_with("# default")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("allowed_uids = [] ") && l.ends_with("# default")),
+        "{text}"
+    );
+    let out = print_config()
+        .env("OPMON_MAX_CONNECTIONS_PER_UID", "0")
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon-agent: max_connections_per_uid (from environment OPMON_MAX_CONNECTIONS_PER_UID): must be between 1 and 4096"
     );
 }

@@ -54,6 +54,11 @@ pub enum Error {
     },
     #[error("opmon agent at {path} refused the WebSocket handshake: {message}")]
     Handshake { path: PathBuf, message: String },
+    /// The agent refused this peer (not allowed, or over a connection limit); the
+    /// message is the agent's, e.g. `uid 1000 is not in allowed_uids or allowed_gids
+    /// (HTTP 403)`.
+    #[error("opmon agent at {path} refused the connection: {message}")]
+    Refused { path: PathBuf, message: String },
     /// The agent answered with a JSON-RPC error; `code` is one of [`crate::codes`].
     #[error("{message} (code {code})")]
     Rpc { code: i32, message: String },
@@ -114,15 +119,23 @@ impl Client {
         let url: Url = "ws://localhost/"
             .parse()
             .map_err(|e| Error::Transport(format!("{e}")))?;
-        let (sender, receiver) = WsTransportClientBuilder::default()
+        let built = WsTransportClientBuilder::default()
             .max_request_size(64 * 1024 * 1024)
             .max_response_size(256 * 1024 * 1024)
             .build_with_stream(url, stream)
-            .await
-            .map_err(|e| Error::Handshake {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+            .await;
+        let (sender, receiver) = match built {
+            Ok(transport) => transport,
+            Err(e) => {
+                if let Some(message) = crate::refused::reason(&path).await {
+                    return Err(Error::Refused { path, message });
+                }
+                return Err(Error::Handshake {
+                    path,
+                    message: e.to_string(),
+                });
+            }
+        };
         let rpc = ClientBuilder::default()
             // Pings keep a quiet connection (a long subscription) from counting as idle.
             .enable_ws_ping(

@@ -7,6 +7,7 @@ pub mod client;
 pub mod codes;
 pub mod duration;
 pub mod paths;
+mod refused;
 pub mod server;
 pub mod snapshotter;
 pub mod types;

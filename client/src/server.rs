@@ -6,6 +6,12 @@
 //! WebSocket. Shutdown is graceful by construction: once `shutdown` resolves, no new
 //! connection is accepted, in-flight requests finish, and [`serve`] returns only after
 //! every connection task has ended.
+//!
+//! Before a byte of a connection is read, an [`Admission`] decides whether it is
+//! served. A refused peer is answered, not reset: its request gets the refusal's HTTP
+//! status (403, 429) and a JSON-RPC error body, within a fixed time and byte budget and
+//! a bounded number of refusals answered at once, so refused peers cannot tie up the
+//! server.
 
 use std::future::Future;
 use std::io;
@@ -27,6 +33,9 @@ use tower::Service;
 /// Renders the page served at `GET /metrics`.
 pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Send>> + Send + Sync>;
 
+/// Connections served at once by default.
+pub const MAX_CONNECTIONS: u32 = 4096;
+
 /// Limits and extras of a served socket.
 #[derive(Clone)]
 pub struct ServeConfig {
@@ -47,7 +56,7 @@ impl Default for ServeConfig {
         ServeConfig {
             max_request_body_size: 16 * 1024 * 1024,
             max_response_body_size: 256 * 1024 * 1024,
-            max_connections: 4096,
+            max_connections: MAX_CONNECTIONS,
             metrics: None,
             idle_timeout: None,
         }
@@ -250,15 +259,29 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
 
 /// Decides, before any request is read, whether a connection may be served.
 pub trait Admission: Send + Sync + 'static {
-    fn admit(&self, stream: &UnixStream) -> bool;
+    /// Held for as long as the admitted connection is served (a slot of a limit, say).
+    type Ticket: Send + 'static;
+    fn admit(&self, stream: &UnixStream) -> Result<Self::Ticket, Refusal>;
+}
+
+/// Why a connection is not served: the peer gets `status` and a JSON-RPC error object
+/// with `message` (see [`answer_refused`]) instead of a bare close, so it can act on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// 403 (not allowed) or 429 (over a connection limit).
+    pub status: hyper::StatusCode,
+    /// The JSON-RPC error code of the body.
+    pub code: i32,
+    pub message: String,
 }
 
 /// Admits every connection: the socket's file mode is the only gate.
 pub struct AdmitAll;
 
 impl Admission for AdmitAll {
-    fn admit(&self, _stream: &UnixStream) -> bool {
-        true
+    type Ticket = ();
+    fn admit(&self, _stream: &UnixStream) -> Result<(), Refusal> {
+        Ok(())
     }
 }
 
@@ -293,6 +316,7 @@ pub async fn serve<L>(
         .to_service_builder();
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
+    let refusals = Refusals::new();
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -308,9 +332,13 @@ pub async fn serve<L>(
                 }
             },
         };
-        if !admission.admit(&stream) {
-            continue;
-        }
+        let ticket = match admission.admit(&stream) {
+            Ok(ticket) => ticket,
+            Err(refusal) => {
+                refusals.answer(stream, refusal);
+                continue;
+            }
+        };
         let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
         let page = config.metrics.clone();
         let max_body = config.max_request_body_size;
@@ -322,6 +350,7 @@ pub async fn serve<L>(
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;
         connections.spawn(async move {
+            let _ticket = ticket;
             let (stream, activity) = Watched::new(stream);
             let served = serve_with_graceful_shutdown(stream, service, stopped);
             let idle = async {
@@ -342,4 +371,90 @@ pub async fn serve<L>(
     let _ = server_handle.stop();
     connections.close();
     connections.wait().await;
+}
+
+/// Refused connections answered at once; past this, more are closed unanswered, so
+/// refused peers cannot make the agent hold more than this many sockets and tasks.
+const REFUSALS_AT_ONCE: usize = 32;
+/// A refused peer has this long to send its request and take the answer.
+const REFUSAL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Bytes of a refused peer's request body read (and dropped) before answering, so a
+/// small request is consumed and the close after the answer is clean.
+const REFUSAL_BODY_READ: usize = 64 * 1024;
+
+/// Answers refused connections, within [`REFUSALS_AT_ONCE`] and [`REFUSAL_DEADLINE`].
+struct Refusals {
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl Refusals {
+    fn new() -> Refusals {
+        Refusals {
+            slots: Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE)),
+        }
+    }
+
+    /// Answers `stream` with `refusal` in a task of its own, or closes it at once if
+    /// too many refusals are being answered already.
+    fn answer(&self, stream: UnixStream, refusal: Refusal) {
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+            tracing::debug!("closed a refused connection unanswered: too many refusals at once");
+            return;
+        };
+        tokio::spawn(async move {
+            let _slot = slot;
+            if tokio::time::timeout(REFUSAL_DEADLINE, answer_refused(stream, refusal))
+                .await
+                .is_err()
+            {
+                tracing::debug!("a refused peer took too long; closed");
+            }
+        });
+    }
+}
+
+/// The body of a refusal: a JSON-RPC error object (id null), as for a request that
+/// could not be read.
+fn refusal_body(refusal: &Refusal) -> String {
+    let message = serde_json::Value::String(refusal.message.clone());
+    format!(
+        r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":{},"message":{message}}}}}"#,
+        refusal.code
+    )
+}
+
+/// Serves one HTTP request on `stream` (any method, a WebSocket upgrade included) with
+/// `refusal`'s status and body, then closes. The request head is bounded by hyper's
+/// smallest buffer, the body read by [`REFUSAL_BODY_READ`]; the caller bounds the time.
+async fn answer_refused(stream: UnixStream, refusal: Refusal) {
+    let body = hyper::body::Bytes::from(refusal_body(&refusal));
+    let status = refusal.status;
+    let service =
+        hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            let body = body.clone();
+            async move {
+                use http_body_util::BodyExt;
+                let _ = http_body_util::Limited::new(request.into_body(), REFUSAL_BODY_READ)
+                    .collect()
+                    .await;
+                let mut response = hyper::Response::new(http_body_util::Full::new(body));
+                *response.status_mut() = status;
+                let headers = response.headers_mut();
+                headers.insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("application/json"),
+                );
+                headers.insert(
+                    hyper::header::CONNECTION,
+                    hyper::header::HeaderValue::from_static("close"),
+                );
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        });
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let _ = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(8192)
+        .serve_connection(io, service)
+        .await;
 }

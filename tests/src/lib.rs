@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
 
+pub mod deploy;
+
 /// How long a process may take to open its socket before the test fails.
 const READY_WITHIN: Duration = Duration::from_secs(60);
 
@@ -30,6 +32,27 @@ pub fn workspace_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// A command that runs `opmon-agent` with none of the `OPMON_*` variables of this
+/// process (see [`without_opmon_env`]). Set what the agent should see on the returned
+/// command.
+pub fn agent_command() -> Command {
+    let mut command = Command::new(workspace_binary("opmon-agent"));
+    without_opmon_env(&mut command);
+    command
+}
+
+/// Removes every `OPMON_*` variable of this process from what `command` inherits: the
+/// agent refuses variables that are not its settings, and test harnesses have their
+/// own (`OPMON_CRASH_SEED`, `OPMON_FUZZ_SHRINK`, …).
+pub fn without_opmon_env(command: &mut Command) -> &mut Command {
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("OPMON_") {
+            command.env_remove(&name);
+        }
+    }
+    command
 }
 
 /// The SDK snapshotter built for the tests.
@@ -121,7 +144,7 @@ impl Agent {
             .append(true)
             .open(&self.log)
             .expect("agent log");
-        Command::new(workspace_binary("opmon-agent"))
+        agent_command()
             .arg("--socket")
             .arg(&self.socket)
             .arg("--state-dir")

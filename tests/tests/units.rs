@@ -1,6 +1,6 @@
 //! The deployment files: the systemd units and snippets (checked with the machine's own
-//! systemd tools), and the container image and Kubernetes manifest (checked against
-//! each other).
+//! systemd tools), and the container image and Kubernetes manifests (checked against
+//! each other). `systemd_boot.rs` and `kubernetes.rs` run them for real.
 //!
 //! Needs `systemd-analyze`, `systemd-sysusers` and `systemd-tmpfiles` (Debian package
 //! `systemd`) and `python3` with PyYAML (Debian package `python3-yaml`) to read the
@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use opmon_tests::deploy::{self, Image};
 use serde_json::Value;
 
 /// The repository root.
@@ -287,6 +288,11 @@ fn units_and_snippets_agree_with_each_other_and_the_agent() {
     assert_eq!(value(&service, "Service", "NotifyAccess"), "main");
     assert_eq!(value(&service, "Service", "WatchdogSec"), "60s");
     assert_eq!(value(&service, "Service", "Restart"), "on-failure");
+    // `systemctl reload` is SIGHUP to the agent, with no binary a minimal system lacks.
+    assert_eq!(
+        value(&service, "Service", "ExecReload"),
+        "/bin/sh -c 'kill -HUP $MAINPID'"
+    );
 
     // One user, the one sysusers creates.
     let sysusers = snippet_lines(&read("systemd/opmon.sysusers"));
@@ -422,206 +428,42 @@ fn sysusers_and_tmpfiles_snippets_create_the_user_and_directories() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Container image and Kubernetes manifest
-
-/// The instructions of the Dockerfile's last stage, as `(INSTRUCTION, arguments)`, with
-/// continuation lines joined and comments dropped.
-fn final_stage(dockerfile: &str) -> Vec<(String, String)> {
-    let mut instructions = Vec::new();
-    let mut current = String::new();
-    for raw in dockerfile.lines() {
-        let line = raw.trim();
-        if current.is_empty() && (line.is_empty() || line.starts_with('#')) {
-            continue;
-        }
-        if let Some(head) = line.strip_suffix('\\') {
-            current.push_str(head);
-            current.push(' ');
-            continue;
-        }
-        current.push_str(line);
-        let text = std::mem::take(&mut current);
-        let (keyword, args) = text.split_once(char::is_whitespace).unwrap_or((&text, ""));
-        instructions.push((keyword.to_uppercase(), args.trim().to_string()));
-    }
-    let last_from = instructions
-        .iter()
-        .rposition(|(k, _)| k == "FROM")
-        .expect("the Dockerfile has a FROM");
-    instructions.split_off(last_from)
-}
-
-/// What the runtime image sets up.
-struct Image {
-    from: String,
-    env: BTreeMap<String, String>,
-    volumes: Vec<String>,
-    entrypoint: Vec<String>,
-    user: String,
-    copied: Vec<String>,
-}
-
-fn image() -> Image {
-    let stage = final_stage(&read("container/Dockerfile"));
-    let mut image = Image {
-        from: stage[0].1.clone(),
-        env: BTreeMap::new(),
-        volumes: Vec::new(),
-        entrypoint: Vec::new(),
-        user: String::new(),
-        copied: Vec::new(),
-    };
-    for (keyword, args) in &stage {
-        match keyword.as_str() {
-            "ENV" => {
-                let tokens: Vec<&str> = args.split_whitespace().collect();
-                if tokens.first().is_some_and(|t| !t.contains('=')) {
-                    image
-                        .env
-                        .insert(tokens[0].to_string(), tokens[1..].join(" "));
-                } else {
-                    for token in tokens {
-                        let (k, v) = token
-                            .split_once('=')
-                            .unwrap_or_else(|| panic!("ENV {args}: {token:?}"));
-                        image
-                            .env
-                            .insert(k.to_string(), v.trim_matches('"').to_string());
-                    }
-                }
-            }
-            "VOLUME" => {
-                let list: Vec<String> = if args.starts_with('[') {
-                    serde_json::from_str(args).unwrap_or_else(|e| panic!("VOLUME {args}: {e}"))
-                } else {
-                    args.split_whitespace().map(str::to_string).collect()
-                };
-                image.volumes.extend(list);
-            }
-            "ENTRYPOINT" => {
-                image.entrypoint = serde_json::from_str(args)
-                    .unwrap_or_else(|e| panic!("ENTRYPOINT should be a JSON array: {args}: {e}"));
-            }
-            "USER" => image.user = args.clone(),
-            "COPY" => {
-                let dest = args.split_whitespace().last().expect("COPY destination");
-                image.copied.push(dest.to_string());
-            }
-            _ => {}
-        }
-    }
-    image
-}
-
-/// The documents of the manifest, parsed by PyYAML and handed over as JSON.
-fn manifest() -> Vec<Value> {
-    let path = repo().join("container/kubernetes/velero-with-opmon.yaml");
-    let out = Command::new("python3")
-        .args([
-            "-c",
-            "import json, sys, yaml\n\
-             with open(sys.argv[1]) as f:\n    docs = [d for d in yaml.safe_load_all(f) if d is not None]\n\
-             json.dump(docs, sys.stdout)",
-        ])
-        .arg(&path)
-        .output()
-        .expect("running python3 (needs PyYAML: Debian package python3-yaml)");
-    assert!(
-        out.status.success(),
-        "python3 could not read {} (needs PyYAML: Debian package python3-yaml):\n{}",
-        path.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("python3 printed JSON")
-}
-
-fn document<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
-    let all: Vec<&Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
-    assert_eq!(all.len(), 1, "one {kind} expected in the manifest");
-    all[0]
-}
-
-fn array<'a>(v: &'a Value, what: &str) -> &'a Vec<Value> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("{what} should be a list, is {v}"))
-}
+// Container image and Kubernetes manifests
 
 fn str_of<'a>(v: &'a Value, what: &str) -> &'a str {
     v.as_str()
         .unwrap_or_else(|| panic!("{what} should be a string, is {v}"))
 }
 
-/// The value of environment variable `name` of a container, if it sets it.
-fn env_of<'a>(container: &'a Value, name: &str) -> Option<&'a str> {
-    container["env"]
-        .as_array()?
-        .iter()
-        .find(|e| e["name"] == name)
-        .map(|e| str_of(&e["value"], name))
+fn is_agent(container: &Value) -> bool {
+    container["image"]
+        .as_str()
+        .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX))
 }
 
-/// The volume a container mounts at `path`, looked up in the pod's volumes.
-fn volume_at<'a>(pod: &'a Value, container: &Value, path: &str) -> &'a Value {
-    let cname = &container["name"];
-    let mounts = array(&container["volumeMounts"], "volumeMounts");
-    let mount = mounts
-        .iter()
-        .find(|m| m["mountPath"] == path)
-        .unwrap_or_else(|| panic!("container {cname} mounts nothing at {path}"));
-    let name = &mount["name"];
-    array(&pod["volumes"], "volumes")
-        .iter()
-        .find(|v| &v["name"] == name)
-        .unwrap_or_else(|| panic!("no pod volume {name} (mounted by {cname})"))
-}
-
-/// A container's security setting `key`, else the pod's.
-fn security<'a>(pod: &'a Value, container: &'a Value, key: &str) -> &'a Value {
-    match &container["securityContext"][key] {
-        Value::Null => &pod["securityContext"][key],
-        v => v,
+/// The image: socket, state and storage are volumes; it runs the agent as 65532 from a
+/// minimal base.
+fn check_image(image: &Image) {
+    for key in ["OPMON_SOCKET", "OPMON_STATE_DIR", "OPMON_STORAGE_DIR"] {
+        assert!(image.env.contains_key(key), "the Dockerfile sets no {key}");
     }
-}
-
-#[test]
-fn the_kubernetes_manifest_matches_the_image() {
-    let image = image();
-    let socket = image
-        .env
-        .get("OPMON_SOCKET")
-        .expect("the Dockerfile sets OPMON_SOCKET")
-        .clone();
-    let state_dir = image
-        .env
-        .get("OPMON_STATE_DIR")
-        .expect("the Dockerfile sets OPMON_STATE_DIR")
-        .clone();
-    let socket_dir = Path::new(&socket)
+    let socket = &image.env["OPMON_SOCKET"];
+    let socket_dir = Path::new(socket)
         .parent()
         .expect("socket directory")
         .to_str()
-        .expect("utf-8")
-        .to_string();
-
-    // The image: its socket and state are volumes, it runs the agent as non-root.
-    assert!(
-        image
-            .volumes
-            .iter()
-            .any(|v| socket.starts_with(&format!("{}/", v.trim_end_matches('/')))),
-        "OPMON_SOCKET {socket} is under none of the VOLUMEs {:?}",
-        image.volumes
-    );
-    assert!(
-        image.volumes.contains(&socket_dir),
-        "the socket directory {socket_dir} should itself be a VOLUME: {:?}",
-        image.volumes
-    );
-    assert!(
-        image.volumes.contains(&state_dir),
-        "OPMON_STATE_DIR {state_dir} is not a VOLUME: {:?}",
-        image.volumes
-    );
+        .expect("utf-8");
+    for dir in [
+        socket_dir,
+        image.env["OPMON_STATE_DIR"].as_str(),
+        image.env["OPMON_STORAGE_DIR"].as_str(),
+    ] {
+        assert!(
+            image.volumes.iter().any(|v| v == dir),
+            "{dir} should be a VOLUME: {:?}",
+            image.volumes
+        );
+    }
     let agent_binary = "/usr/local/bin/opmon-agent";
     let cli_binary = "/usr/local/bin/opmon";
     assert_eq!(image.entrypoint, [agent_binary]);
@@ -631,120 +473,244 @@ fn the_kubernetes_manifest_matches_the_image() {
             "{binary} is not copied in"
         );
     }
-    let image_uid: u64 = image
-        .user
-        .split(':')
-        .next()
-        .and_then(|u| u.parse().ok())
-        .unwrap_or_else(|| panic!("USER should be a numeric uid, is {:?}", image.user));
-    assert_eq!(image_uid, 65532, "USER {}", image.user);
+    assert_eq!(image.uid_gid(), (65532, 65532), "USER {}", image.user);
     assert!(
         !image.from.starts_with("rust"),
         "the runtime stage should be a minimal image, not the toolchain: {}",
         image.from
     );
+}
 
-    // The manifest.
-    let docs = manifest();
-    let deployment = document(&docs, "Deployment");
-    let pvc = document(&docs, "PersistentVolumeClaim");
-    let pod = &deployment["spec"]["template"]["spec"];
-    // One agent per database: never two pods on the volume at once.
-    assert_eq!(deployment["spec"]["replicas"], 1);
-    assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate");
+/// The volume behind `path` in `container`: `(kind, identity)`, where containers of
+/// different pods share a volume only through the same hostPath.
+fn volume_identity(pod_name: &str, pod: &Value, container: &Value, path: &str) -> (String, String) {
+    let volume = deploy::volume_at(pod, container, path)
+        .unwrap_or_else(|| panic!("{} mounts nothing at {path}", container["name"]));
+    if let Some(host) = volume["hostPath"]["path"].as_str() {
+        return ("hostPath".into(), host.to_string());
+    }
+    let kind = ["emptyDir", "persistentVolumeClaim", "configMap", "secret"]
+        .into_iter()
+        .find(|k| !volume[*k].is_null())
+        .unwrap_or("other");
+    (
+        kind.to_string(),
+        format!("{pod_name}/{}", str_of(&volume["name"], "volume name")),
+    )
+}
 
-    // The agent is a native sidecar.
-    let init = array(&pod["initContainers"], "initContainers");
-    let sidecars: Vec<&Value> = init.iter().filter(|c| c["name"] == "opmon").collect();
-    assert_eq!(sidecars.len(), 1, "one initContainer named opmon expected");
-    let agent = sidecars[0];
-    assert_eq!(
-        agent["restartPolicy"], "Always",
-        "opmon must be a native sidecar"
-    );
-    assert!(
-        array(&pod["containers"], "containers")
+#[test]
+fn the_kubernetes_manifests_match_the_image_and_each_other() {
+    let image = deploy::image();
+    check_image(&image);
+    let socket = image.env["OPMON_SOCKET"].clone();
+    let socket_dir = Path::new(&socket)
+        .parent()
+        .expect("socket dir")
+        .to_str()
+        .expect("utf-8")
+        .to_string();
+    let state_dir = image.env["OPMON_STATE_DIR"].clone();
+    let storage_dir = image.env["OPMON_STORAGE_DIR"].clone();
+    let (agent_uid, agent_gid) = image.uid_gid();
+
+    for file in deploy::MANIFESTS {
+        let docs = deploy::manifest(file);
+        let pods = deploy::pod_templates(&docs);
+        let agents: Vec<(&String, &Value, &Value)> = pods
             .iter()
-            .all(|c| c["name"] != "opmon"),
-        "opmon belongs in initContainers only"
-    );
-    assert_eq!(env_of(agent, "OPMON_SOCKET"), Some(socket.as_str()));
-    if let Some(dir) = env_of(agent, "OPMON_STATE_DIR") {
-        assert_eq!(dir, state_dir);
-    }
+            .flat_map(|(name, pod)| {
+                deploy::containers(pod)
+                    .into_iter()
+                    .filter(|c| is_agent(c))
+                    .map(move |c| (name, *pod, c))
+            })
+            .collect();
+        assert_eq!(agents.len(), 1, "{file}: one agent container expected");
+        let (agent_pod_name, agent_pod, agent) = agents[0];
+        let workload = docs
+            .iter()
+            .find(|d| {
+                format!(
+                    "{}/{}",
+                    d["kind"].as_str().unwrap_or("?"),
+                    d["metadata"]["name"].as_str().unwrap_or("?")
+                ) == *agent_pod_name
+            })
+            .expect("the agent's workload");
+        let name = &agent["name"];
 
-    // Socket on an emptyDir, state on the manifest's PVC.
-    let run_volume = volume_at(pod, agent, &socket_dir);
-    assert!(run_volume["emptyDir"].is_object(), "{run_volume}");
-    let state_volume = volume_at(pod, agent, &state_dir);
-    assert_eq!(
-        state_volume["persistentVolumeClaim"]["claimName"], pvc["metadata"]["name"],
-        "the state volume should be the manifest's PVC"
-    );
+        // The agent's environment: only settings, the image's paths.
+        let vars = agent["env"].as_array().cloned().unwrap_or_default();
+        opmon_agent::config::check_environment(vars.iter().map(|v| {
+            (
+                str_of(&v["name"], "env name").into(),
+                v["value"].as_str().unwrap_or_default().into(),
+            )
+        }))
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+        for key in ["OPMON_SOCKET", "OPMON_STATE_DIR", "OPMON_STORAGE_DIR"] {
+            if let Some(value) = deploy::env_of(agent, key) {
+                assert_eq!(value, image.env[key], "{file}: {name} {key}");
+            }
+        }
 
-    // Probes run `opmon status`, the CLI of the image, which finds the socket by
-    // OPMON_SOCKET.
-    for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
-        let command = array(&agent[probe]["exec"]["command"], probe);
-        let command: Vec<&str> = command.iter().map(|c| str_of(c, probe)).collect();
-        assert!(
-            command.len() == 2 && (command[0] == "opmon" || command[0] == cli_binary),
-            "{probe} should run `opmon status`: {command:?}"
-        );
-        assert_eq!(command[1], "status", "{probe}: {command:?}");
-    }
+        // Where the agent's things live: a sidecar's socket on an emptyDir and its
+        // database on the manifest's PVC (one pod at a time); a DaemonSet's on the node.
+        let (socket_kind, socket_volume) =
+            volume_identity(agent_pod_name, agent_pod, agent, &socket_dir);
+        let (state_kind, _) = volume_identity(agent_pod_name, agent_pod, agent, &state_dir);
+        let (_, storage_volume) = volume_identity(agent_pod_name, agent_pod, agent, &storage_dir);
+        match workload["kind"].as_str() {
+            Some("DaemonSet") => {
+                assert_eq!(socket_kind, "hostPath", "{file}");
+                assert_eq!(state_kind, "hostPath", "{file}");
+            }
+            Some("Deployment") => {
+                assert_eq!(socket_kind, "emptyDir", "{file}");
+                assert_eq!(state_kind, "persistentVolumeClaim", "{file}");
+                let claim = &deploy::volume_at(agent_pod, agent, &state_dir).expect("state")
+                    ["persistentVolumeClaim"]["claimName"];
+                assert!(
+                    docs.iter()
+                        .any(|d| d["kind"] == "PersistentVolumeClaim"
+                            && &d["metadata"]["name"] == claim),
+                    "{file}: no PersistentVolumeClaim {claim}"
+                );
+                assert_eq!(workload["spec"]["replicas"], 1, "{file}");
+                assert_eq!(workload["spec"]["strategy"]["type"], "Recreate", "{file}");
+                // A native sidecar.
+                let init = agent_pod["initContainers"]
+                    .as_array()
+                    .expect("initContainers");
+                assert!(
+                    init.iter().any(|c| c == agent),
+                    "{file}: the sidecar is an init container"
+                );
+                assert_eq!(agent["restartPolicy"], "Always", "{file}: a native sidecar");
+            }
+            other => panic!("{file}: the agent runs in a {other:?}"),
+        }
 
-    // The backup server: same socket, same volume.
-    let servers: Vec<&Value> = array(&pod["containers"], "containers")
-        .iter()
-        .filter(|c| env_of(c, "OPMON_SOCKET").is_some())
-        .collect();
-    assert!(!servers.is_empty(), "no container is told OPMON_SOCKET");
-    let allowed: Vec<u64> = env_of(agent, "OPMON_ALLOWED_UIDS")
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|u| u.trim().parse().ok())
-        .collect();
-    let agent_uid = security(pod, agent, "runAsUser").as_u64();
-    for server in &servers {
-        let name = &server["name"];
+        // Probes run `opmon status`, the CLI of the image (OPMON_SOCKET finds the agent).
+        for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+            let command: Vec<&str> = agent[probe]["exec"]["command"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{file}: {name} has no exec {probe}"))
+                .iter()
+                .map(|c| str_of(c, probe))
+                .collect();
+            assert_eq!(
+                command,
+                ["/usr/local/bin/opmon", "status"],
+                "{file}: {probe}"
+            );
+        }
+
+        // The config file: snapshotters whose sockets are in a volume the agent and the
+        // snapshotter's container share.
+        let config = deploy::agent_config(&docs, agent_pod, agent);
+        let allowed: Vec<u64> = config["allowed_uids"]
+            .as_array()
+            .map(|l| l.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        let snapshotters = config["snapshotter"]
+            .as_array()
+            .expect("[[snapshotter]] tables");
+        assert!(!snapshotters.is_empty(), "{file}: no [[snapshotter]]");
+        for s in snapshotters {
+            let socket = Path::new(str_of(&s["socket"], "snapshotter socket"));
+            let dir = socket.parent().expect("dir").to_str().expect("utf-8");
+            let (_, theirs) = volume_identity(agent_pod_name, agent_pod, agent, dir);
+            let served = deploy::containers(agent_pod).into_iter().any(|c| {
+                !is_agent(c)
+                    && deploy::volume_at(agent_pod, c, dir).is_some()
+                    && volume_identity(agent_pod_name, agent_pod, c, dir).1 == theirs
+            });
+            assert!(served, "{file}: no container serves {}", socket.display());
+        }
+
+        // Backup servers: told OPMON_SOCKET, mount the agent's socket and storage
+        // volumes at the same paths, run as an allowed uid with the agent's group.
+        let mut servers = 0;
+        for (pod_name, pod) in &pods {
+            for c in deploy::containers(pod) {
+                if is_agent(c) || deploy::env_of(c, "OPMON_SOCKET").is_none() {
+                    continue;
+                }
+                servers += 1;
+                let cname = &c["name"];
+                assert_eq!(
+                    deploy::env_of(c, "OPMON_SOCKET"),
+                    Some(socket.as_str()),
+                    "{file}: {cname}"
+                );
+                assert_eq!(
+                    volume_identity(pod_name, pod, c, &socket_dir).1,
+                    socket_volume,
+                    "{file}: {cname} must mount the agent's socket volume at {socket_dir}"
+                );
+                assert_eq!(
+                    volume_identity(pod_name, pod, c, &storage_dir).1,
+                    storage_volume,
+                    "{file}: {cname} must mount the agent's storage at {storage_dir}"
+                );
+                let uid = deploy::security(pod, c, "runAsUser")
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("{file}: {cname} has no runAsUser"));
+                assert!(
+                    uid == u64::from(agent_uid) || uid == 0 || allowed.contains(&uid),
+                    "{file}: {cname} runs as {uid}, which allowed_uids {allowed:?} does not let in"
+                );
+                let mut groups: Vec<u64> = pod["securityContext"]["supplementalGroups"]
+                    .as_array()
+                    .map(|l| l.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default();
+                groups.extend(pod["securityContext"]["fsGroup"].as_u64());
+                groups.extend(deploy::security(pod, c, "runAsGroup").as_u64());
+                assert!(
+                    groups.contains(&u64::from(agent_gid)),
+                    "{file}: {cname} is not in group {agent_gid}, which the socket needs"
+                );
+            }
+        }
+        assert!(servers > 0, "{file}: no backup server is told OPMON_SOCKET");
+
+        // Non-root (but for the DaemonSet's chown step), read-only, least capabilities.
+        for (_, pod) in &pods {
+            for c in deploy::containers(pod) {
+                let cname = &c["name"];
+                let sc = &c["securityContext"];
+                assert_eq!(sc["readOnlyRootFilesystem"], true, "{file}: {cname}");
+                assert_eq!(sc["allowPrivilegeEscalation"], false, "{file}: {cname}");
+                let drop = sc["capabilities"]["drop"]
+                    .as_array()
+                    .expect("capabilities.drop");
+                assert!(drop.iter().any(|c| c == "ALL"), "{file}: {cname} drops ALL");
+                if deploy::security(pod, c, "runAsUser") == 0 {
+                    let added: Vec<&str> = sc["capabilities"]["add"]
+                        .as_array()
+                        .map(|l| l.iter().filter_map(Value::as_str).collect())
+                        .unwrap_or_default();
+                    assert_eq!(added, ["CHOWN", "FOWNER"], "{file}: {cname} runs as root");
+                    assert!(
+                        pod["containers"].as_array().is_none_or(|l| !l.contains(c)),
+                        "{file}: only an init container may run as root"
+                    );
+                } else {
+                    assert_eq!(
+                        deploy::security(pod, c, "runAsNonRoot"),
+                        true,
+                        "{file}: {cname}"
+                    );
+                    assert!(sc["capabilities"]["add"].is_null(), "{file}: {cname}");
+                }
+            }
+        }
         assert_eq!(
-            env_of(server, "OPMON_SOCKET"),
-            Some(socket.as_str()),
-            "{name}"
-        );
-        assert_eq!(
-            volume_at(pod, server, &socket_dir)["name"],
-            run_volume["name"],
-            "{name} should mount the agent's socket volume at {socket_dir}"
-        );
-        let uid = security(pod, server, "runAsUser")
-            .as_u64()
-            .unwrap_or_else(|| panic!("{name} has no runAsUser"));
-        assert!(
-            Some(uid) == agent_uid || allowed.contains(&uid),
-            "{name} runs as {uid}, which OPMON_ALLOWED_UIDS {allowed:?} does not let in"
-        );
-    }
-
-    // Non-root, read-only, no capabilities.
-    assert_eq!(
-        agent_uid,
-        Some(image_uid),
-        "the agent runs as the image's user"
-    );
-    assert_eq!(security(pod, agent, "runAsGroup"), 65532);
-    for container in init.iter().chain(array(&pod["containers"], "containers")) {
-        let name = &container["name"];
-        assert_eq!(security(pod, container, "runAsNonRoot"), true, "{name}");
-        assert_ne!(security(pod, container, "runAsUser"), 0, "{name}");
-        let sc = &container["securityContext"];
-        assert_eq!(sc["readOnlyRootFilesystem"], true, "{name}");
-        assert_eq!(sc["allowPrivilegeEscalation"], false, "{name}");
-        let drop = array(&sc["capabilities"]["drop"], "capabilities.drop");
-        assert!(
-            drop.iter().any(|c| c == "ALL"),
-            "{name} should drop ALL: {drop:?}"
+            deploy::security(agent_pod, agent, "runAsUser").as_u64(),
+            Some(u64::from(agent_uid)),
+            "{file}: the agent runs as the image's user"
         );
     }
 }

@@ -1,0 +1,144 @@
+//! SIGHUP: reload the configuration file's `[[snapshotter]]` tables and `log_level`.
+//!
+//! The file is read again and every setting resolved under the command line and
+//! environment the agent started with (so flags and variables keep their precedence).
+//! Invariants:
+//! - All or nothing: a file that does not parse, a bad value or an invalid
+//!   `[[snapshotter]]` table refuses the whole reload, logged with the reason, and the
+//!   running configuration stays as it was.
+//! - Only `log_level` and the `[[snapshotter]]` tables change while running. A table
+//!   that is new or changed is registered (as at start); a table that was in the running
+//!   configuration and is gone from the file is unregistered. Snapshotters registered
+//!   through the API are not touched. Any other setting that differs is logged as taking
+//!   effect at the next start.
+//! - Every change is logged; systemd hears `RELOADING=1` and then `READY=1`.
+
+use opmon_client::Snapshotter;
+
+use crate::api;
+use crate::config::{CommandLine, Provenance, Settings};
+use crate::core::Core;
+
+/// Applies a (validated) log filter to the running logger.
+pub type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// What a reload needs from the process that started the agent.
+pub struct Reload {
+    pub command_line: CommandLine,
+    pub set_log_level: SetLogLevel,
+}
+
+/// The part of the configuration a reload compares against: what runs now.
+pub struct Running {
+    log_level: String,
+    snapshotters: Vec<Snapshotter>,
+    provenance: Vec<Provenance>,
+}
+
+impl Running {
+    pub fn of(settings: &Settings) -> Running {
+        Running {
+            log_level: settings.log_level.clone(),
+            snapshotters: settings.snapshotters.clone(),
+            provenance: settings.provenance.clone(),
+        }
+    }
+}
+
+/// Reads the configuration again and applies what may change while running; logs
+/// what changed, or why nothing did.
+pub async fn reload(core: &Core, running: &mut Running, reload: &Reload) {
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Reloading]);
+    apply(core, running, reload).await;
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+}
+
+async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
+    let new = match reload.command_line.resolve() {
+        Ok(settings) => settings,
+        Err(e) => {
+            tracing::error!("reload refused, the running configuration is unchanged: {e}");
+            return;
+        }
+    };
+    for s in &new.snapshotters {
+        if let Err(e) = api::check_snapshotter(s) {
+            tracing::error!(
+                "reload refused, the running configuration is unchanged: config snapshotter {}: {e}",
+                s.name
+            );
+            return;
+        }
+    }
+    let mut changes = 0usize;
+    if new.log_level != running.log_level {
+        match (reload.set_log_level)(&new.log_level) {
+            Ok(()) => {
+                tracing::info!(
+                    from = %running.log_level,
+                    to = %new.log_level,
+                    "reload: log_level changed"
+                );
+                running.log_level = new.log_level.clone();
+                changes += 1;
+            }
+            Err(e) => tracing::error!("reload: log_level {:?} not applied: {e}", new.log_level),
+        }
+    }
+    for s in &new.snapshotters {
+        let before = running.snapshotters.iter().find(|r| r.name == s.name);
+        if before == Some(s) {
+            continue;
+        }
+        let what = if before.is_some() { "changed" } else { "added" };
+        match core.register_snapshotter(s.clone()).await {
+            Ok(_) => {
+                tracing::info!(snapshotter = %s.name, "reload: [[snapshotter]] {what}");
+                changes += 1;
+            }
+            Err(e) => {
+                tracing::error!(snapshotter = %s.name, "reload: registering the [[snapshotter]] failed: {e}");
+                continue;
+            }
+        }
+        running.snapshotters.retain(|r| r.name != s.name);
+        running.snapshotters.push(s.clone());
+    }
+    let gone: Vec<String> = running
+        .snapshotters
+        .iter()
+        .filter(|r| !new.snapshotters.iter().any(|s| s.name == r.name))
+        .map(|r| r.name.clone())
+        .collect();
+    for name in gone {
+        match core.unregister_snapshotter(name.clone()).await {
+            Ok(_) => {
+                tracing::info!(snapshotter = %name, "reload: [[snapshotter]] removed from the file: unregistered");
+            }
+            // Unregistered through the API meanwhile: nothing left to do.
+            Err(crate::error::Error::NotFound(_)) => {}
+            Err(e) => {
+                tracing::error!(snapshotter = %name, "reload: unregistering failed: {e}");
+                continue;
+            }
+        }
+        changes += 1;
+        running.snapshotters.retain(|r| r.name != name);
+    }
+    for p in &new.provenance {
+        if p.key == "log_level" {
+            continue;
+        }
+        let now = running.provenance.iter().find(|r| r.key == p.key);
+        if let Some(now) = now.filter(|now| now.value != p.value) {
+            tracing::warn!(
+                key = p.key,
+                running = %now.value,
+                configured = %p.value,
+                source = %p.source,
+                "reload: this setting takes effect at the next start"
+            );
+        }
+    }
+    tracing::info!(changes, "configuration reloaded");
+}

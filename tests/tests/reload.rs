@@ -1,0 +1,213 @@
+//! SIGHUP, with the real binary: the configuration file's `[[snapshotter]]` tables and
+//! `log_level` are reloaded, everything else waits for the next start (and says so), a
+//! bad file changes nothing, and the agent keeps serving throughout.
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use opmon_client::{ApiVersion, Client, Snapshotter};
+use opmon_tests::agent_command;
+
+const LONG: Duration = Duration::from_secs(60);
+
+struct Running {
+    child: Child,
+    log: PathBuf,
+    socket: PathBuf,
+}
+
+impl Running {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn hangup(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+    }
+
+    /// Waits until the log has `n` lines containing `needle`.
+    fn wait_for_lines(&self, needle: &str, n: usize) {
+        let start = Instant::now();
+        while self.log().lines().filter(|l| l.contains(needle)).count() < n {
+            assert!(
+                start.elapsed() < LONG,
+                "no {n}× {needle:?} in the log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Opens a connection, sends nothing, and waits until the agent closes it (after
+    /// the idle timeout).
+    fn idle_connection_closed(&self) {
+        let mut stream = UnixStream::connect(&self.socket).expect("connect");
+        stream.set_read_timeout(Some(LONG)).expect("timeout");
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            stream
+                .read(&mut buf)
+                .expect("the agent closes the idle connection"),
+            0
+        );
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, config: &Path) -> Running {
+    let socket = dir.join("agent.sock");
+    let log = dir.join("agent.log");
+    let child = agent_command()
+        .arg("--config")
+        .arg(config)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .args(["--idle-timeout", "1s"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("starting the agent");
+    let mut running = Running { child, log, socket };
+    let start = Instant::now();
+    while UnixStream::connect(&running.socket).is_err() {
+        if let Ok(Some(status)) = running.child.try_wait() {
+            panic!("the agent exited ({status}):\n{}", running.log());
+        }
+        assert!(start.elapsed() < LONG, "no socket:\n{}", running.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    running
+}
+
+async fn names(client: &Client) -> Vec<String> {
+    let mut names: Vec<String> = client
+        .snapshotters()
+        .await
+        .expect("snapshotter.list")
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn sighup_reloads_snapshotter_tables_and_log_level_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        "log_level = \"info\"\npoll_interval = \"10s\"\n\n[[snapshotter]]\nname = \"example.io/first\"\napi_version = \"v1\"\n\n[[snapshotter]]\nname = \"example.io/kept\"\napi_version = \"v1\"\n",
+    )
+    .unwrap();
+    let agent = start(dir.path(), &config);
+    let client = Client::connect(&agent.socket).await.unwrap();
+    // One registered through the API: a reload leaves it alone.
+    client
+        .register_snapshotter(&Snapshotter {
+            name: "example.io/api".into(),
+            api_version: ApiVersion::V1,
+            socket: None,
+            command: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        names(&client).await,
+        ["example.io/api", "example.io/first", "example.io/kept"]
+    );
+    // At info, closing an idle connection is not logged.
+    agent.idle_connection_closed();
+    assert!(!agent.log().contains("closed an idle connection"));
+
+    std::fs::write(
+        &config,
+        "log_level = \"debug\"\npoll_interval = \"5s\"\n\n[[snapshotter]]\nname = \"example.io/kept\"\napi_version = \"v1\"\n\n[[snapshotter]]\nname = \"example.io/second\"\napi_version = \"v2\"\nsocket = \"/run/second.sock\"\n",
+    )
+    .unwrap();
+    agent.hangup();
+    agent.wait_for_lines("configuration reloaded", 1);
+    let log = agent.log();
+    for needle in [
+        "SIGHUP: reloading the configuration",
+        "reload: log_level changed from=info to=debug",
+        "reload: [[snapshotter]] added snapshotter=example.io/second",
+        "reload: [[snapshotter]] removed from the file: unregistered snapshotter=example.io/first",
+        "reload: this setting takes effect at the next start key=\"poll_interval\" running=\"10s\" configured=\"5s\"",
+        "configuration reloaded changes=3",
+    ] {
+        assert!(log.contains(needle), "no {needle:?} in:\n{log}");
+    }
+    let reload_lines = &log[log.find("SIGHUP").expect("SIGHUP line")..];
+    assert!(
+        !reload_lines.contains("snapshotter=example.io/kept"),
+        "an unchanged table is left as it is:\n{log}"
+    );
+    let client = Client::connect(&agent.socket).await.unwrap();
+    assert_eq!(
+        names(&client).await,
+        ["example.io/api", "example.io/kept", "example.io/second"]
+    );
+    // Debug logging is on now.
+    agent.idle_connection_closed();
+    agent.wait_for_lines("closed an idle connection", 1);
+
+    // A bad file changes nothing, and says why.
+    std::fs::write(
+        &config,
+        "log_level = \"verbose\"\n\n[[snapshotter]]\nname = \"example.io/third\"\napi_version = \"v1\"\n",
+    )
+    .unwrap();
+    agent.hangup();
+    agent.wait_for_lines("reload refused", 1);
+    assert!(
+        agent.log().contains(&format!(
+            "reload refused, the running configuration is unchanged: log_level (from {} line 1): \"verbose\" is not a level",
+            config.display()
+        )),
+        "{}",
+        agent.log()
+    );
+    std::fs::write(
+        &config,
+        "[[snapshotter]]\nname = \"example.io/fourth\"\napi_version = \"v2\"\n",
+    )
+    .unwrap();
+    agent.hangup();
+    agent.wait_for_lines("reload refused", 2);
+    assert!(
+        agent.log().contains("reload refused, the running configuration is unchanged: config snapshotter example.io/fourth: socket: a v2 snapshotter needs exactly one of socket and command"),
+        "{}",
+        agent.log()
+    );
+    let client = Client::connect(&agent.socket).await.unwrap();
+    assert_eq!(
+        names(&client).await,
+        ["example.io/api", "example.io/kept", "example.io/second"]
+    );
+    // Still at debug: the refused reloads did not touch the level.
+    let before = agent
+        .log()
+        .lines()
+        .filter(|l| l.contains("closed an idle connection"))
+        .count();
+    agent.idle_connection_closed();
+    agent.wait_for_lines("closed an idle connection", before + 1);
+    assert_eq!(client.status().await.unwrap().snapshotters, 3);
+}
