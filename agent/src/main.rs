@@ -2,6 +2,27 @@
 
 use opmon_agent::config::{self, LogFormat};
 
+/// The human format's fields with control characters escaped in every value.
+///
+/// tracing-subscriber 0.3.23 escapes ESC, BEL, BS, FF, DEL and C1 in the message only,
+/// and CR and LF nowhere; a field like `error = %e` carrying a snapshotter's text could
+/// otherwise recolour a terminal or forge a log line of its own. Field values are
+/// written as the default formatter writes them (`name=value`, the message bare), then
+/// escaped with the same rule the CLI uses.
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let text = format!("{value:?}");
+        let text = opmon_client::text::escape_controls(&text);
+        if field.name() == "message" {
+            write!(writer, "{text}")
+        } else {
+            write!(writer, "{}={text}", field.name())
+        }
+    })
+    .delimited(" ")
+}
+
 fn main() -> std::process::ExitCode {
     let (settings, print) = match config::load() {
         Ok(loaded) => loaded,
@@ -24,7 +45,7 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr);
     match settings.log_format {
         LogFormat::Json => logs.json().init(),
-        LogFormat::Human => logs.init(),
+        LogFormat::Human => logs.fmt_fields(escaped_fields()).init(),
     }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

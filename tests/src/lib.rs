@@ -242,7 +242,7 @@ pub async fn start_and_end_in_progress(
         .await
         .expect("addOperations");
     owners
-        .end_in_progress(name, 0, 0, false)
+        .end_in_progress(name)
         .await
         .expect("endInProgress")
 }

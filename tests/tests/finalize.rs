@@ -101,7 +101,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         .await
         .unwrap();
     backups
-        .end_in_progress("nightly", 0, 0, false)
+        .end_in_progress("nightly")
         .await
         .unwrap();
 
@@ -391,7 +391,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .add_operations("r", vec![operation(PLUGIN, "fail-1", "a", &[])])
         .await
         .unwrap();
-    let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
+    let owner = restores.end_in_progress("r").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let result = restores
         .finalize(FinalizeParams {
@@ -424,7 +424,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
     // A plain restore never finalizes.
     restores.start("plain", "u", None).await.unwrap();
     restores
-        .end_in_progress("plain", 0, 0, false)
+        .end_in_progress("plain")
         .await
         .unwrap();
     let err = restores

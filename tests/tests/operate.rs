@@ -300,7 +300,7 @@ async fn json_logs_carry_the_owner_on_lines_about_it() {
     client.backups().start("logged", "u", None).await.unwrap();
     client
         .backups()
-        .end_in_progress("logged", 0, 0, false)
+        .end_in_progress("logged")
         .await
         .unwrap();
     let log = agent.log_text();

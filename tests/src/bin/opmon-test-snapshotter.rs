@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use opmon_client::snapshotter::{serve, Snapshotter, SnapshotterError};
+use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
 use opmon_client::{OperationProgress, OperationRef};
 use time::OffsetDateTime;
 
@@ -60,7 +60,7 @@ impl Scripted {
     }
 }
 
-impl Snapshotter for Scripted {
+impl OperationHandler for Scripted {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
         self.hang_if_asked().await;
         self.record("progress", &op);

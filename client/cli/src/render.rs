@@ -1,10 +1,13 @@
 //! How results look to a person: tables, `describe`, progress text. Pure functions of
-//! the API's types, so every format is unit-tested.
+//! the API's types, so every format is unit-tested. Every string that came from outside
+//! (names, IDs, descriptions, errors) goes through [`clean`], so no cell can move the
+//! cursor, recolour the terminal or start a line of its own.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 use opmon_client::{
-    AgentStatus, GoDuration, ItemOperation, Operation, OperationPhase, Owner, OwnerPhase,
+    AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase,
     ResourceIdentifier, Snapshotter, Timestamp,
 };
 
@@ -34,18 +37,33 @@ pub fn parse_item(text: &str) -> Result<ResourceIdentifier, String> {
     Ok(item)
 }
 
-/// `resource[.group] namespace/name`, as Velero prints items.
-pub fn item(r: &ResourceIdentifier) -> String {
-    let gr = if r.group.is_empty() {
-        r.resource.clone()
+/// Text from outside, control characters escaped.
+pub fn clean(text: &str) -> Cow<'_, str> {
+    opmon_client::text::escape_controls(text)
+}
+
+/// `resource[.group]`, as Go's `schema.GroupResource` prints itself.
+fn group_resource(r: &ResourceIdentifier) -> String {
+    if r.group.is_empty() {
+        clean(&r.resource).into_owned()
     } else {
-        format!("{}.{}", r.resource, r.group)
-    };
-    if r.namespace.is_empty() {
-        format!("{gr} {}", r.name)
-    } else {
-        format!("{gr} {}/{}", r.namespace, r.name)
+        format!("{}.{}", clean(&r.resource), clean(&r.group))
     }
+}
+
+/// `resource[.group] namespace/name` (or `… name` when cluster-scoped).
+pub fn item(r: &ResourceIdentifier) -> String {
+    if r.namespace.is_empty() {
+        format!("{} {}", group_resource(r), clean(&r.name))
+    } else {
+        format!("{} {}/{}", group_resource(r), clean(&r.namespace), clean(&r.name))
+    }
+}
+
+/// `resource[.group] namespace/name` exactly as Velero's describers print an item,
+/// `/name` included when there is no namespace.
+fn velero_item(r: &ResourceIdentifier) -> String {
+    format!("{} {}/{}", group_resource(r), clean(&r.namespace), clean(&r.name))
 }
 
 /// Left-aligned columns separated by two spaces.
@@ -88,7 +106,7 @@ pub fn owners(list: &[Owner]) -> String {
         .iter()
         .map(|o| {
             vec![
-                o.name.clone(),
+                clean(&o.name).into_owned(),
                 o.phase.to_string(),
                 format!("{}/{}", o.operations_completed, o.operations_attempted),
                 o.operations_failed.to_string(),
@@ -115,7 +133,7 @@ pub fn progress(op: &Operation) -> String {
     let units = if op.operation_units.is_empty() {
         String::new()
     } else {
-        format!(" {}", op.operation_units)
+        format!(" {}", clean(&op.operation_units))
     };
     if op.n_total > 0 {
         let percent = op.n_completed as f64 * 100.0 / op.n_total as f64;
@@ -135,9 +153,9 @@ pub fn rate_and_eta(op: &Operation) -> Option<String> {
     }
     let rate = op.n_completed as f64 / seconds;
     let units = if op.operation_units.is_empty() {
-        "units"
+        Cow::Borrowed("units")
     } else {
-        &op.operation_units
+        clean(&op.operation_units)
     };
     let mut text = format!("{} {units}/s", human(rate));
     if op.phase.is_unfinished() && op.n_total > op.n_completed {
@@ -173,12 +191,12 @@ pub fn operations(ops: &[Operation]) -> String {
         .iter()
         .map(|op| {
             vec![
-                op.operation_id.clone(),
-                op.plugin.name.clone(),
+                clean(&op.operation_id).into_owned(),
+                clean(&op.plugin.name).into_owned(),
                 item(&op.resource),
                 op.phase.to_string(),
                 progress(op),
-                op.error.clone(),
+                clean(&op.error).into_owned(),
             ]
         })
         .collect();
@@ -195,35 +213,138 @@ pub fn operations(ops: &[Operation]) -> String {
     )
 }
 
-/// `describe`: the owner, then (with details) each operation as Velero's
-/// `backup describe --details` lists async operations.
+/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, tabwidth 8,
+/// padding 2, padchar ' ', flags 0`): `\t` ends a cell; the cells of one column are
+/// padded to the widest in each run of consecutive lines that have that column; a
+/// line's last cell is not in any column. Cells must hold no tab or newline of their
+/// own (everything from outside went through [`clean`]).
+pub fn tabwrite(text: &str) -> String {
+    const PADDING: usize = 2;
+    let lines: Vec<Vec<&str>> = text
+        .strip_suffix('\n')
+        .unwrap_or(text)
+        .split('\n')
+        .map(|l| l.split('\t').collect())
+        .collect();
+    let width = |cell: &str| cell.chars().count();
+    // widths[line][column]: the padded width of each tab-terminated cell.
+    let mut widths: Vec<Vec<usize>> = lines.iter().map(|l| vec![0; l.len() - 1]).collect();
+    fn blocks(
+        lines: &[Vec<&str>],
+        widths: &mut [Vec<usize>],
+        from: usize,
+        to: usize,
+        column: usize,
+        width: &dyn Fn(&str) -> usize,
+    ) {
+        let mut this = from;
+        while this < to {
+            if column >= lines[this].len() - 1 {
+                this += 1;
+                continue;
+            }
+            let start = this;
+            let mut w = 0;
+            while this < to && column < lines[this].len() - 1 {
+                w = w.max(width(lines[this][column]) + PADDING);
+                this += 1;
+            }
+            for row in widths.iter_mut().take(this).skip(start) {
+                row[column] = w;
+            }
+            blocks(lines, widths, start, this, column + 1, width);
+        }
+    }
+    blocks(&lines, &mut widths, 0, lines.len(), 0, &width);
+    let mut out = String::new();
+    for (line, w) in lines.iter().zip(&widths) {
+        for (i, cell) in line.iter().enumerate() {
+            out.push_str(cell);
+            if let Some(w) = w.get(i) {
+                out.extend(std::iter::repeat_n(' ', w - width(cell)));
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// A time as Velero's describers print a `metav1.Time` (Go's `Time.String()` of a
+/// second-precision UTC time): `2026-11-22 09:57:45 +0000 UTC`.
+fn velero_time(t: Timestamp) -> String {
+    let t = t.to_offset(time::UtcOffset::UTC);
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
+}
+
+/// One operation as `velero backup|restore describe --details` prints it, then the
+/// agent's extras (rate, time left).
+fn describe_operation(out: &mut String, op: &Operation) {
+    let action = match op.plugin.kind {
+        opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
+        opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
+        opmon_client::PluginKind::VolumeSnapshotter => "Volume Snapshotter Plugin:",
+    };
+    let _ = writeln!(out, "\tOperation for {}:", velero_item(&op.resource));
+    let _ = writeln!(out, "\t\t{action}\t{}", clean(&op.plugin.name));
+    let _ = writeln!(out, "\t\tOperation ID:\t{}", clean(&op.operation_id));
+    if !op.post_operation_items.is_empty() {
+        let _ = writeln!(out, "\t\tItems to Update:");
+    }
+    for i in &op.post_operation_items {
+        let _ = writeln!(out, "\t\t\t{}", velero_item(i));
+    }
+    let _ = writeln!(out, "\t\tPhase:\t{}", op.phase);
+    if !op.error.is_empty() {
+        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(&op.error));
+    }
+    if op.n_total > 0 || op.n_completed > 0 {
+        let _ = writeln!(
+            out,
+            "\t\tProgress:\t{} of {} complete ({})",
+            op.n_completed,
+            op.n_total,
+            clean(&op.operation_units)
+        );
+    }
+    if !op.description.is_empty() {
+        let _ = writeln!(out, "\t\tProgress description:\t{}", clean(&op.description));
+    }
+    let _ = writeln!(out, "\t\tCreated:\t{}", velero_time(op.created));
+    if let Some(t) = op.started {
+        let _ = writeln!(out, "\t\tStarted:\t{}", velero_time(t));
+    }
+    if let Some(t) = op.updated {
+        let _ = writeln!(out, "\t\tUpdated:\t{}", velero_time(t));
+    }
+    if let Some(rate) = rate_and_eta(op) {
+        let _ = writeln!(out, "\t\tRate:\t{rate}");
+    }
+}
+
+/// `describe`: the owner, then its item operations as Velero's describers show them: a
+/// summary line without `--details`, every operation with it.
 pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     let mut out = String::new();
-    let field = |out: &mut String, label: &str, value: &dyn std::fmt::Display| {
-        let _ = writeln!(out, "{label:<26}{value}");
-    };
-    field(&mut out, "Name:", &owner.name);
-    field(&mut out, "Kind:", &owner.kind);
-    field(&mut out, "UID:", &owner.uid);
-    field(&mut out, "Phase:", &owner.phase);
-    field(&mut out, "Errors:", &owner.errors);
-    field(&mut out, "Warnings:", &owner.warnings);
-    field(
-        &mut out,
-        "Item operation timeout:",
-        &owner.item_operation_timeout,
-    );
-    field(&mut out, "Created:", &time(Some(owner.created)));
-    field(&mut out, "Updated:", &time(Some(owner.updated)));
-    field(&mut out, "Completed:", &time(owner.completed));
-    field(
-        &mut out,
-        "Operations:",
-        &format!(
-            "{} attempted, {} completed, {} failed",
-            owner.operations_attempted, owner.operations_completed, owner.operations_failed
-        ),
-    );
+    let _ = writeln!(out, "Name:\t{}", clean(&owner.name));
+    let _ = writeln!(out, "Kind:\t{}", owner.kind);
+    let _ = writeln!(out, "UID:\t{}", clean(&owner.uid));
+    let _ = writeln!(out, "Phase:\t{}", owner.phase);
+    let _ = writeln!(out, "Errors:\t{}", owner.errors);
+    let _ = writeln!(out, "Warnings:\t{}", owner.warnings);
+    let _ = writeln!(out, "ItemOperationTimeout:\t{}", owner.item_operation_timeout);
+    let _ = writeln!(out, "Created:\t{}", velero_time(owner.created));
+    let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
+    if let Some(t) = owner.completed {
+        let _ = writeln!(out, "Completed:\t{}", velero_time(t));
+    }
     if let Some(items) = owner
         .post_operation_items
         .as_ref()
@@ -231,46 +352,34 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     {
         let _ = writeln!(out, "Items to update after operations:");
         for i in items {
-            let _ = writeln!(out, "  {}", item(i));
+            let _ = writeln!(out, "\t{}", item(i));
         }
     }
-    let Some(ops) = details else {
-        return out;
+    let title = match owner.kind {
+        opmon_client::OwnerKind::Backup => "Backup Item Operations:",
+        opmon_client::OwnerKind::Restore => "Restore Item Operations:",
     };
-    for op in ops {
-        let action = match op.plugin.kind {
-            opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
-            opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
-            opmon_client::PluginKind::VolumeSnapshotter => "Volume Snapshotter Plugin:",
-        };
-        let _ = writeln!(out, "\nOperation for {}:", item(&op.resource));
-        let sub = |out: &mut String, label: &str, value: &dyn std::fmt::Display| {
-            let _ = writeln!(out, "  {label:<28}{value}");
-        };
-        sub(&mut out, action, &op.plugin.name);
-        sub(&mut out, "Operation ID:", &op.operation_id);
-        if !op.post_operation_items.is_empty() {
-            sub(&mut out, "Items to Update:", &"");
-            for i in &op.post_operation_items {
-                let _ = writeln!(out, "  {:<28}{}", "", item(i));
+    if owner.operations_attempted > 0 {
+        out.push('\n');
+        match details {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "{title}\t{} of {} completed successfully, {} failed (specify --details for more information)",
+                    owner.operations_completed,
+                    owner.operations_attempted,
+                    owner.operations_failed
+                );
+            }
+            Some(ops) => {
+                let _ = writeln!(out, "{title}");
+                for op in ops {
+                    describe_operation(&mut out, op);
+                }
             }
         }
-        sub(&mut out, "Phase:", &op.phase);
-        sub(&mut out, "Progress:", &progress(op));
-        if let Some(rate) = rate_and_eta(op) {
-            sub(&mut out, "Rate:", &rate);
-        }
-        if !op.description.is_empty() {
-            sub(&mut out, "Progress description:", &op.description);
-        }
-        sub(&mut out, "Created:", &time(Some(op.created)));
-        sub(&mut out, "Started:", &time(op.started));
-        sub(&mut out, "Updated:", &time(op.updated));
-        if op.phase == OperationPhase::Failed {
-            sub(&mut out, "Error:", &op.error);
-        }
     }
-    out
+    tabwrite(&out)
 }
 
 pub fn status(s: &AgentStatus) -> String {
@@ -298,7 +407,11 @@ pub fn snapshotters(list: &[Snapshotter]) -> String {
                 (None, Some(command)) => command.join(" "),
                 (None, None) => "-".into(),
             };
-            vec![s.name.clone(), s.api_version.as_str().into(), target]
+            vec![
+                clean(&s.name).into_owned(),
+                s.api_version.as_str().into(),
+                clean(&target).into_owned(),
+            ]
         })
         .collect();
     table(&["NAME", "API", "SOCKET OR COMMAND"], &rows)
@@ -317,11 +430,11 @@ pub fn item_operations(records: &[ItemOperation]) -> String {
                 }
             };
             vec![
-                id.clone(),
-                plugin.clone(),
+                clean(id).into_owned(),
+                clean(plugin).into_owned(),
                 r.status.phase.to_string(),
                 format!("{}/{}", r.status.n_completed, r.status.n_total),
-                r.status.error.clone(),
+                clean(&r.status.error).into_owned(),
             ]
         })
         .collect();
@@ -345,7 +458,7 @@ pub fn exit_code(phase: OwnerPhase) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opmon_client::{PluginKind, PluginRef};
+    use opmon_client::{OperationPhase, PluginKind, PluginRef};
     use time::macros::datetime;
 
     fn op(n: i64, total: i64) -> Operation {
