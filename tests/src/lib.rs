@@ -160,6 +160,14 @@ impl Agent {
         child.wait().expect("waiting for the agent")
     }
 
+    /// Sends `signal` to the running agent (SIGSTOP: it keeps its socket but answers
+    /// nothing; SIGCONT: it goes on).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("agent is running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signalling the agent");
+    }
+
     /// Starts the agent again on the same socket and state.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the agent before restarting it");
