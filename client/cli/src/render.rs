@@ -532,6 +532,137 @@ mod tests {
         assert_eq!(t, "A          LONG HEADER\nwide cell  x\n");
     }
 
+    fn owner(kind: opmon_client::OwnerKind, attempted: u64, completed: u64, failed: u64) -> Owner {
+        Owner {
+            kind,
+            name: "nightly".into(),
+            uid: "u-1".into(),
+            phase: OwnerPhase::WaitingForPluginOperationsPartiallyFailed,
+            item_operation_timeout: GoDuration::from_secs(4 * 3600),
+            finalize: true,
+            errors: 1,
+            warnings: 0,
+            operations_attempted: attempted,
+            operations_completed: completed,
+            operations_failed: failed,
+            post_operation_items: None,
+            created: datetime!(2026-01-01 0:00 UTC),
+            updated: datetime!(2026-01-01 0:00:30.5 UTC),
+            completed: None,
+        }
+    }
+
+    #[test]
+    fn describe_without_details_prints_veleros_summary_line() {
+        let text = describe(&owner(opmon_client::OwnerKind::Backup, 6, 3, 3), None);
+        assert_eq!(
+            text,
+            "Name:                  nightly\n\
+             Kind:                  backup\n\
+             UID:                   u-1\n\
+             Phase:                 WaitingForPluginOperationsPartiallyFailed\n\
+             Errors:                1\n\
+             Warnings:              0\n\
+             ItemOperationTimeout:  4h0m0s\n\
+             Created:               2026-01-01 00:00:00 +0000 UTC\n\
+             Updated:               2026-01-01 00:00:30 +0000 UTC\n\
+             \n\
+             Backup Item Operations:  3 of 6 completed successfully, 3 failed (specify --details for more information)\n"
+        );
+    }
+
+    #[test]
+    fn describe_details_prints_operations_as_velero_then_the_rate() {
+        let mut copying = op(50_000_000, 100_000_000);
+        copying.description = "copying".into();
+        copying.post_operation_items = vec![parse_item("volumesnapshotbackups.velero.io/app/vsb-1").unwrap()];
+        let mut failed = op(0, 0);
+        failed.operation_id = "copy-2".into();
+        failed.resource = parse_item("persistentvolumes/pv-1").unwrap();
+        failed.phase = OperationPhase::Failed;
+        failed.error = "disk\u{1b}[2J gone\nforged".into();
+        failed.started = None;
+        failed.updated = None;
+        let text = describe(
+            &owner(opmon_client::OwnerKind::Backup, 2, 0, 1),
+            Some(&[copying, failed]),
+        );
+        let operations = text.split_once("\n\n").unwrap().1;
+        assert_eq!(
+            operations,
+            "Backup Item Operations:\n\
+             \x20 Operation for persistentvolumeclaims app/data:\n\
+             \x20   Backup Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:               copy-1\n\
+             \x20   Items to Update:\n\
+             \x20                          volumesnapshotbackups.velero.io app/vsb-1\n\
+             \x20   Phase:                 InProgress\n\
+             \x20   Progress:              50000000 of 100000000 complete (bytes)\n\
+             \x20   Progress description:  copying\n\
+             \x20   Created:               2026-01-01 00:00:00 +0000 UTC\n\
+             \x20   Started:               2026-01-01 00:00:00 +0000 UTC\n\
+             \x20   Updated:               2026-01-01 00:00:10 +0000 UTC\n\
+             \x20   Rate:                  5.00M bytes/s, about 10s left\n\
+             \x20 Operation for persistentvolumes /pv-1:\n\
+             \x20   Backup Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:               copy-2\n\
+             \x20   Phase:                      Failed\n\
+             \x20   Operation Error:            disk\\x1b[2J gone\\nforged\n\
+             \x20   Created:                    2026-01-01 00:00:00 +0000 UTC\n"
+        );
+    }
+
+    #[test]
+    fn restores_describe_with_their_own_words() {
+        let mut restoring = op(10, 100);
+        restoring.plugin.kind = PluginKind::RestoreItemAction;
+        restoring.operation_units = String::new();
+        restoring.started = None;
+        restoring.updated = None;
+        let summary = describe(&owner(opmon_client::OwnerKind::Restore, 1, 0, 0), None);
+        assert!(summary.ends_with(
+            "\nRestore Item Operations:  0 of 1 completed successfully, 0 failed (specify --details for more information)\n"
+        ), "{summary}");
+        let details = describe(
+            &owner(opmon_client::OwnerKind::Restore, 1, 0, 0),
+            Some(&[restoring]),
+        );
+        assert!(details.ends_with(
+            "\nRestore Item Operations:\n\
+             \x20 Operation for persistentvolumeclaims app/data:\n\
+             \x20   Restore Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:                copy-1\n\
+             \x20   Phase:                       InProgress\n\
+             \x20   Progress:                    10 of 100 complete ()\n\
+             \x20   Created:                     2026-01-01 00:00:00 +0000 UTC\n"
+        ), "{details}");
+        // No operations, no operations section (as Velero).
+        assert!(!describe(&owner(opmon_client::OwnerKind::Restore, 0, 0, 0), Some(&[]))
+            .contains("Item Operations"));
+    }
+
+    #[test]
+    fn tabwrite_pads_each_run_of_lines_sharing_a_column() {
+        // Go: tabwriter.NewWriter(w, 0, 8, 2, ' ', 0) on the same input.
+        assert_eq!(
+            tabwrite("a:\tx\nlonger:\ty\nno tabs\nb:\tz\n"),
+            "a:       x\nlonger:  y\nno tabs\nb:  z\n"
+        );
+        assert_eq!(tabwrite("\tin\n\t\tk:\tv\n"), "  in\n    k:  v\n");
+    }
+
+    #[test]
+    fn cells_from_outside_cannot_drive_the_terminal() {
+        let mut evil = op(1, 2);
+        evil.operation_id = "id\u{1b}]0;title\u{7}".into();
+        evil.error = "line\r\nforged\tcell".into();
+        let table = operations(&[evil]);
+        assert!(!table.chars().any(|c| c.is_control() && c != '\n'), "{table:?}");
+        assert!(table.contains("id\\x1b]0;title\\x07"), "{table}");
+        assert!(table.contains("line\\r\\nforged\\tcell"), "{table}");
+        assert_eq!(table.lines().count(), 2);
+    }
+
     #[test]
     fn exit_codes_follow_the_documented_phases() {
         assert_eq!(exit_code(OwnerPhase::Completed), 0);
