@@ -191,14 +191,22 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.end_in_progress(kind, p).await
         },
     );
-    register(module, name(OwnerMethod::Get), move |core, p: NameParams| async move {
-        owner_name(&p.name)?;
-        core.get(kind, p.name).await
-    });
-    register(module, name(OwnerMethod::List), move |core, p: ListParams| async move {
-        check_list(&p)?;
-        core.list(kind, p).await
-    });
+    register(
+        module,
+        name(OwnerMethod::Get),
+        move |core, p: NameParams| async move {
+            owner_name(&p.name)?;
+            core.get(kind, p.name).await
+        },
+    );
+    register(
+        module,
+        name(OwnerMethod::List),
+        move |core, p: ListParams| async move {
+            check_list(&p)?;
+            core.list(kind, p).await
+        },
+    );
     register(
         module,
         name(OwnerMethod::Operations),
@@ -207,10 +215,14 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.operations(kind, p).await
         },
     );
-    register(module, name(OwnerMethod::Wait), move |core, p: WaitParams| async move {
-        check_wait(&p)?;
-        core.wait(kind, p).await
-    });
+    register(
+        module,
+        name(OwnerMethod::Wait),
+        move |core, p: WaitParams| async move {
+            check_wait(&p)?;
+            core.wait(kind, p).await
+        },
+    );
     register(
         module,
         name(OwnerMethod::ItemOperations),

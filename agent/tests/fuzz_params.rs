@@ -919,8 +919,12 @@ fn check_result(method: &str, result: &Value) -> Result<(), String> {
     match (method, verb) {
         (methods::AGENT_STATUS, _) => is::<AgentStatus>(result),
         (methods::SNAPSHOTTER_LIST, _) => is::<Vec<Snapshotter>>(result),
-        (methods::SNAPSHOTTER_REGISTER | methods::SNAPSHOTTER_UNREGISTER, _) => is::<Snapshotter>(result),
-        (_, Some(OwnerMethod::Start | OwnerMethod::EndInProgress | OwnerMethod::Get)) => is::<Owner>(result),
+        (methods::SNAPSHOTTER_REGISTER | methods::SNAPSHOTTER_UNREGISTER, _) => {
+            is::<Snapshotter>(result)
+        }
+        (_, Some(OwnerMethod::Start | OwnerMethod::EndInProgress | OwnerMethod::Get)) => {
+            is::<Owner>(result)
+        }
         (_, Some(OwnerMethod::AddOperations)) => is::<AddOperationsResult>(result),
         (_, Some(OwnerMethod::List)) => is::<OwnerList>(result),
         (_, Some(OwnerMethod::Operations)) => is::<Vec<Operation>>(result),

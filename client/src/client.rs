@@ -159,9 +159,19 @@ impl ClientBuilder {
         };
         let timeout = client.inner.config.connect_timeout;
         let probe = async {
-            let body = client.inner.request_body(methods::AGENT_STATUS, &NoParams {})?;
+            let body = client
+                .inner
+                .request_body(methods::AGENT_STATUS, &NoParams {})?;
             match client.inner.exchange(&body).await {
-                Ok(_) => Ok(()),
+                // Any JSON-RPC answer proves the peer serves; an HTTP refusal (a peer
+                // the agent does not admit) is the error to report.
+                Ok(answer) => match client
+                    .inner
+                    .decode::<serde_json::Value>(methods::AGENT_STATUS, answer)
+                {
+                    Ok(_) | Err(Error::Rpc { .. }) => Ok(()),
+                    Err(e) => Err(e),
+                },
                 Err(Failure::NotSent(source)) => Err(Error::Connect {
                     path: client.inner.path.clone(),
                     source,
@@ -219,7 +229,11 @@ struct RpcErrorObject {
 }
 
 impl Inner {
-    pub(crate) fn request_body<P: Serialize>(&self, method: &str, params: &P) -> Result<Vec<u8>, Error> {
+    pub(crate) fn request_body<P: Serialize>(
+        &self,
+        method: &str,
+        params: &P,
+    ) -> Result<Vec<u8>, Error> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         serde_json::to_vec(&Request {
             jsonrpc: "2.0",
@@ -268,9 +282,7 @@ impl Inner {
     fn decode<R: DeserializeOwned>(&self, method: &str, answer: Answer) -> Result<R, Error> {
         let envelope: Result<Envelope<'_>, _> = serde_json::from_slice(&answer.body);
         match envelope {
-            Ok(Envelope {
-                error: Some(e), ..
-            }) => Err(Error::Rpc {
+            Ok(Envelope { error: Some(e), .. }) => Err(Error::Rpc {
                 code: e.code,
                 message: e.message,
             }),
@@ -286,7 +298,10 @@ impl Inner {
                 let text = String::from_utf8_lossy(&answer.body);
                 let mut body = crate::text::escape_controls(text.trim()).into_owned();
                 if body.len() > 512 {
-                    let cut = (0..=512).rev().find(|i| body.is_char_boundary(*i)).unwrap_or(0);
+                    let cut = (0..=512)
+                        .rev()
+                        .find(|i| body.is_char_boundary(*i))
+                        .unwrap_or(0);
                     body.truncate(cut);
                     body.push('…');
                 }
@@ -338,7 +353,9 @@ impl Inner {
                 Ok(Err(failure)) => failure,
             };
             let error = match failure {
-                Failure::NotSent(e) if is_transient(&e) => self.failure_error(method, Failure::NotSent(e)),
+                Failure::NotSent(e) if is_transient(&e) => {
+                    self.failure_error(method, Failure::NotSent(e))
+                }
                 Failure::Lost(source) if retry == Retry::Always => Error::Io {
                     path: self.path.clone(),
                     source,
@@ -627,8 +644,11 @@ impl<'a> Owners<'a> {
 
     /// `itemOperations`: the `-itemoperations.json.gz` records.
     pub async fn item_operations(&self, name: &str) -> Result<Vec<ItemOperation>, Error> {
-        self.call(OwnerMethod::ItemOperations, NameParams { name: name.into() })
-            .await
+        self.call(
+            OwnerMethod::ItemOperations,
+            NameParams { name: name.into() },
+        )
+        .await
     }
 
     /// `finalize`: for owners in a Finalizing phase; rewrites the tarball if `contents`

@@ -98,7 +98,10 @@ impl Conn {
         if self.buf.capacity() - self.buf.len() < 4096 {
             self.buf.reserve(8 * 1024);
         }
-        self.stream.read_buf(&mut self.buf).await.map_err(Failure::Lost)
+        self.stream
+            .read_buf(&mut self.buf)
+            .await
+            .map_err(Failure::Lost)
     }
 
     async fn read_answer(&mut self, max_body: usize) -> Result<(Answer, bool), Failure> {
@@ -254,9 +257,7 @@ fn framing_of(headers: &[httparse::Header<'_>]) -> Result<(Framing, bool), Failu
             && value.to_ascii_lowercase().contains("chunked")
         {
             framing = Framing::Chunked;
-        } else if h.name.eq_ignore_ascii_case("connection")
-            && value.eq_ignore_ascii_case("close")
-        {
+        } else if h.name.eq_ignore_ascii_case("connection") && value.eq_ignore_ascii_case("close") {
             close = true;
         }
     }

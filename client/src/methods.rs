@@ -139,10 +139,7 @@ mod tests {
             .iter()
             .filter(|m| m.retry() == Retry::IfNotSent)
             .collect();
-        assert_eq!(
-            careful,
-            [&OwnerMethod::EndInProgress, &OwnerMethod::Delete]
-        );
+        assert_eq!(careful, [&OwnerMethod::EndInProgress, &OwnerMethod::Delete]);
         assert_eq!(retry_of(SNAPSHOTTER_UNREGISTER), Retry::IfNotSent);
         assert_eq!(retry_of(SNAPSHOTTER_REGISTER), Retry::Always);
         assert_eq!(retry_of("copy.start"), Retry::IfNotSent);

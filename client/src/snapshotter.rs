@@ -39,9 +39,9 @@ use std::sync::Arc;
 use jsonrpsee::types::ErrorObjectOwned;
 use jsonrpsee::RpcModule;
 
-use crate::{codes, methods};
 use crate::server::{self, AdmitAll, ServeConfig};
 use crate::types::{OperationProgress, OperationRef};
+use crate::{codes, methods};
 
 /// Why a snapshotter could not answer for an operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,22 +89,31 @@ pub trait OperationHandler: Send + Sync + 'static {
 pub fn rpc_module<S: OperationHandler>(snapshotter: S) -> RpcModule<S> {
     let mut module = RpcModule::new(snapshotter);
     module
-        .register_async_method(methods::OPERATION_PROGRESS, |params, s: Arc<S>, _| async move {
-            let op: OperationRef = params.parse()?;
-            s.progress(op).await.map_err(ErrorObjectOwned::from)
-        })
+        .register_async_method(
+            methods::OPERATION_PROGRESS,
+            |params, s: Arc<S>, _| async move {
+                let op: OperationRef = params.parse()?;
+                s.progress(op).await.map_err(ErrorObjectOwned::from)
+            },
+        )
         .expect("method names are unique");
     module
-        .register_async_method(methods::OPERATION_CANCEL, |params, s: Arc<S>, _| async move {
-            let op: OperationRef = params.parse()?;
-            s.cancel(op).await.map_err(ErrorObjectOwned::from)
-        })
+        .register_async_method(
+            methods::OPERATION_CANCEL,
+            |params, s: Arc<S>, _| async move {
+                let op: OperationRef = params.parse()?;
+                s.cancel(op).await.map_err(ErrorObjectOwned::from)
+            },
+        )
         .expect("method names are unique");
     module
 }
 
 /// Serves `snapshotter` on the Unix socket `socket` (mode 0660) until SIGTERM or SIGINT.
-pub async fn serve<S: OperationHandler>(socket: impl AsRef<Path>, snapshotter: S) -> io::Result<()> {
+pub async fn serve<S: OperationHandler>(
+    socket: impl AsRef<Path>,
+    snapshotter: S,
+) -> io::Result<()> {
     serve_until(socket, snapshotter, termination()).await
 }
 

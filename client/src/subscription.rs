@@ -100,7 +100,11 @@ enum Attempt {
 }
 
 impl State {
-    fn path_error(&self, what: String, source: Option<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    fn path_error(
+        &self,
+        what: String,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Error {
         Error::Protocol {
             path: self.client.socket().to_path_buf(),
             what,
@@ -119,12 +123,22 @@ impl State {
                 Err(OpenError::Connect(source)) => {
                     return Err(Attempt::Again(Error::Connect { path, source }))
                 }
-                Err(OpenError::Io(source)) => return Err(Attempt::Again(Error::Io { path, source })),
+                Err(OpenError::Io(source)) => {
+                    return Err(Attempt::Again(Error::Io { path, source }))
+                }
                 Err(OpenError::Refused { status, body }) => {
                     let body = crate::text::escape_controls(body.trim()).into_owned();
-                    return Err(Attempt::Fatal(Error::Http { path, status, body }));
+                    let error = Error::Http { path, status, body };
+                    // Too many connections: shed before anything was read.
+                    return Err(if matches!(status, 429 | 503) {
+                        Attempt::Again(error)
+                    } else {
+                        Attempt::Fatal(error)
+                    });
                 }
-                Err(OpenError::Protocol(what)) => return Err(Attempt::Fatal(self.path_error(what, None))),
+                Err(OpenError::Protocol(what)) => {
+                    return Err(Attempt::Fatal(self.path_error(what, None)))
+                }
             };
             let method = OwnerMethod::Subscribe.name(self.kind);
             let request = serde_json::json!({
@@ -135,7 +149,12 @@ impl State {
             });
             ws.send_text(request.to_string().as_bytes())
                 .await
-                .map_err(|source| Attempt::Again(Error::Io { path: path.clone(), source }))?;
+                .map_err(|source| {
+                    Attempt::Again(Error::Io {
+                        path: path.clone(),
+                        source,
+                    })
+                })?;
             loop {
                 let message = match next_message(&mut ws).await {
                     Ok(Some(Message::Text(text))) => text,
@@ -149,8 +168,12 @@ impl State {
                             ),
                         }))
                     }
-                    Err(WsError::Io(source)) => return Err(Attempt::Again(Error::Io { path, source })),
-                    Err(WsError::Protocol(what)) => return Err(Attempt::Fatal(self.path_error(what, None))),
+                    Err(WsError::Io(source)) => {
+                        return Err(Attempt::Again(Error::Io { path, source }))
+                    }
+                    Err(WsError::Protocol(what)) => {
+                        return Err(Attempt::Fatal(self.path_error(what, None)))
+                    }
                 };
                 let incoming: Incoming<'_> = serde_json::from_slice(&message).map_err(|e| {
                     Attempt::Fatal(self.path_error(
@@ -171,7 +194,11 @@ impl State {
                 let id = incoming
                     .result
                     .and_then(|r| serde_json::from_str(r.get()).ok())
-                    .ok_or_else(|| Attempt::Fatal(self.path_error("a subscribe answer without an id".into(), None)))?;
+                    .ok_or_else(|| {
+                        Attempt::Fatal(
+                            self.path_error("a subscribe answer without an id".into(), None),
+                        )
+                    })?;
                 return Ok(Live { ws, id });
             }
         };
@@ -198,7 +225,9 @@ impl State {
                     self.lost_at = None;
                     return Ok(());
                 }
-                Err(Attempt::Fatal(Error::Rpc { code, message })) if code == crate::codes::NOT_FOUND => {
+                Err(Attempt::Fatal(Error::Rpc { code, message }))
+                    if code == crate::codes::NOT_FOUND =>
+                {
                     return Err(Error::SubscriptionEnded {
                         kind: self.kind,
                         name: self.name.clone(),
@@ -379,7 +408,11 @@ fn parse_notification(
 impl Subscription {
     /// Subscribes; fails at once (after the usual reconnect attempts) if the owner
     /// does not exist, with the agent's 1001.
-    pub(crate) async fn start(client: Client, kind: OwnerKind, name: &str) -> Result<Subscription, Error> {
+    pub(crate) async fn start(
+        client: Client,
+        kind: OwnerKind,
+        name: &str,
+    ) -> Result<Subscription, Error> {
         let mut state = State {
             client,
             kind,

@@ -50,6 +50,9 @@ mod tests {
             escape_controls("a\u{1b}[31mred\r\nfake\u{7}\u{9b}2J\u{202e}ß🦀\t\u{7f}"),
             "a\\x1b[31mred\\r\\nfake\\x07\\u{9b}2J\\u{202e}ß🦀\\t\\x7f"
         );
-        assert!(matches!(escape_controls("plain ü"), Cow::Borrowed("plain ü")));
+        assert!(matches!(
+            escape_controls("plain ü"),
+            Cow::Borrowed("plain ü")
+        ));
     }
 }

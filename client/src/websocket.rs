@@ -65,7 +65,9 @@ fn random_u64() -> u64 {
 impl WebSocket {
     /// Connects to `path` and performs the opening handshake.
     pub async fn open(path: &Path, max_message: usize) -> Result<WebSocket, OpenError> {
-        let mut stream = UnixStream::connect(path).await.map_err(OpenError::Connect)?;
+        let mut stream = UnixStream::connect(path)
+            .await
+            .map_err(OpenError::Connect)?;
         let mut nonce = [0u8; 16];
         nonce[..8].copy_from_slice(&random_u64().to_le_bytes());
         nonce[8..].copy_from_slice(&random_u64().to_le_bytes());
@@ -176,13 +178,17 @@ impl WebSocket {
                 0xA => return Ok(Some(Message::Pong)),
                 0x8 => return Ok(Some(Message::Close)),
                 0x1 | 0x2 if self.partial.is_some() => {
-                    return Err(WsError::Protocol("a new message inside a fragmented one".into()))
+                    return Err(WsError::Protocol(
+                        "a new message inside a fragmented one".into(),
+                    ))
                 }
                 0x1 | 0x2 if fin => return Ok(Some(Message::Text(payload))),
                 0x1 | 0x2 => self.partial = Some(payload),
                 0x0 => {
                     let Some(mut message) = self.partial.take() else {
-                        return Err(WsError::Protocol("a continuation frame out of place".into()));
+                        return Err(WsError::Protocol(
+                            "a continuation frame out of place".into(),
+                        ));
                     };
                     if message.len() + payload.len() > self.max_message {
                         return Err(WsError::Protocol(format!(
@@ -265,8 +271,7 @@ fn accept_key(key: &str) -> String {
 }
 
 fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] =
-        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
         let n = (u32::from(chunk[0]) << 16)
@@ -349,8 +354,8 @@ mod tests {
         assert_eq!(
             base64(&sha1(b"abc")),
             base64(&[
-                0xa9, 0x99, 0x3e, 0x36, 0x47, 0x06, 0x81, 0x6a, 0xba, 0x3e, 0x25, 0x71, 0x78,
-                0x50, 0xc2, 0x6c, 0x9c, 0xd0, 0xd8, 0x9d
+                0xa9, 0x99, 0x3e, 0x36, 0x47, 0x06, 0x81, 0x6a, 0xba, 0x3e, 0x25, 0x71, 0x78, 0x50,
+                0xc2, 0x6c, 0x9c, 0xd0, 0xd8, 0x9d
             ])
         );
         assert_eq!(base64(b"f"), "Zg==");

@@ -249,10 +249,7 @@ pub async fn start_and_end_in_progress(
         .add_operations(name, operations)
         .await
         .expect("addOperations");
-    owners
-        .end_in_progress(name)
-        .await
-        .expect("endInProgress")
+    owners.end_in_progress(name).await.expect("endInProgress")
 }
 
 /// A namespaced PVC reference.

@@ -509,7 +509,10 @@ async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(std::time::Instant::now() < deadline, "the agent did not start");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not start"
+        );
         assert!(agent.try_wait().unwrap().is_none(), "the agent exited");
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
@@ -526,7 +529,8 @@ async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
         .unwrap();
     assert_eq!(
         result.item_operations_file,
-        dir.path().join("results/backups/b/b-itemoperations.json.gz")
+        dir.path()
+            .join("results/backups/b/b-itemoperations.json.gz")
     );
     assert!(result.item_operations_file.is_file());
     let _ = agent.kill();
@@ -598,21 +602,24 @@ async fn snapshotter_text_reaches_the_terminal_and_the_log_escaped() {
     backups.delete("evil-cancel").await.unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !f.agent.log_text().contains("pwned") {
-        assert!(std::time::Instant::now() < deadline, "{}", f.agent.log_text());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            f.agent.log_text()
+        );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     let log = f.agent.log_text();
-    assert!(
-        !log.chars().any(|c| c.is_control() && c != '\n'),
-        "{log:?}"
-    );
+    assert!(!log.chars().any(|c| c.is_control() && c != '\n'), "{log:?}");
     assert!(
         !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00Z")),
         "a forged line: {log}"
     );
     assert!(
         log.lines().any(|l| l.contains("evil-2")
-            && l.contains("boom\\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\\r\\x1b]0;pwned\\x07")),
+            && l.contains(
+                "boom\\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\\r\\x1b]0;pwned\\x07"
+            )),
         "{log}"
     );
 }

@@ -79,7 +79,10 @@ async fn a_subscription_resumes_with_the_full_state_after_a_restart() {
     let mut last = resumed;
     while last.owner.phase != OwnerPhase::Finalizing {
         last = updates.next().await.unwrap().unwrap();
-        assert!(!last.resumed, "only the first update after a reconnect is marked");
+        assert!(
+            !last.resumed,
+            "only the first update after a reconnect is marked"
+        );
     }
     assert_eq!(last.owner.operations_completed, 2);
 }
@@ -209,9 +212,12 @@ async fn an_end_in_progress_lost_with_the_agent_is_not_repeated_but_a_wait_is() 
     let mut f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    let waiting =
-        opmon_tests::start_and_end_in_progress(&backups, "waiting", vec![operation(PLUGIN, "gate-w", "a", &[])])
-            .await;
+    let waiting = opmon_tests::start_and_end_in_progress(
+        &backups,
+        "waiting",
+        vec![operation(PLUGIN, "gate-w", "a", &[])],
+    )
+    .await;
     assert_eq!(waiting.phase, OwnerPhase::WaitingForPluginOperations);
     backups.start("held", "u", None).await.unwrap();
     backups
@@ -250,7 +256,11 @@ async fn an_end_in_progress_lost_with_the_agent_is_not_repeated_but_a_wait_is() 
     let waiting = tokio::spawn(async move {
         clone
             .backups()
-            .wait("waiting", WaitUntil::ReadyToFinalize, Duration::from_secs(120))
+            .wait(
+                "waiting",
+                WaitUntil::ReadyToFinalize,
+                Duration::from_secs(120),
+            )
             .await
     });
     f.agent.kill9();

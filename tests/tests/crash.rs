@@ -185,7 +185,14 @@ impl ClientRun {
             }
             let failed = rng.random_bool(0.1);
             self.update(|l| l.in_flight = Some(InFlight::End { failed }));
-            let owner = match backups.end_in_progress_with(opmon_client::EndInProgressParams { name: name.to_string(), failed, ..Default::default() }).await {
+            let owner = match backups
+                .end_in_progress_with(opmon_client::EndInProgressParams {
+                    name: name.to_string(),
+                    failed,
+                    ..Default::default()
+                })
+                .await
+            {
                 Ok(o) => o,
                 Err(e) => return self.failed(&format!("endInProgress {name}"), &e),
             };

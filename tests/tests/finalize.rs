@@ -100,10 +100,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         )
         .await
         .unwrap();
-    backups
-        .end_in_progress("nightly")
-        .await
-        .unwrap();
+    backups.end_in_progress("nightly").await.unwrap();
 
     // Leaving InProgress wrote the file already, with the operation still running.
     let records_file = backup_dir.join("nightly-itemoperations.json.gz");
@@ -423,10 +420,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
 
     // A plain restore never finalizes.
     restores.start("plain", "u", None).await.unwrap();
-    restores
-        .end_in_progress("plain")
-        .await
-        .unwrap();
+    restores.end_in_progress("plain").await.unwrap();
     let err = restores
         .finalize(FinalizeParams {
             name: "plain".into(),

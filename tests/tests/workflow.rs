@@ -29,10 +29,7 @@ async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post
         .unwrap();
     assert_eq!((added.added, added.already_known), (2, 0));
 
-    let owner = backups
-        .end_in_progress("nightly-1")
-        .await
-        .unwrap();
+    let owner = backups.end_in_progress("nightly-1").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     assert_eq!(
         owner.operations_completed, 1,
@@ -116,7 +113,12 @@ async fn errors_reported_at_end_of_in_progress_carry_into_waiting_partially_fail
         .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
         .await
         .unwrap();
-    let owner = backups.end_in_progress("b").errors(3).warnings(2).await.unwrap();
+    let owner = backups
+        .end_in_progress("b")
+        .errors(3)
+        .warnings(2)
+        .await
+        .unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
@@ -211,7 +213,12 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
         )
         .await
         .unwrap();
-    let owner = backups.end_in_progress("doomed").errors(1).failed().await.unwrap();
+    let owner = backups
+        .end_in_progress("doomed")
+        .errors(1)
+        .failed()
+        .await
+        .unwrap();
     assert_eq!(owner.phase, OwnerPhase::Failed);
     let journal = f.journal();
     for id in ["never-1", "never-2"] {
@@ -315,10 +322,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
         )
         .await
         .unwrap();
-    let owner = backups
-        .end_in_progress("scripted")
-        .await
-        .unwrap();
+    let owner = backups.end_in_progress("scripted").await.unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
@@ -386,11 +390,7 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
         .await
         .unwrap();
     assert_eq!(
-        backups
-            .end_in_progress("stuck")
-            .await
-            .unwrap()
-            .phase,
+        backups.end_in_progress("stuck").await.unwrap().phase,
         OwnerPhase::WaitingForPluginOperations
     );
     // From now on every call to the hung snapshotter blocks.
@@ -570,10 +570,7 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         );
         assert!(!initial.lagged);
     }
-    restores
-        .end_in_progress("watched")
-        .await
-        .unwrap();
+    restores.end_in_progress("watched").await.unwrap();
     f.open_gate("gate-w");
     for stream in [first, second] {
         let updates: Vec<_> = stream.map(|u| u.unwrap()).collect().await;

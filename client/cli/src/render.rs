@@ -7,8 +7,8 @@ use std::borrow::Cow;
 use std::fmt::Write;
 
 use opmon_client::{
-    AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase,
-    ResourceIdentifier, Snapshotter, Timestamp,
+    AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase, ResourceIdentifier,
+    Snapshotter, Timestamp,
 };
 
 /// Parses `RESOURCE[.GROUP]/NAMESPACE/NAME` or `RESOURCE[.GROUP]/NAME` (cluster-scoped).
@@ -56,14 +56,24 @@ pub fn item(r: &ResourceIdentifier) -> String {
     if r.namespace.is_empty() {
         format!("{} {}", group_resource(r), clean(&r.name))
     } else {
-        format!("{} {}/{}", group_resource(r), clean(&r.namespace), clean(&r.name))
+        format!(
+            "{} {}/{}",
+            group_resource(r),
+            clean(&r.namespace),
+            clean(&r.name)
+        )
     }
 }
 
 /// `resource[.group] namespace/name` exactly as Velero's describers print an item,
 /// `/name` included when there is no namespace.
 fn velero_item(r: &ResourceIdentifier) -> String {
-    format!("{} {}/{}", group_resource(r), clean(&r.namespace), clean(&r.name))
+    format!(
+        "{} {}/{}",
+        group_resource(r),
+        clean(&r.namespace),
+        clean(&r.name)
+    )
 }
 
 /// Left-aligned columns separated by two spaces.
@@ -339,7 +349,11 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     let _ = writeln!(out, "Phase:\t{}", owner.phase);
     let _ = writeln!(out, "Errors:\t{}", owner.errors);
     let _ = writeln!(out, "Warnings:\t{}", owner.warnings);
-    let _ = writeln!(out, "ItemOperationTimeout:\t{}", owner.item_operation_timeout);
+    let _ = writeln!(
+        out,
+        "ItemOperationTimeout:\t{}",
+        owner.item_operation_timeout
+    );
     let _ = writeln!(out, "Created:\t{}", velero_time(owner.created));
     let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
     if let Some(t) = owner.completed {
@@ -575,7 +589,8 @@ mod tests {
     fn describe_details_prints_operations_as_velero_then_the_rate() {
         let mut copying = op(50_000_000, 100_000_000);
         copying.description = "copying".into();
-        copying.post_operation_items = vec![parse_item("volumesnapshotbackups.velero.io/app/vsb-1").unwrap()];
+        copying.post_operation_items =
+            vec![parse_item("volumesnapshotbackups.velero.io/app/vsb-1").unwrap()];
         let mut failed = op(0, 0);
         failed.operation_id = "copy-2".into();
         failed.resource = parse_item("persistentvolumes/pv-1").unwrap();
@@ -627,18 +642,23 @@ mod tests {
             &owner(opmon_client::OwnerKind::Restore, 1, 0, 0),
             Some(&[restoring]),
         );
-        assert!(details.ends_with(
-            "\nRestore Item Operations:\n\
+        assert!(
+            details.ends_with(
+                "\nRestore Item Operations:\n\
              \x20 Operation for persistentvolumeclaims app/data:\n\
              \x20   Restore Item Action Plugin:  example.io/copier\n\
              \x20   Operation ID:                copy-1\n\
              \x20   Phase:                       InProgress\n\
              \x20   Progress:                    10 of 100 complete ()\n\
              \x20   Created:                     2026-01-01 00:00:00 +0000 UTC\n"
-        ), "{details}");
+            ),
+            "{details}"
+        );
         // No operations, no operations section (as Velero).
-        assert!(!describe(&owner(opmon_client::OwnerKind::Restore, 0, 0, 0), Some(&[]))
-            .contains("Item Operations"));
+        assert!(
+            !describe(&owner(opmon_client::OwnerKind::Restore, 0, 0, 0), Some(&[]))
+                .contains("Item Operations")
+        );
     }
 
     #[test]
@@ -657,7 +677,10 @@ mod tests {
         evil.operation_id = "id\u{1b}]0;title\u{7}".into();
         evil.error = "line\r\nforged\tcell".into();
         let table = operations(&[evil]);
-        assert!(!table.chars().any(|c| c.is_control() && c != '\n'), "{table:?}");
+        assert!(
+            !table.chars().any(|c| c.is_control() && c != '\n'),
+            "{table:?}"
+        );
         assert!(table.contains("id\\x1b]0;title\\x07"), "{table}");
         assert!(table.contains("line\\r\\nforged\\tcell"), "{table}");
         assert_eq!(table.lines().count(), 2);

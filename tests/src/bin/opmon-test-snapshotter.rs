@@ -28,7 +28,8 @@ use time::OffsetDateTime;
 /// What `evil-` operations report: a terminal escape (clear screen, recolour), a
 /// carriage return that overwrites, a newline that forges a line, a bell.
 const EVIL_DESCRIPTION: &str = "copying\u{1b}[2J\u{1b}[31m\rDONE\u{7}";
-const EVIL_ERROR: &str = "boom\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\r\u{1b}]0;pwned\u{7}";
+const EVIL_ERROR: &str =
+    "boom\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\r\u{1b}]0;pwned\u{7}";
 
 struct Scripted {
     gates: PathBuf,
