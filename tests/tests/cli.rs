@@ -353,11 +353,16 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     let client = f.agent.client().await;
     let ops = client.backups().operations("lines", None).await.unwrap();
     let go_time = |t: time::OffsetDateTime| {
-        let format = time::format_description::parse(
-            "[year]-[month]-[day] [hour]:[minute]:[second] +0000 UTC",
+        let t = t.to_offset(time::UtcOffset::UTC);
+        format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+            t.year(),
+            t.month() as u8,
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
         )
-        .unwrap();
-        t.format(&format).unwrap()
     };
     let a = &ops[0];
     assert_eq!(a.operation_id, "gate-a");

@@ -596,8 +596,7 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         .restores()
         .subscribe("nobody")
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(missing.code(), Some(codes::NOT_FOUND));
 }
 
