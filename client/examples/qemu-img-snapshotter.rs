@@ -854,7 +854,12 @@ async fn start(args: StartArgs) -> Result<(), String> {
         .map_err(|e| format!("--disk {}: {e}", args.disk.display()))?;
     let client = opmon_client::Client::connect(&args.socket)
         .await
-        .map_err(|e| format!("cannot reach a snapshotter at {socket}: {}", e.chain()))?;
+        .map_err(|e| match e {
+            opmon_client::Error::Connect { source, .. } => {
+                format!("cannot connect to a snapshotter at {socket}: {source}")
+            }
+            other => format!("cannot reach a snapshotter at {socket}: {}", other.chain()),
+        })?;
     let params = CopyStartParams {
         disk,
         snapshot: args.snapshot,
