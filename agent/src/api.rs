@@ -1,4 +1,5 @@
-//! The API edge: JSON-RPC method names, parameter parsing and validation. Everything
+//! The API edge: the handlers of the method names in `opmon_client::methods`,
+//! parameter parsing and validation. Everything
 //! past this file sees typed, valid values; every error here names the offending field
 //! (`operations[3].resource.name: must be a DNS subdomain …`).
 
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
+use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
     NameParams, OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
@@ -162,63 +164,12 @@ where
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
 }
 
-/// The method names of one owner kind.
-struct Names {
-    kind: OwnerKind,
-    start: &'static str,
-    add_operations: &'static str,
-    end_in_progress: &'static str,
-    get: &'static str,
-    list: &'static str,
-    operations: &'static str,
-    wait: &'static str,
-    item_operations: &'static str,
-    finalize: &'static str,
-    delete: &'static str,
-    subscribe: &'static str,
-    changed: &'static str,
-    unsubscribe: &'static str,
-}
-
-const BACKUP: Names = Names {
-    kind: OwnerKind::Backup,
-    start: "backup.start",
-    add_operations: "backup.addOperations",
-    end_in_progress: "backup.endInProgress",
-    get: "backup.get",
-    list: "backup.list",
-    operations: "backup.operations",
-    wait: "backup.wait",
-    item_operations: "backup.itemOperations",
-    finalize: "backup.finalize",
-    delete: "backup.delete",
-    subscribe: "backup.subscribe",
-    changed: "backup.changed",
-    unsubscribe: "backup.unsubscribe",
-};
-
-const RESTORE: Names = Names {
-    kind: OwnerKind::Restore,
-    start: "restore.start",
-    add_operations: "restore.addOperations",
-    end_in_progress: "restore.endInProgress",
-    get: "restore.get",
-    list: "restore.list",
-    operations: "restore.operations",
-    wait: "restore.wait",
-    item_operations: "restore.itemOperations",
-    finalize: "restore.finalize",
-    delete: "restore.delete",
-    subscribe: "restore.subscribe",
-    changed: "restore.changed",
-    unsubscribe: "restore.unsubscribe",
-};
-
-fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
-    let kind = names.kind;
+/// The owner methods of `kind`, named by [`OwnerMethod::name`].
+fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
+    let name = |m: OwnerMethod| m.name(kind);
     register(
         module,
-        names.start,
+        name(OwnerMethod::Start),
         move |core, p: StartParams| async move {
             check_start(kind, &p)?;
             core.start(kind, p).await
@@ -226,7 +177,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     );
     register(
         module,
-        names.add_operations,
+        name(OwnerMethod::AddOperations),
         move |core, p: AddOperationsParams| async move {
             check_add(&p)?;
             core.add_operations(kind, p).await
@@ -234,35 +185,47 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     );
     register(
         module,
-        names.end_in_progress,
+        name(OwnerMethod::EndInProgress),
         move |core, p: EndInProgressParams| async move {
             owner_name(&p.name)?;
             core.end_in_progress(kind, p).await
         },
     );
-    register(module, names.get, move |core, p: NameParams| async move {
-        owner_name(&p.name)?;
-        core.get(kind, p.name).await
-    });
-    register(module, names.list, move |core, p: ListParams| async move {
-        check_list(&p)?;
-        core.list(kind, p).await
-    });
     register(
         module,
-        names.operations,
+        name(OwnerMethod::Get),
+        move |core, p: NameParams| async move {
+            owner_name(&p.name)?;
+            core.get(kind, p.name).await
+        },
+    );
+    register(
+        module,
+        name(OwnerMethod::List),
+        move |core, p: ListParams| async move {
+            check_list(&p)?;
+            core.list(kind, p).await
+        },
+    );
+    register(
+        module,
+        name(OwnerMethod::Operations),
         move |core, p: OperationsParams| async move {
             owner_name(&p.name)?;
             core.operations(kind, p).await
         },
     );
-    register(module, names.wait, move |core, p: WaitParams| async move {
-        check_wait(&p)?;
-        core.wait(kind, p).await
-    });
     register(
         module,
-        names.item_operations,
+        name(OwnerMethod::Wait),
+        move |core, p: WaitParams| async move {
+            check_wait(&p)?;
+            core.wait(kind, p).await
+        },
+    );
+    register(
+        module,
+        name(OwnerMethod::ItemOperations),
         move |core, p: NameParams| async move {
             owner_name(&p.name)?;
             core.item_operations(kind, p.name).await
@@ -270,7 +233,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     );
     register(
         module,
-        names.finalize,
+        name(OwnerMethod::Finalize),
         move |core, p: FinalizeParams| async move {
             check_finalize(kind, &p)?;
             core.finalize(kind, p).await
@@ -278,7 +241,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
     );
     register(
         module,
-        names.delete,
+        name(OwnerMethod::Delete),
         move |core, p: NameParams| async move {
             owner_name(&p.name)?;
             core.delete(kind, p.name).await
@@ -289,13 +252,13 @@ fn register_owner_methods(module: &mut RpcModule<Core>, names: &Names) {
 /// `subscribe`: over WebSocket, an [`opmon_client::OwnerUpdate`] notification per
 /// change until the owner is terminal. Errors before the subscription starts are
 /// answered like any call's; a deleted owner ends it with an error notification.
-fn register_subscription(module: &mut RpcModule<Core>, names: &Names) {
-    let kind = names.kind;
+fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
+    let subscribe = OwnerMethod::Subscribe.name(kind);
     module
         .register_subscription(
-            names.subscribe,
-            names.changed,
-            names.unsubscribe,
+            subscribe,
+            OwnerMethod::Changed.name(kind),
+            OwnerMethod::Unsubscribe.name(kind),
             move |params, pending, core, _| async move {
                 let started = match parse::<NameParams>(&params) {
                     Ok(p) => match owner_name(&p.name) {
@@ -325,7 +288,7 @@ fn register_subscription(module: &mut RpcModule<Core>, names: &Names) {
                 }
             },
         )
-        .unwrap_or_else(|e| panic!("method {} registered twice: {e}", names.subscribe));
+        .unwrap_or_else(|e| panic!("method {subscribe} registered twice: {e}"));
 }
 
 /// No parameters expected (absent, `{}` or `[]` are all fine).
@@ -338,16 +301,16 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     let mut module = RpcModule::from_arc(core);
     register(
         &mut module,
-        "agent.status",
+        methods::AGENT_STATUS,
         |core, _: NoParams| async move { core.status().await },
     );
-    for names in [&BACKUP, &RESTORE] {
-        register_owner_methods(&mut module, names);
-        register_subscription(&mut module, names);
+    for kind in OwnerKind::ALL {
+        register_owner_methods(&mut module, kind);
+        register_subscription(&mut module, kind);
     }
     register(
         &mut module,
-        "snapshotter.register",
+        methods::SNAPSHOTTER_REGISTER,
         |core, s: Snapshotter| async move {
             check_snapshotter(&s)?;
             core.register_snapshotter(s).await
@@ -355,12 +318,12 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     );
     register(
         &mut module,
-        "snapshotter.list",
+        methods::SNAPSHOTTER_LIST,
         |core, _: NoParams| async move { core.snapshotters().await },
     );
     register(
         &mut module,
-        "snapshotter.unregister",
+        methods::SNAPSHOTTER_UNREGISTER,
         |core, p: NameParams| async move {
             validate::plugin_name(&p.name).map_err(|e| invalid("name", e))?;
             core.unregister_snapshotter(p.name).await

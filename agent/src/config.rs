@@ -350,6 +350,11 @@ fn toml_string(text: &str) -> String {
 
 /// `$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`
 /// (or `~/.local/state/opmon`).
+/// `dir` made absolute against the working directory (lexically: `..` is kept).
+fn absolute(key: &str, dir: PathBuf) -> Result<PathBuf, String> {
+    std::path::absolute(&dir).map_err(|e| format!("{key}: {}: {e}", dir.display()))
+}
+
 pub fn default_state_dir() -> PathBuf {
     if let Some(dir) = first_path_of("STATE_DIRECTORY") {
         return dir;
@@ -551,6 +556,9 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         default_state_dir,
         quote,
     );
+    // Relative directories are taken against the working directory at start, once:
+    // clients are handed paths under them, and a relative one means nothing to them.
+    let state_dir = absolute("state_dir", state_dir)?;
     let (storage_dir, _) = layers.take(
         "storage_dir",
         args.storage_dir,
@@ -558,6 +566,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || state_dir.join("storage"),
         quote,
     );
+    let storage_dir = absolute("storage_dir", storage_dir)?;
     let (poll_interval, poll_source) = layers.take(
         "poll_interval",
         args.poll_interval,

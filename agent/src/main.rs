@@ -6,6 +6,27 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{reload, EnvFilter};
 
+/// The human format's fields with control characters escaped in every value.
+///
+/// tracing-subscriber 0.3.23 escapes ESC, BEL, BS, FF, DEL and C1 in the message only,
+/// and CR and LF nowhere; a field like `error = %e` carrying a snapshotter's text could
+/// otherwise recolour a terminal or forge a log line of its own. Field values are
+/// written as the default formatter writes them (`name=value`, the message bare), then
+/// escaped with the same rule the CLI uses.
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let text = format!("{value:?}");
+        let text = opmon_client::text::escape_controls(&text);
+        if field.name() == "message" {
+            write!(writer, "{text}")
+        } else {
+            write!(writer, "{}={text}", field.name())
+        }
+    })
+    .delimited(" ")
+}
+
 fn main() -> std::process::ExitCode {
     let (settings, command_line) = match config::load() {
         Ok(loaded) => loaded,
@@ -29,7 +50,7 @@ fn main() -> std::process::ExitCode {
     let registry = tracing_subscriber::registry().with(filter);
     match settings.log_format {
         LogFormat::Json => registry.with(logs.json()).init(),
-        LogFormat::Human => registry.with(logs).init(),
+        LogFormat::Human => registry.with(logs.fmt_fields(escaped_fields())).init(),
     }
     let reload_with = Reload {
         command_line,

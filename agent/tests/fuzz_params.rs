@@ -33,9 +33,10 @@ use opmon_agent::core::Core;
 use opmon_agent::metrics::Metrics;
 use opmon_agent::storage::Storage;
 use opmon_agent::store::Store;
+use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::{
     AddOperationsResult, AgentStatus, DeleteResult, FinalizeResult, ItemOperation, Operation,
-    Owner, OwnerList, Snapshotter, WaitParams, WaitResult,
+    Owner, OwnerKind, OwnerList, Snapshotter, WaitParams, WaitResult,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -45,39 +46,51 @@ use serde_json::{json, Map, Value};
 // ---------------------------------------------------------------------------------
 // The methods and their params' fields.
 
-const OWNER_VERBS: &[(&str, &[&str])] = &[
+/// The params' fields of each owner method (names from `opmon_client::methods`).
+const OWNER_METHODS: &[(OwnerMethod, &[&str])] = &[
     (
-        "start",
+        OwnerMethod::Start,
         &["name", "uid", "itemOperationTimeout", "finalize"],
     ),
-    ("addOperations", &["name", "operations"]),
-    ("endInProgress", &["name", "errors", "warnings", "failed"]),
-    ("get", &["name"]),
-    ("list", &["phases", "limit", "after"]),
-    ("operations", &["name", "phases"]),
-    ("wait", &["name", "until", "timeout"]),
-    ("itemOperations", &["name"]),
-    ("finalize", &["name", "contents", "updatedItems"]),
-    ("delete", &["name"]),
-    ("subscribe", &["name"]),
+    (OwnerMethod::AddOperations, &["name", "operations"]),
+    (
+        OwnerMethod::EndInProgress,
+        &["name", "errors", "warnings", "failed"],
+    ),
+    (OwnerMethod::Get, &["name"]),
+    (OwnerMethod::List, &["phases", "limit", "after"]),
+    (OwnerMethod::Operations, &["name", "phases"]),
+    (OwnerMethod::Wait, &["name", "until", "timeout"]),
+    (OwnerMethod::ItemOperations, &["name"]),
+    (OwnerMethod::Finalize, &["name", "contents", "updatedItems"]),
+    (OwnerMethod::Delete, &["name"]),
+    (OwnerMethod::Subscribe, &["name"]),
 ];
 
 fn methods() -> Vec<(String, Vec<&'static str>)> {
     let mut all = vec![
-        ("agent.status".to_string(), vec![]),
+        (methods::AGENT_STATUS.to_string(), vec![]),
         (
-            "snapshotter.register".to_string(),
+            methods::SNAPSHOTTER_REGISTER.to_string(),
             vec!["name", "apiVersion", "socket", "command"],
         ),
-        ("snapshotter.list".to_string(), vec![]),
-        ("snapshotter.unregister".to_string(), vec!["name"]),
+        (methods::SNAPSHOTTER_LIST.to_string(), vec![]),
+        (methods::SNAPSHOTTER_UNREGISTER.to_string(), vec!["name"]),
     ];
-    for kind in ["backup", "restore"] {
-        for (verb, fields) in OWNER_VERBS {
-            all.push((format!("{kind}.{verb}"), fields.to_vec()));
+    for kind in OwnerKind::ALL {
+        for (method, fields) in OWNER_METHODS {
+            all.push((method.name(kind).to_string(), fields.to_vec()));
         }
     }
     all
+}
+
+/// The owner method `method` names, if it names one.
+fn owner_method(method: &str) -> Option<OwnerMethod> {
+    OwnerMethod::ALL
+        .iter()
+        .copied()
+        .find(|m| OwnerKind::ALL.iter().any(|k| m.name(*k) == method))
 }
 
 /// The error codes ARCHITECTURE.md documents.
@@ -327,11 +340,11 @@ fn new_operation(g: &mut Gen) -> Value {
 
 /// Valid params of `method` (for the state the harness sets up).
 fn valid_params(g: &mut Gen, method: &str) -> Value {
-    let verb = method.rsplit('.').next().unwrap_or_default();
-    let restore = method.starts_with("restore.");
+    let verb = owner_method(method);
+    let restore = verb.is_some_and(|m| m.name(OwnerKind::Restore) == method);
     match (method, verb) {
-        ("agent.status" | "snapshotter.list", _) => json!({}),
-        ("snapshotter.register", _) => {
+        (methods::AGENT_STATUS | methods::SNAPSHOTTER_LIST, _) => json!({}),
+        (methods::SNAPSHOTTER_REGISTER, _) => {
             let mut s = json!({"name": g.pick(PLUGINS), "apiVersion": g.pick(&["v1", "v2"])});
             match g.below(3) {
                 0 => s["socket"] = json!("/nonexistent/opmon-fuzz.sock"),
@@ -340,8 +353,8 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             s
         }
-        ("snapshotter.unregister", _) => json!({"name": g.pick(PLUGINS)}),
-        (_, "start") => {
+        (methods::SNAPSHOTTER_UNREGISTER, _) => json!({"name": g.pick(PLUGINS)}),
+        (_, Some(OwnerMethod::Start)) => {
             let mut p = json!({"name": name(g), "uid": g.pick(&["u", "v"])});
             if g.chance(3) {
                 p["itemOperationTimeout"] = json!(g.pick(&["1h", "90s", "4h0m0s", "1ms"]));
@@ -351,10 +364,10 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, "addOperations") => {
+        (_, Some(OwnerMethod::AddOperations)) => {
             json!({"name": name(g), "operations": (0..g.below(4)).map(|_| new_operation(g)).collect::<Vec<_>>()})
         }
-        (_, "endInProgress") => {
+        (_, Some(OwnerMethod::EndInProgress)) => {
             let mut p = json!({"name": name(g)});
             if g.chance(2) {
                 p["errors"] = json!(g.below(3));
@@ -367,7 +380,7 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, "list") => {
+        (_, Some(OwnerMethod::List)) => {
             let mut p = json!({});
             if g.chance(2) {
                 p["phases"] = (0..g.below(3))
@@ -382,17 +395,17 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, "operations") => {
+        (_, Some(OwnerMethod::Operations)) => {
             let mut p = json!({"name": name(g)});
             if g.chance(2) {
                 p["phases"] = (0..g.below(3)).map(|_| json!(g.pick(OP_PHASES))).collect();
             }
             p
         }
-        (_, "wait") => {
+        (_, Some(OwnerMethod::Wait)) => {
             json!({"name": name(g), "until": g.pick(&["readyToFinalize", "terminal"]), "timeout": "1ms"})
         }
-        (_, "finalize") => {
+        (_, Some(OwnerMethod::Finalize)) => {
             let mut p = json!({"name": name(g)});
             if !restore && g.chance(2) {
                 p["contents"] = json!({
@@ -902,21 +915,25 @@ fn check_result(method: &str, result: &Value) -> Result<(), String> {
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
-    let verb = method.rsplit('.').next().unwrap_or_default();
+    let verb = owner_method(method);
     match (method, verb) {
-        ("agent.status", _) => is::<AgentStatus>(result),
-        ("snapshotter.list", _) => is::<Vec<Snapshotter>>(result),
-        ("snapshotter.register" | "snapshotter.unregister", _) => is::<Snapshotter>(result),
-        (_, "start" | "endInProgress" | "get") => is::<Owner>(result),
-        (_, "addOperations") => is::<AddOperationsResult>(result),
-        (_, "list") => is::<OwnerList>(result),
-        (_, "operations") => is::<Vec<Operation>>(result),
-        (_, "wait") => is::<WaitResult>(result),
-        (_, "itemOperations") => is::<Vec<ItemOperation>>(result),
-        (_, "finalize") => is::<FinalizeResult>(result),
-        (_, "delete") => is::<DeleteResult>(result),
-        (_, "unsubscribe") => is::<bool>(result),
-        (_, "subscribe") => match result {
+        (methods::AGENT_STATUS, _) => is::<AgentStatus>(result),
+        (methods::SNAPSHOTTER_LIST, _) => is::<Vec<Snapshotter>>(result),
+        (methods::SNAPSHOTTER_REGISTER | methods::SNAPSHOTTER_UNREGISTER, _) => {
+            is::<Snapshotter>(result)
+        }
+        (_, Some(OwnerMethod::Start | OwnerMethod::EndInProgress | OwnerMethod::Get)) => {
+            is::<Owner>(result)
+        }
+        (_, Some(OwnerMethod::AddOperations)) => is::<AddOperationsResult>(result),
+        (_, Some(OwnerMethod::List)) => is::<OwnerList>(result),
+        (_, Some(OwnerMethod::Operations)) => is::<Vec<Operation>>(result),
+        (_, Some(OwnerMethod::Wait)) => is::<WaitResult>(result),
+        (_, Some(OwnerMethod::ItemOperations)) => is::<Vec<ItemOperation>>(result),
+        (_, Some(OwnerMethod::Finalize)) => is::<FinalizeResult>(result),
+        (_, Some(OwnerMethod::Delete)) => is::<DeleteResult>(result),
+        (_, Some(OwnerMethod::Unsubscribe)) => is::<bool>(result),
+        (_, Some(OwnerMethod::Subscribe)) => match result {
             Value::Number(_) | Value::String(_) => Ok(()),
             other => Err(format!("a subscription id, not {other}")),
         },
@@ -1042,8 +1059,8 @@ async fn run_case(
             state.version = version;
         }
         if matches!(
-            method.rsplit('.').next(),
-            Some("finalize" | "endInProgress" | "delete")
+            owner_method(&method),
+            Some(OwnerMethod::Finalize | OwnerMethod::EndInProgress | OwnerMethod::Delete)
         ) {
             let files = state.harness.files();
             if files != state.files {

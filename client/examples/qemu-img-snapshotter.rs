@@ -47,17 +47,14 @@ use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use clap::{Args, Parser, Subcommand};
-use jsonrpsee::core::client::{ClientBuilder, ClientT};
-use jsonrpsee::core::traits::ToRpcParams;
 use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
 use opmon_client::snapshotter::{
-    rpc_module, serve_methods, termination, Snapshotter, SnapshotterError,
+    rpc_module, serve_methods, termination, OperationHandler, SnapshotterError,
 };
 use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
 use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Command;
@@ -127,12 +124,6 @@ struct CopyStartParams {
     snapshot: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     rate_limit: Option<u64>,
-}
-
-impl ToRpcParams for CopyStartParams {
-    fn to_rpc_params(self) -> Result<Option<Box<RawValue>>, serde_json::Error> {
-        serde_json::value::to_raw_value(&self).map(Some)
-    }
 }
 
 /// `copy.start` result.
@@ -237,7 +228,7 @@ struct Copier {
 #[derive(Clone)]
 struct QemuImgSnapshotter(Arc<Copier>);
 
-impl Snapshotter for QemuImgSnapshotter {
+impl OperationHandler for QemuImgSnapshotter {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
         self.0
             .lock()
@@ -861,30 +852,25 @@ async fn start(args: StartArgs) -> Result<(), String> {
     let socket = args.socket.display();
     let disk = std::path::absolute(&args.disk)
         .map_err(|e| format!("--disk {}: {e}", args.disk.display()))?;
-    let stream = tokio::net::UnixStream::connect(&args.socket)
+    let client = opmon_client::Client::connect(&args.socket)
         .await
-        .map_err(|e| format!("cannot connect to a snapshotter at {socket}: {e}"))?;
-    let url: jsonrpsee::client_transport::ws::Url = "ws://localhost/"
-        .parse()
-        .map_err(|e| format!("building the WebSocket URL: {e}"))?;
-    let (sender, receiver) = jsonrpsee::client_transport::ws::WsTransportClientBuilder::default()
-        .build_with_stream(url, stream)
-        .await
-        .map_err(|e| format!("{socket} does not speak JSON-RPC over WebSocket: {e}"))?;
-    let client = ClientBuilder::default().build_with_tokio(sender, receiver);
+        .map_err(|e| match e {
+            opmon_client::Error::Connect { source, .. } => {
+                format!("cannot connect to a snapshotter at {socket}: {source}")
+            }
+            other => format!("cannot reach a snapshotter at {socket}: {}", other.chain()),
+        })?;
     let params = CopyStartParams {
         disk,
         snapshot: args.snapshot,
         rate_limit: args.rate_limit,
     };
     let started: CopyStarted = client
-        .request("copy.start", params)
+        .call("copy.start", params)
         .await
         .map_err(|e| match e {
-            jsonrpsee::core::client::Error::Call(e) => {
-                format!("copy.start refused: {}", e.message())
-            }
-            other => format!("copy.start on {socket}: {other}"),
+            opmon_client::Error::Rpc { message, .. } => format!("copy.start refused: {message}"),
+            other => format!("copy.start on {socket}: {}", other.chain()),
         })?;
     println!("{}", started.operation_id);
     Ok(())

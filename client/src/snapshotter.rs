@@ -1,5 +1,6 @@
-//! The snapshotter SDK: implement [`Snapshotter`], call [`serve`], and the agent can poll
-//! and cancel your operations over a Unix socket.
+//! The snapshotter SDK (feature `snapshotter`): implement [`OperationHandler`], call
+//! [`serve`], and the agent can poll and cancel your operations over a Unix socket. (The
+//! registration record the agent keeps is the API type [`crate::Snapshotter`].)
 //!
 //! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
 //! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
@@ -7,12 +8,12 @@
 //! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002.
 //!
 //! ```no_run
-//! use opmon_client::snapshotter::{serve, Snapshotter, SnapshotterError};
+//! use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
 //! use opmon_client::{OperationProgress, OperationRef};
 //!
 //! struct Instant;
 //!
-//! impl Snapshotter for Instant {
+//! impl OperationHandler for Instant {
 //!     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
 //!         if !op.operation_id.starts_with("copy-") {
 //!             return Err(SnapshotterError::InvalidOperationId(op.operation_id));
@@ -38,9 +39,9 @@ use std::sync::Arc;
 use jsonrpsee::types::ErrorObjectOwned;
 use jsonrpsee::RpcModule;
 
-use crate::codes;
 use crate::server::{self, AdmitAll, ServeConfig};
 use crate::types::{OperationProgress, OperationRef};
+use crate::{codes, methods};
 
 /// Why a snapshotter could not answer for an operation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -67,13 +68,14 @@ impl From<SnapshotterError> for ErrorObjectOwned {
     }
 }
 
-/// A process that owns long-running operations.
+/// What a snapshotter does for the agent: report progress of, and cancel, the
+/// long-running operations it owns.
 ///
 /// Both calls may arrive concurrently and for operations of several owners. `progress`
 /// must keep answering for an operation after the snapshotter restarts (keep the state
 /// somewhere durable); `cancel` should return `Ok` whether or not the operation could be
 /// stopped, as Velero's Cancel does.
-pub trait Snapshotter: Send + Sync + 'static {
+pub trait OperationHandler: Send + Sync + 'static {
     fn progress(
         &self,
         op: OperationRef,
@@ -84,31 +86,40 @@ pub trait Snapshotter: Send + Sync + 'static {
 }
 
 /// The JSON-RPC methods of `snapshotter`, for embedding into a server of your own.
-pub fn rpc_module<S: Snapshotter>(snapshotter: S) -> RpcModule<S> {
+pub fn rpc_module<S: OperationHandler>(snapshotter: S) -> RpcModule<S> {
     let mut module = RpcModule::new(snapshotter);
     module
-        .register_async_method("operation.progress", |params, s: Arc<S>, _| async move {
-            let op: OperationRef = params.parse()?;
-            s.progress(op).await.map_err(ErrorObjectOwned::from)
-        })
+        .register_async_method(
+            methods::OPERATION_PROGRESS,
+            |params, s: Arc<S>, _| async move {
+                let op: OperationRef = params.parse()?;
+                s.progress(op).await.map_err(ErrorObjectOwned::from)
+            },
+        )
         .expect("method names are unique");
     module
-        .register_async_method("operation.cancel", |params, s: Arc<S>, _| async move {
-            let op: OperationRef = params.parse()?;
-            s.cancel(op).await.map_err(ErrorObjectOwned::from)
-        })
+        .register_async_method(
+            methods::OPERATION_CANCEL,
+            |params, s: Arc<S>, _| async move {
+                let op: OperationRef = params.parse()?;
+                s.cancel(op).await.map_err(ErrorObjectOwned::from)
+            },
+        )
         .expect("method names are unique");
     module
 }
 
 /// Serves `snapshotter` on the Unix socket `socket` (mode 0660) until SIGTERM or SIGINT.
-pub async fn serve<S: Snapshotter>(socket: impl AsRef<Path>, snapshotter: S) -> io::Result<()> {
+pub async fn serve<S: OperationHandler>(
+    socket: impl AsRef<Path>,
+    snapshotter: S,
+) -> io::Result<()> {
     serve_until(socket, snapshotter, termination()).await
 }
 
 /// Serves `snapshotter` on `socket` until `shutdown` resolves, then finishes the calls
 /// in flight and returns.
-pub async fn serve_until<S: Snapshotter>(
+pub async fn serve_until<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
     shutdown: impl Future<Output = ()>,

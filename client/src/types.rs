@@ -447,7 +447,7 @@ pub struct UpdatedItem {
 }
 
 /// `*.finalize` params.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FinalizeParams {
     pub name: String,

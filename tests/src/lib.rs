@@ -183,6 +183,14 @@ impl Agent {
         child.wait().expect("waiting for the agent")
     }
 
+    /// Sends `signal` to the running agent (SIGSTOP: it keeps its socket but answers
+    /// nothing; SIGCONT: it goes on).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("agent is running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signalling the agent");
+    }
+
     /// Starts the agent again on the same socket and state.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the agent before restarting it");
@@ -264,10 +272,7 @@ pub async fn start_and_end_in_progress(
         .add_operations(name, operations)
         .await
         .expect("addOperations");
-    owners
-        .end_in_progress(name, 0, 0, false)
-        .await
-        .expect("endInProgress")
+    owners.end_in_progress(name).await.expect("endInProgress")
 }
 
 /// A namespaced PVC reference.

@@ -348,13 +348,283 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     assert_eq!(lines.last(), Some(&"backup lines is Finalizing"));
     let describe = opmon(&f, &["backup", "describe", "lines", "--details"]);
     let text = String::from_utf8_lossy(&describe.stdout);
-    assert!(text.contains("Operation for pods app/a:"), "{text}");
+    // The operations as Velero's `backup describe --details` prints them (times as
+    // Go's Time.String() of a second-precision UTC time), then the agent's rate.
+    let client = f.agent.client().await;
+    let ops = client.backups().operations("lines", None).await.unwrap();
+    let go_time = |t: time::OffsetDateTime| {
+        let t = t.to_offset(time::UtcOffset::UTC);
+        format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+            t.year(),
+            t.month() as u8,
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        )
+    };
+    let a = &ops[0];
+    assert_eq!(a.operation_id, "gate-a");
+    let mut expected = format!(
+        "\nBackup Item Operations:\n\
+         \x20 Operation for pods app/a:\n\
+         \x20   Backup Item Action Plugin:  example.io/copier\n\
+         \x20   Operation ID:               gate-a\n\
+         \x20   Phase:                      Completed\n\
+         \x20   Progress:                   100 of 100 complete (byte)\n\
+         \x20   Progress description:       done\n\
+         \x20   Created:                    {}\n\
+         \x20   Started:                    {}\n",
+        go_time(a.created),
+        go_time(a.started.unwrap()),
+    );
+    if let Some(updated) = a.updated {
+        expected.push_str(&format!(
+            "    Updated:                    {}\n",
+            go_time(updated)
+        ));
+    }
+    assert!(text.contains(&expected), "{text}\nwanted:\n{expected}");
     assert!(
-        text.contains("  Backup Item Action Plugin:  example.io/copier"),
+        text.contains("\n  Operation for pods app/b:\n    Backup Item Action Plugin:  example.io/copier\n    Operation ID:               done-b\n"),
         "{text}"
     );
+    // Without --details: Velero's summary line.
+    let summary = opmon(&f, &["backup", "describe", "lines"]);
+    assert!(String::from_utf8_lossy(&summary.stdout).ends_with(
+        "\nBackup Item Operations:  2 of 2 completed successfully, 0 failed (specify --details for more information)\n"
+    ));
+}
+
+/// Runs `opmon` with `args` in `cwd`, its standard output a pipe whose read end is
+/// already closed.
+fn opmon_into_closed_pipe(socket: &std::path::Path, args: &[&str]) -> Output {
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdout(std::process::Stdio::from(write))
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("running opmon")
+}
+
+#[tokio::test]
+async fn output_into_a_closed_pipe_ends_as_by_sigpipe_without_a_word() {
+    use std::os::unix::process::ExitStatusExt;
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    for i in 0..50 {
+        client
+            .backups()
+            .start(&format!("b{i}"), "u", None)
+            .await
+            .unwrap();
+    }
+    for args in [
+        &["backup", "list"][..],
+        &["-o", "json", "backup", "list"],
+        &["status"],
+        &["completions", "bash"],
+    ] {
+        let out = opmon_into_closed_pipe(&f.agent.socket, args);
+        assert_eq!(
+            out.status.signal(),
+            Some(nix::sys::signal::Signal::SIGPIPE as i32),
+            "{args:?}: {:?}",
+            out.status
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "", "{args:?}");
+    }
+}
+
+#[tokio::test]
+async fn relative_paths_are_resolved_where_the_user_typed_them() {
+    let f = Fixture::new(&[]).await;
+    let work = f.agent.state_dir.join("storage/work");
+    std::fs::create_dir_all(&work).unwrap();
+    // A snapshotter socket given relative to the CLI's directory.
+    let registered = Command::new(workspace_binary("opmon"))
+        .current_dir(f.dir.path())
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args([
+            "-o",
+            "json",
+            "snapshotter",
+            "register",
+            "example.io/relative",
+            "--snapshotter-socket",
+            "./copier.sock",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        json_of(&registered)["socket"],
+        json!(f.dir.path().join("copier.sock"))
+    );
+    // A tarball named relative to the CLI's directory, not the agent's storage dir.
+    let tarball = Command::new("tar")
+        .current_dir(&work)
+        .args(["czf", "in.tar.gz", "--files-from", "/dev/null"])
+        .status()
+        .unwrap();
+    assert!(tarball.success());
+    let client = f.agent.client().await;
+    let owner = opmon_tests::start_and_end_in_progress(&client.backups(), "rel", vec![]).await;
+    assert_eq!(owner.phase, opmon_client::OwnerPhase::Finalizing);
+    let finalized = Command::new(workspace_binary("opmon"))
+        .current_dir(&work)
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args([
+            "-o",
+            "json",
+            "backup",
+            "finalize",
+            "rel",
+            "--contents-input",
+            "in.tar.gz",
+            "--contents-output",
+            "./out.tar.gz",
+        ])
+        .output()
+        .unwrap();
+    let result = json_of(&finalized);
+    assert_eq!(result["contentsFile"], json!(work.join("out.tar.gz")));
+    assert!(work.join("out.tar.gz").is_file());
+}
+
+#[tokio::test]
+async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+    let mut agent = Command::new(workspace_binary("opmon-agent"))
+        .current_dir(dir.path())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--state-dir", "state", "--storage-dir", "./results"])
+        .env("OPMON_CONFIG", "/dev/null")
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not start"
+        );
+        assert!(agent.try_wait().unwrap().is_none(), "the agent exited");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let client = opmon_client::Client::connect(&socket).await.unwrap();
+    let backups = client.backups();
+    opmon_tests::start_and_end_in_progress(&backups, "b", vec![]).await;
+    let result = backups
+        .finalize(FinalizeParams {
+            name: "b".into(),
+            contents: None,
+            updated_items: vec![],
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        result.item_operations_file,
+        dir.path()
+            .join("results/backups/b/b-itemoperations.json.gz")
+    );
+    assert!(result.item_operations_file.is_file());
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+#[tokio::test]
+async fn snapshotter_text_reaches_the_terminal_and_the_log_escaped() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    opmon_tests::start_and_end_in_progress(
+        &backups,
+        "evil",
+        vec![opmon_tests::operation(PLUGIN, "evil-1", "a", &[])],
+    )
+    .await;
+    f.open_gate("evil-1");
+    let waited = opmon(&f, &["backup", "wait", "evil"]);
+    assert_eq!(waited.status.code(), Some(1));
+    for (what, out) in [
+        ("wait", waited),
+        ("operations", opmon(&f, &["backup", "operations", "evil"])),
+        (
+            "describe",
+            opmon(&f, &["backup", "describe", "evil", "--details"]),
+        ),
+        (
+            "item-operations",
+            opmon(&f, &["backup", "item-operations", "evil"]),
+        ),
+    ] {
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "{what}: {text:?}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("2026-01-01T00:00:00Z")),
+            "{what}: a forged line: {text}"
+        );
+        if what != "item-operations" {
+            assert!(
+                text.contains(
+                    "boom\\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\\r\\x1b]0;pwned\\x07"
+                ),
+                "{what}: {text}"
+            );
+        }
+    }
+    let described = opmon(&f, &["backup", "describe", "evil", "--details"]);
+    assert!(String::from_utf8_lossy(&described.stdout)
+        .contains("    Progress description:       copying\\x1b[2J\\x1b[31m\\rDONE\\x07\n"));
+    // -o json is JSON: the text as the agent has it.
+    let json = json_of(&opmon(&f, &["-o", "json", "backup", "operations", "evil"]));
+    assert_eq!(
+        json[0]["description"],
+        "copying\u{1b}[2J\u{1b}[31m\rDONE\u{7}"
+    );
+
+    // The agent's log: a failed Cancel logs the snapshotter's error.
+    opmon_tests::start_and_end_in_progress(
+        &backups,
+        "evil-cancel",
+        vec![opmon_tests::operation(PLUGIN, "evil-2", "a", &[])],
+    )
+    .await;
+    // Deleting it cancels the unfinished operation; that Cancel fails.
+    backups.delete("evil-cancel").await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !f.agent.log_text().contains("pwned") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            f.agent.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let log = f.agent.log_text();
+    assert!(!log.chars().any(|c| c.is_control() && c != '\n'), "{log:?}");
     assert!(
-        text.contains("  Progress:                   100/100 byte (100%)"),
-        "{text}"
+        !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00Z")),
+        "a forged line: {log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("evil-2")
+            && l.contains(
+                "boom\\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\\r\\x1b]0;pwned\\x07"
+            )),
+        "{log}"
     );
 }

@@ -30,7 +30,7 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
         .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
         .await
         .unwrap();
-    backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    backups.end_in_progress("b").await.unwrap();
     let polls_before = f.journal().len();
     f.snapshotter.kill9();
     // Polls now fail to connect; wait for the agent to have tried a few times.
@@ -102,7 +102,7 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
         .await
         .unwrap();
     let started = Instant::now();
-    let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    let owner = backups.end_in_progress("b").await.unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperations,
@@ -208,7 +208,7 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
         )
         .await
         .unwrap();
-    let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    let owner = backups.end_in_progress("b").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let ops = backups.operations("b", None).await.unwrap();
     assert_eq!(
@@ -328,7 +328,7 @@ async fn an_unwritable_storage_directory_fails_the_file_write_and_it_is_retried(
         .add_operations("b", vec![operation(PLUGIN, "done-1", "a", &[])])
         .await
         .unwrap();
-    let owner = backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    let owner = backups.end_in_progress("b").await.unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::Finalizing,

@@ -100,10 +100,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         )
         .await
         .unwrap();
-    backups
-        .end_in_progress("nightly", 0, 0, false)
-        .await
-        .unwrap();
+    backups.end_in_progress("nightly").await.unwrap();
 
     // Leaving InProgress wrote the file already, with the operation still running.
     let records_file = backup_dir.join("nightly-itemoperations.json.gz");
@@ -391,7 +388,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .add_operations("r", vec![operation(PLUGIN, "fail-1", "a", &[])])
         .await
         .unwrap();
-    let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
+    let owner = restores.end_in_progress("r").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let result = restores
         .finalize(FinalizeParams {
@@ -423,10 +420,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
 
     // A plain restore never finalizes.
     restores.start("plain", "u", None).await.unwrap();
-    restores
-        .end_in_progress("plain", 0, 0, false)
-        .await
-        .unwrap();
+    restores.end_in_progress("plain").await.unwrap();
     let err = restores
         .finalize(FinalizeParams {
             name: "plain".into(),

@@ -320,7 +320,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     }
     let owner = backups.get("busy").await.unwrap();
     assert_eq!(owner.operations_attempted, 1000);
-    let ended = backups.end_in_progress("busy", 0, 0, false).await.unwrap();
+    let ended = backups.end_in_progress("busy").await.unwrap();
     assert!(ended.phase.is_finalizing(), "{}", ended.phase);
     let status = other.status().await.unwrap();
     assert_eq!(status.unfinished_operations, 100, "warm's operations");

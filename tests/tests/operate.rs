@@ -288,11 +288,7 @@ async fn json_logs_carry_the_owner_on_lines_about_it() {
     let agent = Agent::start(dir.path(), &["--log-format", "json"]);
     let client = Client::connect(&agent.socket).await.unwrap();
     client.backups().start("logged", "u", None).await.unwrap();
-    client
-        .backups()
-        .end_in_progress("logged", 0, 0, false)
-        .await
-        .unwrap();
+    client.backups().end_in_progress("logged").await.unwrap();
     let log = agent.log_text();
     let lines: Vec<serde_json::Value> = log
         .lines()

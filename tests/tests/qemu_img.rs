@@ -360,7 +360,7 @@ async fn backup_of(client: &Client, name: &str, id: &str) {
         .await
         .unwrap();
     assert_eq!(added.added, 1);
-    let owner = backups.end_in_progress(name, 0, 0, false).await.unwrap();
+    let owner = backups.end_in_progress(name).await.unwrap();
     assert!(
         owner.phase == OwnerPhase::WaitingForPluginOperations
             || owner.phase == OwnerPhase::Finalizing,

@@ -29,10 +29,7 @@ async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post
         .unwrap();
     assert_eq!((added.added, added.already_known), (2, 0));
 
-    let owner = backups
-        .end_in_progress("nightly-1", 0, 0, false)
-        .await
-        .unwrap();
+    let owner = backups.end_in_progress("nightly-1").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     assert_eq!(
         owner.operations_completed, 1,
@@ -116,7 +113,12 @@ async fn errors_reported_at_end_of_in_progress_carry_into_waiting_partially_fail
         .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
         .await
         .unwrap();
-    let owner = backups.end_in_progress("b", 3, 2, false).await.unwrap();
+    let owner = backups
+        .end_in_progress("b")
+        .errors(3)
+        .warnings(2)
+        .await
+        .unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
@@ -144,7 +146,7 @@ async fn timed_out_operation_is_cancelled_then_failed() {
         .add_operations("slow", vec![operation(PLUGIN, "never-1", "a", &[])])
         .await
         .unwrap();
-    let owner = backups.end_in_progress("slow", 0, 0, false).await.unwrap();
+    let owner = backups.end_in_progress("slow").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     let owner = backups
         .wait("slow", WaitUntil::ReadyToFinalize, LONG)
@@ -211,7 +213,12 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
         )
         .await
         .unwrap();
-    let owner = backups.end_in_progress("doomed", 1, 0, true).await.unwrap();
+    let owner = backups
+        .end_in_progress("doomed")
+        .errors(1)
+        .failed()
+        .await
+        .unwrap();
     assert_eq!(owner.phase, OwnerPhase::Failed);
     let journal = f.journal();
     for id in ["never-1", "never-2"] {
@@ -315,10 +322,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
         )
         .await
         .unwrap();
-    let owner = backups
-        .end_in_progress("scripted", 0, 0, false)
-        .await
-        .unwrap();
+    let owner = backups.end_in_progress("scripted").await.unwrap();
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
@@ -386,11 +390,7 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
         .await
         .unwrap();
     assert_eq!(
-        backups
-            .end_in_progress("stuck", 0, 0, false)
-            .await
-            .unwrap()
-            .phase,
+        backups.end_in_progress("stuck").await.unwrap().phase,
         OwnerPhase::WaitingForPluginOperations
     );
     // From now on every call to the hung snapshotter blocks.
@@ -466,7 +466,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
             .await
             .unwrap();
     }
-    backups.end_in_progress("b3", 0, 0, false).await.unwrap();
+    backups.end_in_progress("b3").await.unwrap();
 
     let waited = backups
         .wait("b3", WaitUntil::ReadyToFinalize, Duration::from_millis(300))
@@ -536,7 +536,7 @@ async fn an_opted_in_restore_waits_in_finalizing() {
         .add_operations("r", vec![operation(PLUGIN, "done-1", "a", &[])])
         .await
         .unwrap();
-    let owner = restores.end_in_progress("r", 0, 0, false).await.unwrap();
+    let owner = restores.end_in_progress("r").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
 }
 
@@ -570,10 +570,7 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         );
         assert!(!initial.lagged);
     }
-    restores
-        .end_in_progress("watched", 0, 0, false)
-        .await
-        .unwrap();
+    restores.end_in_progress("watched").await.unwrap();
     f.open_gate("gate-w");
     for stream in [first, second] {
         let updates: Vec<_> = stream.map(|u| u.unwrap()).collect().await;
@@ -599,8 +596,7 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         .restores()
         .subscribe("nobody")
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(missing.code(), Some(codes::NOT_FOUND));
 }
 
@@ -639,7 +635,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
         .unwrap();
     assert_eq!(counts().await, (vec![(OwnerPhase::InProgress, 1)], 3));
 
-    backups.end_in_progress("b", 0, 0, false).await.unwrap();
+    backups.end_in_progress("b").await.unwrap();
     assert_eq!(
         counts().await,
         (vec![(OwnerPhase::WaitingForPluginOperations, 1)], 2),
@@ -670,7 +666,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
         .add_operations("c", vec![operation(PLUGIN, "never-4", "d", &[])])
         .await
         .unwrap();
-    backups.end_in_progress("c", 0, 0, false).await.unwrap();
+    backups.end_in_progress("c").await.unwrap();
     assert_eq!(
         counts().await,
         (

@@ -8,20 +8,28 @@
 //! | `gate-` | 30/100 bytes, started; completed once the file `<gates>/<id>` exists |
 //! | `failgate-` | like `gate-`, but completes with err `copy failed` |
 //! | `never-` | 50/100 bytes, started, never completes |
+//! | `evil-` | like `gate-`, with control characters (ESC, CR, LF, BEL) in its description and error; its Cancel fails with that error |
 //! | `unsupported-` | error 2001 OperationsNotSupported |
 //! | anything else | error 2002 InvalidOperationId |
 //!
-//! While the file `<gates>/HANG` exists, every call hangs. Each call is appended to the
-//! journal file (`progress ID` or `cancel ID`) before it is answered, so tests can see
-//! what the agent asked and in which order.
+//! While the file `<gates>/HANG` exists, every call hangs, after `held progress ID` (or
+//! `held cancel ID`) is appended to the journal so a test knows the agent is waiting on
+//! it. Each call answered is appended to the journal file (`progress ID` or `cancel ID`)
+//! before it is answered, so tests can see what the agent asked and in which order.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use opmon_client::snapshotter::{serve, Snapshotter, SnapshotterError};
+use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
 use opmon_client::{OperationProgress, OperationRef};
 use time::OffsetDateTime;
+
+/// What `evil-` operations report: a terminal escape (clear screen, recolour), a
+/// carriage return that overwrites, a newline that forges a line, a bell.
+const EVIL_DESCRIPTION: &str = "copying\u{1b}[2J\u{1b}[31m\rDONE\u{7}";
+const EVIL_ERROR: &str =
+    "boom\n2026-01-01T00:00:00Z  INFO opmon_agent: forged\r\u{1b}]0;pwned\u{7}";
 
 struct Scripted {
     gates: PathBuf,
@@ -36,8 +44,9 @@ impl Scripted {
         }
     }
 
-    async fn hang_if_asked(&self) {
+    async fn hang_if_asked(&self, verb: &str, op: &OperationRef) {
         if self.gates.join("HANG").exists() {
+            self.record(&format!("held {verb}"), op);
             std::future::pending::<()>().await;
         }
     }
@@ -60,9 +69,9 @@ impl Scripted {
     }
 }
 
-impl Snapshotter for Scripted {
+impl OperationHandler for Scripted {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
-        self.hang_if_asked().await;
+        self.hang_if_asked("progress", &op).await;
         self.record("progress", &op);
         let id = op.operation_id.as_str();
         let open = || self.gates.join(id).exists();
@@ -82,6 +91,14 @@ impl Snapshotter for Scripted {
             } else {
                 Self::progress(30, false, "")
             })
+        } else if id.starts_with("evil-") {
+            let mut p = if open() {
+                Self::progress(100, true, EVIL_ERROR)
+            } else {
+                Self::progress(30, false, "")
+            };
+            p.description = EVIL_DESCRIPTION.into();
+            Ok(p)
         } else if id.starts_with("never-") {
             Ok(Self::progress(50, false, ""))
         } else if id.starts_with("unsupported-") {
@@ -96,8 +113,11 @@ impl Snapshotter for Scripted {
     }
 
     async fn cancel(&self, op: OperationRef) -> Result<(), SnapshotterError> {
-        self.hang_if_asked().await;
+        self.hang_if_asked("cancel", &op).await;
         self.record("cancel", &op);
+        if op.operation_id.starts_with("evil-") {
+            return Err(SnapshotterError::Other(EVIL_ERROR.into()));
+        }
         Ok(())
     }
 }

@@ -189,7 +189,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         .map_err(|e| format!("backup.addOperations: {e}"))?;
     let owner = client
         .backups()
-        .end_in_progress(&name, 0, 0, false)
+        .end_in_progress(&name)
         .await
         .map_err(|e| format!("backup.endInProgress: {e}"))?;
     if owner.phase != OwnerPhase::Finalizing {

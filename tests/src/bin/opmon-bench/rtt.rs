@@ -1,5 +1,6 @@
 //! rpc-rtt: `agent.status` round trips on one kept-alive HTTP/1.1 connection (POST /)
-//! against a raw Unix-socket echo of the same request bytes.
+//! against a raw Unix-socket echo of the same request bytes, and the typed client
+//! (`opmon_client::Client`) against that raw POST.
 
 use std::path::Path;
 
@@ -162,6 +163,51 @@ fn placed(
     measured
 }
 
+/// The typed client's `agent.status` against raw POSTs of the same request, in
+/// alternating blocks on one thread: the client on a current-thread runtime of its own
+/// (as the CLI runs it), so both wait for the answer on the same thread.
+fn typed_vs_raw(
+    socket: &Path,
+    warmup: usize,
+    rounds: usize,
+    blocks: usize,
+) -> Result<[Vec<Duration>; 2], String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("a runtime for the client: {e}"))?;
+    let client = runtime
+        .block_on(opmon_client::Client::connect(socket))
+        .map_err(|e| format!("connecting the typed client: {}", e.chain()))?;
+    let request = raw::post_request(raw::STATUS);
+    let mut conn = raw::Conn::connect(socket).map_err(|e| format!("connecting: {e}"))?;
+    let typed_once = || -> Result<Duration, String> {
+        let began = Instant::now();
+        runtime
+            .block_on(client.status())
+            .map_err(|e| format!("agent.status over the typed client: {}", e.chain()))?;
+        Ok(began.elapsed())
+    };
+    for _ in 0..warmup {
+        typed_once()?;
+        status_once(&mut conn, &request)?;
+    }
+    let per_block = (rounds / blocks.max(1)).max(1);
+    let mut times: [Vec<Duration>; 2] = Default::default();
+    for _ in 0..blocks.max(1) {
+        for _ in 0..per_block {
+            times[0].push(typed_once()?);
+        }
+        for _ in 0..per_block {
+            times[1].push(status_once(&mut conn, &request)?);
+        }
+    }
+    for t in &mut times {
+        t.sort();
+    }
+    Ok(times)
+}
+
 pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let s = &ctx.sizes;
     let dir = ctx.subdir("rpc-rtt")?;
@@ -206,20 +252,26 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     }
     drop(echo_process);
 
-    // The typed client (WebSocket), for context.
+    // The typed client, against raw POSTs in the same blocks.
+    let socket = spec.socket.clone();
+    let [typed, raw_post] =
+        tokio::task::spawn_blocking(move || typed_vs_raw(&socket, warmup, rounds, blocks))
+            .await
+            .map_err(|e| format!("the measuring thread failed: {e}"))??;
+    // And on the bench's own multi-thread runtime, as a backup server's task calls it.
     let client = agent.client().await?;
-    let mut ws = Vec::with_capacity(rounds / 4);
+    let mut shared = Vec::with_capacity(rounds / 4);
     for i in 0..warmup + rounds / 4 {
         let began = Instant::now();
         client
             .status()
             .await
-            .map_err(|e| format!("agent.status over WebSocket: {e}"))?;
+            .map_err(|e| format!("agent.status over the typed client: {e}"))?;
         if i >= warmup {
-            ws.push(began.elapsed());
+            shared.push(began.elapsed());
         }
     }
-    ws.sort();
+    shared.sort();
     drop(client);
     agent.terminate()?;
 
@@ -262,10 +314,22 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
             p(&bound[0].1, 0.5),
             2.5,
         ),
+        Row::ratio_at_most(
+            format!(
+                "rpc-rtt: agent.status p50 over the typed client (opmon_client::Client, \
+                 HTTP/1.1 keep-alive, current-thread runtime) vs the HTTP keep-alive POST of \
+                 the same request, alternating blocks on one thread, {} calls each",
+                thousands(typed.len() as f64)
+            ),
+            p(&typed, 0.5),
+            p(&raw_post, 0.5),
+            1.5,
+        ),
         Row::info_vs(
-            "rpc-rtt: agent.status p50 over the typed WebSocket client (vs echo p50)",
-            p(&ws, 0.5),
-            p(&echo_times, 0.5),
+            "rpc-rtt: agent.status p50 over the typed client from a task of the bench's \
+             multi-thread runtime (vs the HTTP POST p50 of the first row)",
+            p(&shared, 0.5),
+            p(&agent_times, 0.5),
         ),
     ])
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::snapshotter::{serve_until, Snapshotter, SnapshotterError};
+use opmon_client::snapshotter::{serve_until, OperationHandler, SnapshotterError};
 use opmon_client::{OperationProgress, OperationRef};
 use time::OffsetDateTime;
 use tokio::sync::{oneshot, watch, Notify};
@@ -52,7 +52,7 @@ fn started() -> OffsetDateTime {
     OffsetDateTime::UNIX_EPOCH + time::Duration::days(20_000)
 }
 
-impl Snapshotter for Snap {
+impl OperationHandler for Snap {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
         let s = &self.0;
         let mut hold = s.hold.subscribe();

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use opmon_client::{
     ApiVersion, Client, Contents, FinalizeParams, OwnerPhase, Snapshotter, UpdatedItem, WaitUntil,
 };
@@ -79,7 +78,7 @@ async fn workflow(
         Ok::<_, String>(seen)
     });
     let owner = backups
-        .end_in_progress(name, 0, 0, false)
+        .end_in_progress(name)
         .await
         .map_err(|e| format!("endInProgress {name}: {e}"))?;
     if owner.phase != OwnerPhase::WaitingForPluginOperations {

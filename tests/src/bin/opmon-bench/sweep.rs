@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use opmon_client::{ApiVersion, Client, OwnerPhase, Snapshotter};
 use rusqlite::OptionalExtension;
 
@@ -324,7 +323,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
         futures::future::join_all(
             names
                 .iter()
-                .map(|name| backups.end_in_progress(name, 0, 0, false)),
+                .map(|name| std::future::IntoFuture::into_future(backups.end_in_progress(name))),
         )
         .await
     };

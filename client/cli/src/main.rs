@@ -1,19 +1,29 @@
 //! `opmon`: the command line for people and shell-based backup servers. Every API
-//! method is a subcommand; reads print a table or, with `-o json`, exactly the API's
-//! result. Exit codes: 0 success, 1 PartiallyFailed, 2 Failed or error, 3 wait timed out.
+//! method is a subcommand, sent as the client library's typed params; reads print a
+//! table or, with `-o json`, exactly the API's result. Exit codes: 0 success,
+//! 1 PartiallyFailed, 2 Failed or error, 3 wait timed out.
+//!
+//! What the CLI shows a person is escaped (`opmon_client::text`): descriptions, errors
+//! and IDs come from snapshotters and must not drive the terminal. Paths the user typed
+//! are resolved against the CLI's working directory before they are sent, since the
+//! agent has a working directory of its own.
 
 mod args;
+mod out;
 mod render;
 mod watch;
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};
+use opmon_client::methods::{self, OwnerMethod};
+use opmon_client::text::escape_controls;
 use opmon_client::{
-    Client, Contents, FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation, Owner,
-    OwnerKind, PluginKind, PluginRef, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    AddOperationsParams, Client, Contents, EndInProgressParams, FinalizeParams, FinalizeResult,
+    ListParams, NameParams, NewOperation, OperationsParams, Owner, OwnerKind, PluginKind,
+    PluginRef, Snapshotter, StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -21,7 +31,11 @@ use serde_json::{json, Value};
 
 use args::{Cli, Command, Output, OwnerCommand, SnapshotterCommand, Until};
 
-/// A command's outcome: what to print and the exit code.
+/// `{}`: the params of methods that take none.
+#[derive(Serialize)]
+struct NoParams {}
+
+/// A command's outcome: the exit code, or the message of why it failed.
 type Outcome = Result<u8, String>;
 
 fn main() -> ExitCode {
@@ -32,14 +46,14 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("opmon: starting the runtime: {e}");
+            out::warn(&format!("opmon: starting the runtime: {e}"));
             return ExitCode::from(2);
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("opmon: {e}");
+            out::warn(&format!("opmon: {}", escape_controls(&e)));
             ExitCode::from(2)
         }
     }
@@ -47,18 +61,20 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Outcome {
     if let Command::Completions { shell } = cli.command {
-        clap_complete::generate(shell, &mut Cli::command(), "opmon", &mut std::io::stdout());
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "opmon", &mut script);
+        out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
     let socket = cli
         .socket
         .clone()
         .unwrap_or_else(opmon_client::default_socket_path);
-    let client = Client::connect(&socket).await.map_err(|e| e.to_string())?;
+    let client = Client::connect(&socket).await.map_err(|e| e.chain())?;
     let out = cli.output;
     match cli.command {
         Command::Status => {
-            let value: Value = call(&client, "agent.status", json!({})).await?;
+            let value: Value = call(&client, methods::AGENT_STATUS, NoParams {}).await?;
             print(out, &value, render::status)
         }
         Command::Backup(cmd) => owner_command(&client, out, OwnerKind::Backup, cmd).await,
@@ -68,28 +84,31 @@ async fn run(cli: Cli) -> Outcome {
     }
 }
 
+/// Calls `method` with typed `params`; the answer is kept as JSON so `-o json` prints
+/// exactly what the agent said.
 async fn call<P: Serialize + Send>(
     client: &Client,
     method: &str,
     params: P,
 ) -> Result<Value, String> {
-    client.call(method, params).await.map_err(|e| e.to_string())
+    client.call(method, params).await.map_err(|e| e.chain())
 }
 
 /// Prints `value` as JSON, or as `table` renders its typed form.
 fn print<T: DeserializeOwned>(out: Output, value: &Value, table: impl Fn(&T) -> String) -> Outcome {
     match out {
-        Output::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(value).map_err(|e| e.to_string())?
-        ),
-        Output::Table => {
-            let typed: T = serde_json::from_value(value.clone())
-                .map_err(|e| format!("the agent answered in an unexpected form: {e}"))?;
-            print!("{}", table(&typed));
-        }
+        Output::Json => out::emit(&format!("{}\n", pretty(value)?))?,
+        Output::Table => out::emit(&table(&typed::<T>(value)?))?,
     }
     Ok(0)
+}
+
+fn pretty(value: &Value) -> Result<String, String> {
+    serde_json::to_string_pretty(value).map_err(|e| e.to_string())
+}
+
+fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, String> {
+    T::deserialize(value).map_err(|e| format!("the agent answered in an unexpected form: {e}"))
 }
 
 fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
@@ -105,8 +124,19 @@ fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// `path` as the user meant it: relative paths are relative to where the CLI runs,
+/// not to the agent's working directory. (`..` is kept; the agent resolves it.)
+fn absolute(flag: &str, path: PathBuf) -> Result<PathBuf, String> {
+    std::path::absolute(&path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+}
+
 fn one_line(owner: &Owner) -> String {
-    format!("{} {} is {}\n", owner.kind, owner.name, owner.phase)
+    format!(
+        "{} {} is {}\n",
+        owner.kind,
+        escape_controls(&owner.name),
+        owner.phase
+    )
 }
 
 async fn owner_command(
@@ -115,7 +145,7 @@ async fn owner_command(
     kind: OwnerKind,
     cmd: OwnerCommand,
 ) -> Outcome {
-    let method = |verb: &str| format!("{kind}.{verb}");
+    let method = |m: OwnerMethod| m.name(kind);
     match cmd {
         OwnerCommand::Start {
             name,
@@ -132,7 +162,7 @@ async fn owner_command(
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
             };
-            let value = call(client, &method("start"), params).await?;
+            let value = call(client, method(OwnerMethod::Start), params).await?;
             print(out, &value, one_line)
         }
         OwnerCommand::AddOperation(a) => {
@@ -159,12 +189,11 @@ async fn owner_command(
                     }]
                 }
             };
-            let value = call(
-                client,
-                &method("addOperations"),
-                json!({"name": a.name, "operations": operations}),
-            )
-            .await?;
+            let params = AddOperationsParams {
+                name: a.name,
+                operations,
+            };
+            let value = call(client, method(OwnerMethod::AddOperations), params).await?;
             print(out, &value, |r: &opmon_client::AddOperationsResult| {
                 format!("{} added, {} already known\n", r.added, r.already_known)
             })
@@ -175,18 +204,19 @@ async fn owner_command(
             warnings,
             failed,
         } => {
-            let value = call(
-                client,
-                &method("endInProgress"),
-                json!({"name": name, "errors": errors, "warnings": warnings, "failed": failed}),
-            )
-            .await?;
+            let params = EndInProgressParams {
+                name,
+                errors,
+                warnings,
+                failed,
+            };
+            let value = call(client, method(OwnerMethod::EndInProgress), params).await?;
             print(out, &value, one_line)?;
-            let owner: Owner = serde_json::from_value(value).map_err(|e| e.to_string())?;
+            let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
         }
         OwnerCommand::Get { name } => {
-            let value = call(client, &method("get"), NameParams { name }).await?;
+            let value = call(client, method(OwnerMethod::Get), NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o))
             })
@@ -201,26 +231,35 @@ async fn owner_command(
                 limit,
                 after,
             };
-            let value = call(client, &method("list"), params).await?;
+            let value = call(client, method(OwnerMethod::List), params).await?;
             print(out, &value, |l: &opmon_client::OwnerList| {
                 let mut text = render::owners(&l.items);
                 if let Some(next) = &l.next {
-                    text.push_str(&format!("(more: --after {next})\n"));
+                    text.push_str(&format!("(more: --after {})\n", escape_controls(next)));
                 }
                 text
             })
         }
         OwnerCommand::Operations { name, phases } => {
-            let params = json!({"name": name, "phases": (!phases.is_empty()).then_some(phases)});
-            let value = call(client, &method("operations"), params).await?;
+            let params = OperationsParams {
+                name,
+                phases: (!phases.is_empty()).then_some(phases),
+            };
+            let value = call(client, method(OwnerMethod::Operations), params).await?;
             print(out, &value, |ops: &Vec<opmon_client::Operation>| {
                 render::operations(ops)
             })
         }
         OwnerCommand::Describe { name, details } => {
-            let owner = call(client, &method("get"), NameParams { name: name.clone() }).await?;
+            let owner = call(
+                client,
+                method(OwnerMethod::Get),
+                NameParams { name: name.clone() },
+            )
+            .await?;
             let ops = if details {
-                Some(call(client, &method("operations"), NameParams { name }).await?)
+                let params = OperationsParams { name, phases: None };
+                Some(call(client, method(OwnerMethod::Operations), params).await?)
             } else {
                 None
             };
@@ -230,18 +269,13 @@ async fn owner_command(
                     if let Some(ops) = ops {
                         value["operations"] = ops;
                     }
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&value).map_err(|e| e.to_string())?
-                    );
+                    out::emit(&format!("{}\n", pretty(&value)?))?;
                 }
                 Output::Table => {
-                    let owner: Owner = serde_json::from_value(owner).map_err(|e| e.to_string())?;
-                    let ops: Option<Vec<opmon_client::Operation>> = ops
-                        .map(serde_json::from_value)
-                        .transpose()
-                        .map_err(|e| e.to_string())?;
-                    print!("{}", render::describe(&owner, ops.as_deref()));
+                    let owner: Owner = typed(&owner)?;
+                    let ops: Option<Vec<opmon_client::Operation>> =
+                        ops.as_ref().map(typed).transpose()?;
+                    out::emit(&render::describe(&owner, ops.as_deref()))?;
                 }
             }
             Ok(0)
@@ -261,25 +295,28 @@ async fn owner_command(
             let (owner, timed_out) = match reached {
                 Some(owner) => (owner, false),
                 None => {
-                    let value =
-                        call(client, &method("get"), NameParams { name: name.clone() }).await?;
-                    (
-                        serde_json::from_value(value).map_err(|e| e.to_string())?,
-                        true,
+                    let value = call(
+                        client,
+                        method(OwnerMethod::Get),
+                        NameParams { name: name.clone() },
                     )
+                    .await?;
+                    (typed(&value)?, true)
                 }
             };
             match out {
-                Output::Json => println!(
-                    "{}",
-                    serde_json::to_string_pretty(&json!({"owner": owner, "timedOut": timed_out}))
-                        .map_err(|e| e.to_string())?
-                ),
+                Output::Json => out::emit(&format!(
+                    "{}\n",
+                    pretty(&json!({"owner": owner, "timedOut": timed_out}))?
+                ))?,
                 Output::Table if timed_out => {
-                    print!("{}", one_line(&owner));
-                    eprintln!("opmon: timed out waiting for {kind} {name}");
+                    out::emit(&one_line(&owner))?;
+                    out::warn(&format!(
+                        "opmon: timed out waiting for {kind} {}",
+                        escape_controls(&name)
+                    ));
                 }
-                Output::Table => print!("{}", one_line(&owner)),
+                Output::Table => out::emit(&one_line(&owner))?,
             }
             Ok(if timed_out {
                 3
@@ -294,54 +331,64 @@ async fn owner_command(
             updated_items,
         } => {
             let contents = match (contents_input, contents_output) {
-                (Some(input), Some(output)) => Some(Contents { input, output }),
+                (Some(input), Some(output)) => Some(Contents {
+                    input: absolute("--contents-input", input)?,
+                    output: absolute("--contents-output", output)?,
+                }),
                 _ => None,
             };
             let updated_items: Vec<UpdatedItem> = match updated_items {
                 Some(path) => read_json_file(&path)?,
                 None => Vec::new(),
             };
-            let value = call(
-                client,
-                &method("finalize"),
-                FinalizeParams {
-                    name,
-                    contents,
-                    updated_items,
-                },
-            )
-            .await?;
+            let params = FinalizeParams {
+                name,
+                contents,
+                updated_items,
+            };
+            // Through the typed method: it has the finalize timeout, not the call one.
+            let result = client
+                .owners(kind)
+                .finalize(params)
+                .await
+                .map_err(|e| e.chain())?;
+            let value = serde_json::to_value(&result).map_err(|e| e.to_string())?;
             print(out, &value, |r: &FinalizeResult| {
                 let mut text = one_line(&r.owner);
                 text.push_str(&format!(
                     "item operations: {}\n",
-                    r.item_operations_file.display()
+                    escape_controls(&r.item_operations_file.display().to_string())
                 ));
                 if let Some(file) = &r.contents_file {
                     text.push_str(&format!(
                         "contents: {} ({} entries replaced, {} added)\n",
-                        file.display(),
+                        escape_controls(&file.display().to_string()),
                         r.replaced,
                         r.added
                     ));
                 }
                 text
             })?;
-            let result: FinalizeResult =
-                serde_json::from_value(value).map_err(|e| e.to_string())?;
             Ok(render::exit_code(result.owner.phase))
         }
         OwnerCommand::ItemOperations { name } => {
-            let value = call(client, &method("itemOperations"), NameParams { name }).await?;
+            let value = call(
+                client,
+                method(OwnerMethod::ItemOperations),
+                NameParams { name },
+            )
+            .await?;
             print(out, &value, |r: &Vec<opmon_client::ItemOperation>| {
                 render::item_operations(r)
             })
         }
         OwnerCommand::Delete { name } => {
-            let value = call(client, &method("delete"), NameParams { name: name.clone() }).await?;
+            let params = NameParams { name: name.clone() };
+            let value = call(client, method(OwnerMethod::Delete), params).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(
-                    "{kind} {name} deleted, {} operations cancelled\n",
+                    "{kind} {} deleted, {} operations cancelled\n",
+                    escape_controls(&name),
                     r.cancelled
                 )
             })
@@ -355,27 +402,38 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             name,
             api_version,
             snapshotter_socket,
-            command,
+            mut command,
         } => {
+            // A program named by a path runs from the agent's directory: resolve it
+            // here. A bare name is looked up in the agent's PATH, as given.
+            if let Some(program) = command.first_mut() {
+                if program.contains('/') {
+                    *program = absolute("the command", PathBuf::from(&*program))?
+                        .to_string_lossy()
+                        .into_owned();
+                }
+            }
             let s = Snapshotter {
                 name,
                 api_version,
-                socket: snapshotter_socket,
+                socket: snapshotter_socket
+                    .map(|s| absolute("--snapshotter-socket", s))
+                    .transpose()?,
                 command: (!command.is_empty()).then_some(command),
             };
-            let value = call(client, "snapshotter.register", s).await?;
+            let value = call(client, methods::SNAPSHOTTER_REGISTER, s).await?;
             print(out, &value, |s: &Snapshotter| {
-                format!("snapshotter {} registered\n", s.name)
+                format!("snapshotter {} registered\n", escape_controls(&s.name))
             })
         }
         SnapshotterCommand::List => {
-            let value = call(client, "snapshotter.list", json!({})).await?;
+            let value = call(client, methods::SNAPSHOTTER_LIST, NoParams {}).await?;
             print(out, &value, |l: &Vec<Snapshotter>| render::snapshotters(l))
         }
         SnapshotterCommand::Unregister { name } => {
-            let value = call(client, "snapshotter.unregister", NameParams { name }).await?;
+            let value = call(client, methods::SNAPSHOTTER_UNREGISTER, NameParams { name }).await?;
             print(out, &value, |s: &Snapshotter| {
-                format!("snapshotter {} unregistered\n", s.name)
+                format!("snapshotter {} unregistered\n", escape_controls(&s.name))
             })
         }
     }

@@ -136,7 +136,8 @@ pub enum OwnerCommand {
     /// and completes.
     Finalize {
         name: String,
-        /// The backup tarball to read (relative paths are under the agent's storage dir).
+        /// The backup tarball to read (a relative path is resolved against the current
+        /// directory before it is sent).
         #[arg(long, requires = "contents_output")]
         contents_input: Option<PathBuf>,
         /// Where to write the rewritten tarball.
@@ -188,10 +189,12 @@ pub enum SnapshotterCommand {
         name: String,
         #[arg(long, value_parser = api_version, default_value = "v2")]
         api_version: ApiVersion,
-        /// Its JSON-RPC socket (`--socket` is the agent's).
+        /// Its JSON-RPC socket (`--socket` is the agent's); a relative path is resolved
+        /// against the current directory.
         #[arg(long, conflicts_with = "command")]
         snapshotter_socket: Option<PathBuf>,
-        /// The command to run per call (after --, e.g. -- /usr/bin/snap --flag).
+        /// The command to run per call (after --, e.g. -- /usr/bin/snap --flag); a
+        /// program given by a relative path is resolved against the current directory.
         #[arg(last = true)]
         command: Vec<String>,
     },

@@ -6,15 +6,19 @@ use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::time::Duration;
 
-use futures::StreamExt;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use opmon_client::{Client, Operation, OperationPhase, Owner, OwnerKind, OwnerUpdate, WaitUntil};
 
-use crate::render;
+use crate::out;
+use crate::render::{self, clean};
 
 /// How the changes are shown.
 trait View {
-    fn show(&mut self, update: &OwnerUpdate, ops: &BTreeMap<String, Operation>);
+    fn show(
+        &mut self,
+        update: &OwnerUpdate,
+        ops: &BTreeMap<String, Operation>,
+    ) -> Result<(), String>;
     fn finish(&mut self);
 }
 
@@ -24,34 +28,40 @@ struct Lines {
 }
 
 impl View for Lines {
-    fn show(&mut self, update: &OwnerUpdate, _ops: &BTreeMap<String, Operation>) {
+    fn show(
+        &mut self,
+        update: &OwnerUpdate,
+        _ops: &BTreeMap<String, Operation>,
+    ) -> Result<(), String> {
         let o = &update.owner;
         let summary = (o.phase, o.operations_completed, o.operations_failed);
+        let mut text = String::new();
         if self.last_owner != Some(summary) {
-            println!(
-                "{} {}: {} ({}/{} operations completed, {} failed)",
+            text.push_str(&format!(
+                "{} {}: {} ({}/{} operations completed, {} failed)\n",
                 o.kind,
-                o.name,
+                clean(&o.name),
                 o.phase,
                 o.operations_completed,
                 o.operations_attempted,
                 o.operations_failed
-            );
+            ));
             self.last_owner = Some(summary);
         }
         for op in &update.operations {
             let error = if op.phase == OperationPhase::Failed {
-                format!(": {}", op.error)
+                format!(": {}", clean(&op.error))
             } else {
                 String::new()
             };
-            println!(
-                "  {} {} {}{error}",
-                op.operation_id,
+            text.push_str(&format!(
+                "  {} {} {}{error}\n",
+                clean(&op.operation_id),
                 op.phase,
                 render::progress(op)
-            );
+            ));
         }
+        out::emit(&text)
     }
 
     fn finish(&mut self) {}
@@ -103,16 +113,21 @@ impl Bars {
         bar.set_style(
             ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
-        bar.set_prefix(op.operation_id.clone());
+        bar.set_prefix(clean(&op.operation_id).into_owned());
         self.ops.insert(op.operation_id.clone(), bar.clone());
         bar
     }
 }
 
 impl View for Bars {
-    fn show(&mut self, update: &OwnerUpdate, ops: &BTreeMap<String, Operation>) {
+    fn show(
+        &mut self,
+        update: &OwnerUpdate,
+        ops: &BTreeMap<String, Operation>,
+    ) -> Result<(), String> {
         let o = &update.owner;
-        self.overall.set_prefix(format!("{} {}", o.kind, o.name));
+        self.overall
+            .set_prefix(format!("{} {}", o.kind, clean(&o.name)));
         self.overall.set_length(o.operations_attempted);
         self.overall
             .set_position(o.operations_completed + o.operations_failed);
@@ -132,10 +147,13 @@ impl View for Bars {
             bar.set_position(op.n_completed.max(0) as u64);
             match op.phase {
                 OperationPhase::Completed => bar.finish_with_message("completed"),
-                OperationPhase::Failed => bar.abandon_with_message(format!("failed: {}", op.error)),
+                OperationPhase::Failed => {
+                    bar.abandon_with_message(format!("failed: {}", clean(&op.error)))
+                }
                 _ => bar.set_message(op.phase.to_string()),
             }
         }
+        Ok(())
     }
 
     fn finish(&mut self) {
@@ -153,7 +171,7 @@ pub async fn wait(
     quiet: bool,
 ) -> Result<Option<Owner>, String> {
     let owners = client.owners(kind);
-    let mut updates = owners.subscribe(name).await.map_err(|e| e.to_string())?;
+    let mut updates = owners.subscribe(name).await.map_err(|e| e.chain())?;
     let mut view: Box<dyn View> = if quiet {
         Box::new(Quiet)
     } else if std::io::stdout().is_terminal() {
@@ -176,23 +194,24 @@ pub async fn wait(
         };
         let update = match next {
             Some(Ok(update)) => update,
-            Some(Err(e)) => return Err(e.to_string()),
-            None => {
-                return Err(format!(
-                    "{kind} {name} stopped being watchable (deleted, or the agent stopped)"
-                ))
+            Some(Err(e)) => {
+                view.finish();
+                return Err(e.chain());
             }
+            // The stream ends after a terminal update, which `until` always accepts.
+            None => return Err(format!("the subscription to {kind} {name} ended")),
         };
-        if update.lagged {
+        // These carry every operation: start over from them.
+        if update.lagged || update.resumed {
             ops.clear();
         }
         for op in &update.operations {
             ops.insert(op.operation_id.clone(), op.clone());
         }
-        view.show(&update, &ops);
+        view.show(&update, &ops)?;
         if until.is_reached(update.owner.phase) {
             view.finish();
-            return Ok(Some(update.owner));
+            return Ok(Some(update.update.owner));
         }
     }
 }
@@ -201,6 +220,8 @@ pub async fn wait(
 struct Quiet;
 
 impl View for Quiet {
-    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<String, Operation>) {}
+    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<String, Operation>) -> Result<(), String> {
+        Ok(())
+    }
     fn finish(&mut self) {}
 }

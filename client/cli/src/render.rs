@@ -1,0 +1,697 @@
+//! How results look to a person: tables, `describe`, progress text. Pure functions of
+//! the API's types, so every format is unit-tested. Every string that came from outside
+//! (names, IDs, descriptions, errors) goes through [`clean`], so no cell can move the
+//! cursor, recolour the terminal or start a line of its own.
+
+use std::borrow::Cow;
+use std::fmt::Write;
+
+use opmon_client::{
+    AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase, ResourceIdentifier,
+    Snapshotter, Timestamp,
+};
+
+/// Parses `RESOURCE[.GROUP]/NAMESPACE/NAME` or `RESOURCE[.GROUP]/NAME` (cluster-scoped).
+pub fn parse_item(text: &str) -> Result<ResourceIdentifier, String> {
+    let parts: Vec<&str> = text.split('/').collect();
+    let (group_resource, namespace, name) = match parts.as_slice() {
+        [gr, ns, name] => (*gr, *ns, *name),
+        [gr, name] => (*gr, "", *name),
+        _ => {
+            return Err(format!(
+                "item {text:?}: expected RESOURCE[.GROUP]/NAMESPACE/NAME or RESOURCE[.GROUP]/NAME"
+            ))
+        }
+    };
+    let (resource, group) = group_resource
+        .split_once('.')
+        .unwrap_or((group_resource, ""));
+    let item = ResourceIdentifier {
+        group: group.into(),
+        resource: resource.into(),
+        namespace: namespace.into(),
+        name: name.into(),
+    };
+    opmon_client::validate::resource(&item)
+        .map_err(|(field, e)| format!("item {text:?}: {field}: {e}"))?;
+    Ok(item)
+}
+
+/// Text from outside, control characters escaped.
+pub fn clean(text: &str) -> Cow<'_, str> {
+    opmon_client::text::escape_controls(text)
+}
+
+/// `resource[.group]`, as Go's `schema.GroupResource` prints itself.
+fn group_resource(r: &ResourceIdentifier) -> String {
+    if r.group.is_empty() {
+        clean(&r.resource).into_owned()
+    } else {
+        format!("{}.{}", clean(&r.resource), clean(&r.group))
+    }
+}
+
+/// `resource[.group] namespace/name` (or `… name` when cluster-scoped).
+pub fn item(r: &ResourceIdentifier) -> String {
+    if r.namespace.is_empty() {
+        format!("{} {}", group_resource(r), clean(&r.name))
+    } else {
+        format!(
+            "{} {}/{}",
+            group_resource(r),
+            clean(&r.namespace),
+            clean(&r.name)
+        )
+    }
+}
+
+/// `resource[.group] namespace/name` exactly as Velero's describers print an item,
+/// `/name` included when there is no namespace.
+fn velero_item(r: &ResourceIdentifier) -> String {
+    format!(
+        "{} {}/{}",
+        group_resource(r),
+        clean(&r.namespace),
+        clean(&r.name)
+    )
+}
+
+/// Left-aligned columns separated by two spaces.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
+            if i > 0 {
+                text.push_str("  ");
+            }
+            let _ = write!(text, "{cell:<w$}");
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut out, &mut headers.iter().copied());
+    for row in rows {
+        line(&mut out, &mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+fn time(t: Option<Timestamp>) -> String {
+    t.and_then(|t| {
+        t.format(&time::format_description::well_known::Rfc3339)
+            .ok()
+    })
+    .unwrap_or_else(|| "<n/a>".into())
+}
+
+pub fn owners(list: &[Owner]) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|o| {
+            vec![
+                clean(&o.name).into_owned(),
+                o.phase.to_string(),
+                format!("{}/{}", o.operations_completed, o.operations_attempted),
+                o.operations_failed.to_string(),
+                o.errors.to_string(),
+                time(Some(o.created)),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "NAME",
+            "PHASE",
+            "OPERATIONS DONE",
+            "FAILED",
+            "ERRORS",
+            "CREATED",
+        ],
+        &rows,
+    )
+}
+
+/// `nCompleted/nTotal units (percent)`, or just the count when the total is unknown.
+pub fn progress(op: &Operation) -> String {
+    let units = if op.operation_units.is_empty() {
+        String::new()
+    } else {
+        format!(" {}", clean(&op.operation_units))
+    };
+    if op.n_total > 0 {
+        let percent = op.n_completed as f64 * 100.0 / op.n_total as f64;
+        format!("{}/{}{units} ({percent:.0}%)", op.n_completed, op.n_total)
+    } else {
+        format!("{}{units}", op.n_completed)
+    }
+}
+
+/// Rate and time left, from the progress seen between start and last update; `None`
+/// until progress has moved.
+pub fn rate_and_eta(op: &Operation) -> Option<String> {
+    let (started, updated) = (op.started?, op.updated?);
+    let seconds = (updated - started).as_seconds_f64();
+    if seconds <= 0.0 || op.n_completed <= 0 {
+        return None;
+    }
+    let rate = op.n_completed as f64 / seconds;
+    let units = if op.operation_units.is_empty() {
+        Cow::Borrowed("units")
+    } else {
+        clean(&op.operation_units)
+    };
+    let mut text = format!("{} {units}/s", human(rate));
+    if op.phase.is_unfinished() && op.n_total > op.n_completed {
+        let left = (op.n_total - op.n_completed) as f64 / rate;
+        let eta = GoDuration(std::time::Duration::from_secs(left.ceil() as u64));
+        let _ = write!(text, ", about {eta} left");
+    }
+    Some(text)
+}
+
+/// A rate with at most three significant digits and a k/M/G suffix.
+fn human(value: f64) -> String {
+    let (scaled, suffix) = if value >= 1e9 {
+        (value / 1e9, "G")
+    } else if value >= 1e6 {
+        (value / 1e6, "M")
+    } else if value >= 1e3 {
+        (value / 1e3, "k")
+    } else {
+        (value, "")
+    };
+    if scaled >= 100.0 {
+        format!("{scaled:.0}{suffix}")
+    } else if scaled >= 10.0 {
+        format!("{scaled:.1}{suffix}")
+    } else {
+        format!("{scaled:.2}{suffix}")
+    }
+}
+
+pub fn operations(ops: &[Operation]) -> String {
+    let rows: Vec<Vec<String>> = ops
+        .iter()
+        .map(|op| {
+            vec![
+                clean(&op.operation_id).into_owned(),
+                clean(&op.plugin.name).into_owned(),
+                item(&op.resource),
+                op.phase.to_string(),
+                progress(op),
+                clean(&op.error).into_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "OPERATION ID",
+            "PLUGIN",
+            "ITEM",
+            "PHASE",
+            "PROGRESS",
+            "ERROR",
+        ],
+        &rows,
+    )
+}
+
+/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, tabwidth 8,
+/// padding 2, padchar ' ', flags 0`): `\t` ends a cell; the cells of one column are
+/// padded to the widest in each run of consecutive lines that have that column; a
+/// line's last cell is not in any column. Cells must hold no tab or newline of their
+/// own (everything from outside went through [`clean`]).
+pub fn tabwrite(text: &str) -> String {
+    const PADDING: usize = 2;
+    let lines: Vec<Vec<&str>> = text
+        .strip_suffix('\n')
+        .unwrap_or(text)
+        .split('\n')
+        .map(|l| l.split('\t').collect())
+        .collect();
+    let width = |cell: &str| cell.chars().count();
+    // widths[line][column]: the padded width of each tab-terminated cell.
+    let mut widths: Vec<Vec<usize>> = lines.iter().map(|l| vec![0; l.len() - 1]).collect();
+    fn blocks(
+        lines: &[Vec<&str>],
+        widths: &mut [Vec<usize>],
+        from: usize,
+        to: usize,
+        column: usize,
+        width: &dyn Fn(&str) -> usize,
+    ) {
+        let mut this = from;
+        while this < to {
+            if column >= lines[this].len() - 1 {
+                this += 1;
+                continue;
+            }
+            let start = this;
+            let mut w = 0;
+            while this < to && column < lines[this].len() - 1 {
+                w = w.max(width(lines[this][column]) + PADDING);
+                this += 1;
+            }
+            for row in widths.iter_mut().take(this).skip(start) {
+                row[column] = w;
+            }
+            blocks(lines, widths, start, this, column + 1, width);
+        }
+    }
+    blocks(&lines, &mut widths, 0, lines.len(), 0, &width);
+    let mut out = String::new();
+    for (line, w) in lines.iter().zip(&widths) {
+        for (i, cell) in line.iter().enumerate() {
+            out.push_str(cell);
+            if let Some(w) = w.get(i) {
+                out.extend(std::iter::repeat_n(' ', w - width(cell)));
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// A time as Velero's describers print a `metav1.Time` (Go's `Time.String()` of a
+/// second-precision UTC time): `2026-11-22 09:57:45 +0000 UTC`.
+fn velero_time(t: Timestamp) -> String {
+    let t = t.to_offset(time::UtcOffset::UTC);
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
+    )
+}
+
+/// One operation as `velero backup|restore describe --details` prints it, then the
+/// agent's extras (rate, time left).
+fn describe_operation(out: &mut String, op: &Operation) {
+    let action = match op.plugin.kind {
+        opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
+        opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
+        opmon_client::PluginKind::VolumeSnapshotter => "Volume Snapshotter Plugin:",
+    };
+    let _ = writeln!(out, "\tOperation for {}:", velero_item(&op.resource));
+    let _ = writeln!(out, "\t\t{action}\t{}", clean(&op.plugin.name));
+    let _ = writeln!(out, "\t\tOperation ID:\t{}", clean(&op.operation_id));
+    if !op.post_operation_items.is_empty() {
+        let _ = writeln!(out, "\t\tItems to Update:");
+    }
+    for i in &op.post_operation_items {
+        let _ = writeln!(out, "\t\t\t{}", velero_item(i));
+    }
+    let _ = writeln!(out, "\t\tPhase:\t{}", op.phase);
+    if !op.error.is_empty() {
+        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(&op.error));
+    }
+    if op.n_total > 0 || op.n_completed > 0 {
+        let _ = writeln!(
+            out,
+            "\t\tProgress:\t{} of {} complete ({})",
+            op.n_completed,
+            op.n_total,
+            clean(&op.operation_units)
+        );
+    }
+    if !op.description.is_empty() {
+        let _ = writeln!(out, "\t\tProgress description:\t{}", clean(&op.description));
+    }
+    let _ = writeln!(out, "\t\tCreated:\t{}", velero_time(op.created));
+    if let Some(t) = op.started {
+        let _ = writeln!(out, "\t\tStarted:\t{}", velero_time(t));
+    }
+    if let Some(t) = op.updated {
+        let _ = writeln!(out, "\t\tUpdated:\t{}", velero_time(t));
+    }
+    if let Some(rate) = rate_and_eta(op) {
+        let _ = writeln!(out, "\t\tRate:\t{rate}");
+    }
+}
+
+/// `describe`: the owner, then its item operations as Velero's describers show them: a
+/// summary line without `--details`, every operation with it.
+pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "Name:\t{}", clean(&owner.name));
+    let _ = writeln!(out, "Kind:\t{}", owner.kind);
+    let _ = writeln!(out, "UID:\t{}", clean(&owner.uid));
+    let _ = writeln!(out, "Phase:\t{}", owner.phase);
+    let _ = writeln!(out, "Errors:\t{}", owner.errors);
+    let _ = writeln!(out, "Warnings:\t{}", owner.warnings);
+    let _ = writeln!(
+        out,
+        "ItemOperationTimeout:\t{}",
+        owner.item_operation_timeout
+    );
+    let _ = writeln!(out, "Created:\t{}", velero_time(owner.created));
+    let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
+    if let Some(t) = owner.completed {
+        let _ = writeln!(out, "Completed:\t{}", velero_time(t));
+    }
+    if let Some(items) = owner
+        .post_operation_items
+        .as_ref()
+        .filter(|i| !i.is_empty())
+    {
+        let _ = writeln!(out, "Items to update after operations:");
+        for i in items {
+            let _ = writeln!(out, "\t{}", item(i));
+        }
+    }
+    let title = match owner.kind {
+        opmon_client::OwnerKind::Backup => "Backup Item Operations:",
+        opmon_client::OwnerKind::Restore => "Restore Item Operations:",
+    };
+    if owner.operations_attempted > 0 {
+        out.push('\n');
+        match details {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "{title}\t{} of {} completed successfully, {} failed (specify --details for more information)",
+                    owner.operations_completed,
+                    owner.operations_attempted,
+                    owner.operations_failed
+                );
+            }
+            Some(ops) => {
+                let _ = writeln!(out, "{title}");
+                for op in ops {
+                    describe_operation(&mut out, op);
+                }
+            }
+        }
+    }
+    tabwrite(&out)
+}
+
+pub fn status(s: &AgentStatus) -> String {
+    let mut out = format!(
+        "version {}, up {}, {} unfinished operations, {} snapshotters\n",
+        s.version, s.uptime, s.unfinished_operations, s.snapshotters
+    );
+    let rows: Vec<Vec<String>> = s
+        .owners
+        .iter()
+        .map(|(phase, n)| vec![phase.to_string(), n.to_string()])
+        .collect();
+    if !rows.is_empty() {
+        out.push_str(&table(&["PHASE", "OWNERS"], &rows));
+    }
+    out
+}
+
+pub fn snapshotters(list: &[Snapshotter]) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|s| {
+            let target = match (&s.socket, &s.command) {
+                (Some(socket), _) => socket.display().to_string(),
+                (None, Some(command)) => command.join(" "),
+                (None, None) => "-".into(),
+            };
+            vec![
+                clean(&s.name).into_owned(),
+                s.api_version.as_str().into(),
+                clean(&target).into_owned(),
+            ]
+        })
+        .collect();
+    table(&["NAME", "API", "SOCKET OR COMMAND"], &rows)
+}
+
+pub fn item_operations(records: &[ItemOperation]) -> String {
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            let (id, plugin) = match &r.spec {
+                opmon_client::ItemOperationSpec::Backup(s) => {
+                    (&s.operation_id, &s.backup_item_action)
+                }
+                opmon_client::ItemOperationSpec::Restore(s) => {
+                    (&s.operation_id, &s.restore_item_action)
+                }
+            };
+            vec![
+                clean(id).into_owned(),
+                clean(plugin).into_owned(),
+                r.status.phase.to_string(),
+                format!("{}/{}", r.status.n_completed, r.status.n_total),
+                clean(&r.status.error).into_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &["OPERATION ID", "PLUGIN", "PHASE", "PROGRESS", "ERROR"],
+        &rows,
+    )
+}
+
+/// The documented exit code for an owner in `phase`.
+pub fn exit_code(phase: OwnerPhase) -> u8 {
+    match phase {
+        OwnerPhase::Failed | OwnerPhase::FailedValidation => 2,
+        OwnerPhase::PartiallyFailed
+        | OwnerPhase::WaitingForPluginOperationsPartiallyFailed
+        | OwnerPhase::FinalizingPartiallyFailed => 1,
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opmon_client::{OperationPhase, PluginKind, PluginRef};
+    use time::macros::datetime;
+
+    fn op(n: i64, total: i64) -> Operation {
+        Operation {
+            plugin: PluginRef {
+                kind: PluginKind::BackupItemAction,
+                name: "example.io/copier".into(),
+            },
+            resource: parse_item("persistentvolumeclaims/app/data").unwrap(),
+            operation_id: "copy-1".into(),
+            post_operation_items: vec![],
+            phase: OperationPhase::InProgress,
+            error: String::new(),
+            n_completed: n,
+            n_total: total,
+            operation_units: "bytes".into(),
+            description: String::new(),
+            created: datetime!(2026-01-01 0:00 UTC),
+            started: Some(datetime!(2026-01-01 0:00 UTC)),
+            updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
+        }
+    }
+
+    #[test]
+    fn items_parse_with_groups_and_without_namespaces() {
+        let vsb = parse_item("volumesnapshotbackups.velero.io/app/vsb-1").unwrap();
+        assert_eq!(
+            (vsb.resource.as_str(), vsb.group.as_str()),
+            ("volumesnapshotbackups", "velero.io")
+        );
+        assert_eq!(item(&vsb), "volumesnapshotbackups.velero.io app/vsb-1");
+        let pv = parse_item("persistentvolumes/pv-1").unwrap();
+        assert_eq!(
+            (pv.namespace.as_str(), item(&pv).as_str()),
+            ("", "persistentvolumes pv-1")
+        );
+        assert!(parse_item("pods")
+            .unwrap_err()
+            .contains("expected RESOURCE"));
+        assert!(parse_item("pods/ns/Bad_Name")
+            .unwrap_err()
+            .starts_with("item \"pods/ns/Bad_Name\": name:"));
+    }
+
+    #[test]
+    fn progress_shows_counts_units_and_percent() {
+        assert_eq!(progress(&op(25, 100)), "25/100 bytes (25%)");
+        assert_eq!(progress(&op(7, 0)), "7 bytes");
+    }
+
+    #[test]
+    fn rate_and_eta_come_from_start_and_last_update() {
+        // 50 MB in 10 s: 5 MB/s, 50 MB left: 10 s.
+        assert_eq!(
+            rate_and_eta(&op(50_000_000, 100_000_000)).as_deref(),
+            Some("5.00M bytes/s, about 10s left")
+        );
+        assert_eq!(
+            rate_and_eta(&op(0, 100)),
+            None,
+            "no rate before progress moves"
+        );
+    }
+
+    #[test]
+    fn tables_align_columns() {
+        let t = table(
+            &["A", "LONG HEADER"],
+            &[vec!["wide cell".into(), "x".into()]],
+        );
+        assert_eq!(t, "A          LONG HEADER\nwide cell  x\n");
+    }
+
+    fn owner(kind: opmon_client::OwnerKind, attempted: u64, completed: u64, failed: u64) -> Owner {
+        Owner {
+            kind,
+            name: "nightly".into(),
+            uid: "u-1".into(),
+            phase: OwnerPhase::WaitingForPluginOperationsPartiallyFailed,
+            item_operation_timeout: GoDuration::from_secs(4 * 3600),
+            finalize: true,
+            errors: 1,
+            warnings: 0,
+            operations_attempted: attempted,
+            operations_completed: completed,
+            operations_failed: failed,
+            post_operation_items: None,
+            created: datetime!(2026-01-01 0:00 UTC),
+            updated: datetime!(2026-01-01 0:00:30.5 UTC),
+            completed: None,
+        }
+    }
+
+    #[test]
+    fn describe_without_details_prints_veleros_summary_line() {
+        let text = describe(&owner(opmon_client::OwnerKind::Backup, 6, 3, 3), None);
+        assert_eq!(
+            text,
+            "Name:                  nightly\n\
+             Kind:                  backup\n\
+             UID:                   u-1\n\
+             Phase:                 WaitingForPluginOperationsPartiallyFailed\n\
+             Errors:                1\n\
+             Warnings:              0\n\
+             ItemOperationTimeout:  4h0m0s\n\
+             Created:               2026-01-01 00:00:00 +0000 UTC\n\
+             Updated:               2026-01-01 00:00:30 +0000 UTC\n\
+             \n\
+             Backup Item Operations:  3 of 6 completed successfully, 3 failed (specify --details for more information)\n"
+        );
+    }
+
+    #[test]
+    fn describe_details_prints_operations_as_velero_then_the_rate() {
+        let mut copying = op(50_000_000, 100_000_000);
+        copying.description = "copying".into();
+        copying.post_operation_items =
+            vec![parse_item("volumesnapshotbackups.velero.io/app/vsb-1").unwrap()];
+        let mut failed = op(0, 0);
+        failed.operation_id = "copy-2".into();
+        failed.resource = parse_item("persistentvolumes/pv-1").unwrap();
+        failed.phase = OperationPhase::Failed;
+        failed.error = "disk\u{1b}[2J gone\nforged".into();
+        failed.started = None;
+        failed.updated = None;
+        let text = describe(
+            &owner(opmon_client::OwnerKind::Backup, 2, 0, 1),
+            Some(&[copying, failed]),
+        );
+        let operations = text.split_once("\n\n").unwrap().1;
+        assert_eq!(
+            operations,
+            "Backup Item Operations:\n\
+             \x20 Operation for persistentvolumeclaims app/data:\n\
+             \x20   Backup Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:               copy-1\n\
+             \x20   Items to Update:\n\
+             \x20                          volumesnapshotbackups.velero.io app/vsb-1\n\
+             \x20   Phase:                 InProgress\n\
+             \x20   Progress:              50000000 of 100000000 complete (bytes)\n\
+             \x20   Progress description:  copying\n\
+             \x20   Created:               2026-01-01 00:00:00 +0000 UTC\n\
+             \x20   Started:               2026-01-01 00:00:00 +0000 UTC\n\
+             \x20   Updated:               2026-01-01 00:00:10 +0000 UTC\n\
+             \x20   Rate:                  5.00M bytes/s, about 10s left\n\
+             \x20 Operation for persistentvolumes /pv-1:\n\
+             \x20   Backup Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:               copy-2\n\
+             \x20   Phase:                      Failed\n\
+             \x20   Operation Error:            disk\\x1b[2J gone\\nforged\n\
+             \x20   Created:                    2026-01-01 00:00:00 +0000 UTC\n"
+        );
+    }
+
+    #[test]
+    fn restores_describe_with_their_own_words() {
+        let mut restoring = op(10, 100);
+        restoring.plugin.kind = PluginKind::RestoreItemAction;
+        restoring.operation_units = String::new();
+        restoring.started = None;
+        restoring.updated = None;
+        let summary = describe(&owner(opmon_client::OwnerKind::Restore, 1, 0, 0), None);
+        assert!(summary.ends_with(
+            "\nRestore Item Operations:  0 of 1 completed successfully, 0 failed (specify --details for more information)\n"
+        ), "{summary}");
+        let details = describe(
+            &owner(opmon_client::OwnerKind::Restore, 1, 0, 0),
+            Some(&[restoring]),
+        );
+        assert!(
+            details.ends_with(
+                "\nRestore Item Operations:\n\
+             \x20 Operation for persistentvolumeclaims app/data:\n\
+             \x20   Restore Item Action Plugin:  example.io/copier\n\
+             \x20   Operation ID:                copy-1\n\
+             \x20   Phase:                       InProgress\n\
+             \x20   Progress:                    10 of 100 complete ()\n\
+             \x20   Created:                     2026-01-01 00:00:00 +0000 UTC\n"
+            ),
+            "{details}"
+        );
+        // No operations, no operations section (as Velero).
+        assert!(
+            !describe(&owner(opmon_client::OwnerKind::Restore, 0, 0, 0), Some(&[]))
+                .contains("Item Operations")
+        );
+    }
+
+    #[test]
+    fn tabwrite_pads_each_run_of_lines_sharing_a_column() {
+        // Go: tabwriter.NewWriter(w, 0, 8, 2, ' ', 0) on the same input.
+        assert_eq!(
+            tabwrite("a:\tx\nlonger:\ty\nno tabs\nb:\tz\n"),
+            "a:       x\nlonger:  y\nno tabs\nb:  z\n"
+        );
+        assert_eq!(tabwrite("\tin\n\t\tk:\tv\n"), "  in\n    k:  v\n");
+    }
+
+    #[test]
+    fn cells_from_outside_cannot_drive_the_terminal() {
+        let mut evil = op(1, 2);
+        evil.operation_id = "id\u{1b}]0;title\u{7}".into();
+        evil.error = "line\r\nforged\tcell".into();
+        let table = operations(&[evil]);
+        assert!(
+            !table.chars().any(|c| c.is_control() && c != '\n'),
+            "{table:?}"
+        );
+        assert!(table.contains("id\\x1b]0;title\\x07"), "{table}");
+        assert!(table.contains("line\\r\\nforged\\tcell"), "{table}");
+        assert_eq!(table.lines().count(), 2);
+    }
+
+    #[test]
+    fn exit_codes_follow_the_documented_phases() {
+        assert_eq!(exit_code(OwnerPhase::Completed), 0);
+        assert_eq!(exit_code(OwnerPhase::Finalizing), 0);
+        assert_eq!(exit_code(OwnerPhase::FinalizingPartiallyFailed), 1);
+        assert_eq!(exit_code(OwnerPhase::PartiallyFailed), 1);
+        assert_eq!(exit_code(OwnerPhase::Failed), 2);
+    }
+}

@@ -1,0 +1,132 @@
+//! Why a call or a subscription failed.
+//!
+//! Each variant's message says what this layer was doing; the underlying cause, where
+//! there is one, is [`std::error::Error::source`] (print the chain, as the `opmon` CLI
+//! and `anyhow`'s `{:#}` do, for the whole story). Variants say whether the agent
+//! answered (`Rpc`, `Http`), could not be reached (`Connect`, `Timeout`), or was lost in
+//! the middle of something (`Interrupted`, `AgentGone`), because a backup server acts
+//! differently on each.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::duration::GoDuration;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Nothing answers on the socket: no such file, connection refused, permission
+    /// denied. The agent is not running (or not reachable by this user).
+    #[error("cannot connect to the opmon agent at {}", path.display())]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent did not answer in time: `what` is the step that timed out (connecting,
+    /// or a call with its method name).
+    #[error("{what} at {} timed out after {}", path.display(), GoDuration(*after))]
+    Timeout {
+        path: PathBuf,
+        what: String,
+        after: Duration,
+    },
+    /// The agent answered with a JSON-RPC error; `code` is one of [`crate::codes`].
+    #[error("{message} (code {code})")]
+    Rpc { code: i32, message: String },
+    /// The agent answered with an HTTP error that is not a JSON-RPC answer (for
+    /// example 403 for a peer it does not admit); `body` is its text, control
+    /// characters escaped.
+    #[error("the opmon agent at {} answered HTTP {status}: {body}", path.display())]
+    Http {
+        path: PathBuf,
+        status: u16,
+        body: String,
+    },
+    /// The connection broke after `method` was sent, and the method is not safe to
+    /// repeat (see [`crate::methods::Retry`]): the agent may or may not have applied it.
+    /// Read the owner back to see.
+    #[error("the connection to the opmon agent broke after {method} was sent; it may or may not have been applied")]
+    Interrupted {
+        method: String,
+        #[source]
+        source: Box<Error>,
+    },
+    /// A subscription's connection broke and the agent did not come back within the
+    /// call timeout.
+    #[error("lost the opmon agent at {} and it did not come back within {}", path.display(), GoDuration(*after))]
+    AgentGone {
+        path: PathBuf,
+        after: Duration,
+        #[source]
+        source: Box<Error>,
+    },
+    /// The agent ended a subscription before the owner was terminal, saying why (the
+    /// owner was deleted).
+    #[error("{kind} {name}: the agent ended the subscription: {reason}")]
+    SubscriptionEnded {
+        kind: crate::OwnerKind,
+        name: String,
+        reason: String,
+    },
+    /// Reading or writing the socket failed mid-exchange.
+    #[error("talking to the opmon agent at {}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent's answer was not what the protocol says (bad HTTP, bad JSON, a result
+    /// of another type, a frame too large).
+    #[error("the opmon agent at {} answered {what}", path.display())]
+    Protocol {
+        path: PathBuf,
+        what: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// The params could not be serialized.
+    #[error("serializing the params of {method}")]
+    Params {
+        method: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl Error {
+    /// The JSON-RPC error code, if the agent answered with an error.
+    pub fn code(&self) -> Option<i32> {
+        match self {
+            Error::Rpc { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Whether the failure is the transport's (the agent stopped, restarted, or never
+    /// answered), as opposed to an answer: a call that failed this way may be tried
+    /// again when the agent is back.
+    pub fn is_transport(&self) -> bool {
+        matches!(
+            self,
+            Error::Connect { .. }
+                | Error::Timeout { .. }
+                | Error::Io { .. }
+                | Error::Interrupted { .. }
+                | Error::AgentGone { .. }
+        )
+    }
+
+    /// This error's message followed by each source's, joined by `": "`.
+    pub fn chain(&self) -> String {
+        let mut text = self.to_string();
+        let mut next = std::error::Error::source(self);
+        while let Some(e) = next {
+            text.push_str(": ");
+            text.push_str(&e.to_string());
+            next = e.source();
+        }
+        text
+    }
+}

@@ -1,0 +1,494 @@
+//! `subscribe` as a stream that outlives the agent: each subscription has a WebSocket
+//! connection of its own, read by whoever polls the stream (no background task), and
+//! when that connection breaks the stream reconnects and subscribes again, marking the
+//! first update after it [`Update::resumed`] (it carries the full state, as the first
+//! update of any subscription does, so nothing that changed in the gap is lost).
+//!
+//! How a subscription ends, and what the consumer sees:
+//! - the owner reached a terminal phase: that update, then `None`;
+//! - the agent ended it (the owner was deleted): `Some(Err(SubscriptionEnded))`, then `None`;
+//! - the agent went away and did not come back within the call timeout:
+//!   `Some(Err(AgentGone))`, then `None`.
+//!
+//! While the consumer waits, the stream pings every [`PING_EVERY`]; a ping unanswered by
+//! the next one counts as a lost connection (a stopped agent keeps its socket open but
+//! answers nothing). A stream nobody polls sends no pings, and the agent may close it as
+//! idle; the next poll then resumes it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use tokio::time::Instant;
+
+use crate::client::{Backoff, Client, Update};
+use crate::error::Error;
+use crate::methods::OwnerMethod;
+use crate::types::{NameParams, OwnerKind, OwnerUpdate};
+use crate::websocket::{Message, OpenError, WebSocket, WsError};
+
+/// How often a waiting subscription pings the agent.
+pub const PING_EVERY: Duration = Duration::from_secs(30);
+
+/// The updates of one owner; see the module's documentation. Implements
+/// [`futures_core::Stream`]; [`Subscription::next`] needs no extension trait.
+pub struct Subscription {
+    state: Option<State>,
+    pending: Option<Pin<Box<dyn Future<Output = Step> + Send>>>,
+}
+
+/// What one poll of the state machine gives: an item (or the end), and the state to go
+/// on with (none once ended).
+type Step = (Option<Result<Update, Error>>, Option<State>);
+
+struct Live {
+    ws: WebSocket,
+    /// The subscription's id, as the agent gave it (a number or a string).
+    id: serde_json::Value,
+}
+
+struct State {
+    client: Client,
+    kind: OwnerKind,
+    name: String,
+    live: Option<Live>,
+    /// The next update is the first after a reconnect.
+    resumed: bool,
+    /// When the connection was lost, for the give-up deadline.
+    lost_at: Option<Instant>,
+}
+
+/// A notification's params: an update or the reason the agent ended the subscription.
+#[derive(Deserialize)]
+struct NotificationParams<'a> {
+    subscription: serde_json::Value,
+    #[serde(borrow, default)]
+    result: Option<&'a RawValue>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct Incoming<'a> {
+    #[serde(default)]
+    id: Option<serde_json::Value>,
+    #[serde(default)]
+    method: Option<String>,
+    #[serde(borrow, default)]
+    params: Option<NotificationParams<'a>>,
+    #[serde(borrow, default)]
+    result: Option<&'a RawValue>,
+    #[serde(default)]
+    error: Option<RpcError>,
+}
+
+#[derive(Deserialize)]
+struct RpcError {
+    code: i32,
+    message: String,
+}
+
+/// Why one attempt at (re)subscribing failed.
+enum Attempt {
+    /// Worth another try: the agent is not (yet) reachable.
+    Again(Error),
+    /// Final: the agent answered no.
+    Fatal(Error),
+}
+
+impl State {
+    fn path_error(
+        &self,
+        what: String,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Error {
+        Error::Protocol {
+            path: self.client.socket().to_path_buf(),
+            what,
+            source,
+        }
+    }
+
+    /// Opens a connection and subscribes, within the connect timeout.
+    async fn attempt(&self) -> Result<Live, Attempt> {
+        let path = self.client.socket().to_path_buf();
+        let config = self.client.config();
+        let timeout = config.connect_timeout;
+        let subscribe = async {
+            let mut ws = match WebSocket::open(&path, config.max_response).await {
+                Ok(ws) => ws,
+                Err(OpenError::Connect(source)) => {
+                    return Err(Attempt::Again(Error::Connect { path, source }))
+                }
+                Err(OpenError::Io(source)) => {
+                    return Err(Attempt::Again(Error::Io { path, source }))
+                }
+                Err(OpenError::Refused { status, body }) => {
+                    let body = crate::text::escape_controls(body.trim()).into_owned();
+                    let error = Error::Http { path, status, body };
+                    // Too many connections: shed before anything was read.
+                    return Err(if matches!(status, 429 | 503) {
+                        Attempt::Again(error)
+                    } else {
+                        Attempt::Fatal(error)
+                    });
+                }
+                Err(OpenError::Protocol(what)) => {
+                    return Err(Attempt::Fatal(self.path_error(what, None)))
+                }
+            };
+            let method = OwnerMethod::Subscribe.name(self.kind);
+            let request = serde_json::json!({
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": method,
+                "params": NameParams { name: self.name.clone() },
+            });
+            ws.send_text(request.to_string().as_bytes())
+                .await
+                .map_err(|source| {
+                    Attempt::Again(Error::Io {
+                        path: path.clone(),
+                        source,
+                    })
+                })?;
+            loop {
+                let message = match next_message(&mut ws).await {
+                    Ok(Some(Message::Text(text))) => text,
+                    Ok(Some(Message::Pong)) => continue,
+                    Ok(Some(Message::Close)) | Ok(None) => {
+                        return Err(Attempt::Again(Error::Io {
+                            path,
+                            source: std::io::Error::new(
+                                std::io::ErrorKind::UnexpectedEof,
+                                "the agent closed the connection before answering subscribe",
+                            ),
+                        }))
+                    }
+                    Err(WsError::Io(source)) => {
+                        return Err(Attempt::Again(Error::Io { path, source }))
+                    }
+                    Err(WsError::Protocol(what)) => {
+                        return Err(Attempt::Fatal(self.path_error(what, None)))
+                    }
+                };
+                let incoming: Incoming<'_> = serde_json::from_slice(&message).map_err(|e| {
+                    Attempt::Fatal(self.path_error(
+                        "a WebSocket message that is not JSON-RPC".into(),
+                        Some(Box::new(e)),
+                    ))
+                })?;
+                if incoming.id.as_ref().and_then(|i| i.as_u64()) != Some(1) {
+                    continue;
+                }
+                if let Some(e) = incoming.error {
+                    let error = Error::Rpc {
+                        code: e.code,
+                        message: e.message,
+                    };
+                    return Err(Attempt::Fatal(error));
+                }
+                let id = incoming
+                    .result
+                    .and_then(|r| serde_json::from_str(r.get()).ok())
+                    .ok_or_else(|| {
+                        Attempt::Fatal(
+                            self.path_error("a subscribe answer without an id".into(), None),
+                        )
+                    })?;
+                return Ok(Live { ws, id });
+            }
+        };
+        match tokio::time::timeout(timeout, subscribe).await {
+            Ok(result) => result,
+            Err(_) => Err(Attempt::Again(Error::Timeout {
+                path: self.client.socket().to_path_buf(),
+                what: format!("subscribing to {} {}", self.kind, self.name),
+                after: timeout,
+            })),
+        }
+    }
+
+    /// Subscribes again after a lost connection, with backoff, until the call timeout
+    /// (counted from the loss) is over.
+    async fn resume(&mut self) -> Result<(), Error> {
+        let after = self.client.config().call_timeout;
+        let deadline = *self.lost_at.get_or_insert_with(Instant::now) + after;
+        let mut backoff = Backoff::new();
+        loop {
+            match self.attempt().await {
+                Ok(live) => {
+                    self.live = Some(live);
+                    self.lost_at = None;
+                    return Ok(());
+                }
+                Err(Attempt::Fatal(Error::Rpc { code, message }))
+                    if code == crate::codes::NOT_FOUND =>
+                {
+                    return Err(Error::SubscriptionEnded {
+                        kind: self.kind,
+                        name: self.name.clone(),
+                        reason: message,
+                    })
+                }
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Again(e)) => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::AgentGone {
+                            path: self.client.socket().to_path_buf(),
+                            after,
+                            source: Box::new(e),
+                        });
+                    }
+                    backoff.sleep(deadline).await;
+                }
+            }
+        }
+    }
+
+    /// The next item, and the state to go on with.
+    async fn step(mut self) -> Step {
+        loop {
+            if self.live.is_none() {
+                if let Err(e) = self.resume().await {
+                    return (Some(Err(e)), None);
+                }
+            }
+            let Some(live) = self.live.as_mut() else {
+                continue;
+            };
+            match read_update(live, &self.client).await {
+                Ok(Incoming2::Update(update)) => {
+                    let terminal = update.owner.phase.is_terminal();
+                    let item = Update {
+                        update,
+                        resumed: std::mem::take(&mut self.resumed),
+                    };
+                    return (Some(Ok(item)), (!terminal).then_some(self));
+                }
+                Ok(Incoming2::Ended(reason)) => {
+                    let e = Error::SubscriptionEnded {
+                        kind: self.kind,
+                        name: self.name.clone(),
+                        reason,
+                    };
+                    return (Some(Err(e)), None);
+                }
+                Err(Lost::Connection) => {
+                    self.live = None;
+                    self.resumed = true;
+                    self.lost_at = Some(Instant::now());
+                }
+                Err(Lost::Fatal(e)) => return (Some(Err(e)), None),
+            }
+        }
+    }
+}
+
+enum Incoming2 {
+    Update(OwnerUpdate),
+    Ended(String),
+}
+
+enum Lost {
+    /// The connection broke, closed, or stopped answering pings: resume.
+    Connection,
+    Fatal(Error),
+}
+
+/// The next whole message, reading as needed; `None` at end of stream.
+async fn next_message(ws: &mut WebSocket) -> Result<Option<Message>, WsError> {
+    loop {
+        if let Some(m) = ws.next_buffered().await? {
+            return Ok(Some(m));
+        }
+        if ws.read_more().await.map_err(WsError::Io)? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// Reads until the next notification of this subscription, pinging while it waits.
+async fn read_update(live: &mut Live, client: &Client) -> Result<Incoming2, Lost> {
+    let mut next_ping = Instant::now() + PING_EVERY;
+    let mut awaiting_pong = false;
+    loop {
+        let message = match live.ws.next_buffered().await {
+            Ok(Some(m)) => Some(m),
+            Ok(None) => None,
+            Err(WsError::Io(_)) => return Err(Lost::Connection),
+            Err(WsError::Protocol(what)) => {
+                return Err(Lost::Fatal(Error::Protocol {
+                    path: client.socket().to_path_buf(),
+                    what,
+                    source: None,
+                }))
+            }
+        };
+        match message {
+            Some(Message::Text(text)) => {
+                if let Some(item) = parse_notification(&text, &live.id, client)? {
+                    return Ok(item);
+                }
+                continue;
+            }
+            Some(Message::Pong) => {
+                awaiting_pong = false;
+                continue;
+            }
+            Some(Message::Close) => return Err(Lost::Connection),
+            None => {}
+        }
+        tokio::select! {
+            read = live.ws.read_more() => match read {
+                Ok(0) | Err(_) => return Err(Lost::Connection),
+                Ok(_) => {}
+            },
+            _ = tokio::time::sleep_until(next_ping) => {
+                if awaiting_pong {
+                    return Err(Lost::Connection);
+                }
+                if live.ws.send_ping().await.is_err() {
+                    return Err(Lost::Connection);
+                }
+                awaiting_pong = true;
+                next_ping = Instant::now() + PING_EVERY;
+            }
+        }
+    }
+}
+
+/// An update or end of this subscription in `text`; `None` for anything else.
+fn parse_notification(
+    text: &[u8],
+    id: &serde_json::Value,
+    client: &Client,
+) -> Result<Option<Incoming2>, Lost> {
+    let protocol = |what: String, source: Option<Box<dyn std::error::Error + Send + Sync>>| {
+        Lost::Fatal(Error::Protocol {
+            path: client.socket().to_path_buf(),
+            what,
+            source,
+        })
+    };
+    let incoming: Incoming<'_> = serde_json::from_slice(text).map_err(|e| {
+        protocol(
+            "a WebSocket message that is not JSON-RPC".into(),
+            Some(Box::new(e)),
+        )
+    })?;
+    let Some(params) = incoming.params else {
+        return Ok(None);
+    };
+    if incoming.method.is_none() || &params.subscription != id {
+        return Ok(None);
+    }
+    if let Some(error) = params.error {
+        let reason = match error {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        };
+        return Ok(Some(Incoming2::Ended(reason)));
+    }
+    let raw = params
+        .result
+        .ok_or_else(|| protocol("a notification with neither result nor error".into(), None))?;
+    let update: OwnerUpdate = serde_json::from_str(raw.get()).map_err(|e| {
+        protocol(
+            "an update that is not an OwnerUpdate".into(),
+            Some(Box::new(e)),
+        )
+    })?;
+    Ok(Some(Incoming2::Update(update)))
+}
+
+impl Subscription {
+    /// Subscribes; fails at once (after the usual reconnect attempts) if the owner
+    /// does not exist, with the agent's 1001.
+    pub(crate) async fn start(
+        client: Client,
+        kind: OwnerKind,
+        name: &str,
+    ) -> Result<Subscription, Error> {
+        let mut state = State {
+            client,
+            kind,
+            name: name.to_string(),
+            live: None,
+            resumed: false,
+            lost_at: None,
+        };
+        let after = state.client.config().call_timeout;
+        let deadline = Instant::now() + after;
+        let mut backoff = Backoff::new();
+        loop {
+            match state.attempt().await {
+                Ok(live) => {
+                    state.live = Some(live);
+                    break;
+                }
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Again(e)) => {
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    backoff.sleep(deadline).await;
+                }
+            }
+        }
+        Ok(Subscription {
+            state: Some(state),
+            pending: None,
+        })
+    }
+
+    /// The next update; `None` after the terminal update or after the error that ended
+    /// the subscription.
+    pub async fn next(&mut self) -> Option<Result<Update, Error>> {
+        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_item(cx)).await
+    }
+
+    fn poll_next_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Update, Error>>> {
+        if self.pending.is_none() {
+            let Some(state) = self.state.take() else {
+                return Poll::Ready(None);
+            };
+            self.pending = Some(Box::pin(state.step()));
+        }
+        let Some(pending) = self.pending.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match pending.as_mut().poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready((item, state)) => {
+                self.pending = None;
+                self.state = state;
+                Poll::Ready(item)
+            }
+        }
+    }
+}
+
+impl futures_core::Stream for Subscription {
+    type Item = Result<Update, Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.get_mut().poll_next_item(cx)
+    }
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Subscription");
+        if let Some(s) = &self.state {
+            d.field("kind", &s.kind)
+                .field("name", &s.name)
+                .field("connected", &s.live.is_some());
+        }
+        d.field("ended", &(self.state.is_none() && self.pending.is_none()))
+            .finish()
+    }
+}
