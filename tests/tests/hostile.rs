@@ -678,33 +678,55 @@ fn a_client_that_sends_an_oversized_body_whole_reads_the_error() {
         "backup.start",
         json!({"name": "b", "uid": "x".repeat(2_000_000)}),
     );
-    let mut s = UnixStream::connect(&agent.socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    // As a simple client does: all of the body, then the answer.
-    s.write_all(body.as_bytes())
-        .expect("the agent reads the rest of a body it refused");
-    let head = read_head(&mut s);
-    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
-    let length: usize = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("content-length:")
-                .map(|v| v.trim().parse().unwrap())
+    let chunked: Vec<u8> = body
+        .as_bytes()
+        .chunks(100_000)
+        .flat_map(|c| {
+            [
+                format!("{:x}\r\n", c.len()).into_bytes(),
+                c.to_vec(),
+                b"\r\n".to_vec(),
+            ]
         })
-        .expect("content-length");
-    let mut answer = vec![0; length];
-    s.read_exact(&mut answer).unwrap();
-    let value: serde_json::Value = serde_json::from_slice(&answer).unwrap();
-    assert_eq!(
-        value,
-        json!({"jsonrpc": "2.0", "id": null,
-               "error": {"code": -32007, "message": "Request is too big: over 65536 bytes"}})
-    );
+        .flatten()
+        .chain(b"0\r\n\r\n".iter().copied())
+        .collect();
+    let cases = [
+        (
+            format!("Content-Length: {}", body.len()),
+            body.as_bytes().to_vec(),
+        ),
+        ("Transfer-Encoding: chunked".to_string(), chunked),
+    ];
+    for (framing, bytes) in cases {
+        let mut s = UnixStream::connect(&agent.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            s,
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+        )
+        .unwrap();
+        // As a simple client does: all of the body, then the answer.
+        s.write_all(&bytes)
+            .unwrap_or_else(|e| panic!("{framing}: the agent stopped reading the body: {e}"));
+        let head = read_head(&mut s);
+        assert!(head.starts_with("HTTP/1.1 413"), "{framing}: {head}");
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .expect("content-length");
+        let mut answer = vec![0; length];
+        s.read_exact(&mut answer).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(
+            value,
+            json!({"jsonrpc": "2.0", "id": null,
+                   "error": {"code": -32007, "message": "Request is too big: over 65536 bytes"}}),
+            "{framing}"
+        );
+    }
 }

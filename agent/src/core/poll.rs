@@ -198,7 +198,8 @@ impl Core {
                 let error = answers
                     .iter()
                     .find_map(|a| a.as_ref().err())
-                    .map(|e| e.message().to_string())
+                    // A snapshotter's message may be megabytes: log what would be stored.
+                    .map(|e| phase::bounded(e.message().to_string(), phase::MAX_ERROR))
                     .unwrap_or_default();
                 tracing::warn!(snapshotter = plugin, %error,
                     "snapshotter unreachable; its operations wait for the grace period");
@@ -245,8 +246,9 @@ impl Core {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     errors += 1;
+                    let error = phase::bounded(e.message().to_string(), phase::MAX_ERROR);
                     tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                        error = %e, "cancel failed");
+                        %error, "cancel failed");
                 }
                 None => {
                     abandoned += 1;
