@@ -10,6 +10,7 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, OwnerMethod};
+use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
     NameParams, OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
@@ -48,11 +49,82 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
             None => inner,
         };
         if path == "." || path.is_empty() {
-            Error::InvalidParams(reason)
+            match reason.find("expected struct ") {
+                // The params as a whole are not an object: say what they should be,
+                // not the name of a Rust type.
+                Some(i) => Error::InvalidParams(format!(
+                    "params: {}expected an object with {}",
+                    &reason[..i],
+                    fields_of::<T>()
+                )),
+                None => Error::InvalidParams(reason),
+            }
         } else {
-            Error::InvalidParams(format!("{path}: {reason}"))
+            Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
         }
     })
+}
+
+/// `expected struct PluginRef` → `expected an object`: a client knows no Rust types.
+fn plain_types(reason: &str) -> String {
+    match reason.find("expected struct ") {
+        Some(i) => format!("{}expected an object", &reason[..i]),
+        None => reason.to_string(),
+    }
+}
+
+/// The fields of the params type `T`, as a client writes them (`name, apiVersion`).
+fn fields_of<T: DeserializeOwned>() -> String {
+    use serde::de::{Deserializer, Visitor};
+
+    /// Asks `T` to deserialize itself and stops at the list of fields it asks for.
+    struct Probe;
+
+    #[derive(Debug)]
+    struct Fields(Option<&'static [&'static str]>);
+
+    impl std::fmt::Display for Fields {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("probe")
+        }
+    }
+
+    impl std::error::Error for Fields {}
+
+    impl serde::de::Error for Fields {
+        fn custom<M: std::fmt::Display>(_: M) -> Self {
+            Fields(None)
+        }
+    }
+
+    impl<'de> Deserializer<'de> for Probe {
+        type Error = Fields;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Fields> {
+            Err(Fields(None))
+        }
+
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Fields> {
+            Err(Fields(Some(fields)))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+
+    match T::deserialize(Probe) {
+        Err(Fields(Some([]))) => "no fields".to_string(),
+        Err(Fields(Some(fields))) => fields.join(", "),
+        _ => "named fields".to_string(),
+    }
 }
 
 /// `field: reason` as an invalid-params error.
@@ -144,6 +216,12 @@ pub(crate) fn check_snapshotter(s: &Snapshotter) -> Result<(), Error> {
         _ => Ok(()),
     }
 }
+
+/// Why `snapshotter.register` refuses a command: the operator decides who may run
+/// programs as the agent's user.
+pub const COMMAND_REFUSED: &str = "only the config file may register a command snapshotter \
+    (it runs a program as the agent's user); set allow_api_command_snapshotters = true in the \
+    agent's configuration to allow it over the API";
 
 /// Registers `name`: parse params into `P`, run `handler`, map its error to a code.
 fn register<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
@@ -259,7 +337,7 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             subscribe,
             OwnerMethod::Changed.name(kind),
             OwnerMethod::Unsubscribe.name(kind),
-            move |params, pending, core, _| async move {
+            move |params, pending, core, extensions| async move {
                 let started = match parse::<NameParams>(&params) {
                     Ok(p) => match owner_name(&p.name) {
                         Ok(()) => core.subscribe(kind, p.name).await,
@@ -274,21 +352,61 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                         return Ok(());
                     }
                 };
+                // The connection's outbox, when served by `server::serve`: updates are
+                // rendered and handed over only while it has room, one subscription at
+                // a time, so a peer that does not read holds the server to the bound.
+                let outbox = extensions.get::<Arc<Outbox>>().cloned();
                 let sink = pending.accept().await?;
                 loop {
-                    let next = tokio::select! {
+                    let more = tokio::select! {
                         _ = sink.closed() => return Ok(()),
-                        next = updates.next() => next,
+                        more = updates.changed() => more,
                     };
-                    match next {
+                    if !more {
+                        return Ok(());
+                    }
+                    let turn = match &outbox {
+                        Some(outbox) => tokio::select! {
+                            _ = sink.closed() => return Ok(()),
+                            turn = outbox.turn() => Some(turn),
+                        },
+                        None => None,
+                    };
+                    match updates.take().await {
                         None => return Ok(()),
-                        Some(Ok(update)) => sink.send(update.json.clone()).await?,
+                        Some(Ok(update)) => {
+                            sink.send(update.json.clone()).await?;
+                            if let Some(outbox) = &outbox {
+                                outbox.push(update.json.get().len());
+                            }
+                        }
                         Some(Err(e)) => return Err(e.to_string().into()),
                     }
+                    drop(turn);
                 }
             },
         )
         .unwrap_or_else(|e| panic!("method {subscribe} registered twice: {e}"));
+}
+
+/// The methods that mostly wait (for a change, for snapshotters, for file work) while
+/// holding little memory: they take no place among the calls in flight
+/// (`opmon_client::server::ServeConfig::unmetered_methods`), so a few long `wait`s do not
+/// hold up everyone else.
+pub fn waiting_methods() -> Vec<String> {
+    OwnerKind::ALL
+        .iter()
+        .flat_map(|&kind| {
+            [
+                OwnerMethod::Wait,
+                OwnerMethod::EndInProgress,
+                OwnerMethod::Finalize,
+                OwnerMethod::Delete,
+                OwnerMethod::Subscribe,
+            ]
+            .map(|m| m.name(kind).to_string())
+        })
+        .collect()
 }
 
 /// No parameters expected (absent, `{}` or `[]` are all fine).
@@ -313,6 +431,9 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
         methods::SNAPSHOTTER_REGISTER,
         |core, s: Snapshotter| async move {
             check_snapshotter(&s)?;
+            if s.command.is_some() && !core.allows_api_command_snapshotters() {
+                return Err(invalid("command", COMMAND_REFUSED));
+            }
             core.register_snapshotter(s).await
         },
     );

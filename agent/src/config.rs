@@ -210,6 +210,10 @@ pub struct Args {
     /// Also serve GET /metrics on this TCP address (host:port).
     #[arg(long, env = "OPMON_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
+    /// Let clients register command snapshotters over the API (true|false): each runs a
+    /// program of the client's choosing as the agent's user [default: false].
+    #[arg(long, env = "OPMON_ALLOW_API_COMMAND_SNAPSHOTTERS")]
+    pub allow_api_command_snapshotters: Option<bool>,
 }
 
 /// The config file's form. Keys are the flags' names with `_` for `-`.
@@ -238,6 +242,7 @@ struct FileConfig {
     log_format: Option<Spanned<LogFormat>>,
     log_level: Option<Spanned<String>>,
     metrics_listen: Option<Spanned<String>>,
+    allow_api_command_snapshotters: Option<Spanned<bool>>,
     #[serde(default)]
     snapshotter: Vec<FileSnapshotter>,
 }
@@ -720,6 +725,13 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             )
         })?)
     };
+    let (allow_api_command_snapshotters, _) = layers.take(
+        "allow_api_command_snapshotters",
+        args.allow_api_command_snapshotters,
+        file.allow_api_command_snapshotters,
+        || false,
+        bool::to_string,
+    );
     let provenance = layers.provenance;
     let snapshotters = file
         .snapshotter
@@ -754,6 +766,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             retention: retention.0,
             max_decompressed_size,
             unreachable_grace: unreachable_grace.0,
+            allow_api_command_snapshotters,
             calls: CallSettings {
                 deadline: call_deadline.0,
                 batch_size: batch_size as usize,
@@ -867,5 +880,22 @@ mod tests {
         let reparsed: toml::Table =
             toml::from_str(&text).expect("--print-config prints valid TOML");
         assert_eq!(reparsed["socket_mode"].as_str(), Some("0600"));
+    }
+
+    #[test]
+    fn command_snapshotters_over_the_api_are_off_unless_allowed() {
+        let s = settings(&[], "").unwrap();
+        assert!(!s.core.allow_api_command_snapshotters);
+        assert!(s
+            .describe()
+            .contains("allow_api_command_snapshotters = false"));
+        let s = settings(&[], "allow_api_command_snapshotters = true\n").unwrap();
+        assert!(s.core.allow_api_command_snapshotters);
+        let s = settings(
+            &["--allow-api-command-snapshotters", "false"],
+            "allow_api_command_snapshotters = true\n",
+        )
+        .unwrap();
+        assert!(!s.core.allow_api_command_snapshotters, "the flag wins");
     }
 }

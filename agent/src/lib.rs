@@ -94,58 +94,19 @@ async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool
     Ok((listener, false))
 }
 
-/// Serves `GET /metrics` on a TCP address until `shutdown` resolves.
+/// Serves `GET /metrics` on a TCP address until `shutdown` is cancelled, with the
+/// same answer as the socket's.
 async fn serve_metrics_tcp(
     address: std::net::SocketAddr,
-    core: Arc<Core>,
+    page: server::MetricsPage,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), String> {
-    use http_body_util::Full;
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .map_err(|e| format!("binding the metrics listener {address}: {e}"))?;
     tracing::info!(%address, "serving metrics");
     tokio::spawn(async move {
-        loop {
-            let stream = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting a metrics connection failed");
-                        continue;
-                    }
-                },
-            };
-            let core = core.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |request: hyper::Request<hyper::body::Incoming>| {
-                        let core = core.clone();
-                        async move {
-                            let found = request.method() == hyper::Method::GET
-                                && request.uri().path() == "/metrics";
-                            let (status, body) = if found {
-                                (hyper::StatusCode::OK, core.metrics_page().await)
-                            } else {
-                                (
-                                    hyper::StatusCode::NOT_FOUND,
-                                    "only GET /metrics is served here\n".to_string(),
-                                )
-                            };
-                            let mut response =
-                                hyper::Response::new(Full::new(bytes::Bytes::from(body)));
-                            *response.status_mut() = status;
-                            Ok::<_, std::convert::Infallible>(response)
-                        }
-                    },
-                );
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await;
-            });
-        }
+        server::serve_metrics(listener, page, shutdown.cancelled_owned()).await;
     });
     Ok(())
 }
@@ -185,23 +146,25 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;
     }
     core.recover().await.map_err(|e| e.to_string())?;
+    let page_core = core.clone();
+    let page: server::MetricsPage = Arc::new(move || {
+        let core = page_core.clone();
+        Box::pin(async move { core.metrics_page().await })
+    });
     let stop_metrics = tokio_util::sync::CancellationToken::new();
     if let Some(address) = settings.metrics_listen {
-        serve_metrics_tcp(address, core.clone(), stop_metrics.clone()).await?;
+        serve_metrics_tcp(address, page.clone(), stop_metrics.clone()).await?;
     }
     let background = tokio::spawn({
         let core = core.clone();
         async move { core.run_background().await }
     });
     tracing::info!(socket = %settings.socket.display(), database = %db.display(), "serving");
-    let page_core = core.clone();
     let config = ServeConfig {
         max_request_body_size: settings.max_request_size,
         idle_timeout: Some(settings.idle_timeout),
-        metrics: Some(Arc::new(move || {
-            let core = page_core.clone();
-            Box::pin(async move { core.metrics_page().await })
-        })),
+        metrics: Some(page),
+        unmetered_methods: api::waiting_methods(),
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(

@@ -49,6 +49,8 @@ pub struct Metrics {
     poll_calls: Family<SnapshotterLabel, Counter>,
     poll_errors: Family<SnapshotterLabel, Counter>,
     poll_latency: HistogramFamily<SnapshotterLabel>,
+    cancel_calls: Family<SnapshotterLabel, Counter>,
+    cancel_errors: Family<SnapshotterLabel, Counter>,
     commit_batch_size: Histogram,
     commit_latency: Histogram,
     rpc_requests: Family<RpcLabels, Counter>,
@@ -66,6 +68,8 @@ impl Metrics {
         let poll_errors = Family::<SnapshotterLabel, Counter>::default();
         let poll_latency: HistogramFamily<SnapshotterLabel> =
             Family::new_with_constructor(latency_histogram);
+        let cancel_calls = Family::<SnapshotterLabel, Counter>::default();
+        let cancel_errors = Family::<SnapshotterLabel, Counter>::default();
         let commit_batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         let commit_latency = latency_histogram();
         let rpc_requests = Family::<RpcLabels, Counter>::default();
@@ -94,6 +98,16 @@ impl Metrics {
             poll_latency.clone(),
         );
         registry.register(
+            "cancel_calls",
+            "Cancel calls made, by snapshotter",
+            cancel_calls.clone(),
+        );
+        registry.register(
+            "cancel_errors",
+            "Cancel calls that failed or were abandoned at the call deadline, by snapshotter",
+            cancel_errors.clone(),
+        );
+        registry.register(
             "commit_batch_size",
             "Requests committed together in one transaction",
             commit_batch_size.clone(),
@@ -118,6 +132,8 @@ impl Metrics {
             poll_calls,
             poll_errors,
             poll_latency,
+            cancel_calls,
+            cancel_errors,
             commit_batch_size,
             commit_latency,
             rpc_requests,
@@ -138,6 +154,17 @@ impl Metrics {
         self.poll_latency
             .get_or_create(&label)
             .observe(took.as_secs_f64());
+    }
+
+    /// Records `calls` Cancel calls to `snapshotter`, `errors` of them failed or abandoned.
+    pub fn cancelled(&self, snapshotter: &str, calls: usize, errors: usize) {
+        let label = SnapshotterLabel {
+            snapshotter: snapshotter.to_string(),
+        };
+        self.cancel_calls.get_or_create(&label).inc_by(calls as u64);
+        self.cancel_errors
+            .get_or_create(&label)
+            .inc_by(errors as u64);
     }
 
     pub fn committed(&self, size: usize, took: Duration) {

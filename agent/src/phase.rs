@@ -9,6 +9,33 @@ use opmon_client::{OperationPhase, OperationProgress, OwnerPhase};
 /// The error an operation gets when its item operation timeout passes.
 pub const TIMED_OUT: &str = "Asynchronous action timed out";
 
+/// Largest stored `description` of an operation, in bytes.
+pub const MAX_DESCRIPTION: usize = 4096;
+/// Largest stored `error` of an operation (a snapshotter's `err` or error message).
+pub const MAX_ERROR: usize = 4096;
+/// Largest stored `operationUnits`.
+pub const MAX_UNITS: usize = 64;
+
+/// `text` cut to at most `limit` bytes, on a UTF-8 boundary, ending with a marker that
+/// says how much was cut (`… [truncated 15000000 bytes]`). What a snapshotter reports is
+/// stored, served and written into every result file: its size must have a bound. The
+/// cut is a pure function of the text, so the same long text stored twice is equal and
+/// an unchanged report costs no write.
+pub fn bounded(text: String, limit: usize) -> String {
+    if text.len() <= limit {
+        return text;
+    }
+    // The marker's length depends on the number in it; the number is at most the
+    // whole length, so size the marker for that.
+    let marker_len = format!("… [truncated {} bytes]", text.len()).len();
+    let mut keep = limit.saturating_sub(marker_len);
+    while !text.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let cut = text.len() - keep;
+    format!("{}… [truncated {cut} bytes]", &text[..keep])
+}
+
 /// What the agent knows about one operation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OperationState {
@@ -69,7 +96,7 @@ pub fn observe(
     match observation {
         Observation::Error(message) => {
             next.phase = OperationPhase::Failed;
-            next.error = message;
+            next.error = bounded(message, MAX_ERROR);
             next.updated_ms = Some(now_ms);
         }
         Observation::V1Adapter => {
@@ -88,7 +115,10 @@ pub fn observe(
             } else if now_ms.saturating_sub(since_ms) >= grace_ms {
                 next.phase = OperationPhase::Failed;
                 let grace = opmon_client::GoDuration::from_millis(grace_ms.max(0) as u64);
-                next.error = format!("unreachable for more than {grace}: {error}");
+                next.error = bounded(
+                    format!("unreachable for more than {grace}: {error}"),
+                    MAX_ERROR,
+                );
             } else {
                 return None;
             }
@@ -97,8 +127,8 @@ pub fn observe(
         Observation::Progress(p) => {
             next.n_completed = p.n_completed;
             next.n_total = p.n_total;
-            next.operation_units = p.operation_units;
-            next.description = p.description;
+            next.operation_units = bounded(p.operation_units, MAX_UNITS);
+            next.description = bounded(p.description, MAX_DESCRIPTION);
             let started = p.started.map(ms).filter(|&t| t > 0);
             if started.is_some() {
                 next.started_ms = started;
@@ -111,7 +141,7 @@ pub fn observe(
                     next.phase = OperationPhase::Completed;
                 } else {
                     next.phase = OperationPhase::Failed;
-                    next.error = p.err;
+                    next.error = bounded(p.err, MAX_ERROR);
                 }
             } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
@@ -470,6 +500,50 @@ mod tests {
             observe(&d.next, Observation::Progress(progress(false, "")), HOUR, 9),
             None
         );
+    }
+
+    #[test]
+    fn long_reports_are_stored_cut_with_a_marker_and_cut_the_same_way_each_time() {
+        let mut p = progress(false, "");
+        p.description = "é".repeat(10_000); // 20,000 bytes of two-byte characters
+        p.operation_units = "u".repeat(1000);
+        let first = observe(&new_op(0), Observation::Progress(p.clone()), HOUR, 1)
+            .unwrap()
+            .next;
+        // 4096 bytes minus the 27 of the marker, down to a character boundary.
+        assert_eq!(
+            first.description,
+            format!("{}… [truncated 15932 bytes]", "é".repeat(2034))
+        );
+        assert_eq!(
+            first.operation_units,
+            format!("{}… [truncated 962 bytes]", "u".repeat(38))
+        );
+        assert!(
+            observe(&first, Observation::Progress(p), HOUR, 2).is_none(),
+            "the same long report again changes nothing"
+        );
+        let failed = observe(
+            &new_op(0),
+            Observation::Progress(progress(true, &"e".repeat(1 << 20))),
+            HOUR,
+            1,
+        )
+        .unwrap()
+        .next;
+        assert_eq!(
+            failed.error,
+            format!("{}… [truncated 1044509 bytes]", "e".repeat(4067))
+        );
+        assert_eq!(failed.error.len(), MAX_ERROR);
+        let error = observe(&new_op(0), Observation::Error("x".repeat(5000)), HOUR, 1)
+            .unwrap()
+            .next;
+        assert_eq!(
+            error.error,
+            format!("{}… [truncated 930 bytes]", "x".repeat(4070))
+        );
+        assert_eq!(bounded("short".into(), 5), "short");
     }
 
     #[test]

@@ -3,10 +3,16 @@
 //!
 //! - socket: JSON-RPC batches over HTTP/1.1 on a Unix socket, on a small pool of
 //!   kept-alive connections;
-//! - command: one process per call, with a bounded number running at once.
+//! - command: one process per call, with a bounded number running at once
+//!   ([`command`] says how a command is confined).
 //!
 //! Every call has a deadline. A hung or dead snapshotter costs its own operations the
-//! deadline and nothing else: callers poll each snapshotter independently.
+//! deadline and nothing else: callers poll each snapshotter independently. Cancel goes
+//! the same way as Progress (batches, bounded concurrency), and [`Remote::cancel`] as a
+//! whole ends at a deadline given by the caller: what is not answered by then is
+//! abandoned.
+
+mod command;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -18,9 +24,11 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use opmon_client::{codes, ApiVersion, OperationProgress, OperationRef, Snapshotter};
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use tokio::sync::Semaphore;
+
+pub use command::{CommandRemote, COMMAND_PATH, MAX_STDOUT, STDERR_TAIL};
 
 /// Largest response body read from a snapshotter.
 const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
@@ -68,6 +76,9 @@ pub enum Remote {
     V1,
     Socket(SocketRemote),
     Command(CommandRemote),
+    /// Registered, but not to be called: every call fails with this message (a command
+    /// snapshotter left in the database that the configuration no longer allows).
+    Refused(String),
 }
 
 impl Remote {
@@ -103,6 +114,10 @@ impl Remote {
                 })
                 .collect(),
             Remote::Socket(s) => s.progress(ops).await,
+            Remote::Refused(why) => ops
+                .iter()
+                .map(|_| Err(CallError::Answered(why.clone())))
+                .collect(),
             Remote::Command(c) => {
                 // Indices rather than references keep the stream's closure free of
                 // higher-ranked lifetimes, so the future stays Send.
@@ -115,16 +130,50 @@ impl Remote {
         }
     }
 
-    /// Asks the snapshotter to cancel `op`; a no-op for v1.
-    pub async fn cancel(&self, op: &OperationRef) -> Answer<()> {
-        match self {
-            Remote::V1 => Ok(()),
-            Remote::Socket(s) => {
-                let results = s.batch("operation.cancel", std::slice::from_ref(op)).await;
-                results.into_iter().next().map_or(Ok(()), |r| r.map(|_| ()))
+    /// Asks the snapshotter to cancel each of `ops`, as Progress is asked (batches to a
+    /// socket, a bounded number of processes at once), until `deadline`. One answer per
+    /// op, in order; `None` for a call abandoned unanswered at the deadline.
+    pub async fn cancel(
+        &self,
+        ops: &[OperationRef],
+        deadline: tokio::time::Instant,
+    ) -> Vec<Option<Answer<()>>> {
+        let mut answers: Vec<Option<Answer<()>>> = ops.iter().map(|_| None).collect();
+        // Each piece of work answers for the ops from its start index on.
+        let mut pieces = match self {
+            Remote::V1 => return ops.iter().map(|_| Some(Ok(()))).collect(),
+            Remote::Refused(why) => {
+                return ops
+                    .iter()
+                    .map(|_| Some(Err(CallError::Answered(why.clone()))))
+                    .collect()
             }
-            Remote::Command(c) => c.run("cancel", op).await.map(|_| ()),
+            Remote::Socket(s) => {
+                let size = s.settings.batch_size.max(1);
+                stream::iter((0..ops.len()).step_by(size))
+                    .map(move |start| async move {
+                        let end = (start + size).min(ops.len());
+                        let answers = s.batch("operation.cancel", &ops[start..end]).await;
+                        (start, answers.into_iter().map(|a| a.map(|_| ())).collect())
+                    })
+                    .buffer_unordered(s.settings.socket_concurrency.max(1))
+                    .boxed()
+            }
+            Remote::Command(c) => stream::iter(0..ops.len())
+                .map(move |i| async move {
+                    let answer = c.run("cancel", &ops[i]).await.map(|_| ());
+                    (i, vec![answer])
+                })
+                .buffer_unordered(c.settings.command_concurrency.max(1))
+                .boxed(),
+        };
+        while let Ok(Some((start, piece))) = tokio::time::timeout_at(deadline, pieces.next()).await
+        {
+            for (slot, answer) in answers[start..].iter_mut().zip(piece) {
+                *slot = Some(answer);
+            }
         }
+        answers
     }
 }
 
@@ -140,9 +189,15 @@ pub struct SocketRemote {
 #[derive(Deserialize)]
 struct ResponseEntry<'a> {
     id: Option<u64>,
-    #[serde(borrow)]
+    /// `Some` whenever the member is there, `null` included: Cancel answers `null`.
+    #[serde(borrow, default, deserialize_with = "present")]
     result: Option<&'a RawValue>,
     error: Option<ErrorEntry>,
+}
+
+/// Deserializes a member that is present (whatever its value, `null` too) as `Some`.
+fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValue>, D::Error> {
+    <&'a RawValue>::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -372,85 +427,6 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
     serde_json::to_vec(&requests).map_err(|e| format!("encoding a request: {e}"))
 }
 
-/// A snapshotter run as a command per call.
-pub struct CommandRemote {
-    name: String,
-    argv: Vec<String>,
-    settings: CallSettings,
-    running: Semaphore,
-}
-
-impl CommandRemote {
-    async fn progress(&self, op: &OperationRef) -> Answer<OperationProgress> {
-        let stdout = self.run("progress", op).await?;
-        serde_json::from_slice(&stdout).map_err(|e| {
-            CallError::Answered(format!(
-                "snapshotter {} printed an invalid progress for {}: {e}",
-                self.name, op.operation_id
-            ))
-        })
-    }
-
-    /// Runs `argv… VERB OPERATION_ID`; returns stdout, or stderr's last line on failure.
-    async fn run(&self, verb: &str, op: &OperationRef) -> Answer<Vec<u8>> {
-        let _permit = self.running.acquire().await;
-        let Some((program, args)) = self.argv.split_first() else {
-            return Err(CallError::Answered(format!(
-                "snapshotter {} has an empty command",
-                self.name
-            )));
-        };
-        let child = tokio::process::Command::new(program)
-            .args(args)
-            .arg(verb)
-            .arg(&op.operation_id)
-            .env("OPMON_PLUGIN", &op.plugin.name)
-            .env("OPMON_PLUGIN_KIND", op.plugin.kind.as_str())
-            .env("OPMON_OWNER_KIND", op.owner.kind.as_str())
-            .env("OPMON_OWNER_NAME", &op.owner.name)
-            .env("OPMON_OWNER_UID", &op.owner.uid)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                CallError::Unreachable(format!("snapshotter {}: running {program}: {e}", self.name))
-            })?;
-        let output =
-            match tokio::time::timeout(self.settings.deadline, child.wait_with_output()).await {
-                Ok(Ok(output)) => output,
-                Ok(Err(e)) => {
-                    return Err(CallError::Unreachable(format!(
-                        "snapshotter {}: {e}",
-                        self.name
-                    )))
-                }
-                Err(_) => {
-                    return Err(CallError::Unreachable(format!(
-                        "snapshotter {} did not answer within {}",
-                        self.name,
-                        opmon_client::GoDuration(self.settings.deadline)
-                    )))
-                }
-            };
-        if output.status.success() {
-            return Ok(output.stdout);
-        }
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let last = stderr
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("")
-            .trim();
-        Err(CallError::Answered(format!(
-            "snapshotter {} {verb} {} failed ({}): {last}",
-            self.name, op.operation_id, output.status
-        )))
-    }
-}
-
 /// The live snapshotters by plugin name, rebuilt from the database at start.
 #[derive(Default)]
 pub struct Registry {
@@ -465,6 +441,13 @@ impl Registry {
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
         if let Ok(mut map) = self.remotes.write() {
             map.insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
+        }
+    }
+
+    /// Keeps `name` registered but refuses every call to it, saying `why`.
+    pub fn refuse(&self, name: &str, why: String) {
+        if let Ok(mut map) = self.remotes.write() {
+            map.insert(name.to_string(), Arc::new(Remote::Refused(why)));
         }
     }
 

@@ -12,21 +12,50 @@
 //! status (403, 429) and a JSON-RPC error body, within a fixed time and byte budget and
 //! a bounded number of refusals answered at once, so refused peers cannot tie up the
 //! server.
+//!
+//! What a peer can make the server hold is bounded, whether or not it reads what it is
+//! sent ([`ServeConfig`] has the numbers):
+//! - at most `max_calls_in_flight` calls run at once, over all connections, and a call
+//!   keeps its place until its response has been written to the socket (an HTTP request
+//!   waits for its place before its body is read); methods that mostly wait (listed in
+//!   `unmetered_methods`) take no place;
+//! - each connection has an [`Outbox`]: the bytes handed to it and not yet written.
+//!   Subscriptions send only while it holds less than `max_queued_bytes`, and a
+//!   WebSocket connection is not read further while it is that full or has
+//!   `max_calls_per_connection` calls unanswered;
+//! - a connection whose peer takes nothing of what waits for it for
+//!   `write_stall_timeout` is closed, which frees all of the above;
+//! - a request body over `max_request_body_size` is answered with a JSON-RPC error
+//!   (HTTP 413) and its rest read and dropped (up to the larger of the limit and
+//!   [`MIN_DRAIN`]), so the client sees the answer rather than a reset.
+//!
+//! Errors jsonrpsee words for itself are reworded where a client could not act on them:
+//! an unknown method is named, a subscription over plain HTTP says it needs a
+//! WebSocket, a wrong `Content-Type` names the header.
 
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
+use http_body_util::BodyExt;
+use hyper::body::Body;
 use jsonrpsee::core::BoxError;
-use jsonrpsee::server::middleware::rpc::{RpcService, RpcServiceBuilder, RpcServiceT};
-use jsonrpsee::server::{
-    serve_with_graceful_shutdown, stop_channel, HttpBody, HttpResponse, MethodResponse, Methods,
-    ServerConfig,
+use jsonrpsee::server::middleware::rpc::{
+    Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
+use jsonrpsee::server::{
+    serve_with_graceful_shutdown, stop_channel, HttpBody, HttpResponse, MethodCallback,
+    MethodResponse, Methods, ServerConfig,
+};
+use jsonrpsee::types::{ErrorObject, ErrorObjectOwned, Request};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
@@ -35,6 +64,17 @@ pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Sen
 
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
+
+/// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
+pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Least of an oversized request body read (and dropped) after its 413, so that a client
+/// still sending it reads the answer instead of a broken pipe; at most the larger of this
+/// and the request size limit is read, past which the connection is closed.
+pub const MIN_DRAIN: u64 = 16 * 1024 * 1024;
+
+/// JSON-RPC code of jsonrpsee's "Request is too big".
+pub const REQUEST_TOO_BIG: i32 = -32007;
 
 /// Limits and extras of a served socket.
 #[derive(Clone)]
@@ -48,7 +88,20 @@ pub struct ServeConfig {
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
     /// A connection whose peer sends nothing for this long is closed.
-    pub idle_timeout: Option<std::time::Duration>,
+    pub idle_timeout: Option<Duration>,
+    /// Calls running (or with a response not yet written) at once, over all connections.
+    pub max_calls_in_flight: usize,
+    /// Methods that mostly wait (for a change, another process, a file) holding little
+    /// memory: they do not count against `max_calls_in_flight`.
+    pub unmetered_methods: Vec<String>,
+    /// Bytes a connection may have waiting to be written before its subscriptions wait
+    /// and (WebSocket) its requests are no longer read.
+    pub max_queued_bytes: u64,
+    /// Calls one WebSocket connection may have unanswered before it is no longer read.
+    pub max_calls_per_connection: usize,
+    /// A connection whose peer takes none of the bytes waiting for it for this long is
+    /// closed.
+    pub write_stall_timeout: Option<Duration>,
 }
 
 impl Default for ServeConfig {
@@ -59,6 +112,11 @@ impl Default for ServeConfig {
             max_connections: MAX_CONNECTIONS,
             metrics: None,
             idle_timeout: None,
+            max_calls_in_flight: 32,
+            unmetered_methods: Vec::new(),
+            max_queued_bytes: 16 * 1024 * 1024,
+            max_calls_per_connection: 16,
+            write_stall_timeout: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -115,101 +173,656 @@ pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Answers `GET /metrics` from `page` when there is one; everything else is JSON-RPC.
-/// A body without a declared length (chunked) is read up to `max_body` here, so one
-/// past the limit gets 413 like a declared one, not an internal error.
+/// The `GET /metrics` answer: `page` with the Prometheus text format's content type.
+pub async fn metrics_response(page: &MetricsPage) -> HttpResponse {
+    let mut response = HttpResponse::new(HttpBody::from(page().await));
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
+    );
+    response
+}
+
+/// Serves `GET /metrics` from `page` on a TCP listener until `shutdown` resolves:
+/// the same answer as on the socket, and 404 for anything else.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    page: MetricsPage,
+    shutdown: impl Future<Output = ()>,
+) {
+    let connections = TaskTracker::new();
+    let (stop_handle, server_handle) = stop_channel();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a metrics connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let page = page.clone();
+        let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            let page = page.clone();
+            async move {
+                if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
+                    return Ok::<_, std::convert::Infallible>(metrics_response(&page).await);
+                }
+                Ok(plain(
+                    hyper::StatusCode::NOT_FOUND,
+                    "only GET /metrics is served here\n",
+                ))
+            }
+        });
+        let stopped = stop_handle.clone().shutdown();
+        connections.spawn(async move {
+            let _ = serve_with_graceful_shutdown(stream, service, stopped).await;
+        });
+    }
+    let _ = server_handle.stop();
+    connections.close();
+    connections.wait().await;
+}
+
+fn plain(status: hyper::StatusCode, text: &'static str) -> HttpResponse {
+    let mut response = HttpResponse::new(HttpBody::from(text));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// A JSON-RPC error response without an id, as HTTP `status`.
+fn rpc_error(status: hyper::StatusCode, code: i32, message: &str) -> HttpResponse {
+    // A string always serializes.
+    let message = serde_json::to_string(message).unwrap_or_else(|_| "\"\"".into());
+    let text =
+        format!(r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":{code},"message":{message}}}}}"#);
+    let mut response = HttpResponse::new(HttpBody::from(text));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    response
+}
+
+fn too_big(max_body: u32) -> HttpResponse {
+    rpc_error(
+        hyper::StatusCode::PAYLOAD_TOO_LARGE,
+        REQUEST_TOO_BIG,
+        &format!("Request is too big: over {max_body} bytes"),
+    )
+}
+
+/// At most `limit` characters of a peer's text, for an error message.
+fn shown(text: &str, limit: usize) -> String {
+    match text.char_indices().nth(limit) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
+
+/// What to do with a POST's `Content-Type`.
+enum ContentType {
+    /// JSON, as jsonrpsee wants it.
+    Json,
+    /// Absent, or a form (what `curl -d` and Python's urllib send by default): the body
+    /// is read as JSON anyway, so the README's curl line works as printed.
+    TakenAsJson,
+    /// Anything else: refused, naming it.
+    Other(String),
+}
+
+fn content_type(headers: &hyper::HeaderMap) -> ContentType {
+    let Some(value) = headers.get(hyper::header::CONTENT_TYPE) else {
+        return ContentType::TakenAsJson;
+    };
+    let text = String::from_utf8_lossy(value.as_bytes()).into_owned();
+    let media = text.split(';').next().unwrap_or_default().trim();
+    if media.eq_ignore_ascii_case("application/json")
+        || media.eq_ignore_ascii_case("application/json-rpc")
+    {
+        if jsonrpsee::server::http::is_json(Some(value)) {
+            ContentType::Json
+        } else {
+            // JSON with parameters jsonrpsee does not know (`charset="UTF-8"`).
+            ContentType::TakenAsJson
+        }
+    } else if media.eq_ignore_ascii_case("application/x-www-form-urlencoded") {
+        ContentType::TakenAsJson
+    } else {
+        ContentType::Other(text)
+    }
+}
+
+/// Whether the client waits for `100 Continue` before sending its body: then an unread
+/// body is never sent, and there is nothing to drain.
+fn expects_continue(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get(hyper::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
+/// Reads and drops the rest of a refused body after the answer, so the client, still
+/// writing, is not cut off before it reads the answer. At most `limit` bytes: a longer
+/// body (declared or not) is cut off by closing the connection.
+fn drain<B>(mut body: B, headers: &hyper::HeaderMap, limit: u64)
+where
+    B: Body + Send + Unpin + 'static,
+    B::Data: Send,
+{
+    let declared = headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if expects_continue(headers) || declared.is_some_and(|length| length > limit) {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut left = limit;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                let n = hyper::body::Buf::remaining(&data) as u64;
+                if n >= left {
+                    return;
+                }
+                left -= n;
+            }
+        }
+    });
+}
+
+/// Which transport a call came by; set on every request `serve` routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Http,
+    WebSocket,
+}
+
+/// The place (in `max_calls_in_flight`) an HTTP request took before its body was read;
+/// an unmetered method gives it back as soon as it is known.
+#[derive(Clone)]
+struct Place(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+
+impl Place {
+    fn take(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// What routing needs of the server's configuration.
+struct Shared {
+    page: Option<MetricsPage>,
+    max_body: u32,
+    places: Arc<Semaphore>,
+}
+
+/// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
+/// A POST waits for its place among the calls in flight before its body is read; a body
+/// without a declared length (chunked) is read up to `max_body` here, so one past the
+/// limit gets 413 like a declared one, not an internal error.
 async fn route<S>(
     request: hyper::Request<hyper::body::Incoming>,
     mut rpc: S,
-    page: Option<MetricsPage>,
-    max_body: u32,
+    shared: Arc<Shared>,
+    outbox: Arc<Outbox>,
 ) -> Result<HttpResponse, BoxError>
 where
     S: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
 {
-    if let Some(page) = page {
+    if let Some(page) = &shared.page {
         if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
-            let mut response = HttpResponse::new(HttpBody::from(page().await));
-            response.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            );
-            return Ok(response);
+            return Ok(metrics_response(page).await);
         }
     }
-    let (parts, body) = request.into_parts();
-    let unsized_post = parts.method == hyper::Method::POST
-        && !parts.headers.contains_key(hyper::header::CONTENT_LENGTH);
-    let body = if unsized_post {
-        use http_body_util::BodyExt;
-        match http_body_util::Limited::new(body, max_body as usize)
-            .collect()
-            .await
-        {
-            Ok(collected) => HttpBody::new(http_body_util::Full::new(collected.to_bytes())),
-            Err(e)
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                let text = format!(
-                    r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":-32007,"message":"Request is too big: over {max_body} bytes"}}}}"#
-                );
-                let mut response = HttpResponse::new(HttpBody::from(text));
-                *response.status_mut() = hyper::StatusCode::PAYLOAD_TOO_LARGE;
-                return Ok(response);
-            }
-            Err(e) => return Err(e),
+    let upgrade = jsonrpsee::server::ws::is_upgrade_request(&request);
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(outbox.clone());
+    if upgrade {
+        parts.extensions.insert(Transport::WebSocket);
+        return rpc
+            .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
+            .await;
+    }
+    parts.extensions.insert(Transport::Http);
+    if parts.method != hyper::Method::POST {
+        // jsonrpsee answers with 405 and what it wants.
+        return rpc
+            .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
+            .await;
+    }
+    let max_body = shared.max_body;
+    let drain_limit = u64::from(max_body).max(MIN_DRAIN);
+    match content_type(&parts.headers) {
+        ContentType::Json => {}
+        ContentType::TakenAsJson => {
+            parts.headers.insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("application/json"),
+            );
         }
+        ContentType::Other(text) => {
+            drain(body, &parts.headers, drain_limit);
+            return Ok(rpc_error(
+                hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                jsonrpsee::types::error::INVALID_REQUEST_CODE,
+                &format!(
+                    "Content-Type: {} is not accepted; send application/json",
+                    shown(&text, 100)
+                ),
+            ));
+        }
+    }
+    let declared = parts
+        .headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|length| length > u64::from(max_body)) {
+        drain(body, &parts.headers, drain_limit);
+        return Ok(too_big(max_body));
+    }
+    let place = Place(Arc::new(Mutex::new(
+        shared.places.clone().acquire_owned().await.ok(),
+    )));
+    parts.extensions.insert(place.clone());
+    let body = if declared.is_none() {
+        let mut body = body;
+        let mut collected = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                if collected.len() + data.len() > max_body as usize {
+                    drain(body, &parts.headers, drain_limit);
+                    return Ok(too_big(max_body));
+                }
+                collected.extend_from_slice(&data);
+            }
+        }
+        HttpBody::new(http_body_util::Full::new(hyper::body::Bytes::from(
+            collected,
+        )))
     } else {
         HttpBody::new(body)
     };
-    rpc.call(hyper::Request::from_parts(parts, body)).await
+    let response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
+    let length = response.body().size_hint().exact().unwrap_or(0) as usize;
+    outbox.respond(length, place.take(), false);
+    Ok(response)
 }
 
-/// When a connection's peer last sent a byte.
+/// One connection's bytes handed over for writing and written: what a peer that does
+/// not read can make the server hold on its behalf.
+///
+/// `due` counts the bytes handed over, `written` those the socket took. Responses and
+/// notifications are written in the order they are handed over, so a response is out
+/// once `written` reaches the `due` it was given; its place among the calls in flight is
+/// given back then. Headers and frames count as written but not as handed over, which
+/// only ever errs towards giving back early.
+pub struct Outbox {
+    state: Mutex<OutboxState>,
+    /// Notified whenever bytes are written.
+    written: tokio::sync::Notify,
+    /// One subscription sends at a time, so that waiting subscriptions hold no rendered
+    /// update each.
+    turn: tokio::sync::Mutex<()>,
+    limit: u64,
+    max_calls: usize,
+}
+
+#[derive(Default)]
+struct OutboxState {
+    due: u64,
+    written: u64,
+    /// WebSocket calls of this connection not yet answered and written.
+    calls: usize,
+    /// Per response not yet written: its `due`, its place, whether it counts in `calls`.
+    pending: VecDeque<(u64, Option<OwnedSemaphorePermit>, bool)>,
+    /// The connection's reader, waiting for room.
+    reader: Option<Waker>,
+}
+
+impl OutboxState {
+    fn queued(&self) -> u64 {
+        self.due.saturating_sub(self.written)
+    }
+
+    fn hand_over(&mut self, bytes: usize) -> u64 {
+        self.due = self.due.max(self.written) + bytes as u64;
+        self.due
+    }
+}
+
+/// A subscription's turn to send: held while it renders and hands over one update.
+pub type OutboxTurn<'a> = tokio::sync::MutexGuard<'a, ()>;
+
+impl Outbox {
+    fn new(limit: u64, max_calls: usize) -> Outbox {
+        Outbox {
+            state: Mutex::new(OutboxState::default()),
+            written: tokio::sync::Notify::new(),
+            turn: tokio::sync::Mutex::new(()),
+            limit,
+            max_calls: max_calls.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes handed over and not yet written.
+    pub fn queued(&self) -> u64 {
+        self.lock().queued()
+    }
+
+    /// Waits for this connection's turn to send a notification: one sender at a time,
+    /// once less than `max_queued_bytes` waits to be written. Hand the notification
+    /// over with [`Outbox::push`] before dropping the turn.
+    pub async fn turn(&self) -> OutboxTurn<'_> {
+        let turn = self.turn.lock().await;
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
+            if self.queued() < self.limit {
+                return turn;
+            }
+            written.await;
+        }
+    }
+
+    /// Records a notification of `bytes` handed to the connection.
+    pub fn push(&self, bytes: usize) {
+        self.lock().hand_over(bytes);
+    }
+
+    fn call_started(&self) {
+        self.lock().calls += 1;
+    }
+
+    /// Records a response of `bytes`: `place` is given back, and the call stops counting
+    /// (if `counted`), once it is written.
+    fn respond(&self, bytes: usize, place: Option<OwnedSemaphorePermit>, counted: bool) {
+        let mut state = self.lock();
+        if bytes == 0 {
+            if counted {
+                state.calls = state.calls.saturating_sub(1);
+            }
+            return;
+        }
+        let due = state.hand_over(bytes);
+        state.pending.push_back((due, place, counted));
+    }
+
+    fn wrote(&self, n: usize) {
+        let mut released = Vec::new();
+        let reader = {
+            let mut state = self.lock();
+            state.written += n as u64;
+            while state
+                .pending
+                .front()
+                .is_some_and(|(due, _, _)| *due <= state.written)
+            {
+                if let Some((_, place, counted)) = state.pending.pop_front() {
+                    if counted {
+                        state.calls = state.calls.saturating_sub(1);
+                    }
+                    released.push(place);
+                }
+            }
+            if state.queued() < self.limit && state.calls < self.max_calls {
+                state.reader.take()
+            } else {
+                None
+            }
+        };
+        drop(released);
+        if let Some(reader) = reader {
+            reader.wake();
+        }
+        self.written.notify_waiters();
+    }
+
+    /// Whether a WebSocket connection must not be read now (too much waits to be
+    /// written, or too many calls are unanswered); if so, `waker` is woken when it may.
+    fn full(&self, waker: &Waker) -> bool {
+        let mut state = self.lock();
+        if state.queued() < self.limit && state.calls < self.max_calls {
+            return false;
+        }
+        state.reader = Some(waker.clone());
+        true
+    }
+}
+
+/// The RPC middleware `serve` puts first: keeps calls within their limits (see the
+/// module's doc) and rewords jsonrpsee's errors a client cannot act on.
+#[derive(Clone)]
+pub struct Guard<S> {
+    inner: S,
+    rules: Arc<Rules>,
+}
+
+struct Rules {
+    methods: Methods,
+    places: Arc<Semaphore>,
+    unmetered: HashSet<String>,
+}
+
+impl Rules {
+    /// The error for calling `method` by `transport`, if it cannot be called so.
+    fn refusal(&self, method: &str, transport: Option<Transport>) -> Option<ErrorObjectOwned> {
+        let code = jsonrpsee::types::error::METHOD_NOT_FOUND_CODE;
+        match self.methods.method(method) {
+            None => Some(ErrorObject::owned(
+                code,
+                format!("Method not found: {}", shown(method, 200)),
+                None::<()>,
+            )),
+            Some(MethodCallback::Subscription(_) | MethodCallback::Unsubscription(_))
+                if transport == Some(Transport::Http) =>
+            {
+                Some(ErrorObject::owned(
+                    code,
+                    format!(
+                        "{method} needs a WebSocket: subscriptions send notifications, which an \
+                         HTTP POST cannot carry; upgrade the connection (GET / with \
+                         Upgrade: websocket) and call it there"
+                    ),
+                    None::<()>,
+                ))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl<S> RpcServiceT for Guard<S>
+where
+    S: RpcServiceT<
+            MethodResponse = MethodResponse,
+            BatchResponse = MethodResponse,
+            NotificationResponse = MethodResponse,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+{
+    type MethodResponse = MethodResponse;
+    type NotificationResponse = MethodResponse;
+    type BatchResponse = MethodResponse;
+
+    fn call<'a>(&self, request: Request<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
+        let inner = self.inner.clone();
+        let rules = self.rules.clone();
+        async move {
+            let transport = request.extensions().get::<Transport>().copied();
+            if let Some(e) = rules.refusal(request.method_name(), transport) {
+                return MethodResponse::error(request.id().into_owned(), e);
+            }
+            let metered = !rules.unmetered.contains(request.method_name());
+            match (
+                transport,
+                request.extensions().get::<Arc<Outbox>>().cloned(),
+            ) {
+                (Some(Transport::Http), _) => {
+                    // The request took its place before its body was read.
+                    if !metered {
+                        if let Some(place) = request.extensions().get::<Place>() {
+                            drop(place.take());
+                        }
+                    }
+                    inner.call(request).await
+                }
+                (Some(Transport::WebSocket), Some(outbox)) => {
+                    outbox.call_started();
+                    let place = if metered {
+                        rules.places.clone().acquire_owned().await.ok()
+                    } else {
+                        None
+                    };
+                    let response = inner.call(request).await;
+                    outbox.respond(response.as_json().get().len(), place, true);
+                    response
+                }
+                _ => inner.call(request).await,
+            }
+        }
+    }
+
+    fn batch<'a>(
+        &self,
+        mut requests: Batch<'a>,
+    ) -> impl Future<Output = MethodResponse> + Send + 'a {
+        let inner = self.inner.clone();
+        let rules = self.rules.clone();
+        async move {
+            let transport = requests.extensions().get::<Transport>().copied();
+            let outbox = requests.extensions().get::<Arc<Outbox>>().cloned();
+            for entry in requests.iter_mut() {
+                if let Ok(BatchEntry::Call(call)) = entry {
+                    if let Some(e) = rules.refusal(call.method_name(), transport) {
+                        *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
+                    }
+                }
+            }
+            match (transport, outbox) {
+                (Some(Transport::WebSocket), Some(outbox)) => {
+                    outbox.call_started();
+                    let place = rules.places.clone().acquire_owned().await.ok();
+                    let response = inner.batch(requests).await;
+                    outbox.respond(response.as_json().get().len(), place, true);
+                    response
+                }
+                _ => inner.batch(requests).await,
+            }
+        }
+    }
+
+    fn notification<'a>(
+        &self,
+        n: Notification<'a>,
+    ) -> impl Future<Output = MethodResponse> + Send + 'a {
+        self.inner.notification(n)
+    }
+}
+
+/// When a connection's peer last sent a byte, and since when a write has been waiting
+/// for the peer to read.
 #[derive(Clone)]
 struct Activity {
     start: tokio::time::Instant,
     /// Milliseconds after `start` of the last read.
     last_ms: Arc<std::sync::atomic::AtomicU64>,
+    /// Milliseconds after `start` since when a write has been blocked ([`NOT_BLOCKED`]
+    /// while writes go through).
+    blocked_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
+const NOT_BLOCKED: u64 = u64::MAX;
+
 impl Activity {
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
     fn touch(&self) {
-        let now = self.start.elapsed().as_millis() as u64;
         self.last_ms
-            .store(now, std::sync::atomic::Ordering::Relaxed);
+            .store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Resolves once nothing has moved for `timeout`.
-    async fn idle_for(&self, timeout: std::time::Duration) {
+    async fn idle_for(&self, timeout: Duration) {
         loop {
             let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
-            let deadline = self.start + std::time::Duration::from_millis(last) + timeout;
+            let deadline = self.start + Duration::from_millis(last) + timeout;
             tokio::time::sleep_until(deadline).await;
             if self.last_ms.load(std::sync::atomic::Ordering::Relaxed) == last {
                 return;
             }
         }
     }
+
+    fn write_blocked(&self, blocked: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if blocked {
+            let now = self.now_ms();
+            let _ = self
+                .blocked_ms
+                .compare_exchange(NOT_BLOCKED, now, Relaxed, Relaxed);
+        } else {
+            self.blocked_ms.store(NOT_BLOCKED, Relaxed);
+        }
+    }
+
+    /// Resolves once a write has waited `timeout` for the peer to read.
+    async fn stalled_for(&self, timeout: Duration) {
+        loop {
+            let since = self.blocked_ms.load(std::sync::atomic::Ordering::Relaxed);
+            if since == NOT_BLOCKED {
+                tokio::time::sleep(timeout).await;
+                continue;
+            }
+            tokio::time::sleep_until(self.start + Duration::from_millis(since) + timeout).await;
+            if self.blocked_ms.load(std::sync::atomic::Ordering::Relaxed) == since {
+                return;
+            }
+        }
+    }
 }
 
-/// A stream that records its activity, for the idle timeout.
+/// A connection's stream, watched: reads and writes feed its [`Activity`] and
+/// [`Outbox`], and a WebSocket connection whose outbox is full is not read.
 struct Watched<S> {
     inner: S,
     activity: Activity,
+    outbox: Arc<Outbox>,
+    /// Set once the connection turned into a WebSocket: only then is reading held
+    /// back (an HTTP connection has one response at a time anyway).
+    websocket: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<S> Watched<S> {
-    fn new(inner: S) -> (Watched<S>, Activity) {
+    fn new(inner: S, outbox: Arc<Outbox>) -> (Watched<S>, Activity) {
         let activity = Activity {
             start: tokio::time::Instant::now(),
             last_ms: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            blocked_ms: Arc::new(std::sync::atomic::AtomicU64::new(NOT_BLOCKED)),
         };
         (
             Watched {
                 inner,
                 activity: activity.clone(),
+                outbox,
+                websocket: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             },
             activity,
         )
@@ -219,9 +832,13 @@ impl<S> Watched<S> {
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<io::Result<()>> {
+    ) -> Poll<io::Result<()>> {
+        if self.websocket.load(std::sync::atomic::Ordering::Relaxed) && self.outbox.full(cx.waker())
+        {
+            return Poll::Pending;
+        }
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
@@ -234,25 +851,28 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
 impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
+        cx: &mut Context<'_>,
         data: &[u8],
-    ) -> std::task::Poll<io::Result<usize>> {
+    ) -> Poll<io::Result<usize>> {
         // Only what the peer sends counts as activity: a client that sends nothing is
         // idle even while the server is still writing to it.
-        Pin::new(&mut self.inner).poll_write(cx, data)
+        let polled = Pin::new(&mut self.inner).poll_write(cx, data);
+        match &polled {
+            Poll::Pending => self.activity.write_blocked(true),
+            Poll::Ready(Ok(n)) => {
+                self.activity.write_blocked(false);
+                self.outbox.wrote(*n);
+            }
+            Poll::Ready(Err(_)) => {}
+        }
+        polled
     }
 
-    fn poll_flush(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<io::Result<()>> {
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
@@ -286,7 +906,7 @@ impl Admission for AdmitAll {
 }
 
 /// Serves `methods` on `listener` until `shutdown` resolves, then drains. Every call
-/// passes through `rpc_middleware` (`RpcServiceBuilder::new()` for none).
+/// passes through [`Guard`], then `rpc_middleware` (`RpcServiceBuilder::new()` for none).
 pub async fn serve<L>(
     listener: UnixListener,
     methods: impl Into<Methods>,
@@ -295,7 +915,7 @@ pub async fn serve<L>(
     admission: impl Admission,
     shutdown: impl Future<Output = ()>,
 ) where
-    L: tower::Layer<RpcService> + Clone + Send + Sync + 'static,
+    L: tower::Layer<Guard<RpcService>> + Clone + Send + Sync + 'static,
     L::Service: RpcServiceT<
             MethodResponse = MethodResponse,
             BatchResponse = MethodResponse,
@@ -305,6 +925,16 @@ pub async fn serve<L>(
         + 'static,
 {
     let methods: Methods = methods.into();
+    let places = Arc::new(Semaphore::new(config.max_calls_in_flight.max(1)));
+    let rules = Arc::new(Rules {
+        methods: methods.clone(),
+        places: places.clone(),
+        unmetered: config.unmetered_methods.iter().cloned().collect(),
+    });
+    let guarded = rpc_middleware.layer_fn(move |inner| Guard {
+        inner,
+        rules: rules.clone(),
+    });
     let server_config = ServerConfig::builder()
         .max_request_body_size(config.max_request_body_size)
         .max_response_body_size(config.max_response_body_size)
@@ -312,8 +942,13 @@ pub async fn serve<L>(
         .build();
     let builder = jsonrpsee::server::Server::builder()
         .set_config(server_config)
-        .set_rpc_middleware(rpc_middleware)
+        .set_rpc_middleware(guarded)
         .to_service_builder();
+    let shared = Arc::new(Shared {
+        page: config.metrics.clone(),
+        max_body: config.max_request_body_size,
+        places,
+    });
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
@@ -327,7 +962,7 @@ pub async fn serve<L>(
                     // Out of descriptors or similar: keep serving the connections we
                     // have, and try again shortly rather than spinning.
                     tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
@@ -339,23 +974,35 @@ pub async fn serve<L>(
                 continue;
             }
         };
+        let outbox = Arc::new(Outbox::new(
+            config.max_queued_bytes,
+            config.max_calls_per_connection,
+        ));
+        let (stream, activity) = Watched::new(stream, outbox.clone());
+        let websocket = stream.websocket.clone();
         let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
-        let page = config.metrics.clone();
-        let max_body = config.max_request_body_size;
+        let shared = shared.clone();
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-            let rpc = rpc.clone();
-            let page = page.clone();
-            route(request, rpc, page, max_body)
+            if jsonrpsee::server::ws::is_upgrade_request(&request) {
+                websocket.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            route(request, rpc.clone(), shared.clone(), outbox.clone())
         });
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;
+        let stall_timeout = config.write_stall_timeout;
         connections.spawn(async move {
             let _ticket = ticket;
-            let (stream, activity) = Watched::new(stream);
             let served = serve_with_graceful_shutdown(stream, service, stopped);
             let idle = async {
                 match idle_timeout {
                     Some(timeout) => activity.idle_for(timeout).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let stalled = async {
+                match stall_timeout {
+                    Some(timeout) => activity.stalled_for(timeout).await,
                     None => std::future::pending().await,
                 }
             };
@@ -364,6 +1011,7 @@ pub async fn serve<L>(
                     tracing::debug!(error = %e, "connection ended with an error");
                 },
                 _ = idle => tracing::debug!("closed an idle connection"),
+                _ = stalled => tracing::debug!("closed a connection whose peer stopped reading"),
             }
         });
     }

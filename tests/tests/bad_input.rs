@@ -43,7 +43,30 @@ async fn each_bad_request_gets_its_error_and_leaves_connection_and_state_intact(
     let huge_id = "x".repeat(1024 * 1024);
     let cases: Vec<(String, i64, String)> = vec![
         ("{\"jsonrpc\": \"2.0\", \"id\": 1, \"method\": ".into(), -32700, "Parse error".into()),
-        (request("backup.explode", json!({})), -32601, "Method not found".into()),
+        (request("backup.explode", json!({})), -32601, "Method not found: backup.explode".into()),
+        (
+            request("backup.subscribe", json!({"name": "b"})),
+            -32601,
+            "backup.subscribe needs a WebSocket: subscriptions send notifications, which an HTTP \
+             POST cannot carry; upgrade the connection (GET / with Upgrade: websocket) and call \
+             it there"
+                .into(),
+        ),
+        (
+            request("backup.get", json!("b")),
+            -32602,
+            "params: invalid type: string \"b\", expected an object with name".into(),
+        ),
+        (
+            request("snapshotter.register", json!(5)),
+            -32602,
+            "params: invalid type: integer `5`, expected an object with name, apiVersion, socket, command".into(),
+        ),
+        (
+            request("backup.addOperations", json!({"name": "b", "operations": [{"plugin": "x", "resource": {"resource": "pods", "name": "a"}, "operationId": "z"}]})),
+            -32602,
+            "operations[0].plugin: invalid type: string \"x\", expected an object".into(),
+        ),
         (
             request("backup.addOperations", json!({"name": "b", "operations": [{"plugin": {"kind": "BackupItemAction", "name": PLUGIN}, "resource": {"resource": "pods", "name": 42}, "operationId": "z"}]})),
             -32602,
@@ -144,4 +167,122 @@ async fn requests_over_the_size_limit_are_refused() {
     let mut http = RawHttp::connect(&f.agent.socket);
     let answer = http.call(&request("backup.list", json!({})));
     assert_eq!(answer["result"]["items"], json!([]), "nothing was stored");
+}
+
+/// POSTs `body` with the header lines `headers`; returns the status, the head and the
+/// body.
+fn post_with(socket: &std::path::Path, headers: &str, body: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    write!(
+        s,
+        "POST / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+#[tokio::test]
+async fn the_content_type_of_curl_d_is_accepted_and_a_wrong_one_is_named() {
+    let f = Fixture::new(&[]).await;
+    let status = r#"{"jsonrpc":"2.0","id":1,"method":"agent.status"}"#;
+    // The README's line, exactly as printed.
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--unix-socket"])
+        .arg(&f.agent.socket)
+        .args(["http://localhost/", "-d", status])
+        .output()
+        .unwrap();
+    let answer: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(answer["result"]["snapshotters"], 1, "{answer}");
+    for headers in [
+        "",
+        "Content-Type: application/x-www-form-urlencoded\r\n",
+        "Content-Type: application/json; charset=\"UTF-8\"\r\n",
+    ] {
+        let (code, _, body) = post_with(&f.agent.socket, headers, status);
+        assert_eq!(code, 200, "{headers:?}: {body}");
+    }
+    let (code, head, body) = post_with(&f.agent.socket, "Content-Type: text/plain\r\n", status);
+    assert_eq!(code, 415, "{body}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        answer,
+        json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32600,
+               "message": "Content-Type: text/plain is not accepted; send application/json"}})
+    );
+}
+
+#[tokio::test]
+async fn a_websocket_message_over_the_size_limit_gets_an_error_and_the_connection_goes_on() {
+    use std::io::{Read, Write};
+    let f = Fixture::new(&["--max-request-size", "65536"]).await;
+    let mut s = std::os::unix::net::UnixStream::connect(&f.agent.socket).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 101"));
+    let mut send = |text: &str| {
+        let mut frame = vec![0x81u8, 0x80 | 127];
+        frame.extend_from_slice(&(text.len() as u64).to_be_bytes());
+        frame.extend_from_slice(&[0, 0, 0, 0]);
+        frame.extend_from_slice(text.as_bytes());
+        s.write_all(&frame).unwrap();
+    };
+    send(&request(
+        "backup.start",
+        json!({"name": "b", "uid": "x".repeat(100_000)}),
+    ));
+    send(&request("agent.status", json!({})));
+    let mut recv = || {
+        let mut h = [0u8; 2];
+        s.read_exact(&mut h).unwrap();
+        let n = match h[1] & 0x7f {
+            126 => {
+                let mut b = [0u8; 2];
+                s.read_exact(&mut b).unwrap();
+                u16::from_be_bytes(b) as usize
+            }
+            127 => {
+                let mut b = [0u8; 8];
+                s.read_exact(&mut b).unwrap();
+                u64::from_be_bytes(b) as usize
+            }
+            n => n as usize,
+        };
+        let mut payload = vec![0; n];
+        s.read_exact(&mut payload).unwrap();
+        serde_json::from_slice::<Value>(&payload).unwrap()
+    };
+    assert_eq!(
+        recv(),
+        json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32007,
+               "message": "Request is too big", "data": "Exceeded max limit of 65536"}})
+    );
+    assert_eq!(
+        recv()["result"]["snapshotters"],
+        1,
+        "the connection goes on"
+    );
 }

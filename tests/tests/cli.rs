@@ -27,7 +27,8 @@ fn json_of(out: &Output) -> Value {
 
 #[tokio::test]
 async fn every_subcommand_prints_exactly_the_api_result_as_json() {
-    let f = Fixture::new(&[]).await;
+    // The CLI registers a command snapshotter, which the operator must allow.
+    let f = Fixture::new(&["--allow-api-command-snapshotters", "true"]).await;
     let client = f.agent.client().await;
     let started = json_of(&opmon(
         &f,

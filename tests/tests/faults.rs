@@ -378,3 +378,295 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+fn request(method: &str, params: serde_json::Value) -> String {
+    serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
+}
+
+/// `count` operations of `plugin` with IDs `prefix-0`, `prefix-1`, …
+fn operations(plugin: &str, prefix: &str, count: usize) -> serde_json::Value {
+    (0..count)
+        .map(|i| {
+            serde_json::to_value(operation(plugin, &format!("{prefix}-{i}"), "a", &[])).unwrap()
+        })
+        .collect()
+}
+
+/// Starts backup `name` with `ops` (over raw HTTP, as any client would).
+fn start_with(http: &mut opmon_tests::RawHttp, name: &str, ops: serde_json::Value) {
+    let started = http.call(&request(
+        "backup.start",
+        serde_json::json!({"name": name, "uid": "u"}),
+    ));
+    assert_eq!(started["result"]["phase"], "InProgress", "{started}");
+    let count = ops.as_array().map_or(0, Vec::len);
+    let added = http.call(&request(
+        "backup.addOperations",
+        serde_json::json!({"name": name, "operations": ops}),
+    ));
+    assert_eq!(added["result"]["added"], count, "{added}");
+}
+
+/// The agent's metrics page.
+fn metrics(socket: &Path) -> String {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text
+}
+
+#[tokio::test]
+async fn cancels_against_a_hung_snapshotter_end_within_one_call_deadline() {
+    const OPS: usize = 1000;
+    let f = Fixture::new(&["--call-deadline", "1s"]).await;
+    let hung_gates = f.dir.path().join("hung-gates");
+    std::fs::create_dir(&hung_gates).unwrap();
+    opmon_tests::open_gate(&hung_gates, "HANG");
+    let hung = SdkSnapshotter::start(
+        f.dir.path(),
+        "hung",
+        &hung_gates,
+        &f.dir.path().join("hung-journal"),
+    );
+    let client = f.agent.client().await;
+    client
+        .register_snapshotter(&socket_snapshotter("example.io/hung", &hung.socket))
+        .await
+        .unwrap();
+    let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
+
+    // Deleting a waiting backup cancels its operations.
+    start_with(
+        &mut http,
+        "waiting",
+        operations("example.io/hung", "w", OPS),
+    );
+    let ended = http.call(&request(
+        "backup.endInProgress",
+        serde_json::json!({"name": "waiting"}),
+    ));
+    assert_eq!(
+        ended["result"]["phase"], "WaitingForPluginOperations",
+        "{ended}"
+    );
+    let began = Instant::now();
+    let deleted = http.call(&request(
+        "backup.delete",
+        serde_json::json!({"name": "waiting"}),
+    ));
+    let took = began.elapsed();
+    assert_eq!(deleted["result"]["cancelled"], OPS, "{deleted}");
+    assert!(
+        took < Duration::from_secs(10),
+        "delete of {OPS} operations of a hung snapshotter took {took:?} with a 1s call deadline"
+    );
+
+    // So does failing one that is InProgress.
+    start_with(
+        &mut http,
+        "failing",
+        operations("example.io/hung", "f", OPS),
+    );
+    let began = Instant::now();
+    let failed = http.call(&request(
+        "backup.endInProgress",
+        serde_json::json!({"name": "failing", "failed": true}),
+    ));
+    let took = began.elapsed();
+    assert_eq!(failed["result"]["phase"], "Failed", "{failed}");
+    assert!(
+        took < Duration::from_secs(10),
+        "endInProgress failed with {OPS} operations of a hung snapshotter took {took:?}"
+    );
+    let log = f.agent.log_text();
+    assert!(
+        log.contains("cancel calls abandoned: no answer within the call deadline"),
+        "{log}"
+    );
+    let page = metrics(&f.agent.socket);
+    assert!(
+        page.contains(&format!(
+            "opmon_cancel_calls_total{{snapshotter=\"example.io/hung\"}} {}\n",
+            2 * OPS
+        )),
+        "{page}"
+    );
+}
+
+#[tokio::test]
+async fn every_cancel_reaches_a_healthy_snapshotter_and_its_null_answer_is_a_success() {
+    const OPS: usize = 600;
+    let f = Fixture::new(&[]).await;
+    let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
+    start_with(&mut http, "b", operations(PLUGIN, "never", OPS));
+    let failed = http.call(&request(
+        "backup.endInProgress",
+        serde_json::json!({"name": "b", "failed": true}),
+    ));
+    assert_eq!(failed["result"]["phase"], "Failed", "{failed}");
+    let cancels: std::collections::BTreeSet<String> = f
+        .journal()
+        .into_iter()
+        .filter(|l| l.starts_with("cancel "))
+        .collect();
+    let expected: std::collections::BTreeSet<String> =
+        (0..OPS).map(|i| format!("cancel never-{i} b")).collect();
+    assert_eq!(cancels, expected, "each operation was cancelled once");
+    let page = metrics(&f.agent.socket);
+    assert!(
+        page.contains(&format!(
+            "opmon_cancel_calls_total{{snapshotter=\"{PLUGIN}\"}} {OPS}\n"
+        )),
+        "{page}"
+    );
+    assert!(
+        page.contains(&format!(
+            "opmon_cancel_errors_total{{snapshotter=\"{PLUGIN}\"}} 0\n"
+        )),
+        "{page}"
+    );
+    let log = f.agent.log_text();
+    assert!(!log.contains("cancel failed"), "{log}");
+}
+
+/// Serves JSON-RPC batches on a Unix socket, answering each call with `answer(n)` for
+/// the n-th request (from 1); returns the count of requests answered so far.
+async fn counting_snapshotter(
+    socket: PathBuf,
+    answer: impl Fn(u64) -> serde_json::Value + Send + Sync + 'static,
+) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+    let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+    let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let answer = std::sync::Arc::new(answer);
+    let counted = count.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let answer = answer.clone();
+            let count = counted.clone();
+            tokio::spawn(async move {
+                let mut stream = tokio::io::BufReader::new(stream);
+                loop {
+                    let mut length = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        match tokio::io::AsyncBufReadExt::read_line(&mut stream, &mut line).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                        let line = line.trim_end().to_ascii_lowercase();
+                        if line.is_empty() {
+                            break;
+                        }
+                        if let Some(v) = line.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if stream.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    let calls: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    let result = answer(n);
+                    let answers: Vec<serde_json::Value> = calls
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|c| serde_json::json!({"jsonrpc": "2.0", "id": c["id"], "result": result}))
+                        .collect();
+                    let body = serde_json::to_vec(&answers).unwrap();
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+                    let stream = stream.get_mut();
+                    if stream.write_all(head.as_bytes()).await.is_err()
+                        || stream.write_all(&body).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    count
+}
+
+/// The total size of the files under `dir`.
+fn size_of_tree(dir: &Path) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let meta = entry.metadata().unwrap();
+        total += if meta.is_dir() {
+            size_of_tree(&entry.path())
+        } else {
+            meta.len()
+        };
+    }
+    total
+}
+
+#[tokio::test]
+async fn a_huge_description_that_changes_every_poll_is_stored_cut() {
+    // Far past the stored bound; every poll's report differs from the last.
+    const SIZE: usize = 4_000_000;
+    let f = Fixture::new(&[]).await;
+    let socket = f.dir.path().join("verbose.sock");
+    let answered = counting_snapshotter(socket.clone(), |n| {
+        serde_json::json!({
+            "completed": false, "nCompleted": n, "nTotal": 1_000_000,
+            "operationUnits": "u".repeat(1000),
+            "description": format!("{n:08}{}", "d".repeat(SIZE - 8)),
+            "started": "2026-01-01T00:00:00Z",
+        })
+    })
+    .await;
+    let client = f.agent.client().await;
+    client
+        .register_snapshotter(&socket_snapshotter("example.io/verbose", &socket))
+        .await
+        .unwrap();
+    let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
+    start_with(&mut http, "b", operations("example.io/verbose", "v", 1));
+    http.call(&request(
+        "backup.endInProgress",
+        serde_json::json!({"name": "b"}),
+    ));
+    let start = Instant::now();
+    while answered.load(std::sync::atomic::Ordering::SeqCst) < 6 {
+        assert!(start.elapsed() < LONG, "the agent stopped polling");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ops = http.call(&request(
+        "backup.operations",
+        serde_json::json!({"name": "b"}),
+    ));
+    let op = &ops["result"][0];
+    let description = op["description"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{ops}"));
+    assert_eq!(
+        description.len(),
+        4096,
+        "{}",
+        &description[description.len() - 40..]
+    );
+    assert!(
+        description.ends_with("… [truncated 3995933 bytes]"),
+        "{}",
+        &description[description.len() - 40..]
+    );
+    assert_eq!(
+        op["operationUnits"],
+        format!("{}… [truncated 962 bytes]", "u".repeat(38))
+    );
+    assert!(
+        op["nCompleted"].as_u64().unwrap() >= 2,
+        "progress is recorded: {}",
+        op["nCompleted"]
+    );
+    let stored = size_of_tree(&f.agent.state_dir);
+    assert!(
+        stored < 8 * 1024 * 1024,
+        "the state directory holds {stored} bytes after six polls"
+    );
+}

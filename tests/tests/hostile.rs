@@ -459,3 +459,276 @@ fn requests_over_the_default_size_limit_are_refused_without_reading_them_whole()
     let answer = http.call(&request("backup.list", json!({})));
     assert_eq!(answer["result"]["items"], json!([]), "nothing was stored");
 }
+
+/// A field of `/proc/<pid>/status`, in bytes (the `kB` values).
+fn status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/<pid>/status"));
+    kib * 1024
+}
+
+/// The CPU time `pid` has used, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("reading stat");
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+    fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0)
+}
+
+/// Waits until `pid` has done (almost) no work for half a second: whatever it was busy
+/// with is finished or blocked.
+fn quiescent(pid: u32, within: Duration) {
+    let deadline = Instant::now() + within;
+    let mut last = cpu_ticks(pid);
+    let mut calm = 0;
+    while calm < 5 {
+        assert!(Instant::now() < deadline, "the agent never came to rest");
+        std::thread::sleep(Duration::from_millis(100));
+        let now = cpu_ticks(pid);
+        calm = if now - last <= 1 { calm + 1 } else { 0 };
+        last = now;
+    }
+}
+
+/// Writes `text` as one masked WebSocket text frame (mask key 0: the payload as is).
+fn ws_send(stream: &mut UnixStream, text: &str) -> std::io::Result<()> {
+    let n = text.len();
+    let mut frame = vec![0x81u8];
+    if n < 126 {
+        frame.push(0x80 | n as u8);
+    } else if n < 65536 {
+        frame.push(0x80 | 126);
+        frame.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        frame.push(0x80 | 127);
+        frame.extend_from_slice(&(n as u64).to_be_bytes());
+    }
+    frame.extend_from_slice(&[0, 0, 0, 0]);
+    frame.extend_from_slice(text.as_bytes());
+    stream.write_all(&frame)
+}
+
+/// Reads one WebSocket frame's payload.
+fn ws_recv(stream: &mut UnixStream) -> Vec<u8> {
+    let mut head = [0u8; 2];
+    stream.read_exact(&mut head).expect("frame head");
+    let n = match head[1] & 0x7f {
+        126 => {
+            let mut b = [0u8; 2];
+            stream.read_exact(&mut b).unwrap();
+            u16::from_be_bytes(b) as usize
+        }
+        127 => {
+            let mut b = [0u8; 8];
+            stream.read_exact(&mut b).unwrap();
+            u64::from_be_bytes(b) as usize
+        }
+        n => n as usize,
+    };
+    let mut payload = vec![0; n];
+    stream.read_exact(&mut payload).expect("frame payload");
+    payload
+}
+
+#[test]
+fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
+    const SUBSCRIPTIONS: usize = 256;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
+    // Each update carries every operation: about 650 KB.
+    let ops: Vec<_> = (0..600)
+        .map(|i| operation(PLUGIN, &format!("{i:04}-{}", "x".repeat(1000)), "data", &[]))
+        .collect();
+    let added = http.call(&request(
+        "backup.addOperations",
+        json!({"name": "big", "operations": ops}),
+    ));
+    assert_eq!(added["result"]["added"], 600);
+    let baseline = rss(pid);
+
+    let mut ws = UnixStream::connect(&agent.socket).unwrap();
+    ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
+    let head = read_head(&mut ws);
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    // The agent may stop reading this connection: send from a thread of its own.
+    let mut writer = ws.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        for i in 0..SUBSCRIPTIONS {
+            let call = json!({"jsonrpc": "2.0", "id": i, "method": "backup.subscribe",
+                              "params": {"name": "big"}});
+            if ws_send(&mut writer, &call.to_string()).is_err() {
+                return i;
+            }
+        }
+        SUBSCRIPTIONS
+    });
+    quiescent(pid, Duration::from_secs(120));
+    let peak = status_bytes(pid, "VmHWM:");
+    println!(
+        "agent RSS {:.1} MiB before, peak {:.1} MiB with {SUBSCRIPTIONS} unread subscriptions",
+        baseline as f64 / 1048576.0,
+        peak as f64 / 1048576.0
+    );
+    assert!(
+        peak < baseline + 64 * 1024 * 1024,
+        "peak RSS {peak} with unread subscriptions of updates of 650 KB; {baseline} before"
+    );
+    // Others are served meanwhile.
+    let status = http.call(&request("agent.status", json!({})));
+    assert_eq!(status["result"]["unfinishedOperations"], 600, "{status}");
+
+    // Reading the connection resumes the flow: answers and first updates arrive.
+    ws.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let (mut answers, mut updates) = (0, 0);
+    while updates < 32 {
+        let message: serde_json::Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+        if message.get("id").is_some() {
+            assert!(
+                message["result"].is_number() || message["result"].is_string(),
+                "{message}"
+            );
+            answers += 1;
+        } else {
+            assert_eq!(message["params"]["result"]["owner"]["name"], "big");
+            assert_eq!(
+                message["params"]["result"]["operations"]
+                    .as_array()
+                    .map(Vec::len),
+                Some(600)
+            );
+            updates += 1;
+        }
+    }
+    assert!(answers >= updates, "{answers} answers, {updates} updates");
+    drop(ws);
+    let sent = sender.join().unwrap();
+    assert!(sent > 0);
+}
+
+#[test]
+fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
+    const OWNERS: usize = 300;
+    const CLIENTS: usize = 400;
+    raise_open_files(4096);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let mut http = RawHttp::connect(&agent.socket);
+    for i in 0..OWNERS {
+        let name = format!("backup-{i:04}-{}", "n".repeat(220));
+        let started = http.call(&request(
+            "backup.start",
+            json!({"name": name, "uid": "u".repeat(100)}),
+        ));
+        assert_eq!(started["result"]["phase"], "InProgress");
+    }
+    let list = request("backup.list", json!({"limit": 1000}));
+    let one = http.call(&list);
+    let items = one["result"]["items"].as_array().map(Vec::len);
+    assert_eq!(items, Some(OWNERS));
+    let baseline = rss(pid);
+
+    // Every client sends its request before any reads an answer.
+    let post = format!(
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{list}",
+        list.len()
+    );
+    let mut clients: Vec<UnixStream> = (0..CLIENTS)
+        .map(|_| UnixStream::connect(&agent.socket).unwrap())
+        .collect();
+    for c in &mut clients {
+        c.write_all(post.as_bytes()).unwrap();
+    }
+    let mut sizes = Vec::new();
+    for mut c in clients {
+        c.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).unwrap();
+        sizes.push(answer.len());
+    }
+    let peak = status_bytes(pid, "VmHWM:");
+    let answer = sizes[0];
+    println!(
+        "agent RSS {:.1} MiB before, peak {:.1} MiB for {CLIENTS} concurrent lists of {} KiB",
+        baseline as f64 / 1048576.0,
+        peak as f64 / 1048576.0,
+        answer / 1024
+    );
+    assert!(
+        sizes.iter().all(|s| *s == answer && *s > 100_000),
+        "every client got the whole list: {sizes:?}"
+    );
+    assert!(
+        peak < baseline + 64 * 1024 * 1024,
+        "peak RSS {peak} for {CLIENTS} concurrent lists of {answer} bytes; {baseline} before"
+    );
+}
+
+#[test]
+fn a_client_that_sends_an_oversized_body_whole_reads_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &["--max-request-size", "65536"]);
+    let body = request(
+        "backup.start",
+        json!({"name": "b", "uid": "x".repeat(2_000_000)}),
+    );
+    let chunked: Vec<u8> = body
+        .as_bytes()
+        .chunks(100_000)
+        .flat_map(|c| {
+            [
+                format!("{:x}\r\n", c.len()).into_bytes(),
+                c.to_vec(),
+                b"\r\n".to_vec(),
+            ]
+        })
+        .flatten()
+        .chain(b"0\r\n\r\n".iter().copied())
+        .collect();
+    let cases = [
+        (
+            format!("Content-Length: {}", body.len()),
+            body.as_bytes().to_vec(),
+        ),
+        ("Transfer-Encoding: chunked".to_string(), chunked),
+    ];
+    for (framing, bytes) in cases {
+        let mut s = UnixStream::connect(&agent.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            s,
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+        )
+        .unwrap();
+        // As a simple client does: all of the body, then the answer.
+        s.write_all(&bytes)
+            .unwrap_or_else(|e| panic!("{framing}: the agent stopped reading the body: {e}"));
+        let head = read_head(&mut s);
+        assert!(head.starts_with("HTTP/1.1 413"), "{framing}: {head}");
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .expect("content-length");
+        let mut answer = vec![0; length];
+        s.read_exact(&mut answer).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(
+            value,
+            json!({"jsonrpc": "2.0", "id": null,
+                   "error": {"code": -32007, "message": "Request is too big: over 65536 bytes"}}),
+            "{framing}"
+        );
+    }
+}

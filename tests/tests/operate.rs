@@ -280,6 +280,24 @@ async fn metrics_are_served_on_the_socket_and_on_tcp() {
         tcp.contains("opmon_owners{phase=\"InProgress\"} 2\n"),
         "{tcp}"
     );
+
+    // Both say what they are: Prometheus 3 refuses a scrape without a Content-Type.
+    let content_type = |cmd: &mut Command| {
+        let out = cmd
+            .args(["-o", "/dev/null", "-w", "%{content_type}"])
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let prometheus_text = "text/plain; version=0.0.4; charset=utf-8";
+    assert_eq!(
+        content_type(&mut curl(&agent.socket, &["http://localhost/metrics"])),
+        prometheus_text
+    );
+    assert_eq!(
+        content_type(Command::new("curl").args(["-sS", &format!("http://{address}/metrics")])),
+        prometheus_text
+    );
 }
 
 #[tokio::test]

@@ -291,7 +291,7 @@ async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_s
 
 #[tokio::test]
 async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment() {
-    let f = Fixture::new(&[]).await;
+    let f = Fixture::new(&["--allow-api-command-snapshotters", "true"]).await;
     let client = f.agent.client().await;
     let journal = f.dir.path().join("command-journal");
     client

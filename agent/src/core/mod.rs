@@ -39,6 +39,9 @@ pub struct CoreSettings {
     pub max_decompressed_size: u64,
     /// How long a snapshotter may be unreachable before its operations fail.
     pub unreachable_grace: Duration,
+    /// Whether `snapshotter.register` may register a command (which runs a program of
+    /// the client's choosing as the agent's user). Commands in the config file always work.
+    pub allow_api_command_snapshotters: bool,
     pub calls: CallSettings,
 }
 
@@ -62,6 +65,14 @@ pub struct Core {
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
+}
+
+/// Why a command snapshotter not in the config file is not run.
+fn command_refusal(name: &str) -> String {
+    format!(
+        "snapshotter {name} runs a command, which only the config file may register \
+         (allow_api_command_snapshotters is false)"
+    )
 }
 
 /// The current time in Unix milliseconds: the one place the core reads the clock.
@@ -98,7 +109,14 @@ impl Core {
             .read(|conn| queries::snapshotters(conn).map_err(Error::from))
             .await?;
         for s in &registered {
-            core.remotes.insert(s, &core.settings.calls);
+            if s.command.is_some() && !core.settings.allow_api_command_snapshotters {
+                // Registered over the API before the setting was off, or by a config
+                // file that no longer has it: the config file registers its own again
+                // right after this.
+                core.remotes.refuse(&s.name, command_refusal(&s.name));
+            } else {
+                core.remotes.insert(s, &core.settings.calls);
+            }
         }
         Ok(core)
     }

@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use futures::stream::{self, StreamExt};
 use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerPhase, OwnerRef};
 use rusqlite::Connection;
 
@@ -24,8 +23,6 @@ use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 /// Operations polled and committed together in one sweep step; bounds the memory a
 /// sweep holds and the size of one transaction.
 const SWEEP_CHUNK: usize = 4096;
-/// Cancel calls in flight at once.
-const CANCEL_CONCURRENCY: usize = 16;
 
 /// A decided change to one operation, waiting to be committed.
 pub(super) struct Change {
@@ -201,7 +198,8 @@ impl Core {
                 let error = answers
                     .iter()
                     .find_map(|a| a.as_ref().err())
-                    .map(|e| e.message().to_string())
+                    // A snapshotter's message may be megabytes: log what would be stored.
+                    .map(|e| phase::bounded(e.message().to_string(), phase::MAX_ERROR))
                     .unwrap_or_default();
                 tracing::warn!(snapshotter = plugin, %error,
                     "snapshotter unreachable; its operations wait for the grace period");
@@ -211,26 +209,60 @@ impl Core {
         }
     }
 
-    /// Calls Cancel for each target; failures are logged, as Cancel is best effort.
-    /// Returns how many Cancel calls were made.
+    /// Calls Cancel for each target: batched per snapshotter like Progress, every
+    /// snapshotter at once, and over within one call deadline. Cancel is best effort:
+    /// failures are logged, and calls still unanswered at the deadline are abandoned
+    /// (and logged). Returns how many Cancel calls were made.
     pub(super) async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
-        stream::iter(targets.iter().cloned())
-            .map(|t| async move {
-                let op = operation_ref(&t);
-                match self.remotes.get(&t.plugin.name) {
-                    Some(remote) => {
-                        if let Err(e) = remote.cancel(&op).await {
-                            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                                error = %e, "cancel failed");
-                        }
-                    }
-                    None => tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                        plugin = %t.plugin.name, "cannot cancel: no snapshotter registered"),
+        let deadline = tokio::time::Instant::now() + self.settings.calls.deadline;
+        let groups = by_plugin(targets.to_vec());
+        let cancels = groups.into_iter().map(|(plugin, group)| async move {
+            self.cancel_group(&plugin, group, deadline).await
+        });
+        futures::future::join_all(cancels).await;
+        targets.len() as u64
+    }
+
+    /// Cancels the operations of one plugin until `deadline`.
+    async fn cancel_group(
+        &self,
+        plugin: &str,
+        targets: Vec<PollTarget>,
+        deadline: tokio::time::Instant,
+    ) {
+        let Some(remote) = self.remotes.get(plugin) else {
+            for t in &targets {
+                tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                    plugin, "cannot cancel: no snapshotter registered");
+            }
+            return;
+        };
+        let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
+        let answers = remote.cancel(&refs, deadline).await;
+        let mut abandoned = 0;
+        let mut errors = 0;
+        for (t, answer) in targets.iter().zip(&answers) {
+            match answer {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    errors += 1;
+                    let error = phase::bounded(e.message().to_string(), phase::MAX_ERROR);
+                    tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                        %error, "cancel failed");
                 }
-            })
-            .buffer_unordered(CANCEL_CONCURRENCY)
-            .count()
-            .await as u64
+                None => {
+                    abandoned += 1;
+                    tracing::debug!(owner = %t.owner.name, operation = %t.operation_id,
+                        "cancel abandoned");
+                }
+            }
+        }
+        if abandoned > 0 {
+            tracing::warn!(snapshotter = plugin, abandoned, deadline = %opmon_client::GoDuration(self.settings.calls.deadline),
+                "cancel calls abandoned: no answer within the call deadline");
+        }
+        self.metrics
+            .cancelled(plugin, answers.len(), errors + abandoned);
     }
 
     /// Commits polled changes and settles the waiting owners they touched.

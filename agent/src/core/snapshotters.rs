@@ -18,6 +18,11 @@ impl Core {
         Ok(s)
     }
 
+    /// Whether `snapshotter.register` may register a command snapshotter.
+    pub fn allows_api_command_snapshotters(&self) -> bool {
+        self.settings.allow_api_command_snapshotters
+    }
+
     pub async fn snapshotters(&self) -> Result<Vec<Snapshotter>, Error> {
         self.store
             .read(|conn| queries::snapshotters(conn).map_err(Error::from))

@@ -8,7 +8,10 @@
 use std::sync::Arc;
 
 use opmon_client::{OwnerKind, OwnerUpdate};
-use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::sync::broadcast::{
+    self,
+    error::{RecvError, TryRecvError},
+};
 
 use super::Core;
 use crate::changes::{Changed, Rendered};
@@ -16,6 +19,11 @@ use crate::error::Error;
 use crate::store::queries;
 
 /// The updates of one owner, as one subscriber sees them.
+///
+/// Waiting for a change ([`OwnerStream::changed`]) reads nothing; the update is rendered
+/// only when the subscriber is ready to send it ([`OwnerStream::take`]), so a subscriber
+/// held back by a slow peer holds no rendered update, and changes that pile up meanwhile
+/// are sent as one (everything, marked `lagged`, once it fell behind the channel).
 pub struct OwnerStream {
     core: Arc<Core>,
     kind: OwnerKind,
@@ -23,32 +31,90 @@ pub struct OwnerStream {
     changes: broadcast::Receiver<Changed>,
     started: bool,
     done: bool,
+    pending: Option<Pending>,
+}
+
+/// What the next update must carry.
+enum Pending {
+    /// All operations (the first update, or after falling behind).
+    Everything { lagged: bool },
+    /// The operations of one change; its rendering is shared with the other subscribers.
+    One(Changed),
+    /// The operations of several changes.
+    Rows(Vec<i64>),
 }
 
 impl OwnerStream {
-    /// The next update, serialized; `None` once the owner was terminal (or deleted)
-    /// and said so.
-    pub async fn next(&mut self) -> Option<Result<Arc<Rendered>, Error>> {
+    /// Waits until there is an update to send; false once the owner was terminal (or
+    /// deleted) and said so. Cancel-safe.
+    pub async fn changed(&mut self) -> bool {
         if self.done {
-            return None;
+            return false;
+        }
+        if self.pending.is_some() {
+            return true;
+        }
+        if !self.started {
+            self.started = true;
+            self.pending = Some(Pending::Everything { lagged: false });
+            return true;
+        }
+        loop {
+            match self.changes.recv().await {
+                Ok(change) => {
+                    self.pending = Some(Pending::One(change));
+                    return true;
+                }
+                Err(RecvError::Lagged(_)) => {
+                    self.pending = Some(Pending::Everything { lagged: true });
+                    return true;
+                }
+                Err(RecvError::Closed) => {
+                    self.changes = self.core.changes.subscribe(self.kind, &self.name)
+                }
+            }
+        }
+    }
+
+    /// The pending update, with whatever else changed since, serialized; `None` if
+    /// nothing is pending or the stream is done.
+    pub async fn take(&mut self) -> Option<Result<Arc<Rendered>, Error>> {
+        let mut pending = self.pending.take()?;
+        // Changes that arrived while this subscriber waited go out with this update.
+        loop {
+            let more = match self.changes.try_recv() {
+                Ok(change) => change,
+                Err(TryRecvError::Lagged(_)) => {
+                    pending = Pending::Everything { lagged: true };
+                    continue;
+                }
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            };
+            pending = match pending {
+                Pending::Everything { lagged } => Pending::Everything { lagged },
+                Pending::One(first) => {
+                    let mut rows = first.rows.clone();
+                    rows.extend_from_slice(&more.rows);
+                    Pending::Rows(rows)
+                }
+                Pending::Rows(mut rows) => {
+                    rows.extend_from_slice(&more.rows);
+                    Pending::Rows(rows)
+                }
+            };
         }
         let (core, kind, name) = (&self.core, self.kind, self.name.as_str());
-        let update = if !self.started {
-            self.started = true;
-            core.render(kind, name, None, false).await
-        } else {
-            loop {
-                match self.changes.recv().await {
-                    Ok(change) => {
-                        break change
-                            .rendered
-                            .get_or_try_init(|| core.render(kind, name, Some(&change.rows), false))
-                            .await
-                            .cloned()
-                    }
-                    Err(RecvError::Lagged(_)) => break core.render(kind, name, None, true).await,
-                    Err(RecvError::Closed) => self.changes = core.changes.subscribe(kind, name),
-                }
+        let update = match pending {
+            Pending::Everything { lagged } => core.render(kind, name, None, lagged).await,
+            Pending::One(change) => change
+                .rendered
+                .get_or_try_init(|| core.render(kind, name, Some(&change.rows), false))
+                .await
+                .cloned(),
+            Pending::Rows(mut rows) => {
+                rows.sort_unstable();
+                rows.dedup();
+                core.render(kind, name, Some(&rows), false).await
             }
         };
         match &update {
@@ -56,6 +122,15 @@ impl OwnerStream {
             Err(_) => self.done = true,
         }
         Some(update)
+    }
+
+    /// The next update, serialized; `None` once the owner was terminal (or deleted)
+    /// and said so.
+    pub async fn next(&mut self) -> Option<Result<Arc<Rendered>, Error>> {
+        if !self.changed().await {
+            return None;
+        }
+        self.take().await
     }
 }
 
@@ -76,6 +151,7 @@ impl Core {
             changes,
             started: false,
             done: false,
+            pending: None,
         })
     }
 
@@ -135,6 +211,7 @@ mod tests {
             retention: Duration::from_secs(3600),
             max_decompressed_size: u64::MAX,
             unreachable_grace: Duration::from_secs(600),
+            allow_api_command_snapshotters: false,
             calls: CallSettings {
                 deadline: Duration::from_secs(1),
                 batch_size: 10,
