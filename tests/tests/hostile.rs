@@ -619,7 +619,8 @@ fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
     const CLIENTS: usize = 400;
     raise_open_files(4096);
     let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &[]);
+    // All clients are this test's uid: lift the per-uid limit so memory is what is tested.
+    let agent = Agent::start(dir.path(), &["--max-connections-per-uid", "1024"]);
     let pid = agent_pid(&agent);
     let mut http = RawHttp::connect(&agent.socket);
     for i in 0..OWNERS {
