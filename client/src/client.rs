@@ -217,7 +217,7 @@ impl Owners<'_> {
             name: name.into(),
             uid: uid.into(),
             item_operation_timeout: item_operation_timeout.map(GoDuration),
-            finalize: None,
+            ..Default::default()
         })
         .await
     }

@@ -131,6 +131,7 @@ async fn every_subcommand_prints_exactly_the_api_result_as_json() {
                 name: "b1".into(),
                 contents: None,
                 updated_items: vec![],
+                ..Default::default()
             },
         )
         .await

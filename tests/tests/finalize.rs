@@ -152,6 +152,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
                 object: vsb.clone(),
             },
         ],
+        ..Default::default()
     };
     let result = backups.finalize(params.clone()).await.unwrap();
     assert_eq!(result.owner.phase, OwnerPhase::Completed);
@@ -313,6 +314,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
             name: "b".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -337,6 +339,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
                 output: output.clone(),
             }),
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -365,6 +368,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
             name: "b".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -398,6 +402,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
             name: "r".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -432,6 +437,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
             name: "plain".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -9,6 +9,18 @@ use rusqlite::Connection;
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, Store, StoreError};
 
+/// A backup as `start` creates it.
+fn new_backup(name: &str) -> queries::NewOwner<'_> {
+    queries::NewOwner {
+        kind: OwnerKind::Backup,
+        name,
+        uid: "u",
+        timeout: GoDuration::from_secs(60),
+        finalize: true,
+        server: None,
+    }
+}
+
 fn temp_db() -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agent.db");
@@ -55,6 +67,14 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 6 {
+        // From version 6 on, agents count operations as they add them.
+        conn.execute_batch(
+            "UPDATE owners SET n_operations = 3, n_completed = 1, n_failed = 1
+             WHERE name = 'old-backup';",
+        )
+        .unwrap();
+    }
 }
 
 #[test]
@@ -93,6 +113,18 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 .unwrap()
                 .expect("restore kept");
             assert!(!restore.owner.finalize, "restores keep the default");
+            // Migration 7: started by no named server, no failure, last called when
+            // last updated.
+            assert_eq!(restore.owner.server, None);
+            assert_eq!(restore.owner.failure_reason, "");
+            let last_call: i64 = conn
+                .query_row(
+                    "SELECT last_call_ms FROM owners WHERE id = ?1",
+                    [restore.id],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(last_call, 1000);
             assert_eq!(
                 restore.owner.item_operation_timeout,
                 GoDuration::from_secs(60)
@@ -168,9 +200,8 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         operation_id: id.into(),
         post_operation_items: Vec::new(),
     };
-    let timeout = GoDuration::from_millis(60_000);
-    let a = queries::insert_owner(&conn, OwnerKind::Backup, "a", "u", timeout, true, 1).unwrap();
-    let b = queries::insert_owner(&conn, OwnerKind::Backup, "b", "u", timeout, true, 1).unwrap();
+    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
+    let b = queries::insert_owner(&conn, &new_backup("b"), 1).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
     let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
     // Already known: ignored, not counted twice.
@@ -218,7 +249,7 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     let (owners, unfinished) = queries::tally(&conn).unwrap();
     assert_eq!(owners.get(&OwnerPhase::InProgress), Some(&2));
     assert_eq!(unfinished, 3);
-    queries::delete_owner(&conn, b).unwrap();
+    queries::delete_owner(&conn, b, OwnerKind::Backup, "b").unwrap();
     assert_eq!(queries::tally(&conn).unwrap().1, 0);
     assert_eq!(queries::unfinished_count(&conn, b).unwrap(), 0);
     assert_eq!(stored_counts(&conn), recount(&conn));
@@ -309,16 +340,8 @@ async fn concurrent_writes_share_one_transaction() {
             tokio::spawn(async move {
                 store
                     .write(move |conn| {
-                        queries::insert_owner(
-                            conn,
-                            OwnerKind::Backup,
-                            &format!("b{i}"),
-                            "u",
-                            GoDuration::from_secs(60),
-                            true,
-                            0,
-                        )
-                        .map_err(StoreError::from)
+                        queries::insert_owner(conn, &new_backup(&format!("b{i}")), 0)
+                            .map_err(StoreError::from)
                     })
                     .await
             })
@@ -350,16 +373,7 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)?;
+                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)?;
                     if fail {
                         return Err(StoreError {
                             message: "refused".into(),
@@ -398,16 +412,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)
+                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)
                 })
                 .await
         })

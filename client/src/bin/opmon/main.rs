@@ -131,6 +131,7 @@ async fn owner_command(
                 uid,
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
+                ..Default::default()
             };
             let value = call(client, &method("start"), params).await?;
             print(out, &value, one_line)
@@ -308,6 +309,7 @@ async fn owner_command(
                     name,
                     contents,
                     updated_items,
+                    ..Default::default()
                 },
             )
             .await?;
