@@ -386,8 +386,8 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .start_with(StartParams {
             name: "r".into(),
             uid: "ru".into(),
-            item_operation_timeout: None,
             finalize: Some(true),
+            ..Default::default()
         })
         .await
         .unwrap();
