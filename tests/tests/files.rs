@@ -308,18 +308,16 @@ async fn a_large_expiry_holds_up_neither_polls_nor_agent_status() {
     const EXPIRED: u64 = 10_000;
     let planting = Instant::now();
     plant_expired_restores(&f.agent.state_dir, EXPIRED as usize);
-    println!("planted {EXPIRED} expired owners in {:?}", planting.elapsed());
+    println!(
+        "planted {EXPIRED} expired owners in {:?}",
+        planting.elapsed()
+    );
     f.open_gate("gate-1");
     // The agent starts with 10,000 owners to expire and one backup to poll.
     let socket: PathBuf = f.agent.socket.clone();
     let logs = f.dir.path().join("expiring");
     std::fs::create_dir_all(&logs).unwrap();
-    let _agent = Agent::start_at(
-        &logs,
-        &socket,
-        &f.agent.state_dir,
-        &["--retention", "1m"],
-    );
+    let _agent = Agent::start_at(&logs, &socket, &f.agent.state_dir, &["--retention", "1m"]);
     let client = opmon_client::Client::connect(&socket).await.unwrap();
     let owner = client
         .backups()

@@ -485,3 +485,62 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         .unwrap();
     assert_eq!(names, ["after-full", "after-space"]);
 }
+
+#[test]
+fn a_records_mark_is_cleared_only_by_a_write_of_its_own_generation() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
+    assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
+    queries::mark_records_due(&conn, a).unwrap();
+    let read = queries::records_due_generation(&conn, a).unwrap().unwrap();
+    // A change after the write read its state marks the file again.
+    queries::mark_records_due(&conn, a).unwrap();
+    queries::clear_records_due(&conn, &[(a, read)]).unwrap();
+    let newer = queries::records_due_generation(&conn, a).unwrap();
+    assert_eq!(newer, Some(read + 1), "the newer mark stays");
+    queries::clear_records_due(&conn, &[(a, read + 1)]).unwrap();
+    assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
+    // A deleted owner has nothing left to write.
+    queries::mark_records_due(&conn, a).unwrap();
+    queries::delete_owner(&conn, a, OwnerKind::Backup, "a").unwrap();
+    assert!(queries::records_due(&conn, 0, 10).unwrap().is_empty());
+}
+
+#[test]
+fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    for (i, name) in ["c", "a", "b", "kept", "running"].iter().enumerate() {
+        let id = queries::insert_owner(&conn, &new_backup(name), 1).unwrap();
+        let mut row = queries::owner_by_id(&conn, id).unwrap().unwrap();
+        if *name != "running" {
+            row.owner.phase = OwnerPhase::Completed;
+        }
+        // Completed at 10, 11, 12, …: `kept` completed after the cut-off.
+        let completed = 10 + i as i64 + if *name == "kept" { 100 } else { 0 };
+        queries::update_owner(&conn, &row, completed).unwrap();
+    }
+    let first = queries::delete_expired(&conn, 50, 2).unwrap();
+    let names: Vec<&str> = first.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["c", "a"], "oldest first, at most the limit");
+    let rest = queries::delete_expired(&conn, 50, 2).unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].name, "b");
+    assert!(queries::delete_expired(&conn, 50, 2).unwrap().is_empty());
+    let recorded: Vec<String> = queries::removals(&conn, 0, 10)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(recorded, ["c", "a", "b"]);
+    let left =
+        queries::existing_names(&conn, OwnerKind::Backup, &["a", "kept", "running"]).unwrap();
+    assert_eq!(left.len(), 2, "{left:?}");
+    queries::clear_removals(&conn, &[first[0].id, first[1].id]).unwrap();
+    assert_eq!(queries::removals(&conn, 0, 10).unwrap().len(), 1);
+}
