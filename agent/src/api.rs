@@ -13,13 +13,15 @@ use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
-    NameParams, OperationsParams, OwnerKind, Snapshotter, StartParams, WaitParams,
+    NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter, StartParams,
+    WaitParams,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::core::Core;
 use crate::error::Error;
+use crate::storage;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -136,9 +138,36 @@ fn owner_name(name: &str) -> Result<(), Error> {
     validate::dns_subdomain(name).map_err(|e| invalid("name", e))
 }
 
+/// The name of an owner to be created: a DNS subdomain whose files fit the file system
+/// (the limit derives from the storage layout's file names, per kind).
+fn new_owner_name(kind: OwnerKind, name: &str) -> Result<(), Error> {
+    owner_name(name)?;
+    let max = storage::max_owner_name_len(kind);
+    if name.len() > max {
+        return Err(invalid(
+            "name",
+            format!(
+                "must be at most {max} characters for a {kind} (got {}): its item-operations \
+                 file name must fit the file system's limit of {} bytes",
+                name.len(),
+                storage::NAME_MAX
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_server(server: &opmon_client::ServerRef, field: &str) -> Result<(), Error> {
+    validate::server_name(&server.name).map_err(|e| invalid(&format!("{field}name"), e))?;
+    validate::server_instance(&server.instance).map_err(|e| invalid(&format!("{field}instance"), e))
+}
+
 fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
-    owner_name(&p.name)?;
+    new_owner_name(kind, &p.name)?;
     validate::uid(&p.uid).map_err(|e| invalid("uid", e))?;
+    if let Some(server) = &p.server {
+        check_server(server, "server.")?;
+    }
     if p.item_operation_timeout.is_some_and(|t| t.0.is_zero()) {
         return Err(invalid("itemOperationTimeout", "must be greater than zero"));
     }
@@ -428,6 +457,20 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     }
     register(
         &mut module,
+        methods::SERVER_STARTED,
+        |core, p: ServerStartedParams| async move {
+            check_server(
+                &opmon_client::ServerRef {
+                    name: p.name.clone(),
+                    instance: p.instance.clone(),
+                },
+                "",
+            )?;
+            core.server_started(p).await
+        },
+    );
+    register(
+        &mut module,
         methods::SNAPSHOTTER_REGISTER,
         |core, s: Snapshotter| async move {
             check_snapshotter(&s)?;
@@ -494,6 +537,57 @@ mod tests {
         assert!(
             e.starts_with("operations[1].resource.name: must be a DNS subdomain"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn owner_names_must_fit_the_file_system_per_kind() {
+        let start = |kind, len| {
+            check_start(
+                kind,
+                &StartParams {
+                    name: "a".repeat(len),
+                    uid: "u".into(),
+                    ..Default::default()
+                },
+            )
+        };
+        assert!(start(OwnerKind::Restore, 224).is_ok());
+        assert_eq!(
+            start(OwnerKind::Restore, 225).unwrap_err().to_string(),
+            "name: must be at most 224 characters for a restore (got 225): its \
+             item-operations file name must fit the file system's limit of 255 bytes"
+        );
+        assert!(start(OwnerKind::Backup, 232).is_ok());
+        assert_eq!(
+            start(OwnerKind::Backup, 233).unwrap_err().to_string(),
+            "name: must be at most 232 characters for a backup (got 233): its \
+             item-operations file name must fit the file system's limit of 255 bytes"
+        );
+    }
+
+    #[test]
+    fn server_fields_are_named_when_wrong() {
+        let mut p = StartParams {
+            name: "b".into(),
+            uid: "u".into(),
+            server: Some(opmon_client::ServerRef {
+                name: "velero/velero".into(),
+                instance: String::new(),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            check_start(OwnerKind::Backup, &p).unwrap_err().to_string(),
+            "server.instance: must be non-empty printable text of at most 253 bytes"
+        );
+        p.server = Some(opmon_client::ServerRef {
+            name: "bad\nname".into(),
+            instance: "pod-1".into(),
+        });
+        assert_eq!(
+            check_start(OwnerKind::Backup, &p).unwrap_err().to_string(),
+            "server.name: must be printable text of at most 253 bytes"
         );
     }
 

@@ -214,6 +214,13 @@ pub struct Args {
     /// program of the client's choosing as the agent's user [default: false].
     #[arg(long, env = "OPMON_ALLOW_API_COMMAND_SNAPSHOTTERS")]
     pub allow_api_command_snapshotters: Option<bool>,
+    /// Restores started without `finalize` pass through Finalizing (true|false), as
+    /// every restore does from Velero 1.14 on.
+    #[arg(long, env = "OPMON_RESTORE_FINALIZE", value_parser = clap::value_parser!(bool))]
+    pub restore_finalize: Option<bool>,
+    /// Fail InProgress owners no call has touched for this long (0s: never).
+    #[arg(long, env = "OPMON_IN_PROGRESS_IDLE_TIMEOUT", value_parser = go_duration)]
+    pub in_progress_idle_timeout: Option<GoDuration>,
 }
 
 /// The config file's form. Keys are the flags' names with `_` for `-`.
@@ -243,6 +250,8 @@ struct FileConfig {
     log_level: Option<Spanned<String>>,
     metrics_listen: Option<Spanned<String>>,
     allow_api_command_snapshotters: Option<Spanned<bool>>,
+    restore_finalize: Option<Spanned<bool>>,
+    in_progress_idle_timeout: Option<Spanned<GoDuration>>,
     #[serde(default)]
     snapshotter: Vec<FileSnapshotter>,
 }
@@ -732,6 +741,20 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || false,
         bool::to_string,
     );
+    let (restore_finalize, _) = layers.take(
+        "restore_finalize",
+        args.restore_finalize,
+        file.restore_finalize,
+        || false,
+        bool::to_string,
+    );
+    let (in_progress_idle_timeout, _) = layers.take(
+        "in_progress_idle_timeout",
+        args.in_progress_idle_timeout,
+        file.in_progress_idle_timeout,
+        || GoDuration::from_secs(0),
+        show_duration,
+    );
     let provenance = layers.provenance;
     let snapshotters = file
         .snapshotter
@@ -773,6 +796,9 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
                 socket_concurrency: socket_concurrency as usize,
                 command_concurrency: command_concurrency as usize,
             },
+            restore_finalize,
+            in_progress_idle_timeout: (!in_progress_idle_timeout.0.is_zero())
+                .then_some(in_progress_idle_timeout.0),
         },
     })
 }
@@ -856,6 +882,28 @@ mod tests {
             e,
             "batch_size (from flag --batch-size): must be between 1 and 100000"
         );
+    }
+
+    #[test]
+    fn restore_finalize_and_the_idle_timeout_are_off_unless_set() {
+        let s = settings(&[], "").unwrap();
+        assert!(!s.core.restore_finalize);
+        assert_eq!(s.core.in_progress_idle_timeout, None);
+        let text = s.describe();
+        assert!(text.contains("restore_finalize = false"), "{text}");
+        assert!(text.contains("in_progress_idle_timeout = \"0s\""), "{text}");
+        let s = settings(
+            &["--restore-finalize", "true"],
+            "restore_finalize = false\nin_progress_idle_timeout = \"1h\"\n",
+        )
+        .unwrap();
+        assert!(s.core.restore_finalize, "the flag wins over the file");
+        assert_eq!(
+            s.core.in_progress_idle_timeout,
+            Some(Duration::from_secs(3600))
+        );
+        let e = settings(&["--restore-finalize", "yes"], "").err().unwrap();
+        assert!(e.contains("invalid value 'yes'"), "{e}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! milliseconds since the Unix epoch. Every rule of ARCHITECTURE.md's "Phases" section
 //! lives in this file and is tested here, row by row.
 
-use opmon_client::{OperationPhase, OperationProgress, OwnerPhase};
+use opmon_client::{GoDuration, OperationPhase, OperationProgress, OwnerKind, OwnerPhase};
 
 /// The error an operation gets when its item operation timeout passes.
 pub const TIMED_OUT: &str = "Asynchronous action timed out";
@@ -34,6 +34,33 @@ pub fn bounded(text: String, limit: usize) -> String {
     }
     let cut = text.len() - keep;
     format!("{}… [truncated {cut} bytes]", &text[..keep])
+}
+
+/// The failure reason of an owner the backup server ended with `failed: true`.
+pub const FAILED_BY_SERVER: &str = "the backup server ended InProgress with failed: true";
+
+/// The failure reason of an owner still InProgress when a new instance of its backup
+/// server started: Velero's own words for it (`pkg/cmd/server/server.go`).
+pub fn server_restarted_reason(kind: OwnerKind) -> String {
+    format!(
+        "found a {kind} with status \"{}\" during the server starting, mark it as \"{}\"",
+        OwnerPhase::InProgress,
+        OwnerPhase::Failed
+    )
+}
+
+/// The failure reason of an owner left InProgress with no call from its server for
+/// longer than `timeout` (`in_progress_idle_timeout`); `last_call` is RFC 3339.
+pub fn idle_reason(last_call: &str, timeout: GoDuration) -> String {
+    format!(
+        "no call from the backup server since {last_call}, longer than \
+         in_progress_idle_timeout ({timeout}): InProgress abandoned"
+    )
+}
+
+/// The error of the unfinished operations of an owner that failed (Cancel is called).
+pub fn cancelled_with(kind: OwnerKind) -> String {
+    format!("cancelled: the {kind} failed")
 }
 
 /// What the agent knows about one operation.
@@ -198,21 +225,15 @@ pub fn after_poll(phase: OwnerPhase, finalize: bool, errors: u32, unfinished: u6
 }
 
 /// `finalize`: Finalizing → Completed, FinalizingPartiallyFailed → PartiallyFailed;
-/// `None` from any other phase.
-pub fn finalized(phase: OwnerPhase) -> Option<OwnerPhase> {
+/// errors found by the finalize step itself make it PartiallyFailed too, as Velero's
+/// restore finalizer does. `None` from any other phase.
+pub fn finalized(phase: OwnerPhase, new_errors: u32) -> Option<OwnerPhase> {
     match phase {
-        OwnerPhase::Finalizing => Some(OwnerPhase::Completed),
-        OwnerPhase::FinalizingPartiallyFailed => Some(OwnerPhase::PartiallyFailed),
+        OwnerPhase::Finalizing if new_errors == 0 => Some(OwnerPhase::Completed),
+        OwnerPhase::Finalizing | OwnerPhase::FinalizingPartiallyFailed => {
+            Some(OwnerPhase::PartiallyFailed)
+        }
         _ => None,
-    }
-}
-
-/// On agent start: owners left InProgress failed with their backup server.
-pub fn after_restart(phase: OwnerPhase) -> OwnerPhase {
-    if phase == OwnerPhase::InProgress {
-        OwnerPhase::Failed
-    } else {
-        phase
     }
 }
 
@@ -344,20 +365,37 @@ mod tests {
 
     #[test]
     fn finalize_moves_finalizing_phases_to_terminal_ones() {
-        assert_eq!(finalized(Finalizing), Some(Completed));
-        assert_eq!(finalized(FinalizingPartiallyFailed), Some(PartiallyFailed));
-        assert_eq!(finalized(WaitingForPluginOperations), None);
-        assert_eq!(finalized(Completed), None);
+        assert_eq!(finalized(Finalizing, 0), Some(Completed));
+        assert_eq!(
+            finalized(FinalizingPartiallyFailed, 0),
+            Some(PartiallyFailed)
+        );
+        assert_eq!(finalized(WaitingForPluginOperations, 0), None);
+        assert_eq!(finalized(Completed, 0), None);
     }
 
     #[test]
-    fn restart_fails_in_progress_owners_and_keeps_the_rest() {
-        assert_eq!(after_restart(InProgress), Failed);
+    fn a_restarted_server_fails_owners_in_veleros_words() {
         assert_eq!(
-            after_restart(WaitingForPluginOperations),
-            WaitingForPluginOperations
+            server_restarted_reason(OwnerKind::Backup),
+            "found a backup with status \"InProgress\" during the server starting, \
+             mark it as \"Failed\""
         );
-        assert_eq!(after_restart(Finalizing), Finalizing);
+        assert_eq!(
+            server_restarted_reason(OwnerKind::Restore),
+            "found a restore with status \"InProgress\" during the server starting, \
+             mark it as \"Failed\""
+        );
+    }
+
+    #[test]
+    fn errors_found_by_finalize_make_the_owner_partially_failed() {
+        assert_eq!(finalized(Finalizing, 1), Some(PartiallyFailed));
+        assert_eq!(
+            finalized(FinalizingPartiallyFailed, 2),
+            Some(PartiallyFailed)
+        );
+        assert_eq!(finalized(InProgress, 1), None);
     }
 
     // Operations.

@@ -2,6 +2,11 @@
 //! files live, and how any result file is written: to a temporary file beside it,
 //! fsynced, renamed into place, and the directory fsynced, so a reader sees the old
 //! file or the new one, never a torn one, and a crash keeps whichever was last renamed.
+//!
+//! The file-name patterns here are the one source of the longest owner name the agent
+//! accepts: every file it writes for an owner must fit the file system's limit on a
+//! name ([`NAME_MAX`]). Temporary files are named `.opmon-*.tmp`; one left by a crash is
+//! removed at the next start ([`remove_stale_temp_files`]).
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
@@ -10,6 +15,27 @@ use std::path::{Path, PathBuf};
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use opmon_client::{ItemOperation, OwnerKind};
+
+/// The longest file name (one path component) Linux file systems take, in bytes.
+pub const NAME_MAX: usize = 255;
+/// Temporary files of atomic writes are `TEMP_PREFIX…TEMP_SUFFIX`, beside their target.
+pub const TEMP_PREFIX: &str = ".opmon-";
+pub const TEMP_SUFFIX: &str = ".tmp";
+
+/// The directory of an owner's files, under the storage root, and their name there:
+/// `backups/<b>` and `<b>-itemoperations.json.gz`, or `restores/<r>` and
+/// `restore-<r>-itemoperations.json.gz`, as Velero names them.
+fn item_operations_name(kind: OwnerKind, name: &str) -> (&'static str, String) {
+    match kind {
+        OwnerKind::Backup => ("backups", format!("{name}-itemoperations.json.gz")),
+        OwnerKind::Restore => ("restores", format!("restore-{name}-itemoperations.json.gz")),
+    }
+}
+
+/// The longest owner name of `kind` whose files fit [`NAME_MAX`].
+pub fn max_owner_name_len(kind: OwnerKind) -> usize {
+    NAME_MAX.saturating_sub(item_operations_name(kind, "").1.len())
+}
 
 /// The storage directory.
 #[derive(Clone, Debug)]
@@ -29,18 +55,8 @@ impl Storage {
     /// `backups/<b>/<b>-itemoperations.json.gz` or
     /// `restores/<r>/restore-<r>-itemoperations.json.gz`, as Velero names them.
     pub fn item_operations_file(&self, kind: OwnerKind, name: &str) -> PathBuf {
-        match kind {
-            OwnerKind::Backup => self
-                .root
-                .join("backups")
-                .join(name)
-                .join(format!("{name}-itemoperations.json.gz")),
-            OwnerKind::Restore => self
-                .root
-                .join("restores")
-                .join(name)
-                .join(format!("restore-{name}-itemoperations.json.gz")),
-        }
+        let (dir, file) = item_operations_name(kind, name);
+        self.root.join(dir).join(name).join(file)
     }
 
     /// A path given by a client: absolute as is, relative under the storage directory
@@ -78,20 +94,85 @@ impl Storage {
         Ok(path)
     }
 
-    /// Removes the owner's directory of files (on delete and expiry).
+    /// Removes the owner's item-operations file and then its directory, if nothing else
+    /// is left in it (other files of the backup may live there). Either may already be
+    /// gone (a removal repeated after a crash).
     pub fn remove_owner(&self, kind: OwnerKind, name: &str) -> io::Result<()> {
         let file = self.item_operations_file(kind, name);
         match std::fs::remove_file(&file) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(with_path(e, "removing", &file)),
         }
         if let Some(dir) = file.parent() {
-            // Only if empty: other files of the backup may live there.
-            let _ = std::fs::remove_dir(dir);
+            match std::fs::remove_dir(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) if e.raw_os_error() == Some(nix::libc::ENOTEMPTY) => {}
+                Err(e) => return Err(with_path(e, "removing", dir)),
+            }
         }
         Ok(())
     }
+}
+
+/// Removes the temporary files (`.opmon-*.tmp`) under `root` last modified before
+/// `before`: those of writes a crash interrupted (a write of this run is newer). Symbolic
+/// links are not followed. The walk ends early once `stop()` says so. Returns how many
+/// were removed; failures are logged.
+pub fn remove_stale_temp_files(
+    root: &Path,
+    before: std::time::SystemTime,
+    stop: &dyn Fn() -> bool,
+) -> usize {
+    /// Deeper than any layout the agent or a backup server makes; bounds the walk.
+    const MAX_DEPTH: usize = 16;
+    let mut removed = 0;
+    let mut dirs = vec![(root.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        if stop() {
+            break;
+        }
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e,
+                    "looking for stale temporary files failed");
+                continue;
+            }
+        };
+        for entry in entries.flatten() {
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            let path = entry.path();
+            if kind.is_dir() {
+                if depth < MAX_DEPTH {
+                    dirs.push((path, depth + 1));
+                }
+                continue;
+            }
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let temporary = kind.is_file()
+                && name.len() > TEMP_PREFIX.len() + TEMP_SUFFIX.len()
+                && name.starts_with(TEMP_PREFIX)
+                && name.ends_with(TEMP_SUFFIX);
+            let stale = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|modified| modified < before);
+            if temporary && stale {
+                match std::fs::remove_file(&path) {
+                    Ok(()) => removed += 1,
+                    Err(e) => tracing::warn!(file = %path.display(), error = %e,
+                        "removing a stale temporary file failed"),
+                }
+            }
+        }
+    }
+    removed
 }
 
 fn with_path(e: io::Error, what: &str, path: &Path) -> io::Error {
@@ -109,8 +190,8 @@ pub fn write_atomically(
         .ok_or_else(|| io::Error::other(format!("{} has no directory", path.display())))?;
     std::fs::create_dir_all(dir).map_err(|e| with_path(e, "creating", dir))?;
     let mut temp = tempfile::Builder::new()
-        .prefix(".opmon-")
-        .suffix(".tmp")
+        .prefix(TEMP_PREFIX)
+        .suffix(TEMP_SUFFIX)
         .tempfile_in(dir)
         .map_err(|e| with_path(e, "creating a temporary file in", dir))?;
     {
@@ -133,4 +214,52 @@ pub fn write_atomically(
         .and_then(|d| d.sync_all())
         .map_err(|e| with_path(e, "syncing directory", dir))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_names_accepted_make_file_names_of_exactly_name_max() {
+        let storage = Storage::new(PathBuf::from("/s"));
+        for kind in OwnerKind::ALL {
+            let longest = "a".repeat(max_owner_name_len(kind));
+            let file = storage.item_operations_file(kind, &longest);
+            let name = file.file_name().unwrap().len();
+            assert_eq!(name, NAME_MAX, "{kind}");
+        }
+        assert_eq!(max_owner_name_len(OwnerKind::Backup), 232);
+        assert_eq!(max_owner_name_len(OwnerKind::Restore), 224);
+    }
+
+    #[test]
+    fn only_stale_temporary_files_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let owner = dir.path().join("backups/b");
+        std::fs::create_dir_all(&owner).unwrap();
+        for name in [
+            ".opmon-abc123.tmp",
+            "b-itemoperations.json.gz",
+            "x.tmp",
+            ".opmon-notes",
+        ] {
+            std::fs::write(owner.join(name), b"x").unwrap();
+        }
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        // Files newer than `before` belong to writes of this run: kept.
+        let go_on = || false;
+        assert_eq!(
+            remove_stale_temp_files(dir.path(), std::time::UNIX_EPOCH, &go_on),
+            0
+        );
+        assert_eq!(remove_stale_temp_files(dir.path(), later, &|| true), 0);
+        assert_eq!(remove_stale_temp_files(dir.path(), later, &go_on), 1);
+        let mut left: Vec<String> = std::fs::read_dir(&owner)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [".opmon-notes", "b-itemoperations.json.gz", "x.tmp"]);
+    }
 }

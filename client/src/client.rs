@@ -534,7 +534,7 @@ impl<'a> Owners<'a> {
             name: name.into(),
             uid: uid.into(),
             item_operation_timeout: item_operation_timeout.map(GoDuration),
-            finalize: None,
+            ..Default::default()
         })
         .await
     }

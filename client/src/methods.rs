@@ -15,6 +15,8 @@ pub const SNAPSHOTTER_REGISTER: &str = "snapshotter.register";
 pub const SNAPSHOTTER_LIST: &str = "snapshotter.list";
 /// `snapshotter.unregister`.
 pub const SNAPSHOTTER_UNREGISTER: &str = "snapshotter.unregister";
+/// `server.started`: a backup server says it (re)started.
+pub const SERVER_STARTED: &str = "server.started";
 
 /// The snapshotter protocol: the agent calls these on a socket snapshotter.
 pub const OPERATION_PROGRESS: &str = "operation.progress";
@@ -41,7 +43,8 @@ pub enum Retry {
 /// (a newer agent's, a snapshotter's own) are repeated only if not sent.
 pub fn retry_of(method: &str) -> Retry {
     match method {
-        AGENT_STATUS | SNAPSHOTTER_LIST | SNAPSHOTTER_REGISTER => Retry::Always,
+        // `server.started` fails only owners of other instances: a repeat fails nothing more.
+        AGENT_STATUS | SNAPSHOTTER_LIST | SNAPSHOTTER_REGISTER | SERVER_STARTED => Retry::Always,
         _ => match method.split_once('.') {
             Some((kind, verb)) if kind.parse::<OwnerKind>().is_ok() => OwnerMethod::ALL
                 .iter()

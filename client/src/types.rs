@@ -234,6 +234,17 @@ pub struct Operation {
     pub updated: Option<Timestamp>,
 }
 
+/// Which backup server started an owner, and which run of it: `name` says which server
+/// (e.g. `velero/velero`), `instance` this run of it (e.g. its pod uid or boot time). A
+/// server that restarts calls `server.started` with its new instance, and the agent
+/// fails the InProgress owners its earlier instances left behind.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ServerRef {
+    pub name: String,
+    pub instance: String,
+}
+
 /// A backup or restore as the agent keeps it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -241,7 +252,14 @@ pub struct Owner {
     pub kind: OwnerKind,
     pub name: String,
     pub uid: String,
+    /// The server that started it; absent for owners started without `server` (they
+    /// belong to the server named `""`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerRef>,
     pub phase: OwnerPhase,
+    /// Why the owner is Failed, as Velero's `status.failureReason`; empty otherwise.
+    #[serde(default)]
+    pub failure_reason: String,
     pub item_operation_timeout: GoDuration,
     /// Whether this owner passes through Finalizing (always for backups; opt-in for
     /// restores).
@@ -276,7 +294,7 @@ pub struct AgentStatus {
 }
 
 /// `*.start` params.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StartParams {
     pub name: String,
@@ -284,9 +302,39 @@ pub struct StartParams {
     /// Defaults to `4h0m0s`, as in Velero.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item_operation_timeout: Option<GoDuration>,
-    /// Restores only: pass through Finalizing and wait for `restore.finalize`.
+    /// Restores only: pass through Finalizing and wait for `restore.finalize`. Absent:
+    /// the agent's `restore_finalize` setting decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finalize: Option<bool>,
+    /// The backup server starting it, so that `server.started` of a later instance of
+    /// that server fails it if it is still InProgress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerRef>,
+}
+
+/// `server.started` params: server `name` now runs as `instance`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ServerStartedParams {
+    /// Which server; `""` addresses the owners started without `server`.
+    pub name: String,
+    pub instance: String,
+}
+
+/// `server.started` result: the owners it failed (none when called again).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerStartedResult {
+    pub failed: Vec<FailedOwner>,
+}
+
+/// An owner `server.started` failed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedOwner {
+    pub kind: OwnerKind,
+    pub name: String,
+    pub uid: String,
 }
 
 /// One operation a plugin returned, as `*.addOperations` takes it.
@@ -455,6 +503,17 @@ pub struct FinalizeParams {
     pub contents: Option<Contents>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub updated_items: Vec<UpdatedItem>,
+    /// Errors the finalize step found (Velero's restore finalizer counts them): added
+    /// to the owner's; any makes the owner PartiallyFailed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub errors: u32,
+    /// Warnings the finalize step found: added to the owner's.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub warnings: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// `*.finalize` result. A repeated `finalize` returns the first one's result again.

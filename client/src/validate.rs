@@ -97,6 +97,32 @@ pub fn uid(value: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Longest backup-server name or instance accepted, in bytes.
+pub const MAX_SERVER_FIELD_LEN: usize = 253;
+
+/// A backup server's name (`velero/velero`): printable, at most 253 bytes; empty is the
+/// unnamed server, to which owners started without `server` belong.
+pub fn server_name(value: &str) -> Result<(), String> {
+    if value.len() > MAX_SERVER_FIELD_LEN || value.chars().any(char::is_control) {
+        return Err(format!(
+            "must be printable text of at most {MAX_SERVER_FIELD_LEN} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// A backup server's instance (a pod uid, a boot time): non-empty, printable, at most
+/// 253 bytes.
+pub fn server_instance(value: &str) -> Result<(), String> {
+    if value.is_empty() || value.len() > MAX_SERVER_FIELD_LEN || value.chars().any(char::is_control)
+    {
+        return Err(format!(
+            "must be non-empty printable text of at most {MAX_SERVER_FIELD_LEN} bytes"
+        ));
+    }
+    Ok(())
+}
+
 /// A Kubernetes object reference. Reports the first bad field as `(field, reason)`.
 pub fn resource(r: &ResourceIdentifier) -> Result<(), (&'static str, String)> {
     if !r.group.is_empty() {

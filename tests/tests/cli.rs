@@ -132,6 +132,7 @@ async fn every_subcommand_prints_exactly_the_api_result_as_json() {
                 name: "b1".into(),
                 contents: None,
                 updated_items: vec![],
+                ..Default::default()
             },
         )
         .await
@@ -528,8 +529,7 @@ async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
     let result = backups
         .finalize(FinalizeParams {
             name: "b".into(),
-            contents: None,
-            updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap();

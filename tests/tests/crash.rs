@@ -5,9 +5,10 @@
 //! After each kill: `PRAGMA integrity_check` is `ok`. After each restart: every
 //! acknowledged `addOperations` is present whole; a batch in flight at the kill is
 //! present whole or not at all (each batch has IDs of its own); nothing that was never
-//! sent is present; the owners' phases follow the restart workflow (InProgress →
-//! Failed; Waiting* polled at once, and reaching Finalizing* once their operations
-//! complete; Finalizing* and terminal phases kept); and the owners of every earlier
+//! sent is present; the owners' phases are what was acknowledged (or what the request
+//! in flight made of them): an agent restart changes no phase: InProgress stays
+//! InProgress, Waiting* is polled at once and reaches Finalizing* once its operations
+//! complete, Finalizing* and terminal phases are kept; and the owners of every earlier
 //! round still have the phase and operations they were left with.
 //!
 //! `OPMON_CRASH_ROUNDS` (default 20) sets the number of rounds. Each round's seed is
@@ -207,6 +208,7 @@ impl ClientRun {
                     name: name.clone(),
                     contents: None,
                     updated_items: Vec::new(),
+                    ..Default::default()
                 };
                 match backups.finalize(params).await {
                     Ok(r) => {
@@ -227,16 +229,10 @@ impl ClientRun {
 /// acknowledged and what was in flight.
 fn allowed_after_restart(log: &Log) -> BTreeSet<OwnerPhase> {
     use OwnerPhase::*;
-    let restart = |p: OwnerPhase| -> Vec<OwnerPhase> {
-        match p {
-            // The backup server died mid-backup: Failed.
-            InProgress => vec![Failed],
-            // Polled at once; the gated operations are still unfinished, so it waits on.
-            p => vec![p],
-        }
-    };
+    // An agent restart changes no phase. Waiting owners are polled at once, but their
+    // gated operations are still unfinished, so they wait on.
     let last = *log.phases.last().expect("a started owner");
-    let mut allowed: BTreeSet<OwnerPhase> = restart(last).into_iter().collect();
+    let mut allowed: BTreeSet<OwnerPhase> = [last].into_iter().collect();
     match log.in_flight {
         Some(InFlight::End { failed: true }) => {
             allowed.insert(Failed);
@@ -405,6 +401,7 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
 
         // What the restarted agent has, before anything else touches it.
         let mut waiting: Vec<(&Log, OwnerPhase)> = Vec::new();
+        let mut in_progress: Vec<&Log> = Vec::new();
         for log in &logs {
             let owner = match backups.get(&log.name).await {
                 Ok(o) => o,
@@ -421,9 +418,15 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
             if !log.started {
                 // Created by the start in flight: committed before the kill. Nothing
                 // else can have happened to it.
-                assert_eq!(owner.phase, OwnerPhase::Failed, "{}", context(&log.name));
+                assert_eq!(
+                    owner.phase,
+                    OwnerPhase::InProgress,
+                    "{}",
+                    context(&log.name)
+                );
+                assert_eq!(owner.failure_reason, "", "{}", context(&log.name));
                 assert_eq!(owner.operations_attempted, 0, "{}", context(&log.name));
-                settled.insert(log.name.clone(), (owner.phase, 0));
+                in_progress.push(log);
                 continue;
             }
             let operations = backups
@@ -431,6 +434,13 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
                 .await
                 .unwrap_or_else(|e| panic!("{}: operations: {e}", context(&log.name)));
             if owner.phase == OwnerPhase::Failed {
+                // Only the server's `failed: true` fails an owner here, saying so.
+                assert_eq!(
+                    owner.failure_reason,
+                    "the backup server ended InProgress with failed: true",
+                    "{}",
+                    context(&log.name)
+                );
                 // Failed owners are not polled: nothing of theirs is left unfinished.
                 let unfinished: Vec<_> = operations
                     .iter()
@@ -479,9 +489,9 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
             );
             assert_eq!(owner.operations_attempted, present.len() as u64);
             match log.in_flight {
-                Some(InFlight::End { failed: false }) => {
+                Some(InFlight::End { .. }) => {
                     phase_changes.0 += 1;
-                    phase_changes.1 += usize::from(owner.phase != OwnerPhase::Failed);
+                    phase_changes.1 += usize::from(owner.phase != OwnerPhase::InProgress);
                 }
                 Some(InFlight::Finalize) => {
                     phase_changes.0 += 1;
@@ -500,6 +510,8 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
             );
             if owner.phase.is_waiting() {
                 waiting.push((log, owner.phase));
+            } else if owner.phase == OwnerPhase::InProgress {
+                in_progress.push(log);
             } else {
                 settled.insert(log.name.clone(), (owner.phase, present.len() as u64));
             }
@@ -531,6 +543,24 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
                 want,
                 "{}: was {phase} after the restart",
                 context(&log.name)
+            );
+            settled.insert(log.name.clone(), (owner.phase, owner.operations_attempted));
+        }
+
+        // The backup server goes on with what it had InProgress: the agent accepts it.
+        for log in in_progress {
+            for gate in &log.gates {
+                f.open_gate(gate);
+            }
+            let owner = backups
+                .end_in_progress(&log.name)
+                .await
+                .unwrap_or_else(|e| panic!("{}: endInProgress: {e}", context(&log.name)));
+            assert!(
+                owner.phase.is_finalizing(),
+                "{}: {} after endInProgress with every gate open",
+                context(&log.name),
+                owner.phase
             );
             settled.insert(log.name.clone(), (owner.phase, owner.operations_attempted));
         }

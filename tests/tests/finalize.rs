@@ -149,6 +149,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
                 object: vsb.clone(),
             },
         ],
+        ..Default::default()
     };
     let result = backups.finalize(params.clone()).await.unwrap();
     assert_eq!(result.owner.phase, OwnerPhase::Completed);
@@ -310,6 +311,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
             name: "b".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -334,6 +336,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
                 output: output.clone(),
             }),
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -362,6 +365,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
             name: "b".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -379,8 +383,8 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .start_with(StartParams {
             name: "r".into(),
             uid: "ru".into(),
-            item_operation_timeout: None,
             finalize: Some(true),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -395,6 +399,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
             name: "r".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -426,6 +431,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
             name: "plain".into(),
             contents: None,
             updated_items: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -3,7 +3,10 @@
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use opmon_client::{OperationPhase, OwnerPhase, WaitUntil};
+use opmon_client::{
+    codes, OperationPhase, OwnerKind, OwnerPhase, ServerRef, ServerStartedParams,
+    ServerStartedResult, StartParams, WaitUntil,
+};
 use opmon_tests::{operation, Agent, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -37,14 +40,14 @@ async fn a_backup_waiting_when_the_agent_is_killed_still_reaches_finalizing() {
 }
 
 #[tokio::test]
-async fn an_in_progress_backup_is_failed_after_a_restart_and_its_operations_cancelled() {
+async fn an_agent_restart_keeps_in_progress_owners_in_progress_and_cancels_nothing() {
     let mut f = Fixture::new(&[]).await;
     {
         let client = f.agent.client().await;
         let backups = client.backups();
-        backups.start("interrupted", "u", None).await.unwrap();
+        backups.start("running", "u", None).await.unwrap();
         backups
-            .add_operations("interrupted", vec![operation(PLUGIN, "never-1", "a", &[])])
+            .add_operations("running", vec![operation(PLUGIN, "gate-1", "a", &[])])
             .await
             .unwrap();
         opmon_tests::start_and_end_in_progress(
@@ -55,52 +58,275 @@ async fn an_in_progress_backup_is_failed_after_a_restart_and_its_operations_canc
         .await;
         client
             .restores()
-            .start("restore-interrupted", "u", None)
+            .start("restore-running", "u", None)
             .await
             .unwrap();
     }
     f.agent.kill9();
     f.agent.restart();
     let client = f.agent.client().await;
-    let owner = client.backups().get("interrupted").await.unwrap();
-    assert_eq!(owner.phase, OwnerPhase::Failed);
-    assert!(owner.completed.is_some());
-    let ops = client
-        .backups()
-        .operations("interrupted", None)
-        .await
-        .unwrap();
-    assert_eq!(ops[0].phase, OperationPhase::Failed);
+    let backups = client.backups();
+    let owner = backups.get("running").await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::InProgress);
+    assert_eq!(owner.failure_reason, "");
+    assert_eq!(owner.completed, None);
+    let ops = backups.operations("running", None).await.unwrap();
     assert_eq!(
-        ops[0].error,
-        "cancelled: the agent restarted while the backup was InProgress"
+        (ops[0].phase, ops[0].error.as_str()),
+        (OperationPhase::New, "")
     );
     assert_eq!(
         client
             .restores()
-            .get("restore-interrupted")
+            .get("restore-running")
             .await
             .unwrap()
             .phase,
-        OwnerPhase::Failed
+        OwnerPhase::InProgress
     );
     assert_eq!(
-        client.backups().get("finalizing").await.unwrap().phase,
+        backups.get("finalizing").await.unwrap().phase,
         OwnerPhase::Finalizing,
         "finalizing owners keep waiting for finalize"
     );
-    // The agent sends that cancel in the background after it starts serving (a hung
-    // snapshotter must not delay start-up), so wait for the condition, bounded.
-    let start = std::time::Instant::now();
-    while !f
+
+    // The backup server, alive all along, goes on where it was.
+    let added = backups
+        .add_operations("running", vec![operation(PLUGIN, "gate-2", "b", &[])])
+        .await
+        .unwrap();
+    assert_eq!((added.added, added.already_known), (1, 0));
+    f.open_gate("gate-1");
+    f.open_gate("gate-2");
+    let owner = backups.end_in_progress("running").await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+    assert_eq!(owner.operations_completed, 2);
+    let restore = client
+        .restores()
+        .end_in_progress("restore-running")
+        .await
+        .unwrap();
+    assert_eq!(restore.phase, OwnerPhase::Completed);
+    let cancels: Vec<String> = f
         .journal()
-        .contains(&"cancel never-1 interrupted".to_string())
-    {
+        .into_iter()
+        .filter(|l| l.starts_with("cancel "))
+        .collect();
+    assert!(cancels.is_empty(), "nothing is cancelled: {cancels:?}");
+}
+
+/// A server with two owners InProgress restarts; another server and owners started
+/// without a server share the agent.
+#[tokio::test]
+async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_words() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let server = |name: &str, instance: &str| {
+        Some(ServerRef {
+            name: name.into(),
+            instance: instance.into(),
+        })
+    };
+    let start = |kind: OwnerKind, name: &str, server: Option<ServerRef>| {
+        let client = &client;
+        let name = name.to_string();
+        async move {
+            let owners = match kind {
+                OwnerKind::Backup => client.backups(),
+                OwnerKind::Restore => client.restores(),
+            };
+            owners
+                .start_with(StartParams {
+                    name: name.clone(),
+                    uid: format!("uid-{name}"),
+                    server,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+        }
+    };
+    let velero = "velero/velero";
+    let started = start(OwnerKind::Backup, "a1", server(velero, "pod-1")).await;
+    assert_eq!(started.server, server(velero, "pod-1"));
+    start(OwnerKind::Restore, "a2", server(velero, "pod-1")).await;
+    start(OwnerKind::Backup, "a3", server(velero, "pod-1")).await;
+    start(OwnerKind::Backup, "b1", server("other/velero", "pod-1")).await;
+    start(OwnerKind::Backup, "n1", None).await;
+    let backups = client.backups();
+    backups
+        .add_operations("a1", vec![operation(PLUGIN, "never-1", "a", &[])])
+        .await
+        .unwrap();
+    backups
+        .add_operations("a3", vec![operation(PLUGIN, "gate-3", "a", &[])])
+        .await
+        .unwrap();
+    backups.end_in_progress("a3").await.unwrap();
+    // Started by the new instance before it said so: not its predecessor's.
+    start(OwnerKind::Backup, "a4", server(velero, "pod-2")).await;
+
+    let started = |name: &str, instance: &str| {
+        let params = ServerStartedParams {
+            name: name.into(),
+            instance: instance.into(),
+        };
+        let client = &client;
+        async move {
+            client
+                .call::<_, ServerStartedResult>("server.started", params)
+                .await
+                .unwrap()
+        }
+    };
+    let result = started(velero, "pod-2").await;
+    let failed: Vec<(OwnerKind, &str, &str)> = result
+        .failed
+        .iter()
+        .map(|o| (o.kind, o.name.as_str(), o.uid.as_str()))
+        .collect();
+    assert_eq!(
+        failed,
+        [
+            (OwnerKind::Backup, "a1", "uid-a1"),
+            (OwnerKind::Restore, "a2", "uid-a2")
+        ]
+    );
+    let a1 = backups.get("a1").await.unwrap();
+    assert_eq!(a1.phase, OwnerPhase::Failed);
+    assert_eq!(
+        a1.failure_reason,
+        "found a backup with status \"InProgress\" during the server starting, mark it as \"Failed\""
+    );
+    assert!(a1.completed.is_some());
+    let a2 = client.restores().get("a2").await.unwrap();
+    assert_eq!(
+        a2.failure_reason,
+        "found a restore with status \"InProgress\" during the server starting, mark it as \"Failed\""
+    );
+    let ops = backups.operations("a1", None).await.unwrap();
+    assert_eq!(
+        (ops[0].phase, ops[0].error.as_str()),
+        (OperationPhase::Failed, "cancelled: the backup failed")
+    );
+    let late = backups
+        .add_operations("a1", vec![operation(PLUGIN, "done-9", "b", &[])])
+        .await
+        .unwrap_err();
+    assert_eq!(late.code(), Some(codes::WRONG_PHASE));
+
+    // Other phases, other servers, other instances and unnamed owners are untouched.
+    for (name, phase) in [
+        ("a3", OwnerPhase::WaitingForPluginOperations),
+        ("a4", OwnerPhase::InProgress),
+        ("b1", OwnerPhase::InProgress),
+        ("n1", OwnerPhase::InProgress),
+    ] {
+        let owner = backups.get(name).await.unwrap();
+        assert_eq!(
+            (owner.phase, owner.failure_reason.as_str()),
+            (phase, ""),
+            "{name}"
+        );
+    }
+    assert!(
+        started(velero, "pod-2").await.failed.is_empty(),
+        "idempotent"
+    );
+    // Owners started without a server belong to the unnamed one.
+    let unnamed = started("", "boot-7").await;
+    assert_eq!(unnamed.failed.len(), 1);
+    assert_eq!(unnamed.failed[0].name, "n1");
+
+    // Cancel and the item-operations file follow in the background: wait, bounded.
+    let file = f
+        .agent
+        .state_dir
+        .join("storage/backups/a1/a1-itemoperations.json.gz");
+    let start = std::time::Instant::now();
+    while !(f.journal().contains(&"cancel never-1 a1".to_string()) && file.exists()) {
         assert!(
             start.elapsed() < LONG,
-            "no cancel after restart: {:?}",
+            "no cancel or file after server.started: {:?}",
             f.journal()
         );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = f.agent.log_text();
+    assert!(
+        log.contains("during the server starting, mark it as"),
+        "the reason is logged: {log}"
+    );
+}
+
+#[tokio::test]
+async fn server_started_names_the_bad_field() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let call = |params: serde_json::Value| {
+        let client = &client;
+        async move {
+            client
+                .call::<_, serde_json::Value>("server.started", params)
+                .await
+                .unwrap_err()
+        }
+    };
+    let e = call(serde_json::json!({"name": "velero/velero"})).await;
+    assert_eq!(e.code(), Some(codes::INVALID_PARAMS));
+    assert_eq!(e.to_string(), "missing field `instance` (code -32602)");
+    let e = call(serde_json::json!({"name": "velero/velero", "instance": ""})).await;
+    assert_eq!(
+        e.to_string(),
+        "instance: must be non-empty printable text of at most 253 bytes (code -32602)"
+    );
+    let e = call(serde_json::json!({"name": "x".repeat(254), "instance": "i"})).await;
+    assert_eq!(
+        e.to_string(),
+        "name: must be printable text of at most 253 bytes (code -32602)"
+    );
+}
+
+#[tokio::test]
+async fn an_owner_no_call_touches_for_the_idle_timeout_fails_saying_since_when() {
+    let f = Fixture::new(&["--in-progress-idle-timeout", "1s"]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("abandoned", "u", None).await.unwrap();
+    let before_call = time::OffsetDateTime::now_utc();
+    backups
+        .add_operations("abandoned", vec![operation(PLUGIN, "never-1", "a", &[])])
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    let owner = loop {
+        let owner = backups.get("abandoned").await.unwrap();
+        if owner.phase != OwnerPhase::InProgress {
+            break owner;
+        }
+        assert!(start.elapsed() < LONG, "never failed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(owner.phase, OwnerPhase::Failed);
+    let reason = owner.failure_reason;
+    let since = reason
+        .strip_prefix("no call from the backup server since ")
+        .and_then(|r| {
+            r.strip_suffix(", longer than in_progress_idle_timeout (1s): InProgress abandoned")
+        })
+        .unwrap_or_else(|| panic!("unexpected reason {reason:?}"));
+    let since =
+        time::OffsetDateTime::parse(since, &time::format_description::well_known::Rfc3339).unwrap();
+    assert!(
+        since >= before_call - time::Duration::milliseconds(1),
+        "the addOperations call counts: since {since}, called at {before_call}"
+    );
+    // Cancel follows in the background: wait, bounded.
+    while !f
+        .journal()
+        .contains(&"cancel never-1 abandoned".to_string())
+    {
+        assert!(start.elapsed() < LONG, "no cancel: {:?}", f.journal());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

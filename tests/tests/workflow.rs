@@ -220,6 +220,17 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
         .await
         .unwrap();
     assert_eq!(owner.phase, OwnerPhase::Failed);
+    assert_eq!(
+        owner.failure_reason,
+        "the backup server ended InProgress with failed: true"
+    );
+    assert_eq!(backups.get("doomed").await.unwrap(), owner);
+    assert!(
+        f.agent
+            .log_text()
+            .contains("the backup server ended InProgress with failed: true"),
+        "the reason is logged"
+    );
     let journal = f.journal();
     for id in ["never-1", "never-2"] {
         assert!(
@@ -527,8 +538,8 @@ async fn an_opted_in_restore_waits_in_finalizing() {
         .start_with(StartParams {
             name: "r".into(),
             uid: "u".into(),
-            item_operation_timeout: None,
             finalize: Some(true),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -538,6 +549,105 @@ async fn an_opted_in_restore_waits_in_finalizing() {
         .unwrap();
     let owner = restores.end_in_progress("r").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
+}
+
+#[tokio::test]
+async fn restore_finalize_sets_the_default_and_finalize_may_report_errors_and_warnings() {
+    // As Velero 1.14 and later: every restore passes through Finalizing.
+    let f = Fixture::new(&["--restore-finalize", "true"]).await;
+    let client = f.agent.client().await;
+    let restores = client.restores();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &restores,
+        "by-default",
+        vec![operation(PLUGIN, "done-1", "a", &[])],
+    )
+    .await;
+    assert!(owner.finalize);
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+    // The restore finalizer found problems: errors make it PartiallyFailed.
+    let finalized = restores
+        .finalize(opmon_client::FinalizeParams {
+            name: "by-default".into(),
+            errors: 2,
+            warnings: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(finalized.owner.phase, OwnerPhase::PartiallyFailed);
+    assert_eq!((finalized.owner.errors, finalized.owner.warnings), (2, 1));
+
+    // `finalize: false` still opts out, per restore.
+    restores
+        .start_with(StartParams {
+            name: "opted-out".into(),
+            uid: "u".into(),
+            finalize: Some(false),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let owner = restores.end_in_progress("opted-out").await.unwrap();
+    assert_eq!(owner.phase, OwnerPhase::Completed);
+
+    // Warnings alone leave a backup Completed, counted.
+    let backups = client.backups();
+    opmon_tests::start_and_end_in_progress(&backups, "b", vec![]).await;
+    let finalized = backups
+        .finalize(opmon_client::FinalizeParams {
+            name: "b".into(),
+            warnings: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(finalized.owner.phase, OwnerPhase::Completed);
+    assert_eq!((finalized.owner.errors, finalized.owner.warnings), (0, 3));
+}
+
+#[tokio::test]
+async fn a_name_whose_files_would_not_fit_is_refused_at_start_with_the_limit() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let longest = "r".repeat(224);
+    let owner = opmon_tests::start_and_end_in_progress(
+        &client.restores(),
+        &longest,
+        vec![operation(PLUGIN, "done-1", "a", &[])],
+    )
+    .await;
+    assert_eq!(owner.phase, OwnerPhase::Completed);
+    let file = f.agent.state_dir.join(format!(
+        "storage/restores/{longest}/restore-{longest}-itemoperations.json.gz"
+    ));
+    assert!(file.exists(), "the longest name accepted is stored");
+    let e = client
+        .restores()
+        .start(&"r".repeat(225), "u", None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(codes::INVALID_PARAMS));
+    assert_eq!(
+        e.to_string(),
+        "name: must be at most 224 characters for a restore (got 225): its item-operations \
+         file name must fit the file system's limit of 255 bytes (code -32602)"
+    );
+    let e = client
+        .backups()
+        .start(&"b".repeat(233), "u", None)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("name: must be at most 232 characters for a backup (got 233)"),
+        "{e}"
+    );
+    assert!(client
+        .backups()
+        .start(&"b".repeat(232), "u", None)
+        .await
+        .is_ok());
 }
 
 #[tokio::test]
@@ -656,6 +766,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
             name: "b".into(),
             contents: None,
             updated_items: Vec::new(),
+            ..Default::default()
         })
         .await
         .unwrap();

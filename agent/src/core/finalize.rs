@@ -105,17 +105,20 @@ impl Core {
             .map_err(|e| Error::Finalize(format!("recording the result: {e}")))?;
         let now = now_ms();
         let name = p.name.clone();
+        let (errors, warnings) = (p.errors, p.warnings);
         let owner = self
             .write(move |conn| {
                 let mut current = queries::owner_by_name(conn, kind, &name)?
                     .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))?;
-                let next = phase::finalized(current.owner.phase).ok_or_else(|| {
+                let next = phase::finalized(current.owner.phase, errors).ok_or_else(|| {
                     Error::WrongPhase(format!(
                         "{kind} {name} became {} during finalize",
                         current.owner.phase
                     ))
                 })?;
                 current.owner.phase = next;
+                current.owner.errors = current.owner.errors.saturating_add(errors);
+                current.owner.warnings = current.owner.warnings.saturating_add(warnings);
                 queries::update_owner(conn, &current, now)?;
                 queries::set_finalize_result(conn, current.id, &text)?;
                 Ok::<_, Error>(queries::owner_by_id(conn, current.id)?.map(|r| r.owner))

@@ -2,21 +2,25 @@
 //! layer (never JSON), asks the phase machine what follows, commits through the store,
 //! then tells waiters. Nothing here reaches back into the API layer.
 
+mod expiry;
 mod finalize;
+mod name_locks;
 mod owners;
 mod poll;
 mod records;
+mod server;
 mod snapshotters;
 mod subscribe;
 mod tally;
 
 pub use subscribe::OwnerStream;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::{AgentStatus, GoDuration, OwnerKind};
+use opmon_client::{AgentStatus, GoDuration};
 use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -43,14 +47,27 @@ pub struct CoreSettings {
     /// the client's choosing as the agent's user). Commands in the config file always work.
     pub allow_api_command_snapshotters: bool,
     pub calls: CallSettings,
+    /// Whether restores started without `finalize` pass through Finalizing (as every
+    /// restore does from Velero 1.14 on).
+    pub restore_finalize: bool,
+    /// InProgress owners with no call from their server for this long fail; `None`: never.
+    pub in_progress_idle_timeout: Option<Duration>,
 }
 
 pub struct Core {
     store: Arc<Store>,
     storage: Storage,
     metrics: Arc<Metrics>,
-    /// Owners whose item-operations file failed to write; retried each poll tick.
-    records_pending: Mutex<BTreeSet<(OwnerKind, String)>>,
+    /// Marks of `records_due` whose file has been written since they were read, to be
+    /// cleared in one transaction on the next tick (a crash before that only repeats a
+    /// write).
+    records_written: Mutex<Vec<(i64, i64)>>,
+    /// Serialises the file work on one owner's files (by kind and name): a write, a
+    /// removal, and the database reads that decide them.
+    name_locks: name_locks::NameLocks,
+    /// Background jobs running now, so a tick does not start a second one.
+    retrying_records: AtomicBool,
+    expiring: AtomicBool,
     settings: CoreSettings,
     remotes: Registry,
     changes: Changes,
@@ -65,6 +82,25 @@ pub struct Core {
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
+    /// When this agent started, Unix ms: the idle timeout does not count time before.
+    started_ms: i64,
+}
+
+/// Clears `flag` when dropped: a background job's "running" mark, reset however the job
+/// ends.
+struct Running<'a>(&'a AtomicBool);
+
+impl<'a> Running<'a> {
+    /// Marks the job running; `None` if it already was.
+    fn start(flag: &'a AtomicBool) -> Option<Running<'a>> {
+        (!flag.swap(true, Ordering::SeqCst)).then_some(Running(flag))
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 /// Why a command snapshotter not in the config file is not run.
@@ -92,7 +128,10 @@ impl Core {
             store,
             storage,
             metrics,
-            records_pending: Mutex::new(BTreeSet::new()),
+            records_written: Mutex::new(Vec::new()),
+            name_locks: name_locks::NameLocks::default(),
+            retrying_records: AtomicBool::new(false),
+            expiring: AtomicBool::new(false),
             settings,
             remotes: Registry::default(),
             changes: Changes::default(),
@@ -103,6 +142,7 @@ impl Core {
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
+            started_ms: now_ms(),
         });
         let registered = core
             .store
@@ -191,39 +231,23 @@ impl Core {
             tokio::select! {
                 _ = self.stopping.cancelled() => break,
                 _ = poll.tick() => {
-                    self.retry_records().await;
+                    self.spawn_records_retry();
+                    self.fail_idle().await;
                     self.sweep().await;
                 }
                 _ = self.poll_now.notified() => self.sweep().await,
                 _ = feed.tick() => self.report_status(watchdog).await,
-                _ = retention.tick() => {
-                    if let Err(e) = self.expire().await {
-                        tracing::warn!(error = %e, "removing expired owners failed");
-                    }
-                }
+                // Off this loop: a large expiry must not hold up polls or the watchdog.
+                _ = retention.tick() => self.spawn_expiry(),
             }
         }
         self.sweeps.close();
         self.sweeps.wait().await;
+        self.flush_records_written().await;
     }
 
     /// Stops the background work; sweeps in flight are abandoned before they commit.
     pub fn stop(&self) {
         self.stopping.cancel();
-    }
-
-    /// Removes terminal owners older than the retention period, with their files.
-    pub async fn expire(&self) -> Result<usize, Error> {
-        let before = now_ms() - self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
-        let removed = self
-            .write(move |conn| queries::delete_expired(conn, before).map_err(Error::from))
-            .await?;
-        for (kind, name) in &removed {
-            tracing::info!(%kind, owner = %name, "removed: past the retention period");
-            if let Err(e) = self.storage.remove_owner(*kind, name) {
-                tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
-            }
-        }
-        Ok(removed.len())
     }
 }

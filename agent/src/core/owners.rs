@@ -18,7 +18,7 @@ use super::{now_ms, Core};
 use crate::changes::Urgency;
 use crate::error::Error;
 use crate::phase;
-use crate::store::queries::{self, OwnerRow, Targets};
+use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
 
 /// Default `wait` timeout, as ARCHITECTURE.md gives it.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
@@ -41,6 +41,25 @@ fn require_in_progress(row: &OwnerRow, verb: &str) -> Result<(), Error> {
     }
 }
 
+/// Fails an InProgress owner inside the caller's transaction: its unfinished operations
+/// fail (Cancel is called for them after the commit: the returned targets), the owner
+/// goes to Failed saying `reason`, and its item-operations file is marked due. Every
+/// path to Failed goes through here, so none lacks a reason.
+pub(super) fn fail_owner(
+    conn: &Connection,
+    row: &mut OwnerRow,
+    reason: &str,
+    now: i64,
+) -> Result<Vec<PollTarget>, Error> {
+    let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
+    queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
+    row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, row.owner.errors, 0);
+    row.owner.failure_reason = reason.to_string();
+    queries::update_owner(conn, row, now)?;
+    queries::mark_records_due(conn, row.id)?;
+    Ok(targets)
+}
+
 /// Reloads an owner after a change, with fresh counts.
 fn reload(conn: &Connection, id: i64) -> Result<Owner, Error> {
     queries::owner_by_id(conn, id)?
@@ -57,13 +76,16 @@ impl Core {
             .unwrap_or(self.settings.default_item_operation_timeout);
         let finalize = match kind {
             OwnerKind::Backup => true,
-            OwnerKind::Restore => p.finalize.unwrap_or(false),
+            OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
         let now = now_ms();
         let owner = self
             .write(move |conn| {
                 if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
                     return if row.owner.uid == p.uid {
+                        // A repeated start is a call about the owner (a heartbeat for
+                        // the idle timeout); nothing else changes.
+                        queries::touch_owner(conn, row.id, now)?;
                         Ok(row.owner)
                     } else {
                         Err(Error::AlreadyExists(format!(
@@ -72,8 +94,15 @@ impl Core {
                         )))
                     };
                 }
-                let id =
-                    queries::insert_owner(conn, kind, &p.name, &p.uid, timeout, finalize, now)?;
+                let new = NewOwner {
+                    kind,
+                    name: &p.name,
+                    uid: &p.uid,
+                    timeout,
+                    finalize,
+                    server: p.server.as_ref(),
+                };
+                let id = queries::insert_owner(conn, &new, now)?;
                 reload(conn, id)
             })
             .await?;
@@ -95,6 +124,7 @@ impl Core {
             .write(move |conn| {
                 let row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "addOperations")?;
+                queries::touch_owner(conn, row.id, now)?;
                 Ok::<_, Error>(queries::insert_operations(
                     conn,
                     row.id,
@@ -157,6 +187,7 @@ impl Core {
                 o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
                 record_post_items(conn, &mut current, unfinished)?;
                 queries::update_owner(conn, &current, now)?;
+                queries::mark_records_due(conn, current.id)?;
                 reload(conn, current.id)
             })
             .await?;
@@ -175,30 +206,35 @@ impl Core {
             .write(move |conn| {
                 let mut row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "endInProgress")?;
-                let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
-                queries::fail_unfinished(
-                    conn,
-                    row.id,
-                    &format!("cancelled: the {kind} failed"),
-                    now,
-                )?;
-                row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, p.errors, 0);
                 row.owner.errors = p.errors;
                 row.owner.warnings = p.warnings;
-                queries::update_owner(conn, &row, now)?;
+                let targets = fail_owner(conn, &mut row, phase::FAILED_BY_SERVER, now)?;
                 Ok::<_, Error>((reload(conn, row.id)?, targets))
             })
             .await?;
-        tracing::info!(%kind, owner = %owner.name, cancelling = targets.len(), "failed by the server");
-        self.changes.notify(
-            kind,
-            &owner.name,
-            targets.iter().map(|t| t.row).collect(),
-            Urgency::Now,
-        );
+        let failed = vec![(kind, owner.name.clone(), owner.failure_reason.clone())];
+        self.announce_failed(&failed, &targets);
         self.cancel_all(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
+    }
+
+    /// After the commit that failed `failed` (kind, name, reason): logs why and tells
+    /// waiters. Cancel for `targets` and the files are the caller's to do next.
+    pub(super) fn announce_failed(
+        &self,
+        failed: &[(OwnerKind, String, String)],
+        targets: &[PollTarget],
+    ) {
+        for (kind, name, reason) in failed {
+            let rows: Vec<i64> = targets
+                .iter()
+                .filter(|t| t.owner.kind == *kind && t.owner.name == *name)
+                .map(|t| t.row)
+                .collect();
+            tracing::warn!(%kind, owner = %name, %reason, cancelling = rows.len(), "failed");
+            self.changes.notify(*kind, name, rows, Urgency::Now);
+        }
     }
 
     /// `get`.
@@ -307,15 +343,14 @@ impl Core {
             .await?;
         let cancelled = self.cancel_all(&targets).await;
         let key = name.clone();
-        self.write(move |conn| {
-            let row = require(conn, kind, &key)?;
-            Ok::<_, Error>(queries::delete_owner(conn, row.id)?)
-        })
-        .await?;
+        let removal = self
+            .write(move |conn| {
+                let row = require(conn, kind, &key)?;
+                Ok::<_, Error>(queries::delete_owner(conn, row.id, kind, &key)?)
+            })
+            .await?;
         tracing::info!(%kind, owner = %name, cancelled, "deleted");
-        if let Err(e) = self.storage.remove_owner(kind, &name) {
-            tracing::warn!(%kind, owner = %name, error = %e, "removing its files failed");
-        }
+        self.remove_files(vec![removal]).await;
         self.changes.notify(kind, &name, Vec::new(), Urgency::Now);
         Ok(DeleteResult { cancelled })
     }

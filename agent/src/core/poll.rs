@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerPhase, OwnerRef};
+use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerRef};
 use rusqlite::Connection;
 
 use super::{now_ms, Core};
@@ -104,6 +104,9 @@ fn settle_waiting(
     record_post_items(conn, &mut row, unfinished)?;
     queries::update_owner(conn, &row, now)?;
     let due = newly_failed > 0 || !row.owner.phase.is_waiting();
+    if due {
+        queries::mark_records_due(conn, row.id)?;
+    }
     Ok(due.then_some((row.owner.kind, row.owner.name)))
 }
 
@@ -382,42 +385,16 @@ impl Core {
         }
     }
 
-    /// The restart workflow: owners left InProgress fail (their server died mid-way)
-    /// and their unfinished operations are cancelled; waiting owners are polled at
-    /// once; finalizing owners keep waiting for `finalize`.
+    /// After an agent restart: nothing changes phase. InProgress owners keep accepting
+    /// calls (their backup server may well be alive; a server that restarted says so with
+    /// `server.started`), waiting owners are polled at once, Finalizing owners keep
+    /// waiting for `finalize`. The file work a crash interrupted (marked item-operations
+    /// files, recorded removals, temporary files) is finished in the background, so the
+    /// agent answers at once.
     pub async fn recover(self: &Arc<Self>) -> Result<(), Error> {
-        let now = now_ms();
-        let (abandoned, failed_owners) = self
-            .write(move |conn| {
-                let mut abandoned = Vec::new();
-                let mut owners = Vec::new();
-                for id in queries::owners_in_phases(conn, &[OwnerPhase::InProgress])? {
-                    let Some(mut row) = queries::owner_by_id(conn, id)? else {
-                        continue;
-                    };
-                    abandoned.extend(queries::poll_targets(conn, Targets::Owner(id))?);
-                    let reason = format!(
-                        "cancelled: the agent restarted while the {} was InProgress",
-                        row.owner.kind
-                    );
-                    queries::fail_unfinished(conn, id, &reason, now)?;
-                    row.owner.phase = phase::after_restart(row.owner.phase);
-                    queries::update_owner(conn, &row, now)?;
-                    owners.push((row.owner.kind, row.owner.name));
-                }
-                Ok::<_, Error>((abandoned, owners))
-            })
-            .await?;
-        for (kind, name) in &failed_owners {
-            tracing::warn!(%kind, owner = %name, "InProgress at restart: now Failed");
-        }
-        self.refresh_records(failed_owners).await;
-        if !abandoned.is_empty() {
-            let core = self.clone();
-            self.sweeps.spawn(async move {
-                core.cancel_all(&abandoned).await;
-            });
-        }
+        self.spawn_temp_cleanup();
+        self.spawn_records_retry();
+        self.spawn_expiry();
         self.poll_now.notify_one();
         Ok(())
     }

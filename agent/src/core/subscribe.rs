@@ -218,6 +218,8 @@ mod tests {
                 socket_concurrency: 1,
                 command_concurrency: 1,
             },
+            restore_finalize: false,
+            in_progress_idle_timeout: None,
         };
         Core::new(
             store,
@@ -236,8 +238,7 @@ mod tests {
         let start = StartParams {
             name: "b".into(),
             uid: "u".into(),
-            item_operation_timeout: None,
-            finalize: None,
+            ..Default::default()
         };
         core.start(OwnerKind::Backup, start).await.unwrap();
         let mut stream = core.subscribe(OwnerKind::Backup, "b".into()).await.unwrap();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use opmon_client::{
     ApiVersion, GoDuration, NewOperation, Operation, OperationPhase, OwnerKind, OwnerPhase,
-    OwnerRef, PluginKind, PluginRef, ResourceIdentifier, Snapshotter,
+    OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
 use time::OffsetDateTime;
@@ -66,7 +66,7 @@ impl OwnerRow {
 
 const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
      errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms, n_operations, \
-     n_completed, n_failed";
+     n_completed, n_failed, server_name, server_instance, failure_reason";
 
 fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
     let post: Option<String> = row.get(9)?;
@@ -82,7 +82,17 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             kind: parse_column(row, 1)?,
             name: row.get(2)?,
             uid: row.get(3)?,
+            server: row
+                .get::<_, Option<String>>(17)?
+                .map(|instance| -> rusqlite::Result<ServerRef> {
+                    Ok(ServerRef {
+                        name: row.get(16)?,
+                        instance,
+                    })
+                })
+                .transpose()?,
             phase: parse_column(row, 4)?,
+            failure_reason: row.get(18)?,
             item_operation_timeout: GoDuration::from_millis(row.get::<_, i64>(5)?.max(0) as u64),
             finalize: row.get(6)?,
             errors: row.get(7)?,
@@ -118,30 +128,68 @@ pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerR
     stmt.query_row([id], owner_from_row).optional()
 }
 
-/// Creates an owner in InProgress; returns its row id.
-pub fn insert_owner(
-    conn: &Connection,
-    kind: OwnerKind,
-    name: &str,
-    uid: &str,
-    timeout: GoDuration,
-    finalize: bool,
-    now_ms: i64,
-) -> rusqlite::Result<i64> {
+/// What `insert_owner` needs to create an owner.
+pub struct NewOwner<'a> {
+    pub kind: OwnerKind,
+    pub name: &'a str,
+    pub uid: &'a str,
+    pub timeout: GoDuration,
+    pub finalize: bool,
+    pub server: Option<&'a ServerRef>,
+}
+
+/// Creates an owner in InProgress; returns its row id. Its creation is its first call.
+pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlite::Result<i64> {
     let mut stmt = conn.prepare_cached(
         "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
-         created_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+         server_name, server_instance, created_ms, updated_ms, last_call_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9)",
     )?;
     stmt.execute(params![
-        kind.as_str(),
-        name,
-        uid,
+        o.kind.as_str(),
+        o.name,
+        o.uid,
         OwnerPhase::InProgress.as_str(),
-        timeout.0.as_millis().min(i64::MAX as u128) as i64,
-        finalize,
+        o.timeout.0.as_millis().min(i64::MAX as u128) as i64,
+        o.finalize,
+        o.server.map(|s| s.name.as_str()).unwrap_or(""),
+        o.server.map(|s| s.instance.as_str()),
         now_ms
     ])?;
     Ok(conn.last_insert_rowid())
+}
+
+/// Records that the backup server just called about the owner (the idle timeout
+/// counts from its last call).
+pub fn touch_owner(conn: &Connection, id: i64, now_ms: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE owners SET last_call_ms = ?2 WHERE id = ?1")?
+        .execute(params![id, now_ms])?;
+    Ok(())
+}
+
+/// The InProgress owners of server `name` started by an instance other than
+/// `instance` (or, for the unnamed server, without one), by row id.
+pub fn in_progress_of_other_instances(
+    conn: &Connection,
+    name: &str,
+    instance: &str,
+) -> rusqlite::Result<Vec<i64>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id FROM owners WHERE phase = 'InProgress' AND server_name = ?1 \
+         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id",
+    )?;
+    let rows = stmt.query_map(params![name, instance], |r| r.get(0))?;
+    rows.collect()
+}
+
+/// The InProgress owners with no call since `before_ms`: row id and last call.
+pub fn idle_in_progress(conn: &Connection, before_ms: i64) -> rusqlite::Result<Vec<(i64, i64)>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, last_call_ms FROM owners WHERE phase = 'InProgress' AND last_call_ms < ?1 \
+         ORDER BY id",
+    )?;
+    let rows = stmt.query_map([before_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    rows.collect()
 }
 
 /// One page of owners of `kind`, by name, optionally filtered by phase.
@@ -176,7 +224,7 @@ pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite:
     let o = &row.owner;
     let mut stmt = conn.prepare_cached(
         "UPDATE owners SET phase = ?2, errors = ?3, warnings = ?4, post_operation_items = ?5, \
-         updated_ms = ?6, completed_ms = ?7 WHERE id = ?1",
+         updated_ms = ?6, completed_ms = ?7, failure_reason = ?8 WHERE id = ?1",
     )?;
     let completed = if o.phase.is_terminal() {
         Some(o.completed.map(ms_of).unwrap_or(now_ms))
@@ -190,16 +238,120 @@ pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite:
         o.warnings,
         o.post_operation_items.as_ref().map(to_json),
         now_ms,
-        completed
+        completed,
+        o.failure_reason
     ])?;
     Ok(())
 }
 
-/// Removes an owner and (by cascade) its operations.
-pub fn delete_owner(conn: &Connection, id: i64) -> rusqlite::Result<()> {
+/// Files of a deleted owner still to be removed (a row of `removals`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Removal {
+    pub id: i64,
+    pub kind: OwnerKind,
+    pub name: String,
+}
+
+/// Removes an owner and (by cascade) its operations, and records that its files are to
+/// be removed; returns that record.
+pub fn delete_owner(
+    conn: &Connection,
+    id: i64,
+    kind: OwnerKind,
+    name: &str,
+) -> rusqlite::Result<Removal> {
     conn.prepare_cached("DELETE FROM owners WHERE id = ?1")?
         .execute([id])?;
+    conn.prepare_cached("INSERT INTO removals (kind, name) VALUES (?1, ?2)")?
+        .execute(params![kind.as_str(), name])?;
+    Ok(Removal {
+        id: conn.last_insert_rowid(),
+        kind,
+        name: name.to_string(),
+    })
+}
+
+/// Removal records after row `after`, at most `limit`, in the order they were made.
+pub fn removals(conn: &Connection, after: i64, limit: i64) -> rusqlite::Result<Vec<Removal>> {
+    let mut stmt = conn
+        .prepare_cached("SELECT id, kind, name FROM removals WHERE id > ?1 ORDER BY id LIMIT ?2")?;
+    let rows = stmt.query_map(params![after, limit], |r| {
+        Ok(Removal {
+            id: r.get(0)?,
+            kind: parse_column(r, 1)?,
+            name: r.get(2)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Forgets removal records once their files are gone.
+pub fn clear_removals(conn: &Connection, ids: &[i64]) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare_cached("DELETE FROM removals WHERE id = ?1")?;
+    for id in ids {
+        stmt.execute([id])?;
+    }
     Ok(())
+}
+
+/// Which of `names` (of `kind`) name an owner now.
+pub fn existing_names(
+    conn: &Connection,
+    kind: OwnerKind,
+    names: &[&str],
+) -> rusqlite::Result<std::collections::HashSet<String>> {
+    let mut stmt = conn.prepare_cached("SELECT 1 FROM owners WHERE kind = ?1 AND name = ?2")?;
+    let mut found = std::collections::HashSet::new();
+    for name in names {
+        if stmt.exists(params![kind.as_str(), name])? {
+            found.insert(name.to_string());
+        }
+    }
+    Ok(found)
+}
+
+/// Marks the owner's item-operations file as due to be rewritten, in the transaction of
+/// the change that needs it.
+pub fn mark_records_due(conn: &Connection, owner_id: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO records_due (owner_id) VALUES (?1) \
+         ON CONFLICT (owner_id) DO UPDATE SET generation = generation + 1",
+    )?
+    .execute([owner_id])?;
+    Ok(())
+}
+
+/// The mark of the owner's file, if it is due.
+pub fn records_due_generation(conn: &Connection, owner_id: i64) -> rusqlite::Result<Option<i64>> {
+    conn.prepare_cached("SELECT generation FROM records_due WHERE owner_id = ?1")?
+        .query_row([owner_id], |r| r.get(0))
+        .optional()
+}
+
+/// Clears marks whose file was written from state at least as new as the mark.
+pub fn clear_records_due(conn: &Connection, written: &[(i64, i64)]) -> rusqlite::Result<()> {
+    let mut stmt =
+        conn.prepare_cached("DELETE FROM records_due WHERE owner_id = ?1 AND generation = ?2")?;
+    for (owner_id, generation) in written {
+        stmt.execute(params![owner_id, generation])?;
+    }
+    Ok(())
+}
+
+/// Owners whose file is due, after row `after`, at most `limit`: (row, kind, name).
+pub fn records_due(
+    conn: &Connection,
+    after: i64,
+    limit: i64,
+) -> rusqlite::Result<Vec<(i64, OwnerKind, String)>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT d.owner_id, o.kind, o.name FROM records_due d JOIN owners o ON o.id = d.owner_id \
+         WHERE d.owner_id > ?1 ORDER BY d.owner_id LIMIT ?2",
+    )?;
+    let rows = stmt.query_map(params![after, limit], |r| {
+        Ok((r.get(0)?, parse_column(r, 1)?, r.get(2)?))
+    })?;
+    rows.collect()
 }
 
 /// Adds operations (New), ignoring ones already known by (plugin, operationId), and
@@ -515,16 +667,6 @@ pub fn fail_unfinished(
     Ok(changed as u64)
 }
 
-/// Owner ids whose phase is one of `phases`.
-pub fn owners_in_phases(conn: &Connection, phases: &[OwnerPhase]) -> rusqlite::Result<Vec<i64>> {
-    let mut stmt = conn.prepare(&format!(
-        "SELECT id FROM owners WHERE phase IN ({}) ORDER BY id",
-        phase_list(phases, OwnerPhase::as_str)
-    ))?;
-    let rows = stmt.query_map([], |r| r.get(0))?;
-    rows.collect()
-}
-
 /// The stored result of an owner's `finalize`, if it was finalized.
 pub fn finalize_result(conn: &Connection, id: i64) -> rusqlite::Result<Option<String>> {
     conn.prepare_cached("SELECT finalize_result FROM owners WHERE id = ?1")?
@@ -540,11 +682,13 @@ pub fn set_finalize_result(conn: &Connection, id: i64, result: &str) -> rusqlite
     Ok(())
 }
 
-/// Deletes terminal owners completed before `before_ms`; returns which.
+/// Deletes at most `limit` terminal owners completed before `before_ms`, oldest first,
+/// recording the removal of their files; returns those records.
 pub fn delete_expired(
     conn: &Connection,
     before_ms: i64,
-) -> rusqlite::Result<Vec<(OwnerKind, String)>> {
+    limit: i64,
+) -> rusqlite::Result<Vec<Removal>> {
     let terminal = phase_list(
         &[
             OwnerPhase::Completed,
@@ -554,12 +698,21 @@ pub fn delete_expired(
         ],
         OwnerPhase::as_str,
     );
-    let mut stmt = conn.prepare(&format!(
-        "DELETE FROM owners WHERE phase IN ({terminal}) AND completed_ms IS NOT NULL \
-         AND completed_ms < ?1 RETURNING kind, name"
-    ))?;
-    let rows = stmt.query_map([before_ms], |r| Ok((parse_column(r, 0)?, r.get(1)?)))?;
-    rows.collect()
+    // Driven by the index on completion time; only terminal owners have one.
+    let expired: Vec<(i64, OwnerKind, String)> = {
+        let mut stmt = conn.prepare_cached(&format!(
+            "SELECT id, kind, name FROM owners WHERE completed_ms < ?1 \
+             AND phase IN ({terminal}) ORDER BY completed_ms LIMIT ?2"
+        ))?;
+        let rows = stmt.query_map(params![before_ms, limit], |r| {
+            Ok((r.get(0)?, parse_column(r, 1)?, r.get(2)?))
+        })?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    expired
+        .into_iter()
+        .map(|(id, kind, name)| delete_owner(conn, id, kind, &name))
+        .collect()
 }
 
 /// Owners counted by phase, and how many operations are unfinished in all.

@@ -85,6 +85,28 @@ pub const MIGRATIONS: &[&str] = &[
             n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
         WHERE id = NEW.owner_id;
     END;",
+    // 7: owners know the backup server (and its run) that started them, say why they
+    // failed, and when the server last called about them (the idle timeout). Result-file
+    // work is recorded in the transaction that makes it due and cleared once done, so a
+    // crash between the commit and the file system loses none of it: `records_due` lists
+    // owners whose item-operations file must be rewritten (`generation` tells a write
+    // from a newer mark), `removals` the files of deleted owners still to remove. Expiry
+    // finds its owners by completion time.
+    "ALTER TABLE owners ADD COLUMN server_name TEXT NOT NULL DEFAULT '';
+    ALTER TABLE owners ADD COLUMN server_instance TEXT;
+    ALTER TABLE owners ADD COLUMN failure_reason TEXT NOT NULL DEFAULT '';
+    ALTER TABLE owners ADD COLUMN last_call_ms INTEGER NOT NULL DEFAULT 0;
+    UPDATE owners SET last_call_ms = updated_ms;
+    CREATE INDEX owners_by_completion ON owners (completed_ms) WHERE completed_ms IS NOT NULL;
+    CREATE TABLE records_due (
+        owner_id INTEGER PRIMARY KEY REFERENCES owners (id) ON DELETE CASCADE,
+        generation INTEGER NOT NULL DEFAULT 1
+    );
+    CREATE TABLE removals (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL CHECK (kind IN ('backup', 'restore')),
+        name TEXT NOT NULL
+    );",
 ];
 
 /// The schema version this agent writes.

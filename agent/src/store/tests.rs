@@ -9,6 +9,18 @@ use rusqlite::Connection;
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, Store, StoreError};
 
+/// A backup as `start` creates it.
+fn new_backup(name: &str) -> queries::NewOwner<'_> {
+    queries::NewOwner {
+        kind: OwnerKind::Backup,
+        name,
+        uid: "u",
+        timeout: GoDuration::from_secs(60),
+        finalize: true,
+        server: None,
+    }
+}
+
 fn temp_db() -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agent.db");
@@ -55,6 +67,14 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 6 {
+        // From version 6 on, agents count operations as they add them.
+        conn.execute_batch(
+            "UPDATE owners SET n_operations = 3, n_completed = 1, n_failed = 1
+             WHERE name = 'old-backup';",
+        )
+        .unwrap();
+    }
 }
 
 #[test]
@@ -93,6 +113,18 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 .unwrap()
                 .expect("restore kept");
             assert!(!restore.owner.finalize, "restores keep the default");
+            // Migration 7: started by no named server, no failure, last called when
+            // last updated.
+            assert_eq!(restore.owner.server, None);
+            assert_eq!(restore.owner.failure_reason, "");
+            let last_call: i64 = conn
+                .query_row(
+                    "SELECT last_call_ms FROM owners WHERE id = ?1",
+                    [restore.id],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(last_call, 1000);
             assert_eq!(
                 restore.owner.item_operation_timeout,
                 GoDuration::from_secs(60)
@@ -168,9 +200,8 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         operation_id: id.into(),
         post_operation_items: Vec::new(),
     };
-    let timeout = GoDuration::from_millis(60_000);
-    let a = queries::insert_owner(&conn, OwnerKind::Backup, "a", "u", timeout, true, 1).unwrap();
-    let b = queries::insert_owner(&conn, OwnerKind::Backup, "b", "u", timeout, true, 1).unwrap();
+    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
+    let b = queries::insert_owner(&conn, &new_backup("b"), 1).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
     let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
     // Already known: ignored, not counted twice.
@@ -218,7 +249,7 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     let (owners, unfinished) = queries::tally(&conn).unwrap();
     assert_eq!(owners.get(&OwnerPhase::InProgress), Some(&2));
     assert_eq!(unfinished, 3);
-    queries::delete_owner(&conn, b).unwrap();
+    queries::delete_owner(&conn, b, OwnerKind::Backup, "b").unwrap();
     assert_eq!(queries::tally(&conn).unwrap().1, 0);
     assert_eq!(queries::unfinished_count(&conn, b).unwrap(), 0);
     assert_eq!(stored_counts(&conn), recount(&conn));
@@ -309,16 +340,8 @@ async fn concurrent_writes_share_one_transaction() {
             tokio::spawn(async move {
                 store
                     .write(move |conn| {
-                        queries::insert_owner(
-                            conn,
-                            OwnerKind::Backup,
-                            &format!("b{i}"),
-                            "u",
-                            GoDuration::from_secs(60),
-                            true,
-                            0,
-                        )
-                        .map_err(StoreError::from)
+                        queries::insert_owner(conn, &new_backup(&format!("b{i}")), 0)
+                            .map_err(StoreError::from)
                     })
                     .await
             })
@@ -350,16 +373,7 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)?;
+                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)?;
                     if fail {
                         return Err(StoreError {
                             message: "refused".into(),
@@ -398,16 +412,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)
+                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)
                 })
                 .await
         })
@@ -479,4 +484,63 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         .collect::<Result<_, _>>()
         .unwrap();
     assert_eq!(names, ["after-full", "after-space"]);
+}
+
+#[test]
+fn a_records_mark_is_cleared_only_by_a_write_of_its_own_generation() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
+    assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
+    queries::mark_records_due(&conn, a).unwrap();
+    let read = queries::records_due_generation(&conn, a).unwrap().unwrap();
+    // A change after the write read its state marks the file again.
+    queries::mark_records_due(&conn, a).unwrap();
+    queries::clear_records_due(&conn, &[(a, read)]).unwrap();
+    let newer = queries::records_due_generation(&conn, a).unwrap();
+    assert_eq!(newer, Some(read + 1), "the newer mark stays");
+    queries::clear_records_due(&conn, &[(a, read + 1)]).unwrap();
+    assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
+    // A deleted owner has nothing left to write.
+    queries::mark_records_due(&conn, a).unwrap();
+    queries::delete_owner(&conn, a, OwnerKind::Backup, "a").unwrap();
+    assert!(queries::records_due(&conn, 0, 10).unwrap().is_empty());
+}
+
+#[test]
+fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    for (i, name) in ["c", "a", "b", "kept", "running"].iter().enumerate() {
+        let id = queries::insert_owner(&conn, &new_backup(name), 1).unwrap();
+        let mut row = queries::owner_by_id(&conn, id).unwrap().unwrap();
+        if *name != "running" {
+            row.owner.phase = OwnerPhase::Completed;
+        }
+        // Completed at 10, 11, 12, …: `kept` completed after the cut-off.
+        let completed = 10 + i as i64 + if *name == "kept" { 100 } else { 0 };
+        queries::update_owner(&conn, &row, completed).unwrap();
+    }
+    let first = queries::delete_expired(&conn, 50, 2).unwrap();
+    let names: Vec<&str> = first.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["c", "a"], "oldest first, at most the limit");
+    let rest = queries::delete_expired(&conn, 50, 2).unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].name, "b");
+    assert!(queries::delete_expired(&conn, 50, 2).unwrap().is_empty());
+    let recorded: Vec<String> = queries::removals(&conn, 0, 10)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(recorded, ["c", "a", "b"]);
+    let left =
+        queries::existing_names(&conn, OwnerKind::Backup, &["a", "kept", "running"]).unwrap();
+    assert_eq!(left.len(), 2, "{left:?}");
+    queries::clear_removals(&conn, &[first[0].id, first[1].id]).unwrap();
+    assert_eq!(queries::removals(&conn, 0, 10).unwrap().len(), 1);
 }

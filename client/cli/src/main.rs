@@ -161,6 +161,7 @@ async fn owner_command(
                 uid,
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
+                ..Default::default()
             };
             let value = call(client, method(OwnerMethod::Start), params).await?;
             print(out, &value, one_line)
@@ -345,6 +346,7 @@ async fn owner_command(
                 name,
                 contents,
                 updated_items,
+                ..Default::default()
             };
             // Through the typed method: it has the finalize timeout, not the call one.
             let result = client

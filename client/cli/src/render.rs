@@ -347,6 +347,17 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     let _ = writeln!(out, "Kind:\t{}", owner.kind);
     let _ = writeln!(out, "UID:\t{}", clean(&owner.uid));
     let _ = writeln!(out, "Phase:\t{}", owner.phase);
+    if !owner.failure_reason.is_empty() {
+        let _ = writeln!(out, "Failure Reason:\t{}", clean(&owner.failure_reason));
+    }
+    if let Some(server) = &owner.server {
+        let _ = writeln!(
+            out,
+            "Server:\t{} (instance {})",
+            clean(&server.name),
+            clean(&server.instance)
+        );
+    }
     let _ = writeln!(out, "Errors:\t{}", owner.errors);
     let _ = writeln!(out, "Warnings:\t{}", owner.warnings);
     let _ = writeln!(
@@ -560,6 +571,8 @@ mod tests {
             operations_completed: completed,
             operations_failed: failed,
             post_operation_items: None,
+            server: None,
+            failure_reason: String::new(),
             created: datetime!(2026-01-01 0:00 UTC),
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,

@@ -220,6 +220,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
                 output: output.clone(),
             }),
             updated_items: updated,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("backup.finalize: {e}"))?;

@@ -116,6 +116,7 @@ async fn workflow(
                 output: format!("soak-output/{worker}.tar.gz").into(),
             }),
             updated_items,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("finalize {name}: {e}"))?;

@@ -1,0 +1,134 @@
+//! What the agent does about backup servers that went away: `server.started`, by which
+//! a restarted server fails the InProgress owners its earlier instances left (as Velero
+//! does at start-up, in its words), and the optional idle timeout, which fails an
+//! InProgress owner its server has not called about for too long.
+//!
+//! Both commit the failures in one transaction, then call Cancel on the unfinished
+//! operations and write the files in the background (the files are marked due in that
+//! transaction, so a crash loses none). Owners of other servers, and owners in any other
+//! phase, are never touched.
+
+use std::sync::Arc;
+
+use opmon_client::{FailedOwner, GoDuration, OwnerKind, ServerStartedParams, ServerStartedResult};
+use time::format_description::well_known::Rfc3339;
+
+use super::owners::fail_owner;
+use super::{now_ms, Core};
+use crate::error::Error;
+use crate::phase;
+use crate::store::queries::{self, PollTarget};
+
+impl Core {
+    /// `server.started`: fails every InProgress owner of server `name` that an instance
+    /// other than `instance` started. Idempotent: a second call finds none.
+    pub async fn server_started(
+        self: &Arc<Self>,
+        p: ServerStartedParams,
+    ) -> Result<ServerStartedResult, Error> {
+        let now = now_ms();
+        let (failed, targets) = self
+            .write(move |conn| {
+                let mut failed = Vec::new();
+                let mut targets = Vec::new();
+                for id in queries::in_progress_of_other_instances(conn, &p.name, &p.instance)? {
+                    let Some(mut row) = queries::owner_by_id(conn, id)? else {
+                        continue;
+                    };
+                    let reason = phase::server_restarted_reason(row.owner.kind);
+                    targets.extend(fail_owner(conn, &mut row, &reason, now)?);
+                    failed.push((row.owner.kind, row.owner.name, row.owner.uid, reason));
+                }
+                Ok::<_, Error>((failed, targets))
+            })
+            .await?;
+        let result = ServerStartedResult {
+            failed: failed
+                .iter()
+                .map(|(kind, name, uid, _)| FailedOwner {
+                    kind: *kind,
+                    name: name.clone(),
+                    uid: uid.clone(),
+                })
+                .collect(),
+        };
+        self.finish_failing(
+            failed
+                .into_iter()
+                .map(|(kind, name, _, reason)| (kind, name, reason))
+                .collect(),
+            targets,
+        );
+        Ok(result)
+    }
+
+    /// Fails the InProgress owners no call has touched for `in_progress_idle_timeout`
+    /// (when set). Time before this agent started does not count: while it was down, a
+    /// server could not call.
+    pub(super) async fn fail_idle(self: &Arc<Self>) {
+        let Some(timeout) = self.settings.in_progress_idle_timeout else {
+            return;
+        };
+        let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as i64;
+        let now = now_ms();
+        let before = now.saturating_sub(timeout_ms);
+        if before <= self.started_ms {
+            return;
+        }
+        let idle = self
+            .store
+            .read(move |conn| queries::idle_in_progress(conn, before).map_err(Error::from))
+            .await;
+        match idle {
+            Ok(idle) if idle.is_empty() => return,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "looking for idle InProgress owners failed");
+                return;
+            }
+        }
+        let limit = GoDuration(timeout);
+        let committed = self
+            .write(move |conn| {
+                let mut failed = Vec::new();
+                let mut targets = Vec::new();
+                // Read again in the transaction: a call may have come meanwhile.
+                for (id, last_call) in queries::idle_in_progress(conn, before)? {
+                    let Some(mut row) = queries::owner_by_id(conn, id)? else {
+                        continue;
+                    };
+                    let since = queries::time_of(last_call)
+                        .format(&Rfc3339)
+                        .unwrap_or_else(|_| last_call.to_string());
+                    let reason = phase::idle_reason(&since, limit);
+                    targets.extend(fail_owner(conn, &mut row, &reason, now)?);
+                    failed.push((row.owner.kind, row.owner.name, reason));
+                }
+                Ok::<_, Error>((failed, targets))
+            })
+            .await;
+        match committed {
+            Ok((failed, targets)) => self.finish_failing(failed, targets),
+            Err(e) => tracing::warn!(error = %e, "failing idle InProgress owners failed"),
+        }
+    }
+
+    /// After the commit that failed `failed`: logs and announces them, then calls Cancel
+    /// and writes their files in the background.
+    fn finish_failing(
+        self: &Arc<Self>,
+        failed: Vec<(OwnerKind, String, String)>,
+        targets: Vec<PollTarget>,
+    ) {
+        if failed.is_empty() {
+            return;
+        }
+        self.announce_failed(&failed, &targets);
+        let core = self.clone();
+        self.sweeps.spawn(async move {
+            core.cancel_all(&targets).await;
+            core.refresh_records(failed.into_iter().map(|(kind, name, _)| (kind, name)))
+                .await;
+        });
+    }
+}
