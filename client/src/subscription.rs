@@ -264,7 +264,7 @@ impl State {
                 Ok(Incoming2::Update(update)) => {
                     let terminal = update.owner.phase.is_terminal();
                     let item = Update {
-                        update,
+                        update: *update,
                         resumed: std::mem::take(&mut self.resumed),
                     };
                     return (Some(Ok(item)), (!terminal).then_some(self));
@@ -289,7 +289,7 @@ impl State {
 }
 
 enum Incoming2 {
-    Update(OwnerUpdate),
+    Update(Box<OwnerUpdate>),
     Ended(String),
 }
 
@@ -402,7 +402,7 @@ fn parse_notification(
             Some(Box::new(e)),
         )
     })?;
-    Ok(Some(Incoming2::Update(update)))
+    Ok(Some(Incoming2::Update(Box::new(update))))
 }
 
 impl Subscription {
