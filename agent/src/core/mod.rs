@@ -10,6 +10,7 @@ mod snapshotters;
 mod subscribe;
 mod tally;
 
+pub use finalize::FinalizeSettings;
 pub use subscribe::OwnerStream;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -40,6 +41,7 @@ pub struct CoreSettings {
     /// How long a snapshotter may be unreachable before its operations fail.
     pub unreachable_grace: Duration,
     pub calls: CallSettings,
+    pub finalize: FinalizeSettings,
 }
 
 pub struct Core {
@@ -62,6 +64,8 @@ pub struct Core {
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
+    /// Finalize's confinement, file-work threads and per-owner turns.
+    finalizer: finalize::Finalizer,
 }
 
 /// The current time in Unix milliseconds: the one place the core reads the clock.
@@ -77,6 +81,7 @@ impl Core {
         metrics: Arc<Metrics>,
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
+        let finalizer = finalize::Finalizer::new(storage.root(), &settings.finalize);
         let core = Arc::new(Core {
             store,
             storage,
@@ -92,6 +97,7 @@ impl Core {
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
+            finalizer,
         });
         let registered = core
             .store
@@ -192,6 +198,13 @@ impl Core {
     /// Stops the background work; sweeps in flight are abandoned before they commit.
     pub fn stop(&self) {
         self.stopping.cancel();
+        self.finalizer.stop();
+    }
+
+    /// Stops finalize's file work at once (at SIGTERM, before in-flight requests are
+    /// waited for): running rewrites end and their temporary files are removed.
+    pub fn stop_file_work(&self) {
+        self.finalizer.stop();
     }
 
     /// Removes terminal owners older than the retention period, with their files.

@@ -141,6 +141,7 @@ mod tests {
                 socket_concurrency: 1,
                 command_concurrency: 1,
             },
+            finalize: Default::default(),
         };
         Core::new(
             store,
