@@ -150,7 +150,7 @@ impl Confinement {
         let others = if self.allowed.len() > 1 {
             " and every finalize_dirs entry"
         } else {
-            " (finalize_dirs allows no other)"
+            " (finalize_dirs names no other directory)"
         };
         Error::Finalize(format!(
             "{field} {}{via}: outside the storage directory {}{others}",
@@ -179,21 +179,23 @@ impl Confinement {
         let canonical =
             canonical_prefix(&absolute).ok_or_else(|| self.outside(field, given, None))?;
         let allowed = self.allowed();
-        // The innermost allowed directory holding it (finalize_dirs may nest).
-        let base = allowed
-            .iter()
-            .filter(|dir| canonical.starts_with(dir))
-            .max_by_key(|dir| dir.components().count())
-            .ok_or_else(|| self.outside(field, given, Some(&canonical)))?;
+        // The agent's own places first: the most specific rule is the one to name.
         if let Some(state) = self
             .state_dir
             .as_ref()
             .and_then(|s| std::fs::canonicalize(s).ok())
         {
-            let sheltered = base.starts_with(&state) && base != &state;
+            let sheltered = allowed
+                .iter()
+                .any(|dir| canonical.starts_with(dir) && dir.starts_with(&state) && dir != &state);
             if canonical.starts_with(&state) && !sheltered {
+                let via = if canonical != absolute {
+                    format!(" (it resolves to {})", canonical.display())
+                } else {
+                    String::new()
+                };
                 return Err(Error::Finalize(format!(
-                    "{field} {}: inside the agent's state directory {}",
+                    "{field} {}{via}: inside the agent's state directory {}",
                     given.display(),
                     state.display()
                 )));
@@ -207,6 +209,12 @@ impl Confinement {
                 )));
             }
         }
+        // The innermost allowed directory holding it (finalize_dirs may nest).
+        let base = allowed
+            .iter()
+            .filter(|dir| canonical.starts_with(dir))
+            .max_by_key(|dir| dir.components().count())
+            .ok_or_else(|| self.outside(field, given, Some(&canonical)))?;
         let relative = canonical
             .strip_prefix(base)
             .map(Path::to_path_buf)

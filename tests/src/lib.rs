@@ -389,3 +389,5 @@ impl Fixture {
         journal(&self.journal)
     }
 }
+
+pub mod tarballs;

@@ -327,8 +327,11 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
         .await
         .unwrap();
 
-    let input = tarball_with_symlink(f.dir.path());
-    let output = f.dir.path().join("out/b.tar.gz");
+    let storage = f.agent.state_dir.join("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let input = storage.join("evil.tar.gz");
+    std::fs::rename(tarball_with_symlink(f.dir.path()), &input).unwrap();
+    let output = storage.join("out/b.tar.gz");
     let err = backups
         .finalize(FinalizeParams {
             name: "b".into(),
