@@ -330,6 +330,8 @@ struct Pending {
     long_links: u32,
     pax: Option<Pax>,
     pax_headers: u32,
+    /// Why the PAX header is refused, told when its entry comes.
+    pax_error: Option<String>,
 }
 
 /// The names an entry's header gives it, read the ways extractors read them.
@@ -743,14 +745,10 @@ fn copy<R: Read>(
                 b'K' => pending.long_links += 1,
                 b'x' => {
                     pending.pax_headers += 1;
+                    // A refusal waits for the entry, so it can name it.
                     match parse_pax(body, false) {
                         Ok(pax) => pending.pax = Some(pax),
-                        Err(e) => {
-                            return Err(reject(
-                                &names.raw,
-                                format!("in the PAX header before the next entry: {e}"),
-                            ))
-                        }
+                        Err(e) => pending.pax_error = Some(e),
                     }
                 }
                 _ => {
@@ -763,6 +761,10 @@ fn copy<R: Read>(
         // An entry: the name every extractor could give it, checked, then the one
         // they agree on.
         let taken = std::mem::take(&mut pending);
+        if let Some(e) = &taken.pax_error {
+            let name = taken.long_name.as_deref().unwrap_or(&names.go);
+            return Err(reject(name, format!("its PAX header: {e}")));
+        }
         let pax = taken.pax.unwrap_or_default();
         let name: Vec<u8> = taken
             .long_name
@@ -1420,9 +1422,9 @@ mod tests {
         tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
         assert_eq!(
             refusal(tar),
-            "entry PaxHeaders.0/x: in the PAX header before the next entry: PAX record \
-             GNU.sparse.name is not allowed (GNU sparse and multi-volume entries are read \
-             differently by GNU tar, Go and Python)"
+            "entry resources/ok.json: its PAX header: PAX record GNU.sparse.name is not \
+             allowed (GNU sparse and multi-volume entries are read differently by GNU tar, Go \
+             and Python)"
         );
         let mut tar = raw(
             b"pax_global_header",
