@@ -186,19 +186,25 @@ fn show(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// The header's checksum matches, computed unsigned or signed (both are accepted by
-/// GNU tar, Go and Python).
+/// The header's checksum matches, computed over unsigned bytes. (GNU tar, Go and
+/// Python also accept the sum over signed bytes some old tars wrote; the tar crate does
+/// not, so such a header is refused rather than read one way.)
 fn checksum_ok(h: &[u8; BLOCK]) -> bool {
     let Ok(stored) = parse_octal(&h[148..156]) else {
         return false;
     };
-    let (mut unsigned, mut signed) = (0i64, 0i64);
-    for (i, b) in h.iter().enumerate() {
-        let b = if (148..156).contains(&i) { b' ' } else { *b };
-        unsigned += i64::from(b);
-        signed += i64::from(b as i8);
-    }
-    stored as i64 == unsigned || stored as i64 == signed
+    let sum: u64 = h
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            if (148..156).contains(&i) {
+                u64::from(b' ')
+            } else {
+                u64::from(*b)
+            }
+        })
+        .sum();
+    stored == sum
 }
 
 /// An octal numeric field in the one form every reader agrees on: optional leading
@@ -295,6 +301,11 @@ fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
                 if value.contains(&0) {
                     return Err("a NUL byte in the PAX path".into());
                 }
+                if value.contains(&b'\n') {
+                    // Readers that split records at newlines (the tar crate, for one)
+                    // would read another path than those that go by the length.
+                    return Err("a newline in the PAX path".into());
+                }
                 if pax.path.replace(value.to_vec()).is_some() {
                     return Err("the PAX header repeats path".into());
                 }
@@ -318,10 +329,11 @@ fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
 /// Extension headers read since the last entry, waiting for the entry they describe.
 #[derive(Default)]
 struct Pending {
-    /// Verbatim bytes (headers, data, padding) of the extensions that describe the next
-    /// entry (GNU long name/link, PAX local): copied with it, dropped when it is replaced.
-    local: Vec<u8>,
-    /// Verbatim bytes of global PAX headers: always copied.
+    /// Verbatim bytes (headers, data, padding) of every extension since the last
+    /// entry, in order: copied with an entry that is copied.
+    all: Vec<u8>,
+    /// Those of global PAX headers alone: written before an entry that is replaced
+    /// (the local ones described the old entry and go with it).
     global: Vec<u8>,
     /// Data bytes held, to bound them together.
     held: u64,
@@ -703,6 +715,19 @@ fn copy<R: Read>(
             parse_size(&header[124..136]).map_err(|e| reject(&names.raw, format!("size: {e}")));
 
         if matches!(kind, b'L' | b'K' | b'x' | b'g') {
+            let magic = &header[257..265];
+            if magic != b"ustar\000" && magic != b"ustar  \0" {
+                // Python takes it as an extension whatever the magic, the tar crate
+                // as an entry of an unknown type.
+                return Err(reject(
+                    &names.raw,
+                    format!(
+                        "a header extension ({}) in a header without the ustar or GNU magic \
+                         (readers disagree on whether it is one)",
+                        kind as char
+                    ),
+                ));
+            }
             let size = header_size?;
             if size > MAX_EXTENSION {
                 return Err(RewriteError::Archive(format!(
@@ -717,6 +742,13 @@ fn copy<R: Read>(
                     "the header extensions before one entry exceed the {MAX_EXTENSION} bytes allowed"
                 )));
             }
+            if kind == b'g' && pending.all.len() > pending.global.len() {
+                return Err(reject(
+                    &names.raw,
+                    "a global PAX header between an entry's header extensions and the entry \
+                     (Go drops those extensions there, Python keeps them)",
+                ));
+            }
             pending.held += size;
             let padded = (size as usize).div_ceil(BLOCK) * BLOCK;
             let mut data = vec![0u8; padded];
@@ -730,13 +762,12 @@ fn copy<R: Read>(
                 ));
             }
             let body = &data[..size as usize];
-            let target = if kind == b'g' {
-                &mut pending.global
-            } else {
-                &mut pending.local
-            };
-            target.extend_from_slice(&header);
-            target.extend_from_slice(&data);
+            pending.all.extend_from_slice(&header);
+            pending.all.extend_from_slice(&data);
+            if kind == b'g' {
+                pending.global.extend_from_slice(&header);
+                pending.global.extend_from_slice(&data);
+            }
             match kind {
                 b'L' => {
                     pending.long_names += 1;
@@ -860,12 +891,12 @@ fn copy<R: Read>(
             .ok()
             .filter(|_| !directory)
             .and_then(|n| path_index.get(n).map(|i| (n, *i)));
-        out.write_all(&taken.global).map_err(write_error)?;
         let mut left = size.div_ceil(BLOCK as u64) * BLOCK as u64;
         match replacement {
             Some((path, i)) => {
                 let content = &updates.contents[updates.paths[path]];
                 let now = time::OffsetDateTime::now_utc().unix_timestamp().max(0) as u64;
+                out.write_all(&taken.global).map_err(write_error)?;
                 out.write_all(&velero_header(path, content.len() as u64, now))
                     .map_err(write_error)?;
                 out.write_all(content).map_err(write_error)?;
@@ -892,7 +923,7 @@ fn copy<R: Read>(
                 }
             }
             None => {
-                out.write_all(&taken.local).map_err(write_error)?;
+                out.write_all(&taken.all).map_err(write_error)?;
                 out.write_all(&header).map_err(write_error)?;
                 while left > 0 {
                     if stop.load(Ordering::Relaxed) {
@@ -914,7 +945,13 @@ fn copy<R: Read>(
         }
         last = Some(name);
     }
-    // Global headers after the last entry describe nothing; the end is ours.
+    // Extensions with no entry after them: extractors differ (Go returns the global
+    // header as an entry, the tar crate errors), so they are refused, not guessed at.
+    if !pending.all.is_empty() {
+        return Err(RewriteError::Archive(
+            "the archive ends with a header extension and no entry after it".into(),
+        ));
+    }
     let now = time::OffsetDateTime::now_utc().unix_timestamp().max(0) as u64;
     for (i, (path, index)) in updates.paths.iter().enumerate() {
         if present[i] {
