@@ -1613,3 +1613,116 @@ fn the_hostile_archives_of_issue_11_4_are_refused() {
         );
     }
 }
+
+/// A second, different oracle on a fixed sample: Python's `tarfile` (what an unfiltered
+/// `extractall` goes by) reads each input and each output. Every archive the rewrite
+/// accepted must read in Python as harmless entries only, output and input alike, and
+/// the output must list the same names and types as the `tar` crate reads.
+#[test]
+fn python_reads_what_the_rewrite_accepted_as_harmless_on_a_fixed_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = &mut Gen(0x7079_7468_6f6e);
+    let mut accepted = Vec::new();
+    for i in 0..400 {
+        let knobs = Knobs {
+            pieces: (0..g.below(6))
+                .map(|_| (g.next() as u8, g.next()))
+                .collect(),
+            end_blocks: g.next() as u8,
+            members: g.next() as u8,
+            level: g.next() as u8,
+            // No corruption of the gzip stream: Python reads the decompressed tar.
+            mutation: ((g.next() % 15) as u8, g.next()),
+            updates: (0..g.below(4)).map(|_| g.next()).collect(),
+            limit: (0, 0),
+        };
+        let case = Case::of(&knobs);
+        let (input, tar) = build_input(&case);
+        let Some(tar) = tar else { continue };
+        let Ok(updates) = Updates::new(&updated_items(&case)) else {
+            continue;
+        };
+        let mut output = Vec::new();
+        if rewrite(&input[..], &mut output, &updates, u64::MAX).is_ok() {
+            let (inp, out) = (
+                dir.path().join(format!("{i}.in.tar")),
+                dir.path().join(format!("{i}.out.tar.gz")),
+            );
+            std::fs::write(&inp, &tar).unwrap();
+            std::fs::write(&out, &output).unwrap();
+            accepted.push((i, inp, out));
+        }
+    }
+    assert!(
+        accepted.len() > 50,
+        "only {} of the sample were accepted",
+        accepted.len()
+    );
+    let script = r#"
+import json, sys, tarfile
+out = {}
+for path in sys.argv[1:]:
+    try:
+        with tarfile.open(path) as t:
+            # Names as bytes (one char per byte), whatever their encoding.
+            raw = lambda n: n.encode("utf-8", "surrogateescape").decode("latin-1")
+            out[path] = [[raw(m.name), m.type.decode("latin-1"), raw(m.linkname)] for m in t]
+    except Exception as e:
+        out[path] = "error: %r" % e
+print(json.dumps(out))
+"#;
+    let mut command = std::process::Command::new("python3");
+    command.arg("-c").arg(script);
+    for (_, inp, out) in &accepted {
+        command.arg(inp).arg(out);
+    }
+    let listed = command.output().expect("running python3");
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    for (i, inp, out) in &accepted {
+        for path in [inp, out] {
+            let got = &listed[path.to_str().unwrap()];
+            // An archive without entries is "empty" to Python: nothing to extract.
+            if got.as_str().is_some_and(|e| e.contains("empty file")) {
+                continue;
+            }
+            let members = got.as_array().unwrap_or_else(|| {
+                panic!("case {i}: Python cannot read {}: {got}", path.display())
+            });
+            for m in members {
+                let name: Vec<u8> = m[0].as_str().unwrap().chars().map(|c| c as u8).collect();
+                let kind = m[1].as_str().unwrap();
+                assert!(
+                    !unsafe_name(&name) && matches!(kind, "0" | "\0" | "5" | "7"),
+                    "case {i}: Python reads {} as holding {:?} of type {kind:?}",
+                    path.display(),
+                    show(&name)
+                );
+            }
+        }
+        // The output as the tar crate reads it: the same names and kinds.
+        let data = std::fs::read(out).unwrap();
+        let Reading::Complete(seen) = read_tar(&gunzip_one(&data).unwrap()) else {
+            panic!("case {i}: the tar crate cannot read the output");
+        };
+        let trim = |mut v: Vec<u8>| {
+            while v.last() == Some(&b'/') {
+                v.pop();
+            }
+            v
+        };
+        let python: Vec<Vec<u8>> = listed[out.to_str().unwrap()]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .map(|m| trim(m[0].as_str().unwrap().chars().map(|c| c as u8).collect()))
+            .collect();
+        let ours: Vec<Vec<u8>> = seen.iter().map(|s| trim(s.path.clone())).collect();
+        assert_eq!(python, ours, "case {i}");
+    }
+}
