@@ -254,10 +254,12 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let peak_kib = agent.peak_rss_kib();
     drop(client);
     agent.terminate()?;
-    if result.replaced != s.tar_updates as u64 || result.added != 0 {
+    // The tarball holds the plain paths only: each updated item's preferred-version
+    // path is appended, as Velero does.
+    if result.replaced != s.tar_updates as u64 || result.added != s.tar_updates as u64 {
         return Err(format!(
-            "backup.finalize replaced {} and added {} entries; expected {} and 0",
-            result.replaced, result.added, s.tar_updates
+            "backup.finalize replaced {} and added {} entries; expected {} and {}",
+            result.replaced, result.added, s.tar_updates, s.tar_updates
         ));
     }
     if result.owner.phase != OwnerPhase::Completed {
