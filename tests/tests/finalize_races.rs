@@ -110,21 +110,21 @@ async fn concurrent_finalizes_of_one_backup_run_one_after_the_other_and_write_on
     write_zeros_tarball(&s.storage.join("big.tar.gz"), 256);
     let client = s.agent.client().await;
     finalizing(&client, "b", "u").await;
-    let spawn = |output: &'static str| {
-        let agent_client = s.agent.client();
-        async move {
-            let client = agent_client.await;
-            tokio::spawn(async move {
-                client
-                    .backups()
-                    .finalize(params("b", "big.tar.gz", output))
-                    .await
-            })
-        }
-    };
-    let first = spawn("out/first.tar.gz").await;
+    async fn spawn(
+        agent: &Agent,
+        output: &'static str,
+    ) -> tokio::task::JoinHandle<Result<FinalizeResult, opmon_client::Error>> {
+        let client = agent.client().await;
+        tokio::spawn(async move {
+            client
+                .backups()
+                .finalize(params("b", "big.tar.gz", output))
+                .await
+        })
+    }
+    let first = spawn(&s.agent, "out/first.tar.gz").await;
     wait_for_temporary(&s.storage.join("out"), &s.agent).await;
-    let second = spawn("out/second.tar.gz").await;
+    let second = spawn(&s.agent, "out/second.tar.gz").await;
     let first: FinalizeResult = first.await.unwrap().unwrap();
     let second: FinalizeResult = second.await.unwrap().unwrap();
     // The second waited for the first, then found it done: one result, one output.

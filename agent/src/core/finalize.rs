@@ -57,18 +57,21 @@ impl Default for FinalizeSettings {
     }
 }
 
+/// Whose turn it is to finalize, per owner.
+type Turns = Arc<Mutex<HashMap<(OwnerKind, String), Arc<tokio::sync::Mutex<()>>>>>;
+
 /// Finalize's share of the core: where it may write, the threads it writes on, and
 /// whose turn it is per owner.
 pub struct Finalizer {
     confinement: Confinement,
     pool: FileWork,
     deadline: Duration,
-    turns: Arc<Mutex<HashMap<(OwnerKind, String), Arc<tokio::sync::Mutex<()>>>>>,
+    turns: Turns,
 }
 
 /// One owner's turn to finalize; the next caller for it waits until this is dropped.
 struct Turn {
-    turns: Arc<Mutex<HashMap<(OwnerKind, String), Arc<tokio::sync::Mutex<()>>>>>,
+    turns: Turns,
     key: (OwnerKind, String),
     guard: Option<OwnedMutexGuard<()>>,
 }
