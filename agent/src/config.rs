@@ -190,6 +190,13 @@ pub struct Args {
     /// Largest decompressed size of a backup tarball finalize reads, in bytes.
     #[arg(long, env = "OPMON_MAX_DECOMPRESSED_SIZE")]
     pub max_decompressed_size: Option<u64>,
+    /// Directories besides the storage directory where finalize may read its input and
+    /// write its output, comma-separated absolute paths [default: none].
+    #[arg(long, env = "OPMON_FINALIZE_DIRS", value_delimiter = ',')]
+    pub finalize_dirs: Vec<PathBuf>,
+    /// How long one finalize's tarball rewrite may take.
+    #[arg(long, env = "OPMON_FINALIZE_DEADLINE", value_parser = go_duration)]
+    pub finalize_deadline: Option<GoDuration>,
     /// Uids allowed to connect besides the agent's own and root (always allowed),
     /// comma-separated.
     #[arg(long, env = "OPMON_ALLOWED_UIDS", value_delimiter = ',')]
@@ -243,6 +250,8 @@ struct FileConfig {
     idle_timeout: Option<Spanned<GoDuration>>,
     max_request_size: Option<Spanned<u32>>,
     max_decompressed_size: Option<Spanned<u64>>,
+    finalize_dirs: Option<Spanned<Vec<PathBuf>>>,
+    finalize_deadline: Option<Spanned<GoDuration>>,
     allowed_uids: Option<Spanned<Vec<u32>>>,
     allowed_gids: Option<Spanned<Vec<u32>>>,
     max_connections_per_uid: Option<Spanned<u32>>,
@@ -668,6 +677,43 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || 16 * 1024 * 1024 * 1024,
         u64::to_string,
     );
+    let (finalize_dirs, dirs_source) = layers.take(
+        "finalize_dirs",
+        (!args.finalize_dirs.is_empty()).then_some(args.finalize_dirs),
+        file.finalize_dirs,
+        Vec::new,
+        |l: &Vec<PathBuf>| {
+            let items: Vec<String> = l
+                .iter()
+                .map(|p| toml_string(&p.to_string_lossy()))
+                .collect();
+            format!("[{}]", items.join(", "))
+        },
+    );
+    if let Some(relative) = finalize_dirs.iter().find(|d| !d.is_absolute()) {
+        return Err(bad(
+            "finalize_dirs",
+            &dirs_source,
+            format!(
+                "{:?} is not an absolute path",
+                relative.display().to_string()
+            ),
+        ));
+    }
+    let (finalize_deadline, deadline_source) = layers.take(
+        "finalize_deadline",
+        args.finalize_deadline,
+        file.finalize_deadline,
+        || GoDuration::from_secs(3600),
+        show_duration,
+    );
+    if finalize_deadline.0.is_zero() {
+        return Err(bad(
+            "finalize_deadline",
+            &deadline_source,
+            "must be greater than zero",
+        ));
+    }
     let non_empty = |v: Vec<u32>| (!v.is_empty()).then_some(v);
     // The agent's own uid and root are always admitted (see access.rs): these lists
     // only add to them, so no setting can lock the operator out.
@@ -766,6 +812,12 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             command: s.command,
         })
         .collect();
+    let finalize = crate::core::FinalizeSettings {
+        dirs: finalize_dirs,
+        deadline: finalize_deadline.0,
+        state_dir: Some(state_dir.clone()),
+        socket: Some(socket.clone()),
+    };
     Ok(Settings {
         config_file,
         socket,
@@ -788,6 +840,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             default_item_operation_timeout: item_operation_timeout,
             retention: retention.0,
             max_decompressed_size,
+            finalize,
             unreachable_grace: unreachable_grace.0,
             allow_api_command_snapshotters,
             calls: CallSettings {

@@ -9,8 +9,10 @@ pub mod access;
 pub mod api;
 pub mod changes;
 pub mod config;
+pub mod confine;
 pub mod core;
 pub mod error;
+pub mod filework;
 pub mod metrics;
 pub mod phase;
 pub mod reload;
@@ -188,13 +190,19 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::debug!(error = %e, "notifying systemd failed");
     }
+    // Finalize's file work stops at the signal, not after the requests waiting on it.
+    let stopper = core.clone();
+    let shutdown = async move {
+        terminated.await;
+        stopper.stop_file_work();
+    };
     server::serve(
         listener,
         api::rpc_module(core.clone()),
         config,
         counting,
         admission,
-        terminated,
+        shutdown,
     )
     .await;
     tracing::info!("stopping: requests finished");

@@ -59,21 +59,6 @@ impl Storage {
         self.root.join(dir).join(name).join(file)
     }
 
-    /// A path given by a client: absolute as is, relative under the storage directory
-    /// (without `..`, so it cannot climb out).
-    pub fn resolve(&self, path: &Path) -> Result<PathBuf, String> {
-        if path.is_absolute() {
-            return Ok(path.to_path_buf());
-        }
-        if path
-            .components()
-            .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            return Err("a relative path must not contain '..' or '.'".into());
-        }
-        Ok(self.root.join(path))
-    }
-
     /// Writes the owner's records as a gzipped JSON array, atomically.
     pub fn write_item_operations(
         &self,

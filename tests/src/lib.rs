@@ -417,3 +417,5 @@ impl Fixture {
         journal(&self.journal)
     }
 }
+
+pub mod tarballs;

@@ -326,8 +326,11 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
         .await
         .unwrap();
 
-    let input = tarball_with_symlink(f.dir.path());
-    let output = f.dir.path().join("out/b.tar.gz");
+    let storage = f.agent.state_dir.join("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let input = storage.join("evil.tar.gz");
+    std::fs::rename(tarball_with_symlink(f.dir.path()), &input).unwrap();
+    let output = storage.join("out/b.tar.gz");
     let err = backups
         .finalize(FinalizeParams {
             name: "b".into(),
@@ -439,4 +442,338 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
     // Deleting removes the files.
     restores.delete("r").await.unwrap();
     assert!(!file.exists());
+}
+
+/// Builds `tests/go/velero-tar` (Go's standard library only) into `dir`.
+fn velero_tar(dir: &Path) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("go/velero-tar/main.go");
+    let binary = dir.join("velero-tar");
+    run(Command::new("go")
+        .arg("build")
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .env("GOCACHE", dir.join("gocache"))
+        .env("GOPATH", dir.join("gopath"))
+        .env("GO111MODULE", "off")
+        .current_dir(dir));
+    binary
+}
+
+/// What Go's archive/tar reads: one JSON object per entry, and the gzip member count.
+fn go_listing(binary: &Path, tarball: &Path) -> (Vec<Value>, String) {
+    let text = String::from_utf8(run(Command::new(binary).arg("list").arg(tarball))).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    let members = lines.pop().unwrap().to_string();
+    let entries = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (entries, members)
+}
+
+/// What Python's tarfile reads: `[name, mode, uid, uname, mtime, size]` per member.
+fn python_listing(tarball: &Path) -> Vec<Value> {
+    let script = "import json, sys, tarfile\n\
+        with tarfile.open(sys.argv[1]) as t:\n\
+        \x20   print(json.dumps([[m.name, m.mode, m.uid, m.uname, m.mtime, m.size] for m in t]))\n";
+    serde_json::from_slice(&run(Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(tarball)))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_velero_layout_hpa_is_finalized_as_velero_does_and_read_by_gnu_tar_python_and_go() {
+    let f = Fixture::new(&[]).await;
+    let storage = f.agent.state_dir.join("storage");
+    let tree = f.dir.path().join("hpa-tree");
+    let hpa = "resources/horizontalpodautoscalers.autoscaling";
+    let cm = "resources/configmaps/namespaces/app/settings.json";
+    let old_v2 = br#"{"apiVersion":"autoscaling/v2","kind":"HorizontalPodAutoscaler","spec":{"maxReplicas":3}}"#;
+    let old_v1 = br#"{"apiVersion":"autoscaling/v1","kind":"HorizontalPodAutoscaler","spec":{"maxReplicas":3}}"#;
+    let files: Vec<(String, &[u8])> = vec![
+        ("metadata/version".into(), b"1.1.0\n"),
+        (format!("{hpa}/namespaces/app/web.json"), old_v2),
+        (format!("{hpa}/v1/namespaces/app/web.json"), old_v1),
+        (
+            format!("{hpa}/v2-preferredversion/namespaces/app/web.json"),
+            old_v2,
+        ),
+        // Only at the plain path, as some older backups have it.
+        (cm.into(), br#"{"apiVersion":"v1","kind":"ConfigMap"}"#),
+    ];
+    for (path, content) in &files {
+        std::fs::create_dir_all(tree.join(path).parent().unwrap()).unwrap();
+        std::fs::write(tree.join(path), content).unwrap();
+    }
+    let input = storage.join("backups/web/web.tar.gz");
+    std::fs::create_dir_all(input.parent().unwrap()).unwrap();
+    run(Command::new("tar")
+        .arg("-czf")
+        .arg(&input)
+        .arg("-C")
+        .arg(&tree)
+        .args(["metadata", "resources"]));
+
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("web", "uid-web", None).await.unwrap();
+    assert_eq!(
+        backups.end_in_progress("web").await.unwrap().phase,
+        OwnerPhase::Finalizing
+    );
+    let hpa_new = json!({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "web", "namespace": "app"}, "status": {"currentReplicas": 2}});
+    let cm_new = json!({"apiVersion": "v1", "kind": "ConfigMap", "data": {"k": "v"}});
+    // Absent from the tarball, with names that take the ustar prefix and a PAX header.
+    let widget_name = "w".repeat(80);
+    let widget = json!({"apiVersion": "example.com/v1alpha1", "kind": "Widget"});
+    let crd_name = format!("{}.example.com", "c".repeat(180));
+    let crd = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"});
+    let resource = |group: &str, resource: &str, namespace: &str, name: &str| ResourceIdentifier {
+        group: group.into(),
+        resource: resource.into(),
+        namespace: namespace.into(),
+        name: name.into(),
+    };
+    let before = time::OffsetDateTime::now_utc().unix_timestamp();
+    let result = backups
+        .finalize(FinalizeParams {
+            name: "web".into(),
+            contents: Some(Contents {
+                input: "backups/web/web.tar.gz".into(),
+                output: "backups/web/web-final.tar.gz".into(),
+            }),
+            updated_items: vec![
+                UpdatedItem {
+                    resource: resource("autoscaling", "horizontalpodautoscalers", "app", "web"),
+                    object: hpa_new.clone(),
+                },
+                UpdatedItem {
+                    resource: resource("", "configmaps", "app", "settings"),
+                    object: cm_new.clone(),
+                },
+                UpdatedItem {
+                    resource: resource("example.com", "widgets", "app", &widget_name),
+                    object: widget.clone(),
+                },
+                UpdatedItem {
+                    resource: resource(
+                        "apiextensions.k8s.io",
+                        "customresourcedefinitions",
+                        "",
+                        &crd_name,
+                    ),
+                    object: crd.clone(),
+                },
+            ],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let after = time::OffsetDateTime::now_utc().unix_timestamp();
+    assert_eq!((result.replaced, result.added), (3, 5));
+    let output = storage.join("backups/web/web-final.tar.gz");
+    run(Command::new("gzip").arg("-t").arg(&output));
+
+    let crds = "resources/customresourcedefinitions.apiextensions.k8s.io";
+    let widgets = format!("resources/widgets.example.com/namespaces/app/{widget_name}.json");
+    let widgets_pref = format!(
+        "resources/widgets.example.com/v1alpha1-preferredversion/namespaces/app/{widget_name}.json"
+    );
+    let fresh: Vec<(String, &Value)> = vec![
+        (format!("{hpa}/namespaces/app/web.json"), &hpa_new),
+        (
+            format!("{hpa}/v2-preferredversion/namespaces/app/web.json"),
+            &hpa_new,
+        ),
+        (cm.into(), &cm_new),
+        // Appended, in path order.
+        (format!("{crds}/cluster/{crd_name}.json"), &crd),
+        (
+            format!("{crds}/v1-preferredversion/cluster/{crd_name}.json"),
+            &crd,
+        ),
+        (
+            "resources/configmaps/v1-preferredversion/namespaces/app/settings.json".into(),
+            &cm_new,
+        ),
+        (widgets.clone(), &widget),
+        (widgets_pref.clone(), &widget),
+    ];
+    let fresh_names: Vec<&str> = fresh.iter().map(|(n, _)| n.as_str()).collect();
+
+    // GNU tar: the input's entries in order (the v1 HPA untouched), then the appended.
+    let mut appended: Vec<String> = fresh_names[3..].iter().map(|s| s.to_string()).collect();
+    appended.sort();
+    let mut expected = listing(&input);
+    expected.extend(appended);
+    assert_eq!(listing(&output), expected);
+    let extracted = f.dir.path().join("hpa-extracted");
+    std::fs::create_dir_all(&extracted).unwrap();
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(&output)
+        .arg("-C")
+        .arg(&extracted));
+    assert_eq!(
+        std::fs::read(extracted.join(format!("{hpa}/v1/namespaces/app/web.json"))).unwrap(),
+        old_v1,
+        "the v1 directory is left as it was"
+    );
+    for (name, object) in &fresh {
+        let got: Value =
+            serde_json::from_slice(&std::fs::read(extracted.join(name)).unwrap()).unwrap();
+        assert_eq!(&got, *object, "{name}");
+    }
+
+    // Python's tarfile: the same names; fresh entries with Velero's header.
+    let python = python_listing(&output);
+    let names: Vec<&str> = python.iter().map(|m| m[0].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        expected
+            .iter()
+            .map(|s| s.trim_end_matches('/'))
+            .collect::<Vec<_>>()
+    );
+    for m in &python {
+        let name = m[0].as_str().unwrap();
+        if fresh_names.contains(&name) {
+            assert_eq!(
+                (m[1].as_i64(), m[2].as_i64(), m[3].as_str()),
+                (Some(0o755), Some(0), Some("")),
+                "{name}"
+            );
+            let mtime = m[4].as_f64().unwrap() as i64;
+            assert!((before..=after).contains(&mtime), "{name}: mtime {mtime}");
+        }
+    }
+
+    // Go's compress/gzip and archive/tar, as Velero reads it: one gzip member, and
+    // every fresh header byte for byte what Velero's tar.Writer writes.
+    let go = velero_tar(f.dir.path());
+    let (entries, members) = go_listing(&go, &output);
+    assert_eq!(members, "members 1");
+    let go_names: Vec<&str> = entries
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        go_names,
+        expected.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    let tar = run(Command::new("gzip").arg("-dc").arg(&output));
+    for e in entries
+        .iter()
+        .filter(|e| fresh_names.contains(&e["name"].as_str().unwrap()))
+    {
+        let name = e["name"].as_str().unwrap();
+        assert_eq!(
+            (e["mode"].as_i64(), e["typeflag"].as_str()),
+            (Some(0o755), Some("0")),
+            "{name}"
+        );
+        // Too long for the ustar prefix and name fields: Go adds a PAX header.
+        let expected_format = if name.contains(&crd_name) {
+            "PAX"
+        } else {
+            "USTAR"
+        };
+        assert_eq!(e["format"], expected_format, "{name}");
+        let velero = run(Command::new(&go)
+            .arg("header")
+            .arg(name)
+            .arg(e["size"].as_i64().unwrap().to_string())
+            .arg(e["mtime"].as_i64().unwrap().to_string()));
+        let found = tar
+            .chunks(512)
+            .enumerate()
+            .any(|(i, _)| tar[i * 512..].starts_with(&velero));
+        assert!(found, "{name}: the agent's header is not Velero's");
+    }
+}
+
+/// The archives of issue 11.4, written by `tests/tarballs/hostile.py` (Python's tarfile,
+/// spliced by hand where it will not write the trick): each looked harmless to the
+/// agent's old check, and Python's unfiltered `extractall` of the old output wrote
+/// outside its target. Now each is refused, naming the entry, and nothing is written.
+#[tokio::test]
+async fn archives_that_extractors_read_differently_from_a_checker_are_refused() {
+    let f = Fixture::new(&[]).await;
+    let storage = f.agent.state_dir.join("storage");
+    let hostile = storage.join("hostile");
+    std::fs::create_dir_all(&hostile).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tarballs/hostile.py");
+    let names = String::from_utf8(run(Command::new("python3").arg(&script).arg(&hostile))).unwrap();
+    let expected: BTreeMap<&str, String> = [
+        (
+            "pax-size-hides-headers",
+            "entry resources/configmaps/namespaces/app/cover.json: its PAX size 0 differs from \
+             its header's size 1536"
+                .to_string(),
+        ),
+        (
+            "gnu-long-name-then-pax-path",
+            format!(
+                "entry ../../{}/escape.json: paths with '..' are not allowed",
+                "d".repeat(100)
+            ),
+        ),
+        (
+            "pax-gnu-sparse-name",
+            "entry resources/configmaps/namespaces/app/ok.json: its PAX header: PAX record \
+             GNU.sparse.name is not allowed (GNU sparse and multi-volume entries are read \
+             differently by GNU tar, Go and Python)"
+                .to_string(),
+        ),
+        (
+            "global-pax-path",
+            "entry ././@PaxHeader: a global PAX header may not set path (GNU tar applies it to \
+             every later entry, Go ignores it)"
+                .to_string(),
+        ),
+        (
+            "directory-with-data",
+            "entry resources/: a directory with 1024 bytes of data (extractors disagree on \
+             where the next header starts)"
+                .to_string(),
+        ),
+    ]
+    .into();
+    let mut listed: Vec<&str> = names.lines().collect();
+    listed.sort();
+    assert_eq!(listed, expected.keys().copied().collect::<Vec<_>>());
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    for name in names.lines() {
+        backups.start(name, "u", None).await.unwrap();
+        backups.end_in_progress(name).await.unwrap();
+        let input = format!("hostile/{name}.tar.gz");
+        let err = backups
+            .finalize(FinalizeParams {
+                name: name.into(),
+                contents: Some(Contents {
+                    input: input.clone().into(),
+                    output: format!("hostile/{name}-out.tar.gz").into(),
+                }),
+                updated_items: vec![],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(codes::FINALIZE_FAILED), "{name}");
+        assert_eq!(
+            err.to_string(),
+            format!("finalize failed: {input}: {} (code 1005)", expected[name]),
+            "{name}"
+        );
+        assert!(!hostile.join(format!("{name}-out.tar.gz")).exists());
+        assert_eq!(
+            backups.get(name).await.unwrap().phase,
+            OwnerPhase::Finalizing
+        );
+    }
 }

@@ -4,20 +4,127 @@
 //! step leaves the owner in its Finalizing phase and no partial output behind, so the
 //! backup server can simply call again. A repeated call after success returns the same
 //! result.
+//!
+//! Invariants:
+//! - finalizes of one owner run one at a time (a second waits for the first, then
+//!   returns its stored result), so two concurrent calls never both write;
+//! - a finalize is bound to the owner it started for, by row and uid: if the owner is
+//!   deleted and re-created (another uid) meanwhile, the output is not renamed into
+//!   place and the new owner is not completed;
+//! - file work (open, rewrite, rename) runs on the [`FileWork`] pool under the
+//!   `finalize_deadline`, confined by [`Confinement`]; shutdown stops it.
 
-use std::fs::File;
+use std::collections::HashMap;
+use std::io::BufWriter;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use opmon_client::{FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
+use tokio::sync::OwnedMutexGuard;
 
 use super::{now_ms, Core};
 use crate::changes::Urgency;
+use crate::confine::Confinement;
 use crate::error::Error;
+use crate::filework::FileWork;
 use crate::phase;
-use crate::storage::write_atomically;
 use crate::store::queries;
-use crate::tarball::{self, Updates};
+use crate::tarball::{self, RewriteError, Updates};
+
+/// What the core needs to know to finalize with contents.
+#[derive(Clone, Debug)]
+pub struct FinalizeSettings {
+    /// Directories besides the storage directory finalize may read and write in
+    /// (absolute).
+    pub dirs: Vec<PathBuf>,
+    /// How long one finalize's file work may take.
+    pub deadline: Duration,
+    /// The agent's own places, which finalize never touches.
+    pub state_dir: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
+}
+
+impl Default for FinalizeSettings {
+    fn default() -> Self {
+        FinalizeSettings {
+            dirs: Vec::new(),
+            deadline: Duration::from_secs(3600),
+            state_dir: None,
+            socket: None,
+        }
+    }
+}
+
+/// Whose turn it is to finalize, per owner.
+type Turns = Arc<Mutex<HashMap<(OwnerKind, String), Arc<tokio::sync::Mutex<()>>>>>;
+
+/// Finalize's share of the core: where it may write, the threads it writes on, and
+/// whose turn it is per owner.
+pub struct Finalizer {
+    confinement: Confinement,
+    pool: FileWork,
+    deadline: Duration,
+    turns: Turns,
+}
+
+/// One owner's turn to finalize; the next caller for it waits until this is dropped.
+struct Turn {
+    turns: Turns,
+    key: (OwnerKind, String),
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.guard.take();
+        if let Ok(mut turns) = self.turns.lock() {
+            // Nobody holds or waits for it: forget the owner.
+            if turns
+                .get(&self.key)
+                .is_some_and(|m| Arc::strong_count(m) == 1)
+            {
+                turns.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl Finalizer {
+    pub fn new(storage: &std::path::Path, settings: &FinalizeSettings) -> Finalizer {
+        Finalizer {
+            confinement: Confinement::new(
+                storage,
+                &settings.dirs,
+                settings.state_dir.as_deref(),
+                settings.socket.as_deref(),
+            ),
+            pool: FileWork::start(),
+            deadline: settings.deadline,
+            turns: Arc::default(),
+        }
+    }
+
+    async fn turn(&self, kind: OwnerKind, name: &str) -> Turn {
+        let key = (kind, name.to_string());
+        let mutex = {
+            let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+            turns.entry(key.clone()).or_default().clone()
+        };
+        let guard = mutex.lock_owned().await;
+        Turn {
+            turns: self.turns.clone(),
+            key,
+            guard: Some(guard),
+        }
+    }
+
+    /// Shutdown: running rewrites stop and their temporary outputs go.
+    pub fn stop(&self) {
+        self.pool.stop();
+    }
+}
 
 /// What is stored of a finalize to answer a repeated one.
 #[derive(Serialize, Deserialize)]
@@ -28,12 +135,42 @@ struct Stored {
     added: u64,
 }
 
+/// The owner a finalize started for.
+#[derive(Clone)]
+struct Bound {
+    id: i64,
+    uid: String,
+}
+
+impl Bound {
+    /// Refuses when the owner named `name` is no longer the one bound.
+    fn check(
+        &self,
+        kind: OwnerKind,
+        name: &str,
+        row: Option<&queries::OwnerRow>,
+    ) -> Result<(), Error> {
+        match row {
+            Some(row) if row.id == self.id && row.owner.uid == self.uid => Ok(()),
+            Some(row) => Err(Error::Finalize(format!(
+                "{kind} {name} was deleted and started again (uid {}) during this finalize of \
+                 uid {}; nothing of it was kept",
+                row.owner.uid, self.uid
+            ))),
+            None => Err(Error::NotFound(format!(
+                "{kind} {name} was deleted during finalize"
+            ))),
+        }
+    }
+}
+
 impl Core {
     pub async fn finalize(
         &self,
         kind: OwnerKind,
         p: FinalizeParams,
     ) -> Result<FinalizeResult, Error> {
+        let _turn = self.finalizer.turn(kind, &p.name).await;
         let name = p.name.clone();
         let (row, stored) = self
             .store
@@ -66,6 +203,10 @@ impl Core {
                 p.name, row.owner.phase
             )));
         }
+        let bound = Bound {
+            id: row.id,
+            uid: row.owner.uid.clone(),
+        };
 
         let mut stored = Stored {
             contents_file: None,
@@ -73,26 +214,31 @@ impl Core {
             added: 0,
         };
         if let Some(contents) = &p.contents {
-            let input = self
-                .storage
-                .resolve(&contents.input)
-                .map_err(|e| Error::InvalidParams(format!("contents.input: {e}")))?;
-            let output = self
-                .storage
-                .resolve(&contents.output)
-                .map_err(|e| Error::InvalidParams(format!("contents.output: {e}")))?;
-            if input == output {
-                return Err(Error::InvalidParams(
-                    "contents.output: must differ from contents.input".into(),
-                ));
-            }
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
-            let limit = self.settings.max_decompressed_size;
-            let target = output.clone();
-            let outcome =
-                tokio::task::spawn_blocking(move || rewrite_file(&input, &target, &updates, limit))
-                    .await
-                    .map_err(|e| Error::Finalize(format!("the rewrite stopped: {e}")))??;
+            let (temp, outcome) = self.rewrite(contents, updates).await?;
+            // Still the owner this started for? Otherwise the output never appears.
+            let name = p.name.clone();
+            let check = bound.clone();
+            self.store
+                .read(move |conn| {
+                    let row = queries::owner_by_name(conn, kind, &name)?;
+                    check.check(kind, &name, row.as_ref())
+                })
+                .await?;
+            let shown = temp.path().display().to_string();
+            let output = self
+                .finalizer
+                .pool
+                .run(
+                    &format!("renaming {shown} into place"),
+                    self.finalizer.deadline,
+                    move |_| {
+                        temp.persist().map_err(|e| {
+                            Error::Finalize(format!("renaming {shown} into place: {e}"))
+                        })
+                    },
+                )
+                .await?;
             stored = Stored {
                 contents_file: Some(output),
                 replaced: outcome.replaced,
@@ -108,8 +254,11 @@ impl Core {
         let (errors, warnings) = (p.errors, p.warnings);
         let owner = self
             .write(move |conn| {
-                let mut current = queries::owner_by_name(conn, kind, &name)?
-                    .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))?;
+                let current = queries::owner_by_name(conn, kind, &name)?;
+                bound.check(kind, &name, current.as_ref())?;
+                let Some(mut current) = current else {
+                    return Err(Error::NotFound(format!("{kind} {name} not found")));
+                };
                 let next = phase::finalized(current.owner.phase, errors).ok_or_else(|| {
                     Error::WrongPhase(format!(
                         "{kind} {name} became {} during finalize",
@@ -137,36 +286,44 @@ impl Core {
             added: stored.added,
         })
     }
-}
 
-/// Rewrites `input` into `output` atomically.
-fn rewrite_file(
-    input: &std::path::Path,
-    output: &std::path::Path,
-    updates: &Updates,
-    limit: u64,
-) -> Result<tarball::Outcome, Error> {
-    let source = File::open(input)
-        .map_err(|e| Error::Finalize(format!("opening {}: {e}", input.display())))?;
-    let mut outcome = None;
-    let mut failure = None;
-    let written = write_atomically(output, |out| {
-        match tarball::rewrite(source, out, updates, limit) {
-            Ok(o) => {
-                outcome = Some(o);
-                Ok(())
-            }
-            Err(e) => {
-                let message = format!("{}: {e}", input.display());
-                failure = Some(message.clone());
-                Err(std::io::Error::other(message))
-            }
-        }
-    });
-    match (written, failure, outcome) {
-        (_, Some(message), _) => Err(Error::Finalize(message)),
-        (Err(e), None, _) => Err(Error::Finalize(e.to_string())),
-        (Ok(()), None, Some(o)) => Ok(o),
-        (Ok(()), None, None) => Err(Error::Finalize("the rewrite produced no result".into())),
+    /// Rewrites `contents.input` into a temporary file beside `contents.output`, on the
+    /// file-work pool; the caller renames it into place.
+    async fn rewrite(
+        &self,
+        contents: &opmon_client::Contents,
+        updates: Updates,
+    ) -> Result<(crate::confine::TempOutput, tarball::Outcome), Error> {
+        let confinement = self.finalizer.confinement.clone();
+        let (input, output) = (contents.input.clone(), contents.output.clone());
+        let limit = self.settings.max_decompressed_size;
+        let what = format!("the rewrite of {}", input.display());
+        self.finalizer
+            .pool
+            .run(&what, self.finalizer.deadline, move |job| {
+                let (source, stat) = confinement.open_input("contents.input", &input)?;
+                let target = confinement.output("contents.output", &output, &stat)?;
+                let mut temp = target.create_temp().map_err(|e| {
+                    Error::Finalize(format!(
+                        "contents.output {}: creating a temporary file beside it: {e}",
+                        output.display()
+                    ))
+                })?;
+                job.register(&temp);
+                let written = {
+                    let file = temp.file().map_err(|e| Error::Finalize(e.to_string()))?;
+                    let out = BufWriter::with_capacity(256 * 1024, file);
+                    tarball::rewrite_until(source, out, &updates, limit, job.stop_flag())
+                };
+                match written {
+                    Ok(outcome) => Ok((temp, outcome)),
+                    Err(RewriteError::Stopped) => Err(Error::Finalize(format!(
+                        "the rewrite of {} was stopped (deadline or shutdown)",
+                        input.display()
+                    ))),
+                    Err(e) => Err(Error::Finalize(format!("{}: {e}", input.display()))),
+                }
+            })
+            .await
     }
 }

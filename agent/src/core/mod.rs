@@ -13,6 +13,7 @@ mod snapshotters;
 mod subscribe;
 mod tally;
 
+pub use finalize::FinalizeSettings;
 pub use subscribe::OwnerStream;
 
 use std::collections::{HashMap, HashSet};
@@ -52,6 +53,7 @@ pub struct CoreSettings {
     pub restore_finalize: bool,
     /// InProgress owners with no call from their server for this long fail; `None`: never.
     pub in_progress_idle_timeout: Option<Duration>,
+    pub finalize: FinalizeSettings,
 }
 
 pub struct Core {
@@ -82,6 +84,8 @@ pub struct Core {
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
+    /// Finalize's confinement, file-work threads and per-owner turns.
+    finalizer: finalize::Finalizer,
     /// When this agent started, Unix ms: the idle timeout does not count time before.
     started_ms: i64,
 }
@@ -124,6 +128,7 @@ impl Core {
         metrics: Arc<Metrics>,
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
+        let finalizer = finalize::Finalizer::new(storage.root(), &settings.finalize);
         let core = Arc::new(Core {
             store,
             storage,
@@ -143,6 +148,7 @@ impl Core {
             stopping: CancellationToken::new(),
             started: Instant::now(),
             started_ms: now_ms(),
+            finalizer,
         });
         let registered = core
             .store
@@ -249,5 +255,12 @@ impl Core {
     /// Stops the background work; sweeps in flight are abandoned before they commit.
     pub fn stop(&self) {
         self.stopping.cancel();
+        self.finalizer.stop();
+    }
+
+    /// Stops finalize's file work at once (at SIGTERM, before in-flight requests are
+    /// waited for): running rewrites end and their temporary files are removed.
+    pub fn stop_file_work(&self) {
+        self.finalizer.stop();
     }
 }

@@ -220,6 +220,7 @@ mod tests {
             },
             restore_finalize: false,
             in_progress_idle_timeout: None,
+            finalize: Default::default(),
         };
         Core::new(
             store,

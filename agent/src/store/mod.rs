@@ -2,8 +2,10 @@
 //!
 //! Writes go through the group-commit [`writer`]; reads use a small pool of their own
 //! connections and, thanks to WAL, never wait for the writer. The database file is
-//! created 0600 and guarded by an exclusive lock on `<db>.lock`, which also records
-//! the holder's pid so a second agent can say who has it.
+//! created 0600 and guarded by an exclusive `flock` on its directory (the state
+//! directory), which nobody without write access to *its* parent can replace; the pid
+//! is written to `<db>.lock` (also locked, for agents of older versions) so a second
+//! agent can say who has it.
 
 pub mod queries;
 pub mod schema;
@@ -80,7 +82,13 @@ pub struct Store {
     path: PathBuf,
     writer: Writer,
     readers: Mutex<Vec<Connection>>,
-    _lock: Flock<File>,
+    _lock: Lock,
+}
+
+/// The single-agent lock: the directory's, and the pid file's.
+struct Lock {
+    _dir: Flock<File>,
+    _pid_file: Flock<File>,
 }
 
 /// Connection settings every connection shares. `busy_timeout` covers the moments a
@@ -206,14 +214,44 @@ impl Store {
     }
 }
 
-/// Takes the exclusive lock on `<db>.lock` and writes our pid into it.
-fn lock(db: &Path) -> Result<Flock<File>, OpenError> {
+/// Takes the exclusive lock on the database's directory, then on `<db>.lock`, and
+/// writes our pid into the latter. The directory is what counts: a file in it can be
+/// replaced by a rename (and a new agent would lock the replacement), the directory
+/// only by someone who may write to its parent.
+fn lock(db: &Path) -> Result<Lock, OpenError> {
     let mut lock_path = db.as_os_str().to_owned();
     lock_path.push(".lock");
     let lock_path = PathBuf::from(lock_path);
-    let io = |what| {
-        let path = lock_path.clone();
+    let dir = match db.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let io = |what, path: &Path| {
+        let path = path.to_path_buf();
         move |source| OpenError::Io { what, path, source }
+    };
+    let holder = |lock_path: &Path| {
+        let mut pid = String::new();
+        if let Ok(mut file) = File::open(lock_path) {
+            let _ = file.read_to_string(&mut pid);
+        }
+        let pid = pid.trim();
+        OpenError::Locked {
+            db: db.to_path_buf(),
+            pid: if pid.is_empty() {
+                "unknown".into()
+            } else {
+                pid.into()
+            },
+        }
+    };
+    let dir_file = File::open(&dir).map_err(io("opening the database directory", &dir))?;
+    let dir_lock = match Flock::lock(dir_file, FlockArg::LockExclusiveNonblock) {
+        Ok(locked) => locked,
+        Err((_, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
+            return Err(holder(&lock_path))
+        }
+        Err((_, errno)) => return Err(io("locking", &dir)(std::io::Error::from(errno))),
     };
     let file = OpenOptions::new()
         .create(true)
@@ -222,26 +260,21 @@ fn lock(db: &Path) -> Result<Flock<File>, OpenError> {
         .write(true)
         .mode(0o600)
         .open(&lock_path)
-        .map_err(io("opening lock file"))?;
+        .map_err(io("opening lock file", &lock_path))?;
     let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
         Ok(locked) => locked,
-        Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
-            let mut pid = String::new();
-            let _ = file.read_to_string(&mut pid);
-            let pid = pid.trim();
-            return Err(OpenError::Locked {
-                db: db.to_path_buf(),
-                pid: if pid.is_empty() {
-                    "unknown".into()
-                } else {
-                    pid.into()
-                },
-            });
+        Err((_, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
+            return Err(holder(&lock_path))
         }
-        Err((_, errno)) => return Err(io("locking")(std::io::Error::from(errno))),
+        Err((_, errno)) => return Err(io("locking", &lock_path)(std::io::Error::from(errno))),
     };
-    locked.set_len(0).map_err(io("writing pid to"))?;
-    locked.rewind().map_err(io("writing pid to"))?;
-    writeln!(locked, "{}", std::process::id()).map_err(io("writing pid to"))?;
-    Ok(locked)
+    locked
+        .set_len(0)
+        .map_err(io("writing pid to", &lock_path))?;
+    locked.rewind().map_err(io("writing pid to", &lock_path))?;
+    writeln!(locked, "{}", std::process::id()).map_err(io("writing pid to", &lock_path))?;
+    Ok(Lock {
+        _dir: dir_lock,
+        _pid_file: locked,
+    })
 }

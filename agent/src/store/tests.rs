@@ -293,6 +293,20 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
         }
         other => panic!("expected the lock to refuse, got {:?}", other.err()),
     }
+    // A lock file replaced by a rename (what a client could once do through
+    // finalize) does not let a second agent in: the directory is locked.
+    let mut lock = db.as_os_str().to_owned();
+    lock.push(".lock");
+    let fresh = db.with_file_name("fresh");
+    std::fs::write(&fresh, b"").unwrap();
+    std::fs::rename(&fresh, &lock).unwrap();
+    match Store::open(&db, |_, _| {}) {
+        Err(OpenError::Locked { .. }) => {}
+        other => panic!(
+            "a replaced lock file let a second store in: {:?}",
+            other.err()
+        ),
+    }
     store.close();
     drop(store);
     Store::open(&db, |_, _| {}).expect("the lock is released with the store");

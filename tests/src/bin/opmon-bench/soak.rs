@@ -155,7 +155,13 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
     let tarball = dir.join("small.tar.gz");
     crate::finalize::build_tarball(&tarball, 200, 400)?;
     let snap = Bench::start(&dir.join("snapshotter.sock")).await?;
-    let spec = Spec::new(ctx, &dir, &["--poll-interval", "100ms"]);
+    // The tarball lies beside the state directory: allowed by finalize_dirs.
+    let dirs = dir.display().to_string();
+    let spec = Spec::new(
+        ctx,
+        &dir,
+        &["--poll-interval", "100ms", "--finalize-dirs", &dirs],
+    );
     let (mut agent, _) = spec.start().await?;
     let admin = agent.client().await?;
     admin
