@@ -11,6 +11,7 @@ pub mod changes;
 pub mod config;
 pub mod core;
 pub mod error;
+pub mod gojson;
 pub mod metrics;
 pub mod phase;
 pub mod remote;
@@ -174,7 +175,9 @@ pub async fn run(settings: Settings) -> Result<(), String> {
     .await
     .map_err(|e| e.to_string())?;
     for s in &settings.snapshotters {
-        api::check_snapshotter(s).map_err(|e| format!("config snapshotter {}: {e}", s.name))?;
+        let mut s = s.clone();
+        let given = s.name.clone();
+        api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;

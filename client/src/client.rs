@@ -21,6 +21,7 @@
 //!             },
 //!             operation_id: "copy-42".into(),
 //!             post_operation_items: vec![],
+//!             created: None,
 //!         }],
 //!     )
 //!     .await?;
@@ -217,7 +218,7 @@ impl Owners<'_> {
             name: name.into(),
             uid: uid.into(),
             item_operation_timeout: item_operation_timeout.map(GoDuration),
-            finalize: None,
+            ..StartParams::default()
         })
         .await
     }
@@ -227,7 +228,7 @@ impl Owners<'_> {
         self.call("start", params).await
     }
 
-    /// `addOperations`: idempotent on (plugin, operationId).
+    /// `addOperations`: idempotent on (plugin, operationId, item).
     pub async fn add_operations(
         &self,
         name: &str,

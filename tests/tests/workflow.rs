@@ -527,8 +527,8 @@ async fn an_opted_in_restore_waits_in_finalizing() {
         .start_with(StartParams {
             name: "r".into(),
             uid: "u".into(),
-            item_operation_timeout: None,
             finalize: Some(true),
+            ..StartParams::default()
         })
         .await
         .unwrap();

@@ -60,6 +60,8 @@ impl Core {
             OwnerKind::Restore => p.finalize.unwrap_or(false),
         };
         let now = now_ms();
+        // Serialized once here; the store keeps the text and polls parse it per owner.
+        let object = p.object.as_ref().map(|o| o.to_string());
         let owner = self
             .write(move |conn| {
                 if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
@@ -72,8 +74,15 @@ impl Core {
                         )))
                     };
                 }
-                let id =
-                    queries::insert_owner(conn, kind, &p.name, &p.uid, timeout, finalize, now)?;
+                let new = queries::NewOwner {
+                    kind,
+                    name: &p.name,
+                    uid: &p.uid,
+                    timeout,
+                    finalize,
+                    object: object.as_deref(),
+                };
+                let id = queries::insert_owner(conn, new, now)?;
                 reload(conn, id)
             })
             .await?;
@@ -82,7 +91,7 @@ impl Core {
         Ok(owner)
     }
 
-    /// `addOperations`: only while InProgress; idempotent on (plugin, operationId).
+    /// `addOperations`: only while InProgress; idempotent on (plugin, operationId, item).
     pub async fn add_operations(
         &self,
         kind: OwnerKind,

@@ -159,8 +159,7 @@ mod tests {
         let start = StartParams {
             name: "b".into(),
             uid: "u".into(),
-            item_operation_timeout: None,
-            finalize: None,
+            ..StartParams::default()
         };
         core.start(OwnerKind::Backup, start).await.unwrap();
         let mut stream = core.subscribe(OwnerKind::Backup, "b".into()).await.unwrap();

@@ -9,6 +9,18 @@ use rusqlite::Connection;
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, Store, StoreError};
 
+/// A backup named `name` as `start` creates it, without an object.
+fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
+    queries::NewOwner {
+        kind: OwnerKind::Backup,
+        name,
+        uid: "u",
+        timeout,
+        finalize: true,
+        object: None,
+    }
+}
+
 fn temp_db() -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("agent.db");
@@ -55,6 +67,140 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 1 {
+        // Progress recorded by a poll: the plugin's started and updated.
+        conn.execute_batch(
+            "UPDATE operations SET phase = 'InProgress', started_ms = 1500, updated_ms = 2000,
+                 n_completed = 5, n_total = 10
+             WHERE operation_id = 'op-1';",
+        )
+        .unwrap();
+    }
+    if version >= 6 {
+        // From version 6 on, agents count each owner's operations as they add them (the
+        // trigger counts phase changes, which the rows above were inserted with).
+        conn.execute_batch(
+            "UPDATE owners SET n_operations = 3, n_completed = 1, n_failed = 1 WHERE id = 1;",
+        )
+        .unwrap();
+    }
+}
+
+/// Applies a migration like the `owners` helper's migration 7 (owner columns and a
+/// table of their own), to show the identity migration needs none of it.
+fn like_migration_7(conn: &Connection) {
+    conn.execute_batch(
+        "ALTER TABLE owners ADD COLUMN server_name TEXT;
+         ALTER TABLE owners ADD COLUMN failure_reason TEXT NOT NULL DEFAULT '';
+         CREATE TABLE pending_files (
+             owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
+             path TEXT NOT NULL
+         );
+         INSERT INTO pending_files (owner_id, path) VALUES (1, 'backups/old-backup/x');",
+    )
+    .unwrap();
+}
+
+/// What the identity migration must leave: every operation with its id, state and
+/// counts; the plugin's updated time taken from the one recorded; the new key; the
+/// trigger, the partial index and the owner index in place.
+fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
+    let rows: Vec<(i64, String, String, Option<i64>, Option<i64>, Option<i64>)> = conn
+        .prepare(
+            "SELECT id, operation_id, phase, started_ms, updated_ms, plugin_updated_ms
+             FROM operations ORDER BY id",
+        )
+        .unwrap()
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (
+                1,
+                "op-1".into(),
+                "InProgress".into(),
+                Some(1500),
+                Some(2000),
+                Some(2000)
+            ),
+            (2, "op-2".into(), "Completed".into(), None, None, None),
+            (3, "op-3".into(), "Failed".into(), None, None, None),
+        ],
+        "operations from version {from}"
+    );
+    let ops = queries::operations(conn, 1, None).unwrap();
+    assert_eq!(ops[0].plugin_updated, Some(queries::time_of(2000)));
+    let mut names: Vec<String> = conn
+        .prepare(
+            "SELECT name FROM sqlite_master WHERE tbl_name = 'operations'
+             AND type IN ('index', 'trigger') AND name NOT LIKE 'sqlite_autoindex%'",
+        )
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "operations_by_owner_phase",
+            "operations_counted_on_phase",
+            "operations_unfinished_by_plugin"
+        ],
+        "from version {from}"
+    );
+    let partial: String = conn
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE name = 'operations_unfinished_by_plugin'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        partial.contains("WHERE phase IN ('New', 'InProgress')"),
+        "{partial}"
+    );
+    // The same operation ID on another item is another operation; on the same item it
+    // is the same one.
+    let insert = |name: &str| {
+        conn.execute(
+            "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group,
+                 res_resource, res_namespace, res_name, operation_id, created_ms)
+             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', ?1, 'op-1', 1)",
+            [name],
+        )
+        .unwrap()
+    };
+    assert_eq!(insert("p"), 0, "op-1 on item p is known");
+    assert_eq!(insert("other"), 1, "op-1 on another item is new");
+    conn.execute("DELETE FROM operations WHERE res_name = 'other'", [])
+        .unwrap();
+    // The phase trigger counts again.
+    let counts = |conn: &Connection| {
+        let o = queries::owner_by_id(conn, 1).unwrap().unwrap().owner;
+        (o.operations_completed, o.operations_failed)
+    };
+    let before = counts(conn);
+    conn.execute("UPDATE operations SET phase = 'Completed' WHERE id = 1", [])
+        .unwrap();
+    assert_eq!(
+        counts(conn),
+        (before.0 + 1, before.1),
+        "from version {from}"
+    );
 }
 
 #[test]
@@ -101,8 +247,41 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         if version >= 2 {
             assert_eq!(queries::snapshotters(&conn).unwrap().len(), 1);
         }
+        if version >= 1 {
+            check_operations_after_identity_migration(&conn, version);
+        }
         store.close();
     }
+}
+
+#[test]
+fn the_identity_migration_applies_after_a_migration_7_of_owner_columns_too() {
+    let (_dir, db) = temp_db();
+    let identity = CURRENT_VERSION - 1;
+    {
+        let mut conn = Connection::open(&db).unwrap();
+        conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+        schema::migrate_to(&mut conn, 6).unwrap();
+        fill_old_database(&conn, 6);
+        like_migration_7(&conn);
+        // Run as the agent runs it: in a transaction, foreign keys on.
+        let tx = conn.transaction().unwrap();
+        tx.execute_batch(schema::MIGRATIONS[identity as usize])
+            .unwrap();
+        tx.commit().unwrap();
+    }
+    let conn = Connection::open(&db).unwrap();
+    check_operations_after_identity_migration(&conn, 7);
+    let pending: i64 = conn
+        .query_row("SELECT COUNT(*) FROM pending_files", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(pending, 1, "migration 7's table is left alone");
+    let reason: String = conn
+        .query_row("SELECT failure_reason FROM owners WHERE id = 1", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(reason, "");
 }
 
 /// Each owner's counts as a scan of its operations finds them.
@@ -167,10 +346,11 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         },
         operation_id: id.into(),
         post_operation_items: Vec::new(),
+        created: None,
     };
     let timeout = GoDuration::from_millis(60_000);
-    let a = queries::insert_owner(&conn, OwnerKind::Backup, "a", "u", timeout, true, 1).unwrap();
-    let b = queries::insert_owner(&conn, OwnerKind::Backup, "b", "u", timeout, true, 1).unwrap();
+    let a = queries::insert_owner(&conn, backup("a", timeout), 1).unwrap();
+    let b = queries::insert_owner(&conn, backup("b", timeout), 1).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
     let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
     // Already known: ignored, not counted twice.
@@ -311,11 +491,7 @@ async fn concurrent_writes_share_one_transaction() {
                     .write(move |conn| {
                         queries::insert_owner(
                             conn,
-                            OwnerKind::Backup,
-                            &format!("b{i}"),
-                            "u",
-                            GoDuration::from_secs(60),
-                            true,
+                            backup(&format!("b{i}"), GoDuration::from_secs(60)),
                             0,
                         )
                         .map_err(StoreError::from)
@@ -350,16 +526,8 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)?;
+                    queries::insert_owner(conn, backup(name, GoDuration::from_secs(1)), 0)
+                        .map_err(StoreError::from)?;
                     if fail {
                         return Err(StoreError {
                             message: "refused".into(),
@@ -398,16 +566,8 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(
-                        conn,
-                        OwnerKind::Backup,
-                        name,
-                        "u",
-                        GoDuration::from_secs(1),
-                        true,
-                        0,
-                    )
-                    .map_err(StoreError::from)
+                    queries::insert_owner(conn, backup(name, GoDuration::from_secs(1)), 0)
+                        .map_err(StoreError::from)
                 })
                 .await
         })

@@ -131,6 +131,7 @@ async fn owner_command(
                 uid,
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
+                ..StartParams::default()
             };
             let value = call(client, &method("start"), params).await?;
             print(out, &value, one_line)
@@ -156,6 +157,7 @@ async fn owner_command(
                         resource: render::parse_item(a.item.as_deref().unwrap_or_default())?,
                         operation_id: a.operation_id.clone().unwrap_or_default(),
                         post_operation_items,
+                        created: None,
                     }]
                 }
             };

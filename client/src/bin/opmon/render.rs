@@ -366,6 +366,7 @@ mod tests {
             created: datetime!(2026-01-01 0:00 UTC),
             started: Some(datetime!(2026-01-01 0:00 UTC)),
             updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
+            plugin_updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
         }
     }
 
