@@ -453,7 +453,7 @@ mod tests {
     #[test]
     fn calls_carry_at_most_4_mib_of_owner_objects_and_at_least_one_operation() {
         let none: Vec<PollTarget> = (0..1000).map(|_| target(0)).collect();
-        assert_eq!(by_object_bytes(&none), [0..1000]);
+        assert_eq!(by_object_bytes(&none), vec![0..none.len()]);
         let big: Vec<PollTarget> = (0..300).map(|_| target(64 * 1024)).collect();
         let runs = by_object_bytes(&big);
         assert_eq!(runs.len(), 5);

@@ -105,7 +105,9 @@ fn like_migration_7(conn: &Connection) {
 /// counts; the plugin's updated time taken from the one recorded; the new key; the
 /// trigger, the partial index and the owner index in place.
 fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
-    let rows: Vec<(i64, String, String, Option<i64>, Option<i64>, Option<i64>)> = conn
+    /// id, operation ID, phase, started, updated, the plugin's updated.
+    type Row = (i64, String, String, Option<i64>, Option<i64>, Option<i64>);
+    let rows: Vec<Row> = conn
         .prepare(
             "SELECT id, operation_id, phase, started_ms, updated_ms, plugin_updated_ms
              FROM operations ORDER BY id",
