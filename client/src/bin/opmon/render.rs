@@ -386,9 +386,13 @@ mod tests {
         assert!(parse_item("pods")
             .unwrap_err()
             .contains("expected RESOURCE"));
-        assert!(parse_item("pods/ns/Bad_Name")
+        // Kubernetes names: RBAC's colons are fine, a '%' is not.
+        assert!(
+            parse_item("clusterroles.rbac.authorization.k8s.io/system:aggregate-to-admin").is_ok()
+        );
+        assert!(parse_item("pods/ns/50%")
             .unwrap_err()
-            .starts_with("item \"pods/ns/Bad_Name\": name:"));
+            .starts_with("item \"pods/ns/50%\": name: must not contain '%'"));
     }
 
     #[test]
