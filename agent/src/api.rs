@@ -1,6 +1,8 @@
 //! The API edge: JSON-RPC method names, parameter parsing and validation. Everything
 //! past this file sees typed, valid values; every error here names the offending field
-//! (`operations[3].resource.name: must be a DNS subdomain …`).
+//! (`operations[3].resource.name: must not contain …`). Legacy plugin names are mapped
+//! to `velero.io/<name>` here, as Velero's `sanitizeName` does, so the core and the
+//! store only ever see namespaced ones.
 
 use std::future::Future;
 use std::sync::Arc;
