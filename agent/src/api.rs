@@ -1,7 +1,9 @@
 //! The API edge: the handlers of the method names in `opmon_client::methods`,
 //! parameter parsing and validation. Everything
 //! past this file sees typed, valid values; every error here names the offending field
-//! (`operations[3].resource.name: must be a DNS subdomain …`).
+//! (`operations[3].resource.name: must not contain …`). Legacy plugin names are mapped
+//! to `velero.io/<name>` here, as Velero's `sanitizeName` does, so the core and the
+//! store only ever see namespaced ones.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -18,6 +20,7 @@ use opmon_client::{
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use time::OffsetDateTime;
 
 use crate::core::Core;
 use crate::error::Error;
@@ -168,6 +171,9 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
     if let Some(server) = &p.server {
         check_server(server, "server.")?;
     }
+    if let Some(object) = &p.object {
+        validate::owner_object(object).map_err(|e| invalid("object", e))?;
+    }
     if p.item_operation_timeout.is_some_and(|t| t.0.is_zero()) {
         return Err(invalid("itemOperationTimeout", "must be greater than zero"));
     }
@@ -180,13 +186,23 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
     Ok(())
 }
 
-fn check_add(p: &AddOperationsParams) -> Result<(), Error> {
+/// Maps legacy plugin names (as Velero's `sanitizeName` does), then checks every
+/// operation against the agent's clock `now`.
+fn check_add(p: &mut AddOperationsParams, now: OffsetDateTime) -> Result<(), Error> {
     owner_name(&p.name)?;
-    for (i, op) in p.operations.iter().enumerate() {
-        validate::new_operation(op)
+    for (i, op) in p.operations.iter_mut().enumerate() {
+        validate::legacy_plugin_name(&mut op.plugin.name);
+        validate::new_operation(op, now)
             .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
     }
     Ok(())
+}
+
+/// A snapshotter's name as given: a legacy name maps to `velero.io/<name>`, as
+/// `addOperations` maps plugin names, so the two meet.
+fn snapshotter_name(name: &mut String) -> Result<(), Error> {
+    validate::legacy_plugin_name(name);
+    validate::plugin_name(name).map_err(|e| invalid("name", e))
 }
 
 fn check_finalize(kind: OwnerKind, p: &FinalizeParams) -> Result<(), Error> {
@@ -224,8 +240,8 @@ fn check_wait(p: &WaitParams) -> Result<(), Error> {
     Ok(())
 }
 
-pub(crate) fn check_snapshotter(s: &Snapshotter) -> Result<(), Error> {
-    validate::plugin_name(&s.name).map_err(|e| invalid("name", e))?;
+pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
+    snapshotter_name(&mut s.name)?;
     match (s.api_version, &s.socket, &s.command) {
         (ApiVersion::V1, None, None) => Ok(()),
         (ApiVersion::V1, _, _) => Err(invalid(
@@ -285,8 +301,8 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
     register(
         module,
         name(OwnerMethod::AddOperations),
-        move |core, p: AddOperationsParams| async move {
-            check_add(&p)?;
+        move |core, mut p: AddOperationsParams| async move {
+            check_add(&mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p).await
         },
     );
@@ -472,8 +488,8 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     register(
         &mut module,
         methods::SNAPSHOTTER_REGISTER,
-        |core, s: Snapshotter| async move {
-            check_snapshotter(&s)?;
+        |core, mut s: Snapshotter| async move {
+            check_snapshotter(&mut s)?;
             if s.command.is_some() && !core.allows_api_command_snapshotters() {
                 return Err(invalid("command", COMMAND_REFUSED));
             }
@@ -488,8 +504,8 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     register(
         &mut module,
         methods::SNAPSHOTTER_UNREGISTER,
-        |core, p: NameParams| async move {
-            validate::plugin_name(&p.name).map_err(|e| invalid("name", e))?;
+        |core, mut p: NameParams| async move {
+            snapshotter_name(&mut p.name)?;
             core.unregister_snapshotter(p.name).await
         },
     );
@@ -525,18 +541,94 @@ mod tests {
         );
     }
 
+    const NOW: OffsetDateTime = time::macros::datetime!(2026-11-22 09:57:45 UTC);
+
+    fn add_params(ops: &str) -> AddOperationsParams {
+        let text = format!(r#"{{"name":"b","operations":[{ops}]}}"#);
+        serde_json::from_str(&text).unwrap()
+    }
+
     #[test]
     fn validation_errors_name_the_operation_index() {
-        let p: AddOperationsParams = parse(&params(
-            r#"{"name":"b","operations":[
-              {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"ok"},"operationId":"x"},
-              {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}]}"#,
-        ))
+        let mut p = add_params(
+            r#"{"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"ok"},"operationId":"x"},
+               {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}"#,
+        );
+        assert_eq!(
+            check_add(&mut p, NOW).unwrap_err().to_string(),
+            "operations[1].resource.name: must not contain '/' (a Kubernetes name is a path \
+             segment: no '/', '%' or control characters)"
+        );
+    }
+
+    #[test]
+    fn rbac_item_names_are_accepted_and_legacy_plugin_names_mapped() {
+        let mut p = add_params(
+            r#"{"plugin":{"kind":"BackupItemAction","name":"csi-pvc"},"resource":{"group":"rbac.authorization.k8s.io","resource":"clusterroles","name":"system:aggregate-to-admin"},"operationId":"x",
+                "postOperationItems":[{"resource":"configmaps","namespace":"app","name":"system:config"}]}"#,
+        );
+        check_add(&mut p, NOW).unwrap();
+        assert_eq!(p.operations[0].plugin.name, "velero.io/csi-pvc");
+        let mut p = add_params(
+            r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b"},"resource":{"resource":"pods","namespace":"App","name":"p"},"operationId":"x"}"#,
+        );
+        assert_eq!(
+            check_add(&mut p, NOW).unwrap_err().to_string(),
+            "operations[0].resource.namespace: must be a DNS label (lowercase letters, digits \
+             and '-', starting and ending with a letter or digit, at most 63 characters)"
+        );
+        let mut p = add_params(
+            r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b/c"},"resource":{"resource":"pods","name":"p"},"operationId":"x"}"#,
+        );
+        assert_eq!(
+            check_add(&mut p, NOW).unwrap_err().to_string(),
+            "operations[0].plugin.name: must have exactly two parts separated by '/' \
+             (<DNS subdomain>/<non-empty name>)"
+        );
+    }
+
+    #[test]
+    fn created_far_ahead_of_the_clock_is_refused() {
+        let op = |created: &str| {
+            format!(
+                r#"{{"plugin":{{"kind":"BackupItemAction","name":"a.io/b"}},"resource":{{"resource":"pods","name":"p"}},"operationId":"x","created":"{created}"}}"#
+            )
+        };
+        check_add(&mut add_params(&op("2026-11-22T10:02:45Z")), NOW).unwrap();
+        assert_eq!(
+            check_add(&mut add_params(&op("2026-11-22T10:02:46Z")), NOW)
+                .unwrap_err()
+                .to_string(),
+            "operations[0].created: must not be more than 5m0s ahead of the agent's clock"
+        );
+    }
+
+    #[test]
+    fn start_takes_an_object_of_bounded_size() {
+        let start = |object: serde_json::Value| StartParams {
+            name: "b".into(),
+            uid: "u".into(),
+            object: Some(object),
+            ..StartParams::default()
+        };
+        check_start(
+            OwnerKind::Backup,
+            &start(serde_json::json!({"metadata": {}})),
+        )
         .unwrap();
-        let e = check_add(&p).unwrap_err().to_string();
-        assert!(
-            e.starts_with("operations[1].resource.name: must be a DNS subdomain"),
-            "{e}"
+        assert_eq!(
+            check_start(OwnerKind::Backup, &start(serde_json::json!("backup")))
+                .unwrap_err()
+                .to_string(),
+            "object: must be a JSON object (the backup server's representation of the backup \
+             or restore)"
+        );
+        let big = serde_json::json!({"spec": "x".repeat(70_000)});
+        assert_eq!(
+            check_start(OwnerKind::Restore, &start(big))
+                .unwrap_err()
+                .to_string(),
+            "object: must be at most 65536 bytes serialized (got 70011)"
         );
     }
 
@@ -599,13 +691,16 @@ mod tests {
             socket: None,
             command: None,
         };
-        assert!(check_snapshotter(&s).is_err());
+        assert!(check_snapshotter(&mut s).is_err());
         s.socket = Some("relative.sock".into());
         assert_eq!(
-            check_snapshotter(&s).unwrap_err().to_string(),
+            check_snapshotter(&mut s).unwrap_err().to_string(),
             "socket: must be an absolute path"
         );
         s.socket = Some("/run/copier.sock".into());
-        assert!(check_snapshotter(&s).is_ok());
+        assert!(check_snapshotter(&mut s).is_ok());
+        s.name = "legacy".into();
+        assert!(check_snapshotter(&mut s).is_ok());
+        assert_eq!(s.name, "velero.io/legacy");
     }
 }

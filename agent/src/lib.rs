@@ -13,6 +13,7 @@ pub mod confine;
 pub mod core;
 pub mod error;
 pub mod filework;
+pub mod gojson;
 pub mod metrics;
 pub mod phase;
 pub mod reload;
@@ -142,7 +143,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     .await
     .map_err(|e| e.to_string())?;
     for s in &settings.snapshotters {
-        api::check_snapshotter(s).map_err(|e| format!("config snapshotter {}: {e}", s.name))?;
+        let mut s = s.clone();
+        let given = s.name.clone();
+        api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;

@@ -39,6 +39,22 @@ struct PhaseLabel {
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// `value` escaped for a label value of the text format (`\\`, `\"`, `\n`), which the
+/// encoder writes as given. Snapshotter names follow Velero's plugin-name rule, whose
+/// part after the `/` may hold quotes and backslashes.
+fn label_value(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str("\\\\"),
+            '"' => escaped.push_str("\\\""),
+            '\n' => escaped.push_str("\\n"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
 fn latency_histogram() -> Histogram {
     // 100 µs to ~3 min.
     Histogram::new(exponential_buckets(0.0001, 2.0, 21))
@@ -147,7 +163,7 @@ impl Metrics {
     /// Records one chunk of progress calls to `snapshotter`.
     pub fn polled(&self, snapshotter: &str, calls: usize, errors: usize, took: Duration) {
         let label = SnapshotterLabel {
-            snapshotter: snapshotter.to_string(),
+            snapshotter: label_value(snapshotter),
         };
         self.poll_calls.get_or_create(&label).inc_by(calls as u64);
         self.poll_errors.get_or_create(&label).inc_by(errors as u64);
@@ -274,5 +290,29 @@ where
         n: jsonrpsee::core::middleware::Notification<'a>,
     ) -> impl std::future::Future<Output = MethodResponse> + Send + 'a {
         self.inner.notification(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshotter_names_with_quotes_and_backslashes_stay_one_label_value() {
+        let metrics = Metrics::new();
+        metrics.polled(r#"example.io/a"b\c"#, 3, 1, Duration::from_millis(5));
+        let status = AgentStatus {
+            version: "test".into(),
+            uptime: opmon_client::GoDuration::from_secs(1),
+            owners: Default::default(),
+            unfinished_operations: 0,
+            snapshotters: 1,
+        };
+        let page = metrics.render(&status);
+        assert!(
+            page.lines()
+                .any(|l| l == r#"opmon_poll_calls_total{snapshotter="example.io/a\"b\\c"} 3"#),
+            "{page}"
+        );
     }
 }

@@ -74,7 +74,11 @@ pub struct OperationState {
     pub description: String,
     pub created_ms: i64,
     pub started_ms: Option<i64>,
+    /// When the operation last changed: the plugin's `updated` if it reported one with
+    /// the change, else the agent's time.
     pub updated_ms: Option<i64>,
+    /// The `updated` the plugin last reported (Velero's `Status.Updated`).
+    pub plugin_updated_ms: Option<i64>,
 }
 
 /// What one poll learned about an operation.
@@ -156,12 +160,15 @@ pub fn observe(
             next.n_total = p.n_total;
             next.operation_units = bounded(p.operation_units, MAX_UNITS);
             next.description = bounded(p.description, MAX_DESCRIPTION);
-            let started = p.started.map(ms).filter(|&t| t > 0);
-            if started.is_some() {
-                next.started_ms = started;
+            // As Velero's controller: only Go's zero time is "unknown"; the Unix epoch is a
+            // start. A known time is kept when a later report leaves it out (Velero would
+            // write the zero time then, as `null`).
+            if let Some(started) = p.started.filter(|&t| !is_go_zero(t)) {
+                next.started_ms = Some(ms(started));
             }
-            if let Some(updated) = p.updated.map(ms).filter(|&t| t > 0) {
-                next.updated_ms = Some(updated);
+            if let Some(updated) = p.updated.filter(|&t| !is_go_zero(t)) {
+                next.updated_ms = Some(ms(updated));
+                next.plugin_updated_ms = Some(ms(updated));
             }
             if p.completed {
                 if p.err.is_empty() {
@@ -186,7 +193,16 @@ pub fn observe(
 }
 
 fn ms(t: time::OffsetDateTime) -> i64 {
-    (t.unix_timestamp_nanos() / 1_000_000) as i64
+    // Floor, so a time before the epoch keeps its second.
+    t.unix_timestamp_nanos().div_euclid(1_000_000) as i64
+}
+
+/// Go's zero `time.Time` (0001-01-01T00:00:00Z): what a Go plugin reports for a time it
+/// does not know, and the only time Velero's controller reads as unknown
+/// (`Time.IsZero`).
+pub fn is_go_zero(t: time::OffsetDateTime) -> bool {
+    const GO_ZERO_UNIX: i64 = -62_135_596_800;
+    t.unix_timestamp() == GO_ZERO_UNIX && t.nanosecond() == 0
 }
 
 /// The phase an owner settles in once the InProgress work (or a poll) is done:
@@ -414,12 +430,69 @@ mod tests {
     }
 
     #[test]
-    fn epoch_start_means_unknown_and_keeps_new() {
+    fn an_epoch_start_is_a_start_as_in_velero() {
         let mut p = progress(false, "");
-        p.started = Some(at(0));
+        p.started = Some(OffsetDateTime::UNIX_EPOCH);
         let d = observe(&new_op(0), Observation::Progress(p), HOUR, 10).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::InProgress);
+        assert_eq!(d.next.started_ms, Some(0));
+    }
+
+    #[test]
+    fn go_zero_times_mean_unknown_and_keep_what_was_known() {
+        let go_zero = time::macros::datetime!(0001-01-01 00:00:00 UTC);
+        assert!(is_go_zero(go_zero));
+        assert!(!is_go_zero(OffsetDateTime::UNIX_EPOCH));
+        assert!(!is_go_zero(go_zero + time::Duration::nanoseconds(1)));
+        let mut p = progress(false, "");
+        p.started = Some(go_zero);
+        p.updated = Some(go_zero);
+        let d = observe(&new_op(0), Observation::Progress(p.clone()), HOUR, 10).unwrap();
         assert_eq!(d.next.phase, OperationPhase::New);
-        assert_eq!(d.next.started_ms, None);
+        assert_eq!((d.next.started_ms, d.next.plugin_updated_ms), (None, None));
+        assert_eq!(d.next.updated_ms, Some(10), "the agent saw a change");
+
+        let mut known = new_op(0);
+        known.phase = OperationPhase::InProgress;
+        known.started_ms = Some(500);
+        known.plugin_updated_ms = Some(700);
+        known.updated_ms = Some(700);
+        known.n_completed = 5;
+        known.n_total = 10;
+        known.operation_units = "byte".into();
+        assert_eq!(
+            observe(&known, Observation::Progress(p), HOUR, 20),
+            None,
+            "a zero time reported later changes nothing"
+        );
+    }
+
+    #[test]
+    fn the_plugins_updated_is_kept_apart_from_the_agents_change_time() {
+        let mut p = progress(false, "");
+        p.started = Some(at(500));
+        p.updated = Some(at(1_500));
+        let d = observe(&new_op(0), Observation::Progress(p.clone()), HOUR, 2_000).unwrap();
+        assert_eq!(d.next.plugin_updated_ms, Some(1_500));
+        assert_eq!(d.next.updated_ms, Some(1_500));
+        // An error changes the operation (updated) but not the plugin's updated.
+        let failed = observe(&d.next, Observation::Error("gone".into()), HOUR, 3_000).unwrap();
+        assert_eq!(failed.next.updated_ms, Some(3_000));
+        assert_eq!(failed.next.plugin_updated_ms, Some(1_500));
+        // The v1 adapter completes without a plugin time.
+        let v1 = observe(&new_op(0), Observation::V1Adapter, HOUR, 4_000).unwrap();
+        assert_eq!(
+            (v1.next.updated_ms, v1.next.plugin_updated_ms),
+            (Some(4_000), None)
+        );
+    }
+
+    #[test]
+    fn times_are_floored_to_the_millisecond_before_the_epoch_too() {
+        let mut p = progress(false, "");
+        p.started = Some(OffsetDateTime::UNIX_EPOCH - time::Duration::nanoseconds(1_500_000_500));
+        let d = observe(&new_op(0), Observation::Progress(p), HOUR, 10).unwrap();
+        assert_eq!(d.next.started_ms, Some(-1_501));
     }
 
     #[test]

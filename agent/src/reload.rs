@@ -54,14 +54,14 @@ pub async fn reload(core: &Core, running: &mut Running, reload: &Reload) {
 }
 
 async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
-    let new = match reload.command_line.resolve() {
+    let mut new = match reload.command_line.resolve() {
         Ok(settings) => settings,
         Err(e) => {
             tracing::error!("reload refused, the running configuration is unchanged: {e}");
             return;
         }
     };
-    for s in &new.snapshotters {
+    for s in &mut new.snapshotters {
         if let Err(e) = api::check_snapshotter(s) {
             tracing::error!(
                 "reload refused, the running configuration is unchanged: config snapshotter {}: {e}",
@@ -85,7 +85,7 @@ async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
             Err(e) => tracing::error!("reload: log_level {:?} not applied: {e}", new.log_level),
         }
     }
-    for s in &new.snapshotters {
+    for s in &mut new.snapshotters {
         let before = running.snapshotters.iter().find(|r| r.name == s.name);
         if before == Some(s) {
             continue;

@@ -59,7 +59,8 @@ impl Storage {
         self.root.join(dir).join(name).join(file)
     }
 
-    /// Writes the owner's records as a gzipped JSON array, atomically.
+    /// Writes the owner's records as a gzipped JSON array, atomically, with the bytes
+    /// Velero's own encoder would write for them (see [`crate::gojson`]).
     pub fn write_item_operations(
         &self,
         kind: OwnerKind,
@@ -72,7 +73,7 @@ impl Storage {
             // whole blocks rather than one call per fragment.
             let gz = GzEncoder::new(out, Compression::new(6));
             let mut json = BufWriter::with_capacity(64 * 1024, gz);
-            serde_json::to_writer(&mut json, records)?;
+            crate::gojson::encode(&mut json, records)?;
             json.into_inner().map_err(|e| e.into_error())?.finish()?;
             Ok(())
         })?;

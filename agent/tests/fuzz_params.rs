@@ -50,7 +50,7 @@ use serde_json::{json, Map, Value};
 const OWNER_METHODS: &[(OwnerMethod, &[&str])] = &[
     (
         OwnerMethod::Start,
-        &["name", "uid", "itemOperationTimeout", "finalize"],
+        &["name", "uid", "itemOperationTimeout", "finalize", "object"],
     ),
     (OwnerMethod::AddOperations, &["name", "operations"]),
     (
@@ -163,7 +163,13 @@ fn knobs() -> impl Strategy<Value = Knobs> {
 }
 
 const NAMES: &[&str] = &["b", "r", "x.y-1", "nightly-2024"];
-const PLUGINS: &[&str] = &["example.io/v1", "example.io/cmd", "example.io/none"];
+const PLUGINS: &[&str] = &[
+    "example.io/v1",
+    "example.io/cmd",
+    "example.io/none",
+    // Legacy, mapped to velero.io/legacy.
+    "legacy",
+];
 const OWNER_PHASES: &[&str] = &[
     "InProgress",
     "WaitingForPluginOperations",
@@ -268,6 +274,7 @@ fn key(g: &mut Gen) -> String {
         "failed",
         "finalize",
         "itemOperationTimeout",
+        "created",
         "extra",
         "",
         "Name",
@@ -312,7 +319,7 @@ fn name(g: &mut Gen) -> Value {
 fn resource(g: &mut Gen) -> Value {
     let mut r = json!({
         "resource": g.pick(&["persistentvolumeclaims", "pods", "volumesnapshots"]),
-        "name": g.pick(&["data", "a", "vm-1-disk"]),
+        "name": g.pick(&["data", "a", "vm-1-disk", "system:aggregate-to-admin"]),
     });
     if g.chance(2) {
         r["namespace"] = json!(g.pick(&["app", "ns"]));
@@ -334,6 +341,13 @@ fn new_operation(g: &mut Gen) -> Value {
     });
     if g.chance(2) {
         op["postOperationItems"] = (0..g.below(3)).map(|_| resource(g)).collect();
+    }
+    if g.chance(3) {
+        op["created"] = json!(g.pick(&[
+            "2024-01-01T00:00:00Z",
+            "1970-01-01T00:00:00.5Z",
+            "2026-01-01T12:00:00.123456789+02:00",
+        ]));
     }
     op
 }
@@ -361,6 +375,9 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             if restore && g.chance(2) {
                 p["finalize"] = json!(g.chance(2));
+            }
+            if g.chance(3) {
+                p["object"] = json!({"kind": "Backup", "metadata": {"namespace": "velero"}});
             }
             p
         }

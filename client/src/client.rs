@@ -41,6 +41,7 @@
 //!             },
 //!             operation_id: "copy-42".into(),
 //!             post_operation_items: vec![],
+//!             created: None,
 //!         }],
 //!     )
 //!     .await?;
@@ -544,7 +545,7 @@ impl<'a> Owners<'a> {
         self.call(OwnerMethod::Start, params).await
     }
 
-    /// `addOperations`: idempotent; a repeat counts the operations as `alreadyKnown`.
+    /// `addOperations`: idempotent on (plugin, operationId, item).
     pub async fn add_operations(
         &self,
         name: &str,

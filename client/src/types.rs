@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -188,6 +189,11 @@ pub struct PluginRef {
 }
 
 /// What a snapshotter reports for one operation (seeds/001 `OperationProgress`).
+///
+/// `started` and `updated` follow Velero: absent, `null` or Go's zero time
+/// (`0001-01-01T00:00:00Z`, what a Go `time.Time{}` encodes to) mean unknown; any other
+/// time, the Unix epoch included, is a time (an operation reporting a `started` moves
+/// from New to InProgress).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct OperationProgress {
@@ -199,7 +205,7 @@ pub struct OperationProgress {
     pub n_total: i64,
     pub operation_units: String,
     pub description: String,
-    /// When the operation started; absent (or the Unix epoch) if unknown.
+    /// When the operation started; absent (or Go's zero time) if unknown.
     #[serde(
         with = "time::serde::rfc3339::option",
         skip_serializing_if = "Option::is_none"
@@ -226,12 +232,21 @@ pub struct Operation {
     pub n_total: i64,
     pub operation_units: String,
     pub description: String,
+    /// When the plugin returned the operation (`addOperations`' `created`, else when the
+    /// agent was told); the item operation timeout counts from it.
     #[serde(with = "time::serde::rfc3339")]
     pub created: Timestamp,
+    /// When the plugin said the operation started.
     #[serde(with = "time::serde::rfc3339::option")]
     pub started: Option<Timestamp>,
+    /// When the operation last changed: the plugin's `updated` when it reported one with
+    /// the change, else when the agent saw the change.
     #[serde(with = "time::serde::rfc3339::option")]
     pub updated: Option<Timestamp>,
+    /// The `updated` the plugin last reported, unknown until it reports one: what the
+    /// item-operations file (and `itemOperations`) calls `updated`, as Velero does.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub plugin_updated: Option<Timestamp>,
 }
 
 /// Which backup server started an owner, and which run of it: `name` says which server
@@ -306,6 +321,13 @@ pub struct StartParams {
     /// the agent's `restore_finalize` setting decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finalize: Option<bool>,
+    /// The backup server's own representation of the backup or restore (for Velero, the
+    /// Backup or Restore object as JSON): a JSON object of at most
+    /// [`crate::validate::MAX_OWNER_OBJECT_BYTES`] serialized. Stored with the owner and
+    /// passed to the snapshotters in every Progress and Cancel, as Velero passes the
+    /// Backup or Restore to its plugins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<serde_json::Value>,
     /// The backup server starting it, so that `server.started` of a later instance of
     /// that server fails it if it is still InProgress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -341,11 +363,21 @@ pub struct FailedOwner {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NewOperation {
+    /// `domain/name`; a legacy name without `/` means `velero.io/<name>`, as in Velero.
     pub plugin: PluginRef,
     pub resource: ResourceIdentifier,
     pub operation_id: String,
     #[serde(default)]
     pub post_operation_items: Vec<ResourceIdentifier>,
+    /// When the plugin returned the operation; the item operation timeout counts from
+    /// it. Defaults to when the agent is told; at most a few minutes ahead of the agent's
+    /// clock.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub created: Option<Timestamp>,
 }
 
 /// `*.addOperations` params.
@@ -512,8 +544,9 @@ pub struct FinalizeParams {
     pub warnings: u32,
 }
 
-fn is_zero(n: &u32) -> bool {
-    *n == 0
+/// For `skip_serializing_if`: a count or size that is zero is left out.
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 /// `*.finalize` result. A repeated `finalize` returns the first one's result again.
@@ -581,19 +614,26 @@ pub struct OwnerRef {
     pub kind: OwnerKind,
     pub name: String,
     pub uid: String,
+    /// The backup server's representation of the owner, as `start` was given it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object: Option<serde_json::Value>,
 }
 
 /// Params of the snapshotter protocol's `operation.progress` and `operation.cancel`.
+///
+/// The owner is shared: every operation of an owner polled together points at one
+/// [`OwnerRef`], so its `object` (up to 64 KiB) is held once, not once per operation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct OperationRef {
     pub plugin: PluginRef,
     pub operation_id: String,
-    pub owner: OwnerRef,
+    pub owner: Arc<OwnerRef>,
 }
 
 /// Velero's `ResourceIdentifier` as it appears in `-itemoperations.json.gz`: a Go
-/// struct without JSON tags, so the keys are the capitalised field names.
+/// struct without JSON tags (embedding `schema.GroupResource`), so the keys are the
+/// capitalised field names, in this order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VeleroResourceIdentifier {
     #[serde(rename = "Group")]
@@ -617,7 +657,8 @@ impl From<&ResourceIdentifier> for VeleroResourceIdentifier {
     }
 }
 
-/// The `spec` of a backup's item-operation record (seeds/001).
+/// The `spec` of a backup's item-operation record: Velero's `BackupOperationSpec`,
+/// field for field and in its order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct BackupOperationSpec {
@@ -628,10 +669,15 @@ pub struct BackupOperationSpec {
     pub resource_identifier: VeleroResourceIdentifier,
     #[serde(rename = "operationID")]
     pub operation_id: String,
-    pub post_operation_items: Vec<VeleroResourceIdentifier>,
+    /// `null` when the plugin returned none: Velero's is a Go slice that its plugin
+    /// client leaves nil when the list is empty, and Go writes a nil slice as `null`.
+    #[serde(default)]
+    pub post_operation_items: Option<Vec<VeleroResourceIdentifier>>,
 }
 
-/// The `spec` of a restore's item-operation record.
+/// The `spec` of a restore's item-operation record: Velero's `RestoreOperationSpec`,
+/// which has no post-operation items (a decoder refusing unknown fields would reject
+/// the key).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RestoreOperationSpec {
@@ -642,7 +688,6 @@ pub struct RestoreOperationSpec {
     pub resource_identifier: VeleroResourceIdentifier,
     #[serde(rename = "operationID")]
     pub operation_id: String,
-    pub post_operation_items: Vec<VeleroResourceIdentifier>,
 }
 
 /// A record's spec: the backup or the restore form.
@@ -653,25 +698,66 @@ pub enum ItemOperationSpec {
     Restore(RestoreOperationSpec),
 }
 
-/// The `status` of an item-operation record.
+/// Times in item-operation records as Velero writes them (apimachinery's
+/// `metav1.Time`): RFC 3339 in UTC at second precision, `2026-11-22T09:57:45Z`, the
+/// fraction cut off. Any RFC 3339 time is read.
+mod velero_time {
+    use serde::{Deserializer, Serializer};
+    use time::OffsetDateTime;
+
+    pub fn format(t: OffsetDateTime) -> String {
+        let t = t.to_offset(time::UtcOffset::UTC);
+        format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        )
+    }
+
+    pub fn serialize<S: Serializer>(t: &Option<OffsetDateTime>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.serialize_str(&format(*t)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<OffsetDateTime>, D::Error> {
+        time::serde::rfc3339::option::deserialize(d)
+    }
+}
+
+/// The `status` of an item-operation record: Velero's `OperationStatus`, whose fields
+/// are all `omitempty`: an empty error, a zero count, an unknown time are left out.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ItemOperationStatus {
     pub phase: OperationPhase,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub error: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub n_completed: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub n_total: i64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub operation_units: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub description: String,
-    #[serde(with = "time::serde::rfc3339::option")]
+    #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
     pub created: Option<Timestamp>,
-    #[serde(with = "time::serde::rfc3339::option")]
+    #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
     pub started: Option<Timestamp>,
-    #[serde(with = "time::serde::rfc3339::option")]
+    /// The plugin's own `updated` (not when the agent saw a change).
+    #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
     pub updated: Option<Timestamp>,
 }
 
-/// One record of `-itemoperations.json.gz`, and of `*.itemOperations`.
+/// One record of `-itemoperations.json.gz`, and of `*.itemOperations` (the same shape).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ItemOperation {
     pub spec: ItemOperationSpec,
@@ -682,7 +768,6 @@ impl ItemOperation {
     /// The record of `op` as Velero writes it for `owner`.
     pub fn from_operation(owner: &Owner, op: &Operation) -> Self {
         let resource_identifier = VeleroResourceIdentifier::from(&op.resource);
-        let post_operation_items = op.post_operation_items.iter().map(Into::into).collect();
         let spec = match owner.kind {
             OwnerKind::Backup => ItemOperationSpec::Backup(BackupOperationSpec {
                 backup_name: owner.name.clone(),
@@ -690,7 +775,8 @@ impl ItemOperation {
                 backup_item_action: op.plugin.name.clone(),
                 resource_identifier,
                 operation_id: op.operation_id.clone(),
-                post_operation_items,
+                post_operation_items: (!op.post_operation_items.is_empty())
+                    .then(|| op.post_operation_items.iter().map(Into::into).collect()),
             }),
             OwnerKind::Restore => ItemOperationSpec::Restore(RestoreOperationSpec {
                 restore_name: owner.name.clone(),
@@ -698,7 +784,6 @@ impl ItemOperation {
                 restore_item_action: op.plugin.name.clone(),
                 resource_identifier,
                 operation_id: op.operation_id.clone(),
-                post_operation_items,
             }),
         };
         ItemOperation {
@@ -712,7 +797,7 @@ impl ItemOperation {
                 description: op.description.clone(),
                 created: Some(op.created),
                 started: op.started,
-                updated: op.updated,
+                updated: op.plugin_updated,
             },
         }
     }
@@ -738,6 +823,101 @@ mod tests {
         assert!(WaitUntil::ReadyToFinalize.is_reached(OwnerPhase::Completed));
         assert!(!WaitUntil::ReadyToFinalize.is_reached(OwnerPhase::WaitingForPluginOperations));
         assert!(!WaitUntil::Terminal.is_reached(OwnerPhase::FinalizingPartiallyFailed));
+    }
+
+    fn identifier(name: &str) -> VeleroResourceIdentifier {
+        VeleroResourceIdentifier {
+            group: String::new(),
+            resource: "persistentvolumeclaims".into(),
+            namespace: "app".into(),
+            name: name.into(),
+        }
+    }
+
+    fn status(phase: OperationPhase) -> ItemOperationStatus {
+        ItemOperationStatus {
+            phase,
+            error: String::new(),
+            n_completed: 0,
+            n_total: 0,
+            operation_units: String::new(),
+            description: String::new(),
+            created: Some(time::macros::datetime!(2026-11-22 09:57:45.999 UTC)),
+            started: None,
+            updated: None,
+        }
+    }
+
+    #[test]
+    fn item_operation_records_leave_out_what_velero_leaves_out() {
+        let backup = ItemOperation {
+            spec: ItemOperationSpec::Backup(BackupOperationSpec {
+                backup_name: "b".into(),
+                backup_uid: "u".into(),
+                backup_item_action: "velero.io/csi".into(),
+                resource_identifier: identifier("data"),
+                operation_id: "op".into(),
+                post_operation_items: None,
+            }),
+            status: status(OperationPhase::New),
+        };
+        assert_eq!(
+            serde_json::to_string(&backup).unwrap(),
+            r#"{"spec":{"backupName":"b","backupUID":"u","backupItemAction":"velero.io/csi","resourceIdentifier":{"Group":"","Resource":"persistentvolumeclaims","Namespace":"app","Name":"data"},"operationID":"op","postOperationItems":null},"status":{"phase":"New","created":"2026-11-22T09:57:45Z"}}"#
+        );
+        let mut full = status(OperationPhase::Failed);
+        full.error = "e".into();
+        full.n_completed = 1;
+        full.n_total = 2;
+        full.operation_units = "byte".into();
+        full.description = "d".into();
+        full.started = Some(OffsetDateTime::UNIX_EPOCH);
+        full.updated = Some(time::macros::datetime!(2026-11-22 11:57:45.5 +02:00));
+        let restore = ItemOperation {
+            spec: ItemOperationSpec::Restore(RestoreOperationSpec {
+                restore_name: "r".into(),
+                restore_uid: "u".into(),
+                restore_item_action: "velero.io/csi".into(),
+                resource_identifier: identifier("data"),
+                operation_id: "op".into(),
+            }),
+            status: full,
+        };
+        let json = serde_json::to_string(&restore).unwrap();
+        assert_eq!(
+            json,
+            r#"{"spec":{"restoreName":"r","restoreUID":"u","restoreItemAction":"velero.io/csi","resourceIdentifier":{"Group":"","Resource":"persistentvolumeclaims","Namespace":"app","Name":"data"},"operationID":"op"},"status":{"phase":"Failed","error":"e","nCompleted":1,"nTotal":2,"operationUnits":"byte","description":"d","created":"2026-11-22T09:57:45Z","started":"1970-01-01T00:00:00Z","updated":"2026-11-22T09:57:45Z"}}"#
+        );
+        // Records read back (the client of `itemOperations` does so), times at seconds.
+        let back: ItemOperation = serde_json::from_str(&json).unwrap();
+        assert!(matches!(back.spec, ItemOperationSpec::Restore(_)));
+        assert_eq!(
+            back.status.created,
+            Some(time::macros::datetime!(2026-11-22 09:57:45 UTC))
+        );
+        let back: ItemOperation =
+            serde_json::from_str(&serde_json::to_string(&backup).unwrap()).unwrap();
+        assert_eq!(back, {
+            let mut b = backup.clone();
+            b.status.created = Some(time::macros::datetime!(2026-11-22 09:57:45 UTC));
+            b
+        });
+    }
+
+    #[test]
+    fn velero_times_are_cut_to_the_second_not_rounded() {
+        assert_eq!(
+            velero_time::format(time::macros::datetime!(1999-12-31 23:59:59.999 UTC)),
+            "1999-12-31T23:59:59Z"
+        );
+        assert_eq!(
+            velero_time::format(time::macros::datetime!(0001-01-01 00:00:00 UTC)),
+            "0001-01-01T00:00:00Z"
+        );
+        assert_eq!(
+            velero_time::format(time::macros::datetime!(1969-12-31 23:59:59.5 UTC)),
+            "1969-12-31T23:59:59Z"
+        );
     }
 
     #[test]

@@ -295,6 +295,7 @@ pub fn operation(plugin: &str, id: &str, item: &str, post: &[&str]) -> NewOperat
         resource: pvc(item),
         operation_id: id.into(),
         post_operation_items: post.iter().map(|p| pvc(p)).collect(),
+        created: None,
     }
 }
 

@@ -95,7 +95,7 @@ async fn each_bad_request_gets_its_error_and_leaves_connection_and_state_intact(
         (
             request("backup.addOperations", json!({"name": "b", "operations": [operation(PLUGIN, "ok-2", "../etc", &[])]})),
             -32602,
-            "operations[0].resource.name: must be a DNS subdomain (lowercase letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters)".into(),
+            "operations[0].resource.name: must not contain '/' (a Kubernetes name is a path segment: no '/', '%' or control characters)".into(),
         ),
         (
             request("backup.get", json!({"nmae": "b"})),

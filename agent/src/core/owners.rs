@@ -79,6 +79,8 @@ impl Core {
             OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
         let now = now_ms();
+        // Serialized once here; the store keeps the text and polls parse it per owner.
+        let object = p.object.as_ref().map(|o| o.to_string());
         let owner = self
             .write(move |conn| {
                 if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
@@ -101,6 +103,7 @@ impl Core {
                     timeout,
                     finalize,
                     server: p.server.as_ref(),
+                    object: object.as_deref(),
                 };
                 let id = queries::insert_owner(conn, &new, now)?;
                 reload(conn, id)
@@ -111,7 +114,7 @@ impl Core {
         Ok(owner)
     }
 
-    /// `addOperations`: only while InProgress; idempotent on (plugin, operationId).
+    /// `addOperations`: only while InProgress; idempotent on (plugin, operationId, item).
     pub async fn add_operations(
         &self,
         kind: OwnerKind,

@@ -23,6 +23,11 @@ use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 /// Operations polled and committed together in one sweep step; bounds the memory a
 /// sweep holds and the size of one transaction.
 const SWEEP_CHUNK: usize = 4096;
+/// Most owner-object bytes sent in one Progress call (a JSON-RPC batch repeats the
+/// owner's object in each request). With the default batch of 256 and objects of 64 KiB
+/// a batch would pass 16 MiB, the SDK server's default request limit, and be refused
+/// whole; calls are split to stay under this instead. Small objects change nothing.
+const MAX_OBJECT_BYTES_PER_CALL: usize = 4 << 20;
 
 /// A decided change to one operation, waiting to be committed.
 pub(super) struct Change {
@@ -30,12 +35,32 @@ pub(super) struct Change {
     pub next: OperationState,
 }
 
+/// The params of a Progress or Cancel call. The owner (with its object) is shared with
+/// the target, not copied: a sweep holds each owner's object once.
 fn operation_ref(t: &PollTarget) -> OperationRef {
     OperationRef {
         plugin: t.plugin.clone(),
         operation_id: t.operation_id.clone(),
-        owner: (*t.owner).clone(),
+        owner: t.owner.clone(),
     }
+}
+
+/// Splits `targets` into runs whose owner objects add up to at most
+/// [`MAX_OBJECT_BYTES_PER_CALL`] (at least one target each).
+fn by_object_bytes(targets: &[PollTarget]) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, t) in targets.iter().enumerate() {
+        if i > start && bytes + t.object_bytes > MAX_OBJECT_BYTES_PER_CALL {
+            runs.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += t.object_bytes;
+    }
+    if start < targets.len() {
+        runs.push(start..targets.len());
+    }
+    runs
 }
 
 /// Groups targets by the plugin (and so the snapshotter) that owns them.
@@ -140,7 +165,15 @@ impl Core {
             Some(remote) => {
                 let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
                 let began = std::time::Instant::now();
-                let answers = remote.progress(&refs).await;
+                // The remote bounds its own calls in flight; the runs only bound sizes.
+                let runs = by_object_bytes(&targets);
+                let answers: Vec<_> = futures::future::join_all(
+                    runs.into_iter().map(|run| remote.progress(&refs[run])),
+                )
+                .await
+                .into_iter()
+                .flatten()
+                .collect();
                 let errors = answers.iter().filter(|a| a.is_err()).count();
                 self.metrics
                     .polled(plugin, answers.len(), errors, began.elapsed());
@@ -397,5 +430,46 @@ impl Core {
         self.spawn_expiry();
         self.poll_now.notify_one();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opmon_client::{PluginKind, PluginRef};
+
+    fn target(object_bytes: usize) -> PollTarget {
+        PollTarget {
+            row: 1,
+            owner_row: 1,
+            owner: Arc::new(OwnerRef {
+                kind: OwnerKind::Backup,
+                name: "b".into(),
+                uid: "u".into(),
+                object: None,
+            }),
+            object_bytes,
+            timeout_ms: 1,
+            plugin: PluginRef {
+                kind: PluginKind::BackupItemAction,
+                name: "a.io/b".into(),
+            },
+            operation_id: "op".into(),
+            state: OperationState::default(),
+        }
+    }
+
+    #[test]
+    fn calls_carry_at_most_4_mib_of_owner_objects_and_at_least_one_operation() {
+        let none: Vec<PollTarget> = (0..1000).map(|_| target(0)).collect();
+        assert_eq!(by_object_bytes(&none), vec![0..none.len()]);
+        let big: Vec<PollTarget> = (0..300).map(|_| target(64 * 1024)).collect();
+        let runs = by_object_bytes(&big);
+        assert_eq!(runs.len(), 5);
+        assert!(runs.iter().all(|r| r.len() <= 64), "{runs:?}");
+        assert_eq!(runs.iter().map(|r| r.len()).sum::<usize>(), 300);
+        let huge = [target(5 << 20), target(5 << 20), target(1)];
+        assert_eq!(by_object_bytes(&huge), [0..1, 1..2, 2..3]);
+        assert!(by_object_bytes(&[]).is_empty());
     }
 }

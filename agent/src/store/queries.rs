@@ -2,7 +2,7 @@
 //! `&Connection`, so the same function serves a read connection and a write job.
 //! Times are stored as Unix milliseconds; JSON columns hold resource lists.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use opmon_client::{
@@ -22,7 +22,7 @@ pub fn time_of(ms: i64) -> OffsetDateTime {
 
 /// Milliseconds since the Unix epoch of `t`.
 pub fn ms_of(t: OffsetDateTime) -> i64 {
-    (t.unix_timestamp_nanos() / 1_000_000) as i64
+    t.unix_timestamp_nanos().div_euclid(1_000_000) as i64
 }
 
 fn parse_column<T: std::str::FromStr<Err = String>>(
@@ -128,7 +128,8 @@ pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerR
     stmt.query_row([id], owner_from_row).optional()
 }
 
-/// What `insert_owner` needs to create an owner.
+/// What a new owner is created with.
+#[derive(Clone, Copy, Debug)]
 pub struct NewOwner<'a> {
     pub kind: OwnerKind,
     pub name: &'a str,
@@ -136,14 +137,16 @@ pub struct NewOwner<'a> {
     pub timeout: GoDuration,
     pub finalize: bool,
     pub server: Option<&'a ServerRef>,
+    /// The backup server's representation of the owner, serialized.
+    pub object: Option<&'a str>,
 }
 
 /// Creates an owner in InProgress; returns its row id. Its creation is its first call.
 pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlite::Result<i64> {
     let mut stmt = conn.prepare_cached(
         "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
-         server_name, server_instance, created_ms, updated_ms, last_call_ms) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9)",
+         server_name, server_instance, object, created_ms, updated_ms, last_call_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?10)",
     )?;
     stmt.execute(params![
         o.kind.as_str(),
@@ -154,6 +157,7 @@ pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlit
         o.finalize,
         o.server.map(|s| s.name.as_str()).unwrap_or(""),
         o.server.map(|s| s.instance.as_str()),
+        o.object,
         now_ms
     ])?;
     Ok(conn.last_insert_rowid())
@@ -354,8 +358,11 @@ pub fn records_due(
     rows.collect()
 }
 
-/// Adds operations (New), ignoring ones already known by (plugin, operationId), and
-/// counts them on the owner. Returns the rows of the added ones.
+/// Adds operations (New), ignoring ones already known, and counts them on the owner.
+/// An operation is known by its plugin (kind and name), its operation ID and its item
+/// (migration 8): the same ID on another item is another operation, as in Velero, and
+/// a retried call adds nothing twice. Returns the rows of the added ones. Each is
+/// created at its own `created`, else at `now_ms`.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
@@ -380,7 +387,7 @@ pub fn insert_operations(
             r.name,
             op.operation_id,
             to_json(&op.post_operation_items),
-            now_ms
+            op.created.map(ms_of).unwrap_or(now_ms)
         ])?;
         if inserted > 0 {
             added.push(conn.last_insert_rowid());
@@ -396,7 +403,8 @@ pub fn insert_operations(
 
 const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
      res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
-     n_total, operation_units, description, created_ms, started_ms, updated_ms";
+     n_total, operation_units, description, created_ms, started_ms, updated_ms, \
+     plugin_updated_ms";
 
 fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
     Ok(Operation {
@@ -421,6 +429,7 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         created: time_of(row.get(14)?),
         started: row.get::<_, Option<i64>>(15)?.map(time_of),
         updated: row.get::<_, Option<i64>>(16)?.map(time_of),
+        plugin_updated: row.get::<_, Option<i64>>(17)?.map(time_of),
     })
 }
 
@@ -500,6 +509,9 @@ pub struct PollTarget {
     pub row: i64,
     pub owner_row: i64,
     pub owner: Arc<OwnerRef>,
+    /// The size of the owner's object, serialized (0 without one): what every call
+    /// about this operation carries besides its own few hundred bytes.
+    pub object_bytes: usize,
     pub timeout_ms: i64,
     pub plugin: PluginRef,
     pub operation_id: String,
@@ -530,11 +542,41 @@ pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String
     rows.collect()
 }
 
-/// The unfinished operations selected by `which`.
+/// The owner an operation is polled for, as the snapshotter protocol passes it, with
+/// its `object` parsed, and the object's size.
+fn owner_ref(
+    conn: &Connection,
+    row: &Row<'_>,
+    owner_row: i64,
+) -> rusqlite::Result<(OwnerRef, usize)> {
+    // Read by a statement of its own, once per owner: a page of targets holds an owner's
+    // object once, however many of its operations it holds.
+    let object: Option<String> = conn
+        .prepare_cached("SELECT object FROM owners WHERE id = ?1")?
+        .query_row([owner_row], |r| r.get(0))?;
+    let bytes = object.as_ref().map_or(0, String::len);
+    let object = match object {
+        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
+        })?),
+        None => None,
+    };
+    let owner = OwnerRef {
+        kind: parse_column(row, 2)?,
+        name: row.get(3)?,
+        uid: row.get(4)?,
+        object,
+    };
+    Ok((owner, bytes))
+}
+
+/// The unfinished operations selected by `which`. Targets of one owner share one
+/// [`OwnerRef`].
 pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Vec<PollTarget>> {
     const COLUMNS: &str = "o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
          o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
-         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms";
+         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms, \
+         o.plugin_updated_ms";
     let (mut stmt, mut rows);
     match which {
         Targets::Owner(id) => {
@@ -560,27 +602,23 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         }
     }
     let mut targets = Vec::new();
-    let mut last_owner: Option<Arc<OwnerRef>> = None;
+    let mut owners: HashMap<i64, (Arc<OwnerRef>, usize)> = HashMap::new();
     while let Some(row) = rows.next()? {
         let owner_row: i64 = row.get(1)?;
-        let kind: OwnerKind = parse_column(row, 2)?;
-        let name: String = row.get(3)?;
-        let owner = match &last_owner {
-            Some(o) if o.kind == kind && o.name == name => o.clone(),
-            _ => {
-                let o = Arc::new(OwnerRef {
-                    kind,
-                    name,
-                    uid: row.get(4)?,
-                });
-                last_owner = Some(o.clone());
-                o
+        let (owner, object_bytes) = match owners.get(&owner_row) {
+            Some((o, bytes)) => (o.clone(), *bytes),
+            None => {
+                let (o, bytes) = owner_ref(conn, row, owner_row)?;
+                let o = Arc::new(o);
+                owners.insert(owner_row, (o.clone(), bytes));
+                (o, bytes)
             }
         };
         targets.push(PollTarget {
             row: row.get(0)?,
             owner_row,
             owner,
+            object_bytes,
             timeout_ms: row.get(5)?,
             plugin: PluginRef {
                 kind: parse_column::<PluginKind>(row, 6)?,
@@ -597,6 +635,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                 created_ms: row.get(15)?,
                 started_ms: row.get(16)?,
                 updated_ms: row.get(17)?,
+                plugin_updated_ms: row.get(18)?,
             },
         });
     }
@@ -616,8 +655,8 @@ pub fn update_operation(
     let changed = if phase_changed {
         conn.prepare_cached(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
-             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
-             WHERE id = ?1 AND phase IN ('New', 'InProgress')",
+             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ('New', 'InProgress')",
         )?
         .execute(params![
             row,
@@ -628,13 +667,14 @@ pub fn update_operation(
             s.operation_units,
             s.description,
             s.started_ms,
-            s.updated_ms
+            s.updated_ms,
+            s.plugin_updated_ms
         ])?
     } else {
         conn.prepare_cached(
             "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
-             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9 \
-             WHERE id = ?1 AND phase = ?2",
+             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+             plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2",
         )?
         .execute(params![
             row,
@@ -645,7 +685,8 @@ pub fn update_operation(
             s.operation_units,
             s.description,
             s.started_ms,
-            s.updated_ms
+            s.updated_ms,
+            s.plugin_updated_ms
         ])?
     };
     Ok(changed > 0)

@@ -107,6 +107,62 @@ pub const MIGRATIONS: &[&str] = &[
         kind TEXT NOT NULL CHECK (kind IN ('backup', 'restore')),
         name TEXT NOT NULL
     );",
+    // 8: an operation is known by its item too: two items whose plugin returned the same
+    // operation ID are two operations, as in Velero. SQLite cannot change a table's
+    // UNIQUE constraint in place, so the table is rebuilt (rows, ids and so order kept);
+    // dropping the old table drops its indexes and trigger, which are made again as
+    // migrations 1, 5 and 6 made them. Nothing references `operations`, so the drop
+    // cascades nowhere. Also: the plugin's own `updated` (the item-operations file's
+    // `updated`; `updated_ms` stays the agent's time of the last change), filled from
+    // `updated_ms` so the file reads as before the upgrade; and each owner's `object`,
+    // the backup server's representation of it, passed to snapshotters. Only columns
+    // of migrations 1 to 6 are touched, so this applies after migration 7 or without it.
+    "ALTER TABLE owners ADD COLUMN object TEXT;
+    CREATE TABLE operations_v8 (
+        id INTEGER PRIMARY KEY,
+        owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
+        plugin_kind TEXT NOT NULL,
+        plugin_name TEXT NOT NULL,
+        res_group TEXT NOT NULL,
+        res_resource TEXT NOT NULL,
+        res_namespace TEXT NOT NULL,
+        res_name TEXT NOT NULL,
+        operation_id TEXT NOT NULL,
+        post_operation_items TEXT NOT NULL DEFAULT '[]',
+        phase TEXT NOT NULL DEFAULT 'New',
+        error TEXT NOT NULL DEFAULT '',
+        n_completed INTEGER NOT NULL DEFAULT 0,
+        n_total INTEGER NOT NULL DEFAULT 0,
+        operation_units TEXT NOT NULL DEFAULT '',
+        description TEXT NOT NULL DEFAULT '',
+        created_ms INTEGER NOT NULL,
+        started_ms INTEGER,
+        updated_ms INTEGER,
+        plugin_updated_ms INTEGER,
+        UNIQUE (owner_id, plugin_kind, plugin_name, operation_id, res_group, res_resource,
+            res_namespace, res_name)
+    );
+    INSERT INTO operations_v8 (id, owner_id, plugin_kind, plugin_name, res_group,
+        res_resource, res_namespace, res_name, operation_id, post_operation_items, phase,
+        error, n_completed, n_total, operation_units, description, created_ms, started_ms,
+        updated_ms, plugin_updated_ms)
+    SELECT id, owner_id, plugin_kind, plugin_name, res_group, res_resource, res_namespace,
+        res_name, operation_id, post_operation_items, phase, error, n_completed, n_total,
+        operation_units, description, created_ms, started_ms, updated_ms, updated_ms
+    FROM operations;
+    DROP TABLE operations;
+    ALTER TABLE operations_v8 RENAME TO operations;
+    CREATE INDEX operations_by_owner_phase ON operations (owner_id, phase);
+    CREATE INDEX operations_unfinished_by_plugin ON operations (plugin_name, id)
+        WHERE phase IN ('New', 'InProgress');
+    CREATE TRIGGER operations_counted_on_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE owners SET
+            n_completed = n_completed + (NEW.phase = 'Completed') - (OLD.phase = 'Completed'),
+            n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
+        WHERE id = NEW.owner_id;
+    END;",
 ];
 
 /// The schema version this agent writes.

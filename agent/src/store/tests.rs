@@ -9,15 +9,16 @@ use rusqlite::Connection;
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, Store, StoreError};
 
-/// A backup as `start` creates it.
-fn new_backup(name: &str) -> queries::NewOwner<'_> {
+/// A backup named `name` as `start` creates it, without an object.
+fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
     queries::NewOwner {
         kind: OwnerKind::Backup,
         name,
         uid: "u",
-        timeout: GoDuration::from_secs(60),
+        timeout,
         finalize: true,
         server: None,
+        object: None,
     }
 }
 
@@ -67,14 +68,127 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
-    if version >= 6 {
-        // From version 6 on, agents count operations as they add them.
+    if version >= 1 {
+        // Progress recorded by a poll: the plugin's started and updated.
         conn.execute_batch(
-            "UPDATE owners SET n_operations = 3, n_completed = 1, n_failed = 1
-             WHERE name = 'old-backup';",
+            "UPDATE operations SET phase = 'InProgress', started_ms = 1500, updated_ms = 2000,
+                 n_completed = 5, n_total = 10
+             WHERE operation_id = 'op-1';",
         )
         .unwrap();
     }
+    if version >= 6 {
+        // From version 6 on, agents count each owner's operations as they add them (the
+        // trigger counts phase changes, which the rows above were inserted with).
+        conn.execute_batch(
+            "UPDATE owners SET n_operations = 3, n_completed = 1, n_failed = 1 WHERE id = 1;",
+        )
+        .unwrap();
+    }
+}
+
+/// What the identity migration must leave: every operation with its id, state and
+/// counts; the plugin's updated time taken from the one recorded; the new key; the
+/// trigger, the partial index and the owner index in place.
+fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
+    /// id, operation ID, phase, started, updated, the plugin's updated.
+    type Row = (i64, String, String, Option<i64>, Option<i64>, Option<i64>);
+    let rows: Vec<Row> = conn
+        .prepare(
+            "SELECT id, operation_id, phase, started_ms, updated_ms, plugin_updated_ms
+             FROM operations ORDER BY id",
+        )
+        .unwrap()
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (
+                1,
+                "op-1".into(),
+                "InProgress".into(),
+                Some(1500),
+                Some(2000),
+                Some(2000)
+            ),
+            (2, "op-2".into(), "Completed".into(), None, None, None),
+            (3, "op-3".into(), "Failed".into(), None, None, None),
+        ],
+        "operations from version {from}"
+    );
+    let ops = queries::operations(conn, 1, None).unwrap();
+    assert_eq!(ops[0].plugin_updated, Some(queries::time_of(2000)));
+    let mut names: Vec<String> = conn
+        .prepare(
+            "SELECT name FROM sqlite_master WHERE tbl_name = 'operations'
+             AND type IN ('index', 'trigger') AND name NOT LIKE 'sqlite_autoindex%'",
+        )
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "operations_by_owner_phase",
+            "operations_counted_on_phase",
+            "operations_unfinished_by_plugin"
+        ],
+        "from version {from}"
+    );
+    let partial: String = conn
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE name = 'operations_unfinished_by_plugin'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        partial.contains("WHERE phase IN ('New', 'InProgress')"),
+        "{partial}"
+    );
+    // The same operation ID on another item is another operation; on the same item it
+    // is the same one.
+    let insert = |name: &str| {
+        conn.execute(
+            "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group,
+                 res_resource, res_namespace, res_name, operation_id, created_ms)
+             VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', ?1, 'op-1', 1)",
+            [name],
+        )
+        .unwrap()
+    };
+    assert_eq!(insert("p"), 0, "op-1 on item p is known");
+    assert_eq!(insert("other"), 1, "op-1 on another item is new");
+    conn.execute("DELETE FROM operations WHERE res_name = 'other'", [])
+        .unwrap();
+    // The phase trigger counts again.
+    let counts = |conn: &Connection| {
+        let o = queries::owner_by_id(conn, 1).unwrap().unwrap().owner;
+        (o.operations_completed, o.operations_failed)
+    };
+    let before = counts(conn);
+    conn.execute("UPDATE operations SET phase = 'Completed' WHERE id = 1", [])
+        .unwrap();
+    assert_eq!(
+        counts(conn),
+        (before.0 + 1, before.1),
+        "from version {from}"
+    );
 }
 
 #[test]
@@ -132,6 +246,9 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         }
         if version >= 2 {
             assert_eq!(queries::snapshotters(&conn).unwrap().len(), 1);
+        }
+        if version >= 1 {
+            check_operations_after_identity_migration(&conn, version);
         }
         store.close();
     }
@@ -199,9 +316,11 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         },
         operation_id: id.into(),
         post_operation_items: Vec::new(),
+        created: None,
     };
-    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
-    let b = queries::insert_owner(&conn, &new_backup("b"), 1).unwrap();
+    let timeout = GoDuration::from_millis(60_000);
+    let a = queries::insert_owner(&conn, &backup("a", timeout), 1).unwrap();
+    let b = queries::insert_owner(&conn, &backup("b", timeout), 1).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
     let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
     // Already known: ignored, not counted twice.
@@ -354,8 +473,12 @@ async fn concurrent_writes_share_one_transaction() {
             tokio::spawn(async move {
                 store
                     .write(move |conn| {
-                        queries::insert_owner(conn, &new_backup(&format!("b{i}")), 0)
-                            .map_err(StoreError::from)
+                        queries::insert_owner(
+                            conn,
+                            &backup(&format!("b{i}"), GoDuration::from_secs(60)),
+                            0,
+                        )
+                        .map_err(StoreError::from)
                     })
                     .await
             })
@@ -387,7 +510,8 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)?;
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
+                        .map_err(StoreError::from)?;
                     if fail {
                         return Err(StoreError {
                             message: "refused".into(),
@@ -426,7 +550,8 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &new_backup(name), 0).map_err(StoreError::from)
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
+                        .map_err(StoreError::from)
                 })
                 .await
         })
@@ -506,7 +631,7 @@ fn a_records_mark_is_cleared_only_by_a_write_of_its_own_generation() {
     drop(Store::open(&db, |_, _| {}).unwrap());
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
-    let a = queries::insert_owner(&conn, &new_backup("a"), 1).unwrap();
+    let a = queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), 1).unwrap();
     assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
     queries::mark_records_due(&conn, a).unwrap();
     let read = queries::records_due_generation(&conn, a).unwrap().unwrap();
@@ -530,7 +655,7 @@ fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
     for (i, name) in ["c", "a", "b", "kept", "running"].iter().enumerate() {
-        let id = queries::insert_owner(&conn, &new_backup(name), 1).unwrap();
+        let id = queries::insert_owner(&conn, &backup(name, GoDuration::from_secs(60)), 1).unwrap();
         let mut row = queries::owner_by_id(&conn, id).unwrap().unwrap();
         if *name != "running" {
             row.owner.phase = OwnerPhase::Completed;

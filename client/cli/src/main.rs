@@ -187,6 +187,7 @@ async fn owner_command(
                         resource: render::parse_item(a.item.as_deref().unwrap_or_default())?,
                         operation_id: a.operation_id.clone().unwrap_or_default(),
                         post_operation_items,
+                        created: None,
                     }]
                 }
             };

@@ -331,7 +331,8 @@ fn describe_operation(out: &mut String, op: &Operation) {
     if let Some(t) = op.started {
         let _ = writeln!(out, "\t\tStarted:\t{}", velero_time(t));
     }
-    if let Some(t) = op.updated {
+    // Velero prints the plugin's own Updated (the agent's change time is its own).
+    if let Some(t) = op.plugin_updated {
         let _ = writeln!(out, "\t\tUpdated:\t{}", velero_time(t));
     }
     if let Some(rate) = rate_and_eta(op) {
@@ -504,6 +505,7 @@ mod tests {
             created: datetime!(2026-01-01 0:00 UTC),
             started: Some(datetime!(2026-01-01 0:00 UTC)),
             updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
+            plugin_updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
         }
     }
 
@@ -610,7 +612,7 @@ mod tests {
         failed.phase = OperationPhase::Failed;
         failed.error = "disk\u{1b}[2J gone\nforged".into();
         failed.started = None;
-        failed.updated = None;
+        failed.plugin_updated = None;
         let text = describe(
             &owner(opmon_client::OwnerKind::Backup, 2, 0, 1),
             Some(&[copying, failed]),
@@ -646,7 +648,7 @@ mod tests {
         restoring.plugin.kind = PluginKind::RestoreItemAction;
         restoring.operation_units = String::new();
         restoring.started = None;
-        restoring.updated = None;
+        restoring.plugin_updated = None;
         let summary = describe(&owner(opmon_client::OwnerKind::Restore, 1, 0, 0), None);
         assert!(summary.ends_with(
             "\nRestore Item Operations:  0 of 1 completed successfully, 0 failed (specify --details for more information)\n"

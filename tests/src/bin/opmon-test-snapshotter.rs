@@ -9,12 +9,15 @@
 //! | `failgate-` | like `gate-`, but completes with err `copy failed` |
 //! | `never-` | 50/100 bytes, started, never completes |
 //! | `evil-` | like `gate-`, with control characters (ESC, CR, LF, BEL) in its description and error; its Cancel fails with that error |
+//! | `odd-` | completed with an err and a description full of characters JSON encoders disagree on (`<>&`, U+2028, non-ASCII, a tab), no counts, started at the Unix epoch, updated at 2026-11-22T09:57:45.678Z |
+//! | `ctl-` | completed with an err holding a backspace and a form feed (which Go writes as `\b`, `\f` since 1.22 only) |
 //! | `unsupported-` | error 2001 OperationsNotSupported |
 //! | anything else | error 2002 InvalidOperationId |
 //!
 //! While the file `<gates>/HANG` exists, every call hangs, after `held progress ID` (or
 //! `held cancel ID`) is appended to the journal so a test knows the agent is waiting on
-//! it. Each call answered is appended to the journal file (`progress ID` or `cancel ID`)
+//! it. Each call answered is appended to the journal file (`progress ID OWNER` or
+//! `cancel ID OWNER`, then ` OBJECT` as compact JSON when the owner has an object)
 //! before it is answered, so tests can see what the agent asked and in which order.
 
 use std::io::Write;
@@ -39,7 +42,14 @@ struct Scripted {
 impl Scripted {
     fn record(&self, verb: &str, op: &OperationRef) {
         if let Ok(mut journal) = self.journal.lock() {
-            let _ = writeln!(journal, "{verb} {} {}", op.operation_id, op.owner.name);
+            let _ = match &op.owner.object {
+                None => writeln!(journal, "{verb} {} {}", op.operation_id, op.owner.name),
+                Some(object) => writeln!(
+                    journal,
+                    "{verb} {} {} {object}",
+                    op.operation_id, op.owner.name
+                ),
+            };
             let _ = journal.flush();
         }
     }
@@ -101,6 +111,21 @@ impl OperationHandler for Scripted {
             Ok(p)
         } else if id.starts_with("never-") {
             Ok(Self::progress(50, false, ""))
+        } else if id.starts_with("odd-") {
+            Ok(OperationProgress {
+                completed: true,
+                err: "copy <failed> & \"gave up\": ü 🦀 \u{2028}\tline\u{2029}".into(),
+                description: "<b>fast</b> & ☃".into(),
+                started: Some(OffsetDateTime::UNIX_EPOCH),
+                updated: Some(time::macros::datetime!(2026-11-22 09:57:45.678 UTC)),
+                ..OperationProgress::default()
+            })
+        } else if id.starts_with("ctl-") {
+            Ok(Self::progress(
+                1,
+                true,
+                "bell\u{7} back\u{8} feed\u{c} del\u{7f}",
+            ))
         } else if id.starts_with("unsupported-") {
             Err(SnapshotterError::OperationsNotSupported(format!(
                 "{id} is not mine"

@@ -208,7 +208,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         .await
         .map_err(|e| format!("snapshotter.register: {e}"))?;
     let name = "finalize-1".to_string();
-    start_backups(&client, std::slice::from_ref(&name)).await?;
+    start_backups(ctx, &client, std::slice::from_ref(&name)).await?;
     client
         .backups()
         .add_operations(&name, vec![operation(plugin, 0, 0)])

@@ -60,6 +60,11 @@ struct Args {
     /// Keep the working directory (databases, agent logs) after the run.
     #[arg(long)]
     keep: bool,
+    /// Start every backup with an owner `object` of about BYTES serialized (a Velero
+    /// Backup padded with annotations), which the agent then passes in every Progress
+    /// and Cancel call: what that costs a sweep.
+    #[arg(long, value_name = "BYTES")]
+    owner_object: Option<usize>,
     /// Extra environment for every agent started, KEY=VALUE (repeatable): for
     /// experiments such as MALLOC_ARENA_MAX=2.
     #[arg(long, value_name = "KEY=VALUE", value_parser = key_value)]
@@ -67,6 +72,35 @@ struct Args {
     /// Internal: be the rpc-rtt scenario's echo server process on SOCKET.
     #[arg(long, value_name = "SOCKET", hide = true)]
     echo_server: Option<PathBuf>,
+}
+
+/// A Velero Backup object of about `bytes` serialized: real fields, then annotations
+/// of 64-byte values to make up the size.
+fn owner_object(bytes: usize) -> serde_json::Value {
+    let mut object = serde_json::json!({
+        "apiVersion": "velero.io/v1",
+        "kind": "Backup",
+        "metadata": {
+            "name": "bench",
+            "namespace": "velero",
+            "uid": "8f6c0f2e-55b1-4a38-9d1e-1d2f3c4b5a69",
+            "labels": {"velero.io/storage-location": "default"},
+            "annotations": {}
+        },
+        "spec": {
+            "includedNamespaces": ["*"],
+            "storageLocation": "default",
+            "ttl": "720h0m0s",
+            "itemOperationTimeout": "4h0m0s"
+        }
+    });
+    let mut i = 0;
+    while object.to_string().len() + 80 <= bytes {
+        object["metadata"]["annotations"][format!("bench.example.io/pad-{i:04}")] =
+            serde_json::json!("x".repeat(64));
+        i += 1;
+    }
+    object
 }
 
 fn key_value(s: &str) -> Result<(String, String), String> {
@@ -162,6 +196,8 @@ pub struct Ctx {
     pub root: PathBuf,
     pub sizes: Sizes,
     pub quick: bool,
+    /// The `object` backups are started with (`--owner-object`).
+    pub owner_object: Option<serde_json::Value>,
 }
 
 impl Ctx {
@@ -344,6 +380,7 @@ async fn main() -> std::process::ExitCode {
         root: temp.path().to_path_buf(),
         sizes,
         quick: args.quick,
+        owner_object: args.owner_object.map(owner_object),
     };
     let mode = match (&args.soak, args.quick) {
         (Some(d), _) => format!("soak {d}"),

@@ -31,6 +31,7 @@ pub fn operation(plugin: &str, owner: usize, i: usize) -> NewOperation {
             mix(owner, i)
         ),
         post_operation_items: Vec::new(),
+        created: None,
     }
 }
 
@@ -59,11 +60,17 @@ pub fn uid(name: &str) -> String {
 }
 
 /// Starts backups `names` on `client`.
-pub async fn start_backups(client: &Client, names: &[String]) -> Result<(), String> {
+/// Starts `names`, with the owner object of `ctx` (`--owner-object`) if it has one.
+pub async fn start_backups(ctx: &Ctx, client: &Client, names: &[String]) -> Result<(), String> {
     for name in names {
         client
             .backups()
-            .start(name, &uid(name), None)
+            .start_with(opmon_client::StartParams {
+                name: name.clone(),
+                uid: uid(name),
+                object: ctx.owner_object.clone(),
+                ..opmon_client::StartParams::default()
+            })
             .await
             .map_err(|e| format!("backup.start {name}: {e}"))?;
     }
@@ -95,7 +102,7 @@ async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64), Stri
     let (mut agent, _) = spec.start().await?;
     let client = agent.client().await?;
     let names: Vec<String> = (0..s.batch_backups).map(|b| format!("batch-{b}")).collect();
-    start_backups(&client, &names).await?;
+    start_backups(ctx, &client, &names).await?;
     let calls: Vec<(String, Vec<NewOperation>)> = names
         .iter()
         .zip(&owners)
@@ -173,7 +180,7 @@ async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentR
     for c in 0..s.concurrent_clients {
         let client = agent.client().await?;
         let name = format!("concurrent-{c}");
-        start_backups(&client, std::slice::from_ref(&name)).await?;
+        start_backups(ctx, &client, std::slice::from_ref(&name)).await?;
         let ops: Vec<NewOperation> = (0..s.concurrent_calls)
             .map(|i| operation("example.io/bench", c, i))
             .collect();

@@ -303,7 +303,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
     let per = s.sweep_ops / s.sweep_backups;
     let n = per * s.sweep_backups;
     let names: Vec<String> = (0..s.sweep_backups).map(|b| format!("sweep-{b}")).collect();
-    start_backups(&client, &names).await?;
+    start_backups(ctx, &client, &names).await?;
     for (b, name) in names.iter().enumerate() {
         let ops: Vec<_> = (0..per).map(|i| operation(PLUGIN, b, i)).collect();
         for chunk in ops.chunks(1000) {
