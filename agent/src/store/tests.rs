@@ -85,6 +85,11 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 7 {
+        // From version 7 on, an owner's creation is its server's first call.
+        conn.execute_batch("UPDATE owners SET last_call_ms = created_ms;")
+            .unwrap();
+    }
 }
 
 /// What the identity migration must leave: every operation with its id, state and
@@ -566,10 +571,15 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         async move {
             store
                 .write(|conn| {
-                    // Cap the file at its current size: the next page allocation fails
-                    // with SQLITE_FULL, exactly as a full file system makes it.
+                    // Cap the file a few pages above its current size: the 1 MiB row
+                    // below cannot get its pages and fails with SQLITE_FULL, exactly as a
+                    // full file system makes it, while an owner row still fits.
                     let pages: i64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-                    conn.query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(()))?;
+                    conn.query_row(
+                        &format!("PRAGMA max_page_count = {}", pages + 8),
+                        [],
+                        |_| Ok(()),
+                    )?;
                     conn.execute(
                         "INSERT INTO snapshotters (name, api_version, command) VALUES ('a/b', 'v2', ?1)",
                         [&"x".repeat(1 << 20)],
@@ -602,7 +612,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
     let before = before.await.unwrap().unwrap_err();
     assert!(before.disk_full, "{}", before.message);
     // The one after it ran in a fresh transaction; the cap still holds, but one owner
-    // row fits in the pages already there.
+    // row fits in the pages left under it.
     after.await.unwrap().unwrap();
 
     // Space comes back: writes resume on the same connection, no restart.
