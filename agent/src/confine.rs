@@ -122,6 +122,20 @@ impl Confinement {
         }
     }
 
+    /// The directories finalize writes into, outermost only (a `finalize_dirs`
+    /// entry inside another is covered by it): where a crashed write's temporary
+    /// file can be.
+    pub fn write_roots(&self) -> Vec<PathBuf> {
+        let all = self.allowed();
+        all.iter()
+            .filter(|dir| {
+                !all.iter()
+                    .any(|other| other != *dir && dir.starts_with(other))
+            })
+            .cloned()
+            .collect()
+    }
+
     /// The allowed directories, canonical (the storage directory is created if it is
     /// missing; other missing ones are skipped).
     fn allowed(&self) -> Vec<PathBuf> {

@@ -381,7 +381,8 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         go_time(a.created),
         go_time(a.started.unwrap()),
     );
-    if let Some(updated) = a.updated {
+    // Velero's Updated is the plugin's own time; this snapshotter reports none.
+    if let Some(updated) = a.plugin_updated {
         expected.push_str(&format!(
             "    Updated:                    {}\n",
             go_time(updated)

@@ -219,6 +219,59 @@ echo '{PROGRESS}'
 }
 
 #[test]
+fn a_command_dies_with_an_agent_killed_without_clean_up() {
+    let dir = tempfile::tempdir().unwrap();
+    // endInProgress's call answers; the poller's next one records its pid and hangs.
+    let hang = script(
+        dir.path(),
+        "hang.sh",
+        &format!(
+            r#"if [ -e "$1/answered" ]; then
+    echo $$ > "$1/hanging.tmp" && mv "$1/hanging.tmp" "$1/hanging"
+    while :; do sleep 1; done
+fi
+touch "$1/answered"
+echo '{PROGRESS}'
+"#
+        ),
+    );
+    let mut agent = agent_with_command(
+        dir.path(),
+        &[hang.to_str().unwrap(), dir.path().to_str().unwrap()],
+        &["--call-deadline", "10m"],
+    );
+    let mut http = RawHttp::connect(&agent.socket);
+    let owner = run_backup(&mut http, "b", &["op-1"]);
+    assert_eq!(owner["phase"], "WaitingForPluginOperations", "{owner}");
+    let start = Instant::now();
+    let pid: i32 = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.path().join("hanging")) {
+            break text.trim().parse().unwrap();
+        }
+        assert!(start.elapsed() < LONG, "the poller never called again");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let group = alive_in_group(pid);
+    assert!(
+        group.contains(&pid),
+        "the hanging command {pid} is not running"
+    );
+    drop(http);
+    // SIGKILL: the agent runs no clean-up; the kernel's parent-death signal must.
+    agent.kill9();
+    let survivors = survivors_after(&[pid], Duration::from_secs(10));
+    // The loop's `sleep 1` may outlive its shell by up to a second; the shell must not.
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert!(
+        !survivors.contains(&pid),
+        "the command outlived the SIGKILLed agent: {survivors:?}"
+    );
+}
+
+#[test]
 fn the_answer_is_taken_when_the_command_exits_though_a_child_keeps_stdout_open() {
     let dir = tempfile::tempdir().unwrap();
     let background = script(

@@ -97,20 +97,30 @@ async fn temporary_files_of_a_crashed_write_are_removed_at_start_and_nothing_els
     std::fs::create_dir_all(&owner_dir).unwrap();
     let deep = dir.path().join("state/storage/out/x/y");
     std::fs::create_dir_all(&deep).unwrap();
+    // A finalize output's temporary file lies beside its final name, in any
+    // finalize_dirs entry too (one nested in another is walked once).
+    let outputs = dir.path().join("velero/outputs");
+    let nested = outputs.join("nested");
+    std::fs::create_dir_all(&nested).unwrap();
     let stale = [
         owner_dir.join(".opmon-Ab12Cd.tmp"),
         deep.join(".opmon-XyZ987.tmp"),
+        outputs.join(".opmon-4242-0.tmp"),
+        nested.join(".opmon-4242-1.tmp"),
     ];
     let kept = [
         owner_dir.join("b-itemoperations.json.gz"),
         owner_dir.join("b.tar.gz"),
         owner_dir.join("notes.tmp"),
         owner_dir.join(".opmon-settings"),
+        outputs.join("b.tar.gz"),
+        dir.path().join("velero/.opmon-4242-2.tmp"),
     ];
     for file in stale.iter().chain(&kept) {
         std::fs::write(file, b"x").unwrap();
     }
-    let agent = Agent::start(dir.path(), &[]);
+    let dirs = format!("--finalize-dirs={},{}", outputs.display(), nested.display());
+    let agent = Agent::start(dir.path(), &[&dirs]);
     until("the start-up walk is done", || {
         agent
             .log_text()
@@ -118,7 +128,7 @@ async fn temporary_files_of_a_crashed_write_are_removed_at_start_and_nothing_els
     })
     .await;
     assert!(
-        agent.log_text().contains("removed=2"),
+        agent.log_text().contains("removed=4"),
         "{}",
         agent.log_text()
     );

@@ -166,16 +166,22 @@ impl Core {
         }
     }
 
-    /// Removes the temporary files writes of an earlier run left behind, in the
-    /// background: the storage directory may be large, and start-up must not wait.
+    /// Removes the temporary files writes of an earlier run left behind (result files
+    /// in the storage directory, finalize outputs there and in `finalize_dirs`), in the
+    /// background: the directories may be large, and start-up must not wait.
     pub(super) fn spawn_temp_cleanup(&self) {
-        let root = self.storage.root().to_path_buf();
+        let roots = self.finalizer.write_roots();
         // Files of this run's writes are newer than its start.
         let before = SystemTime::now();
         let stopping = self.stopping.clone();
         self.sweeps.spawn(async move {
             let walk = tokio::task::spawn_blocking(move || {
-                storage::remove_stale_temp_files(&root, before, &|| stopping.is_cancelled())
+                roots
+                    .iter()
+                    .map(|root| {
+                        storage::remove_stale_temp_files(root, before, &|| stopping.is_cancelled())
+                    })
+                    .sum::<usize>()
             });
             match walk.await {
                 Ok(removed) => {

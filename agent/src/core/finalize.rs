@@ -120,6 +120,11 @@ impl Finalizer {
         }
     }
 
+    /// Where finalize writes: the storage directory and `finalize_dirs`.
+    pub fn write_roots(&self) -> Vec<std::path::PathBuf> {
+        self.confinement.write_roots()
+    }
+
     /// Shutdown: running rewrites stop and their temporary outputs go.
     pub fn stop(&self) {
         self.pool.stop();

@@ -131,7 +131,23 @@ impl CommandRemote {
             return Err(self.failed("has an empty command"));
         };
         let input = serde_json::to_vec(op).map_err(|e| self.failed(format!("params: {e}")))?;
-        let mut child = tokio::process::Command::new(program)
+        let mut command = tokio::process::Command::new(program);
+        // If the agent dies without running its clean-up (SIGKILL, the OOM killer),
+        // the kernel kills the command with it instead of leaving it to run on.
+        // SAFETY: the closure runs between fork and exec and only makes one
+        // async-signal-safe system call.
+        let agent = nix::unistd::getpid();
+        unsafe {
+            command.pre_exec(move || {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+                // The agent died before the line above: nobody is there to answer.
+                if nix::unistd::getppid() != agent {
+                    return Err(std::io::Error::other("the agent is gone"));
+                }
+                Ok(())
+            });
+        }
+        let mut child = command
             .args(args)
             .arg(verb)
             .arg(&op.operation_id)
