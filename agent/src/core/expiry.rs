@@ -17,7 +17,7 @@ use std::time::SystemTime;
 
 use super::{now_ms, Core, Running};
 use crate::error::Error;
-use crate::storage;
+use crate::storage_dir;
 use crate::store::queries::{self, Removal};
 
 /// Owners deleted per expiry transaction, and removal records finished per step.
@@ -85,7 +85,6 @@ impl Core {
         if done.is_empty() {
             return;
         }
-        // Removal records change no phase or count: past `Core::write`.
         let cleared = self
             .store
             .write(move |conn| queries::clear_removals(conn, &done).map_err(Error::from))
@@ -123,6 +122,7 @@ impl Core {
         let mut expired = 0;
         loop {
             let batch = self
+                .store
                 .write(move |conn| {
                     queries::delete_expired(conn, before, EXPIRY_BATCH).map_err(Error::from)
                 })
@@ -175,7 +175,7 @@ impl Core {
         let stopping = self.stopping.clone();
         self.sweeps.spawn(async move {
             let walk = tokio::task::spawn_blocking(move || {
-                storage::remove_stale_temp_files(&root, before, &|| stopping.is_cancelled())
+                storage_dir::remove_stale_temp_files(&root, before, &|| stopping.is_cancelled())
             });
             match walk.await {
                 Ok(removed) => {

@@ -28,6 +28,7 @@ impl Core {
     ) -> Result<ServerStartedResult, Error> {
         let now = now_ms();
         let (failed, targets) = self
+            .store
             .write(move |conn| {
                 let mut failed = Vec::new();
                 let mut targets = Vec::new();
@@ -89,6 +90,7 @@ impl Core {
         }
         let limit = GoDuration(timeout);
         let committed = self
+            .store
             .write(move |conn| {
                 let mut failed = Vec::new();
                 let mut targets = Vec::new();
@@ -126,7 +128,7 @@ impl Core {
         self.announce_failed(&failed, &targets);
         let core = self.clone();
         self.sweeps.spawn(async move {
-            core.cancel_all(&targets).await;
+            core.poller.cancel_all(&targets).await;
             core.refresh_records(failed.into_iter().map(|(kind, name, _)| (kind, name)))
                 .await;
         });

@@ -47,6 +47,42 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "[]".into())
 }
 
+// Phase names as SQL literals, for statements that hold them in their text: a partial
+// index serves a statement only if its own text implies the index's condition, which a
+// bound parameter does not. Each is written once, here; the test
+// `sql_phase_literals_are_the_enums_names` ties them to the phase enums.
+
+/// An owner in InProgress.
+macro_rules! in_progress_owner {
+    () => {
+        "'InProgress'"
+    };
+}
+/// The unfinished operation phases, New and InProgress.
+macro_rules! unfinished_operation {
+    () => {
+        "('New', 'InProgress')"
+    };
+}
+/// The Waiting* owner phases.
+macro_rules! waiting_owner {
+    () => {
+        "('WaitingForPluginOperations', 'WaitingForPluginOperationsPartiallyFailed')"
+    };
+}
+/// A failed operation.
+macro_rules! failed_operation {
+    () => {
+        "'Failed'"
+    };
+}
+
+/// How many operations are unfinished, from an owner's count columns (kept by
+/// [`insert_operations`] and [`update_operation`]): the one place that sum is made.
+fn unfinished(attempted: u64, completed: u64, failed: u64) -> u64 {
+    attempted.saturating_sub(completed).saturating_sub(failed)
+}
+
 /// An owner with its row id.
 #[derive(Clone, Debug)]
 pub struct OwnerRow {
@@ -58,9 +94,11 @@ impl OwnerRow {
     /// How many of its operations were New or InProgress when the row was read.
     pub fn unfinished(&self) -> u64 {
         let o = &self.owner;
-        o.operations_attempted
-            .saturating_sub(o.operations_completed)
-            .saturating_sub(o.operations_failed)
+        unfinished(
+            o.operations_attempted,
+            o.operations_completed,
+            o.operations_failed,
+        )
     }
 }
 
@@ -178,20 +216,23 @@ pub fn in_progress_of_other_instances(
     name: &str,
     instance: &str,
 ) -> rusqlite::Result<Vec<i64>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id FROM owners WHERE phase = 'InProgress' AND server_name = ?1 \
-         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id",
-    )?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT id FROM owners WHERE phase = ",
+        in_progress_owner!(),
+        " AND server_name = ?1 \
+         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id"
+    ))?;
     let rows = stmt.query_map(params![name, instance], |r| r.get(0))?;
     rows.collect()
 }
 
 /// The InProgress owners with no call since `before_ms`: row id and last call.
 pub fn idle_in_progress(conn: &Connection, before_ms: i64) -> rusqlite::Result<Vec<(i64, i64)>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, last_call_ms FROM owners WHERE phase = 'InProgress' AND last_call_ms < ?1 \
-         ORDER BY id",
-    )?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT id, last_call_ms FROM owners WHERE phase = ",
+        in_progress_owner!(),
+        " AND last_call_ms < ?1 ORDER BY id"
+    ))?;
     let rows = stmt.query_map([before_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
     rows.collect()
 }
@@ -477,14 +518,6 @@ pub fn operations_by_rows(
     Ok(found)
 }
 
-/// How many of the owner's operations are New or InProgress.
-pub fn unfinished_count(conn: &Connection, owner_id: i64) -> rusqlite::Result<u64> {
-    conn.prepare_cached("SELECT n_operations - n_completed - n_failed FROM owners WHERE id = ?1")?
-        .query_row([owner_id], |r| r.get::<_, i64>(0).map(|n| n.max(0) as u64))
-        .optional()
-        .map(Option::unwrap_or_default)
-}
-
 /// The union of the owner's post-operation items, sorted and without duplicates.
 pub fn post_operation_items(
     conn: &Connection,
@@ -534,10 +567,11 @@ pub enum Targets<'a> {
 
 /// The plugins that have unfinished operations (of any owner).
 pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ('New', 'InProgress') \
-         ORDER BY plugin_name",
-    )?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ",
+        unfinished_operation!(),
+        " ORDER BY plugin_name"
+    ))?;
     let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
 }
@@ -582,7 +616,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         Targets::Owner(id) => {
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id \
-                 WHERE w.id = ?1 AND o.phase IN ('New', 'InProgress') ORDER BY o.id"
+                 WHERE w.id = ?1 AND o.phase IN {} ORDER BY o.id",
+                unfinished_operation!()
             ))?;
             rows = stmt.query([id])?;
         }
@@ -594,9 +629,10 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             // Driven by the partial index on unfinished operations by plugin.
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
-                 WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN ('New', 'InProgress') \
-                 AND w.phase IN ('WaitingForPluginOperations', \
-                 'WaitingForPluginOperationsPartiallyFailed') ORDER BY o.id LIMIT ?3"
+                 WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN {} \
+                 AND w.phase IN {} ORDER BY o.id LIMIT ?3",
+                unfinished_operation!(),
+                waiting_owner!()
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
@@ -653,11 +689,12 @@ pub fn update_operation(
     phase_changed: bool,
 ) -> rusqlite::Result<bool> {
     let changed = if phase_changed {
-        conn.prepare_cached(
+        conn.prepare_cached(concat!(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ('New', 'InProgress')",
-        )?
+             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ",
+            unfinished_operation!()
+        ))?
         .execute(params![
             row,
             s.phase.as_str(),
@@ -700,10 +737,12 @@ pub fn fail_unfinished(
     now_ms: i64,
 ) -> rusqlite::Result<u64> {
     let changed = conn
-        .prepare_cached(
-            "UPDATE operations SET phase = 'Failed', error = ?2, updated_ms = ?3 \
-             WHERE owner_id = ?1 AND phase IN ('New', 'InProgress')",
-        )?
+        .prepare_cached(concat!(
+            "UPDATE operations SET phase = ",
+            failed_operation!(),
+            ", error = ?2, updated_ms = ?3 WHERE owner_id = ?1 AND phase IN ",
+            unfinished_operation!()
+        ))?
         .execute(params![owner_id, error, now_ms])?;
     Ok(changed as u64)
 }
@@ -757,16 +796,17 @@ pub fn delete_expired(
 }
 
 /// Owners counted by phase, and how many operations are unfinished in all.
-pub fn tally(conn: &Connection) -> rusqlite::Result<(BTreeMap<OwnerPhase, u64>, u64)> {
+pub fn tally(conn: &Connection) -> rusqlite::Result<super::Counts> {
     let mut stmt = conn.prepare_cached(
-        "SELECT phase, COUNT(*), SUM(n_operations - n_completed - n_failed) FROM owners \
-         GROUP BY phase",
+        "SELECT phase, COUNT(*), SUM(n_operations), SUM(n_completed), SUM(n_failed) \
+         FROM owners GROUP BY phase",
     )?;
     let mut rows = stmt.query([])?;
     let (mut owners, mut unfinished) = (BTreeMap::new(), 0);
     while let Some(row) = rows.next()? {
         owners.insert(parse_column(row, 0)?, row.get::<_, i64>(1)? as u64);
-        unfinished += row.get::<_, i64>(2)?.max(0) as u64;
+        let sum = |i| row.get::<_, i64>(i).map(|n| n.max(0) as u64);
+        unfinished += self::unfinished(sum(2)?, sum(3)?, sum(4)?);
     }
     Ok((owners, unfinished))
 }
@@ -825,4 +865,34 @@ pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Opt
             .execute([name])?;
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sql_phase_literals_are_the_enums_names() {
+        let list = |names: Vec<&'static str>| format!("({})", phase_list(&names, |n| n));
+        assert_eq!(
+            in_progress_owner!(),
+            format!("'{}'", OwnerPhase::InProgress.as_str())
+        );
+        assert_eq!(
+            failed_operation!(),
+            format!("'{}'", OperationPhase::Failed.as_str())
+        );
+        let unfinished: Vec<&str> = OperationPhase::ALL
+            .iter()
+            .filter(|p| p.is_unfinished())
+            .map(|p| p.as_str())
+            .collect();
+        assert_eq!(unfinished_operation!(), list(unfinished));
+        let waiting: Vec<&str> = OwnerPhase::ALL
+            .iter()
+            .filter(|p| p.is_waiting())
+            .map(|p| p.as_str())
+            .collect();
+        assert_eq!(waiting_owner!(), list(waiting));
+    }
 }

@@ -7,7 +7,7 @@ use opmon_client::{GoDuration, OwnerKind, OwnerPhase};
 use rusqlite::Connection;
 
 use super::schema::{self, CURRENT_VERSION};
-use super::{queries, OpenError, Store, StoreError};
+use super::{queries, OpenError, StorageFailure, Store};
 
 /// A backup named `name` as `start` creates it, without an object.
 fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
@@ -227,7 +227,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 (3, 1, 1),
                 "counts from version {version}"
             );
-            assert_eq!(queries::unfinished_count(&conn, backup.id).unwrap(), 1);
+            assert_eq!(unfinished(&conn, backup.id), 1);
             let restore = queries::owner_by_name(&conn, OwnerKind::Restore, "old-restore")
                 .unwrap()
                 .expect("restore kept");
@@ -260,6 +260,13 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
 }
 
 /// Each owner's counts as a scan of its operations finds them.
+/// The owner's unfinished operations by its count columns (0 once it is gone).
+fn unfinished(conn: &Connection, owner: i64) -> u64 {
+    queries::owner_by_id(conn, owner)
+        .unwrap()
+        .map_or(0, |row| row.unfinished())
+}
+
 fn recount(conn: &Connection) -> Vec<(i64, u64, u64, u64)> {
     let mut stmt = conn
         .prepare(
@@ -360,7 +367,7 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     );
     assert_eq!(stored_counts(&conn), recount(&conn));
     assert_eq!(stored_counts(&conn)[0], (a, 6, 1, 1));
-    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 4);
+    assert_eq!(unfinished(&conn, a), 4);
 
     assert_eq!(
         queries::fail_unfinished(&conn, a, "cancelled", 2).unwrap(),
@@ -368,14 +375,14 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     );
     assert_eq!(stored_counts(&conn), vec![(a, 6, 1, 5), (b, 3, 0, 0)]);
     assert_eq!(stored_counts(&conn), recount(&conn));
-    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 0);
+    assert_eq!(unfinished(&conn, a), 0);
 
-    let (owners, unfinished) = queries::tally(&conn).unwrap();
+    let (owners, unfinished_in_all) = queries::tally(&conn).unwrap();
     assert_eq!(owners.get(&OwnerPhase::InProgress), Some(&2));
-    assert_eq!(unfinished, 3);
+    assert_eq!(unfinished_in_all, 3);
     queries::delete_owner(&conn, b, OwnerKind::Backup, "b").unwrap();
     assert_eq!(queries::tally(&conn).unwrap().1, 0);
-    assert_eq!(queries::unfinished_count(&conn, b).unwrap(), 0);
+    assert_eq!(unfinished(&conn, b), 0);
     assert_eq!(stored_counts(&conn), recount(&conn));
 }
 
@@ -442,7 +449,7 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
 async fn hold_writer(
     store: &Arc<Store>,
 ) -> (
-    tokio::task::JoinHandle<Result<(), StoreError>>,
+    tokio::task::JoinHandle<Result<(), StorageFailure>>,
     std::sync::mpsc::Sender<()>,
 ) {
     let (release, held) = std::sync::mpsc::channel::<()>();
@@ -454,7 +461,7 @@ async fn hold_writer(
                 .write(move |_| {
                     let _ = inside.send(());
                     held.recv().ok();
-                    Ok::<_, StoreError>(())
+                    Ok::<_, StorageFailure>(())
                 })
                 .await
         }
@@ -483,7 +490,7 @@ async fn concurrent_writes_share_one_transaction() {
                             &backup(&format!("b{i}"), GoDuration::from_secs(60)),
                             0,
                         )
-                        .map_err(StoreError::from)
+                        .map_err(StorageFailure::from)
                     })
                     .await
             })
@@ -516,9 +523,9 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
             store
                 .write(move |conn| {
                     queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
-                        .map_err(StoreError::from)?;
+                        .map_err(StorageFailure::from)?;
                     if fail {
-                        return Err(StoreError {
+                        return Err(StorageFailure {
                             message: "refused".into(),
                             disk_full: false,
                         });
@@ -556,7 +563,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
             store
                 .write(move |conn| {
                     queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
-                        .map_err(StoreError::from)
+                        .map_err(StorageFailure::from)
                 })
                 .await
         })
@@ -584,7 +591,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
                         "INSERT INTO snapshotters (name, api_version, command) VALUES ('a/b', 'v2', ?1)",
                         [&"x".repeat(1 << 20)],
                     )?;
-                    Ok::<_, StoreError>(())
+                    Ok::<_, StorageFailure>(())
                 })
                 .await
         }
@@ -619,7 +626,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
     store
         .write(|conn| {
             conn.query_row("PRAGMA max_page_count = 1073741823", [], |_| Ok(()))
-                .map_err(StoreError::from)
+                .map_err(StorageFailure::from)
         })
         .await
         .unwrap();
@@ -692,4 +699,64 @@ fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
     assert_eq!(left.len(), 2, "{left:?}");
     queries::clear_removals(&conn, &[first[0].id, first[1].id]).unwrap();
     assert_eq!(queries::removals(&conn, 0, 10).unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_follow_every_commit_whatever_wrote_it() {
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
+    let in_progress = |n: u64| {
+        (
+            std::collections::BTreeMap::from([(OwnerPhase::InProgress, n)]),
+            0,
+        )
+    };
+    assert_eq!(store.counts().await.unwrap(), Default::default());
+
+    store
+        .write(|conn| {
+            queries::insert_owner(conn, &backup("b", GoDuration::from_secs(60)), 0)
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.counts().await.unwrap(), in_progress(1));
+    // Cached now; a read again gives the same.
+    assert_eq!(store.counts().await.unwrap(), in_progress(1));
+
+    // Any write may change a phase: none has to say so.
+    store
+        .write(|conn| {
+            conn.execute("UPDATE owners SET phase = 'Failed'", [])
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    let failed = std::collections::BTreeMap::from([(OwnerPhase::Failed, 1)]);
+    assert_eq!(store.counts().await.unwrap(), (failed.clone(), 0));
+
+    // Counts read while a transaction is open are the last commit's, and are not kept
+    // past the commit.
+    let (blocker, release) = hold_writer(&store).await;
+    let insert = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .write(|conn| {
+                    queries::insert_owner(conn, &backup("c", GoDuration::from_secs(60)), 0)
+                        .map_err(StorageFailure::from)
+                })
+                .await
+        }
+    });
+    assert_eq!(store.counts().await.unwrap(), (failed.clone(), 0));
+    while store.queued_writes() < 1 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    insert.await.unwrap().unwrap();
+    let both =
+        std::collections::BTreeMap::from([(OwnerPhase::InProgress, 1), (OwnerPhase::Failed, 1)]);
+    assert_eq!(store.counts().await.unwrap(), (both, 0));
 }
