@@ -8,6 +8,7 @@
 pub mod access;
 pub mod api;
 pub mod changes;
+pub mod clock;
 pub mod config;
 pub mod confine;
 pub mod core;

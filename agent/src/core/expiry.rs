@@ -15,7 +15,8 @@
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::{now_ms, Core, Running};
+use super::{Core, Running};
+use crate::clock::UnixMs;
 use crate::error::Error;
 use crate::storage_dir;
 use crate::store::queries::{self, Removal};
@@ -117,8 +118,7 @@ impl Core {
     /// Returns how many owners expired.
     async fn expire(&self) -> Result<usize, Error> {
         self.finish_removals().await?;
-        let retention = self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
-        let before = now_ms().saturating_sub(retention);
+        let before = UnixMs::now().before(self.settings.retention);
         let mut expired = 0;
         loop {
             let batch = self

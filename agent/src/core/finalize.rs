@@ -24,8 +24,9 @@ use opmon_client::{FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedMutexGuard;
 
-use super::{now_ms, require, Core};
+use super::{require, Core};
 use crate::changes::Urgency;
+use crate::clock::UnixMs;
 use crate::confine::Confinement;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::filework::FileWork;
@@ -253,7 +254,7 @@ impl Core {
 
         let text = serde_json::to_string(&stored)
             .map_err(|e| Error::Finalize(format!("recording the result: {e}")))?;
-        let now = now_ms();
+        let now = UnixMs::now();
         let name = p.name.clone();
         let (errors, warnings) = (p.errors, p.warnings);
         let owner = self

@@ -21,12 +21,12 @@ use std::time::{Duration, Instant};
 
 use opmon_client::{AgentStatus, GoDuration, OwnerKind};
 use rusqlite::Connection;
-use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::changes::Changes;
+use crate::clock::UnixMs;
 use crate::error::{Error, NotFound};
 use crate::metrics::Metrics;
 use crate::remote::CallSettings;
@@ -81,8 +81,8 @@ pub struct Core {
     started: Instant,
     /// Finalize's confinement, file-work threads and per-owner turns.
     finalizer: finalize::Finalizer,
-    /// When this agent started, Unix ms: the idle timeout does not count time before.
-    started_ms: i64,
+    /// When this agent started: the idle timeout does not count time before.
+    started_at: UnixMs,
 }
 
 /// Clears `flag` when dropped: a background job's "running" mark, reset however the job
@@ -116,11 +116,6 @@ fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, E
         .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, name.to_string())))
 }
 
-/// The current time in Unix milliseconds: the one place the core reads the clock.
-fn now_ms() -> i64 {
-    queries::ms_of(OffsetDateTime::now_utc())
-}
-
 impl Core {
     /// Builds the core on an open store and loads the registered snapshotters.
     pub async fn new(
@@ -150,7 +145,7 @@ impl Core {
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
-            started_ms: now_ms(),
+            started_at: UnixMs::now(),
             finalizer,
         });
         let registered = core

@@ -14,8 +14,9 @@ use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
 
 use super::poll::{apply_changes, settle_owner, Settle};
-use super::{now_ms, require, Core};
+use super::{require, Core};
 use crate::changes::Urgency;
+use crate::clock::UnixMs;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
 use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
@@ -46,7 +47,7 @@ pub(super) fn fail_owner(
     conn: &Connection,
     row: &mut OwnerRow,
     reason: &str,
-    now: i64,
+    now: UnixMs,
 ) -> Result<Vec<PollTarget>, Error> {
     let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
     queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
@@ -75,7 +76,7 @@ impl Core {
             OwnerKind::Backup => true,
             OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
-        let now = now_ms();
+        let now = UnixMs::now();
         // Serialized once here; the store keeps the text and polls parse it per owner.
         let object = p.object.as_ref().map(|o| o.to_string());
         let owner = self
@@ -119,7 +120,7 @@ impl Core {
         kind: OwnerKind,
         p: AddOperationsParams,
     ) -> Result<AddOperationsResult, Error> {
-        let now = now_ms();
+        let now = UnixMs::now();
         let name = p.name.clone();
         let requested = p.operations.len() as u64;
         let added = self
@@ -168,7 +169,7 @@ impl Core {
             .await?;
         let changes = self.poller.poll(targets).await;
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
-        let now = now_ms();
+        let now = UnixMs::now();
         let owner = self
             .store
             .write(move |conn| {
@@ -202,7 +203,7 @@ impl Core {
     /// `endInProgress {failed: true}`: Failed at once, then Cancel on every unfinished
     /// operation (which the agent stops monitoring).
     async fn fail(&self, kind: OwnerKind, p: EndInProgressParams) -> Result<Owner, Error> {
-        let now = now_ms();
+        let now = UnixMs::now();
         let (owner, targets) = self
             .store
             .write(move |conn| {

@@ -18,8 +18,9 @@ use std::sync::{Arc, Mutex};
 use opmon_client::{OperationPhase, OperationRef, OwnerRef};
 use rusqlite::Connection;
 
-use super::{now_ms, Core};
+use super::Core;
 use crate::changes::Urgency;
+use crate::clock::UnixMs;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::phase::{self, Observation, OperationState};
@@ -118,7 +119,7 @@ pub(super) fn settle_owner(
     owner_row: i64,
     newly_failed: u32,
     how: Settle,
-    now: i64,
+    now: UnixMs,
 ) -> rusqlite::Result<Option<(OwnerRow, bool)>> {
     // Read after the changes were applied, so its operation counts are current.
     let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
@@ -164,7 +165,7 @@ pub(super) struct Poller {
     /// How long a snapshotter may be unreachable before its operations fail, in ms.
     grace_ms: i64,
     /// Since when (Unix ms) each unreachable snapshotter, by plugin name, has been so.
-    unreachable: Mutex<HashMap<String, i64>>,
+    unreachable: Mutex<HashMap<String, UnixMs>>,
     /// Plugins whose sweep is still running; the next tick skips them.
     sweeping: Mutex<HashSet<String>>,
     metrics: Arc<Metrics>,
@@ -188,7 +189,7 @@ impl Poller {
         Poller {
             remotes: Registry::default(),
             calls,
-            grace_ms: unreachable_grace.as_millis().min(i64::MAX as u128) as i64,
+            grace_ms: crate::clock::millis(unreachable_grace),
             unreachable: Mutex::default(),
             sweeping: Mutex::default(),
             metrics,
@@ -255,18 +256,19 @@ impl Poller {
                         Err(CallError::Answered(e)) => Observation::Error(e),
                         Err(CallError::Unreachable(error)) => Observation::Unreachable {
                             error,
-                            since_ms: since.unwrap_or_else(now_ms),
+                            since_ms: since.unwrap_or_else(UnixMs::now).ms(),
                             grace_ms,
                         },
                     })
                     .collect()
             }
         };
-        let now = now_ms();
+        let now = UnixMs::now();
         let mut changes = Vec::new();
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
-            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now) {
+            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now.ms())
+            {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
@@ -284,7 +286,7 @@ impl Poller {
 
     /// Records whether `plugin`'s snapshotter answered anything; returns since when it
     /// has been unreachable, if it is.
-    fn reachability<T>(&self, plugin: &str, answers: &[Result<T, CallError>]) -> Option<i64> {
+    fn reachability<T>(&self, plugin: &str, answers: &[Result<T, CallError>]) -> Option<UnixMs> {
         let reached = answers
             .iter()
             .any(|a| !matches!(a, Err(CallError::Unreachable(_))));
@@ -304,7 +306,7 @@ impl Poller {
                     .unwrap_or_default();
                 tracing::warn!(snapshotter = plugin, %error,
                     "snapshotter unreachable; its operations wait for the grace period");
-                now_ms()
+                UnixMs::now()
             });
             Some(since)
         }
@@ -394,7 +396,7 @@ impl Core {
                 _ => changed.push((c.target.owner.clone(), vec![c.target.row], urgency)),
             }
         }
-        let now = now_ms();
+        let now = UnixMs::now();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
             for (owner_row, failed) in apply_changes(conn, &changes)? {

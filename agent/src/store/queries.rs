@@ -10,20 +10,9 @@ use opmon_client::{
     OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
-use time::OffsetDateTime;
 
+use crate::clock::UnixMs;
 use crate::phase::OperationState;
-
-/// Converts stored milliseconds to a timestamp; stored values are always in range.
-pub fn time_of(ms: i64) -> OffsetDateTime {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
-}
-
-/// Milliseconds since the Unix epoch of `t`.
-pub fn ms_of(t: OffsetDateTime) -> i64 {
-    t.unix_timestamp_nanos().div_euclid(1_000_000) as i64
-}
 
 fn parse_column<T: std::str::FromStr<Err = String>>(
     row: &Row<'_>,
@@ -139,9 +128,9 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             operations_completed: row.get::<_, i64>(14)?.max(0) as u64,
             operations_failed: row.get::<_, i64>(15)?.max(0) as u64,
             post_operation_items,
-            created: time_of(row.get(10)?),
-            updated: time_of(row.get(11)?),
-            completed: row.get::<_, Option<i64>>(12)?.map(time_of),
+            created: row.get::<_, UnixMs>(10)?.time(),
+            updated: row.get::<_, UnixMs>(11)?.time(),
+            completed: row.get::<_, Option<UnixMs>>(12)?.map(UnixMs::time),
         },
     })
 }
@@ -180,7 +169,7 @@ pub struct NewOwner<'a> {
 }
 
 /// Creates an owner in InProgress; returns its row id. Its creation is its first call.
-pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlite::Result<i64> {
+pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now: UnixMs) -> rusqlite::Result<i64> {
     let mut stmt = conn.prepare_cached(
         "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
          server_name, server_instance, object, created_ms, updated_ms, last_call_ms) \
@@ -191,21 +180,21 @@ pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlit
         o.name,
         o.uid,
         OwnerPhase::InProgress.as_str(),
-        o.timeout.0.as_millis().min(i64::MAX as u128) as i64,
+        crate::clock::millis(o.timeout.0),
         o.finalize,
         o.server.map(|s| s.name.as_str()).unwrap_or(""),
         o.server.map(|s| s.instance.as_str()),
         o.object,
-        now_ms
+        now
     ])?;
     Ok(conn.last_insert_rowid())
 }
 
 /// Records that the backup server just called about the owner (the idle timeout
 /// counts from its last call).
-pub fn touch_owner(conn: &Connection, id: i64, now_ms: i64) -> rusqlite::Result<()> {
+pub fn touch_owner(conn: &Connection, id: i64, now: UnixMs) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE owners SET last_call_ms = ?2 WHERE id = ?1")?
-        .execute(params![id, now_ms])?;
+        .execute(params![id, now])?;
     Ok(())
 }
 
@@ -226,14 +215,14 @@ pub fn in_progress_of_other_instances(
     rows.collect()
 }
 
-/// The InProgress owners with no call since `before_ms`: row id and last call.
-pub fn idle_in_progress(conn: &Connection, before_ms: i64) -> rusqlite::Result<Vec<(i64, i64)>> {
+/// The InProgress owners with no call since `before`: row id and last call.
+pub fn idle_in_progress(conn: &Connection, before: UnixMs) -> rusqlite::Result<Vec<(i64, UnixMs)>> {
     let mut stmt = conn.prepare_cached(concat!(
         "SELECT id, last_call_ms FROM owners WHERE phase = ",
         in_progress_owner!(),
         " AND last_call_ms < ?1 ORDER BY id"
     ))?;
-    let rows = stmt.query_map([before_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let rows = stmt.query_map([before], |r| Ok((r.get(0)?, r.get(1)?)))?;
     rows.collect()
 }
 
@@ -265,14 +254,14 @@ pub fn list_owners(
 }
 
 /// Writes an owner's mutable fields.
-pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite::Result<()> {
+pub fn update_owner(conn: &Connection, row: &OwnerRow, now: UnixMs) -> rusqlite::Result<()> {
     let o = &row.owner;
     let mut stmt = conn.prepare_cached(
         "UPDATE owners SET phase = ?2, errors = ?3, warnings = ?4, post_operation_items = ?5, \
          updated_ms = ?6, completed_ms = ?7, failure_reason = ?8 WHERE id = ?1",
     )?;
     let completed = if o.phase.is_terminal() {
-        Some(o.completed.map(ms_of).unwrap_or(now_ms))
+        Some(o.completed.map_or(now, UnixMs::of))
     } else {
         None
     };
@@ -282,7 +271,7 @@ pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite:
         o.errors,
         o.warnings,
         o.post_operation_items.as_ref().map(to_json),
-        now_ms,
+        now,
         completed,
         o.failure_reason
     ])?;
@@ -403,12 +392,12 @@ pub fn records_due(
 /// An operation is known by its plugin (kind and name), its operation ID and its item
 /// (migration 8): the same ID on another item is another operation, as in Velero, and
 /// a retried call adds nothing twice. Returns the rows of the added ones. Each is
-/// created at its own `created`, else at `now_ms`.
+/// created at its own `created`, else at `now`.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
     operations: &[NewOperation],
-    now_ms: i64,
+    now: UnixMs,
 ) -> rusqlite::Result<Vec<i64>> {
     let mut stmt = conn.prepare_cached(
         "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group, \
@@ -428,7 +417,7 @@ pub fn insert_operations(
             r.name,
             op.operation_id,
             to_json(&op.post_operation_items),
-            op.created.map(ms_of).unwrap_or(now_ms)
+            op.created.map_or(now, UnixMs::of)
         ])?;
         if inserted > 0 {
             added.push(conn.last_insert_rowid());
@@ -467,10 +456,10 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         n_total: row.get(11)?,
         operation_units: row.get(12)?,
         description: row.get(13)?,
-        created: time_of(row.get(14)?),
-        started: row.get::<_, Option<i64>>(15)?.map(time_of),
-        updated: row.get::<_, Option<i64>>(16)?.map(time_of),
-        plugin_updated: row.get::<_, Option<i64>>(17)?.map(time_of),
+        created: row.get::<_, UnixMs>(14)?.time(),
+        started: row.get::<_, Option<UnixMs>>(15)?.map(UnixMs::time),
+        updated: row.get::<_, Option<UnixMs>>(16)?.map(UnixMs::time),
+        plugin_updated: row.get::<_, Option<UnixMs>>(17)?.map(UnixMs::time),
     })
 }
 
@@ -734,7 +723,7 @@ pub fn fail_unfinished(
     conn: &Connection,
     owner_id: i64,
     error: &str,
-    now_ms: i64,
+    now: UnixMs,
 ) -> rusqlite::Result<u64> {
     let changed = conn
         .prepare_cached(concat!(
@@ -743,7 +732,7 @@ pub fn fail_unfinished(
             ", error = ?2, updated_ms = ?3 WHERE owner_id = ?1 AND phase IN ",
             unfinished_operation!()
         ))?
-        .execute(params![owner_id, error, now_ms])?;
+        .execute(params![owner_id, error, now])?;
     Ok(changed as u64)
 }
 
@@ -762,11 +751,11 @@ pub fn set_finalize_result(conn: &Connection, id: i64, result: &str) -> rusqlite
     Ok(())
 }
 
-/// Deletes at most `limit` terminal owners completed before `before_ms`, oldest first,
+/// Deletes at most `limit` terminal owners completed before `before`, oldest first,
 /// recording the removal of their files; returns those records.
 pub fn delete_expired(
     conn: &Connection,
-    before_ms: i64,
+    before: UnixMs,
     limit: i64,
 ) -> rusqlite::Result<Vec<Removal>> {
     let terminal = phase_list(
@@ -784,7 +773,7 @@ pub fn delete_expired(
             "SELECT id, kind, name FROM owners WHERE completed_ms < ?1 \
              AND phase IN ({terminal}) ORDER BY completed_ms LIMIT ?2"
         ))?;
-        let rows = stmt.query_map(params![before_ms, limit], |r| {
+        let rows = stmt.query_map(params![before, limit], |r| {
             Ok((r.get(0)?, parse_column(r, 1)?, r.get(2)?))
         })?;
         rows.collect::<rusqlite::Result<_>>()?

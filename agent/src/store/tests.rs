@@ -8,6 +8,7 @@ use rusqlite::Connection;
 
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, StorageFailure, Store};
+use crate::clock::UnixMs;
 
 /// A backup named `name` as `start` creates it, without an object.
 fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
@@ -134,7 +135,7 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
         "operations from version {from}"
     );
     let ops = queries::operations(conn, 1, None).unwrap();
-    assert_eq!(ops[0].plugin_updated, Some(queries::time_of(2000)));
+    assert_eq!(ops[0].plugin_updated, Some(UnixMs(2000).time()));
     let mut names: Vec<String> = conn
         .prepare(
             "SELECT name FROM sqlite_master WHERE tbl_name = 'operations'
@@ -331,15 +332,15 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         created: None,
     };
     let timeout = GoDuration::from_millis(60_000);
-    let a = queries::insert_owner(&conn, &backup("a", timeout), 1).unwrap();
-    let b = queries::insert_owner(&conn, &backup("b", timeout), 1).unwrap();
+    let a = queries::insert_owner(&conn, &backup("a", timeout), UnixMs(1)).unwrap();
+    let b = queries::insert_owner(&conn, &backup("b", timeout), UnixMs(1)).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
-    let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
+    let rows = queries::insert_operations(&conn, a, &ops, UnixMs(1)).unwrap();
     // Already known: ignored, not counted twice.
-    assert!(queries::insert_operations(&conn, a, &ops[..2], 1)
+    assert!(queries::insert_operations(&conn, a, &ops[..2], UnixMs(1))
         .unwrap()
         .is_empty());
-    queries::insert_operations(&conn, b, &ops[..3], 1).unwrap();
+    queries::insert_operations(&conn, b, &ops[..3], UnixMs(1)).unwrap();
     assert_eq!(stored_counts(&conn), vec![(a, 6, 0, 0), (b, 3, 0, 0)]);
 
     let state = |phase| OperationState {
@@ -370,7 +371,7 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     assert_eq!(unfinished(&conn, a), 4);
 
     assert_eq!(
-        queries::fail_unfinished(&conn, a, "cancelled", 2).unwrap(),
+        queries::fail_unfinished(&conn, a, "cancelled", UnixMs(2)).unwrap(),
         4
     );
     assert_eq!(stored_counts(&conn), vec![(a, 6, 1, 5), (b, 3, 0, 0)]);
@@ -488,7 +489,7 @@ async fn concurrent_writes_share_one_transaction() {
                         queries::insert_owner(
                             conn,
                             &backup(&format!("b{i}"), GoDuration::from_secs(60)),
-                            0,
+                            UnixMs(0),
                         )
                         .map_err(StorageFailure::from)
                     })
@@ -522,7 +523,7 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), UnixMs(0))
                         .map_err(StorageFailure::from)?;
                     if fail {
                         return Err(StorageFailure {
@@ -562,7 +563,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), UnixMs(0))
                         .map_err(StorageFailure::from)
                 })
                 .await
@@ -648,7 +649,8 @@ fn a_records_mark_is_cleared_only_by_a_write_of_its_own_generation() {
     drop(Store::open(&db, |_, _| {}).unwrap());
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
-    let a = queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), 1).unwrap();
+    let a =
+        queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
     assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
     queries::mark_records_due(&conn, a).unwrap();
     let read = queries::records_due_generation(&conn, a).unwrap().unwrap();
@@ -672,22 +674,25 @@ fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
     for (i, name) in ["c", "a", "b", "kept", "running"].iter().enumerate() {
-        let id = queries::insert_owner(&conn, &backup(name, GoDuration::from_secs(60)), 1).unwrap();
+        let id = queries::insert_owner(&conn, &backup(name, GoDuration::from_secs(60)), UnixMs(1))
+            .unwrap();
         let mut row = queries::owner_by_id(&conn, id).unwrap().unwrap();
         if *name != "running" {
             row.owner.phase = OwnerPhase::Completed;
         }
         // Completed at 10, 11, 12, …: `kept` completed after the cut-off.
         let completed = 10 + i as i64 + if *name == "kept" { 100 } else { 0 };
-        queries::update_owner(&conn, &row, completed).unwrap();
+        queries::update_owner(&conn, &row, UnixMs(completed)).unwrap();
     }
-    let first = queries::delete_expired(&conn, 50, 2).unwrap();
+    let first = queries::delete_expired(&conn, UnixMs(50), 2).unwrap();
     let names: Vec<&str> = first.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["c", "a"], "oldest first, at most the limit");
-    let rest = queries::delete_expired(&conn, 50, 2).unwrap();
+    let rest = queries::delete_expired(&conn, UnixMs(50), 2).unwrap();
     assert_eq!(rest.len(), 1);
     assert_eq!(rest[0].name, "b");
-    assert!(queries::delete_expired(&conn, 50, 2).unwrap().is_empty());
+    assert!(queries::delete_expired(&conn, UnixMs(50), 2)
+        .unwrap()
+        .is_empty());
     let recorded: Vec<String> = queries::removals(&conn, 0, 10)
         .unwrap()
         .into_iter()
@@ -715,7 +720,7 @@ async fn status_counts_follow_every_commit_whatever_wrote_it() {
 
     store
         .write(|conn| {
-            queries::insert_owner(conn, &backup("b", GoDuration::from_secs(60)), 0)
+            queries::insert_owner(conn, &backup("b", GoDuration::from_secs(60)), UnixMs(0))
                 .map_err(StorageFailure::from)
         })
         .await
@@ -743,7 +748,7 @@ async fn status_counts_follow_every_commit_whatever_wrote_it() {
         async move {
             store
                 .write(|conn| {
-                    queries::insert_owner(conn, &backup("c", GoDuration::from_secs(60)), 0)
+                    queries::insert_owner(conn, &backup("c", GoDuration::from_secs(60)), UnixMs(0))
                         .map_err(StorageFailure::from)
                 })
                 .await
