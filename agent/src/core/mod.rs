@@ -16,7 +16,7 @@ pub use finalize::FinalizeSettings;
 pub use subscribe::OwnerStream;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use opmon_client::{AgentStatus, GoDuration, OwnerKind};
@@ -60,10 +60,8 @@ pub struct Core {
     store: Arc<Store>,
     storage: StorageDir,
     metrics: Arc<Metrics>,
-    /// Marks of `records_due` whose file has been written since they were read, to be
-    /// cleared in one transaction on the next tick (a crash before that only repeats a
-    /// write).
-    records_written: Mutex<Vec<(i64, i64)>>,
+    /// Item-operations files written whose marks are still to be cleared.
+    records_written: records::WrittenMarks,
     /// Serialises the file work on one owner's files (by kind and name): a write, a
     /// removal, and the database reads that decide them.
     name_locks: name_locks::NameLocks,
@@ -134,7 +132,7 @@ impl Core {
             store,
             storage,
             metrics,
-            records_written: Mutex::new(Vec::new()),
+            records_written: records::WrittenMarks::default(),
             name_locks: name_locks::NameLocks::default(),
             retrying_records: AtomicBool::new(false),
             expiring: AtomicBool::new(false),

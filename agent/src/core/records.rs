@@ -9,7 +9,7 @@
 //! least as new as the mark is durably in place (fsynced and renamed).
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use opmon_client::{ItemOperation, OwnerKind};
 
@@ -18,6 +18,22 @@ use crate::error::Error;
 use crate::store::queries;
 use crate::store::StorageFailure;
 use crate::sync::lock;
+
+/// Marks of `records_due` (owner row, generation) whose file has been written since
+/// they were read, to be cleared in one transaction on the next tick (a crash before
+/// that only repeats a write).
+#[derive(Default)]
+pub(super) struct WrittenMarks(Mutex<Vec<(i64, i64)>>);
+
+impl WrittenMarks {
+    fn push(&self, mark: (i64, i64)) {
+        lock(&self.0).push(mark);
+    }
+
+    fn take(&self) -> Vec<(i64, i64)> {
+        std::mem::take(&mut *lock(&self.0))
+    }
+}
 
 /// Marked files looked up per database read while retrying.
 const RETRY_PAGE: i64 = 256;
@@ -61,7 +77,7 @@ impl Core {
             })
             .await?;
         if let Some(mark) = mark {
-            lock(&self.records_written).push(mark);
+            self.records_written.push(mark);
         }
         Ok(path)
     }
@@ -82,7 +98,7 @@ impl Core {
 
     /// Clears the marks of the files written since the last call.
     pub(super) async fn flush_records_written(&self) {
-        let written = std::mem::take(&mut *lock(&self.records_written));
+        let written = self.records_written.take();
         if written.is_empty() {
             return;
         }
