@@ -860,9 +860,18 @@ pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Opt
 mod tests {
     use super::*;
 
+    /// The phases of `all` that `keep` keeps, as an SQL list.
+    fn list<T: Copy>(
+        all: &[T],
+        keep: impl Fn(T) -> bool,
+        name: impl Fn(T) -> &'static str,
+    ) -> String {
+        let kept: Vec<T> = all.iter().copied().filter(|p| keep(*p)).collect();
+        format!("({})", phase_list(&kept, name))
+    }
+
     #[test]
     fn sql_phase_literals_are_the_enums_names() {
-        let list = |names: Vec<&'static str>| format!("({})", phase_list(&names, |n| n));
         assert_eq!(
             in_progress_owner!(),
             format!("'{}'", OwnerPhase::InProgress.as_str())
@@ -871,17 +880,17 @@ mod tests {
             failed_operation!(),
             format!("'{}'", OperationPhase::Failed.as_str())
         );
-        let unfinished: Vec<&str> = OperationPhase::ALL
-            .iter()
-            .filter(|p| p.is_unfinished())
-            .map(|p| p.as_str())
-            .collect();
-        assert_eq!(unfinished_operation!(), list(unfinished));
-        let waiting: Vec<&str> = OwnerPhase::ALL
-            .iter()
-            .filter(|p| p.is_waiting())
-            .map(|p| p.as_str())
-            .collect();
-        assert_eq!(waiting_owner!(), list(waiting));
+        assert_eq!(
+            unfinished_operation!(),
+            list(
+                OperationPhase::ALL,
+                OperationPhase::is_unfinished,
+                OperationPhase::as_str
+            )
+        );
+        assert_eq!(
+            waiting_owner!(),
+            list(OwnerPhase::ALL, OwnerPhase::is_waiting, OwnerPhase::as_str)
+        );
     }
 }
