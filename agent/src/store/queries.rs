@@ -677,44 +677,31 @@ pub fn update_operation(
     s: &OperationState,
     phase_changed: bool,
 ) -> rusqlite::Result<bool> {
-    let changed = if phase_changed {
-        conn.prepare_cached(concat!(
+    // The same parameters either way; only the phase column and the guard differ.
+    let sql = if phase_changed {
+        concat!(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
              plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ",
             unfinished_operation!()
-        ))?
-        .execute(params![
-            row,
-            s.phase.as_str(),
-            s.error,
-            s.n_completed,
-            s.n_total,
-            s.operation_units,
-            s.description,
-            s.started_ms,
-            s.updated_ms,
-            s.plugin_updated_ms
-        ])?
+        )
     } else {
-        conn.prepare_cached(
-            "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
-             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2",
-        )?
-        .execute(params![
-            row,
-            s.phase.as_str(),
-            s.error,
-            s.n_completed,
-            s.n_total,
-            s.operation_units,
-            s.description,
-            s.started_ms,
-            s.updated_ms,
-            s.plugin_updated_ms
-        ])?
+        "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
+         operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+         plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2"
     };
+    let changed = conn.prepare_cached(sql)?.execute(params![
+        row,
+        s.phase.as_str(),
+        s.error,
+        s.n_completed,
+        s.n_total,
+        s.operation_units,
+        s.description,
+        s.started_ms,
+        s.updated_ms,
+        s.plugin_updated_ms
+    ])?;
     Ok(changed > 0)
 }
 
