@@ -30,6 +30,7 @@ use opmon_client::server::{Admission, Refusal};
 use tokio::net::UnixStream;
 
 use crate::metrics::Metrics;
+use crate::sync::lock;
 
 /// Connections kept for the agent's own uid and root when other uids have taken the
 /// rest.
@@ -131,7 +132,8 @@ pub struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Ok(mut open) = self.open.lock() {
+        {
+            let mut open = lock(&self.open);
             if let Some(n) = open.by_uid.get_mut(&self.uid) {
                 *n -= 1;
                 if *n == 0 {
@@ -187,10 +189,7 @@ impl PeerCheck {
     /// Counts a refusal and logs it within the log's budget.
     fn refused(&self, line: impl FnOnce()) {
         self.metrics.refused();
-        let (own_line, unlogged) = match self.log.lock() {
-            Ok(mut log) => log.note(Instant::now()),
-            Err(_) => (true, 0),
-        };
+        let (own_line, unlogged) = lock(&self.log).note(Instant::now());
         if unlogged > 0 {
             tracing::warn!(
                 unlogged,
@@ -229,12 +228,7 @@ impl PeerCheck {
     /// Takes a connection slot for `uid`, or says which limit it is over.
     fn take_slot(&self, uid: u32) -> Result<Slot, Refusal> {
         let operator = self.operators.contains(&uid);
-        let mut open = self.open.lock().map_err(|_| {
-            refused(
-                hyper::StatusCode::SERVICE_UNAVAILABLE,
-                "the agent is failing",
-            )
-        })?;
+        let mut open = lock(&self.open);
         let held = open.by_uid.get(&uid).copied().unwrap_or(0);
         if held >= self.per_uid {
             return Err(refused(

@@ -24,7 +24,7 @@ use time::OffsetDateTime;
 
 use crate::core::Core;
 use crate::error::Error;
-use crate::storage;
+use crate::storage_dir;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -145,7 +145,7 @@ fn owner_name(name: &str) -> Result<(), Error> {
 /// (the limit derives from the storage layout's file names, per kind).
 fn new_owner_name(kind: OwnerKind, name: &str) -> Result<(), Error> {
     owner_name(name)?;
-    let max = storage::max_owner_name_len(kind);
+    let max = storage_dir::max_owner_name_len(kind);
     if name.len() > max {
         return Err(invalid(
             "name",
@@ -153,7 +153,7 @@ fn new_owner_name(kind: OwnerKind, name: &str) -> Result<(), Error> {
                 "must be at most {max} characters for a {kind} (got {}): its item-operations \
                  file name must fit the file system's limit of {} bytes",
                 name.len(),
-                storage::NAME_MAX
+                storage_dir::NAME_MAX
             ),
         ));
     }

@@ -20,15 +20,17 @@ use std::time::Duration;
 use opmon_client::OwnerKind;
 use tokio::sync::broadcast;
 
+use crate::sync::lock;
+
 type Key = (OwnerKind, String);
 
 /// Notifications buffered per owner before a slow receiver lags.
 const BUFFER: usize = 64;
 
 /// What changed in one commit, shared by every receiver of the owner.
-pub type Changed = Arc<Change>;
+pub type Changed = Arc<OwnerChange>;
 
-pub struct Change {
+pub struct OwnerChange {
     /// The rows of the owner's operations that changed (empty when only the owner did).
     pub rows: Vec<i64>,
     /// The subscription notification for this change, built once by the first
@@ -70,10 +72,6 @@ pub struct Changes {
     watched: Watchers,
 }
 
-fn lock(watched: &Watchers) -> std::sync::MutexGuard<'_, HashMap<Key, Watched>> {
-    watched.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Sends `rows` (plus any held) to the owner's receivers; forgets the owner when
 /// nobody listens any more.
 fn announce(watched: &mut HashMap<Key, Watched>, key: &Key, rows: Vec<i64>) {
@@ -87,7 +85,7 @@ fn announce(watched: &mut HashMap<Key, Watched>, key: &Key, rows: Vec<i64>) {
         }
         None => rows,
     };
-    let change = Change {
+    let change = OwnerChange {
         rows,
         rendered: tokio::sync::OnceCell::new(),
     };

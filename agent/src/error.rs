@@ -2,9 +2,9 @@
 //! names what was wrong (which backup, which field, which file).
 
 use jsonrpsee::types::ErrorObjectOwned;
-use opmon_client::codes;
+use opmon_client::{codes, OwnerKind, OwnerPhase};
 
-use crate::store::{StorageCause, StoreError};
+use crate::store::{StorageCause, StorageFailure};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
@@ -13,19 +13,66 @@ pub enum Error {
     InvalidParams(String),
     /// 1001.
     #[error("{0}")]
-    NotFound(String),
+    NotFound(NotFound),
     /// 1002.
-    #[error("{0}")]
-    AlreadyExists(String),
+    #[error("{kind} {name} already exists with uid {uid}")]
+    AlreadyExists {
+        kind: OwnerKind,
+        name: String,
+        uid: String,
+    },
     /// 1003.
     #[error("{0}")]
-    WrongPhase(String),
+    WrongPhase(WrongPhase),
     /// 1004.
     #[error("storage failure: {0}")]
-    Storage(StoreError),
+    Storage(StorageFailure),
     /// 1005.
     #[error("finalize failed: {0}")]
     Finalize(String),
+}
+
+/// What was not there (error 1001). The message is made here, when the error is shown.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NotFound {
+    #[error("{0} {1} not found")]
+    Owner(OwnerKind, String),
+    /// Deleted while a subscription followed it.
+    #[error("{0} {1} was deleted")]
+    Deleted(OwnerKind, String),
+    #[error("{0} {1} was deleted during finalize")]
+    DeletedDuringFinalize(OwnerKind, String),
+    /// Its row went between two statements of one request.
+    #[error("owner {0} vanished during the request")]
+    Vanished(i64),
+    #[error("snapshotter {0} not found")]
+    Snapshotter(String),
+}
+
+/// Why an owner's phase refuses a request (error 1003).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum WrongPhase {
+    #[error("{kind} {name} is {phase}; {request} is allowed only while InProgress")]
+    NotInProgress {
+        kind: OwnerKind,
+        name: String,
+        phase: OwnerPhase,
+        request: &'static str,
+    },
+    #[error("{kind} {name} was replaced during endInProgress")]
+    ReplacedDuringEndInProgress { kind: OwnerKind, name: String },
+    #[error("{kind} {name} is {phase}; finalize needs Finalizing or FinalizingPartiallyFailed")]
+    NotFinalizing {
+        kind: OwnerKind,
+        name: String,
+        phase: OwnerPhase,
+    },
+    #[error("{kind} {name} became {phase} during finalize")]
+    ChangedDuringFinalize {
+        kind: OwnerKind,
+        name: String,
+        phase: OwnerPhase,
+    },
 }
 
 impl Error {
@@ -33,7 +80,7 @@ impl Error {
         match self {
             Error::InvalidParams(_) => codes::INVALID_PARAMS,
             Error::NotFound(_) => codes::NOT_FOUND,
-            Error::AlreadyExists(_) => codes::ALREADY_EXISTS,
+            Error::AlreadyExists { .. } => codes::ALREADY_EXISTS,
             Error::WrongPhase(_) => codes::WRONG_PHASE,
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
@@ -41,15 +88,15 @@ impl Error {
     }
 }
 
-impl From<StoreError> for Error {
-    fn from(e: StoreError) -> Self {
+impl From<StorageFailure> for Error {
+    fn from(e: StorageFailure) -> Self {
         Error::Storage(e)
     }
 }
 
 impl From<rusqlite::Error> for Error {
     fn from(e: rusqlite::Error) -> Self {
-        Error::Storage(StoreError::from(e))
+        Error::Storage(StorageFailure::from(e))
     }
 }
 
@@ -60,10 +107,10 @@ impl From<Error> for ErrorObjectOwned {
 }
 
 impl StorageCause for Error {
-    fn storage_cause(&self) -> StoreError {
+    fn storage_cause(&self) -> StorageFailure {
         match self {
             Error::Storage(e) => e.clone(),
-            other => StoreError {
+            other => StorageFailure {
                 message: format!("the transaction was rolled back: {other}"),
                 disk_full: false,
             },

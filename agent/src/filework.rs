@@ -23,6 +23,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::confine::{remove_leftover, TempOutput};
 use crate::error::Error;
+use crate::sync::lock;
 
 /// Threads doing file work at once: enough for two finalizes side by side (each also
 /// compresses on threads of its own), few enough that a node's disks are not swamped.
@@ -49,17 +50,13 @@ impl JobContext {
     /// Registers `temp` so shutdown removes it even if this job never returns.
     pub fn register(&self, temp: &TempOutput) {
         if let Ok(leftover) = temp.leftover() {
-            if let Ok(mut map) = self.shared.leftovers.lock() {
-                map.insert(self.id, leftover);
-            }
+            lock(&self.shared.leftovers).insert(self.id, leftover);
         }
     }
 
     /// The temporary output was persisted or removed by its owner.
     pub fn unregister(&self) {
-        if let Ok(mut map) = self.shared.leftovers.lock() {
-            map.remove(&self.id);
-        }
+        lock(&self.shared.leftovers).remove(&self.id);
     }
 }
 
@@ -88,10 +85,9 @@ impl FileWork {
             let spawned = std::thread::Builder::new()
                 .name(format!("opmon-file-{i}"))
                 .spawn(move || loop {
-                    let job = match rx.lock() {
-                        Ok(rx) => rx.recv(),
-                        Err(_) => return,
-                    };
+                    // Held while waiting for a job (the one exception to the lock
+                    // policy): the workers take turns at the one receiver.
+                    let job = lock(&rx).recv();
                     match job {
                         Ok(job) => job(),
                         Err(_) => return,
@@ -137,9 +133,7 @@ impl FileWork {
             shared: self.shared.clone(),
             id,
         };
-        if let Ok(mut running) = self.shared.running.lock() {
-            running.insert(id, ctx.stop.clone());
-        }
+        lock(&self.shared.running).insert(id, ctx.stop.clone());
         let (tx, rx) = oneshot::channel();
         let job_ctx = ctx.clone();
         let job: Job = Box::new(move || {
@@ -150,14 +144,10 @@ impl FileWork {
                 work(&job_ctx)
             };
             job_ctx.unregister();
-            if let Ok(mut running) = job_ctx.shared.running.lock() {
-                running.remove(&job_ctx.id);
-            }
+            lock(&job_ctx.shared.running).remove(&job_ctx.id);
             let _ = tx.send(result);
         });
-        self.jobs
-            .lock()
-            .map_err(|_| Error::Finalize("the file-work pool is gone".into()))?
+        lock(&self.jobs)
             .send(job)
             .map_err(|_| Error::Finalize("the file-work pool is gone".into()))?;
         match tokio::time::timeout(deadline, rx).await {
@@ -175,12 +165,7 @@ impl FileWork {
     }
 
     fn remove_leftover(&self, id: u64) {
-        let leftover = self
-            .shared
-            .leftovers
-            .lock()
-            .ok()
-            .and_then(|mut map| map.remove(&id));
+        let leftover = lock(&self.shared.leftovers).remove(&id);
         if let Some((dir, name)) = leftover {
             remove_leftover(&dir, &name);
         }
@@ -190,17 +175,16 @@ impl FileWork {
     /// refused.
     pub fn stop(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        if let Ok(running) = self.shared.running.lock() {
+        {
+            let running = lock(&self.shared.running);
             for flag in running.values() {
                 flag.store(true, Ordering::SeqCst);
             }
         }
-        let leftovers: Vec<(OwnedFd, OsString)> = self
-            .shared
-            .leftovers
-            .lock()
-            .map(|mut map| map.drain().map(|(_, v)| v).collect())
-            .unwrap_or_default();
+        let leftovers: Vec<(OwnedFd, OsString)> = lock(&self.shared.leftovers)
+            .drain()
+            .map(|(_, v)| v)
+            .collect();
         for (dir, name) in leftovers {
             remove_leftover(&dir, &name);
         }

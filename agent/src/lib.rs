@@ -8,6 +8,7 @@
 pub mod access;
 pub mod api;
 pub mod changes;
+pub mod clock;
 pub mod config;
 pub mod confine;
 pub mod core;
@@ -18,8 +19,9 @@ pub mod metrics;
 pub mod phase;
 pub mod reload;
 pub mod remote;
-pub mod storage;
+pub mod storage_dir;
 pub mod store;
+pub mod sync;
 pub mod tarball;
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -133,7 +135,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     );
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
-    let storage = storage::Storage::new(settings.storage_dir.clone());
+    let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
     let core = Core::new(
         store.clone(),
         storage,

@@ -8,6 +8,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::sync::lock;
 use jsonrpsee::server::middleware::rpc::RpcServiceT;
 use jsonrpsee::server::MethodResponse;
 use jsonrpsee::types::Request;
@@ -218,7 +219,7 @@ impl Metrics {
         }
         self.unfinished_operations
             .set(status.unfinished_operations as i64);
-        let _turn = self.encoding.lock().unwrap_or_else(|p| p.into_inner());
+        let _turn = lock(&self.encoding);
         let mut text = String::new();
         if let Err(e) = encode(&mut text, &self.registry) {
             tracing::warn!(error = %e, "encoding metrics failed");

@@ -8,7 +8,7 @@
 //!
 //! Every call has a deadline. A hung or dead snapshotter costs its own operations the
 //! deadline and nothing else: callers poll each snapshotter independently. Cancel goes
-//! the same way as Progress (batches, bounded concurrency), and [`Remote::cancel`] as a
+//! the same way as Progress (batches, bounded concurrency), and [`Caller::cancel`] as a
 //! whole ends at a deadline given by the caller: what is not answered by then is
 //! abandoned.
 
@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::sync::{lock, read, write};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use http_body_util::{BodyExt, Full, Limited};
@@ -72,8 +73,15 @@ type Answer<T> = Result<T, CallError>;
 
 /// How the agent reaches one snapshotter.
 pub enum Remote {
-    /// v1: no Progress, no Cancel.
+    /// v1: no Progress, no Cancel; the phase machine's v1 adapter completes its
+    /// operations at their first poll, and nothing is called.
     V1,
+    /// A snapshotter the agent calls.
+    Called(Caller),
+}
+
+/// A snapshotter the agent calls for Progress and Cancel.
+pub enum Caller {
     Socket(SocketRemote),
     Command(CommandRemote),
     /// Registered, but not to be called: every call fails with this message (a command
@@ -85,40 +93,33 @@ impl Remote {
     pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
         match (s.api_version, &s.socket, &s.command) {
             (ApiVersion::V1, _, _) => Remote::V1,
-            (_, Some(socket), _) => Remote::Socket(SocketRemote {
+            (_, Some(socket), _) => Remote::Called(Caller::Socket(SocketRemote {
                 name: s.name.clone(),
                 path: socket.clone(),
                 pool: Mutex::new(Vec::new()),
                 settings: settings.clone(),
                 in_flight: Semaphore::new(settings.socket_concurrency.max(1)),
-            }),
-            (_, None, command) => Remote::Command(CommandRemote {
+            })),
+            (_, None, command) => Remote::Called(Caller::Command(CommandRemote {
                 name: s.name.clone(),
                 argv: command.clone().unwrap_or_default(),
                 settings: settings.clone(),
                 running: Semaphore::new(settings.command_concurrency.max(1)),
-            }),
+            })),
         }
     }
+}
 
+impl Caller {
     /// Progress of each operation, in order.
     pub async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
         match self {
-            Remote::V1 => ops
-                .iter()
-                .map(|_| {
-                    Ok(OperationProgress {
-                        completed: true,
-                        ..Default::default()
-                    })
-                })
-                .collect(),
-            Remote::Socket(s) => s.progress(ops).await,
-            Remote::Refused(why) => ops
+            Caller::Socket(s) => s.progress(ops).await,
+            Caller::Refused(why) => ops
                 .iter()
                 .map(|_| Err(CallError::Answered(why.clone())))
                 .collect(),
-            Remote::Command(c) => {
+            Caller::Command(c) => {
                 // Indices rather than references keep the stream's closure free of
                 // higher-ranked lifetimes, so the future stays Send.
                 stream::iter(0..ops.len())
@@ -141,14 +142,13 @@ impl Remote {
         let mut answers: Vec<Option<Answer<()>>> = ops.iter().map(|_| None).collect();
         // Each piece of work answers for the ops from its start index on.
         let mut pieces = match self {
-            Remote::V1 => return ops.iter().map(|_| Some(Ok(()))).collect(),
-            Remote::Refused(why) => {
+            Caller::Refused(why) => {
                 return ops
                     .iter()
                     .map(|_| Some(Err(CallError::Answered(why.clone()))))
                     .collect()
             }
-            Remote::Socket(s) => {
+            Caller::Socket(s) => {
                 let size = s.settings.batch_size.max(1);
                 stream::iter((0..ops.len()).step_by(size))
                     .map(move |start| async move {
@@ -159,7 +159,7 @@ impl Remote {
                     .buffer_unordered(s.settings.socket_concurrency.max(1))
                     .boxed()
             }
-            Remote::Command(c) => stream::iter(0..ops.len())
+            Caller::Command(c) => stream::iter(0..ops.len())
                 .map(move |i| async move {
                     let answer = c.run("cancel", &ops[i]).await.map(|_| ());
                     (i, vec![answer])
@@ -328,7 +328,7 @@ impl SocketRemote {
 
     /// POSTs `body` to `/`, reusing a pooled connection when one is idle.
     async fn post(&self, body: Bytes) -> Result<Bytes, CallError> {
-        let pooled = self.pool.lock().ok().and_then(|mut p| p.pop());
+        let pooled = lock(&self.pool).pop();
         let mut sender = match pooled {
             Some(s) if !s.is_closed() => s,
             _ => self.connect().await?,
@@ -373,7 +373,8 @@ impl SocketRemote {
             })?
             .to_bytes();
         if !sender.is_closed() {
-            if let Ok(mut pool) = self.pool.lock() {
+            {
+                let mut pool = lock(&self.pool);
                 if pool.len() < POOL_SIZE {
                     pool.push(sender);
                 }
@@ -435,30 +436,27 @@ pub struct Registry {
 
 impl Registry {
     pub fn get(&self, plugin: &str) -> Option<Arc<Remote>> {
-        self.remotes.read().ok()?.get(plugin).cloned()
+        read(&self.remotes).get(plugin).cloned()
     }
 
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
-        if let Ok(mut map) = self.remotes.write() {
-            map.insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
-        }
+        write(&self.remotes).insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
     }
 
     /// Keeps `name` registered but refuses every call to it, saying `why`.
     pub fn refuse(&self, name: &str, why: String) {
-        if let Ok(mut map) = self.remotes.write() {
-            map.insert(name.to_string(), Arc::new(Remote::Refused(why)));
-        }
+        write(&self.remotes).insert(
+            name.to_string(),
+            Arc::new(Remote::Called(Caller::Refused(why))),
+        );
     }
 
     pub fn remove(&self, name: &str) {
-        if let Ok(mut map) = self.remotes.write() {
-            map.remove(name);
-        }
+        write(&self.remotes).remove(name);
     }
 
     /// How many snapshotters are registered.
     pub fn count(&self) -> usize {
-        self.remotes.read().map(|m| m.len()).unwrap_or(0)
+        read(&self.remotes).len()
     }
 }

@@ -31,7 +31,7 @@ use jsonrpsee::RpcModule;
 use opmon_agent::config::{self, Args};
 use opmon_agent::core::Core;
 use opmon_agent::metrics::Metrics;
-use opmon_agent::storage::Storage;
+use opmon_agent::storage_dir::StorageDir;
 use opmon_agent::store::Store;
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::{
@@ -754,7 +754,7 @@ impl Harness {
         let store = Arc::new(Store::open(&settings.database(), |_, _| {}).unwrap());
         let core = Core::new(
             store,
-            Storage::new(storage.clone()),
+            StorageDir::new(storage.clone()),
             Metrics::new(),
             settings.core.clone(),
         )

@@ -13,7 +13,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use opmon_agent::storage::Storage;
+use opmon_agent::storage_dir::StorageDir;
 use opmon_client::{OwnerKind, OwnerPhase, WaitUntil};
 use opmon_tests::{operation, Agent, Fixture, PLUGIN};
 
@@ -144,7 +144,7 @@ async fn temporary_files_of_a_crashed_write_are_removed_at_start_and_nothing_els
 /// a millisecond after owner `i - 1`, so expiry takes them in order), each with its
 /// item-operations file. Returns their names.
 fn plant_expired_restores(state_dir: &Path, count: usize) -> Vec<String> {
-    let storage = Storage::new(state_dir.join("storage"));
+    let storage = StorageDir::new(state_dir.join("storage"));
     let mut conn = rusqlite::Connection::open(state_dir.join("agent.db")).unwrap();
     let tx = conn.transaction().unwrap();
     let hour_ago = (time::OffsetDateTime::now_utc().unix_timestamp() - 3600) * 1000;
@@ -203,7 +203,7 @@ async fn an_expiry_killed_halfway_leaves_no_orphaned_directory_after_the_restart
     let mut agent = Agent::start(dir.path(), &keep);
     agent.terminate();
     let names = plant_expired_restores(&state_dir, 20_000);
-    let first = Storage::new(state_dir.join("storage"))
+    let first = StorageDir::new(state_dir.join("storage"))
         .item_operations_file(OwnerKind::Restore, &names[0])
         .parent()
         .unwrap()

@@ -15,9 +15,10 @@
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::{now_ms, Core, Running};
+use super::{Core, Running};
+use crate::clock::UnixMs;
 use crate::error::Error;
-use crate::storage;
+use crate::storage_dir;
 use crate::store::queries::{self, Removal};
 
 /// Owners deleted per expiry transaction, and removal records finished per step.
@@ -85,7 +86,6 @@ impl Core {
         if done.is_empty() {
             return;
         }
-        // Removal records change no phase or count: past `Core::write`.
         let cleared = self
             .store
             .write(move |conn| queries::clear_removals(conn, &done).map_err(Error::from))
@@ -118,11 +118,11 @@ impl Core {
     /// Returns how many owners expired.
     async fn expire(&self) -> Result<usize, Error> {
         self.finish_removals().await?;
-        let retention = self.settings.retention.as_millis().min(i64::MAX as u128) as i64;
-        let before = now_ms().saturating_sub(retention);
+        let before = UnixMs::now().before(self.settings.retention);
         let mut expired = 0;
         loop {
             let batch = self
+                .store
                 .write(move |conn| {
                     queries::delete_expired(conn, before, EXPIRY_BATCH).map_err(Error::from)
                 })
@@ -179,7 +179,9 @@ impl Core {
                 roots
                     .iter()
                     .map(|root| {
-                        storage::remove_stale_temp_files(root, before, &|| stopping.is_cancelled())
+                        storage_dir::remove_stale_temp_files(root, before, &|| {
+                            stopping.is_cancelled()
+                        })
                     })
                     .sum::<usize>()
             });

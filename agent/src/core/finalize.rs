@@ -24,13 +24,15 @@ use opmon_client::{FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedMutexGuard;
 
-use super::{now_ms, Core};
+use super::{require, Core};
 use crate::changes::Urgency;
+use crate::clock::UnixMs;
 use crate::confine::Confinement;
-use crate::error::Error;
+use crate::error::{Error, NotFound, WrongPhase};
 use crate::filework::FileWork;
 use crate::phase;
 use crate::store::queries;
+use crate::sync::lock;
 use crate::tarball::{self, RewriteError, Updates};
 
 /// What the core needs to know to finalize with contents.
@@ -79,7 +81,8 @@ struct Turn {
 impl Drop for Turn {
     fn drop(&mut self) {
         self.guard.take();
-        if let Ok(mut turns) = self.turns.lock() {
+        {
+            let mut turns = lock(&self.turns);
             // Nobody holds or waits for it: forget the owner.
             if turns
                 .get(&self.key)
@@ -109,7 +112,7 @@ impl Finalizer {
     async fn turn(&self, kind: OwnerKind, name: &str) -> Turn {
         let key = (kind, name.to_string());
         let mutex = {
-            let mut turns = self.turns.lock().unwrap_or_else(|p| p.into_inner());
+            let mut turns = lock(&self.turns);
             turns.entry(key.clone()).or_default().clone()
         };
         let guard = mutex.lock_owned().await;
@@ -148,22 +151,24 @@ struct Bound {
 }
 
 impl Bound {
-    /// Refuses when the owner named `name` is no longer the one bound.
+    /// The owner named `name` (`row`, as read), refused when it is no longer the one
+    /// bound.
     fn check(
         &self,
         kind: OwnerKind,
         name: &str,
-        row: Option<&queries::OwnerRow>,
-    ) -> Result<(), Error> {
+        row: Option<queries::OwnerRow>,
+    ) -> Result<queries::OwnerRow, Error> {
         match row {
-            Some(row) if row.id == self.id && row.owner.uid == self.uid => Ok(()),
+            Some(row) if row.id == self.id && row.owner.uid == self.uid => Ok(row),
             Some(row) => Err(Error::Finalize(format!(
                 "{kind} {name} was deleted and started again (uid {}) during this finalize of \
                  uid {}; nothing of it was kept",
                 row.owner.uid, self.uid
             ))),
-            None => Err(Error::NotFound(format!(
-                "{kind} {name} was deleted during finalize"
+            None => Err(Error::NotFound(NotFound::DeletedDuringFinalize(
+                kind,
+                name.to_string(),
             ))),
         }
     }
@@ -180,8 +185,7 @@ impl Core {
         let (row, stored) = self
             .store
             .read(move |conn| {
-                let row = queries::owner_by_name(conn, kind, &name)?
-                    .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))?;
+                let row = require(conn, kind, &name)?;
                 let stored = queries::finalize_result(conn, row.id)?;
                 Ok::<_, Error>((row, stored))
             })
@@ -203,10 +207,11 @@ impl Core {
             });
         }
         if !row.owner.finalize || !row.owner.phase.is_finalizing() {
-            return Err(Error::WrongPhase(format!(
-                "{kind} {} is {}; finalize needs Finalizing or FinalizingPartiallyFailed",
-                p.name, row.owner.phase
-            )));
+            return Err(Error::WrongPhase(WrongPhase::NotFinalizing {
+                kind,
+                name: p.name.clone(),
+                phase: row.owner.phase,
+            }));
         }
         let bound = Bound {
             id: row.id,
@@ -227,7 +232,7 @@ impl Core {
             self.store
                 .read(move |conn| {
                     let row = queries::owner_by_name(conn, kind, &name)?;
-                    check.check(kind, &name, row.as_ref())
+                    check.check(kind, &name, row).map(|_| ())
                 })
                 .await?;
             let shown = temp.path().display().to_string();
@@ -254,21 +259,20 @@ impl Core {
 
         let text = serde_json::to_string(&stored)
             .map_err(|e| Error::Finalize(format!("recording the result: {e}")))?;
-        let now = now_ms();
+        let now = UnixMs::now();
         let name = p.name.clone();
         let (errors, warnings) = (p.errors, p.warnings);
         let owner = self
+            .store
             .write(move |conn| {
-                let current = queries::owner_by_name(conn, kind, &name)?;
-                bound.check(kind, &name, current.as_ref())?;
-                let Some(mut current) = current else {
-                    return Err(Error::NotFound(format!("{kind} {name} not found")));
-                };
+                let mut current =
+                    bound.check(kind, &name, queries::owner_by_name(conn, kind, &name)?)?;
                 let next = phase::finalized(current.owner.phase, errors).ok_or_else(|| {
-                    Error::WrongPhase(format!(
-                        "{kind} {name} became {} during finalize",
-                        current.owner.phase
-                    ))
+                    Error::WrongPhase(WrongPhase::ChangedDuringFinalize {
+                        kind,
+                        name: name.clone(),
+                        phase: current.owner.phase,
+                    })
                 })?;
                 current.owner.phase = next;
                 current.owner.errors = current.owner.errors.saturating_add(errors);
@@ -278,7 +282,7 @@ impl Core {
                 Ok::<_, Error>(queries::owner_by_id(conn, current.id)?.map(|r| r.owner))
             })
             .await?
-            .ok_or_else(|| Error::NotFound(format!("{kind} {} not found", p.name)))?;
+            .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, p.name.clone())))?;
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase,
             replaced = stored.replaced, added = stored.added, "finalized");
         self.changes

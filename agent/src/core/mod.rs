@@ -11,28 +11,28 @@ mod records;
 mod server;
 mod snapshotters;
 mod subscribe;
-mod tally;
 
 pub use finalize::FinalizeSettings;
 pub use subscribe::OwnerStream;
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opmon_client::{AgentStatus, GoDuration};
-use time::OffsetDateTime;
+use opmon_client::{AgentStatus, GoDuration, OwnerKind};
+use rusqlite::Connection;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::changes::Changes;
-use crate::error::Error;
+use crate::clock::UnixMs;
+use crate::error::{Error, NotFound};
 use crate::metrics::Metrics;
-use crate::remote::{CallSettings, Registry};
-use crate::storage::Storage;
-use crate::store::{queries, Store};
+use crate::remote::CallSettings;
+use crate::storage_dir::StorageDir;
+use crate::store::queries::{self, OwnerRow};
+use crate::store::Store;
 
 /// What the core needs to know from the configuration.
 #[derive(Clone, Debug)]
@@ -58,12 +58,10 @@ pub struct CoreSettings {
 
 pub struct Core {
     store: Arc<Store>,
-    storage: Storage,
+    storage: StorageDir,
     metrics: Arc<Metrics>,
-    /// Marks of `records_due` whose file has been written since they were read, to be
-    /// cleared in one transaction on the next tick (a crash before that only repeats a
-    /// write).
-    records_written: Mutex<Vec<(i64, i64)>>,
+    /// Item-operations files written whose marks are still to be cleared.
+    records_written: records::WrittenMarks,
     /// Serialises the file work on one owner's files (by kind and name): a write, a
     /// removal, and the database reads that decide them.
     name_locks: name_locks::NameLocks,
@@ -71,23 +69,18 @@ pub struct Core {
     retrying_records: AtomicBool,
     expiring: AtomicBool,
     settings: CoreSettings,
-    remotes: Registry,
+    /// Asks the snapshotters; owns what polling remembers between passes.
+    poller: poll::Poller,
     changes: Changes,
     /// Wakes the poller before its next tick (after a restart, for instance).
     poll_now: Notify,
-    /// Since when (Unix ms) each unreachable snapshotter, by plugin name, has been so.
-    unreachable: Mutex<HashMap<String, i64>>,
-    /// `agent.status`'s counts between commits.
-    tally: Mutex<tally::Tally>,
-    /// Plugins whose sweep is still running; the next tick skips them.
-    sweeping: Mutex<HashSet<String>>,
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
     /// Finalize's confinement, file-work threads and per-owner turns.
     finalizer: finalize::Finalizer,
-    /// When this agent started, Unix ms: the idle timeout does not count time before.
-    started_ms: i64,
+    /// When this agent started: the idle timeout does not count time before.
+    started_at: UnixMs,
 }
 
 /// Clears `flag` when dropped: a background job's "running" mark, reset however the job
@@ -115,39 +108,42 @@ fn command_refusal(name: &str) -> String {
     )
 }
 
-/// The current time in Unix milliseconds: the one place the core reads the clock.
-fn now_ms() -> i64 {
-    queries::ms_of(OffsetDateTime::now_utc())
+/// The owner `kind` `name`, or the error that says it does not exist.
+fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, Error> {
+    queries::owner_by_name(conn, kind, name)?
+        .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, name.to_string())))
 }
 
 impl Core {
     /// Builds the core on an open store and loads the registered snapshotters.
     pub async fn new(
         store: Arc<Store>,
-        storage: Storage,
+        storage: StorageDir,
         metrics: Arc<Metrics>,
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
         let finalizer = finalize::Finalizer::new(storage.root(), &settings.finalize);
+        let poller = poll::Poller::new(
+            settings.calls.clone(),
+            settings.unreachable_grace,
+            metrics.clone(),
+        );
         let core = Arc::new(Core {
             store,
             storage,
             metrics,
-            records_written: Mutex::new(Vec::new()),
+            records_written: records::WrittenMarks::default(),
             name_locks: name_locks::NameLocks::default(),
             retrying_records: AtomicBool::new(false),
             expiring: AtomicBool::new(false),
             settings,
-            remotes: Registry::default(),
+            poller,
             changes: Changes::default(),
             poll_now: Notify::new(),
-            tally: Mutex::default(),
-            sweeping: Mutex::new(HashSet::new()),
-            unreachable: Mutex::new(HashMap::new()),
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
-            started_ms: now_ms(),
+            started_at: UnixMs::now(),
             finalizer,
         });
         let registered = core
@@ -159,9 +155,11 @@ impl Core {
                 // Registered over the API before the setting was off, or by a config
                 // file that no longer has it: the config file registers its own again
                 // right after this.
-                core.remotes.refuse(&s.name, command_refusal(&s.name));
+                core.poller
+                    .remotes
+                    .refuse(&s.name, command_refusal(&s.name));
             } else {
-                core.remotes.insert(s, &core.settings.calls);
+                core.poller.remotes.insert(s, &core.settings.calls);
             }
         }
         Ok(core)
@@ -169,13 +167,13 @@ impl Core {
 
     /// `agent.status`.
     pub async fn status(&self) -> Result<AgentStatus, Error> {
-        let (owners, unfinished) = self.counts().await?;
+        let (owners, unfinished) = self.store.counts().await?;
         Ok(AgentStatus {
             version: env!("CARGO_PKG_VERSION").to_string(),
             uptime: GoDuration(Duration::from_secs(self.started.elapsed().as_secs())),
             owners,
             unfinished_operations: unfinished,
-            snapshotters: self.remotes.count() as u64,
+            snapshotters: self.poller.remotes.count() as u64,
         })
     }
 

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::sync::lock;
 use opmon_client::OwnerKind;
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
@@ -29,7 +30,7 @@ pub struct NameGuard<'a> {
 
 impl NameLocks {
     fn entry(&self, key: &Key) -> Arc<AsyncMutex<()>> {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = lock(&self.held);
         held.entry(key.clone()).or_default().clone()
     }
 
@@ -59,14 +60,14 @@ impl NameLocks {
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.held.lock().map(|h| h.len()).unwrap_or(0)
+        lock(&self.held).len()
     }
 }
 
 impl Drop for NameGuard<'_> {
     fn drop(&mut self) {
         self.guard.take();
-        let mut held = self.locks.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = lock(&self.locks.held);
         // Clones are made under this map lock, so a count of one (the map's) means no
         // one else holds or awaits this name.
         if held

@@ -13,10 +13,11 @@ use opmon_client::{
 use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
 
-use super::poll::{apply_changes, record_post_items};
-use super::{now_ms, Core};
+use super::poll::{apply_changes, settle_owner, Settle};
+use super::{require, Core};
 use crate::changes::Urgency;
-use crate::error::Error;
+use crate::clock::UnixMs;
+use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
 use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
 
@@ -25,19 +26,16 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// Default and largest `list` page.
 pub const DEFAULT_PAGE: u32 = 100;
 
-fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, Error> {
-    queries::owner_by_name(conn, kind, name)?
-        .ok_or_else(|| Error::NotFound(format!("{kind} {name} not found")))
-}
-
-fn require_in_progress(row: &OwnerRow, verb: &str) -> Result<(), Error> {
+fn require_in_progress(row: &OwnerRow, verb: &'static str) -> Result<(), Error> {
     if row.owner.phase == OwnerPhase::InProgress {
         Ok(())
     } else {
-        Err(Error::WrongPhase(format!(
-            "{} {} is {}; {verb} is allowed only while InProgress",
-            row.owner.kind, row.owner.name, row.owner.phase
-        )))
+        Err(Error::WrongPhase(WrongPhase::NotInProgress {
+            kind: row.owner.kind,
+            name: row.owner.name.clone(),
+            phase: row.owner.phase,
+            request: verb,
+        }))
     }
 }
 
@@ -49,7 +47,7 @@ pub(super) fn fail_owner(
     conn: &Connection,
     row: &mut OwnerRow,
     reason: &str,
-    now: i64,
+    now: UnixMs,
 ) -> Result<Vec<PollTarget>, Error> {
     let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
     queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
@@ -64,7 +62,7 @@ pub(super) fn fail_owner(
 fn reload(conn: &Connection, id: i64) -> Result<Owner, Error> {
     queries::owner_by_id(conn, id)?
         .map(|row| row.owner)
-        .ok_or_else(|| Error::NotFound(format!("owner {id} vanished during the request")))
+        .ok_or(Error::NotFound(NotFound::Vanished(id)))
 }
 
 impl Core {
@@ -78,10 +76,11 @@ impl Core {
             OwnerKind::Backup => true,
             OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
-        let now = now_ms();
+        let now = UnixMs::now();
         // Serialized once here; the store keeps the text and polls parse it per owner.
         let object = p.object.as_ref().map(|o| o.to_string());
         let owner = self
+            .store
             .write(move |conn| {
                 if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
                     return if row.owner.uid == p.uid {
@@ -90,10 +89,11 @@ impl Core {
                         queries::touch_owner(conn, row.id, now)?;
                         Ok(row.owner)
                     } else {
-                        Err(Error::AlreadyExists(format!(
-                            "{kind} {} already exists with uid {}",
-                            p.name, row.owner.uid
-                        )))
+                        Err(Error::AlreadyExists {
+                            kind,
+                            name: p.name,
+                            uid: row.owner.uid,
+                        })
                     };
                 }
                 let new = NewOwner {
@@ -120,10 +120,11 @@ impl Core {
         kind: OwnerKind,
         p: AddOperationsParams,
     ) -> Result<AddOperationsResult, Error> {
-        let now = now_ms();
+        let now = UnixMs::now();
         let name = p.name.clone();
         let requested = p.operations.len() as u64;
         let added = self
+            .store
             .write(move |conn| {
                 let row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "addOperations")?;
@@ -166,31 +167,29 @@ impl Core {
                 Ok::<_, Error>((row, targets))
             })
             .await?;
-        let changes = self.poll_once(targets).await;
+        let changes = self.poller.poll(targets).await;
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
-        let now = now_ms();
+        let now = UnixMs::now();
         let owner = self
+            .store
             .write(move |conn| {
-                let mut current = require(conn, kind, &p.name)?;
+                let current = require(conn, kind, &p.name)?;
                 if current.id != row.id {
-                    return Err(Error::WrongPhase(format!(
-                        "{kind} {} was replaced during endInProgress",
-                        p.name
-                    )));
+                    return Err(Error::WrongPhase(WrongPhase::ReplacedDuringEndInProgress {
+                        kind,
+                        name: p.name,
+                    }));
                 }
                 require_in_progress(&current, "endInProgress")?;
                 let newly_failed = apply_changes(conn, &changes)?
                     .get(&current.id)
                     .copied()
                     .unwrap_or(0);
-                let unfinished = queries::unfinished_count(conn, current.id)?;
-                let o = &mut current.owner;
-                o.errors = p.errors.saturating_add(newly_failed);
-                o.warnings = p.warnings;
-                o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
-                record_post_items(conn, &mut current, unfinished)?;
-                queries::update_owner(conn, &current, now)?;
-                queries::mark_records_due(conn, current.id)?;
+                let how = Settle::EndInProgress {
+                    errors: p.errors,
+                    warnings: p.warnings,
+                };
+                settle_owner(conn, current.id, newly_failed, how, now)?;
                 reload(conn, current.id)
             })
             .await?;
@@ -204,8 +203,9 @@ impl Core {
     /// `endInProgress {failed: true}`: Failed at once, then Cancel on every unfinished
     /// operation (which the agent stops monitoring).
     async fn fail(&self, kind: OwnerKind, p: EndInProgressParams) -> Result<Owner, Error> {
-        let now = now_ms();
+        let now = UnixMs::now();
         let (owner, targets) = self
+            .store
             .write(move |conn| {
                 let mut row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "endInProgress")?;
@@ -217,7 +217,7 @@ impl Core {
             .await?;
         let failed = vec![(kind, owner.name.clone(), owner.failure_reason.clone())];
         self.announce_failed(&failed, &targets);
-        self.cancel_all(&targets).await;
+        self.poller.cancel_all(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
     }
@@ -344,9 +344,10 @@ impl Core {
                 Ok::<_, Error>(queries::poll_targets(conn, Targets::Owner(row.id))?)
             })
             .await?;
-        let cancelled = self.cancel_all(&targets).await;
+        let cancelled = self.poller.cancel_all(&targets).await;
         let key = name.clone();
         let removal = self
+            .store
             .write(move |conn| {
                 let row = require(conn, kind, &key)?;
                 Ok::<_, Error>(queries::delete_owner(conn, row.id, kind, &key)?)

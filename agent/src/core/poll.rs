@@ -1,24 +1,33 @@
 //! Polling: asking snapshotters for progress, deciding with the phase machine, calling
 //! Cancel where a timeout passed, and committing the changes in batches.
 //!
+//! [`Poller`] owns what polling remembers between passes (the registry of snapshotters,
+//! since when each unreachable one has been so, which sweeps are running); the core
+//! drives it and commits what it decides. [`settle_owner`] is the one place an owner's
+//! phase follows from its operations, after a poll and after `endInProgress`.
+//!
 //! The periodic sweep polls each snapshotter's operations in a task of its own, and a
 //! snapshotter whose previous sweep is still running is skipped for that tick: a hung
 //! snapshotter delays only its own operations. Changes commit per chunk, with the
 //! owners they touch settled in the same transaction, so an owner's phase always
 //! agrees with its operations.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
-use opmon_client::{OperationPhase, OperationRef, OwnerKind, OwnerRef};
+use opmon_client::{OperationPhase, OperationRef, OwnerRef};
 use rusqlite::Connection;
 
-use super::{now_ms, Core};
+use super::Core;
 use crate::changes::Urgency;
+use crate::clock::UnixMs;
 use crate::error::Error;
+use crate::metrics::Metrics;
 use crate::phase::{self, Observation, OperationState};
-use crate::remote::{CallError, Remote};
+use crate::remote::{CallError, CallSettings, Registry, Remote};
 use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
+use crate::sync::lock;
+use std::time::Duration;
 
 /// Operations polled and committed together in one sweep step; bounds the memory a
 /// sweep holds and the size of one transaction.
@@ -30,7 +39,7 @@ const SWEEP_CHUNK: usize = 4096;
 const MAX_OBJECT_BYTES_PER_CALL: usize = 4 << 20;
 
 /// A decided change to one operation, waiting to be committed.
-pub(super) struct Change {
+pub(super) struct OperationChange {
     pub target: PollTarget,
     pub next: OperationState,
 }
@@ -76,7 +85,7 @@ fn by_plugin(targets: Vec<PollTarget>) -> BTreeMap<String, Vec<PollTarget>> {
 /// how many of its operations newly failed.
 pub(super) fn apply_changes(
     conn: &Connection,
-    changes: &[Change],
+    changes: &[OperationChange],
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     for c in changes {
@@ -91,54 +100,115 @@ pub(super) fn apply_changes(
     Ok(touched)
 }
 
-/// Fills in the post-operation items once nothing is unfinished.
-pub(super) fn record_post_items(
-    conn: &Connection,
-    row: &mut OwnerRow,
-    unfinished: u64,
-) -> rusqlite::Result<()> {
-    if unfinished == 0 && row.owner.post_operation_items.is_none() {
-        row.owner.post_operation_items = Some(queries::post_operation_items(conn, row.id)?);
-    }
-    Ok(())
+/// Why an owner is settled.
+pub(super) enum Settle {
+    /// A poll changed some of a waiting owner's operations.
+    Poll,
+    /// `endInProgress {failed: false}`, with the server's counts, after its poll.
+    EndInProgress { errors: u32, warnings: u32 },
 }
 
-/// Moves a waiting owner on after some of its operations changed. Returns the owner
-/// if its item-operations file is due: an operation failed, or it left Waiting.
-fn settle_waiting(
+/// Moves an owner on after its operations' changes were applied in this transaction
+/// (`newly_failed` of them failed): counts those failures as errors, decides the phase,
+/// fills in the post-operation items once nothing is unfinished, and marks the owner's
+/// item-operations file due when it should be rewritten (it left InProgress or Waiting,
+/// or an operation failed). Returns the owner as stored, and whether the file is due;
+/// `None` if the owner is gone or not in a phase `how` settles.
+pub(super) fn settle_owner(
     conn: &Connection,
     owner_row: i64,
     newly_failed: u32,
-    now: i64,
-) -> rusqlite::Result<Option<(OwnerKind, String)>> {
+    how: Settle,
+    now: UnixMs,
+) -> rusqlite::Result<Option<(OwnerRow, bool)>> {
+    // Read after the changes were applied, so its operation counts are current.
     let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
         return Ok(None); // deleted meanwhile
     };
-    if !row.owner.phase.is_waiting() {
-        return Ok(None);
-    }
-    row.owner.errors = row.owner.errors.saturating_add(newly_failed);
-    // Read after this commit's changes were applied, so its counts are current.
     let unfinished = row.unfinished();
-    row.owner.phase = phase::after_poll(
-        row.owner.phase,
-        row.owner.finalize,
-        row.owner.errors,
-        unfinished,
-    );
-    record_post_items(conn, &mut row, unfinished)?;
+    let o = &mut row.owner;
+    let due = match how {
+        Settle::Poll => {
+            if !o.phase.is_waiting() {
+                return Ok(None);
+            }
+            o.errors = o.errors.saturating_add(newly_failed);
+            o.phase = phase::after_poll(o.phase, o.finalize, o.errors, unfinished);
+            newly_failed > 0 || !o.phase.is_waiting()
+        }
+        Settle::EndInProgress { errors, warnings } => {
+            if o.phase != opmon_client::OwnerPhase::InProgress {
+                return Ok(None);
+            }
+            o.errors = errors.saturating_add(newly_failed);
+            o.warnings = warnings;
+            o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
+            true
+        }
+    };
+    if unfinished == 0 && row.owner.post_operation_items.is_none() {
+        row.owner.post_operation_items = Some(queries::post_operation_items(conn, row.id)?);
+    }
     queries::update_owner(conn, &row, now)?;
-    let due = newly_failed > 0 || !row.owner.phase.is_waiting();
     if due {
         queries::mark_records_due(conn, row.id)?;
     }
-    Ok(due.then_some((row.owner.kind, row.owner.name)))
+    Ok(Some((row, due)))
 }
 
-impl Core {
+/// What polling remembers between passes, and the calls it makes.
+pub(super) struct Poller {
+    /// Who owns which plugin's operations. The database is the record; this follows
+    /// each commit.
+    pub remotes: Registry,
+    pub calls: CallSettings,
+    /// How long a snapshotter may be unreachable before its operations fail, in ms.
+    grace_ms: i64,
+    /// Since when (Unix ms) each unreachable snapshotter, by plugin name, has been so.
+    unreachable: Mutex<HashMap<String, UnixMs>>,
+    /// Plugins whose sweep is still running; the next tick skips them.
+    sweeping: Mutex<HashSet<String>>,
+    metrics: Arc<Metrics>,
+}
+
+/// A plugin's sweep, running while this lives: dropped however the sweep ends (done,
+/// failed, stopped, panicked), so a plugin is never left marked busy.
+pub(super) struct SweepTurn<'a> {
+    poller: &'a Poller,
+    plugin: String,
+}
+
+impl Drop for SweepTurn<'_> {
+    fn drop(&mut self) {
+        lock(&self.poller.sweeping).remove(&self.plugin);
+    }
+}
+
+impl Poller {
+    pub fn new(calls: CallSettings, unreachable_grace: Duration, metrics: Arc<Metrics>) -> Poller {
+        Poller {
+            remotes: Registry::default(),
+            calls,
+            grace_ms: crate::clock::millis(unreachable_grace),
+            unreachable: Mutex::default(),
+            sweeping: Mutex::default(),
+            metrics,
+        }
+    }
+
+    /// Marks `plugin`'s sweep running; `None` if the previous one still is.
+    pub fn start_sweep(&self, plugin: &str) -> Option<SweepTurn<'_>> {
+        lock(&self.sweeping)
+            .insert(plugin.to_string())
+            .then(|| SweepTurn {
+                poller: self,
+                plugin: plugin.to_string(),
+            })
+    }
+
     /// Polls `targets` once and returns what changed. Cancel has been called (and has
     /// answered or run out of time) for every change that needs it.
-    pub(super) async fn poll_once(&self, targets: Vec<PollTarget>) -> Vec<Change> {
+    pub async fn poll(&self, targets: Vec<PollTarget>) -> Vec<OperationChange> {
         let groups = by_plugin(targets);
         let polls = groups
             .into_iter()
@@ -151,7 +221,7 @@ impl Core {
     }
 
     /// Polls the operations of one plugin.
-    async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<Change> {
+    pub async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<OperationChange> {
         let remote = self.remotes.get(plugin);
         let observations: Vec<Observation> = match remote.as_deref() {
             None => {
@@ -162,7 +232,7 @@ impl Core {
                     .collect()
             }
             Some(Remote::V1) => targets.iter().map(|_| Observation::V1Adapter).collect(),
-            Some(remote) => {
+            Some(Remote::Called(remote)) => {
                 let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
                 let began = std::time::Instant::now();
                 // The remote bounds its own calls in flight; the runs only bound sizes.
@@ -178,11 +248,7 @@ impl Core {
                 self.metrics
                     .polled(plugin, answers.len(), errors, began.elapsed());
                 let since = self.reachability(plugin, &answers);
-                let grace_ms = self
-                    .settings
-                    .unreachable_grace
-                    .as_millis()
-                    .min(i64::MAX as u128) as i64;
+                let grace_ms = self.grace_ms;
                 answers
                     .into_iter()
                     .map(|answer| match answer {
@@ -190,22 +256,23 @@ impl Core {
                         Err(CallError::Answered(e)) => Observation::Error(e),
                         Err(CallError::Unreachable(error)) => Observation::Unreachable {
                             error,
-                            since_ms: since.unwrap_or_else(now_ms),
+                            since_ms: since.unwrap_or_else(UnixMs::now).ms(),
                             grace_ms,
                         },
                     })
                     .collect()
             }
         };
-        let now = now_ms();
+        let now = UnixMs::now();
         let mut changes = Vec::new();
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
-            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now) {
+            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now.ms())
+            {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
-                changes.push(Change {
+                changes.push(OperationChange {
                     target,
                     next: d.next,
                 });
@@ -219,11 +286,11 @@ impl Core {
 
     /// Records whether `plugin`'s snapshotter answered anything; returns since when it
     /// has been unreachable, if it is.
-    fn reachability<T>(&self, plugin: &str, answers: &[Result<T, CallError>]) -> Option<i64> {
+    fn reachability<T>(&self, plugin: &str, answers: &[Result<T, CallError>]) -> Option<UnixMs> {
         let reached = answers
             .iter()
             .any(|a| !matches!(a, Err(CallError::Unreachable(_))));
-        let mut unreachable = self.unreachable.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unreachable = lock(&self.unreachable);
         if reached || answers.is_empty() {
             if unreachable.remove(plugin).is_some() {
                 tracing::info!(snapshotter = plugin, "snapshotter reachable again");
@@ -239,7 +306,7 @@ impl Core {
                     .unwrap_or_default();
                 tracing::warn!(snapshotter = plugin, %error,
                     "snapshotter unreachable; its operations wait for the grace period");
-                now_ms()
+                UnixMs::now()
             });
             Some(since)
         }
@@ -249,8 +316,8 @@ impl Core {
     /// snapshotter at once, and over within one call deadline. Cancel is best effort:
     /// failures are logged, and calls still unanswered at the deadline are abandoned
     /// (and logged). Returns how many Cancel calls were made.
-    pub(super) async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
-        let deadline = tokio::time::Instant::now() + self.settings.calls.deadline;
+    pub async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
+        let deadline = tokio::time::Instant::now() + self.calls.deadline;
         let groups = by_plugin(targets.to_vec());
         let cancels = groups.into_iter().map(|(plugin, group)| async move {
             self.cancel_group(&plugin, group, deadline).await
@@ -274,7 +341,11 @@ impl Core {
             return;
         };
         let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
-        let answers = remote.cancel(&refs, deadline).await;
+        let answers = match &*remote {
+            // Nothing to call: a v1 operation has nothing running to stop.
+            Remote::V1 => refs.iter().map(|_| Some(Ok(()))).collect(),
+            Remote::Called(caller) => caller.cancel(&refs, deadline).await,
+        };
         let mut abandoned = 0;
         let mut errors = 0;
         for (t, answer) in targets.iter().zip(&answers) {
@@ -294,16 +365,17 @@ impl Core {
             }
         }
         if abandoned > 0 {
-            tracing::warn!(snapshotter = plugin, abandoned, deadline = %opmon_client::GoDuration(self.settings.calls.deadline),
+            tracing::warn!(snapshotter = plugin, abandoned, deadline = %opmon_client::GoDuration(self.calls.deadline),
                 "cancel calls abandoned: no answer within the call deadline");
         }
         self.metrics
             .cancelled(plugin, answers.len(), errors + abandoned);
     }
+}
 
+impl Core {
     /// Commits polled changes and settles the waiting owners they touched.
-    async fn commit_sweep(&self, changes: Vec<Change>) -> Result<(), Error> {
-        let phases_change = changes.iter().any(|c| c.next.phase != c.target.state.phase);
+    async fn commit_sweep(&self, changes: Vec<OperationChange>) -> Result<(), Error> {
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.
         // An owner whose operations only progressed hears of it with the next progress
         // announcement; one with a phase change (its own may follow) at once.
@@ -324,21 +396,18 @@ impl Core {
                 _ => changed.push((c.target.owner.clone(), vec![c.target.row], urgency)),
             }
         }
-        let now = now_ms();
+        let now = UnixMs::now();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
             for (owner_row, failed) in apply_changes(conn, &changes)? {
-                due.extend(settle_waiting(conn, owner_row, failed, now)?);
+                if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
+                {
+                    due.push((row.owner.kind, row.owner.name));
+                }
             }
             Ok::<_, Error>(due)
         };
-        // Progress alone changes no phase, so no count of `agent.status`: only a change
-        // of phase goes through the write that forgets them.
-        let due = if phases_change {
-            self.write(commit).await?
-        } else {
-            self.store.write(commit).await?
-        };
+        let due = self.store.write(commit).await?;
         self.refresh_records(due).await;
         for (owner, rows, urgency) in changed {
             self.changes.notify(owner.kind, &owner.name, rows, urgency);
@@ -360,17 +429,12 @@ impl Core {
             }
         };
         for plugin in plugins {
-            let idle = self
-                .sweeping
-                .lock()
-                .map(|mut busy| busy.insert(plugin.clone()))
-                .unwrap_or(false);
-            if !idle {
-                tracing::debug!(plugin, "previous sweep still running; skipped");
-                continue;
-            }
             let core = self.clone();
             self.sweeps.spawn(async move {
+                let Some(_turn) = core.poller.start_sweep(&plugin) else {
+                    tracing::debug!(plugin, "previous sweep still running; skipped");
+                    return;
+                };
                 tokio::select! {
                     _ = core.stopping.cancelled() => {}
                     result = core.sweep_plugin(&plugin) => {
@@ -378,9 +442,6 @@ impl Core {
                             tracing::warn!(plugin, error = %e, "sweeping failed");
                         }
                     }
-                }
-                if let Ok(mut busy) = core.sweeping.lock() {
-                    busy.remove(&plugin);
                 }
             });
         }
@@ -408,7 +469,7 @@ impl Core {
             };
             after = last.row;
             let full = page.len() == SWEEP_CHUNK;
-            let changes = self.poll_group(plugin, page).await;
+            let changes = self.poller.poll_group(plugin, page).await;
             if !changes.is_empty() {
                 self.commit_sweep(changes).await?;
             }
@@ -436,7 +497,7 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opmon_client::{PluginKind, PluginRef};
+    use opmon_client::{OwnerKind, PluginKind, PluginRef};
 
     fn target(object_bytes: usize) -> PollTarget {
         PollTarget {

@@ -9,14 +9,31 @@
 //! least as new as the mark is durably in place (fsynced and renamed).
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use opmon_client::{ItemOperation, OwnerKind};
 
-use super::{Core, Running};
+use super::{require, Core, Running};
 use crate::error::Error;
 use crate::store::queries;
-use crate::store::StoreError;
+use crate::store::StorageFailure;
+use crate::sync::lock;
+
+/// Marks of `records_due` (owner row, generation) whose file has been written since
+/// they were read, to be cleared in one transaction on the next tick (a crash before
+/// that only repeats a write).
+#[derive(Default)]
+pub(super) struct WrittenMarks(Mutex<Vec<(i64, i64)>>);
+
+impl WrittenMarks {
+    fn push(&self, mark: (i64, i64)) {
+        lock(&self.0).push(mark);
+    }
+
+    fn take(&self) -> Vec<(i64, i64)> {
+        std::mem::take(&mut *lock(&self.0))
+    }
+}
 
 /// Marked files looked up per database read while retrying.
 const RETRY_PAGE: i64 = 256;
@@ -39,9 +56,7 @@ impl Core {
         let (path, mark) = self
             .store
             .read(move |conn| {
-                let Some(row) = queries::owner_by_name(conn, kind, &key)? else {
-                    return Err(Error::NotFound(format!("{kind} {key} not found")));
-                };
+                let row = require(conn, kind, &key)?;
                 // Read in the same snapshot as the records: the file holds this mark's
                 // state or newer.
                 let mark = queries::records_due_generation(conn, row.id)?
@@ -53,19 +68,16 @@ impl Core {
                 let path = storage
                     .write_item_operations(kind, &key, &records)
                     .map_err(|e| {
-                        Error::Storage(StoreError {
+                        Error::Storage(StorageFailure {
                             disk_full: e.raw_os_error() == Some(nix::libc::ENOSPC),
                             message: e.to_string(),
                         })
                     })?;
-                Ok((path, mark))
+                Ok::<_, Error>((path, mark))
             })
             .await?;
         if let Some(mark) = mark {
-            self.records_written
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(mark);
+            self.records_written.push(mark);
         }
         Ok(path)
     }
@@ -86,16 +98,10 @@ impl Core {
 
     /// Clears the marks of the files written since the last call.
     pub(super) async fn flush_records_written(&self) {
-        let written = std::mem::take(
-            &mut *self
-                .records_written
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
+        let written = self.records_written.take();
         if written.is_empty() {
             return;
         }
-        // No phase or count changes: past `Core::write`, which would forget the tally.
         let cleared = self
             .store
             .write(move |conn| queries::clear_records_due(conn, &written).map_err(Error::from))

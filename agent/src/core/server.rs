@@ -14,7 +14,8 @@ use opmon_client::{FailedOwner, GoDuration, OwnerKind, ServerStartedParams, Serv
 use time::format_description::well_known::Rfc3339;
 
 use super::owners::fail_owner;
-use super::{now_ms, Core};
+use super::Core;
+use crate::clock::UnixMs;
 use crate::error::Error;
 use crate::phase;
 use crate::store::queries::{self, PollTarget};
@@ -26,8 +27,9 @@ impl Core {
         self: &Arc<Self>,
         p: ServerStartedParams,
     ) -> Result<ServerStartedResult, Error> {
-        let now = now_ms();
+        let now = UnixMs::now();
         let (failed, targets) = self
+            .store
             .write(move |conn| {
                 let mut failed = Vec::new();
                 let mut targets = Vec::new();
@@ -69,10 +71,9 @@ impl Core {
         let Some(timeout) = self.settings.in_progress_idle_timeout else {
             return;
         };
-        let timeout_ms = timeout.as_millis().min(i64::MAX as u128) as i64;
-        let now = now_ms();
-        let before = now.saturating_sub(timeout_ms);
-        if before <= self.started_ms {
+        let now = UnixMs::now();
+        let before = now.before(timeout);
+        if before <= self.started_at {
             return;
         }
         let idle = self
@@ -89,6 +90,7 @@ impl Core {
         }
         let limit = GoDuration(timeout);
         let committed = self
+            .store
             .write(move |conn| {
                 let mut failed = Vec::new();
                 let mut targets = Vec::new();
@@ -97,9 +99,10 @@ impl Core {
                     let Some(mut row) = queries::owner_by_id(conn, id)? else {
                         continue;
                     };
-                    let since = queries::time_of(last_call)
+                    let since = last_call
+                        .time()
                         .format(&Rfc3339)
-                        .unwrap_or_else(|_| last_call.to_string());
+                        .unwrap_or_else(|_| last_call.ms().to_string());
                     let reason = phase::idle_reason(&since, limit);
                     targets.extend(fail_owner(conn, &mut row, &reason, now)?);
                     failed.push((row.owner.kind, row.owner.name, reason));
@@ -126,7 +129,7 @@ impl Core {
         self.announce_failed(&failed, &targets);
         let core = self.clone();
         self.sweeps.spawn(async move {
-            core.cancel_all(&targets).await;
+            core.poller.cancel_all(&targets).await;
             core.refresh_records(failed.into_iter().map(|(kind, name, _)| (kind, name)))
                 .await;
         });

@@ -4,16 +4,17 @@
 use opmon_client::Snapshotter;
 
 use super::Core;
-use crate::error::Error;
+use crate::error::{Error, NotFound};
 use crate::store::queries;
 
 impl Core {
     /// Registers or replaces a snapshotter (already validated).
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
         let stored = s.clone();
-        self.write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
+        self.store
+            .write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
             .await?;
-        self.remotes.insert(&s, &self.settings.calls);
+        self.poller.remotes.insert(&s, &self.settings.calls);
         tracing::info!(snapshotter = %s.name, "snapshotter registered");
         Ok(s)
     }
@@ -32,11 +33,12 @@ impl Core {
     pub async fn unregister_snapshotter(&self, name: String) -> Result<Snapshotter, Error> {
         let key = name.clone();
         let removed = self
+            .store
             .write(move |conn| queries::delete_snapshotter(conn, &key).map_err(Error::from))
             .await?;
         let removed =
-            removed.ok_or_else(|| Error::NotFound(format!("snapshotter {name} not found")))?;
-        self.remotes.remove(&name);
+            removed.ok_or_else(|| Error::NotFound(NotFound::Snapshotter(name.clone())))?;
+        self.poller.remotes.remove(&name);
         Ok(removed)
     }
 }

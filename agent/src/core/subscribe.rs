@@ -15,7 +15,7 @@ use tokio::sync::broadcast::{
 
 use super::Core;
 use crate::changes::{Changed, Rendered};
-use crate::error::Error;
+use crate::error::{Error, NotFound};
 use crate::store::queries;
 
 /// The updates of one owner, as one subscriber sees them.
@@ -169,7 +169,7 @@ impl Core {
         self.store
             .read(move |conn| {
                 let row = queries::owner_by_name(conn, kind, &name)?
-                    .ok_or_else(|| Error::NotFound(format!("{kind} {name} was deleted")))?;
+                    .ok_or_else(|| Error::NotFound(NotFound::Deleted(kind, name.clone())))?;
                 let operations = match rows {
                     Some(rows) => queries::operations_by_rows(conn, row.id, &rows)?,
                     None => queries::operations(conn, row.id, None)?,
@@ -200,7 +200,7 @@ mod tests {
 
     use crate::core::{Core, CoreSettings};
     use crate::remote::CallSettings;
-    use crate::storage::Storage;
+    use crate::storage_dir::StorageDir;
     use crate::store::Store;
 
     async fn core(dir: &std::path::Path) -> Arc<Core> {
@@ -224,7 +224,7 @@ mod tests {
         };
         Core::new(
             store,
-            Storage::new(dir.join("storage")),
+            StorageDir::new(dir.join("storage")),
             crate::metrics::Metrics::new(),
             settings,
         )

@@ -9,6 +9,7 @@
 
 pub mod queries;
 pub mod schema;
+mod tally;
 #[cfg(test)]
 mod tests;
 pub mod writer;
@@ -17,32 +18,35 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::tally::Counts;
+use self::tally::Tally;
 pub use self::writer::StorageCause;
 use self::writer::Writer;
 
-/// A storage failure, described for an operator: what failed and why.
+/// A storage failure (error 1004), of the database or of a file in the storage
+/// directory, described for an operator: what failed and why.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
-pub struct StoreError {
+pub struct StorageFailure {
     pub message: String,
     pub disk_full: bool,
 }
 
-impl StoreError {
+impl StorageFailure {
     fn closed() -> Self {
-        StoreError {
+        StorageFailure {
             message: "the agent is shutting down; the database is closed".into(),
             disk_full: false,
         }
     }
 }
 
-impl From<rusqlite::Error> for StoreError {
+impl From<rusqlite::Error> for StorageFailure {
     fn from(e: rusqlite::Error) -> Self {
         let disk_full = matches!(e.sqlite_error_code(), Some(ErrorCode::DiskFull));
         let message = if disk_full {
@@ -50,7 +54,7 @@ impl From<rusqlite::Error> for StoreError {
         } else {
             format!("database error: {e}")
         };
-        StoreError { message, disk_full }
+        StorageFailure { message, disk_full }
     }
 }
 
@@ -82,6 +86,8 @@ pub struct Store {
     path: PathBuf,
     writer: Writer,
     readers: Mutex<Vec<Connection>>,
+    /// `agent.status`'s counts between commits; the writer forgets them.
+    tally: Arc<Tally>,
     _lock: Lock,
 }
 
@@ -139,10 +145,12 @@ impl Store {
             db: path.to_path_buf(),
             source,
         })?;
+        let tally = Arc::new(Tally::default());
         Ok(Store {
             path: path.to_path_buf(),
-            writer: Writer::start(conn, on_commit),
+            writer: Writer::start(conn, tally.clone(), on_commit),
             readers: Mutex::new(Vec::new()),
+            tally,
             _lock: lock,
         })
     }
@@ -160,39 +168,51 @@ impl Store {
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
-        E: From<StoreError> + StorageCause + Send + 'static,
+        E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         self.writer.write(work).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool. Sees the last commit.
-    pub async fn read<T, E, F>(self: &std::sync::Arc<Self>, work: F) -> Result<T, E>
+    pub async fn read<T, E, F>(self: &Arc<Self>, work: F) -> Result<T, E>
     where
         T: Send + 'static,
-        E: From<StoreError> + Send + 'static,
+        E: From<StorageFailure> + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         let store = self.clone();
         let joined = tokio::task::spawn_blocking(move || {
             let conn = store.take_reader()?;
             let result = work(&conn);
-            if let Ok(mut pool) = store.readers.lock() {
-                pool.push(conn);
-            }
+            crate::sync::lock(&store.readers).push(conn);
             result
         })
         .await;
         joined.unwrap_or_else(|e| {
-            Err(E::from(StoreError {
+            Err(E::from(StorageFailure {
                 message: format!("a database read failed: {e}"),
                 disk_full: false,
             }))
         })
     }
 
-    fn take_reader(&self) -> Result<Connection, StoreError> {
-        if let Some(conn) = self.readers.lock().ok().and_then(|mut p| p.pop()) {
+    /// `agent.status`'s counts: from memory when no commit has happened since they were
+    /// last read, else from the database.
+    pub async fn counts(self: &Arc<Self>) -> Result<Counts, StorageFailure> {
+        let seen = match self.tally.cached() {
+            Ok(counts) => return Ok(counts),
+            Err(seen) => seen,
+        };
+        let counts = self
+            .read(|conn| queries::tally(conn).map_err(StorageFailure::from))
+            .await?;
+        self.tally.keep(seen, &counts);
+        Ok(counts)
+    }
+
+    fn take_reader(&self) -> Result<Connection, StorageFailure> {
+        if let Some(conn) = crate::sync::lock(&self.readers).pop() {
             return Ok(conn);
         }
         let conn = Connection::open_with_flags(
@@ -207,9 +227,7 @@ impl Store {
     /// Lets queued writes commit, then closes every connection (the last one to close
     /// checkpoints the WAL into the database file).
     pub fn close(&self) {
-        if let Ok(mut pool) = self.readers.lock() {
-            pool.clear();
-        }
+        crate::sync::lock(&self.readers).clear();
         self.writer.close();
     }
 }

@@ -10,20 +10,9 @@ use opmon_client::{
     OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
-use time::OffsetDateTime;
 
+use crate::clock::UnixMs;
 use crate::phase::OperationState;
-
-/// Converts stored milliseconds to a timestamp; stored values are always in range.
-pub fn time_of(ms: i64) -> OffsetDateTime {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
-}
-
-/// Milliseconds since the Unix epoch of `t`.
-pub fn ms_of(t: OffsetDateTime) -> i64 {
-    t.unix_timestamp_nanos().div_euclid(1_000_000) as i64
-}
 
 fn parse_column<T: std::str::FromStr<Err = String>>(
     row: &Row<'_>,
@@ -47,6 +36,42 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "[]".into())
 }
 
+// Phase names as SQL literals, for statements that hold them in their text: a partial
+// index serves a statement only if its own text implies the index's condition, which a
+// bound parameter does not. Each is written once, here; the test
+// `sql_phase_literals_are_the_enums_names` ties them to the phase enums.
+
+/// An owner in InProgress.
+macro_rules! in_progress_owner {
+    () => {
+        "'InProgress'"
+    };
+}
+/// The unfinished operation phases, New and InProgress.
+macro_rules! unfinished_operation {
+    () => {
+        "('New', 'InProgress')"
+    };
+}
+/// The Waiting* owner phases.
+macro_rules! waiting_owner {
+    () => {
+        "('WaitingForPluginOperations', 'WaitingForPluginOperationsPartiallyFailed')"
+    };
+}
+/// A failed operation.
+macro_rules! failed_operation {
+    () => {
+        "'Failed'"
+    };
+}
+
+/// How many operations are unfinished, from an owner's count columns (kept by
+/// [`insert_operations`] and [`update_operation`]): the one place that sum is made.
+fn unfinished(attempted: u64, completed: u64, failed: u64) -> u64 {
+    attempted.saturating_sub(completed).saturating_sub(failed)
+}
+
 /// An owner with its row id.
 #[derive(Clone, Debug)]
 pub struct OwnerRow {
@@ -58,9 +83,11 @@ impl OwnerRow {
     /// How many of its operations were New or InProgress when the row was read.
     pub fn unfinished(&self) -> u64 {
         let o = &self.owner;
-        o.operations_attempted
-            .saturating_sub(o.operations_completed)
-            .saturating_sub(o.operations_failed)
+        unfinished(
+            o.operations_attempted,
+            o.operations_completed,
+            o.operations_failed,
+        )
     }
 }
 
@@ -101,9 +128,9 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             operations_completed: row.get::<_, i64>(14)?.max(0) as u64,
             operations_failed: row.get::<_, i64>(15)?.max(0) as u64,
             post_operation_items,
-            created: time_of(row.get(10)?),
-            updated: time_of(row.get(11)?),
-            completed: row.get::<_, Option<i64>>(12)?.map(time_of),
+            created: row.get::<_, UnixMs>(10)?.time(),
+            updated: row.get::<_, UnixMs>(11)?.time(),
+            completed: row.get::<_, Option<UnixMs>>(12)?.map(UnixMs::time),
         },
     })
 }
@@ -142,7 +169,7 @@ pub struct NewOwner<'a> {
 }
 
 /// Creates an owner in InProgress; returns its row id. Its creation is its first call.
-pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlite::Result<i64> {
+pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now: UnixMs) -> rusqlite::Result<i64> {
     let mut stmt = conn.prepare_cached(
         "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
          server_name, server_instance, object, created_ms, updated_ms, last_call_ms) \
@@ -153,21 +180,21 @@ pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now_ms: i64) -> rusqlit
         o.name,
         o.uid,
         OwnerPhase::InProgress.as_str(),
-        o.timeout.0.as_millis().min(i64::MAX as u128) as i64,
+        crate::clock::millis(o.timeout.0),
         o.finalize,
         o.server.map(|s| s.name.as_str()).unwrap_or(""),
         o.server.map(|s| s.instance.as_str()),
         o.object,
-        now_ms
+        now
     ])?;
     Ok(conn.last_insert_rowid())
 }
 
 /// Records that the backup server just called about the owner (the idle timeout
 /// counts from its last call).
-pub fn touch_owner(conn: &Connection, id: i64, now_ms: i64) -> rusqlite::Result<()> {
+pub fn touch_owner(conn: &Connection, id: i64, now: UnixMs) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE owners SET last_call_ms = ?2 WHERE id = ?1")?
-        .execute(params![id, now_ms])?;
+        .execute(params![id, now])?;
     Ok(())
 }
 
@@ -178,21 +205,24 @@ pub fn in_progress_of_other_instances(
     name: &str,
     instance: &str,
 ) -> rusqlite::Result<Vec<i64>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id FROM owners WHERE phase = 'InProgress' AND server_name = ?1 \
-         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id",
-    )?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT id FROM owners WHERE phase = ",
+        in_progress_owner!(),
+        " AND server_name = ?1 \
+         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id"
+    ))?;
     let rows = stmt.query_map(params![name, instance], |r| r.get(0))?;
     rows.collect()
 }
 
-/// The InProgress owners with no call since `before_ms`: row id and last call.
-pub fn idle_in_progress(conn: &Connection, before_ms: i64) -> rusqlite::Result<Vec<(i64, i64)>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, last_call_ms FROM owners WHERE phase = 'InProgress' AND last_call_ms < ?1 \
-         ORDER BY id",
-    )?;
-    let rows = stmt.query_map([before_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
+/// The InProgress owners with no call since `before`: row id and last call.
+pub fn idle_in_progress(conn: &Connection, before: UnixMs) -> rusqlite::Result<Vec<(i64, UnixMs)>> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT id, last_call_ms FROM owners WHERE phase = ",
+        in_progress_owner!(),
+        " AND last_call_ms < ?1 ORDER BY id"
+    ))?;
+    let rows = stmt.query_map([before], |r| Ok((r.get(0)?, r.get(1)?)))?;
     rows.collect()
 }
 
@@ -224,14 +254,14 @@ pub fn list_owners(
 }
 
 /// Writes an owner's mutable fields.
-pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite::Result<()> {
+pub fn update_owner(conn: &Connection, row: &OwnerRow, now: UnixMs) -> rusqlite::Result<()> {
     let o = &row.owner;
     let mut stmt = conn.prepare_cached(
         "UPDATE owners SET phase = ?2, errors = ?3, warnings = ?4, post_operation_items = ?5, \
          updated_ms = ?6, completed_ms = ?7, failure_reason = ?8 WHERE id = ?1",
     )?;
     let completed = if o.phase.is_terminal() {
-        Some(o.completed.map(ms_of).unwrap_or(now_ms))
+        Some(o.completed.map_or(now, UnixMs::of))
     } else {
         None
     };
@@ -241,7 +271,7 @@ pub fn update_owner(conn: &Connection, row: &OwnerRow, now_ms: i64) -> rusqlite:
         o.errors,
         o.warnings,
         o.post_operation_items.as_ref().map(to_json),
-        now_ms,
+        now,
         completed,
         o.failure_reason
     ])?;
@@ -362,12 +392,12 @@ pub fn records_due(
 /// An operation is known by its plugin (kind and name), its operation ID and its item
 /// (migration 8): the same ID on another item is another operation, as in Velero, and
 /// a retried call adds nothing twice. Returns the rows of the added ones. Each is
-/// created at its own `created`, else at `now_ms`.
+/// created at its own `created`, else at `now`.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
     operations: &[NewOperation],
-    now_ms: i64,
+    now: UnixMs,
 ) -> rusqlite::Result<Vec<i64>> {
     let mut stmt = conn.prepare_cached(
         "INSERT OR IGNORE INTO operations (owner_id, plugin_kind, plugin_name, res_group, \
@@ -387,7 +417,7 @@ pub fn insert_operations(
             r.name,
             op.operation_id,
             to_json(&op.post_operation_items),
-            op.created.map(ms_of).unwrap_or(now_ms)
+            op.created.map_or(now, UnixMs::of)
         ])?;
         if inserted > 0 {
             added.push(conn.last_insert_rowid());
@@ -426,10 +456,10 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         n_total: row.get(11)?,
         operation_units: row.get(12)?,
         description: row.get(13)?,
-        created: time_of(row.get(14)?),
-        started: row.get::<_, Option<i64>>(15)?.map(time_of),
-        updated: row.get::<_, Option<i64>>(16)?.map(time_of),
-        plugin_updated: row.get::<_, Option<i64>>(17)?.map(time_of),
+        created: row.get::<_, UnixMs>(14)?.time(),
+        started: row.get::<_, Option<UnixMs>>(15)?.map(UnixMs::time),
+        updated: row.get::<_, Option<UnixMs>>(16)?.map(UnixMs::time),
+        plugin_updated: row.get::<_, Option<UnixMs>>(17)?.map(UnixMs::time),
     })
 }
 
@@ -475,14 +505,6 @@ pub fn operations_by_rows(
         }
     }
     Ok(found)
-}
-
-/// How many of the owner's operations are New or InProgress.
-pub fn unfinished_count(conn: &Connection, owner_id: i64) -> rusqlite::Result<u64> {
-    conn.prepare_cached("SELECT n_operations - n_completed - n_failed FROM owners WHERE id = ?1")?
-        .query_row([owner_id], |r| r.get::<_, i64>(0).map(|n| n.max(0) as u64))
-        .optional()
-        .map(Option::unwrap_or_default)
 }
 
 /// The union of the owner's post-operation items, sorted and without duplicates.
@@ -534,10 +556,11 @@ pub enum Targets<'a> {
 
 /// The plugins that have unfinished operations (of any owner).
 pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ('New', 'InProgress') \
-         ORDER BY plugin_name",
-    )?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ",
+        unfinished_operation!(),
+        " ORDER BY plugin_name"
+    ))?;
     let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
 }
@@ -582,7 +605,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         Targets::Owner(id) => {
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id \
-                 WHERE w.id = ?1 AND o.phase IN ('New', 'InProgress') ORDER BY o.id"
+                 WHERE w.id = ?1 AND o.phase IN {} ORDER BY o.id",
+                unfinished_operation!()
             ))?;
             rows = stmt.query([id])?;
         }
@@ -594,9 +618,10 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             // Driven by the partial index on unfinished operations by plugin.
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
-                 WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN ('New', 'InProgress') \
-                 AND w.phase IN ('WaitingForPluginOperations', \
-                 'WaitingForPluginOperationsPartiallyFailed') ORDER BY o.id LIMIT ?3"
+                 WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN {} \
+                 AND w.phase IN {} ORDER BY o.id LIMIT ?3",
+                unfinished_operation!(),
+                waiting_owner!()
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
@@ -652,43 +677,31 @@ pub fn update_operation(
     s: &OperationState,
     phase_changed: bool,
 ) -> rusqlite::Result<bool> {
-    let changed = if phase_changed {
-        conn.prepare_cached(
+    // The same parameters either way; only the phase column and the guard differ.
+    let sql = if phase_changed {
+        concat!(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ('New', 'InProgress')",
-        )?
-        .execute(params![
-            row,
-            s.phase.as_str(),
-            s.error,
-            s.n_completed,
-            s.n_total,
-            s.operation_units,
-            s.description,
-            s.started_ms,
-            s.updated_ms,
-            s.plugin_updated_ms
-        ])?
+             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ",
+            unfinished_operation!()
+        )
     } else {
-        conn.prepare_cached(
-            "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
-             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2",
-        )?
-        .execute(params![
-            row,
-            s.phase.as_str(),
-            s.error,
-            s.n_completed,
-            s.n_total,
-            s.operation_units,
-            s.description,
-            s.started_ms,
-            s.updated_ms,
-            s.plugin_updated_ms
-        ])?
+        "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
+         operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+         plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2"
     };
+    let changed = conn.prepare_cached(sql)?.execute(params![
+        row,
+        s.phase.as_str(),
+        s.error,
+        s.n_completed,
+        s.n_total,
+        s.operation_units,
+        s.description,
+        s.started_ms,
+        s.updated_ms,
+        s.plugin_updated_ms
+    ])?;
     Ok(changed > 0)
 }
 
@@ -697,14 +710,16 @@ pub fn fail_unfinished(
     conn: &Connection,
     owner_id: i64,
     error: &str,
-    now_ms: i64,
+    now: UnixMs,
 ) -> rusqlite::Result<u64> {
     let changed = conn
-        .prepare_cached(
-            "UPDATE operations SET phase = 'Failed', error = ?2, updated_ms = ?3 \
-             WHERE owner_id = ?1 AND phase IN ('New', 'InProgress')",
-        )?
-        .execute(params![owner_id, error, now_ms])?;
+        .prepare_cached(concat!(
+            "UPDATE operations SET phase = ",
+            failed_operation!(),
+            ", error = ?2, updated_ms = ?3 WHERE owner_id = ?1 AND phase IN ",
+            unfinished_operation!()
+        ))?
+        .execute(params![owner_id, error, now])?;
     Ok(changed as u64)
 }
 
@@ -723,11 +738,11 @@ pub fn set_finalize_result(conn: &Connection, id: i64, result: &str) -> rusqlite
     Ok(())
 }
 
-/// Deletes at most `limit` terminal owners completed before `before_ms`, oldest first,
+/// Deletes at most `limit` terminal owners completed before `before`, oldest first,
 /// recording the removal of their files; returns those records.
 pub fn delete_expired(
     conn: &Connection,
-    before_ms: i64,
+    before: UnixMs,
     limit: i64,
 ) -> rusqlite::Result<Vec<Removal>> {
     let terminal = phase_list(
@@ -745,7 +760,7 @@ pub fn delete_expired(
             "SELECT id, kind, name FROM owners WHERE completed_ms < ?1 \
              AND phase IN ({terminal}) ORDER BY completed_ms LIMIT ?2"
         ))?;
-        let rows = stmt.query_map(params![before_ms, limit], |r| {
+        let rows = stmt.query_map(params![before, limit], |r| {
             Ok((r.get(0)?, parse_column(r, 1)?, r.get(2)?))
         })?;
         rows.collect::<rusqlite::Result<_>>()?
@@ -757,16 +772,17 @@ pub fn delete_expired(
 }
 
 /// Owners counted by phase, and how many operations are unfinished in all.
-pub fn tally(conn: &Connection) -> rusqlite::Result<(BTreeMap<OwnerPhase, u64>, u64)> {
+pub fn tally(conn: &Connection) -> rusqlite::Result<super::Counts> {
     let mut stmt = conn.prepare_cached(
-        "SELECT phase, COUNT(*), SUM(n_operations - n_completed - n_failed) FROM owners \
-         GROUP BY phase",
+        "SELECT phase, COUNT(*), SUM(n_operations), SUM(n_completed), SUM(n_failed) \
+         FROM owners GROUP BY phase",
     )?;
     let mut rows = stmt.query([])?;
     let (mut owners, mut unfinished) = (BTreeMap::new(), 0);
     while let Some(row) = rows.next()? {
         owners.insert(parse_column(row, 0)?, row.get::<_, i64>(1)? as u64);
-        unfinished += row.get::<_, i64>(2)?.max(0) as u64;
+        let sum = |i| row.get::<_, i64>(i).map(|n| n.max(0) as u64);
+        unfinished += self::unfinished(sum(2)?, sum(3)?, sum(4)?);
     }
     Ok((owners, unfinished))
 }
@@ -825,4 +841,43 @@ pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Opt
             .execute([name])?;
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The phases of `all` that `keep` keeps, as an SQL list.
+    fn list<T: Copy>(
+        all: &[T],
+        keep: impl Fn(T) -> bool,
+        name: impl Fn(T) -> &'static str,
+    ) -> String {
+        let kept: Vec<T> = all.iter().copied().filter(|p| keep(*p)).collect();
+        format!("({})", phase_list(&kept, name))
+    }
+
+    #[test]
+    fn sql_phase_literals_are_the_enums_names() {
+        assert_eq!(
+            in_progress_owner!(),
+            format!("'{}'", OwnerPhase::InProgress.as_str())
+        );
+        assert_eq!(
+            failed_operation!(),
+            format!("'{}'", OperationPhase::Failed.as_str())
+        );
+        assert_eq!(
+            unfinished_operation!(),
+            list(
+                OperationPhase::ALL,
+                OperationPhase::is_unfinished,
+                OperationPhase::as_str
+            )
+        );
+        assert_eq!(
+            waiting_owner!(),
+            list(OwnerPhase::ALL, OwnerPhase::is_waiting, OwnerPhase::as_str)
+        );
+    }
 }

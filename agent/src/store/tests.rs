@@ -7,7 +7,8 @@ use opmon_client::{GoDuration, OwnerKind, OwnerPhase};
 use rusqlite::Connection;
 
 use super::schema::{self, CURRENT_VERSION};
-use super::{queries, OpenError, Store, StoreError};
+use super::{queries, OpenError, StorageFailure, Store};
+use crate::clock::UnixMs;
 
 /// A backup named `name` as `start` creates it, without an object.
 fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
@@ -134,7 +135,7 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
         "operations from version {from}"
     );
     let ops = queries::operations(conn, 1, None).unwrap();
-    assert_eq!(ops[0].plugin_updated, Some(queries::time_of(2000)));
+    assert_eq!(ops[0].plugin_updated, Some(UnixMs(2000).time()));
     let mut names: Vec<String> = conn
         .prepare(
             "SELECT name FROM sqlite_master WHERE tbl_name = 'operations'
@@ -227,7 +228,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 (3, 1, 1),
                 "counts from version {version}"
             );
-            assert_eq!(queries::unfinished_count(&conn, backup.id).unwrap(), 1);
+            assert_eq!(unfinished(&conn, backup.id), 1);
             let restore = queries::owner_by_name(&conn, OwnerKind::Restore, "old-restore")
                 .unwrap()
                 .expect("restore kept");
@@ -260,6 +261,13 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
 }
 
 /// Each owner's counts as a scan of its operations finds them.
+/// The owner's unfinished operations by its count columns (0 once it is gone).
+fn unfinished(conn: &Connection, owner: i64) -> u64 {
+    queries::owner_by_id(conn, owner)
+        .unwrap()
+        .map_or(0, |row| row.unfinished())
+}
+
 fn recount(conn: &Connection) -> Vec<(i64, u64, u64, u64)> {
     let mut stmt = conn
         .prepare(
@@ -324,15 +332,15 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         created: None,
     };
     let timeout = GoDuration::from_millis(60_000);
-    let a = queries::insert_owner(&conn, &backup("a", timeout), 1).unwrap();
-    let b = queries::insert_owner(&conn, &backup("b", timeout), 1).unwrap();
+    let a = queries::insert_owner(&conn, &backup("a", timeout), UnixMs(1)).unwrap();
+    let b = queries::insert_owner(&conn, &backup("b", timeout), UnixMs(1)).unwrap();
     let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
-    let rows = queries::insert_operations(&conn, a, &ops, 1).unwrap();
+    let rows = queries::insert_operations(&conn, a, &ops, UnixMs(1)).unwrap();
     // Already known: ignored, not counted twice.
-    assert!(queries::insert_operations(&conn, a, &ops[..2], 1)
+    assert!(queries::insert_operations(&conn, a, &ops[..2], UnixMs(1))
         .unwrap()
         .is_empty());
-    queries::insert_operations(&conn, b, &ops[..3], 1).unwrap();
+    queries::insert_operations(&conn, b, &ops[..3], UnixMs(1)).unwrap();
     assert_eq!(stored_counts(&conn), vec![(a, 6, 0, 0), (b, 3, 0, 0)]);
 
     let state = |phase| OperationState {
@@ -360,22 +368,22 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     );
     assert_eq!(stored_counts(&conn), recount(&conn));
     assert_eq!(stored_counts(&conn)[0], (a, 6, 1, 1));
-    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 4);
+    assert_eq!(unfinished(&conn, a), 4);
 
     assert_eq!(
-        queries::fail_unfinished(&conn, a, "cancelled", 2).unwrap(),
+        queries::fail_unfinished(&conn, a, "cancelled", UnixMs(2)).unwrap(),
         4
     );
     assert_eq!(stored_counts(&conn), vec![(a, 6, 1, 5), (b, 3, 0, 0)]);
     assert_eq!(stored_counts(&conn), recount(&conn));
-    assert_eq!(queries::unfinished_count(&conn, a).unwrap(), 0);
+    assert_eq!(unfinished(&conn, a), 0);
 
-    let (owners, unfinished) = queries::tally(&conn).unwrap();
+    let (owners, unfinished_in_all) = queries::tally(&conn).unwrap();
     assert_eq!(owners.get(&OwnerPhase::InProgress), Some(&2));
-    assert_eq!(unfinished, 3);
+    assert_eq!(unfinished_in_all, 3);
     queries::delete_owner(&conn, b, OwnerKind::Backup, "b").unwrap();
     assert_eq!(queries::tally(&conn).unwrap().1, 0);
-    assert_eq!(queries::unfinished_count(&conn, b).unwrap(), 0);
+    assert_eq!(unfinished(&conn, b), 0);
     assert_eq!(stored_counts(&conn), recount(&conn));
 }
 
@@ -442,7 +450,7 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
 async fn hold_writer(
     store: &Arc<Store>,
 ) -> (
-    tokio::task::JoinHandle<Result<(), StoreError>>,
+    tokio::task::JoinHandle<Result<(), StorageFailure>>,
     std::sync::mpsc::Sender<()>,
 ) {
     let (release, held) = std::sync::mpsc::channel::<()>();
@@ -454,7 +462,7 @@ async fn hold_writer(
                 .write(move |_| {
                     let _ = inside.send(());
                     held.recv().ok();
-                    Ok::<_, StoreError>(())
+                    Ok::<_, StorageFailure>(())
                 })
                 .await
         }
@@ -481,9 +489,9 @@ async fn concurrent_writes_share_one_transaction() {
                         queries::insert_owner(
                             conn,
                             &backup(&format!("b{i}"), GoDuration::from_secs(60)),
-                            0,
+                            UnixMs(0),
                         )
-                        .map_err(StoreError::from)
+                        .map_err(StorageFailure::from)
                     })
                     .await
             })
@@ -515,10 +523,10 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
-                        .map_err(StoreError::from)?;
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), UnixMs(0))
+                        .map_err(StorageFailure::from)?;
                     if fail {
-                        return Err(StoreError {
+                        return Err(StorageFailure {
                             message: "refused".into(),
                             disk_full: false,
                         });
@@ -555,8 +563,8 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
         tokio::spawn(async move {
             store
                 .write(move |conn| {
-                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), 0)
-                        .map_err(StoreError::from)
+                    queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), UnixMs(0))
+                        .map_err(StorageFailure::from)
                 })
                 .await
         })
@@ -584,7 +592,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
                         "INSERT INTO snapshotters (name, api_version, command) VALUES ('a/b', 'v2', ?1)",
                         [&"x".repeat(1 << 20)],
                     )?;
-                    Ok::<_, StoreError>(())
+                    Ok::<_, StorageFailure>(())
                 })
                 .await
         }
@@ -619,7 +627,7 @@ async fn a_full_disk_fails_the_whole_group_truthfully_and_writes_resume_once_spa
     store
         .write(|conn| {
             conn.query_row("PRAGMA max_page_count = 1073741823", [], |_| Ok(()))
-                .map_err(StoreError::from)
+                .map_err(StorageFailure::from)
         })
         .await
         .unwrap();
@@ -641,7 +649,8 @@ fn a_records_mark_is_cleared_only_by_a_write_of_its_own_generation() {
     drop(Store::open(&db, |_, _| {}).unwrap());
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
-    let a = queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), 1).unwrap();
+    let a =
+        queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
     assert_eq!(queries::records_due_generation(&conn, a).unwrap(), None);
     queries::mark_records_due(&conn, a).unwrap();
     let read = queries::records_due_generation(&conn, a).unwrap().unwrap();
@@ -665,22 +674,25 @@ fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
     for (i, name) in ["c", "a", "b", "kept", "running"].iter().enumerate() {
-        let id = queries::insert_owner(&conn, &backup(name, GoDuration::from_secs(60)), 1).unwrap();
+        let id = queries::insert_owner(&conn, &backup(name, GoDuration::from_secs(60)), UnixMs(1))
+            .unwrap();
         let mut row = queries::owner_by_id(&conn, id).unwrap().unwrap();
         if *name != "running" {
             row.owner.phase = OwnerPhase::Completed;
         }
         // Completed at 10, 11, 12, …: `kept` completed after the cut-off.
         let completed = 10 + i as i64 + if *name == "kept" { 100 } else { 0 };
-        queries::update_owner(&conn, &row, completed).unwrap();
+        queries::update_owner(&conn, &row, UnixMs(completed)).unwrap();
     }
-    let first = queries::delete_expired(&conn, 50, 2).unwrap();
+    let first = queries::delete_expired(&conn, UnixMs(50), 2).unwrap();
     let names: Vec<&str> = first.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["c", "a"], "oldest first, at most the limit");
-    let rest = queries::delete_expired(&conn, 50, 2).unwrap();
+    let rest = queries::delete_expired(&conn, UnixMs(50), 2).unwrap();
     assert_eq!(rest.len(), 1);
     assert_eq!(rest[0].name, "b");
-    assert!(queries::delete_expired(&conn, 50, 2).unwrap().is_empty());
+    assert!(queries::delete_expired(&conn, UnixMs(50), 2)
+        .unwrap()
+        .is_empty());
     let recorded: Vec<String> = queries::removals(&conn, 0, 10)
         .unwrap()
         .into_iter()
@@ -692,4 +704,64 @@ fn expiry_deletes_in_bounded_batches_oldest_first_and_records_each_removal() {
     assert_eq!(left.len(), 2, "{left:?}");
     queries::clear_removals(&conn, &[first[0].id, first[1].id]).unwrap();
     assert_eq!(queries::removals(&conn, 0, 10).unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_follow_every_commit_whatever_wrote_it() {
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
+    let in_progress = |n: u64| {
+        (
+            std::collections::BTreeMap::from([(OwnerPhase::InProgress, n)]),
+            0,
+        )
+    };
+    assert_eq!(store.counts().await.unwrap(), Default::default());
+
+    store
+        .write(|conn| {
+            queries::insert_owner(conn, &backup("b", GoDuration::from_secs(60)), UnixMs(0))
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.counts().await.unwrap(), in_progress(1));
+    // Cached now; a read again gives the same.
+    assert_eq!(store.counts().await.unwrap(), in_progress(1));
+
+    // Any write may change a phase: none has to say so.
+    store
+        .write(|conn| {
+            conn.execute("UPDATE owners SET phase = 'Failed'", [])
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    let failed = std::collections::BTreeMap::from([(OwnerPhase::Failed, 1)]);
+    assert_eq!(store.counts().await.unwrap(), (failed.clone(), 0));
+
+    // Counts read while a transaction is open are the last commit's, and are not kept
+    // past the commit.
+    let (blocker, release) = hold_writer(&store).await;
+    let insert = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .write(|conn| {
+                    queries::insert_owner(conn, &backup("c", GoDuration::from_secs(60)), UnixMs(0))
+                        .map_err(StorageFailure::from)
+                })
+                .await
+        }
+    });
+    assert_eq!(store.counts().await.unwrap(), (failed.clone(), 0));
+    while store.queued_writes() < 1 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    insert.await.unwrap().unwrap();
+    let both =
+        std::collections::BTreeMap::from([(OwnerPhase::InProgress, 1), (OwnerPhase::Failed, 1)]);
+    assert_eq!(store.counts().await.unwrap(), (both, 0));
 }

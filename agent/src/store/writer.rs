@@ -5,7 +5,9 @@
 //! them at once, so concurrent requests share one fsync. Each request runs in its own
 //! savepoint: one that fails is rolled back alone and does not spoil the others.
 //! Invariant: a request's reply is sent only after the transaction holding its changes
-//! has committed, so anything acknowledged survives a crash.
+//! has committed, so anything acknowledged survives a crash. The writer also tells the
+//! [`Tally`] of every transaction it opens and ends, so `agent.status`'s cached counts
+//! never outlive a commit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,14 +16,16 @@ use std::thread::JoinHandle;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
-use super::StoreError;
+use super::tally::Tally;
+use super::StorageFailure;
+use crate::sync::lock;
 
 /// Most requests folded into one transaction.
 const MAX_GROUP: usize = 4096;
 
 /// A request that has run inside the transaction and waits for its commit.
 trait Pending: Send {
-    fn finish(self: Box<Self>, commit: Result<(), StoreError>);
+    fn finish(self: Box<Self>, commit: Result<(), StorageFailure>);
 }
 
 /// A request waiting to run.
@@ -29,17 +33,17 @@ trait Job: Send {
     /// Runs the request in its savepoint. The second value is set when the request's
     /// failure made SQLite roll back the whole transaction (it does so for a full disk
     /// and some I/O errors): then every request run so far in it has lost its changes.
-    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StoreError>);
-    fn abort(self: Box<Self>, error: StoreError);
+    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StorageFailure>);
+    fn abort(self: Box<Self>, error: StorageFailure);
 }
 
 /// Turns a request's error into the storage error that explains a lost transaction.
 pub trait StorageCause {
-    fn storage_cause(&self) -> StoreError;
+    fn storage_cause(&self) -> StorageFailure;
 }
 
-impl StorageCause for StoreError {
-    fn storage_cause(&self) -> StoreError {
+impl StorageCause for StorageFailure {
+    fn storage_cause(&self) -> StorageFailure {
         self.clone()
     }
 }
@@ -57,18 +61,18 @@ struct TypedPending<T, E> {
 impl<T, E, F> Job for TypedJob<T, E, F>
 where
     T: Send + 'static,
-    E: From<StoreError> + StorageCause + Send + 'static,
+    E: From<StorageFailure> + StorageCause + Send + 'static,
     F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
 {
-    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StoreError>) {
+    fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StorageFailure>) {
         let result = match conn.execute_batch("SAVEPOINT request") {
-            Err(e) => Err(E::from(StoreError::from(e))),
+            Err(e) => Err(E::from(StorageFailure::from(e))),
             Ok(()) => {
                 let result = (self.work)(conn);
                 if conn.is_autocommit() {
                     let cause = match &result {
                         Err(e) => e.storage_cause(),
-                        Ok(_) => StoreError {
+                        Ok(_) => StorageFailure {
                             message: "the transaction ended inside a request".into(),
                             disk_full: false,
                         },
@@ -86,7 +90,7 @@ where
                 };
                 match conn.execute_batch(end) {
                     Ok(()) => result,
-                    Err(e) => Err(E::from(StoreError::from(e))),
+                    Err(e) => Err(E::from(StorageFailure::from(e))),
                 }
             }
         };
@@ -97,13 +101,13 @@ where
         (pending, None)
     }
 
-    fn abort(self: Box<Self>, error: StoreError) {
+    fn abort(self: Box<Self>, error: StorageFailure) {
         let _ = self.reply.send(Err(E::from(error)));
     }
 }
 
-impl<T: Send, E: From<StoreError> + Send> Pending for TypedPending<T, E> {
-    fn finish(self: Box<Self>, commit: Result<(), StoreError>) {
+impl<T: Send, E: From<StorageFailure> + Send> Pending for TypedPending<T, E> {
+    fn finish(self: Box<Self>, commit: Result<(), StorageFailure>) {
         let outcome = match commit {
             Ok(()) => self.result,
             Err(e) => Err(E::from(e)),
@@ -125,6 +129,7 @@ impl Writer {
     /// Starts the writer thread on `conn`, which must be the database's only writer.
     pub fn start(
         conn: Connection,
+        tally: Arc<Tally>,
         on_commit: impl Fn(usize, std::time::Duration) + Send + 'static,
     ) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -132,7 +137,7 @@ impl Writer {
         let taken = queued.clone();
         let thread = std::thread::Builder::new()
             .name("opmon-store-writer".into())
-            .spawn(move || run(conn, rx, &taken, on_commit))
+            .spawn(move || run(conn, rx, &taken, &tally, on_commit))
             .expect("spawning the store writer thread");
         Writer {
             queue: Mutex::new(Some(tx)),
@@ -146,26 +151,23 @@ impl Writer {
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
-        E: From<StoreError> + StorageCause + Send + 'static,
+        E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
         self.queued.fetch_add(1, Ordering::SeqCst);
-        let sent = match self.queue.lock() {
-            Ok(queue) => match queue.as_ref() {
-                Some(q) => q.send(job).map_err(|_| ()),
-                None => Err(()),
-            },
-            Err(_) => Err(()),
+        let sent = match lock(&self.queue).as_ref() {
+            Some(q) => q.send(job).map_err(|_| ()),
+            None => Err(()),
         };
         if sent.is_err() {
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(E::from(StoreError::closed()));
+            return Err(E::from(StorageFailure::closed()));
         }
         answer
             .await
-            .unwrap_or_else(|_| Err(E::from(StoreError::closed())))
+            .unwrap_or_else(|_| Err(E::from(StorageFailure::closed())))
     }
 
     /// Requests waiting for the next transaction.
@@ -176,25 +178,24 @@ impl Writer {
     /// Stops accepting work, lets queued work commit, and waits for the thread to close
     /// the connection.
     pub fn close(&self) {
-        if let Ok(mut queue) = self.queue.lock() {
-            queue.take();
-        }
-        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        lock(&self.queue).take();
+        let thread = lock(&self.thread).take();
         if let Some(thread) = thread {
             let _ = thread.join();
         }
     }
 }
 
-fn begin(conn: &Connection) -> Result<(), StoreError> {
+fn begin(conn: &Connection) -> Result<(), StorageFailure> {
     conn.execute_batch("BEGIN IMMEDIATE")
-        .map_err(StoreError::from)
+        .map_err(StorageFailure::from)
 }
 
 fn run(
     conn: Connection,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     queued: &AtomicUsize,
+    tally: &Tally,
     on_commit: impl Fn(usize, std::time::Duration),
 ) {
     while let Some(first) = rx.blocking_recv() {
@@ -210,6 +211,7 @@ fn run(
         let mut jobs = group.into_iter();
         let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
         let began = std::time::Instant::now();
+        tally.begin();
         let mut open = begin(&conn);
         while let Some(job) = jobs.next() {
             if let Err(e) = &open {
@@ -229,12 +231,14 @@ fn run(
             }
         }
         if open.is_err() {
+            tally.end();
             continue;
         }
-        let commit = conn.execute_batch("COMMIT").map_err(StoreError::from);
+        let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
         if commit.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
+        tally.end();
         if commit.is_ok() {
             on_commit(pending.len(), began.elapsed());
         }

@@ -39,13 +39,13 @@ pub fn max_owner_name_len(kind: OwnerKind) -> usize {
 
 /// The storage directory.
 #[derive(Clone, Debug)]
-pub struct Storage {
+pub struct StorageDir {
     root: PathBuf,
 }
 
-impl Storage {
-    pub fn new(root: PathBuf) -> Storage {
-        Storage { root }
+impl StorageDir {
+    pub fn new(root: PathBuf) -> StorageDir {
+        StorageDir { root }
     }
 
     pub fn root(&self) -> &Path {
@@ -165,12 +165,13 @@ fn with_path(e: io::Error, what: &str, path: &Path) -> io::Error {
     io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))
 }
 
-/// Writes `path` atomically with `write`, creating its directory if needed. On any
-/// error nothing is left at `path` that was not there before.
-pub fn write_atomically(
+/// Writes `path` atomically with `write`, creating its directory if needed, and returns
+/// what `write` returned once the file is durably in place. On any error nothing is
+/// left at `path` that was not there before.
+pub fn write_atomically<T>(
     path: &Path,
-    write: impl FnOnce(&mut BufWriter<&mut File>) -> io::Result<()>,
-) -> io::Result<()> {
+    write: impl FnOnce(&mut BufWriter<&mut File>) -> io::Result<T>,
+) -> io::Result<T> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::other(format!("{} has no directory", path.display())))?;
@@ -180,11 +181,12 @@ pub fn write_atomically(
         .suffix(TEMP_SUFFIX)
         .tempfile_in(dir)
         .map_err(|e| with_path(e, "creating a temporary file in", dir))?;
-    {
+    let written = {
         let mut out = BufWriter::with_capacity(256 * 1024, temp.as_file_mut());
-        write(&mut out).map_err(|e| with_path(e, "writing", path))?;
+        let written = write(&mut out).map_err(|e| with_path(e, "writing", path))?;
         out.flush().map_err(|e| with_path(e, "writing", path))?;
-    }
+        written
+    };
     // Result files are for the backup server to read: group-readable, like the socket.
     std::fs::set_permissions(
         temp.path(),
@@ -199,7 +201,7 @@ pub fn write_atomically(
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| with_path(e, "syncing directory", dir))?;
-    Ok(())
+    Ok(written)
 }
 
 #[cfg(test)]
@@ -208,7 +210,7 @@ mod tests {
 
     #[test]
     fn the_longest_names_accepted_make_file_names_of_exactly_name_max() {
-        let storage = Storage::new(PathBuf::from("/s"));
+        let storage = StorageDir::new(PathBuf::from("/s"));
         for kind in OwnerKind::ALL {
             let longest = "a".repeat(max_owner_name_len(kind));
             let file = storage.item_operations_file(kind, &longest);
