@@ -119,10 +119,10 @@ impl Core {
             let Some(_running) = Running::start(&core.retrying_records) else {
                 return;
             };
-            tokio::select! {
-                _ = core.stopping.cancelled() => {}
-                _ = core.retry_records() => {}
-            }
+            // Not dropped at a stop: a write cut off between the rename and taking its
+            // mark would leave the mark for a clean stop to clear. It checks for the
+            // stop between files instead.
+            core.retry_records().await;
         });
     }
 
@@ -151,6 +151,9 @@ impl Core {
             after = last.0;
             let full = page.len() as i64 == RETRY_PAGE;
             for (_, kind, name) in page {
+                if self.stopping.is_cancelled() {
+                    break;
+                }
                 let Some(_held) = self.name_locks.try_lock(kind, &name) else {
                     continue;
                 };
@@ -163,7 +166,7 @@ impl Core {
                 }
             }
             self.flush_records_written().await;
-            if !full {
+            if !full || self.stopping.is_cancelled() {
                 return;
             }
         }
