@@ -34,15 +34,14 @@ impl Running {
 
     /// Waits until the log has `n` lines containing `needle`.
     fn wait_for_lines(&self, needle: &str, n: usize) {
-        let start = Instant::now();
-        while self.log().lines().filter(|l| l.contains(needle)).count() < n {
-            assert!(
-                start.elapsed() < LONG,
-                "no {n}× {needle:?} in the log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let found = opmon_tests::try_eventually(LONG, || {
+            self.log().lines().filter(|l| l.contains(needle)).count() >= n
+        });
+        assert!(
+            found.is_some(),
+            "no {n}× {needle:?} in the log:\n{}",
+            self.log()
+        );
     }
 
     /// Opens a connection, sends nothing, and waits until the agent closes it (after
