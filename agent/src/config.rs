@@ -267,11 +267,7 @@ impl Declaration {
 
 /// A doc comment's lines as one paragraph.
 fn join_doc(lines: &[&str]) -> String {
-    lines
-        .iter()
-        .map(|l| l.trim())
-        .collect::<Vec<_>>()
-        .join(" ")
+    lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
 }
 
 /// The README's configuration table, made from the declarations (a test checks that
@@ -541,7 +537,9 @@ pub fn command() -> Command {
             Arg::new("print_config")
                 .long("print-config")
                 .action(ArgAction::SetTrue)
-                .help("Print the effective configuration, with where each value came from, and exit"),
+                .help(
+                    "Print the effective configuration, with where each value came from, and exit",
+                ),
         );
     declarations()
         .iter()
@@ -568,7 +566,11 @@ impl CommandFactory for Args {
 impl FromArgMatches for Args {
     fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
         Ok(Args {
-            config: matches.try_get_one::<PathBuf>("config").ok().flatten().cloned(),
+            config: matches
+                .try_get_one::<PathBuf>("config")
+                .ok()
+                .flatten()
+                .cloned(),
             print_config: matches.get_flag("print_config"),
         })
     }
@@ -1115,13 +1117,19 @@ mod tests {
     #[test]
     fn a_list_comes_comma_separated_from_a_flag_and_as_an_array_from_the_file() {
         let s = settings(&["--allowed-uids", "1000,7,1000"], "allowed_uids = [5]\n").unwrap();
-        assert_eq!(s.allowed_uids, vec![7, 1000], "sorted, once each; the flag wins");
+        assert_eq!(
+            s.allowed_uids,
+            vec![7, 1000],
+            "sorted, once each; the flag wins"
+        );
         let s = settings(&["--finalize-dirs", "/a,/b"], "").unwrap();
         assert_eq!(
             s.core.finalize.dirs,
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
-        let e = settings(&[], "finalize_dirs = [\"/a\", \"rel\"]\n").err().unwrap();
+        let e = settings(&[], "finalize_dirs = [\"/a\", \"rel\"]\n")
+            .err()
+            .unwrap();
         assert_eq!(
             e,
             "finalize_dirs (from FILE line 1): \"rel\" is not an absolute path"
@@ -1136,10 +1144,9 @@ mod tests {
         assert_eq!(s.storage_dir, cwd.join("rel/state/storage"));
         let s = settings(&["--state-dir", "/s"], "storage_dir = \"out\"\n").unwrap();
         assert_eq!(s.storage_dir, cwd.join("out"));
-        assert!(s.describe().contains(&format!(
-            "storage_dir = \"{}\"",
-            cwd.join("out").display()
-        )));
+        assert!(s
+            .describe()
+            .contains(&format!("storage_dir = \"{}\"", cwd.join("out").display())));
     }
 
     #[test]
@@ -1159,6 +1166,9 @@ mod tests {
             "[[snapshotter]]\nname = \"legacy\"\napi_version = \"v1\"\n",
         )
         .unwrap();
-        assert_eq!(s.snapshotters[0].name, "velero.io/legacy", "canonical, as Velero maps it");
+        assert_eq!(
+            s.snapshotters[0].name, "velero.io/legacy",
+            "canonical, as Velero maps it"
+        );
     }
 }

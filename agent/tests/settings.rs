@@ -180,7 +180,10 @@ fn a_bad_snapshotter_table_stops_the_agent_before_the_database_and_the_socket() 
         "opmon-agent: config snapshotter example.io/copier: socket: must be an absolute path"
     );
     assert!(!state.exists(), "no state directory, so no agent.db");
-    assert!(!socket.exists() && !dir.path().join("run").exists(), "no socket");
+    assert!(
+        !socket.exists() && !dir.path().join("run").exists(),
+        "no socket"
+    );
 }
 
 #[test]
@@ -214,7 +217,11 @@ fn help_lists_every_setting_with_its_variable_and_default() {
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     for declared in opmon_agent::config::declarations() {
-        assert!(text.contains(&declared.flag()), "{} in {text}", declared.flag());
+        assert!(
+            text.contains(&declared.flag()),
+            "{} in {text}",
+            declared.flag()
+        );
         assert!(
             text.contains(&format!("[env: {}=", declared.variable())),
             "{} in {text}",

@@ -173,7 +173,7 @@ pub fn command_snapshotter_script() -> PathBuf {
 }
 
 /// Waits until `socket` accepts connections, failing with `log` if `child` exits first.
-fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
+pub fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
     let served = try_eventually(READY_WITHIN, || {
         if UnixStream::connect(socket).is_ok() {
             return true;
@@ -374,12 +374,10 @@ pub async fn start_and_end_in_progress(
     name: &str,
     operations: Vec<NewOperation>,
 ) -> opmon_client::Owner {
-    owners.start(name, "u", None).await.expect("start");
-    owners
-        .add_operations(name, operations)
+    Steps::of(*owners, name)
+        .operations(operations)
+        .end_in_progress()
         .await
-        .expect("addOperations");
-    owners.end_in_progress(name).await.expect("endInProgress")
 }
 
 /// A namespaced PVC reference.

@@ -35,8 +35,14 @@ pub struct Steps<'c> {
 impl<'c> Steps<'c> {
     /// The steps of owner `name` (uid `u` unless [`Steps::uid`] says otherwise).
     pub fn new(client: &'c Client, kind: OwnerKind, name: &str) -> Steps<'c> {
+        Steps::of(client.owners(kind), name)
+    }
+
+    /// The steps of owner `name` through `owners` (`client.backups()` or
+    /// `client.restores()`).
+    pub fn of(owners: Owners<'c>, name: &str) -> Steps<'c> {
         Steps {
-            owners: client.owners(kind),
+            owners,
             name: name.to_string(),
             uid: "u".to_string(),
             operations: Vec::new(),

@@ -90,10 +90,10 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         .arg(&tree)
         .args(["metadata", "resources"]));
 
-    let nightly = f
-        .backup("nightly")
-        .uid("uid-7")
-        .operation(operation(PLUGIN, "gate-1", "data", &["data"]));
+    let nightly =
+        f.backup("nightly")
+            .uid("uid-7")
+            .operation(operation(PLUGIN, "gate-1", "data", &["data"]));
     nightly.end_in_progress().await;
 
     // Leaving InProgress wrote the file already, with the operation still running.

@@ -33,8 +33,7 @@ async fn finalizing(client: &Client, name: &str, uid: &str) {
 /// Waits until a rewrite has created its temporary file in `dir` (it is running).
 async fn wait_for_temporary(dir: &Path, agent: &Agent) {
     let started =
-        opmon_tests::try_eventually_async(opmon_tests::LONG, || !temporaries(dir).is_empty())
-            .await;
+        opmon_tests::try_eventually_async(opmon_tests::LONG, || !temporaries(dir).is_empty()).await;
     assert!(
         started.is_some(),
         "no rewrite started in {}:\n{}",

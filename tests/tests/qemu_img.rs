@@ -188,21 +188,7 @@ impl QemuImgSnapshotter {
             .stderr(log)
             .spawn()
             .expect("spawning qemu-img-snapshotter");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "qemu-img-snapshotter exited ({status}):\n{}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                start.elapsed() < PATIENCE,
-                "qemu-img-snapshotter not serving within {PATIENCE:?}:\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        opmon_tests::wait_for_socket(&self.socket, &mut child, &self.log);
         self.child = Some(child);
     }
 

@@ -154,8 +154,7 @@ async fn a_restore_goes_straight_to_completed() {
     assert_eq!(owner.phase, OwnerPhase::Completed);
     // Backups and restores are separate name spaces.
     assert_eq!(
-        f.client
-            .backups().get("r1").await.unwrap_err().code(),
+        f.client.backups().get("r1").await.unwrap_err().code(),
         Some(codes::NOT_FOUND)
     );
 }
