@@ -172,7 +172,8 @@ settings! {
         check any;
     /// absolute directories besides the storage directory where `finalize` may read its
     /// input and write its output; env/flag: comma-separated
-    finalize_dirs: Vec<PathBuf> = Vec::new(), shown Shown::Text("none"), check all_absolute;
+    finalize_dirs: Vec<PathBuf> = Vec::new(), shown Shown::Text("none"),
+        check |dirs: &Vec<PathBuf>| all_absolute(dirs);
     /// how long one finalize's tarball rewrite may take; past it the call fails and the
     /// partial output is removed
     finalize_deadline: GoDuration = GoDuration::from_secs(3600), shown Shown::Value,
@@ -380,7 +381,7 @@ fn between(min: u32, max: u32) -> impl Fn(&u32) -> Result<(), String> {
     }
 }
 
-fn all_absolute(dirs: &Vec<PathBuf>) -> Result<(), String> {
+fn all_absolute(dirs: &[PathBuf]) -> Result<(), String> {
     match dirs.iter().find(|d| !d.is_absolute()) {
         Some(relative) => Err(format!(
             "{:?} is not an absolute path",

@@ -41,13 +41,32 @@ impl<T> Awaited for Option<T> {
     }
 }
 
-/// Pauses between probes: short at first (most waits are short), then up to 100 ms so a
-/// probe that runs a process or reads a database does not keep a core busy.
-fn next_pause(pause: Duration) -> Duration {
-    (pause * 2).min(Duration::from_millis(100))
+/// The pace of a wait: pauses short at first (most waits are short), then growing to
+/// 100 ms so a probe that runs a process or reads a database does not keep a core busy;
+/// none once the deadline has passed.
+struct Pace {
+    deadline: Instant,
+    pause: Duration,
 }
 
-const FIRST_PAUSE: Duration = Duration::from_millis(5);
+impl Pace {
+    fn within(within: Duration) -> Pace {
+        Pace {
+            deadline: Instant::now() + within,
+            pause: Duration::from_millis(5),
+        }
+    }
+
+    /// The pause before the next probe, or `None`: the time is up.
+    fn pause(&mut self) -> Option<Duration> {
+        if Instant::now() >= self.deadline {
+            return None;
+        }
+        let pause = self.pause;
+        self.pause = (pause * 2).min(Duration::from_millis(100));
+        Some(pause)
+    }
+}
 
 /// Probes until `probe` holds or gives a value, or `within` passes (then `None`).
 /// Waiting is on a condition, never a sleep standing in for one: `within` only bounds
@@ -57,17 +76,12 @@ pub fn try_eventually<A: Awaited>(
     within: Duration,
     mut probe: impl FnMut() -> A,
 ) -> Option<A::Value> {
-    let deadline = Instant::now() + within;
-    let mut pause = FIRST_PAUSE;
+    let mut pace = Pace::within(within);
     loop {
         if let Some(value) = probe().ready() {
             return Some(value);
         }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(pause);
-        pause = next_pause(pause);
+        std::thread::sleep(pace.pause()?);
     }
 }
 
@@ -86,17 +100,12 @@ pub async fn try_eventually_async<A: Awaited>(
     within: Duration,
     mut probe: impl FnMut() -> A,
 ) -> Option<A::Value> {
-    let deadline = Instant::now() + within;
-    let mut pause = FIRST_PAUSE;
+    let mut pace = Pace::within(within);
     loop {
         if let Some(value) = probe().ready() {
             return Some(value);
         }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(pause).await;
-        pause = next_pause(pause);
+        tokio::time::sleep(pace.pause()?).await;
     }
 }
 
