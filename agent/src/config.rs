@@ -2,19 +2,20 @@
 //! variables, the TOML config file (`--config`, else `/etc/opmon/agent.toml` when it
 //! exists), and the defaults.
 //!
-//! Each setting is declared once, in [`settings!`] below: its key, type, default, bound
-//! and doc. The declaration makes the config file's key, the `OPMON_<KEY>` variable, the
-//! `--key-with-dashes` flag (with its `--help`), the `--print-config` line and the
-//! README's configuration table (a test compares it); adding a setting is one entry.
+//! Each setting is declared once, in the `settings!` invocation below: its key, type,
+//! default, bound and doc. The declaration makes the config file's key, the
+//! `OPMON_<KEY>` variable, the `--key-with-dashes` flag (with its `--help`), the
+//! `--print-config` line and the README's configuration table (a test compares it);
+//! adding a setting is one entry, plus its field in [`Settings`] if the agent reads it.
 //! Every resolved value remembers where it came from, so `--print-config` can show it
 //! and an error can say which flag, variable or file line to fix.
 //!
-//! Resolving is three steps: [`Layers::take`] picks each value from its layers and checks
-//! its declared bound, [`Values::sanitize`] does what involves the machine or several
-//! settings (absolute directories, the storage directory's default, group names), and
-//! [`Values::into_settings`] turns them into the typed [`Settings`] the agent runs on.
-//! The config file's `[[snapshotter]]` tables are checked here too, so a bad one stops
-//! the agent before it opens the database or binds the socket.
+//! Resolving is three steps: `Layers::take` picks each value from its layers and checks
+//! its declared bound; `Values::sanitize` makes directories absolute and derives the
+//! storage directory's default; `Values::into_settings` turns the values (group names,
+//! addresses, modes) into the typed [`Settings`] the agent runs on. The config file's
+//! `[[snapshotter]]` tables are checked here too, so a bad one stops the agent before
+//! it opens the database or binds the socket.
 
 use std::fmt;
 use std::net::SocketAddr;
