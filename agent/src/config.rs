@@ -1,9 +1,21 @@
 //! Settings, from four layers in order of precedence: flags, `OPMON_*` environment
 //! variables, the TOML config file (`--config`, else `/etc/opmon/agent.toml` when it
-//! exists), and the defaults of ARCHITECTURE.md. With none given the agent runs as is.
+//! exists), and the defaults.
 //!
+//! Each setting is declared once, in the `settings!` invocation below: its key, type,
+//! default, bound and doc. The declaration makes the config file's key, the
+//! `OPMON_<KEY>` variable, the `--key-with-dashes` flag (with its `--help`), the
+//! `--print-config` line and the README's configuration table (a test compares it);
+//! adding a setting is one entry, plus its field in [`Settings`] if the agent reads it.
 //! Every resolved value remembers where it came from, so `--print-config` can show it
 //! and an error can say which flag, variable or file line to fix.
+//!
+//! Resolving is three steps: `Layers::take` picks each value from its layers and checks
+//! its declared bound; `Values::sanitize` makes directories absolute and derives the
+//! storage directory's default; `Values::into_settings` turns the values (group names,
+//! addresses, modes) into the typed [`Settings`] the agent runs on. The config file's
+//! `[[snapshotter]]` tables are checked here too, so a bad one stops the agent before
+//! it opens the database or binds the socket.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -11,9 +23,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::parser::ValueSource;
-use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
+use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, ValueEnum};
 use opmon_client::paths::first_path_of;
 use opmon_client::{ApiVersion, GoDuration, Snapshotter};
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -42,14 +55,386 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
     ("OPMON_OWNER_UID", "command snapshotters"),
 ];
 
-/// The environment variable of every setting, read from the flags' definitions (so a
-/// new setting is known here by being declared once).
+/// The variable of `--config`, the one flag with a variable that is not a setting.
+const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
+
+/// The README row of the `[[snapshotter]]` tables, which are not a key=value setting.
+const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, registered at every start |";
+
+/// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
+/// its source), the config file's form, [`declarations`] (what the flags, `--help` and
+/// the README table are made from) and [`Values::provenance`].
+macro_rules! settings {
+    ($(
+        $(#[doc = $doc:literal])+
+        $key:ident: $ty:ty = $default:expr, shown $shown:expr, check $check:expr;
+    )+) => {
+        /// Every setting's value and where it came from.
+        #[derive(Clone, Debug)]
+        pub struct Values {
+            $(pub $key: Layered<$ty>,)+
+        }
+
+        /// The config file's form: each setting under its key, and `[[snapshotter]]`.
+        #[derive(Deserialize, Default)]
+        #[serde(deny_unknown_fields)]
+        struct FileConfig {
+            $($key: Option<Spanned<$ty>>,)+
+            #[serde(default)]
+            snapshotter: Vec<FileSnapshotter>,
+        }
+
+        /// Every setting as declared, in order.
+        pub fn declarations() -> Vec<Declaration> {
+            vec![$(Declaration {
+                key: stringify!($key),
+                doc: join_doc(&[$($doc),+]),
+                default: $shown.render(|| {
+                    let default: $ty = $default;
+                    SettingType::to_toml(&default)
+                }),
+                arg: <$ty as SettingType>::arg,
+            }),+]
+        }
+
+        impl Values {
+            /// Each setting from the first layer that has it, checked against its bound.
+            fn take(layers: &Layers<'_>, file: &mut FileConfig) -> Result<Values, String> {
+                $(
+                    let $key: Layered<$ty> =
+                        layers.take(stringify!($key), file.$key.take(), || $default);
+                    checked(&$key.value, $check)
+                        .map_err(|e| bad(stringify!($key), &$key.source, e))?;
+                )+
+                Ok(Values { $($key),+ })
+            }
+
+            /// The `--print-config` lines, in declaration order.
+            pub fn provenance(&self) -> Vec<Provenance> {
+                vec![$(Provenance {
+                    key: stringify!($key),
+                    value: SettingType::to_toml(&self.$key.value),
+                    source: self.$key.source.clone(),
+                }),+]
+            }
+        }
+    };
+}
+
+// The settings, in the order of `--print-config`, `--help` and the README table.
+// Each entry: doc (the README's "meaning", Markdown), `key: Type = default`, how the
+// README shows the default, and the bound every layer's value must keep.
+settings! {
+    /// the API socket (ignored when systemd passes one)
+    socket: PathBuf = opmon_client::default_socket_path(),
+        shown Shown::Text("`$RUNTIME_DIRECTORY/agent.sock`, else `/run/opmon/agent.sock` as root, else `$XDG_RUNTIME_DIR/opmon/agent.sock`"),
+        check any;
+    /// its file mode
+    socket_mode: String = "0660".into(), shown Shown::Value,
+        check |m: &String| parse_mode(m).map(drop);
+    /// its group, by name or number
+    socket_group: String = String::new(), shown Shown::Text("the agent's group"), check any;
+    /// holds `agent.db`; a relative path is taken against the working directory at start
+    state_dir: PathBuf = default_state_dir(),
+        shown Shown::Text("`$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`"),
+        check any;
+    /// Velero object-store layout of the results (relative: as `state_dir`); result
+    /// paths handed to clients are absolute
+    storage_dir: PathBuf = PathBuf::new(), shown Shown::Text("`<state_dir>/storage`"), check any;
+    /// how often unfinished operations are polled
+    poll_interval: GoDuration = GoDuration::from_secs(10),
+        shown Shown::ValueAnd("(at least `100ms`)"), check at_least_100ms;
+    /// deadline of every snapshotter call
+    call_deadline: GoDuration = GoDuration::from_secs(30), shown Shown::Value, check positive;
+    /// progress requests per JSON-RPC batch to a socket snapshotter
+    batch_size: u32 = 256, shown Shown::Value, check between(1, 100_000);
+    /// batches in flight per socket snapshotter
+    socket_concurrency: u32 = 4, shown Shown::Value, check between(1, 1024);
+    /// processes at once per command snapshotter
+    command_concurrency: u32 = 8, shown Shown::Value, check between(1, 1024);
+    /// for owners started without one
+    item_operation_timeout: GoDuration = GoDuration::from_secs(4 * 3600), shown Shown::Value,
+        check positive;
+    /// how long terminal owners are kept
+    retention: GoDuration = GoDuration::from_secs(30 * 24 * 3600),
+        shown Shown::ValueAnd("(30 days)"), check positive;
+    /// how long a snapshotter may be unreachable (refused, reset, past its deadline)
+    /// before its operations fail saying so
+    unreachable_grace: GoDuration = GoDuration::from_secs(600), shown Shown::Value,
+        check positive;
+    /// connections whose client sends nothing for this long are closed (the client
+    /// library pings)
+    idle_timeout: GoDuration = GoDuration::from_secs(15 * 60), shown Shown::Value,
+        check positive;
+    /// bytes; larger requests are refused unread
+    max_request_size: u32 = 16 * 1024 * 1024, shown Shown::Value, check between(1, u32::MAX);
+    /// bytes a finalized tarball may expand to
+    max_decompressed_size: u64 = 16 * 1024 * 1024 * 1024, shown Shown::ValueAnd("(16 GiB)"),
+        check any;
+    /// absolute directories besides the storage directory where `finalize` may read its
+    /// input and write its output; env/flag: comma-separated
+    finalize_dirs: Vec<PathBuf> = Vec::new(), shown Shown::Text("none"),
+        check |dirs: &Vec<PathBuf>| all_absolute(dirs);
+    /// how long one finalize's tarball rewrite may take; past it the call fails and the
+    /// partial output is removed
+    finalize_deadline: GoDuration = GoDuration::from_secs(3600), shown Shown::Value,
+        check positive;
+    /// peers (SO_PEERCRED) allowed to connect besides the agent's own uid and root, which
+    /// always are; env/flag: comma-separated
+    allowed_uids: Vec<u32> = Vec::new(), shown Shown::Text("none"), check any;
+    /// groups whose members may connect: the peer's primary or any supplementary group
+    /// (SO_PEERGROUPS)
+    allowed_gids: Vec<u32> = Vec::new(), shown Shown::Text("none"), check any;
+    /// connections one peer uid may hold at once (at most 4096, the agent's total)
+    max_connections_per_uid: u32 = DEFAULT_MAX_CONNECTIONS_PER_UID, shown Shown::Value,
+        check between(1, opmon_client::server::MAX_CONNECTIONS);
+    /// or `"json"`
+    log_format: LogFormat = LogFormat::Human, shown Shown::Value, check any;
+    /// a level or `tracing` directives (`info,opmon_agent=debug`); a bare word that is
+    /// no level (`verbose`) is refused
+    log_level: String = "info".into(), shown Shown::Value,
+        check |l: &String| check_log_level(l);
+    /// also serve `GET /metrics` on this TCP `host:port`
+    metrics_listen: String = String::new(), shown Shown::Text("off"),
+        check |l: &String| listen_address(l).map(drop);
+    /// let clients register `command` snapshotters over the API (each runs a program of
+    /// the client's choosing as the agent's user); those in the config file always work
+    allow_api_command_snapshotters: bool = false, shown Shown::Value, check any;
+    /// restores started without `finalize` pass through Finalizing and wait for
+    /// `restore.finalize`; `true` matches Velero 1.14 and later (every restore has a
+    /// Finalizing phase since 1.14.0, PR #7377), `false` Velero 1.11–1.13, the first with
+    /// plugin operations (restores go straight to Completed / PartiallyFailed)
+    restore_finalize: bool = false, shown Shown::Value, check any;
+    /// an InProgress owner no call has touched for this long (`start` again or
+    /// `addOperations`, even with no operations, count as calls) fails with a failure
+    /// reason saying since when; time the agent was down does not count
+    in_progress_idle_timeout: GoDuration = GoDuration::from_secs(0),
+        shown Shown::ValueAnd("(off)"), check any;
+}
+
+/// How the README shows a setting's default.
+pub enum Shown {
+    /// The default value itself, as TOML.
+    Value,
+    /// The value, then a note.
+    ValueAnd(&'static str),
+    /// Words instead: the default depends on the machine or on other settings.
+    Text(&'static str),
+}
+
+impl Shown {
+    fn render(self, value: impl FnOnce() -> String) -> String {
+        match self {
+            Shown::Value => format!("`{}`", value()),
+            Shown::ValueAnd(note) => format!("`{}` {note}", value()),
+            Shown::Text(text) => text.to_string(),
+        }
+    }
+}
+
+/// One declared setting: what its flag, variable, `--help` line and README row are made of.
+pub struct Declaration {
+    pub key: &'static str,
+    /// What it means, as Markdown (the README's words).
+    pub doc: String,
+    /// Its default as the README shows it.
+    pub default: String,
+    /// Makes the flag parse the setting's type.
+    arg: fn(Arg) -> Arg,
+}
+
+impl Declaration {
+    /// `OPMON_<KEY>`.
+    pub fn variable(&self) -> String {
+        format!("OPMON_{}", self.key.to_uppercase())
+    }
+
+    /// `--key-with-dashes`.
+    pub fn flag(&self) -> String {
+        format!("--{}", self.key.replace('_', "-"))
+    }
+
+    fn clap_arg(&self) -> Arg {
+        let plain = |text: &str| text.replace('`', "");
+        let help = format!("{} [default: {}]", plain(&self.doc), plain(&self.default));
+        (self.arg)(
+            Arg::new(self.key)
+                .long(self.key.replace('_', "-"))
+                .env(self.variable())
+                .value_name(self.key.to_uppercase())
+                .help(help),
+        )
+    }
+}
+
+/// A doc comment's lines as one paragraph.
+fn join_doc(lines: &[&str]) -> String {
+    lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
+}
+
+/// The README's configuration table, made from the declarations (a test checks that
+/// README.md holds exactly this).
+pub fn readme_table() -> String {
+    let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
+    for d in declarations() {
+        out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
+    }
+    out.push_str(SNAPSHOTTER_ROW);
+    out.push('\n');
+    out
+}
+
+/// A type a setting can have: how a flag or variable is parsed into it (by clap, so a
+/// bad value gets clap's message), and how `--print-config` writes it as TOML. The
+/// config file reads it with serde.
+pub trait SettingType: Clone + fmt::Debug + Send + Sync + DeserializeOwned + 'static {
+    /// `arg` made to parse this type.
+    fn arg(arg: Arg) -> Arg;
+    /// The value a flag or variable gave, if one did.
+    fn given(matches: &ArgMatches, id: &str) -> Option<Self>;
+    fn to_toml(&self) -> String;
+}
+
+macro_rules! scalar_setting {
+    ($ty:ty, $parser:expr, |$v:ident| $show:expr) => {
+        impl SettingType for $ty {
+            fn arg(arg: Arg) -> Arg {
+                arg.value_parser($parser).action(ArgAction::Set)
+            }
+            fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
+                matches.try_get_one::<$ty>(id).ok().flatten().cloned()
+            }
+            fn to_toml(&self) -> String {
+                let $v = self;
+                $show
+            }
+        }
+    };
+}
+
+scalar_setting!(PathBuf, clap::value_parser!(PathBuf), |p| toml_string(
+    &p.to_string_lossy()
+));
+scalar_setting!(String, clap::value_parser!(String), |s| toml_string(s));
+scalar_setting!(GoDuration, go_duration, |d| format!("\"{d}\""));
+scalar_setting!(u32, clap::value_parser!(u32), |n| n.to_string());
+scalar_setting!(u64, clap::value_parser!(u64), |n| n.to_string());
+scalar_setting!(bool, clap::value_parser!(bool), |b| b.to_string());
+scalar_setting!(
+    LogFormat,
+    clap::builder::EnumValueParser::<LogFormat>::new(),
+    |f| format!("\"{f}\"")
+);
+
+/// Lists: comma-separated in a flag or variable (or the flag repeated), an array in
+/// the file. An empty list given by flag or variable counts as not given.
+macro_rules! list_setting {
+    ($item:ty, $parser:expr, |$v:ident| $show:expr) => {
+        impl SettingType for Vec<$item> {
+            fn arg(arg: Arg) -> Arg {
+                arg.value_parser($parser)
+                    .value_delimiter(',')
+                    .action(ArgAction::Append)
+            }
+            fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
+                let items = matches.try_get_many::<$item>(id).ok().flatten()?;
+                let list: Vec<$item> = items.cloned().collect();
+                (!list.is_empty()).then_some(list)
+            }
+            fn to_toml(&self) -> String {
+                let items: Vec<String> = self.iter().map(|$v| $show).collect();
+                format!("[{}]", items.join(", "))
+            }
+        }
+    };
+}
+
+list_setting!(PathBuf, clap::value_parser!(PathBuf), |p| toml_string(
+    &p.to_string_lossy()
+));
+list_setting!(u32, clap::value_parser!(u32), |n| n.to_string());
+
+/// The bound of a setting that has none.
+fn any<T>(_: &T) -> Result<(), String> {
+    Ok(())
+}
+
+fn positive(d: &GoDuration) -> Result<(), String> {
+    if d.0.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(())
+}
+
+fn at_least_100ms(d: &GoDuration) -> Result<(), String> {
+    if d.0 < Duration::from_millis(100) {
+        return Err(format!("{d} is below the minimum of 100ms"));
+    }
+    Ok(())
+}
+
+fn between(min: u32, max: u32) -> impl Fn(&u32) -> Result<(), String> {
+    move |v| {
+        if *v < min || *v > max {
+            return Err(format!("must be between {min} and {max}"));
+        }
+        Ok(())
+    }
+}
+
+fn all_absolute(dirs: &[PathBuf]) -> Result<(), String> {
+    match dirs.iter().find(|d| !d.is_absolute()) {
+        Some(relative) => Err(format!(
+            "{:?} is not an absolute path",
+            relative.display().to_string()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Applies `check` to `value` (a function, so a generic check like [`any`] gets its type
+/// from the value).
+fn checked<T>(value: &T, check: impl Fn(&T) -> Result<(), String>) -> Result<(), String> {
+    check(value)
+}
+
+/// `"0660"` (or `"0o660"`) as a mode.
+fn parse_mode(text: &str) -> Result<u32, String> {
+    u32::from_str_radix(text.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{text:?} is not an octal file mode like \"0660\""))
+}
+
+/// A group by name or number; none for `""`.
+fn group_id(text: &str) -> Result<Option<u32>, String> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    if let Ok(gid) = text.parse::<u32>() {
+        return Ok(Some(gid));
+    }
+    let group = nix::unistd::Group::from_name(text)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no group named {text:?}"))?;
+    Ok(Some(group.gid.as_raw()))
+}
+
+/// A `host:port` to listen on; none for `""`.
+fn listen_address(text: &str) -> Result<Option<SocketAddr>, String> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    text.parse::<SocketAddr>()
+        .map(Some)
+        .map_err(|e| format!("{text:?} is not host:port ({e})"))
+}
+
+/// The environment variable of every setting, and `OPMON_CONFIG`.
 pub fn setting_variables() -> Vec<String> {
-    Args::command()
-        .get_arguments()
-        .filter_map(|a| a.get_env())
-        .map(|v| v.to_string_lossy().into_owned())
-        .collect()
+    let mut known: Vec<String> = declarations().iter().map(Declaration::variable).collect();
+    known.push(CONFIG_VARIABLE.to_string());
+    known
 }
 
 /// Refuses an `OPMON_*` variable in `vars` that is neither a setting nor one of
@@ -129,140 +514,73 @@ impl fmt::Display for LogFormat {
     }
 }
 
-/// opmon-agent: monitors the long-running operations of backup and restore plugins.
-///
-/// Every setting can also come from an OPMON_* environment variable or the TOML config
-/// file; flags win over variables, variables over the file.
-#[derive(Parser, Debug, Clone)]
-#[command(version, about)]
-pub struct Args {
-    /// TOML config file [default: /etc/opmon/agent.toml if it exists].
-    #[arg(long, env = "OPMON_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Print the effective configuration, with where each value came from, and exit.
-    #[arg(long)]
-    pub print_config: bool,
-    /// Unix socket to serve the API on.
-    #[arg(long, env = "OPMON_SOCKET")]
-    pub socket: Option<PathBuf>,
-    /// File mode of the socket, octal.
-    #[arg(long, env = "OPMON_SOCKET_MODE")]
-    pub socket_mode: Option<String>,
-    /// Group owning the socket, by name or number.
-    #[arg(long, env = "OPMON_SOCKET_GROUP")]
-    pub socket_group: Option<String>,
-    /// Directory of the database.
-    #[arg(long, env = "OPMON_STATE_DIR")]
-    pub state_dir: Option<PathBuf>,
-    /// Directory of the Velero object-store layout.
-    #[arg(long, env = "OPMON_STORAGE_DIR")]
-    pub storage_dir: Option<PathBuf>,
-    /// How often unfinished operations are polled (at least 100ms).
-    #[arg(long, env = "OPMON_POLL_INTERVAL", value_parser = go_duration)]
-    pub poll_interval: Option<GoDuration>,
-    /// Deadline of every call to a snapshotter.
-    #[arg(long, env = "OPMON_CALL_DEADLINE", value_parser = go_duration)]
-    pub call_deadline: Option<GoDuration>,
-    /// Progress requests per JSON-RPC batch sent to a socket snapshotter.
-    #[arg(long, env = "OPMON_BATCH_SIZE")]
-    pub batch_size: Option<u32>,
-    /// Batches in flight at once to one socket snapshotter.
-    #[arg(long, env = "OPMON_SOCKET_CONCURRENCY")]
-    pub socket_concurrency: Option<u32>,
-    /// Processes running at once for one command snapshotter.
-    #[arg(long, env = "OPMON_COMMAND_CONCURRENCY")]
-    pub command_concurrency: Option<u32>,
-    /// Item operation timeout of owners started without one.
-    #[arg(long, env = "OPMON_ITEM_OPERATION_TIMEOUT", value_parser = go_duration)]
-    pub item_operation_timeout: Option<GoDuration>,
-    /// How long terminal backups and restores are kept.
-    #[arg(long, env = "OPMON_RETENTION", value_parser = go_duration)]
-    pub retention: Option<GoDuration>,
-    /// How long a snapshotter may be unreachable before its operations fail.
-    #[arg(long, env = "OPMON_UNREACHABLE_GRACE", value_parser = go_duration)]
-    pub unreachable_grace: Option<GoDuration>,
-    /// Connections with no traffic for this long are closed.
-    #[arg(long, env = "OPMON_IDLE_TIMEOUT", value_parser = go_duration)]
-    pub idle_timeout: Option<GoDuration>,
-    /// Largest request body accepted, in bytes.
-    #[arg(long, env = "OPMON_MAX_REQUEST_SIZE")]
-    pub max_request_size: Option<u32>,
-    /// Largest decompressed size of a backup tarball finalize reads, in bytes.
-    #[arg(long, env = "OPMON_MAX_DECOMPRESSED_SIZE")]
-    pub max_decompressed_size: Option<u64>,
-    /// Directories besides the storage directory where finalize may read its input and
-    /// write its output, comma-separated absolute paths [default: none].
-    #[arg(long, env = "OPMON_FINALIZE_DIRS", value_delimiter = ',')]
-    pub finalize_dirs: Vec<PathBuf>,
-    /// How long one finalize's tarball rewrite may take.
-    #[arg(long, env = "OPMON_FINALIZE_DEADLINE", value_parser = go_duration)]
-    pub finalize_deadline: Option<GoDuration>,
-    /// Uids allowed to connect besides the agent's own and root (always allowed),
-    /// comma-separated.
-    #[arg(long, env = "OPMON_ALLOWED_UIDS", value_delimiter = ',')]
-    pub allowed_uids: Vec<u32>,
-    /// Gids allowed to connect (primary or supplementary group of the peer),
-    /// comma-separated [default: none].
-    #[arg(long, env = "OPMON_ALLOWED_GIDS", value_delimiter = ',')]
-    pub allowed_gids: Vec<u32>,
-    /// Connections one peer uid may hold open at once.
-    #[arg(long, env = "OPMON_MAX_CONNECTIONS_PER_UID")]
-    pub max_connections_per_uid: Option<u32>,
-    /// Log line format.
-    #[arg(long, env = "OPMON_LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormat>,
-    /// Log filter: a level (info, debug, …) or tracing directives.
-    #[arg(long, env = "OPMON_LOG_LEVEL")]
-    pub log_level: Option<String>,
-    /// Also serve GET /metrics on this TCP address (host:port).
-    #[arg(long, env = "OPMON_METRICS_LISTEN")]
-    pub metrics_listen: Option<String>,
-    /// Let clients register command snapshotters over the API (true|false): each runs a
-    /// program of the client's choosing as the agent's user [default: false].
-    #[arg(long, env = "OPMON_ALLOW_API_COMMAND_SNAPSHOTTERS")]
-    pub allow_api_command_snapshotters: Option<bool>,
-    /// Restores started without `finalize` pass through Finalizing (true|false), as
-    /// every restore does from Velero 1.14 on.
-    #[arg(long, env = "OPMON_RESTORE_FINALIZE", value_parser = clap::value_parser!(bool))]
-    pub restore_finalize: Option<bool>,
-    /// Fail InProgress owners no call has touched for this long (0s: never).
-    #[arg(long, env = "OPMON_IN_PROGRESS_IDLE_TIMEOUT", value_parser = go_duration)]
-    pub in_progress_idle_timeout: Option<GoDuration>,
+/// The command line: `--config`, `--print-config` and a flag (with its variable) for
+/// every declared setting.
+pub fn command() -> Command {
+    let command = Command::new("opmon-agent")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("opmon-agent: monitors the long-running operations of backup and restore plugins")
+        .long_about(
+            "opmon-agent: monitors the long-running operations of backup and restore plugins.\n\n\
+             Every setting can also come from an OPMON_* environment variable or the TOML \
+             config file; flags win over variables, variables over the file.",
+        )
+        .arg(
+            Arg::new("config")
+                .long("config")
+                .env(CONFIG_VARIABLE)
+                .value_name("FILE")
+                .value_parser(clap::value_parser!(PathBuf))
+                .help(format!(
+                    "TOML config file [default: {DEFAULT_CONFIG} if it exists]"
+                )),
+        )
+        .arg(
+            Arg::new("print_config")
+                .long("print-config")
+                .action(ArgAction::SetTrue)
+                .help(
+                    "Print the effective configuration, with where each value came from, and exit",
+                ),
+        );
+    declarations()
+        .iter()
+        .fold(command, |command, d| command.arg(d.clap_arg()))
 }
 
-/// The config file's form. Keys are the flags' names with `_` for `-`.
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    socket: Option<Spanned<PathBuf>>,
-    socket_mode: Option<Spanned<String>>,
-    socket_group: Option<Spanned<String>>,
-    state_dir: Option<Spanned<PathBuf>>,
-    storage_dir: Option<Spanned<PathBuf>>,
-    poll_interval: Option<Spanned<GoDuration>>,
-    call_deadline: Option<Spanned<GoDuration>>,
-    batch_size: Option<Spanned<u32>>,
-    socket_concurrency: Option<Spanned<u32>>,
-    command_concurrency: Option<Spanned<u32>>,
-    item_operation_timeout: Option<Spanned<GoDuration>>,
-    retention: Option<Spanned<GoDuration>>,
-    unreachable_grace: Option<Spanned<GoDuration>>,
-    idle_timeout: Option<Spanned<GoDuration>>,
-    max_request_size: Option<Spanned<u32>>,
-    max_decompressed_size: Option<Spanned<u64>>,
-    finalize_dirs: Option<Spanned<Vec<PathBuf>>>,
-    finalize_deadline: Option<Spanned<GoDuration>>,
-    allowed_uids: Option<Spanned<Vec<u32>>>,
-    allowed_gids: Option<Spanned<Vec<u32>>>,
-    max_connections_per_uid: Option<Spanned<u32>>,
-    log_format: Option<Spanned<LogFormat>>,
-    log_level: Option<Spanned<String>>,
-    metrics_listen: Option<Spanned<String>>,
-    allow_api_command_snapshotters: Option<Spanned<bool>>,
-    restore_finalize: Option<Spanned<bool>>,
-    in_progress_idle_timeout: Option<Spanned<GoDuration>>,
-    #[serde(default)]
-    snapshotter: Vec<FileSnapshotter>,
+/// The two flags that are not settings; every setting is read from the matches.
+#[derive(Debug, Clone, Default)]
+pub struct Args {
+    pub config: Option<PathBuf>,
+    pub print_config: bool,
+}
+
+impl CommandFactory for Args {
+    fn command() -> Command {
+        command()
+    }
+
+    fn command_for_update() -> Command {
+        command()
+    }
+}
+
+impl FromArgMatches for Args {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Args {
+            config: matches
+                .try_get_one::<PathBuf>("config")
+                .ok()
+                .flatten()
+                .cloned(),
+            print_config: matches.get_flag("print_config"),
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Args::from_arg_matches(matches)?;
+        Ok(())
+    }
 }
 
 /// A `[[snapshotter]]` table: registered at every start.
@@ -295,6 +613,13 @@ impl fmt::Display for Source {
     }
 }
 
+/// A setting's value and where it came from.
+#[derive(Clone, Debug)]
+pub struct Layered<T> {
+    pub value: T,
+    pub source: Source,
+}
+
 /// One line of `--print-config`.
 #[derive(Clone, Debug)]
 pub struct Provenance {
@@ -322,6 +647,8 @@ pub struct Settings {
     pub log_level: String,
     pub metrics_listen: Option<SocketAddr>,
     pub idle_timeout: Duration,
+    /// The config file's `[[snapshotter]]` tables, checked and with their names in
+    /// canonical form.
     pub snapshotters: Vec<Snapshotter>,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
@@ -371,13 +698,13 @@ fn toml_string(text: &str) -> String {
     toml::Value::String(text.to_string()).to_string()
 }
 
-/// `$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`
-/// (or `~/.local/state/opmon`).
 /// `dir` made absolute against the working directory (lexically: `..` is kept).
-fn absolute(key: &str, dir: PathBuf) -> Result<PathBuf, String> {
-    std::path::absolute(&dir).map_err(|e| format!("{key}: {}: {e}", dir.display()))
+fn absolute(key: &str, dir: &Path) -> Result<PathBuf, String> {
+    std::path::absolute(dir).map_err(|e| format!("{key}: {}: {e}", dir.display()))
 }
 
+/// `$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`
+/// (or `~/.local/state/opmon`).
 pub fn default_state_dir() -> PathBuf {
     if let Some(dir) = first_path_of("STATE_DIRECTORY") {
         return dir;
@@ -392,56 +719,50 @@ pub fn default_state_dir() -> PathBuf {
     home.join(".local/state/opmon")
 }
 
-/// Collects values layer by layer and records where each came from.
+/// The layers a value can come from: the parsed command line and environment, and the
+/// config file's text (for line numbers).
 struct Layers<'a> {
     matches: &'a ArgMatches,
     file_path: Option<&'a Path>,
     file_text: &'a str,
-    provenance: Vec<Provenance>,
 }
 
 impl Layers<'_> {
-    fn line_of(&self, span: std::ops::Range<usize>) -> usize {
-        self.file_text[..span.start.min(self.file_text.len())]
-            .matches('\n')
-            .count()
-            + 1
-    }
-
-    /// The value of setting `key` (clap id `key` too): flag or environment, else file,
-    /// else `default`. `show` renders it as TOML for `--print-config`.
-    fn take<T>(
-        &mut self,
+    /// Setting `key` (also its clap id): from its flag or variable, else the file, else
+    /// `default`.
+    fn take<T: SettingType>(
+        &self,
         key: &'static str,
-        cli: Option<T>,
         file: Option<Spanned<T>>,
         default: impl FnOnce() -> T,
-        show: impl Fn(&T) -> String,
-    ) -> (T, Source) {
-        let (value, source) = match (cli, file) {
-            (Some(v), _) => {
-                let source = match self.matches.value_source(key) {
-                    Some(ValueSource::EnvVariable) => {
-                        Source::Env(format!("OPMON_{}", key.to_uppercase()))
-                    }
-                    _ => Source::Flag(format!("--{}", key.replace('_', "-"))),
-                };
-                (v, source)
-            }
-            (None, Some(spanned)) => {
-                let line = self.line_of(spanned.span());
-                let path = self.file_path.map(Path::to_path_buf).unwrap_or_default();
-                (spanned.into_inner(), Source::File { path, line })
-            }
-            (None, None) => (default(), Source::Default),
-        };
-        self.provenance.push(Provenance {
-            key,
-            value: show(&value),
-            source: source.clone(),
-        });
-        (value, source)
+    ) -> Layered<T> {
+        if let Some(value) = T::given(self.matches, key) {
+            let source = match self.matches.value_source(key) {
+                Some(ValueSource::EnvVariable) => {
+                    Source::Env(format!("OPMON_{}", key.to_uppercase()))
+                }
+                _ => Source::Flag(format!("--{}", key.replace('_', "-"))),
+            };
+            return Layered { value, source };
+        }
+        if let Some(spanned) = file {
+            let line = line_of(self.file_text, spanned.span());
+            let path = self.file_path.map(Path::to_path_buf).unwrap_or_default();
+            return Layered {
+                value: spanned.into_inner(),
+                source: Source::File { path, line },
+            };
+        }
+        Layered {
+            value: default(),
+            source: Source::Default,
+        }
     }
+}
+
+/// The line of `text` where `span` starts.
+fn line_of(text: &str, span: std::ops::Range<usize>) -> usize {
+    text[..span.start.min(text.len())].matches('\n').count() + 1
 }
 
 /// `key (from SOURCE): reason`.
@@ -449,13 +770,103 @@ fn bad(key: &str, source: &Source, reason: impl fmt::Display) -> String {
     format!("{key} (from {source}): {reason}")
 }
 
-fn show_duration(d: &GoDuration) -> String {
-    format!("\"{d}\"")
+impl Values {
+    /// What involves the machine or more than one setting: directories made absolute
+    /// (once, at start: clients are handed paths under them, and a relative one means
+    /// nothing to them), the storage directory's default under the state directory, the
+    /// uid list in order.
+    fn sanitize(&mut self) -> Result<(), String> {
+        self.state_dir.value = absolute("state_dir", &self.state_dir.value)?;
+        self.storage_dir.value = if self.storage_dir.source == Source::Default {
+            self.state_dir.value.join("storage")
+        } else {
+            absolute("storage_dir", &self.storage_dir.value)?
+        };
+        self.allowed_uids.value.sort_unstable();
+        self.allowed_uids.value.dedup();
+        Ok(())
+    }
+
+    /// The typed settings the agent runs on.
+    fn into_settings(
+        self,
+        config_file: Option<PathBuf>,
+        snapshotters: Vec<Snapshotter>,
+    ) -> Result<Settings, String> {
+        let provenance = self.provenance();
+        let socket_mode = parse_mode(&self.socket_mode.value)
+            .map_err(|e| bad("socket_mode", &self.socket_mode.source, e))?;
+        let socket_group = group_id(&self.socket_group.value)
+            .map_err(|e| bad("socket_group", &self.socket_group.source, e))?;
+        let metrics_listen = listen_address(&self.metrics_listen.value)
+            .map_err(|e| bad("metrics_listen", &self.metrics_listen.source, e))?;
+        let socket = self.socket.value;
+        let state_dir = self.state_dir.value;
+        let idle = self.in_progress_idle_timeout.value.0;
+        Ok(Settings {
+            config_file,
+            socket_mode,
+            socket_group,
+            storage_dir: self.storage_dir.value,
+            max_request_size: self.max_request_size.value,
+            // The agent's own uid and root are always admitted (see access.rs): these
+            // lists only add to them, so no setting can lock the operator out.
+            allowed_uids: self.allowed_uids.value,
+            allowed_gids: self.allowed_gids.value,
+            max_connections_per_uid: self.max_connections_per_uid.value,
+            log_format: self.log_format.value,
+            log_level: self.log_level.value,
+            metrics_listen,
+            idle_timeout: self.idle_timeout.value.0,
+            snapshotters,
+            provenance,
+            core: CoreSettings {
+                poll_interval: self.poll_interval.value.0,
+                default_item_operation_timeout: self.item_operation_timeout.value,
+                retention: self.retention.value.0,
+                max_decompressed_size: self.max_decompressed_size.value,
+                finalize: crate::core::FinalizeSettings {
+                    dirs: self.finalize_dirs.value,
+                    deadline: self.finalize_deadline.value.0,
+                    state_dir: Some(state_dir.clone()),
+                    socket: Some(socket.clone()),
+                },
+                unreachable_grace: self.unreachable_grace.value.0,
+                allow_api_command_snapshotters: self.allow_api_command_snapshotters.value,
+                calls: CallSettings {
+                    deadline: self.call_deadline.value.0,
+                    batch_size: self.batch_size.value as usize,
+                    socket_concurrency: self.socket_concurrency.value as usize,
+                    command_concurrency: self.command_concurrency.value as usize,
+                },
+                restore_finalize: self.restore_finalize.value,
+                in_progress_idle_timeout: (!idle.is_zero()).then_some(idle),
+            },
+            socket,
+            state_dir,
+        })
+    }
 }
 
-fn show_list(list: &[u32]) -> String {
-    let items: Vec<String> = list.iter().map(u32::to_string).collect();
-    format!("[{}]", items.join(", "))
+/// The config file's `[[snapshotter]]` tables, each checked as `snapshotter.register`
+/// checks one (its name made canonical), so a bad table stops the agent (or refuses a
+/// reload) before anything is opened.
+fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>, String> {
+    tables
+        .into_iter()
+        .map(|table| {
+            let mut s = Snapshotter {
+                name: table.name,
+                api_version: table.api_version,
+                socket: table.socket,
+                command: table.command,
+            };
+            let given = s.name.clone();
+            crate::api::check_snapshotter(&mut s)
+                .map_err(|e| format!("config snapshotter {given}: {e}"))?;
+            Ok(s)
+        })
+        .collect()
 }
 
 /// The command line (and environment) as parsed at start: a reload resolves the
@@ -481,17 +892,18 @@ impl CommandLine {
 /// Parses the command line (and environment) into settings, reading the config file.
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
-    let matches = Args::command().get_matches();
+    let matches = command().get_matches();
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     check_environment(std::env::vars_os())?;
     let command_line = CommandLine { args, matches };
     command_line.resolve().map(|s| (s, command_line))
 }
 
-/// Resolves `args` (parsed from `matches`) against the config file and defaults.
+/// Resolves the settings of `matches` (`args` parsed from them) against the config
+/// file and the defaults.
 pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
-    let config_file = match &args.config {
-        Some(path) => Some(path.clone()),
+    let config_file = match args.config {
+        Some(path) => Some(path),
         None if Path::new(DEFAULT_CONFIG).exists() => Some(PathBuf::from(DEFAULT_CONFIG)),
         None => None,
     };
@@ -500,360 +912,26 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
             .map_err(|e| format!("reading config file {}: {e}", path.display()))?,
         None => String::new(),
     };
-    let file: FileConfig = toml::from_str(&file_text).map_err(|e| {
-        let path = config_file
-            .as_deref()
-            .unwrap_or(Path::new(""))
-            .display()
-            .to_string();
-        let line = e.span().map(|s| {
-            file_text[..s.start.min(file_text.len())]
-                .matches('\n')
-                .count()
-                + 1
-        });
-        match line {
-            Some(line) => format!("config file {path} line {line}: {}", e.message()),
+    let mut file: FileConfig = toml::from_str(&file_text).map_err(|e| {
+        let path = config_file.as_deref().unwrap_or(Path::new("")).display();
+        match e.span() {
+            Some(span) => format!(
+                "config file {path} line {}: {}",
+                line_of(&file_text, span),
+                e.message()
+            ),
             None => format!("config file {path}: {}", e.message()),
         }
     })?;
-    let mut layers = Layers {
+    let layers = Layers {
         matches,
         file_path: config_file.as_deref(),
         file_text: &file_text,
-        provenance: Vec::new(),
     };
-    let quote = |p: &PathBuf| toml_string(&p.to_string_lossy());
-
-    let (socket, _) = layers.take(
-        "socket",
-        args.socket,
-        file.socket,
-        opmon_client::default_socket_path,
-        quote,
-    );
-    let (mode_text, mode_source) = layers.take(
-        "socket_mode",
-        args.socket_mode,
-        file.socket_mode,
-        || "0660".into(),
-        |m| toml_string(m),
-    );
-    let socket_mode = u32::from_str_radix(mode_text.trim_start_matches("0o"), 8)
-        .ok()
-        .filter(|m| *m <= 0o777)
-        .ok_or_else(|| {
-            bad(
-                "socket_mode",
-                &mode_source,
-                format!("{mode_text:?} is not an octal file mode like \"0660\""),
-            )
-        })?;
-    let (group_text, group_source) = layers.take(
-        "socket_group",
-        args.socket_group,
-        file.socket_group,
-        String::new,
-        |g| toml_string(g),
-    );
-    let socket_group = if group_text.is_empty() {
-        None
-    } else if let Ok(gid) = group_text.parse::<u32>() {
-        Some(gid)
-    } else {
-        let group = nix::unistd::Group::from_name(&group_text)
-            .map_err(|e| bad("socket_group", &group_source, e))?
-            .ok_or_else(|| {
-                bad(
-                    "socket_group",
-                    &group_source,
-                    format!("no group named {group_text:?}"),
-                )
-            })?;
-        Some(group.gid.as_raw())
-    };
-    let (state_dir, _) = layers.take(
-        "state_dir",
-        args.state_dir,
-        file.state_dir,
-        default_state_dir,
-        quote,
-    );
-    // Relative directories are taken against the working directory at start, once:
-    // clients are handed paths under them, and a relative one means nothing to them.
-    let state_dir = absolute("state_dir", state_dir)?;
-    let (storage_dir, _) = layers.take(
-        "storage_dir",
-        args.storage_dir,
-        file.storage_dir,
-        || state_dir.join("storage"),
-        quote,
-    );
-    let storage_dir = absolute("storage_dir", storage_dir)?;
-    let (poll_interval, poll_source) = layers.take(
-        "poll_interval",
-        args.poll_interval,
-        file.poll_interval,
-        || GoDuration::from_secs(10),
-        show_duration,
-    );
-    if poll_interval.0 < Duration::from_millis(100) {
-        return Err(bad(
-            "poll_interval",
-            &poll_source,
-            format!("{poll_interval} is below the minimum of 100ms"),
-        ));
-    }
-    let mut positive = |key: &'static str, cli, file, default: GoDuration| {
-        let (value, source) = layers.take(key, cli, file, || default, show_duration);
-        if value.0.is_zero() {
-            return Err(bad(key, &source, "must be greater than zero"));
-        }
-        Ok(value)
-    };
-    let call_deadline = positive(
-        "call_deadline",
-        args.call_deadline,
-        file.call_deadline,
-        GoDuration::from_secs(30),
-    )?;
-    let item_operation_timeout = positive(
-        "item_operation_timeout",
-        args.item_operation_timeout,
-        file.item_operation_timeout,
-        GoDuration::from_secs(4 * 3600),
-    )?;
-    let retention = positive(
-        "retention",
-        args.retention,
-        file.retention,
-        GoDuration::from_secs(30 * 24 * 3600),
-    )?;
-    let unreachable_grace = positive(
-        "unreachable_grace",
-        args.unreachable_grace,
-        file.unreachable_grace,
-        GoDuration::from_secs(600),
-    )?;
-    let idle_timeout = positive(
-        "idle_timeout",
-        args.idle_timeout,
-        file.idle_timeout,
-        GoDuration::from_secs(15 * 60),
-    )?;
-    let mut count = |key: &'static str, cli, file, default: u32, max: u32| {
-        let (value, source) = layers.take(key, cli, file, || default, |v: &u32| v.to_string());
-        if value == 0 || value > max {
-            return Err(bad(key, &source, format!("must be between 1 and {max}")));
-        }
-        Ok(value)
-    };
-    let batch_size = count("batch_size", args.batch_size, file.batch_size, 256, 100_000)?;
-    let socket_concurrency = count(
-        "socket_concurrency",
-        args.socket_concurrency,
-        file.socket_concurrency,
-        4,
-        1024,
-    )?;
-    let command_concurrency = count(
-        "command_concurrency",
-        args.command_concurrency,
-        file.command_concurrency,
-        8,
-        1024,
-    )?;
-    let max_request_size = count(
-        "max_request_size",
-        args.max_request_size,
-        file.max_request_size,
-        16 * 1024 * 1024,
-        u32::MAX,
-    )?;
-    let (max_decompressed_size, _) = layers.take(
-        "max_decompressed_size",
-        args.max_decompressed_size,
-        file.max_decompressed_size,
-        || 16 * 1024 * 1024 * 1024,
-        u64::to_string,
-    );
-    let (finalize_dirs, dirs_source) = layers.take(
-        "finalize_dirs",
-        (!args.finalize_dirs.is_empty()).then_some(args.finalize_dirs),
-        file.finalize_dirs,
-        Vec::new,
-        |l: &Vec<PathBuf>| {
-            let items: Vec<String> = l
-                .iter()
-                .map(|p| toml_string(&p.to_string_lossy()))
-                .collect();
-            format!("[{}]", items.join(", "))
-        },
-    );
-    if let Some(relative) = finalize_dirs.iter().find(|d| !d.is_absolute()) {
-        return Err(bad(
-            "finalize_dirs",
-            &dirs_source,
-            format!(
-                "{:?} is not an absolute path",
-                relative.display().to_string()
-            ),
-        ));
-    }
-    let (finalize_deadline, deadline_source) = layers.take(
-        "finalize_deadline",
-        args.finalize_deadline,
-        file.finalize_deadline,
-        || GoDuration::from_secs(3600),
-        show_duration,
-    );
-    if finalize_deadline.0.is_zero() {
-        return Err(bad(
-            "finalize_deadline",
-            &deadline_source,
-            "must be greater than zero",
-        ));
-    }
-    let non_empty = |v: Vec<u32>| (!v.is_empty()).then_some(v);
-    // The agent's own uid and root are always admitted (see access.rs): these lists
-    // only add to them, so no setting can lock the operator out.
-    let (mut allowed_uids, _) = layers.take(
-        "allowed_uids",
-        non_empty(args.allowed_uids),
-        file.allowed_uids,
-        Vec::new,
-        |l: &Vec<u32>| show_list(l),
-    );
-    allowed_uids.sort_unstable();
-    allowed_uids.dedup();
-    let (allowed_gids, _) = layers.take(
-        "allowed_gids",
-        non_empty(args.allowed_gids),
-        file.allowed_gids,
-        Vec::new,
-        |l: &Vec<u32>| show_list(l),
-    );
-    let mut count = |key: &'static str, cli, file, default: u32, max: u32| {
-        let (value, source) = layers.take(key, cli, file, || default, |v: &u32| v.to_string());
-        if value == 0 || value > max {
-            return Err(bad(key, &source, format!("must be between 1 and {max}")));
-        }
-        Ok(value)
-    };
-    let max_connections_per_uid = count(
-        "max_connections_per_uid",
-        args.max_connections_per_uid,
-        file.max_connections_per_uid,
-        DEFAULT_MAX_CONNECTIONS_PER_UID,
-        opmon_client::server::MAX_CONNECTIONS,
-    )?;
-    let (log_format, _) = layers.take(
-        "log_format",
-        args.log_format,
-        file.log_format,
-        || LogFormat::Human,
-        |f| format!("\"{f}\""),
-    );
-    let (log_level, level_source) = layers.take(
-        "log_level",
-        args.log_level,
-        file.log_level,
-        || "info".into(),
-        |l| toml_string(l),
-    );
-    check_log_level(&log_level).map_err(|e| bad("log_level", &level_source, e))?;
-    let (listen_text, listen_source) = layers.take(
-        "metrics_listen",
-        args.metrics_listen,
-        file.metrics_listen,
-        String::new,
-        |l| toml_string(l),
-    );
-    let metrics_listen = if listen_text.is_empty() {
-        None
-    } else {
-        Some(listen_text.parse::<SocketAddr>().map_err(|e| {
-            bad(
-                "metrics_listen",
-                &listen_source,
-                format!("{listen_text:?} is not host:port ({e})"),
-            )
-        })?)
-    };
-    let (allow_api_command_snapshotters, _) = layers.take(
-        "allow_api_command_snapshotters",
-        args.allow_api_command_snapshotters,
-        file.allow_api_command_snapshotters,
-        || false,
-        bool::to_string,
-    );
-    let (restore_finalize, _) = layers.take(
-        "restore_finalize",
-        args.restore_finalize,
-        file.restore_finalize,
-        || false,
-        bool::to_string,
-    );
-    let (in_progress_idle_timeout, _) = layers.take(
-        "in_progress_idle_timeout",
-        args.in_progress_idle_timeout,
-        file.in_progress_idle_timeout,
-        || GoDuration::from_secs(0),
-        show_duration,
-    );
-    let provenance = layers.provenance;
-    let snapshotters = file
-        .snapshotter
-        .into_iter()
-        .map(|s| Snapshotter {
-            name: s.name,
-            api_version: s.api_version,
-            socket: s.socket,
-            command: s.command,
-        })
-        .collect();
-    let finalize = crate::core::FinalizeSettings {
-        dirs: finalize_dirs,
-        deadline: finalize_deadline.0,
-        state_dir: Some(state_dir.clone()),
-        socket: Some(socket.clone()),
-    };
-    Ok(Settings {
-        config_file,
-        socket,
-        socket_mode,
-        socket_group,
-        state_dir,
-        storage_dir,
-        max_request_size,
-        allowed_uids,
-        allowed_gids,
-        max_connections_per_uid,
-        log_format,
-        log_level,
-        metrics_listen,
-        idle_timeout: idle_timeout.0,
-        snapshotters,
-        provenance,
-        core: CoreSettings {
-            poll_interval: poll_interval.0,
-            default_item_operation_timeout: item_operation_timeout,
-            retention: retention.0,
-            max_decompressed_size,
-            finalize,
-            unreachable_grace: unreachable_grace.0,
-            allow_api_command_snapshotters,
-            calls: CallSettings {
-                deadline: call_deadline.0,
-                batch_size: batch_size as usize,
-                socket_concurrency: socket_concurrency as usize,
-                command_concurrency: command_concurrency as usize,
-            },
-            restore_finalize,
-            in_progress_idle_timeout: (!in_progress_idle_timeout.0.is_zero())
-                .then_some(in_progress_idle_timeout.0),
-        },
-    })
+    let mut values = Values::take(&layers, &mut file)?;
+    values.sanitize()?;
+    let snapshotters = config_snapshotters(file.snapshotter)?;
+    values.into_settings(config_file, snapshotters)
 }
 
 #[cfg(test)]
@@ -998,5 +1076,101 @@ mod tests {
         )
         .unwrap();
         assert!(!s.core.allow_api_command_snapshotters, "the flag wins");
+    }
+
+    #[test]
+    fn the_readme_table_is_the_declarations() {
+        let readme = include_str!("../../README.md");
+        let table = readme
+            .split_once("<!-- settings:begin")
+            .and_then(|(_, rest)| rest.split_once('\n'))
+            .and_then(|(_, rest)| rest.split_once("<!-- settings:end -->"))
+            .map(|(table, _)| table)
+            .expect("README.md has the settings:begin and settings:end markers");
+        let declared = readme_table();
+        assert!(
+            table == declared,
+            "README.md's configuration table differs from the declarations in \
+             agent/src/config.rs; the table they make is:\n{declared}"
+        );
+    }
+
+    #[test]
+    fn every_setting_has_a_flag_a_variable_and_a_print_config_line() {
+        let keys: Vec<&str> = declarations().iter().map(|d| d.key).collect();
+        let s = settings(&[], "").unwrap();
+        let printed: Vec<&str> = s.provenance.iter().map(|p| p.key).collect();
+        assert_eq!(printed, keys);
+        let command = Args::command();
+        for d in declarations() {
+            let arg = command
+                .get_arguments()
+                .find(|a| a.get_id() == d.key)
+                .unwrap_or_else(|| panic!("no flag for {}", d.key));
+            assert_eq!(arg.get_long(), Some(&d.flag()[2..]));
+            assert_eq!(
+                arg.get_env().map(|v| v.to_string_lossy().into_owned()),
+                Some(d.variable())
+            );
+        }
+        assert!(setting_variables().contains(&"OPMON_CONFIG".to_string()));
+    }
+
+    #[test]
+    fn a_list_comes_comma_separated_from_a_flag_and_as_an_array_from_the_file() {
+        let s = settings(&["--allowed-uids", "1000,7,1000"], "allowed_uids = [5]\n").unwrap();
+        assert_eq!(
+            s.allowed_uids,
+            vec![7, 1000],
+            "sorted, once each; the flag wins"
+        );
+        let s = settings(&["--finalize-dirs", "/a,/b"], "").unwrap();
+        assert_eq!(
+            s.core.finalize.dirs,
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
+        let e = settings(&[], "finalize_dirs = [\"/a\", \"rel\"]\n")
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "finalize_dirs (from FILE line 1): \"rel\" is not an absolute path"
+        );
+    }
+
+    #[test]
+    fn relative_directories_are_made_absolute_and_storage_follows_state() {
+        let s = settings(&["--state-dir", "rel/state"], "").unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(s.state_dir, cwd.join("rel/state"));
+        assert_eq!(s.storage_dir, cwd.join("rel/state/storage"));
+        let s = settings(&["--state-dir", "/s"], "storage_dir = \"out\"\n").unwrap();
+        assert_eq!(s.storage_dir, cwd.join("out"));
+        assert!(s
+            .describe()
+            .contains(&format!("storage_dir = \"{}\"", cwd.join("out").display())));
+    }
+
+    #[test]
+    fn a_bad_snapshotter_table_is_refused_naming_it() {
+        let e = settings(
+            &[],
+            "[[snapshotter]]\nname = \"example.io/both\"\napi_version = \"v2\"\n",
+        )
+        .err()
+        .unwrap();
+        assert_eq!(
+            e,
+            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket and command"
+        );
+        let s = settings(
+            &[],
+            "[[snapshotter]]\nname = \"legacy\"\napi_version = \"v1\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            s.snapshotters[0].name, "velero.io/legacy",
+            "canonical, as Velero maps it"
+        );
     }
 }

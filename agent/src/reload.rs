@@ -4,8 +4,8 @@
 //! environment the agent started with (so flags and variables keep their precedence).
 //! Invariants:
 //! - All or nothing: a file that does not parse, a bad value or an invalid
-//!   `[[snapshotter]]` table refuses the whole reload, logged with the reason, and the
-//!   running configuration stays as it was.
+//!   `[[snapshotter]]` table (resolving the settings checks each) refuses the whole
+//!   reload, logged with the reason, and the running configuration stays as it was.
 //! - Only `log_level` and the `[[snapshotter]]` tables change while running. A table
 //!   that is new or changed is registered (as at start); a table that was in the running
 //!   configuration and is gone from the file is unregistered. Snapshotters registered
@@ -15,7 +15,6 @@
 
 use opmon_client::Snapshotter;
 
-use crate::api;
 use crate::config::{CommandLine, Provenance, Settings};
 use crate::core::Core;
 
@@ -54,22 +53,13 @@ pub async fn reload(core: &Core, running: &mut Running, reload: &Reload) {
 }
 
 async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
-    let mut new = match reload.command_line.resolve() {
+    let new = match reload.command_line.resolve() {
         Ok(settings) => settings,
         Err(e) => {
             tracing::error!("reload refused, the running configuration is unchanged: {e}");
             return;
         }
     };
-    for s in &mut new.snapshotters {
-        if let Err(e) = api::check_snapshotter(s) {
-            tracing::error!(
-                "reload refused, the running configuration is unchanged: config snapshotter {}: {e}",
-                s.name
-            );
-            return;
-        }
-    }
     let mut changes = 0usize;
     if new.log_level != running.log_level {
         match (reload.set_log_level)(&new.log_level) {
@@ -85,7 +75,7 @@ async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
             Err(e) => tracing::error!("reload: log_level {:?} not applied: {e}", new.log_level),
         }
     }
-    for s in &mut new.snapshotters {
+    for s in &new.snapshotters {
         let before = running.snapshotters.iter().find(|r| r.name == s.name);
         if before == Some(s) {
             continue;

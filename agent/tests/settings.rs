@@ -153,3 +153,83 @@ fn max_connections_per_uid_is_a_setting_with_bounds() {
         "opmon-agent: max_connections_per_uid (from environment OPMON_MAX_CONNECTIONS_PER_UID): must be between 1 and 4096"
     );
 }
+
+#[test]
+fn a_bad_snapshotter_table_stops_the_agent_before_the_database_and_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.toml");
+    std::fs::write(
+        &file,
+        "[[snapshotter]]\nname = \"example.io/copier\"\napi_version = \"v2\"\nsocket = \"relative.sock\"\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let socket = dir.path().join("run/agent.sock");
+    let out = agent()
+        .arg("--config")
+        .arg(&file)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--socket")
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon-agent: config snapshotter example.io/copier: socket: must be an absolute path"
+    );
+    assert!(!state.exists(), "no state directory, so no agent.db");
+    assert!(
+        !socket.exists() && !dir.path().join("run").exists(),
+        "no socket"
+    );
+}
+
+#[test]
+fn a_mistyped_flag_or_key_is_refused_naming_it() {
+    let out = agent().arg("--pol-interval=1s").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("unexpected argument '--pol-interval' found")
+            && stderr.contains("tip: a similar argument exists: '--poll-interval'"),
+        "{stderr}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.toml");
+    std::fs::write(&file, "log_levle = \"debug\"\n").unwrap();
+    let out = print_config().env("OPMON_CONFIG", &file).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!(
+            "opmon-agent: config file {} line 1: unknown field `log_levle`, expected one of `socket`, `socket_mode`,",
+            file.display()
+        )),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn help_lists_every_setting_with_its_variable_and_default() {
+    let out = agent().arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for declared in opmon_agent::config::declarations() {
+        assert!(
+            text.contains(&declared.flag()),
+            "{} in {text}",
+            declared.flag()
+        );
+        assert!(
+            text.contains(&format!("[env: {}=", declared.variable())),
+            "{} in {text}",
+            declared.variable()
+        );
+    }
+    assert!(
+        text.contains("[default: 256]") && text.contains("[default: \"10s\" (at least 100ms)]"),
+        "{text}"
+    );
+}

@@ -10,12 +10,115 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, ResourceIdentifier};
 
 pub mod deploy;
+pub mod workflow;
+
+pub use workflow::{Steps, LONG};
 
 /// How long a process may take to open its socket before the test fails.
 const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// Something a test waits for: a condition that comes to hold (`bool`) or a value that
+/// comes to exist (`Option`).
+pub trait Awaited {
+    type Value;
+    fn ready(self) -> Option<Self::Value>;
+}
+
+impl Awaited for bool {
+    type Value = ();
+    fn ready(self) -> Option<()> {
+        self.then_some(())
+    }
+}
+
+impl<T> Awaited for Option<T> {
+    type Value = T;
+    fn ready(self) -> Option<T> {
+        self
+    }
+}
+
+/// The pace of a wait: pauses short at first (most waits are short), then growing to
+/// 100 ms so a probe that runs a process or reads a database does not keep a core busy;
+/// none once the deadline has passed.
+struct Pace {
+    deadline: Instant,
+    pause: Duration,
+}
+
+impl Pace {
+    fn within(within: Duration) -> Pace {
+        Pace {
+            deadline: Instant::now() + within,
+            pause: Duration::from_millis(5),
+        }
+    }
+
+    /// The pause before the next probe, or `None`: the time is up.
+    fn pause(&mut self) -> Option<Duration> {
+        if Instant::now() >= self.deadline {
+            return None;
+        }
+        let pause = self.pause;
+        self.pause = (pause * 2).min(Duration::from_millis(100));
+        Some(pause)
+    }
+}
+
+/// Probes until `probe` holds or gives a value, or `within` passes (then `None`).
+/// Waiting is on a condition, never a sleep standing in for one: `within` only bounds
+/// how long a broken run takes to fail. Blocks the thread between probes; async tests
+/// use [`try_eventually_async`].
+pub fn try_eventually<A: Awaited>(
+    within: Duration,
+    mut probe: impl FnMut() -> A,
+) -> Option<A::Value> {
+    let mut pace = Pace::within(within);
+    loop {
+        if let Some(value) = probe().ready() {
+            return Some(value);
+        }
+        std::thread::sleep(pace.pause()?);
+    }
+}
+
+/// [`try_eventually`] that fails the test, naming `what`, when `within` passes.
+pub fn eventually<A: Awaited>(
+    what: impl std::fmt::Display,
+    within: Duration,
+    probe: impl FnMut() -> A,
+) -> A::Value {
+    try_eventually(within, probe).unwrap_or_else(|| panic!("not within {within:?}: {what}"))
+}
+
+/// [`try_eventually`] for async tests: yields to the runtime between probes (the
+/// request being waited on may be running on it).
+pub async fn try_eventually_async<A: Awaited>(
+    within: Duration,
+    mut probe: impl FnMut() -> A,
+) -> Option<A::Value> {
+    let mut pace = Pace::within(within);
+    loop {
+        if let Some(value) = probe().ready() {
+            return Some(value);
+        }
+        tokio::time::sleep(pace.pause()?).await;
+    }
+}
+
+/// [`try_eventually_async`] that fails the test, naming `what`, when `within` passes.
+pub async fn eventually_async<A: Awaited>(
+    what: impl std::fmt::Display,
+    within: Duration,
+    probe: impl FnMut() -> A,
+) -> A::Value {
+    try_eventually_async(within, probe)
+        .await
+        .unwrap_or_else(|| panic!("not within {within:?}: {what}"))
+}
 
 /// A binary of this workspace, next to the test executables (`cargo test --workspace`
 /// builds them all before running any test).
@@ -38,17 +141,30 @@ pub fn workspace_binary(name: &str) -> PathBuf {
 /// process (see [`without_opmon_env`]). Set what the agent should see on the returned
 /// command.
 pub fn agent_command() -> Command {
-    let mut command = Command::new(workspace_binary("opmon-agent"));
+    agent_command_of(&workspace_binary("opmon-agent"))
+}
+
+/// [`agent_command`] for the agent binary `bin` (the benchmark runs the release build,
+/// or another given on its command line).
+pub fn agent_command_of(bin: &Path) -> Command {
+    let mut command = Command::new(bin);
     without_opmon_env(&mut command);
     command
 }
 
-/// Removes every `OPMON_*` variable of this process from what `command` inherits: the
+/// Removes from what `command` inherits every `OPMON_*` variable of this process (the
 /// agent refuses variables that are not its settings, and test harnesses have their
-/// own (`OPMON_CRASH_SEED`, `OPMON_FUZZ_SHRINK`, …).
+/// own: `OPMON_CRASH_SEED`, `OPMON_FUZZ_SHRINK`, …) and systemd's hand-overs
+/// (`LISTEN_*`, `NOTIFY_SOCKET`, `WATCHDOG_*`), which belong to whatever runs the tests,
+/// not to the agents they start. A test that hands over a socket sets them again.
 pub fn without_opmon_env(command: &mut Command) -> &mut Command {
     for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("OPMON_") {
+        let text = name.to_string_lossy();
+        if text.starts_with("OPMON_")
+            || text.starts_with("LISTEN_")
+            || text == "NOTIFY_SOCKET"
+            || text.starts_with("WATCHDOG_")
+        {
             command.env_remove(&name);
         }
     }
@@ -66,11 +182,10 @@ pub fn command_snapshotter_script() -> PathBuf {
 }
 
 /// Waits until `socket` accepts connections, failing with `log` if `child` exits first.
-fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
-    let start = Instant::now();
-    loop {
+pub fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
+    let served = try_eventually(READY_WITHIN, || {
         if UnixStream::connect(socket).is_ok() {
-            return;
+            return true;
         }
         if let Ok(Some(status)) = child.try_wait() {
             panic!(
@@ -79,14 +194,14 @@ fn wait_for_socket(socket: &Path, child: &mut Child, log: &Path) {
                 std::fs::read_to_string(log).unwrap_or_default()
             );
         }
-        assert!(
-            start.elapsed() < READY_WITHIN,
-            "{} not ready within {READY_WITHIN:?}:\n{}",
-            socket.display(),
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        false
+    });
+    assert!(
+        served.is_some(),
+        "{} not ready within {READY_WITHIN:?}:\n{}",
+        socket.display(),
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
 }
 
 /// A running `opmon-agent`.
@@ -261,18 +376,17 @@ pub fn open_gate(gates: &Path, id: &str) {
 }
 
 /// Starts owner `name` (uid `u`) with `operations` and ends its InProgress phase, as a
-/// backup server does; returns the owner in the phase that left it.
+/// backup server does; returns the owner in the phase that left it. (Kept for the tests
+/// that call it; [`Steps`] reads better in new ones.)
 pub async fn start_and_end_in_progress(
     owners: &opmon_client::Owners<'_>,
     name: &str,
     operations: Vec<NewOperation>,
 ) -> opmon_client::Owner {
-    owners.start(name, "u", None).await.expect("start");
-    owners
-        .add_operations(name, operations)
+    Steps::of(*owners, name)
+        .operations(operations)
+        .end_in_progress()
         .await
-        .expect("addOperations");
-    owners.end_in_progress(name).await.expect("endInProgress")
 }
 
 /// A namespaced PVC reference.
@@ -374,6 +488,8 @@ pub const PLUGIN: &str = "example.io/copier";
 
 /// A temporary directory with an agent and an SDK snapshotter registered for [`PLUGIN`].
 pub struct Fixture {
+    /// A client of the agent, for the steps ([`Fixture::backup`]) and the test.
+    pub client: Client,
     pub gates: PathBuf,
     pub journal: PathBuf,
     pub snapshotter: SdkSnapshotter,
@@ -402,6 +518,7 @@ impl Fixture {
             .await
             .expect("registering the snapshotter");
         Fixture {
+            client,
             gates,
             journal,
             snapshotter,
@@ -412,6 +529,16 @@ impl Fixture {
 
     pub fn open_gate(&self, id: &str) {
         open_gate(&self.gates, id)
+    }
+
+    /// The steps of backup `name` (see [`workflow`]).
+    pub fn backup(&self, name: &str) -> Steps<'_> {
+        Steps::new(&self.client, OwnerKind::Backup, name)
+    }
+
+    /// The steps of restore `name`.
+    pub fn restore(&self, name: &str) -> Steps<'_> {
+        Steps::new(&self.client, OwnerKind::Restore, name)
     }
 
     pub fn journal(&self) -> Vec<String> {

@@ -13,11 +13,7 @@ use opmon_tests::{operation, Fixture, PLUGIN};
 /// bounded loop; never a sleep standing in for an event). Yields to the runtime, which
 /// runs the request being waited on.
 async fn until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !cond() {
-        assert!(std::time::Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    opmon_tests::eventually_async(what, Duration::from_secs(60), cond).await
 }
 
 #[tokio::test]

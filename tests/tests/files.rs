@@ -20,12 +20,8 @@ use opmon_tests::{operation, Agent, Fixture, PLUGIN};
 const LONG: Duration = Duration::from_secs(120);
 
 /// Waits, bounded, until `done()` holds.
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < LONG, "not within {LONG:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn until(what: &str, done: impl FnMut() -> bool) {
+    opmon_tests::eventually_async(what, LONG, done).await
 }
 
 /// Opens the agent's database read-only (the agent may be running: WAL lets it).

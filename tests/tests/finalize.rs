@@ -90,17 +90,11 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         .arg(&tree)
         .args(["metadata", "resources"]));
 
-    let client = f.agent.client().await;
-    let backups = client.backups();
-    backups.start("nightly", "uid-7", None).await.unwrap();
-    backups
-        .add_operations(
-            "nightly",
-            vec![operation(PLUGIN, "gate-1", "data", &["data"])],
-        )
-        .await
-        .unwrap();
-    backups.end_in_progress("nightly").await.unwrap();
+    let nightly =
+        f.backup("nightly")
+            .uid("uid-7")
+            .operation(operation(PLUGIN, "gate-1", "data", &["data"]));
+    nightly.end_in_progress().await;
 
     // Leaving InProgress wrote the file already, with the operation still running.
     let records_file = backup_dir.join("nightly-itemoperations.json.gz");
@@ -108,12 +102,9 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
     assert_eq!(early[0]["status"]["phase"], "InProgress");
 
     f.open_gate("gate-1");
-    let owner = backups
-        .wait("nightly", WaitUntil::ReadyToFinalize, LONG)
-        .await
-        .unwrap()
-        .owner;
+    let owner = nightly.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
+    let backups = f.client.backups();
 
     let pvc_now =
         json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "status": {"phase": "Bound"}});

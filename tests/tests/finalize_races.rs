@@ -7,7 +7,6 @@
 //! then acts; what it does takes a few local calls, the rewrite seconds to minutes.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use opmon_client::{codes, Client, Contents, FinalizeParams, FinalizeResult, OwnerPhase};
 use opmon_tests::tarballs::{temporaries, write_zeros_tarball};
@@ -33,16 +32,14 @@ async fn finalizing(client: &Client, name: &str, uid: &str) {
 
 /// Waits until a rewrite has created its temporary file in `dir` (it is running).
 async fn wait_for_temporary(dir: &Path, agent: &Agent) {
-    let began = Instant::now();
-    while temporaries(dir).is_empty() {
-        assert!(
-            began.elapsed() < Duration::from_secs(120),
-            "no rewrite started in {}:\n{}",
-            dir.display(),
-            agent.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let started =
+        opmon_tests::try_eventually_async(opmon_tests::LONG, || !temporaries(dir).is_empty()).await;
+    assert!(
+        started.is_some(),
+        "no rewrite started in {}:\n{}",
+        dir.display(),
+        agent.log_text()
+    );
 }
 
 struct Setup {

@@ -50,18 +50,9 @@ fn open_sockets(pid: u32) -> usize {
         .count()
 }
 
-/// Polls `condition` every 10 ms until it holds or `within` passes.
-fn eventually(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+/// Whether `condition` comes to hold within `within` (the harness's polling).
+fn eventually(within: Duration, condition: impl FnMut() -> bool) -> bool {
+    opmon_tests::try_eventually(within, condition).is_some()
 }
 
 /// The number of operations of backup `name`.

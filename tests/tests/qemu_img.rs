@@ -141,18 +141,8 @@ fn processes_with_argument(path: &Path) -> Vec<String> {
 }
 
 /// Polls `probe` until it returns `Some`, failing the test after [`PATIENCE`].
-async fn poll_until<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(value) = probe() {
-            return value;
-        }
-        assert!(
-            start.elapsed() < PATIENCE,
-            "{what}: not within {PATIENCE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn poll_until<T>(what: &str, probe: impl FnMut() -> Option<T>) -> T {
+    opmon_tests::eventually_async(what, PATIENCE, probe).await
 }
 
 /// A running `qemu-img-snapshotter serve` with its socket, state and backup directory
@@ -198,21 +188,7 @@ impl QemuImgSnapshotter {
             .stderr(log)
             .spawn()
             .expect("spawning qemu-img-snapshotter");
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "qemu-img-snapshotter exited ({status}):\n{}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                start.elapsed() < PATIENCE,
-                "qemu-img-snapshotter not serving within {PATIENCE:?}:\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        opmon_tests::wait_for_socket(&self.socket, &mut child, &self.log);
         self.child = Some(child);
     }
 

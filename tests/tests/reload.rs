@@ -6,7 +6,7 @@ use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use opmon_client::{ApiVersion, Client, Snapshotter};
 use opmon_tests::agent_command;
@@ -34,15 +34,14 @@ impl Running {
 
     /// Waits until the log has `n` lines containing `needle`.
     fn wait_for_lines(&self, needle: &str, n: usize) {
-        let start = Instant::now();
-        while self.log().lines().filter(|l| l.contains(needle)).count() < n {
-            assert!(
-                start.elapsed() < LONG,
-                "no {n}× {needle:?} in the log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let found = opmon_tests::try_eventually(LONG, || {
+            self.log().lines().filter(|l| l.contains(needle)).count() >= n
+        });
+        assert!(
+            found.is_some(),
+            "no {n}× {needle:?} in the log:\n{}",
+            self.log()
+        );
     }
 
     /// Opens a connection, sends nothing, and waits until the agent closes it (after
@@ -84,14 +83,7 @@ fn start(dir: &Path, config: &Path) -> Running {
         .spawn()
         .expect("starting the agent");
     let mut running = Running { child, log, socket };
-    let start = Instant::now();
-    while UnixStream::connect(&running.socket).is_err() {
-        if let Ok(Some(status)) = running.child.try_wait() {
-            panic!("the agent exited ({status}):\n{}", running.log());
-        }
-        assert!(start.elapsed() < LONG, "no socket:\n{}", running.log());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    opmon_tests::wait_for_socket(&running.socket, &mut running.child, &running.log);
     running
 }
 

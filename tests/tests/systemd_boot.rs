@@ -313,15 +313,8 @@ fn children_of(parent: u32) -> Vec<u32> {
 }
 
 /// Polls `check` until it gives a value, failing after `within`.
-fn wait_for<T>(what: &str, within: Duration, mut check: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        assert!(start.elapsed() < within, "{what}: not within {within:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+fn wait_for<T>(what: &str, within: Duration, check: impl FnMut() -> Option<T>) -> T {
+    opmon_tests::eventually(what, within, check)
 }
 
 /// The shell lines of the block between `<!-- systemd-test:NAME:begin/end -->` in

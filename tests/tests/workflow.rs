@@ -70,31 +70,23 @@ async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post
 #[tokio::test]
 async fn one_failed_operation_makes_the_backup_finalizing_partially_failed() {
     let f = Fixture::new(&[]).await;
-    let client = f.agent.client().await;
-    let backups = client.backups();
-    let owner = opmon_tests::start_and_end_in_progress(
-        &backups,
-        "b",
-        vec![
-            operation(PLUGIN, "fail-1", "a", &[]),
-            operation(PLUGIN, "gate-2", "b", &[]),
-        ],
-    )
-    .await;
+    let b = f
+        .backup("b")
+        .operation(operation(PLUGIN, "fail-1", "a", &[]))
+        .operation(operation(PLUGIN, "gate-2", "b", &[]));
+    let owner = b.end_in_progress().await;
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
     );
     assert_eq!(owner.errors, 1);
     f.open_gate("gate-2");
-    let owner = backups
-        .wait("b", WaitUntil::ReadyToFinalize, LONG)
-        .await
-        .unwrap()
-        .owner;
+    let owner = b.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     assert_eq!(owner.operations_failed, 1);
-    let failed = backups
+    let failed = f
+        .client
+        .backups()
         .operations("b", Some(vec![OperationPhase::Failed]))
         .await
         .unwrap();
@@ -106,55 +98,34 @@ async fn one_failed_operation_makes_the_backup_finalizing_partially_failed() {
 #[tokio::test]
 async fn errors_reported_at_end_of_in_progress_carry_into_waiting_partially_failed() {
     let f = Fixture::new(&[]).await;
-    let client = f.agent.client().await;
-    let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
-    backups
-        .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
-        .await
-        .unwrap();
-    let owner = backups
-        .end_in_progress("b")
+    let b = f
+        .backup("b")
+        .operation(operation(PLUGIN, "gate-1", "a", &[]))
         .errors(3)
-        .warnings(2)
-        .await
-        .unwrap();
+        .warnings(2);
+    let owner = b.end_in_progress().await;
     assert_eq!(
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
     );
     assert_eq!((owner.errors, owner.warnings), (3, 2));
     f.open_gate("gate-1");
-    let owner = backups
-        .wait("b", WaitUntil::ReadyToFinalize, LONG)
-        .await
-        .unwrap()
-        .owner;
+    let owner = b.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
 }
 
 #[tokio::test]
 async fn timed_out_operation_is_cancelled_then_failed() {
     let f = Fixture::new(&[]).await;
-    let client = f.agent.client().await;
-    let backups = client.backups();
-    backups
-        .start("slow", "u", Some(Duration::from_secs(1)))
-        .await
-        .unwrap();
-    backups
-        .add_operations("slow", vec![operation(PLUGIN, "never-1", "a", &[])])
-        .await
-        .unwrap();
-    let owner = backups.end_in_progress("slow").await.unwrap();
+    let slow = f
+        .backup("slow")
+        .item_operation_timeout(Duration::from_secs(1))
+        .operation(operation(PLUGIN, "never-1", "a", &[]));
+    let owner = slow.end_in_progress().await;
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
-    let owner = backups
-        .wait("slow", WaitUntil::ReadyToFinalize, LONG)
-        .await
-        .unwrap()
-        .owner;
+    let owner = slow.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = backups.operations("slow", None).await.unwrap();
+    let ops = f.client.backups().operations("slow", None).await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::Failed);
     assert_eq!(ops[0].error, "Asynchronous action timed out");
     let journal = f.journal();
@@ -165,34 +136,25 @@ async fn timed_out_operation_is_cancelled_then_failed() {
 #[tokio::test]
 async fn a_restore_goes_straight_to_completed() {
     let f = Fixture::new(&[]).await;
-    let client = f.agent.client().await;
-    let restores = client.restores();
-    let owner = opmon_tests::start_and_end_in_progress(
-        &restores,
-        "r1",
-        vec![operation(PLUGIN, "done-1", "a", &[])],
-    )
-    .await;
+    let owner = f
+        .restore("r1")
+        .operation(operation(PLUGIN, "done-1", "a", &[]))
+        .end_in_progress()
+        .await;
     assert_eq!(owner.phase, OwnerPhase::Completed);
     assert!(owner.completed.is_some());
 
-    let owner = opmon_tests::start_and_end_in_progress(
-        &restores,
-        "r2",
-        vec![operation(PLUGIN, "gate-r2", "a", &[])],
-    )
-    .await;
+    let r2 = f
+        .restore("r2")
+        .operation(operation(PLUGIN, "gate-r2", "a", &[]));
+    let owner = r2.end_in_progress().await;
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     f.open_gate("gate-r2");
-    let owner = restores
-        .wait("r2", WaitUntil::Terminal, LONG)
-        .await
-        .unwrap()
-        .owner;
+    let owner = r2.wait(WaitUntil::Terminal).await;
     assert_eq!(owner.phase, OwnerPhase::Completed);
     // Backups and restores are separate name spaces.
     assert_eq!(
-        client.backups().get("r1").await.unwrap_err().code(),
+        f.client.backups().get("r1").await.unwrap_err().code(),
         Some(codes::NOT_FOUND)
     );
 }

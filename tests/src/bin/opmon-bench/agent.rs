@@ -3,7 +3,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -82,20 +82,9 @@ impl Spec {
             .append(true)
             .open(&self.log)
             .map_err(|e| format!("opening {}: {e}", self.log.display()))?;
-        let mut command = Command::new(&self.bin);
-        // Only the flags here configure the agent: no inherited OPMON_* variables, no
-        // /etc/opmon/agent.toml, no systemd hand-overs.
-        for (key, _) in std::env::vars_os() {
-            let key = key.to_string_lossy();
-            if key.starts_with("OPMON_")
-                || key.starts_with("LISTEN_")
-                || key == "NOTIFY_SOCKET"
-                || key.starts_with("WATCHDOG_")
-            {
-                command.env_remove(key.as_ref());
-            }
-        }
-        let child = command
+        // Only the flags here configure the agent: the harness's command (no inherited
+        // OPMON_* variables, no systemd hand-overs) and no /etc/opmon/agent.toml.
+        let child = opmon_tests::agent_command_of(&self.bin)
             .arg("--socket")
             .arg(&self.socket)
             .arg("--state-dir")

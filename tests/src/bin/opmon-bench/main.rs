@@ -14,12 +14,15 @@
 
 mod agent;
 mod finalize;
+mod memory;
 mod raw;
 mod register;
+mod restart;
 mod rtt;
 mod snap;
 mod soak;
 mod sqlite;
+mod subscribe;
 mod sweep;
 mod table;
 

@@ -1,5 +1,7 @@
-//! sweep, memory, subscribe and restart: one agent's database with N unfinished
-//! operations of 10 backups, all owned by the bench snapshotter.
+//! sweep: one agent's database with N unfinished operations of 10 backups, all owned by
+//! the bench snapshotter, swept at start. `memory`, `subscribe` and `restart` (their own
+//! files) measure the same database, which takes long to fill, so this one sets it up
+//! and runs them.
 //!
 //! One pass is measured like this: the snapshotter holds its calls; the agent is
 //! (re)started with the flags under test, and at start it sweeps every waiting owner's
@@ -21,8 +23,8 @@ use rusqlite::OptionalExtension;
 use crate::agent::{self, Agent, Spec};
 use crate::register::{operation, start_backups, QUIET};
 use crate::snap::{Bench, Marked};
-use crate::table::{dur, median, mib, per_sec, quantile, thousands, Row};
-use crate::{rtt, Ctx};
+use crate::table::{dur, median, per_sec, quantile, thousands, Row};
+use crate::{memory, restart, rtt, subscribe, Ctx};
 
 const PLUGIN: &str = "example.io/bench";
 /// Longest a pass (even the serial one) may take.
@@ -127,12 +129,12 @@ struct Subscribers {
     delivered: Arc<Delivered>,
 }
 
-struct SubscriberFigures {
-    notifications: u64,
-    operations: u64,
-    window: Duration,
-    errors: u64,
-    first_error: Option<String>,
+pub(crate) struct SubscriberFigures {
+    pub notifications: u64,
+    pub operations: u64,
+    pub window: Duration,
+    pub errors: u64,
+    pub first_error: Option<String>,
 }
 
 impl Subscribers {
@@ -220,21 +222,21 @@ impl Subscribers {
     }
 }
 
-struct Pass {
-    agent: Agent,
+pub(crate) struct Pass {
+    pub agent: Agent,
     /// Release → the last call's change committed.
-    took: Duration,
+    pub took: Duration,
     /// Release → the last call answered.
     calls: Duration,
     /// CPU seconds used in the window by the agent and by this process (whose work in
     /// the window is the snapshotter's).
     agent_cpu: f64,
     bench_cpu: f64,
-    subscribers: Option<SubscriberFigures>,
+    pub subscribers: Option<SubscriberFigures>,
 }
 
 /// Starts the agent of `spec` and measures its startup sweep over `n` operations.
-async fn pass(
+pub(crate) async fn pass(
     spec: &Spec,
     snap: &Bench,
     n: usize,
@@ -433,19 +435,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
             ));
         }
         if want.memory {
-            rows.push(Row::absolute(
-                format!(
-                    "memory: agent RSS after the sweep, {} unfinished ops (highest of the passes)",
-                    thousands(n as f64)
-                ),
-                mib(rss),
-                "≤ 64 MiB",
-                rss <= 64 * 1024,
-            ));
-            rows.push(Row::info(
-                "memory: agent peak RSS (VmHWM) during start and sweep",
-                mib(peak),
-            ));
+            rows.extend(memory::rows(n, rss, peak));
         }
         rows.push(Row::info(
             format!(
@@ -459,91 +449,12 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
             ),
         ));
         if want.subscribe {
-            let with = pass(&spec, &snap, n, Some((&names, s.subscribers))).await?;
-            let mut with_agent = with.agent;
-            with_agent.terminate()?;
-            let with_rate = n as f64 / with.took.as_secs_f64();
-            let figures = with.subscribers.ok_or("no subscriber figures")?;
-            let window = figures.window.as_secs_f64().max(1e-9);
-            rows.push(Row::info(
-                format!(
-                    "subscribe: notifications/s delivered to {} subscribers for that sweep, from \
-                     its start to the last one (progress is merged per backup and announced at \
-                     most once a second)",
-                    s.subscribers
-                ),
-                format!(
-                    "{} ({} notifications carrying {} of the {} operation changes, over {})",
-                    per_sec(figures.notifications as f64 / window, "notifications").1,
-                    thousands(figures.notifications as f64),
-                    thousands(figures.operations as f64),
-                    thousands((s.subscribers * (n / names.len().max(1))) as f64),
-                    dur(figures.window).1
-                ),
-            ));
-            rows.push(Row::ratio_at_least(
-                format!(
-                    "subscribe: sweep calls/s with {} subscribers (baseline: no subscribers)",
-                    s.subscribers
-                ),
-                per_sec(with_rate, "calls"),
-                per_sec(rate, "calls"),
-                0.9,
-            ));
-            if figures.errors > 0 {
-                rows.push(Row::info(
-                    "subscribe: subscriptions that ended with an error",
-                    format!(
-                        "{}: {}",
-                        figures.errors,
-                        figures.first_error.unwrap_or_default()
-                    ),
-                ));
-            }
+            rows.extend(subscribe::rows(ctx, &spec, &snap, n, &names, rate).await?);
         }
     }
 
     if want.restart {
-        snap.release();
-        const LIST: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"snapshotter.list"}"#;
-        // Starts alternate between the two probes: `agent.status` (the figure) and the
-        // cheap `snapshotter.list` (which tells start-up from the status call's cost).
-        let starts = |spec: Spec| async move {
-            let (mut status, mut list) = (Vec::new(), Vec::new());
-            for _ in 0..s.restarts {
-                let (mut a, ready) = spec.start().await?;
-                status.push(ready);
-                a.terminate()?;
-                let (mut a, ready) = spec.start_probing(LIST).await?;
-                list.push(ready);
-                a.terminate()?;
-            }
-            Ok::<_, String>((median(status), median(list)))
-        };
-        let (full_status, full_list) = starts(spec.clone()).await?;
-        let empty_dir = dir.join("empty");
-        std::fs::create_dir_all(&empty_dir)
-            .map_err(|e| format!("creating {}: {e}", empty_dir.display()))?;
-        let empty_spec = Spec::new(ctx, &empty_dir, QUIET);
-        let (mut first, _) = empty_spec.start().await?;
-        first.terminate()?;
-        let (empty_status, empty_list) = starts(empty_spec).await?;
-        rows.push(Row::ratio_at_most(
-            format!(
-                "restart: spawn → first answered agent.status, {} ops in the database \
-                 (baseline: empty database), median of {}",
-                thousands(n as f64),
-                s.restarts
-            ),
-            dur(full_status),
-            dur(empty_status),
-            2.0,
-        ));
-        rows.push(Row::info_vs(
-            "restart: the same with snapshotter.list as the first call",
-            dur(full_list),
-            dur(empty_list),
-        ));
+        rows.extend(restart::rows(ctx, &spec, &snap, &dir, n).await?);
     }
 
     let problems = agent::log_problems(&spec.log);
