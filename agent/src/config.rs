@@ -19,6 +19,7 @@ use toml::Spanned;
 
 use crate::core::CoreSettings;
 use crate::remote::CallSettings;
+use crate::replica::Checkpoint;
 
 /// The config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/opmon/agent.toml";
@@ -228,6 +229,10 @@ pub struct Args {
     /// Fail InProgress owners no call has touched for this long (0s: never).
     #[arg(long, env = "OPMON_IN_PROGRESS_IDLE_TIMEOUT", value_parser = go_duration)]
     pub in_progress_idle_timeout: Option<GoDuration>,
+    /// Who checkpoints the WAL: sqlite (automatically) or external (a replicator such
+    /// as Litestream; the agent never does).
+    #[arg(long, env = "OPMON_CHECKPOINT", value_enum)]
+    pub checkpoint: Option<Checkpoint>,
 }
 
 /// The config file's form. Keys are the flags' names with `_` for `-`.
@@ -261,6 +266,7 @@ struct FileConfig {
     allow_api_command_snapshotters: Option<Spanned<bool>>,
     restore_finalize: Option<Spanned<bool>>,
     in_progress_idle_timeout: Option<Spanned<GoDuration>>,
+    checkpoint: Option<Spanned<Checkpoint>>,
     #[serde(default)]
     snapshotter: Vec<FileSnapshotter>,
 }
@@ -323,6 +329,7 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     pub idle_timeout: Duration,
     pub snapshotters: Vec<Snapshotter>,
+    pub checkpoint: Checkpoint,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
 }
@@ -801,6 +808,13 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         || GoDuration::from_secs(0),
         show_duration,
     );
+    let (checkpoint, _) = layers.take(
+        "checkpoint",
+        args.checkpoint,
+        file.checkpoint,
+        || Checkpoint::Sqlite,
+        |c| format!("\"{c}\""),
+    );
     let provenance = layers.provenance;
     let snapshotters = file
         .snapshotter
@@ -834,6 +848,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         metrics_listen,
         idle_timeout: idle_timeout.0,
         snapshotters,
+        checkpoint,
         provenance,
         core: CoreSettings {
             poll_interval: poll_interval.0,
@@ -934,6 +949,28 @@ mod tests {
         assert_eq!(
             e,
             "batch_size (from flag --batch-size): must be between 1 and 100000"
+        );
+    }
+
+    #[test]
+    fn checkpoint_is_sqlites_unless_set_and_refuses_other_words() {
+        let s = settings(&[], "").unwrap();
+        assert_eq!(s.checkpoint, Checkpoint::Sqlite);
+        assert!(s.describe().contains("checkpoint = \"sqlite\""));
+        let s = settings(&[], "checkpoint = \"external\"\n").unwrap();
+        assert_eq!(s.checkpoint, Checkpoint::External);
+        let s = settings(&["--checkpoint", "sqlite"], "checkpoint = \"external\"\n").unwrap();
+        assert_eq!(
+            s.checkpoint,
+            Checkpoint::Sqlite,
+            "the flag wins over the file"
+        );
+        let e = settings(&[], "checkpoint = \"litestream\"\n")
+            .err()
+            .unwrap();
+        assert!(
+            e.starts_with("config file FILE line 1: unknown variant `litestream`, expected `sqlite` or `external`"),
+            "{e}"
         );
     }
 
