@@ -66,13 +66,14 @@ pub struct Repaired {
 }
 
 /// Sets every existing database file of `db` that group or others may use to 0600, and
-/// logs each change. Files that do not exist are skipped (a fresh start has none).
+/// logs each change. Files that do not exist are skipped (a fresh start has none); a
+/// symlink is followed, as SQLite follows it.
 /// Fails naming the file when one cannot be read or changed (another owner, say):
 /// starting on a database others can read would break the promise of its mode.
 pub fn repair_modes(db: &Path) -> Result<Vec<Repaired>, String> {
     let mut repaired = Vec::new();
     for path in database_files(db) {
-        let meta = match std::fs::symlink_metadata(&path) {
+        let meta = match std::fs::metadata(&path) {
             Ok(meta) => meta,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(format!("checking the mode of {}: {e}", path.display())),
@@ -157,6 +158,20 @@ mod tests {
         assert_eq!(mode(&db), 0o600);
         assert_eq!(mode(&wal), 0o600);
         assert!(repair_modes(&db).unwrap().is_empty(), "nothing left to do");
+    }
+
+    #[test]
+    fn a_symlinked_database_is_followed_as_sqlite_follows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("elsewhere.db");
+        std::fs::write(&real, b"").unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let db = dir.path().join("agent.db");
+        std::os::unix::fs::symlink(&real, &db).unwrap();
+        let repaired = repair_modes(&db).unwrap();
+        assert_eq!(repaired.len(), 1);
+        assert_eq!(repaired[0].was, 0o640);
+        assert_eq!(mode(&real), 0o600);
     }
 
     #[test]
