@@ -90,7 +90,7 @@ pub fn repair_modes(db: &Path) -> Result<Vec<Repaired>, String> {
         }
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(PRIVATE)).map_err(|e| {
             format!(
-                "{} has mode {was:04o} (restored or copied?) and setting it to 0600 failed: {e}",
+                "{} has mode {was:04o} (restored or copied?) and setting it to 0600 failed: {e}; restore it as the agent's user, or chown it to that user",
                 path.display()
             )
         })?;
