@@ -199,7 +199,7 @@ async fn node_loss(
     let kept = if out.exists() {
         let conn = rusqlite::Connection::open(&out).map_err(|e| e.to_string())?;
         conn.query_row(
-            "SELECT count(*) FROM owners WHERE name LIKE 'w%'",
+            "SELECT count(*) FROM owners WHERE name GLOB 'w[0-9]*'",
             [],
             |r| r.get::<_, i64>(0),
         )
