@@ -32,6 +32,7 @@ use toml::Spanned;
 
 use crate::core::CoreSettings;
 use crate::remote::CallSettings;
+use crate::replica::Checkpoint;
 
 /// The config file read when `--config` is not given, if it exists.
 pub const DEFAULT_CONFIG: &str = "/etc/opmon/agent.toml";
@@ -210,6 +211,11 @@ settings! {
     /// reason saying since when; time the agent was down does not count
     in_progress_idle_timeout: GoDuration = GoDuration::from_secs(0),
         shown Shown::ValueAnd("(off)"), check any;
+    /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 1,000
+    /// pages) or `"external"` (the agent never does; Litestream does, once it has copied
+    /// the WAL: see *Surviving the loss of a node*). Without a replicator running,
+    /// `"external"` lets the WAL grow until the agent stops
+    checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
 }
 
 /// How the README shows a setting's default.
@@ -324,6 +330,11 @@ scalar_setting!(
     LogFormat,
     clap::builder::EnumValueParser::<LogFormat>::new(),
     |f| format!("\"{f}\"")
+);
+scalar_setting!(
+    Checkpoint,
+    clap::builder::EnumValueParser::<Checkpoint>::new(),
+    |c| format!("\"{c}\"")
 );
 
 /// Lists: comma-separated in a flag or variable (or the flag repeated), an array in
@@ -650,6 +661,7 @@ pub struct Settings {
     /// The config file's `[[snapshotter]]` tables, checked and with their names in
     /// canonical form.
     pub snapshotters: Vec<Snapshotter>,
+    pub checkpoint: Checkpoint,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
 }
@@ -819,6 +831,7 @@ impl Values {
             metrics_listen,
             idle_timeout: self.idle_timeout.value.0,
             snapshotters,
+            checkpoint: self.checkpoint.value,
             provenance,
             core: CoreSettings {
                 poll_interval: self.poll_interval.value.0,
@@ -1012,6 +1025,28 @@ mod tests {
         assert_eq!(
             e,
             "batch_size (from flag --batch-size): must be between 1 and 100000"
+        );
+    }
+
+    #[test]
+    fn checkpoint_is_sqlites_unless_set_and_refuses_other_words() {
+        let s = settings(&[], "").unwrap();
+        assert_eq!(s.checkpoint, Checkpoint::Sqlite);
+        assert!(s.describe().contains("checkpoint = \"sqlite\""));
+        let s = settings(&[], "checkpoint = \"external\"\n").unwrap();
+        assert_eq!(s.checkpoint, Checkpoint::External);
+        let s = settings(&["--checkpoint", "sqlite"], "checkpoint = \"external\"\n").unwrap();
+        assert_eq!(
+            s.checkpoint,
+            Checkpoint::Sqlite,
+            "the flag wins over the file"
+        );
+        let e = settings(&[], "checkpoint = \"litestream\"\n")
+            .err()
+            .unwrap();
+        assert!(
+            e.starts_with("config file FILE line 1: unknown variant `litestream`, expected `sqlite` or `external`"),
+            "{e}"
         );
     }
 

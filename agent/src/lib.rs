@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod phase;
 pub mod reload;
 pub mod remote;
+pub mod replica;
 pub mod storage_dir;
 pub mod store;
 pub mod sync;
@@ -127,12 +128,16 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
+    replica::repair_modes(&db)?;
     let metrics = Metrics::new();
     let committed = metrics.clone();
     let store = Arc::new(
         Store::open(&db, move |size, took| committed.committed(size, took))
             .map_err(|e| e.to_string())?,
     );
+    replica::apply(&store, settings.checkpoint)
+        .await
+        .map_err(|e| e.to_string())?;
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());

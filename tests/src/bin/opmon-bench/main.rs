@@ -14,6 +14,7 @@
 
 mod agent;
 mod finalize;
+mod litestream;
 mod memory;
 mod raw;
 mod register;
@@ -122,6 +123,8 @@ pub enum Scenario {
     Restart,
     Finalize,
     Subscribe,
+    /// Not in the default run: needs the `litestream` binary (issue 18).
+    Litestream,
 }
 
 /// The sizes of one run: full mode is what the targets are set for, quick mode is about
@@ -295,7 +298,7 @@ fn filesystem(dir: &Path) -> (String, bool) {
 }
 
 fn selected(only: &[Scenario], s: Scenario) -> bool {
-    only.is_empty() || only.contains(&s)
+    (only.is_empty() && s != Scenario::Litestream) || only.contains(&s)
 }
 
 /// Runs one group of scenarios, turning a failure into an error row.
@@ -451,6 +454,9 @@ async fn main() -> std::process::ExitCode {
         }
         if selected(only, Scenario::Finalize) {
             guarded(&mut report, "finalize", finalize::run(&ctx)).await;
+        }
+        if selected(only, Scenario::Litestream) {
+            guarded(&mut report, "litestream", litestream::run(&ctx)).await;
         }
     }
     let killed = agent::UNHANDLED_SIGTERM.load(std::sync::atomic::Ordering::SeqCst);

@@ -1,0 +1,208 @@
+//! Cooperation with an external replicator of the database (Litestream).
+//!
+//! Litestream copies the WAL to a replica (a file path or S3) as it grows, and restores a
+//! database from it on another node. Two things are the agent's part:
+//!
+//! - **Checkpoints.** With `checkpoint = "external"` the writer's connection never
+//!   checkpoints by itself (`wal_autocheckpoint = 0`): Litestream holds a read
+//!   transaction, copies the WAL and then checkpoints, so no frame is checkpointed
+//!   before it has been copied (which would force a full snapshot) and the WAL stays
+//!   bounded by Litestream's own checkpoint thresholds. Without a replicator running,
+//!   that WAL would grow until the agent stops (closing the last connection still
+//!   checkpoints), so the setting is for deployments that run one.
+//! - **Restored files.** `litestream restore` (like `cp` or `tar`) creates the database
+//!   under the umask, so group and others may read it (0644), where the agent creates
+//!   its files 0600. Whatever made them, a database file readable or writable by anyone
+//!   but its owner is not one the agent made: at start, before opening the database,
+//!   the agent sets `agent.db`, its `-wal`, `-shm` and `.lock` files to 0600 and logs
+//!   each one it changed with the mode it had. The check is on modes, not on a marker
+//!   file, because a restore leaves no marker and a copy made any other way needs the
+//!   same repair.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::store::{Store, StorageFailure};
+
+/// Who checkpoints the WAL into the database file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpoint {
+    /// SQLite, automatically, whenever the WAL passes 1,000 pages (its default).
+    Sqlite,
+    /// Someone else (Litestream): the agent never checkpoints while it runs.
+    External,
+}
+
+impl std::fmt::Display for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Checkpoint::Sqlite => "sqlite",
+            Checkpoint::External => "external",
+        })
+    }
+}
+
+/// The mode the agent gives its database files.
+const PRIVATE: u32 = 0o600;
+
+/// The database file and the files SQLite and the agent keep next to it.
+fn database_files(db: &Path) -> Vec<PathBuf> {
+    ["", "-wal", "-shm", ".lock"]
+        .iter()
+        .map(|suffix| {
+            let mut name = db.as_os_str().to_owned();
+            name.push(suffix);
+            PathBuf::from(name)
+        })
+        .collect()
+}
+
+/// One file whose mode was repaired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Repaired {
+    pub path: PathBuf,
+    pub was: u32,
+}
+
+/// Sets every existing database file of `db` that group or others may use to 0600, and
+/// logs each change. Files that do not exist are skipped (a fresh start has none); a
+/// symlink is followed, as SQLite follows it.
+/// Fails naming the file when one cannot be read or changed (another owner, say):
+/// starting on a database others can read would break the promise of its mode.
+pub fn repair_modes(db: &Path) -> Result<Vec<Repaired>, String> {
+    let mut repaired = Vec::new();
+    for path in database_files(db) {
+        let meta = match std::fs::metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("checking the mode of {}: {e}", path.display())),
+        };
+        if !meta.file_type().is_file() {
+            return Err(format!(
+                "{} is not a regular file; the agent keeps its database there",
+                path.display()
+            ));
+        }
+        let was = meta.permissions().mode() & 0o7777;
+        if was == PRIVATE {
+            continue;
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(PRIVATE)).map_err(|e| {
+            format!(
+                "{} has mode {was:04o} (restored or copied?) and setting it to 0600 failed: {e}; restore it as the agent's user, or chown it to that user",
+                path.display()
+            )
+        })?;
+        tracing::warn!(
+            file = %path.display(),
+            was = %format!("{was:04o}"),
+            "database file had mode {was:04o}, not the agent's 0600 (a restore or a copy made it); set it to 0600"
+        );
+        repaired.push(Repaired { path, was });
+    }
+    Ok(repaired)
+}
+
+/// Applies `checkpoint` to the writer's connection, the only one that commits (readers
+/// are `query_only` and never checkpoint).
+pub async fn apply(store: &Store, checkpoint: Checkpoint) -> Result<(), StorageFailure> {
+    if checkpoint == Checkpoint::Sqlite {
+        return Ok(());
+    }
+    store
+        .write(|conn| {
+            // The pragma's setting belongs to the connection, not the transaction, so
+            // the group transaction it runs in does not undo it.
+            let pages: i64 = conn.query_row("PRAGMA wal_autocheckpoint = 0", [], |r| r.get(0))?;
+            if pages != 0 {
+                return Err(StorageFailure {
+                    message: format!("disabling automatic checkpoints left them at {pages} pages"),
+                    disk_full: false,
+                });
+            }
+            Ok(())
+        })
+        .await?;
+    tracing::info!(
+        "checkpoint = \"external\": the agent does not checkpoint the WAL; the replicator (Litestream) does"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn restored_files_are_made_private_and_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("agent.db");
+        std::fs::write(&db, b"").unwrap();
+        std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let wal = dir.path().join("agent.db-wal");
+        std::fs::write(&wal, b"").unwrap();
+        std::fs::set_permissions(&wal, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let repaired = repair_modes(&db).unwrap();
+        assert_eq!(
+            repaired,
+            vec![Repaired {
+                path: db.clone(),
+                was: 0o644
+            }]
+        );
+        assert_eq!(mode(&db), 0o600);
+        assert_eq!(mode(&wal), 0o600);
+        assert!(repair_modes(&db).unwrap().is_empty(), "nothing left to do");
+    }
+
+    #[test]
+    fn a_symlinked_database_is_followed_as_sqlite_follows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("elsewhere.db");
+        std::fs::write(&real, b"").unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let db = dir.path().join("agent.db");
+        std::os::unix::fs::symlink(&real, &db).unwrap();
+        let repaired = repair_modes(&db).unwrap();
+        assert_eq!(repaired.len(), 1);
+        assert_eq!(repaired[0].was, 0o640);
+        assert_eq!(mode(&real), 0o600);
+    }
+
+    #[test]
+    fn a_directory_in_place_of_the_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("agent.db");
+        std::fs::create_dir(dir.path().join("agent.db-shm")).unwrap();
+        let e = repair_modes(&db).unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "{}-shm is not a regular file; the agent keeps its database there",
+                db.display()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn external_checkpoint_turns_automatic_checkpoints_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("agent.db");
+        let store = Store::open(&db, |_, _| {}).unwrap();
+        apply(&store, Checkpoint::External).await.unwrap();
+        let pages: i64 = store
+            .write(|conn| {
+                conn.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0))
+                    .map_err(StorageFailure::from)
+            })
+            .await
+            .unwrap();
+        assert_eq!(pages, 0);
+        store.close();
+    }
+}
