@@ -509,6 +509,7 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.unregister_snapshotter(p.name).await
         },
     );
+    crate::openrpc::register_discover(&mut module);
     module
 }
 

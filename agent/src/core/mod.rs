@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::{AgentStatus, GoDuration};
+use opmon_client::{methods, AgentStatus, GoDuration};
 use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -176,6 +176,8 @@ impl Core {
             owners,
             unfinished_operations: unfinished,
             snapshotters: self.remotes.count() as u64,
+            api_version: methods::API_VERSION.to_string(),
+            features: methods::FEATURES.iter().map(|f| f.to_string()).collect(),
         })
     }
 

@@ -1,0 +1,49 @@
+//! `rpc.discover`: the agent describes itself with the OpenRPC document checked in as
+//! client/openrpc/opmon.json (generated from the API types; a test keeps the two equal).
+//!
+//! The document is served as embedded, parsed once; the agent does not compile the
+//! schema generator. Debug builds (every test's agent) check at start that each method
+//! the agent registered is in the document, so a method cannot be added undocumented.
+
+use jsonrpsee::RpcModule;
+use opmon_client::methods;
+use opmon_client::openrpc::AGENT_DOCUMENT;
+
+use crate::core::Core;
+
+/// The methods the document lists.
+fn documented_methods(document: &serde_json::Value) -> Vec<String> {
+    document["methods"]
+        .as_array()
+        .map(|methods| {
+            methods
+                .iter()
+                .filter_map(|m| m["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Registers `rpc.discover` on `module`, after every other method.
+pub fn register_discover(module: &mut RpcModule<Core>) {
+    // The document is a constant of this build: failing to parse it is a bug of the
+    // build, caught by every test that starts an agent.
+    let document: serde_json::Value = serde_json::from_str(AGENT_DOCUMENT)
+        .unwrap_or_else(|e| panic!("the embedded OpenRPC document is not JSON: {e}"));
+    if cfg!(debug_assertions) {
+        let documented = documented_methods(&document);
+        let missing: Vec<&str> = module
+            .method_names()
+            .filter(|name| !documented.iter().any(|d| d == name))
+            .filter(|name| *name != methods::RPC_DISCOVER)
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "methods missing from client/openrpc/opmon.json: {missing:?}; regenerate it with \
+             OPMON_BLESS=1 cargo test -p opmon-tests --test openrpc"
+        );
+    }
+    module
+        .register_method(methods::RPC_DISCOVER, move |_, _, _| document.clone())
+        .unwrap_or_else(|e| panic!("method {} registered twice: {e}", methods::RPC_DISCOVER));
+}
