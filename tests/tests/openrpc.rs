@@ -43,3 +43,103 @@ fn checked_in_agent_document_is_the_generated_one() {
 fn checked_in_snapshotter_document_is_the_generated_one() {
     check_or_bless("snapshotter.json", openrpc::snapshotter_document());
 }
+
+/// The agent's limit on a request in the Python run: small, so the oversized request
+/// the program sends stays small too.
+const MAX_REQUEST: usize = 256 * 1024;
+
+/// Runs tests/openrpc/drive.py against a real agent: it validates every request and
+/// response (and subscription notification, and the snapshotter calls it answers as the
+/// command snapshotter) against the checked-in documents with Python's `jsonschema`, and
+/// drives backup `b1` to Completed from the documents alone.
+#[tokio::test]
+async fn a_python_client_written_from_the_document_drives_a_backup_to_completed() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let state = dir.path().join("python");
+    std::fs::create_dir(&state).expect("python state directory");
+    let max = MAX_REQUEST.to_string();
+    let agent = opmon_tests::Agent::start(
+        dir.path(),
+        &[
+            "--allow-api-command-snapshotters",
+            "true",
+            "--max-request-size",
+            &max,
+        ],
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openrpc/drive.py");
+    let output = std::process::Command::new("python3")
+        .arg(&script)
+        .arg("drive")
+        .arg("--socket")
+        .arg(&agent.socket)
+        .arg("--document")
+        .arg(checked_in("opmon.json"))
+        .arg("--snapshotter-document")
+        .arg(checked_in("snapshotter.json"))
+        .arg("--state")
+        .arg(&state)
+        .arg("--oversized")
+        .arg((MAX_REQUEST + 1).to_string())
+        .output()
+        .expect("running python3 (with the jsonschema package: .ci/run installs it)");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n{stderr}\n{stdout}\nagent log:\n{}",
+        script.display(),
+        output.status,
+        agent.log_text()
+    );
+    let summary: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("summary line of {}: {e}: {stdout}", script.display()));
+    eprintln!("validated against the OpenRPC documents: {summary}");
+    // Every method of the document was called (both kinds), and each of these counts
+    // is what the program's fixed script sends: a change in them is a change in the run.
+    let count = |what: &str| summary[what].as_u64().unwrap_or(0);
+    assert_eq!(summary["uncalled"], serde_json::json!([]), "{summary}");
+    assert!(count("requests") >= 50, "{summary}");
+    assert_eq!(count("responses"), count("requests") + count("refused") + 2);
+    assert!(count("notifications") >= 2, "{summary}");
+    assert!(count("snapshotterCalls") >= 3, "{summary}");
+
+    // Read back over the Rust client, independently of the program's own checks.
+    let answer = opmon_tests::RawHttp::connect(&agent.socket)
+        .call(r#"{"jsonrpc":"2.0","id":1,"method":"backup.get","params":{"name":"b1"}}"#);
+    let b1: opmon_client::Owner =
+        serde_json::from_value(answer["result"].clone()).expect("backup b1");
+    assert_eq!(b1.phase, opmon_client::OwnerPhase::Completed);
+    assert_eq!(b1.operations_completed, 2);
+}
+
+/// `agent.status` says which API version and optional features the agent has, and a
+/// status without them (an older agent's) still parses, with both empty.
+#[tokio::test]
+async fn status_reports_api_version_and_features_and_an_older_status_still_parses() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let agent = opmon_tests::Agent::start(dir.path(), &[]);
+    let answer = opmon_tests::RawHttp::connect(&agent.socket)
+        .call(r#"{"jsonrpc":"2.0","id":1,"method":"agent.status"}"#);
+    let status: opmon_client::AgentStatus =
+        serde_json::from_value(answer["result"].clone()).expect("agent.status");
+    assert_eq!(status.api_version, opmon_client::methods::API_VERSION);
+    assert_eq!(
+        status.features,
+        [
+            "restore_finalize",
+            "server.started",
+            "object",
+            "created",
+            "failureReason",
+            "finalize_counts",
+            "openrpc"
+        ]
+    );
+    let older: opmon_client::AgentStatus = serde_json::from_str(
+        r#"{"version":"0.1.0","uptime":"5s","owners":{"Completed":2},"unfinishedOperations":0,"snapshotters":1}"#,
+    )
+    .expect("an older agent's status");
+    assert_eq!(older.api_version, "");
+    assert!(older.features.is_empty());
+}
