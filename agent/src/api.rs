@@ -28,9 +28,9 @@ use crate::storage;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
-const MAX_WAIT: Duration = Duration::from_secs(600);
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Largest `list` page.
-const MAX_PAGE: u32 = 1000;
+pub const MAX_PAGE: u32 = 1000;
 
 /// Parses params given by name into `T`, naming the field that does not fit.
 fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {

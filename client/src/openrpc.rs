@@ -92,6 +92,7 @@ mod generate {
             e(codes::INVALID_REQUEST, "InvalidRequest", "Invalid request", "not a JSON-RPC 2.0 request; also a POST whose Content-Type is not JSON or a form (HTTP 415)"),
             e(codes::METHOD_NOT_FOUND, "MethodNotFound", "Method not found", "no such method; also a `*.subscribe` called over plain HTTP (it needs a WebSocket)"),
             e(codes::INVALID_PARAMS, "InvalidParams", "Invalid params", "the params are wrong; the message starts with the offending field's path (`operations[3].resource.name: ...`)"),
+            e(REFUSED, "Refused", "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections they may (HTTP 429)"),
             e(INTERNAL_ERROR, "InternalError", "Internal error", "a bug in the agent: report it with the agent's log"),
             e(TOO_MANY_SUBSCRIPTIONS, "TooManySubscriptions", "Too many subscriptions on the connection", "jsonrpsee's limit of 1024 subscriptions on one WebSocket connection"),
             e(OVERSIZED_REQUEST, "OversizedRequest", "Request is too big", "the request is over max_request_size (HTTP 413)"),
@@ -107,6 +108,9 @@ mod generate {
     /// jsonrpsee's codes the agent can answer with (its `types::error` constants; the
     /// client does not depend on jsonrpsee, and the reference test checks these).
     const INTERNAL_ERROR: i32 = -32603;
+    /// The agent's admission check (agent/src/access.rs), in the implementation-defined
+    /// server error range.
+    const REFUSED: i32 = -32003;
     const TOO_MANY_SUBSCRIPTIONS: i32 = -32006;
     const OVERSIZED_REQUEST: i32 = -32007;
     const OVERSIZED_RESPONSE: i32 = -32008;
