@@ -40,6 +40,14 @@ class Document:
         with open(path, encoding="utf-8") as f:
             self.doc = json.load(f)
         self.methods = {m["name"]: m for m in self.doc["methods"]}
+        # Every schema of the document is a valid draft 7 schema.
+        schemas = list(self.doc["components"]["schemas"].values())
+        for m in self.doc["methods"]:
+            schemas += [p["schema"] for p in m["params"]] + [m["result"]["schema"]]
+            if "x-notification" in m:
+                schemas.append(m["x-notification"]["params"])
+        for schema in schemas:
+            jsonschema.Draft7Validator.check_schema(schema)
         self.error_codes = {e["code"] for e in self.doc["components"]["errors"].values()}
         self.counts = {"requests": 0, "responses": 0, "notifications": 0, "errors": 0}
         self.called = set()
@@ -318,8 +326,9 @@ def drive(args):
             raise AssertionError(what)
         checks.append(what)
 
-    # What the agent says about itself.
-    expect(agent.call("rpc.discover") == doc.doc, "rpc.discover answers the checked-in document")
+    # What the agent says about itself (its document is compared at the end, so that a
+    # document that differs shows first where the traffic does not match it).
+    discovered = agent.call("rpc.discover")
     status = agent.call("agent.status")
     expect(status["apiVersion"] == doc.doc["info"]["version"], "apiVersion is the document's")
     expect("openrpc" in status["features"], "features list openrpc")
@@ -478,6 +487,7 @@ def drive(args):
     doc.check_envelope_error(big, -32007)
     agent.conn = UnixHTTPConnection(args.socket)
 
+    expect(discovered == doc.doc, "rpc.discover answers the checked-in document")
     uncalled = sorted(set(doc.methods) - doc.called)
     with open(os.path.join(args.state, "validated"), encoding="utf-8") as f:
         snapshotter_calls = len(f.read().splitlines())

@@ -48,18 +48,13 @@ fn checked_in_snapshotter_document_is_the_generated_one() {
 /// the program sends stays small too.
 const MAX_REQUEST: usize = 256 * 1024;
 
-/// Runs tests/openrpc/drive.py against a real agent: it validates every request and
-/// response (and subscription notification, and the snapshotter calls it answers as the
-/// command snapshotter) against the checked-in documents with Python's `jsonschema`, and
-/// drives backup `b1` to Completed from the documents alone.
-#[tokio::test]
-async fn a_python_client_written_from_the_document_drives_a_backup_to_completed() {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let state = dir.path().join("python");
+/// Runs drive.py against a fresh agent with `document` as the agent's document.
+fn run_python(dir: &Path, document: &Path) -> (std::process::Output, opmon_tests::Agent) {
+    let state = dir.join("python");
     std::fs::create_dir(&state).expect("python state directory");
     let max = MAX_REQUEST.to_string();
     let agent = opmon_tests::Agent::start(
-        dir.path(),
+        dir,
         &[
             "--allow-api-command-snapshotters",
             "true",
@@ -67,14 +62,13 @@ async fn a_python_client_written_from_the_document_drives_a_backup_to_completed(
             &max,
         ],
     );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("openrpc/drive.py");
     let output = std::process::Command::new("python3")
-        .arg(&script)
+        .arg(script())
         .arg("drive")
         .arg("--socket")
         .arg(&agent.socket)
         .arg("--document")
-        .arg(checked_in("opmon.json"))
+        .arg(document)
         .arg("--snapshotter-document")
         .arg(checked_in("snapshotter.json"))
         .arg("--state")
@@ -83,6 +77,22 @@ async fn a_python_client_written_from_the_document_drives_a_backup_to_completed(
         .arg((MAX_REQUEST + 1).to_string())
         .output()
         .expect("running python3 (with the jsonschema package: .ci/run installs it)");
+    (output, agent)
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("openrpc/drive.py")
+}
+
+/// Runs tests/openrpc/drive.py against a real agent: it validates every request and
+/// response (and subscription notification, and the snapshotter calls it answers as the
+/// command snapshotter) against the checked-in documents with Python's `jsonschema`, and
+/// drives backup `b1` to Completed from the documents alone.
+#[tokio::test]
+async fn a_python_client_written_from_the_document_drives_a_backup_to_completed() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (output, agent) = run_python(dir.path(), &checked_in("opmon.json"));
+    let script = script();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -142,4 +152,29 @@ async fn status_reports_api_version_and_features_and_an_older_status_still_parse
     .expect("an older agent's status");
     assert_eq!(older.api_version, "");
     assert!(older.features.is_empty());
+}
+
+/// The validator is not a rubber stamp: with a document that drifted from the agent
+/// (here, an owner phase missing from the schema), the same run fails, naming where.
+#[tokio::test]
+async fn the_python_validator_fails_on_a_document_that_drifted() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut document: Value = serde_json::from_str(openrpc::AGENT_DOCUMENT).expect("document");
+    let phases = &mut document["components"]["schemas"]["OwnerPhase"]["oneOf"][0]["enum"];
+    let list = phases.as_array_mut().expect("the OwnerPhase enum");
+    let before = list.len();
+    list.retain(|p| p != "Completed");
+    assert_eq!(list.len(), before - 1, "Completed was in the enum");
+    let drifted = dir.path().join("drifted.json");
+    std::fs::write(&drifted, document.to_string()).expect("writing the drifted document");
+    let (output, _agent) = run_python(dir.path(), &drifted);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "the run passed with a drifted document"
+    );
+    assert!(
+        stderr.contains("AssertionError: result of backup.finalize does not match the document: "),
+        "{stderr}"
+    );
 }
