@@ -509,7 +509,12 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.unregister_snapshotter(p.name).await
         },
     );
-    crate::openrpc::register_discover(&mut module);
+    // Last, so that the document is checked against every other method.
+    let document = Arc::new(crate::openrpc::document(module.method_names()));
+    register(&mut module, methods::RPC_DISCOVER, move |_, _: NoParams| {
+        let document = document.clone();
+        async move { Ok(document.as_ref().clone()) }
+    });
     module
 }
 

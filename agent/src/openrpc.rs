@@ -5,11 +5,7 @@
 //! schema generator. Debug builds (every test's agent) check at start that each method
 //! the agent registered is in the document, so a method cannot be added undocumented.
 
-use jsonrpsee::RpcModule;
-use opmon_client::methods;
 use opmon_client::openrpc::AGENT_DOCUMENT;
-
-use crate::core::Core;
 
 /// The methods the document lists.
 fn documented_methods(document: &serde_json::Value) -> Vec<String> {
@@ -24,18 +20,20 @@ fn documented_methods(document: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Registers `rpc.discover` on `module`, after every other method.
-pub fn register_discover(module: &mut RpcModule<Core>) {
+/// The document `rpc.discover` answers, parsed once per agent.
+///
+/// In debug builds (every test's agent) it is also checked against `registered`, the
+/// methods the agent serves: each must be in the document, so none is added
+/// undocumented.
+pub fn document<'a>(registered: impl Iterator<Item = &'a str>) -> serde_json::Value {
     // The document is a constant of this build: failing to parse it is a bug of the
     // build, caught by every test that starts an agent.
     let document: serde_json::Value = serde_json::from_str(AGENT_DOCUMENT)
         .unwrap_or_else(|e| panic!("the embedded OpenRPC document is not JSON: {e}"));
     if cfg!(debug_assertions) {
         let documented = documented_methods(&document);
-        let missing: Vec<&str> = module
-            .method_names()
+        let missing: Vec<&str> = registered
             .filter(|name| !documented.iter().any(|d| d == name))
-            .filter(|name| *name != methods::RPC_DISCOVER)
             .collect();
         assert!(
             missing.is_empty(),
@@ -43,7 +41,5 @@ pub fn register_discover(module: &mut RpcModule<Core>) {
              OPMON_BLESS=1 cargo test -p opmon-tests --test openrpc"
         );
     }
-    module
-        .register_method(methods::RPC_DISCOVER, move |_, _, _| document.clone())
-        .unwrap_or_else(|e| panic!("method {} registered twice: {e}", methods::RPC_DISCOVER));
+    document
 }
