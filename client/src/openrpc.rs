@@ -468,7 +468,7 @@ mod generate {
             "snapshotter",
             &all,
         ));
-        let mut discover = meta(methods::RPC_DISCOVER, "This OpenRPC document.", &[]);
+        let mut discover = meta(methods::RPC_DISCOVER, "This OpenRPC document.", &[IP]);
         discover.description =
             Some("The result is the document client/openrpc/opmon.json of the agent's version.");
         list.push(method::<NoParams, serde_json::Map<String, Value>>(

@@ -478,6 +478,7 @@ def drive(args):
                 -32602, valid=False)
     agent.error("backup.list", {"limit": 0}, -32602)
     agent.error("agent.status", {"verbose": True}, -32602, valid=False)
+    agent.error("rpc.discover", {"verbose": True}, -32602, valid=False)
     status, parse = agent.post(b'{"jsonrpc": "2.0", "id": 1, "method": ')
     doc.check_envelope_error(parse, -32700)
     status, big = agent.post(json.dumps({"jsonrpc": "2.0", "id": 7, "method": "backup.get",
