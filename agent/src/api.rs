@@ -28,9 +28,9 @@ use crate::storage_dir;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
-const MAX_WAIT: Duration = Duration::from_secs(600);
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Largest `list` page.
-const MAX_PAGE: u32 = 1000;
+pub const MAX_PAGE: u32 = 1000;
 
 /// Parses params given by name into `T`, naming the field that does not fit.
 fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
@@ -509,6 +509,12 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.unregister_snapshotter(p.name).await
         },
     );
+    // Last, so that the document is checked against every other method.
+    let document = Arc::new(crate::openrpc::document(module.method_names()));
+    register(&mut module, methods::RPC_DISCOVER, move |_, _: NoParams| {
+        let document = document.clone();
+        async move { Ok(document.as_ref().clone()) }
+    });
     module
 }
 

@@ -16,6 +16,7 @@ pub mod error;
 pub mod filework;
 pub mod gojson;
 pub mod metrics;
+pub mod openrpc;
 pub mod phase;
 pub mod reload;
 pub mod remote;

@@ -308,6 +308,8 @@ mod tests {
             owners: Default::default(),
             unfinished_operations: 0,
             snapshotters: 1,
+            api_version: String::new(),
+            features: Vec::new(),
         };
         let page = metrics.render(&status);
         assert!(

@@ -76,6 +76,7 @@ fn methods() -> Vec<(String, Vec<&'static str>)> {
         ),
         (methods::SNAPSHOTTER_LIST.to_string(), vec![]),
         (methods::SNAPSHOTTER_UNREGISTER.to_string(), vec!["name"]),
+        (methods::RPC_DISCOVER.to_string(), vec![]),
     ];
     for kind in OwnerKind::ALL {
         for (method, fields) in OWNER_METHODS {
@@ -357,7 +358,7 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
     let verb = owner_method(method);
     let restore = verb.is_some_and(|m| m.name(OwnerKind::Restore) == method);
     match (method, verb) {
-        (methods::AGENT_STATUS | methods::SNAPSHOTTER_LIST, _) => json!({}),
+        (methods::AGENT_STATUS | methods::SNAPSHOTTER_LIST | methods::RPC_DISCOVER, _) => json!({}),
         (methods::SNAPSHOTTER_REGISTER, _) => {
             let mut s = json!({"name": g.pick(PLUGINS), "apiVersion": g.pick(&["v1", "v2"])});
             match g.below(3) {
@@ -936,6 +937,10 @@ fn check_result(method: &str, result: &Value) -> Result<(), String> {
     match (method, verb) {
         (methods::AGENT_STATUS, _) => is::<AgentStatus>(result),
         (methods::SNAPSHOTTER_LIST, _) => is::<Vec<Snapshotter>>(result),
+        (methods::RPC_DISCOVER, _) => match result.get("openrpc") {
+            Some(Value::String(_)) => Ok(()),
+            _ => Err("an OpenRPC document".into()),
+        },
         (methods::SNAPSHOTTER_REGISTER | methods::SNAPSHOTTER_UNREGISTER, _) => {
             is::<Snapshotter>(result)
         }

@@ -13,6 +13,7 @@ mod connection;
 pub mod duration;
 pub mod error;
 pub mod methods;
+pub mod openrpc;
 pub mod paths;
 #[cfg(feature = "server")]
 pub mod server;

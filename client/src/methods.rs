@@ -23,6 +23,33 @@ pub const OPERATION_PROGRESS: &str = "operation.progress";
 /// The snapshotter protocol's Cancel.
 pub const OPERATION_CANCEL: &str = "operation.cancel";
 
+/// `rpc.discover`: the agent's OpenRPC document (client/openrpc/opmon.json).
+pub const RPC_DISCOVER: &str = "rpc.discover";
+
+/// The API version `agent.status` reports and the OpenRPC document's `info.version`.
+/// The major number changes only when a call that worked stops working; additions show
+/// in [`FEATURES`].
+pub const API_VERSION: &str = "1.1.0";
+
+/// The optional features `agent.status` lists, so a client can tell an agent that has
+/// one from an older agent that does not (client/REFERENCE.md says what each means).
+pub const FEATURES: &[&str] = &[
+    // `start {finalize}` for restores and the `restore_finalize` setting.
+    "restore_finalize",
+    // `server.started` and `start {server}`.
+    "server.started",
+    // `start {object}`, passed to snapshotters as `owner.object`.
+    "object",
+    // `addOperations` takes each operation's `created`.
+    "created",
+    // `Owner.failureReason`.
+    "failureReason",
+    // `finalize {errors, warnings}`.
+    "finalize_counts",
+    // `rpc.discover` answers with the OpenRPC document.
+    "openrpc",
+];
+
 /// When the client may send a request again after the connection broke before the
 /// answer arrived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,6 +19,7 @@ pub type Timestamp = OffsetDateTime;
 /// Whether an owner is a backup or a restore. One implementation serves both; the kind
 /// only picks method names, file names and the few phase rules that differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum OwnerKind {
     Backup,
@@ -59,6 +60,7 @@ macro_rules! wire_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
         pub enum $name { $($(#[$vmeta])* $variant),+ }
 
         impl $name {
@@ -167,6 +169,7 @@ wire_enum! {
 
 /// A Kubernetes object: the item an operation belongs to or an item to back up again.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResourceIdentifier {
     /// API group; empty for the core group.
@@ -182,6 +185,7 @@ pub struct ResourceIdentifier {
 
 /// The plugin that owns an operation; `name` is `domain/name` and picks the snapshotter.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PluginRef {
     pub kind: PluginKind,
@@ -195,6 +199,7 @@ pub struct PluginRef {
 /// time, the Unix epoch included, is a time (an operation reporting a `started` moves
 /// from New to InProgress).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", default)]
 pub struct OperationProgress {
     /// True once the operation has finished, successfully or not.
@@ -210,16 +215,19 @@ pub struct OperationProgress {
         with = "time::serde::rfc3339::option",
         skip_serializing_if = "Option::is_none"
     )]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub started: Option<Timestamp>,
     #[serde(
         with = "time::serde::rfc3339::option",
         skip_serializing_if = "Option::is_none"
     )]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub updated: Option<Timestamp>,
 }
 
 /// One operation as the agent keeps it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Operation {
     pub plugin: PluginRef,
@@ -235,17 +243,21 @@ pub struct Operation {
     /// When the plugin returned the operation (`addOperations`' `created`, else when the
     /// agent was told); the item operation timeout counts from it.
     #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "schema", schemars(with = "crate::openrpc::Rfc3339"))]
     pub created: Timestamp,
     /// When the plugin said the operation started.
     #[serde(with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub started: Option<Timestamp>,
     /// When the operation last changed: the plugin's `updated` when it reported one with
     /// the change, else when the agent saw the change.
     #[serde(with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub updated: Option<Timestamp>,
     /// The `updated` the plugin last reported, unknown until it reports one: what the
     /// item-operations file (and `itemOperations`) calls `updated`, as Velero does.
     #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub plugin_updated: Option<Timestamp>,
 }
 
@@ -254,6 +266,7 @@ pub struct Operation {
 /// server that restarts calls `server.started` with its new instance, and the agent
 /// fails the InProgress owners its earlier instances left behind.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ServerRef {
     pub name: String,
@@ -262,6 +275,7 @@ pub struct ServerRef {
 
 /// A backup or restore as the agent keeps it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Owner {
     pub kind: OwnerKind,
@@ -288,15 +302,19 @@ pub struct Owner {
     /// unfinished.
     pub post_operation_items: Option<Vec<ResourceIdentifier>>,
     #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "schema", schemars(with = "crate::openrpc::Rfc3339"))]
     pub created: Timestamp,
     #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "schema", schemars(with = "crate::openrpc::Rfc3339"))]
     pub updated: Timestamp,
     #[serde(with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub completed: Option<Timestamp>,
 }
 
 /// `agent.status` result.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AgentStatus {
     pub version: String,
@@ -306,10 +324,20 @@ pub struct AgentStatus {
     pub unfinished_operations: u64,
     /// Number of registered snapshotters.
     pub snapshotters: u64,
+    /// The API version the agent speaks ([`crate::methods::API_VERSION`]); empty from an
+    /// agent older than the field.
+    #[serde(default)]
+    pub api_version: String,
+    /// The optional features the agent has ([`crate::methods::FEATURES`]), so a client
+    /// can tell an older agent before relying on one; empty from an agent older than
+    /// the field.
+    #[serde(default)]
+    pub features: Vec<String>,
 }
 
 /// `*.start` params.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StartParams {
     pub name: String,
@@ -336,6 +364,7 @@ pub struct StartParams {
 
 /// `server.started` params: server `name` now runs as `instance`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ServerStartedParams {
     /// Which server; `""` addresses the owners started without `server`.
@@ -345,6 +374,7 @@ pub struct ServerStartedParams {
 
 /// `server.started` result: the owners it failed (none when called again).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ServerStartedResult {
     pub failed: Vec<FailedOwner>,
@@ -352,6 +382,7 @@ pub struct ServerStartedResult {
 
 /// An owner `server.started` failed.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FailedOwner {
     pub kind: OwnerKind,
@@ -361,6 +392,7 @@ pub struct FailedOwner {
 
 /// One operation a plugin returned, as `*.addOperations` takes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NewOperation {
     /// `domain/name`; a legacy name without `/` means `velero.io/<name>`, as in Velero.
@@ -377,11 +409,13 @@ pub struct NewOperation {
         with = "time::serde::rfc3339::option",
         skip_serializing_if = "Option::is_none"
     )]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub created: Option<Timestamp>,
 }
 
 /// `*.addOperations` params.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AddOperationsParams {
     pub name: String,
@@ -390,6 +424,7 @@ pub struct AddOperationsParams {
 
 /// `*.addOperations` result: how many were new and how many the agent had already.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AddOperationsResult {
     pub added: u64,
@@ -398,6 +433,7 @@ pub struct AddOperationsResult {
 
 /// `*.endInProgress` params: the backup server's verdict on the InProgress phase.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EndInProgressParams {
     pub name: String,
@@ -412,6 +448,7 @@ pub struct EndInProgressParams {
 
 /// Params of the methods that only name an owner or snapshotter.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NameParams {
     pub name: String,
@@ -419,6 +456,7 @@ pub struct NameParams {
 
 /// `*.list` params: optional phase filter and paging by name.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ListParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -433,6 +471,7 @@ pub struct ListParams {
 
 /// `*.list` result; `next` is set when more owners follow.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OwnerList {
     pub items: Vec<Owner>,
@@ -441,6 +480,7 @@ pub struct OwnerList {
 
 /// `*.operations` params.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperationsParams {
     pub name: String,
@@ -450,6 +490,7 @@ pub struct OperationsParams {
 
 /// What `*.wait` waits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum WaitUntil {
     /// A Finalizing phase or a terminal one (a restore without finalize never finalizes).
@@ -468,6 +509,7 @@ impl WaitUntil {
 
 /// `*.wait` params.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WaitParams {
     pub name: String,
@@ -479,6 +521,7 @@ pub struct WaitParams {
 
 /// `*.wait` result: the owner as it was when the wait ended.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WaitResult {
     pub owner: Owner,
@@ -489,6 +532,7 @@ pub struct WaitResult {
 /// changed since the previous notification. The first notification, and any after the
 /// subscriber fell behind (`lagged`), carries every operation instead.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OwnerUpdate {
     pub owner: Owner,
@@ -501,6 +545,7 @@ pub struct OwnerUpdate {
 
 /// `*.delete` result: how many unfinished operations were cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DeleteResult {
     pub cancelled: u64,
@@ -509,6 +554,7 @@ pub struct DeleteResult {
 /// The backup tarball `finalize` rewrites: `input` is read, `output` written (atomically).
 /// Relative paths are taken relative to the agent's storage directory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Contents {
     pub input: PathBuf,
@@ -518,6 +564,7 @@ pub struct Contents {
 /// A Kubernetes object to put into the backup tarball in place of the one there, or in
 /// addition if absent: the post-operation items, as they are after the operations.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct UpdatedItem {
     pub resource: ResourceIdentifier,
@@ -528,6 +575,7 @@ pub struct UpdatedItem {
 
 /// `*.finalize` params.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FinalizeParams {
     pub name: String,
@@ -551,6 +599,7 @@ fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
 
 /// `*.finalize` result. A repeated `finalize` returns the first one's result again.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FinalizeResult {
     pub owner: Owner,
@@ -567,6 +616,7 @@ pub struct FinalizeResult {
 /// The snapshotter API a snapshotter speaks: v1 has no Progress (its operations
 /// complete at their first poll), v2 has Progress and Cancel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum ApiVersion {
     V1,
@@ -597,6 +647,7 @@ impl FromStr for ApiVersion {
 /// operations it owns. Exactly one of `socket` and `command` is set for v2; a v1
 /// snapshotter needs neither.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Snapshotter {
     pub name: String,
@@ -609,6 +660,7 @@ pub struct Snapshotter {
 
 /// Which owner an operation belongs to, as the snapshotter protocol passes it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OwnerRef {
     pub kind: OwnerKind,
@@ -624,6 +676,7 @@ pub struct OwnerRef {
 /// The owner is shared: every operation of an owner polled together points at one
 /// [`OwnerRef`], so its `object` (up to 64 KiB) is held once, not once per operation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OperationRef {
     pub plugin: PluginRef,
@@ -635,6 +688,7 @@ pub struct OperationRef {
 /// struct without JSON tags (embedding `schema.GroupResource`), so the keys are the
 /// capitalised field names, in this order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct VeleroResourceIdentifier {
     #[serde(rename = "Group")]
     pub group: String,
@@ -660,6 +714,7 @@ impl From<&ResourceIdentifier> for VeleroResourceIdentifier {
 /// The `spec` of a backup's item-operation record: Velero's `BackupOperationSpec`,
 /// field for field and in its order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BackupOperationSpec {
     pub backup_name: String,
@@ -679,6 +734,7 @@ pub struct BackupOperationSpec {
 /// which has no post-operation items (a decoder refusing unknown fields would reject
 /// the key).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RestoreOperationSpec {
     pub restore_name: String,
@@ -692,6 +748,7 @@ pub struct RestoreOperationSpec {
 
 /// A record's spec: the backup or the restore form.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 pub enum ItemOperationSpec {
     Backup(BackupOperationSpec),
@@ -735,6 +792,7 @@ mod velero_time {
 /// The `status` of an item-operation record: Velero's `OperationStatus`, whose fields
 /// are all `omitempty`: an empty error, a zero count, an unknown time are left out.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ItemOperationStatus {
     pub phase: OperationPhase,
@@ -749,16 +807,20 @@ pub struct ItemOperationStatus {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub description: String,
     #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub created: Option<Timestamp>,
     #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub started: Option<Timestamp>,
     /// The plugin's own `updated` (not when the agent saw a change).
     #[serde(default, with = "velero_time", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub updated: Option<Timestamp>,
 }
 
 /// One record of `-itemoperations.json.gz`, and of `*.itemOperations` (the same shape).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ItemOperation {
     pub spec: ItemOperationSpec,
     pub status: ItemOperationStatus,

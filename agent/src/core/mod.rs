@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opmon_client::{AgentStatus, GoDuration, OwnerKind};
+use opmon_client::{methods, AgentStatus, GoDuration, OwnerKind};
 use rusqlite::Connection;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -174,6 +174,8 @@ impl Core {
             owners,
             unfinished_operations: unfinished,
             snapshotters: self.poller.remotes.count() as u64,
+            api_version: methods::API_VERSION.to_string(),
+            features: methods::FEATURES.iter().map(|f| f.to_string()).collect(),
         })
     }
 
