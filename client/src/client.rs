@@ -485,6 +485,25 @@ impl Client {
         Owners { client: self, kind }
     }
 
+    /// `server.started`: the backup server `name` now runs as `instance`. The agent
+    /// fails the InProgress owners that earlier instances of `name` started (with a
+    /// failure reason) and answers which; calling it again fails nothing more. `""`
+    /// names the owners started without a server.
+    pub async fn server_started(
+        &self,
+        name: &str,
+        instance: &str,
+    ) -> Result<ServerStartedResult, Error> {
+        self.call(
+            methods::SERVER_STARTED,
+            ServerStartedParams {
+                name: name.into(),
+                instance: instance.into(),
+            },
+        )
+        .await
+    }
+
     /// `snapshotter.register`: persisted, replaces an earlier registration of the name.
     pub async fn register_snapshotter(&self, s: &Snapshotter) -> Result<Snapshotter, Error> {
         self.call(methods::SNAPSHOTTER_REGISTER, s).await

@@ -23,13 +23,14 @@ use opmon_client::text::escape_controls;
 use opmon_client::{
     AddOperationsParams, Client, Contents, EndInProgressParams, FinalizeParams, FinalizeResult,
     ListParams, NameParams, NewOperation, OperationsParams, Owner, OwnerKind, PluginKind,
-    PluginRef, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams,
+    UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use args::{Cli, Command, Output, OwnerCommand, SnapshotterCommand, Until};
+use args::{Cli, Command, Output, OwnerCommand, ServerCommand, SnapshotterCommand, Until};
 
 /// `{}`: the params of methods that take none.
 #[derive(Serialize)]
@@ -80,6 +81,16 @@ async fn run(cli: Cli) -> Outcome {
         Command::Backup(cmd) => owner_command(&client, out, OwnerKind::Backup, cmd).await,
         Command::Restore(cmd) => owner_command(&client, out, OwnerKind::Restore, cmd).await,
         Command::Snapshotter(cmd) => snapshotter_command(&client, out, cmd).await,
+        Command::Server(ServerCommand::Started { name, instance }) => {
+            let params = ServerStartedParams {
+                name: name.clone(),
+                instance: instance.clone(),
+            };
+            let value = call(&client, methods::SERVER_STARTED, params).await?;
+            print(out, &value, |r: &ServerStartedResult| {
+                render::server_started(&name, &instance, r)
+            })
+        }
         Command::Completions { .. } => Ok(0),
     }
 }
@@ -152,16 +163,22 @@ async fn owner_command(
             uid,
             item_operation_timeout,
             finalize,
+            object,
+            server,
+            instance,
         } => {
             if finalize && kind == OwnerKind::Backup {
                 return Err("--finalize is for restores; backups always finalize".into());
             }
+            let object = object.map(|path| read_json_file(&path)).transpose()?;
+            let server = server.zip(instance).map(|(name, instance)| ServerRef { name, instance });
             let params = StartParams {
                 name,
                 uid,
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
-                ..Default::default()
+                object,
+                server,
             };
             let value = call(client, method(OwnerMethod::Start), params).await?;
             print(out, &value, one_line)
@@ -187,7 +204,7 @@ async fn owner_command(
                         resource: render::parse_item(a.item.as_deref().unwrap_or_default())?,
                         operation_id: a.operation_id.clone().unwrap_or_default(),
                         post_operation_items,
-                        created: None,
+                        created: a.created,
                     }]
                 }
             };
@@ -221,7 +238,9 @@ async fn owner_command(
             let value = call(client, method(OwnerMethod::Get), NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o))
-            })
+            })?;
+            let owner: Owner = typed(&value)?;
+            Ok(render::exit_code(owner.phase))
         }
         OwnerCommand::List {
             phases,
@@ -280,7 +299,7 @@ async fn owner_command(
                     out::emit(&render::describe(&owner, ops.as_deref()))?;
                 }
             }
-            Ok(0)
+            Ok(render::exit_code(typed::<Owner>(&owner)?.phase))
         }
         OwnerCommand::Wait {
             name,
