@@ -120,13 +120,11 @@ impl Conn {
             }
         };
         let answer = result?;
-        let conn = driver
-            .filter(|_| !sender.is_closed())
-            .map(|driver| Conn {
-                sender,
-                driver,
-                idle_since: Instant::now(),
-            });
+        let conn = driver.filter(|_| !sender.is_closed()).map(|driver| Conn {
+            sender,
+            driver,
+            idle_since: Instant::now(),
+        });
         Ok((answer, conn))
     }
 }

@@ -81,10 +81,7 @@ impl WebSocket {
     }
 
     pub async fn send_text(&mut self, text: String) -> Result<(), WsError> {
-        self.stream
-            .send(WsMessage::text(text))
-            .await
-            .map_err(sort)
+        self.stream.send(WsMessage::text(text)).await.map_err(sort)
     }
 
     pub async fn send_ping(&mut self) -> Result<(), WsError> {
@@ -108,7 +105,9 @@ impl WebSocket {
                 Some(Ok(WsMessage::Text(text))) => Ok(Some(Message::Text(text.to_string()))),
                 Some(Ok(WsMessage::Binary(bytes))) => match String::from_utf8(bytes.to_vec()) {
                     Ok(text) => Ok(Some(Message::Text(text))),
-                    Err(_) => Err(WsError::Protocol("a binary message that is not UTF-8".into())),
+                    Err(_) => Err(WsError::Protocol(
+                        "a binary message that is not UTF-8".into(),
+                    )),
                 },
                 Some(Ok(WsMessage::Pong(_))) => Ok(Some(Message::Pong)),
                 Some(Ok(WsMessage::Close(_))) => Ok(Some(Message::Close)),

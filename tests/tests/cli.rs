@@ -381,7 +381,8 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         go_time(a.created),
         go_time(a.started.unwrap()),
     );
-    if let Some(updated) = a.updated {
+    // Velero prints the plugin's own Updated, not the agent's change time.
+    if let Some(updated) = a.plugin_updated {
         expected.push_str(&format!(
             "    Updated:                    {}\n",
             go_time(updated)
@@ -628,4 +629,233 @@ async fn snapshotter_text_reaches_the_terminal_and_the_log_escaped() {
             )),
         "{log}"
     );
+}
+
+#[tokio::test]
+async fn get_and_describe_exit_with_the_code_of_the_owners_phase() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    for (name, op) in [("fine", "done-1"), ("partial", "fail-1")] {
+        opmon_tests::start_and_end_in_progress(
+            &backups,
+            name,
+            vec![opmon_tests::operation(PLUGIN, op, "a", &[])],
+        )
+        .await;
+        backups
+            .wait(
+                name,
+                opmon_client::WaitUntil::ReadyToFinalize,
+                std::time::Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    }
+    backups.start("doomed", "u", None).await.unwrap();
+    backups.end_in_progress("doomed").failed().await.unwrap();
+    for (name, code) in [("fine", 0), ("partial", 1), ("doomed", 2)] {
+        for args in [
+            vec!["backup", "get", name],
+            vec!["-o", "json", "backup", "get", name],
+            vec!["backup", "describe", name],
+            vec!["backup", "describe", name, "--details"],
+        ] {
+            let out = opmon(&f, &args);
+            assert_eq!(out.status.code(), Some(code), "{args:?}");
+            assert!(!out.stdout.is_empty(), "{args:?} printed nothing");
+        }
+    }
+}
+
+#[tokio::test]
+async fn server_started_fails_what_the_earlier_instance_started() {
+    let f = Fixture::new(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let object = dir.path().join("backup.json");
+    std::fs::write(&object, r#"{"metadata": {"name": "b1"}}"#).unwrap();
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u1",
+            "--server",
+            "velero",
+            "--instance",
+            "pod-a",
+            "--object",
+        ]
+        .into_iter()
+        .chain([object.to_str().unwrap()])
+        .collect::<Vec<_>>(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The object from standard input.
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args([
+            "restore",
+            "start",
+            "r1",
+            "--uid",
+            "u2",
+            "--server",
+            "velero",
+            "--instance",
+            "pod-a",
+            "--object",
+            "-",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        &mut child.stdin.take().unwrap(),
+        br#"{"metadata": {"name": "r1"}}"#,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = opmon(&f, &["backup", "start", "other", "--uid", "u3"]);
+    assert!(out.status.success());
+
+    let out = opmon(&f, &["server", "started", "velero", "--instance", "pod-b"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "server velero runs as pod-b: 2 backups and restores failed\n\
+         backup b1 (uid u1) failed\n\
+         restore r1 (uid u2) failed\n"
+    );
+    assert_eq!(opmon(&f, &["backup", "get", "b1"]).status.code(), Some(2));
+    assert_eq!(opmon(&f, &["restore", "get", "r1"]).status.code(), Some(2));
+    assert_eq!(
+        opmon(&f, &["backup", "get", "other"]).status.code(),
+        Some(0)
+    );
+    // Again: nothing more fails, and -o json is the API's result.
+    let again = json_of(&opmon(
+        &f,
+        &[
+            "-o",
+            "json",
+            "server",
+            "started",
+            "velero",
+            "--instance",
+            "pod-b",
+        ],
+    ));
+    assert_eq!(again, json!({"failed": []}));
+}
+
+#[tokio::test]
+async fn new_start_and_add_operation_flags_are_checked_and_sent() {
+    let f = Fixture::new(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let not_object = dir.path().join("list.json");
+    std::fs::write(&not_object, "[1, 2]").unwrap();
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u",
+            "--object",
+            not_object.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon: object: must be a JSON object (the backup server's representation of the \
+         backup or restore) (code -32602)"
+    );
+    let missing = dir.path().join("absent.json");
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u",
+            "--object",
+            missing.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        format!(
+            "opmon: reading {}: No such file or directory (os error 2)",
+            missing.display()
+        )
+    );
+    let out = opmon(
+        &f,
+        &["backup", "start", "b1", "--uid", "u", "--server", "velero"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--instance <INSTANCE>"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    assert!(opmon(&f, &["backup", "start", "b1", "--uid", "u"])
+        .status
+        .success());
+    let add = |created: &str| {
+        opmon(
+            &f,
+            &[
+                "backup",
+                "add-operation",
+                "b1",
+                "--plugin",
+                PLUGIN,
+                "--item",
+                "pods/app/p",
+                "--operation-id",
+                "never-1",
+                "--created",
+                created,
+            ],
+        )
+    };
+    let out = add("yesterday");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(
+            "invalid value 'yesterday' for '--created <CREATED>': not an RFC 3339 time such as \
+             2026-01-02T15:04:05Z"
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = add("2020-01-02T03:04:05Z");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ops = json_of(&opmon(&f, &["-o", "json", "backup", "operations", "b1"]));
+    assert_eq!(ops[0]["created"], "2020-01-02T03:04:05Z");
 }

@@ -171,7 +171,9 @@ async fn owner_command(
                 return Err("--finalize is for restores; backups always finalize".into());
             }
             let object = object.map(|path| read_json_file(&path)).transpose()?;
-            let server = server.zip(instance).map(|(name, instance)| ServerRef { name, instance });
+            let server = server
+                .zip(instance)
+                .map(|(name, instance)| ServerRef { name, instance });
             let params = StartParams {
                 name,
                 uid,

@@ -144,11 +144,7 @@ impl Bars {
 
 /// A bar's label: the item and the operation ID, as the key has them.
 fn bar_label(op: &Operation) -> String {
-    format!(
-        "{} {}",
-        render::item(&op.resource),
-        clean(&op.operation_id)
-    )
+    format!("{} {}", render::item(&op.resource), clean(&op.operation_id))
 }
 
 impl View for Bars {
@@ -305,23 +301,38 @@ mod tests {
         let mut ops = BTreeMap::new();
         remember(
             &mut ops,
-            &update(vec![op("pods/app/a", "copy-1", 10), op("pods/app/b", "copy-1", 20)], false),
+            &update(
+                vec![
+                    op("pods/app/a", "copy-1", 10),
+                    op("pods/app/b", "copy-1", 20),
+                ],
+                false,
+            ),
         );
         assert_eq!(ops.len(), 2);
         // A later change of one leaves the other as it was.
-        remember(&mut ops, &update(vec![op("pods/app/b", "copy-1", 90)], false));
+        remember(
+            &mut ops,
+            &update(vec![op("pods/app/b", "copy-1", 90)], false),
+        );
         let progress: Vec<(String, i64)> = ops
             .values()
             .map(|o| (o.resource.name.clone(), o.n_completed))
             .collect();
         assert_eq!(progress, [("a".to_string(), 10), ("b".to_string(), 90)]);
-        assert_eq!(bar_label(&op("pods/app/b", "copy-1", 0)), "pods app/b copy-1");
+        assert_eq!(
+            bar_label(&op("pods/app/b", "copy-1", 0)),
+            "pods app/b copy-1"
+        );
     }
 
     #[test]
     fn a_resumed_update_replaces_what_was_known() {
         let mut ops = BTreeMap::new();
-        remember(&mut ops, &update(vec![op("pods/app/a", "copy-1", 10)], false));
+        remember(
+            &mut ops,
+            &update(vec![op("pods/app/a", "copy-1", 10)], false),
+        );
         remember(&mut ops, &update(vec![op("pods/app/b", "copy-2", 5)], true));
         let names: Vec<&str> = ops.values().map(|o| o.operation_id.as_str()).collect();
         assert_eq!(names, ["copy-2"]);
