@@ -332,11 +332,11 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     assert!(child.wait().unwrap().success());
     let lines: Vec<&str> = rest.lines().collect();
     assert!(
-        lines.contains(&"  gate-a InProgress 30/100 byte (30%)"),
+        lines.contains(&"  pods app/a gate-a InProgress 30/100 byte (30%)"),
         "{rest}"
     );
     assert!(
-        lines.contains(&"  done-b Completed 100/100 byte (100%)"),
+        lines.contains(&"  pods app/b done-b Completed 100/100 byte (100%)"),
         "{rest}"
     );
     assert!(
@@ -344,7 +344,7 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         "{rest}"
     );
     assert!(
-        lines.contains(&"  gate-a Completed 100/100 byte (100%)"),
+        lines.contains(&"  pods app/a gate-a Completed 100/100 byte (100%)"),
         "{rest}"
     );
     assert_eq!(lines.last(), Some(&"backup lines is Finalizing"));
@@ -807,6 +807,21 @@ async fn new_start_and_add_operation_flags_are_checked_and_sent() {
             "opmon: reading {}: No such file or directory (os error 2)",
             missing.display()
         )
+    );
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(["backup", "start", "b1", "--uid", "u", "--object", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"not json").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon: --object -: standard input: expected ident at line 1 column 2"
     );
     let out = opmon(
         &f,

@@ -122,9 +122,10 @@ fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, String> {
     T::deserialize(value).map_err(|e| format!("the agent answered in an unexpected form: {e}"))
 }
 
-fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
+fn read_json_file<T: DeserializeOwned>(flag: &str, path: &Path) -> Result<T, String> {
     let mut text = String::new();
-    if path == Path::new("-") {
+    let stdin = path == Path::new("-");
+    if stdin {
         std::io::stdin()
             .read_to_string(&mut text)
             .map_err(|e| format!("reading standard input: {e}"))?;
@@ -132,7 +133,13 @@ fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
         text = std::fs::read_to_string(path)
             .map_err(|e| format!("reading {}: {e}", path.display()))?;
     }
-    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    serde_json::from_str(&text).map_err(|e| {
+        if stdin {
+            format!("{flag} -: standard input: {e}")
+        } else {
+            format!("{flag} {}: {e}", path.display())
+        }
+    })
 }
 
 /// `path` as the user meant it: relative paths are relative to where the CLI runs,
@@ -170,7 +177,9 @@ async fn owner_command(
             if finalize && kind == OwnerKind::Backup {
                 return Err("--finalize is for restores; backups always finalize".into());
             }
-            let object = object.map(|path| read_json_file(&path)).transpose()?;
+            let object = object
+                .map(|path| read_json_file("--object", &path))
+                .transpose()?;
             let server = server
                 .zip(instance)
                 .map(|(name, instance)| ServerRef { name, instance });
@@ -187,7 +196,7 @@ async fn owner_command(
         }
         OwnerCommand::AddOperation(a) => {
             let operations: Vec<NewOperation> = match &a.file {
-                Some(path) => read_json_file(path)?,
+                Some(path) => read_json_file("--file", path)?,
                 None => {
                     let default_kind = match kind {
                         OwnerKind::Backup => PluginKind::BackupItemAction,
@@ -361,7 +370,7 @@ async fn owner_command(
                 _ => None,
             };
             let updated_items: Vec<UpdatedItem> = match updated_items {
-                Some(path) => read_json_file(&path)?,
+                Some(path) => read_json_file("--updated-items", &path)?,
                 None => Vec::new(),
             };
             let params = FinalizeParams {

@@ -76,8 +76,10 @@ impl View for Lines {
             } else {
                 String::new()
             };
+            // The item too: operations of two items may share an ID.
             text.push_str(&format!(
-                "  {} {} {}{error}\n",
+                "  {} {} {} {}{error}\n",
+                render::item(&op.resource),
                 clean(&op.operation_id),
                 op.phase,
                 render::progress(op)
