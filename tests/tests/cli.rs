@@ -874,3 +874,55 @@ async fn new_start_and_add_operation_flags_are_checked_and_sent() {
     let ops = json_of(&opmon(&f, &["-o", "json", "backup", "operations", "b1"]));
     assert_eq!(ops[0]["created"], "2020-01-02T03:04:05Z");
 }
+
+#[tokio::test]
+async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
+    let mut f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    // Two items' operations with one ID: each keeps a line of its own.
+    opmon_tests::start_and_end_in_progress(
+        &client.backups(),
+        "kept",
+        vec![
+            opmon_tests::operation(PLUGIN, "gate-k", "a", &[]),
+            opmon_tests::operation(PLUGIN, "gate-k", "b", &[]),
+        ],
+    )
+    .await;
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(["backup", "wait", "kept"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    // The first update has arrived once its owner line is printed.
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert!(
+        first.starts_with("backup kept: WaitingForPluginOperations"),
+        "{first}"
+    );
+
+    f.agent.kill9();
+    f.agent.restart();
+    f.open_gate("gate-k");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{first}{rest}");
+    let lines: Vec<&str> = rest.lines().collect();
+    for item in [
+        "persistentvolumeclaims app/a",
+        "persistentvolumeclaims app/b",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("  {item} gate-k Completed"))),
+            "{item}: {rest}"
+        );
+    }
+    assert_eq!(lines.last(), Some(&"backup kept is Finalizing"), "{rest}");
+}
