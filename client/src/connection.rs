@@ -197,3 +197,85 @@ impl Pool {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixListener;
+
+    /// A peer that reads one request head and answers `answer`, then closes.
+    async fn answer_once(listener: &UnixListener, answer: &[u8]) {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            stream.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        stream.write_all(answer).await.unwrap();
+        stream.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_answer_over_the_limit_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            answer_once(
+                &listener,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n01234567890123456789",
+            )
+            .await
+        });
+        let conn = Conn::open(&path).await.unwrap();
+        match conn.post(b"{}", 10).await {
+            Err(Failure::Protocol(what)) => {
+                assert_eq!(what, "a response over the limit of 10 bytes")
+            }
+            Err(_) => panic!("another failure"),
+            Ok(_) => panic!("an answer over the limit was accepted"),
+        }
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_connection_is_reused_until_the_peer_closes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (close, closed) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n{}") {
+                stream.read_exact(&mut byte).await.unwrap();
+                head.push(byte[0]);
+            }
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                .await
+                .unwrap();
+            let _ = closed.await;
+            drop(stream);
+        });
+        let conn = Conn::open(&path).await.unwrap();
+        let Ok((answer, Some(conn))) = conn.post(b"{}", 1024).await else {
+            panic!("the exchange failed or left no connection to reuse");
+        };
+        assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
+        let pool = Pool::default();
+        pool.put(conn);
+        let Some(conn) = pool.take() else {
+            panic!("a live kept-alive connection was not reused");
+        };
+        pool.put(conn);
+        // The peer closes (its task is over once it has): the pool drops it.
+        close.send(()).unwrap();
+        server.await.unwrap();
+        assert!(pool.take().is_none());
+        assert_eq!(pool.len(), 0);
+    }
+}
