@@ -1,6 +1,6 @@
 //! The typed async client: every API method as a Rust call, on the agent's Unix socket.
 //!
-//! Calls are HTTP/1.1 `POST /` on pooled keep-alive connections, each written and read
+//! Calls are HTTP/1.1 `POST /` on pooled keep-alive connections (hyper's), each driven
 //! by the calling task; subscriptions are WebSocket connections of their own
 //! ([`crate::subscription`]). The client is built to outlive agent restarts:
 //!
@@ -255,12 +255,12 @@ impl Inner {
             .acquire()
             .await
             .map_err(|_| Failure::Protocol("the client was closed".into()))?;
-        let mut conn = match self.pool.take() {
+        let conn = match self.pool.take() {
             Some(conn) => conn,
             None => Conn::open(&self.path).await.map_err(Failure::NotSent)?,
         };
         let (answer, reusable) = conn.post(body, self.config.max_response).await?;
-        if reusable {
+        if let Some(conn) = reusable {
             self.pool.put(conn);
         }
         Ok(answer)
@@ -483,6 +483,25 @@ impl Client {
     /// The methods of owners of `kind`.
     pub fn owners(&self, kind: OwnerKind) -> Owners<'_> {
         Owners { client: self, kind }
+    }
+
+    /// `server.started`: the backup server `name` now runs as `instance`. The agent
+    /// fails the InProgress owners that earlier instances of `name` started (with a
+    /// failure reason) and answers which; calling it again fails nothing more. `""`
+    /// names the owners started without a server.
+    pub async fn server_started(
+        &self,
+        name: &str,
+        instance: &str,
+    ) -> Result<ServerStartedResult, Error> {
+        self.call(
+            methods::SERVER_STARTED,
+            ServerStartedParams {
+                name: name.into(),
+                instance: instance.into(),
+            },
+        )
+        .await
     }
 
     /// `snapshotter.register`: persisted, replaces an earlier registration of the name.

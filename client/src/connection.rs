@@ -1,25 +1,31 @@
-//! HTTP/1.1 on the agent's Unix socket, for calls: one request at a time per
-//! connection, kept alive and pooled.
+//! HTTP/1.1 on the agent's Unix socket, for calls: hyper's client connections, one
+//! request at a time per connection, kept alive and pooled here.
 //!
-//! A call is written and its answer read by the calling task itself, with no background
-//! task in between: a round trip costs the two socket operations and nothing else
-//! (the WebSocket client this replaced handed every request to a task of its own and
-//! back, which doubled `agent.status`'s round trip).
+//! hyper splits a connection into a handle that sends requests and a driver future that
+//! does the I/O. The driver is polled by the calling task itself, next to its request,
+//! and not by a task of its own: a round trip then costs the two socket operations and
+//! no wake-up of another task (a spawned driver, like the WebSocket client this once
+//! replaced, doubled `agent.status`'s round trip). An idle connection's driver is not
+//! polled at all; it is probed once when the connection is taken from the pool.
 //!
 //! Whether a failed request reached the agent is kept apart ([`Failure::NotSent`] vs
 //! [`Failure::Lost`]), because only the caller knows whether its method may be repeated.
-//! Everything read is bounded: the head by [`MAX_HEAD`], the body by the caller's limit.
+//! hyper hands back a request it did not write, which is what tells the two apart.
+//! Everything read is bounded: the head by hyper's buffer limit, the body by the caller's.
 
+use std::future::Future;
 use std::io;
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Mutex;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
-
-/// Largest response head (status line and headers) accepted.
-pub(crate) const MAX_HEAD: usize = 64 * 1024;
 
 /// An idle connection older than this is closed rather than reused, so a request
 /// never races the agent's idle timeout closing it (which would make the request's
@@ -32,13 +38,13 @@ const MAX_POOLED: usize = 16;
 /// One HTTP answer.
 pub(crate) struct Answer {
     pub status: u16,
-    pub body: Vec<u8>,
+    pub body: Bytes,
 }
 
 /// Why an exchange failed.
 pub(crate) enum Failure {
-    /// The request did not reach the agent (no connection, or it could not be written
-    /// in full): sending it again is always safe.
+    /// The request did not reach the agent (no connection, or hyper did not write it):
+    /// sending it again is always safe.
     NotSent(io::Error),
     /// The request was sent, and the connection broke before the whole answer came.
     Lost(io::Error),
@@ -46,225 +52,120 @@ pub(crate) enum Failure {
     Protocol(String),
 }
 
-/// One keep-alive connection.
+type Driver = http1::Connection<TokioIo<UnixStream>, Full<Bytes>>;
+
+/// One keep-alive connection: hyper's request handle and the driver that does its I/O.
 pub(crate) struct Conn {
-    stream: UnixStream,
-    /// Read buffer, reused between requests; empty between exchanges.
-    buf: Vec<u8>,
+    sender: http1::SendRequest<Full<Bytes>>,
+    driver: Pin<Box<Driver>>,
     idle_since: Instant,
 }
 
 impl Conn {
     pub async fn open(path: &Path) -> io::Result<Conn> {
+        let stream = UnixStream::connect(path).await?;
+        // The handshake of an HTTP/1 client connection only builds the state machine.
+        let (sender, driver) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(io::Error::other)?;
         Ok(Conn {
-            stream: UnixStream::connect(path).await?,
-            buf: Vec::with_capacity(8 * 1024),
+            sender,
+            driver: Box::pin(driver),
             idle_since: Instant::now(),
         })
     }
 
-    /// Whether an idle connection may carry another request: recently used, not closed
-    /// by the agent, and with nothing unread on it.
-    fn is_reusable(&self) -> bool {
-        if self.idle_since.elapsed() > MAX_IDLE {
+    /// Whether an idle connection may carry another request: recently used, and not
+    /// closed by the agent. Polling the driver once lets it see an end of stream (or
+    /// bytes nobody asked for, which hyper treats as an error) without waiting.
+    fn is_reusable(&mut self) -> bool {
+        if self.idle_since.elapsed() > MAX_IDLE || self.sender.is_closed() {
             return false;
         }
-        let mut probe = [0u8; 1];
-        matches!(self.stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        match self.driver.as_mut().poll(&mut cx) {
+            Poll::Pending => !self.sender.is_closed(),
+            Poll::Ready(_) => false,
+        }
     }
 
     /// POSTs `body` to `/` and reads the answer, at most `max_body` bytes of it.
-    /// Returns the answer and whether the connection may be reused.
-    pub async fn post(&mut self, body: &[u8], max_body: usize) -> Result<(Answer, bool), Failure> {
-        let mut request = Vec::with_capacity(body.len() + 128);
-        request.extend_from_slice(
-            format!(
-                "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                body.len()
-            )
-            .as_bytes(),
-        );
-        request.extend_from_slice(body);
-        self.stream
-            .write_all(&request)
-            .await
-            .map_err(Failure::NotSent)?;
-        let result = self.read_answer(max_body).await;
-        self.idle_since = Instant::now();
-        result
-    }
-
-    async fn fill(&mut self) -> Result<usize, Failure> {
-        if self.buf.capacity() - self.buf.len() < 4096 {
-            self.buf.reserve(8 * 1024);
-        }
-        self.stream
-            .read_buf(&mut self.buf)
-            .await
-            .map_err(Failure::Lost)
-    }
-
-    async fn read_answer(&mut self, max_body: usize) -> Result<(Answer, bool), Failure> {
-        self.buf.clear();
-        let (status, head_len, framing, close) = loop {
-            if self.fill().await? == 0 {
-                return Err(Failure::Lost(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the agent closed the connection before answering",
-                )));
-            }
-            let mut headers = [httparse::EMPTY_HEADER; 32];
-            let mut response = httparse::Response::new(&mut headers);
-            match response.parse(&self.buf) {
-                Ok(httparse::Status::Complete(len)) => {
-                    let status = response.code.unwrap_or(0);
-                    let (framing, close) = framing_of(response.headers)?;
-                    break (status, len, framing, close);
-                }
-                Ok(httparse::Status::Partial) if self.buf.len() < MAX_HEAD => continue,
-                Ok(httparse::Status::Partial) => {
-                    return Err(Failure::Protocol(format!(
-                        "a response head over {MAX_HEAD} bytes"
-                    )))
-                }
-                Err(e) => return Err(Failure::Protocol(format!("a malformed response ({e})"))),
-            }
-        };
-        let body = match framing {
-            Framing::Length(len) => {
-                if len > max_body {
-                    return Err(Failure::Protocol(format!(
-                        "a response of {len} bytes, over the limit of {max_body}"
-                    )));
-                }
-                while self.buf.len() < head_len + len {
-                    if self.fill().await? == 0 {
-                        return Err(Failure::Lost(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "the agent closed the connection in the middle of an answer",
-                        )));
-                    }
-                }
-                let body = self.buf[head_len..head_len + len].to_vec();
-                let leftover = self.buf.len() > head_len + len;
-                self.buf.clear();
-                return Ok((Answer { status, body }, !close && !leftover));
-            }
-            Framing::Chunked => self.read_chunked(head_len, max_body).await?,
-            Framing::UntilClose => {
-                while self.fill().await? != 0 {
-                    if self.buf.len() - head_len > max_body {
-                        return Err(Failure::Protocol(format!(
-                            "a response over the limit of {max_body} bytes"
-                        )));
-                    }
-                }
-                let body = self.buf[head_len..].to_vec();
-                self.buf.clear();
-                return Ok((Answer { status, body }, false));
-            }
-        };
-        let reusable = !close && self.buf.is_empty();
-        self.buf.clear();
-        Ok((Answer { status, body }, reusable))
-    }
-
-    /// Decodes a chunked body starting at `at`; leaves in `buf` whatever follows it.
-    async fn read_chunked(&mut self, mut at: usize, max_body: usize) -> Result<Vec<u8>, Failure> {
-        let mut body = Vec::new();
-        loop {
-            let line_end = loop {
-                if let Some(i) = find_crlf(&self.buf[at..]) {
-                    break at + i;
-                }
-                if self.buf.len() - at > 1024 {
-                    return Err(Failure::Protocol("a chunk size line over 1 KiB".into()));
-                }
-                self.need_more().await?;
+    /// Returns the answer and the connection if it may carry another request.
+    pub async fn post(
+        self,
+        body: &[u8],
+        max_body: usize,
+    ) -> Result<(Answer, Option<Conn>), Failure> {
+        let Conn {
+            mut sender,
+            mut driver,
+            ..
+        } = self;
+        let (result, driver) = {
+            let exchange = exchange(&mut sender, body, max_body);
+            tokio::pin!(exchange);
+            // The driver ends only when the connection does: then the exchange ends
+            // too (with what hyper read, or an error), once the driver is dropped.
+            let early = tokio::select! {
+                biased;
+                result = &mut exchange => Some(result),
+                _ = &mut driver => None,
             };
-            let size_text = std::str::from_utf8(&self.buf[at..line_end]).unwrap_or("");
-            let size_text = size_text.split(';').next().unwrap_or("").trim();
-            let size = usize::from_str_radix(size_text, 16)
-                .map_err(|_| Failure::Protocol(format!("a bad chunk size {size_text:?}")))?;
-            at = line_end + 2;
-            if size == 0 {
-                // Trailers, if any, end with an empty line.
-                loop {
-                    let line_end = loop {
-                        if let Some(i) = find_crlf(&self.buf[at..]) {
-                            break at + i;
-                        }
-                        if self.buf.len() - at > MAX_HEAD {
-                            return Err(Failure::Protocol("trailers over 64 KiB".into()));
-                        }
-                        self.need_more().await?;
-                    };
-                    let empty = line_end == at;
-                    at = line_end + 2;
-                    if empty {
-                        self.buf.drain(..at);
-                        return Ok(body);
-                    }
+            match early {
+                Some(result) => (result, Some(driver)),
+                None => {
+                    drop(driver);
+                    (exchange.await, None)
                 }
             }
-            if body.len() + size > max_body {
-                return Err(Failure::Protocol(format!(
-                    "a response over the limit of {max_body} bytes"
-                )));
-            }
-            while self.buf.len() < at + size + 2 {
-                self.need_more().await?;
-            }
-            body.extend_from_slice(&self.buf[at..at + size]);
-            at += size + 2;
-        }
-    }
-
-    async fn need_more(&mut self) -> Result<(), Failure> {
-        if self.fill().await? == 0 {
-            return Err(Failure::Lost(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the agent closed the connection in the middle of an answer",
-            )));
-        }
-        Ok(())
+        };
+        let answer = result?;
+        let conn = driver.filter(|_| !sender.is_closed()).map(|driver| Conn {
+            sender,
+            driver,
+            idle_since: Instant::now(),
+        });
+        Ok((answer, conn))
     }
 }
 
-fn find_crlf(bytes: &[u8]) -> Option<usize> {
-    bytes.windows(2).position(|w| w == b"\r\n")
-}
-
-/// How the body of an answer is delimited.
-enum Framing {
-    Length(usize),
-    Chunked,
-    UntilClose,
-}
-
-/// The body's framing and whether the agent closes the connection after it.
-fn framing_of(headers: &[httparse::Header<'_>]) -> Result<(Framing, bool), Failure> {
-    let mut framing = Framing::UntilClose;
-    let mut close = false;
-    for h in headers {
-        let value = std::str::from_utf8(h.value).unwrap_or("").trim();
-        if h.name.eq_ignore_ascii_case("content-length") {
-            let len = value
-                .parse()
-                .map_err(|_| Failure::Protocol(format!("a bad Content-Length {value:?}")))?;
-            framing = Framing::Length(len);
-        } else if h.name.eq_ignore_ascii_case("transfer-encoding")
-            && value.to_ascii_lowercase().contains("chunked")
-        {
-            framing = Framing::Chunked;
-        } else if h.name.eq_ignore_ascii_case("connection") && value.eq_ignore_ascii_case("close") {
-            close = true;
+/// One request and its whole answer on `sender`.
+async fn exchange(
+    sender: &mut http1::SendRequest<Full<Bytes>>,
+    body: &[u8],
+    max_body: usize,
+) -> Result<Answer, Failure> {
+    sender
+        .ready()
+        .await
+        .map_err(|e| Failure::NotSent(io::Error::other(e)))?;
+    let request = hyper::Request::post("/")
+        .header(hyper::header::HOST, "localhost")
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::copy_from_slice(body)))
+        .map_err(|e| Failure::Protocol(format!("a request hyper refused ({e})")))?;
+    let response = match sender.try_send_request(request).await {
+        Ok(response) => response,
+        Err(mut e) => {
+            let unsent = e.take_message().is_some();
+            let error = io::Error::other(e.into_error());
+            return Err(if unsent {
+                Failure::NotSent(error)
+            } else {
+                Failure::Lost(error)
+            });
         }
-    }
-    if matches!(framing, Framing::UntilClose) {
-        close = true;
-    }
-    Ok((framing, close))
+    };
+    let status = response.status().as_u16();
+    let body = Limited::new(response.into_body(), max_body)
+        .collect()
+        .await
+        .map_err(|e| match e.downcast::<LengthLimitError>() {
+            Ok(_) => Failure::Protocol(format!("a response over the limit of {max_body} bytes")),
+            Err(e) => Failure::Lost(io::Error::other(e)),
+        })?
+        .to_bytes();
+    Ok(Answer { status, body })
 }
 
 /// The idle connections of one client.
@@ -277,7 +178,7 @@ impl Pool {
     /// An idle connection that is still good, if there is one; stale ones are dropped.
     pub fn take(&self) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(conn) = idle.pop() {
+        while let Some(mut conn) = idle.pop() {
             if conn.is_reusable() {
                 return Some(conn);
             }
@@ -294,5 +195,87 @@ impl Pool {
 
     pub fn len(&self) -> usize {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixListener;
+
+    /// A peer that reads one request head and answers `answer`, then closes.
+    async fn answer_once(listener: &UnixListener, answer: &[u8]) {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            stream.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        stream.write_all(answer).await.unwrap();
+        stream.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_answer_over_the_limit_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            answer_once(
+                &listener,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n01234567890123456789",
+            )
+            .await
+        });
+        let conn = Conn::open(&path).await.unwrap();
+        match conn.post(b"{}", 10).await {
+            Err(Failure::Protocol(what)) => {
+                assert_eq!(what, "a response over the limit of 10 bytes")
+            }
+            Err(_) => panic!("another failure"),
+            Ok(_) => panic!("an answer over the limit was accepted"),
+        }
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_connection_is_reused_until_the_peer_closes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (close, closed) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n{}") {
+                stream.read_exact(&mut byte).await.unwrap();
+                head.push(byte[0]);
+            }
+            stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                .await
+                .unwrap();
+            let _ = closed.await;
+            drop(stream);
+        });
+        let conn = Conn::open(&path).await.unwrap();
+        let Ok((answer, Some(conn))) = conn.post(b"{}", 1024).await else {
+            panic!("the exchange failed or left no connection to reuse");
+        };
+        assert_eq!((answer.status, &answer.body[..]), (200, &b"{}"[..]));
+        let pool = Pool::default();
+        pool.put(conn);
+        let Some(conn) = pool.take() else {
+            panic!("a live kept-alive connection was not reused");
+        };
+        pool.put(conn);
+        // The peer closes (its task is over once it has): the pool drops it.
+        close.send(()).unwrap();
+        server.await.unwrap();
+        assert!(pool.take().is_none());
+        assert_eq!(pool.len(), 0);
     }
 }

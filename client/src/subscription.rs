@@ -147,16 +147,17 @@ impl State {
                 "method": method,
                 "params": NameParams { name: self.name.clone() },
             });
-            ws.send_text(request.to_string().as_bytes())
+            ws.send_text(request.to_string())
                 .await
-                .map_err(|source| {
-                    Attempt::Again(Error::Io {
+                .map_err(|e| match e {
+                    WsError::Io(source) => Attempt::Again(Error::Io {
                         path: path.clone(),
                         source,
-                    })
+                    }),
+                    WsError::Protocol(what) => Attempt::Fatal(self.path_error(what, None)),
                 })?;
             loop {
-                let message = match next_message(&mut ws).await {
+                let message = match ws.recv().await {
                     Ok(Some(Message::Text(text))) => text,
                     Ok(Some(Message::Pong)) => continue,
                     Ok(Some(Message::Close)) | Ok(None) => {
@@ -175,7 +176,7 @@ impl State {
                         return Err(Attempt::Fatal(self.path_error(what, None)))
                     }
                 };
-                let incoming: Incoming<'_> = serde_json::from_slice(&message).map_err(|e| {
+                let incoming: Incoming<'_> = serde_json::from_str(&message).map_err(|e| {
                     Attempt::Fatal(self.path_error(
                         "a WebSocket message that is not JSON-RPC".into(),
                         Some(Box::new(e)),
@@ -299,63 +300,39 @@ enum Lost {
     Fatal(Error),
 }
 
-/// The next whole message, reading as needed; `None` at end of stream.
-async fn next_message(ws: &mut WebSocket) -> Result<Option<Message>, WsError> {
-    loop {
-        if let Some(m) = ws.next_buffered().await? {
-            return Ok(Some(m));
-        }
-        if ws.read_more().await.map_err(WsError::Io)? == 0 {
-            return Ok(None);
-        }
-    }
-}
-
 /// Reads until the next notification of this subscription, pinging while it waits.
 async fn read_update(live: &mut Live, client: &Client) -> Result<Incoming2, Lost> {
     let mut next_ping = Instant::now() + PING_EVERY;
     let mut awaiting_pong = false;
     loop {
-        let message = match live.ws.next_buffered().await {
-            Ok(Some(m)) => Some(m),
-            Ok(None) => None,
-            Err(WsError::Io(_)) => return Err(Lost::Connection),
+        // `recv` is cancel-safe: losing the race to the timer loses no bytes.
+        let message = tokio::select! {
+            message = live.ws.recv() => message,
+            _ = tokio::time::sleep_until(next_ping) => {
+                if awaiting_pong || live.ws.send_ping().await.is_err() {
+                    return Err(Lost::Connection);
+                }
+                awaiting_pong = true;
+                next_ping = Instant::now() + PING_EVERY;
+                continue;
+            }
+        };
+        match message {
+            Ok(Some(Message::Text(text))) => {
+                if let Some(item) = parse_notification(text.as_bytes(), &live.id, client)? {
+                    return Ok(item);
+                }
+            }
+            Ok(Some(Message::Pong)) => awaiting_pong = false,
+            Ok(Some(Message::Close)) | Ok(None) | Err(WsError::Io(_)) => {
+                return Err(Lost::Connection)
+            }
             Err(WsError::Protocol(what)) => {
                 return Err(Lost::Fatal(Error::Protocol {
                     path: client.socket().to_path_buf(),
                     what,
                     source: None,
                 }))
-            }
-        };
-        match message {
-            Some(Message::Text(text)) => {
-                if let Some(item) = parse_notification(&text, &live.id, client)? {
-                    return Ok(item);
-                }
-                continue;
-            }
-            Some(Message::Pong) => {
-                awaiting_pong = false;
-                continue;
-            }
-            Some(Message::Close) => return Err(Lost::Connection),
-            None => {}
-        }
-        tokio::select! {
-            read = live.ws.read_more() => match read {
-                Ok(0) | Err(_) => return Err(Lost::Connection),
-                Ok(_) => {}
-            },
-            _ = tokio::time::sleep_until(next_ping) => {
-                if awaiting_pong {
-                    return Err(Lost::Connection);
-                }
-                if live.ws.send_ping().await.is_err() {
-                    return Err(Lost::Connection);
-                }
-                awaiting_pong = true;
-                next_ping = Instant::now() + PING_EVERY;
             }
         }
     }

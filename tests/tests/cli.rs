@@ -332,11 +332,11 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     assert!(child.wait().unwrap().success());
     let lines: Vec<&str> = rest.lines().collect();
     assert!(
-        lines.contains(&"  gate-a InProgress 30/100 byte (30%)"),
+        lines.contains(&"  pods app/a gate-a InProgress 30/100 byte (30%)"),
         "{rest}"
     );
     assert!(
-        lines.contains(&"  done-b Completed 100/100 byte (100%)"),
+        lines.contains(&"  pods app/b done-b Completed 100/100 byte (100%)"),
         "{rest}"
     );
     assert!(
@@ -344,7 +344,7 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         "{rest}"
     );
     assert!(
-        lines.contains(&"  gate-a Completed 100/100 byte (100%)"),
+        lines.contains(&"  pods app/a gate-a Completed 100/100 byte (100%)"),
         "{rest}"
     );
     assert_eq!(lines.last(), Some(&"backup lines is Finalizing"));
@@ -381,7 +381,7 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         go_time(a.created),
         go_time(a.started.unwrap()),
     );
-    // Velero's Updated is the plugin's own time; this snapshotter reports none.
+    // Velero prints the plugin's own Updated, not the agent's change time.
     if let Some(updated) = a.plugin_updated {
         expected.push_str(&format!(
             "    Updated:                    {}\n",
@@ -629,4 +629,300 @@ async fn snapshotter_text_reaches_the_terminal_and_the_log_escaped() {
             )),
         "{log}"
     );
+}
+
+#[tokio::test]
+async fn get_and_describe_exit_with_the_code_of_the_owners_phase() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    for (name, op) in [("fine", "done-1"), ("partial", "fail-1")] {
+        opmon_tests::start_and_end_in_progress(
+            &backups,
+            name,
+            vec![opmon_tests::operation(PLUGIN, op, "a", &[])],
+        )
+        .await;
+        backups
+            .wait(
+                name,
+                opmon_client::WaitUntil::ReadyToFinalize,
+                std::time::Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    }
+    backups.start("doomed", "u", None).await.unwrap();
+    backups.end_in_progress("doomed").failed().await.unwrap();
+    for (name, code) in [("fine", 0), ("partial", 1), ("doomed", 2)] {
+        for args in [
+            vec!["backup", "get", name],
+            vec!["-o", "json", "backup", "get", name],
+            vec!["backup", "describe", name],
+            vec!["backup", "describe", name, "--details"],
+        ] {
+            let out = opmon(&f, &args);
+            assert_eq!(out.status.code(), Some(code), "{args:?}");
+            assert!(!out.stdout.is_empty(), "{args:?} printed nothing");
+        }
+    }
+}
+
+#[tokio::test]
+async fn server_started_fails_what_the_earlier_instance_started() {
+    let f = Fixture::new(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let object = dir.path().join("backup.json");
+    std::fs::write(&object, r#"{"metadata": {"name": "b1"}}"#).unwrap();
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u1",
+            "--server",
+            "velero",
+            "--instance",
+            "pod-a",
+            "--object",
+        ]
+        .into_iter()
+        .chain([object.to_str().unwrap()])
+        .collect::<Vec<_>>(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The object from standard input.
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args([
+            "restore",
+            "start",
+            "r1",
+            "--uid",
+            "u2",
+            "--server",
+            "velero",
+            "--instance",
+            "pod-a",
+            "--object",
+            "-",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        &mut child.stdin.take().unwrap(),
+        br#"{"metadata": {"name": "r1"}}"#,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = opmon(&f, &["backup", "start", "other", "--uid", "u3"]);
+    assert!(out.status.success());
+
+    let out = opmon(&f, &["server", "started", "velero", "--instance", "pod-b"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "server velero runs as pod-b: 2 backups and restores failed\n\
+         backup b1 (uid u1) failed\n\
+         restore r1 (uid u2) failed\n"
+    );
+    assert_eq!(opmon(&f, &["backup", "get", "b1"]).status.code(), Some(2));
+    assert_eq!(opmon(&f, &["restore", "get", "r1"]).status.code(), Some(2));
+    assert_eq!(
+        opmon(&f, &["backup", "get", "other"]).status.code(),
+        Some(0)
+    );
+    // Again: nothing more fails, and -o json is the API's result.
+    let again = json_of(&opmon(
+        &f,
+        &[
+            "-o",
+            "json",
+            "server",
+            "started",
+            "velero",
+            "--instance",
+            "pod-b",
+        ],
+    ));
+    assert_eq!(again, json!({"failed": []}));
+}
+
+#[tokio::test]
+async fn new_start_and_add_operation_flags_are_checked_and_sent() {
+    let f = Fixture::new(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let not_object = dir.path().join("list.json");
+    std::fs::write(&not_object, "[1, 2]").unwrap();
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u",
+            "--object",
+            not_object.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon: object: must be a JSON object (the backup server's representation of the \
+         backup or restore) (code -32602)"
+    );
+    let missing = dir.path().join("absent.json");
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "start",
+            "b1",
+            "--uid",
+            "u",
+            "--object",
+            missing.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        format!(
+            "opmon: reading {}: No such file or directory (os error 2)",
+            missing.display()
+        )
+    );
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(["backup", "start", "b1", "--uid", "u", "--object", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"not json").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "opmon: --object -: standard input: expected ident at line 1 column 2"
+    );
+    let out = opmon(
+        &f,
+        &["backup", "start", "b1", "--uid", "u", "--server", "velero"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--instance <INSTANCE>"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    assert!(opmon(&f, &["backup", "start", "b1", "--uid", "u"])
+        .status
+        .success());
+    let add = |created: &str| {
+        opmon(
+            &f,
+            &[
+                "backup",
+                "add-operation",
+                "b1",
+                "--plugin",
+                PLUGIN,
+                "--item",
+                "pods/app/p",
+                "--operation-id",
+                "never-1",
+                "--created",
+                created,
+            ],
+        )
+    };
+    let out = add("yesterday");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(
+            "invalid value 'yesterday' for '--created <CREATED>': not an RFC 3339 time such as \
+             2026-01-02T15:04:05Z"
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = add("2020-01-02T03:04:05Z");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ops = json_of(&opmon(&f, &["-o", "json", "backup", "operations", "b1"]));
+    assert_eq!(ops[0]["created"], "2020-01-02T03:04:05Z");
+}
+
+#[tokio::test]
+async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
+    let mut f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    // Two items' operations with one ID: each keeps a line of its own.
+    opmon_tests::start_and_end_in_progress(
+        &client.backups(),
+        "kept",
+        vec![
+            opmon_tests::operation(PLUGIN, "gate-k", "a", &[]),
+            opmon_tests::operation(PLUGIN, "gate-k", "b", &[]),
+        ],
+    )
+    .await;
+    let mut child = Command::new(workspace_binary("opmon"))
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(["backup", "wait", "kept"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    // The first update has arrived once its owner line is printed.
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert!(
+        first.starts_with("backup kept: WaitingForPluginOperations"),
+        "{first}"
+    );
+
+    f.agent.kill9();
+    f.agent.restart();
+    f.open_gate("gate-k");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{first}{rest}");
+    let lines: Vec<&str> = rest.lines().collect();
+    for item in [
+        "persistentvolumeclaims app/a",
+        "persistentvolumeclaims app/b",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("  {item} gate-k Completed"))),
+            "{item}: {rest}"
+        );
+    }
+    assert_eq!(lines.last(), Some(&"backup kept is Finalizing"), "{rest}");
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use opmon_client::{ApiVersion, GoDuration, OperationPhase, OwnerPhase, PluginKind};
+use opmon_client::{ApiVersion, GoDuration, OperationPhase, OwnerPhase, PluginKind, Timestamp};
 
 fn go_duration(text: &str) -> Result<GoDuration, String> {
     text.parse::<GoDuration>().map_err(|e| e.to_string())
@@ -20,6 +20,11 @@ fn operation_phase(text: &str) -> Result<OperationPhase, String> {
 
 fn plugin_kind(text: &str) -> Result<PluginKind, String> {
     text.parse()
+}
+
+fn rfc3339(text: &str) -> Result<Timestamp, String> {
+    Timestamp::parse(text, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| format!("not an RFC 3339 time such as 2026-01-02T15:04:05Z ({e})"))
 }
 
 fn api_version(text: &str) -> Result<ApiVersion, String> {
@@ -64,6 +69,9 @@ pub enum Command {
     /// Snapshotters: who owns which plugin's operations.
     #[command(subcommand)]
     Snapshotter(SnapshotterCommand),
+    /// Backup servers: say that one (re)started.
+    #[command(subcommand)]
+    Server(ServerCommand),
     /// Prints a shell completion script.
     Completions {
         #[arg(value_enum)]
@@ -84,6 +92,18 @@ pub enum OwnerCommand {
         /// Restores only: pass through Finalizing and wait for `finalize`.
         #[arg(long)]
         finalize: bool,
+        /// The backup server's own representation of it, a JSON object (for Velero, the
+        /// Backup or Restore): a file, or - for standard input. Snapshotters get it with
+        /// every Progress and Cancel.
+        #[arg(long, value_name = "FILE|-")]
+        object: Option<PathBuf>,
+        /// The backup server starting it: `server started` of a later instance of that
+        /// server fails it while it is InProgress.
+        #[arg(long, requires = "instance")]
+        server: Option<String>,
+        /// The instance of --server now running (e.g. its pod or process start ID).
+        #[arg(long, requires = "server")]
+        instance: Option<String>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
     AddOperation(AddOperation),
@@ -179,6 +199,22 @@ pub struct AddOperation {
     /// An item to back up again once operations finish (repeatable), same form as --item.
     #[arg(long = "post-item")]
     pub post_items: Vec<String>,
+    /// When the plugin returned the operation, RFC 3339; the item operation timeout
+    /// counts from it [default: when the agent is told].
+    #[arg(long, value_parser = rfc3339, conflicts_with = "file")]
+    pub created: Option<Timestamp>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ServerCommand {
+    /// Says backup server NAME now runs as --instance: the agent fails the InProgress
+    /// backups and restores that its earlier instances started, and prints them. NAME
+    /// "" stands for the owners started without --server.
+    Started {
+        name: String,
+        #[arg(long)]
+        instance: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]

@@ -23,13 +23,14 @@ use opmon_client::text::escape_controls;
 use opmon_client::{
     AddOperationsParams, Client, Contents, EndInProgressParams, FinalizeParams, FinalizeResult,
     ListParams, NameParams, NewOperation, OperationsParams, Owner, OwnerKind, PluginKind,
-    PluginRef, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams,
+    UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use args::{Cli, Command, Output, OwnerCommand, SnapshotterCommand, Until};
+use args::{Cli, Command, Output, OwnerCommand, ServerCommand, SnapshotterCommand, Until};
 
 /// `{}`: the params of methods that take none.
 #[derive(Serialize)]
@@ -80,6 +81,16 @@ async fn run(cli: Cli) -> Outcome {
         Command::Backup(cmd) => owner_command(&client, out, OwnerKind::Backup, cmd).await,
         Command::Restore(cmd) => owner_command(&client, out, OwnerKind::Restore, cmd).await,
         Command::Snapshotter(cmd) => snapshotter_command(&client, out, cmd).await,
+        Command::Server(ServerCommand::Started { name, instance }) => {
+            let params = ServerStartedParams {
+                name: name.clone(),
+                instance: instance.clone(),
+            };
+            let value = call(&client, methods::SERVER_STARTED, params).await?;
+            print(out, &value, |r: &ServerStartedResult| {
+                render::server_started(&name, &instance, r)
+            })
+        }
         Command::Completions { .. } => Ok(0),
     }
 }
@@ -111,9 +122,10 @@ fn typed<T: DeserializeOwned>(value: &Value) -> Result<T, String> {
     T::deserialize(value).map_err(|e| format!("the agent answered in an unexpected form: {e}"))
 }
 
-fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
+fn read_json_file<T: DeserializeOwned>(flag: &str, path: &Path) -> Result<T, String> {
     let mut text = String::new();
-    if path == Path::new("-") {
+    let stdin = path == Path::new("-");
+    if stdin {
         std::io::stdin()
             .read_to_string(&mut text)
             .map_err(|e| format!("reading standard input: {e}"))?;
@@ -121,7 +133,13 @@ fn read_json_file<T: DeserializeOwned>(path: &Path) -> Result<T, String> {
         text = std::fs::read_to_string(path)
             .map_err(|e| format!("reading {}: {e}", path.display()))?;
     }
-    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    serde_json::from_str(&text).map_err(|e| {
+        if stdin {
+            format!("{flag} -: standard input: {e}")
+        } else {
+            format!("{flag} {}: {e}", path.display())
+        }
+    })
 }
 
 /// `path` as the user meant it: relative paths are relative to where the CLI runs,
@@ -152,23 +170,33 @@ async fn owner_command(
             uid,
             item_operation_timeout,
             finalize,
+            object,
+            server,
+            instance,
         } => {
             if finalize && kind == OwnerKind::Backup {
                 return Err("--finalize is for restores; backups always finalize".into());
             }
+            let object = object
+                .map(|path| read_json_file("--object", &path))
+                .transpose()?;
+            let server = server
+                .zip(instance)
+                .map(|(name, instance)| ServerRef { name, instance });
             let params = StartParams {
                 name,
                 uid,
                 item_operation_timeout,
                 finalize: finalize.then_some(true),
-                ..Default::default()
+                object,
+                server,
             };
             let value = call(client, method(OwnerMethod::Start), params).await?;
             print(out, &value, one_line)
         }
         OwnerCommand::AddOperation(a) => {
             let operations: Vec<NewOperation> = match &a.file {
-                Some(path) => read_json_file(path)?,
+                Some(path) => read_json_file("--file", path)?,
                 None => {
                     let default_kind = match kind {
                         OwnerKind::Backup => PluginKind::BackupItemAction,
@@ -187,7 +215,7 @@ async fn owner_command(
                         resource: render::parse_item(a.item.as_deref().unwrap_or_default())?,
                         operation_id: a.operation_id.clone().unwrap_or_default(),
                         post_operation_items,
-                        created: None,
+                        created: a.created,
                     }]
                 }
             };
@@ -221,7 +249,9 @@ async fn owner_command(
             let value = call(client, method(OwnerMethod::Get), NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o))
-            })
+            })?;
+            let owner: Owner = typed(&value)?;
+            Ok(render::exit_code(owner.phase))
         }
         OwnerCommand::List {
             phases,
@@ -280,7 +310,7 @@ async fn owner_command(
                     out::emit(&render::describe(&owner, ops.as_deref()))?;
                 }
             }
-            Ok(0)
+            Ok(render::exit_code(typed::<Owner>(&owner)?.phase))
         }
         OwnerCommand::Wait {
             name,
@@ -340,7 +370,7 @@ async fn owner_command(
                 _ => None,
             };
             let updated_items: Vec<UpdatedItem> = match updated_items {
-                Some(path) => read_json_file(&path)?,
+                Some(path) => read_json_file("--updated-items", &path)?,
                 None => Vec::new(),
             };
             let params = FinalizeParams {

@@ -8,7 +8,7 @@ use std::fmt::Write;
 
 use opmon_client::{
     AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase, ResourceIdentifier,
-    Snapshotter, Timestamp,
+    ServerStartedResult, Snapshotter, Timestamp,
 };
 
 /// Parses `RESOURCE[.GROUP]/NAMESPACE/NAME` or `RESOURCE[.GROUP]/NAME` (cluster-scoped).
@@ -471,6 +471,35 @@ pub fn item_operations(records: &[ItemOperation]) -> String {
 }
 
 /// The documented exit code for an owner in `phase`.
+/// `server started`: which owners the agent failed.
+pub fn server_started(name: &str, instance: &str, r: &ServerStartedResult) -> String {
+    let server = if name.is_empty() {
+        "the server of owners started without one".to_string()
+    } else {
+        format!("server {}", clean(name))
+    };
+    let mut text = format!(
+        "{server} runs as {}: {}\n",
+        clean(instance),
+        match r.failed.len() {
+            0 => "nothing failed".to_string(),
+            1 => "1 backup or restore failed".to_string(),
+            n => format!("{n} backups and restores failed"),
+        }
+    );
+    for o in &r.failed {
+        text.push_str(&format!(
+            "{} {} (uid {}) failed\n",
+            o.kind,
+            clean(&o.name),
+            clean(&o.uid)
+        ));
+    }
+    text
+}
+
+/// The exit code an owner's phase gives every command that reads or moves one: 0, 1
+/// PartiallyFailed or on its way there, 2 Failed.
 pub fn exit_code(phase: OwnerPhase) -> u8 {
     match phase {
         OwnerPhase::Failed | OwnerPhase::FailedValidation => 2,

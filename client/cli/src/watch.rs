@@ -7,17 +7,39 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use opmon_client::{Client, Operation, OperationPhase, Owner, OwnerKind, OwnerUpdate, WaitUntil};
+use opmon_client::{
+    Client, Operation, OperationPhase, Owner, OwnerKind, OwnerUpdate, ResourceIdentifier, WaitUntil,
+};
 
 use crate::out;
 use crate::render::{self, clean};
+
+/// Which operation a bar or a remembered state belongs to. An operation is known by its
+/// plugin, its item and its ID together (the agent's identity of an operation): two
+/// items' operations may carry the same ID, and each needs a bar of its own.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct OpKey {
+    plugin: String,
+    item: ResourceIdentifier,
+    operation_id: String,
+}
+
+impl OpKey {
+    fn of(op: &Operation) -> OpKey {
+        OpKey {
+            plugin: op.plugin.name.clone(),
+            item: op.resource.clone(),
+            operation_id: op.operation_id.clone(),
+        }
+    }
+}
 
 /// How the changes are shown.
 trait View {
     fn show(
         &mut self,
         update: &OwnerUpdate,
-        ops: &BTreeMap<String, Operation>,
+        ops: &BTreeMap<OpKey, Operation>,
     ) -> Result<(), String>;
     fn finish(&mut self);
 }
@@ -31,7 +53,7 @@ impl View for Lines {
     fn show(
         &mut self,
         update: &OwnerUpdate,
-        _ops: &BTreeMap<String, Operation>,
+        _ops: &BTreeMap<OpKey, Operation>,
     ) -> Result<(), String> {
         let o = &update.owner;
         let summary = (o.phase, o.operations_completed, o.operations_failed);
@@ -54,8 +76,10 @@ impl View for Lines {
             } else {
                 String::new()
             };
+            // The item too: operations of two items may share an ID.
             text.push_str(&format!(
-                "  {} {} {}{error}\n",
+                "  {} {} {} {}{error}\n",
+                render::item(&op.resource),
                 clean(&op.operation_id),
                 op.phase,
                 render::progress(op)
@@ -71,7 +95,7 @@ impl View for Lines {
 struct Bars {
     multi: MultiProgress,
     overall: ProgressBar,
-    ops: BTreeMap<String, ProgressBar>,
+    ops: BTreeMap<OpKey, ProgressBar>,
 }
 
 impl Bars {
@@ -93,7 +117,8 @@ impl Bars {
     }
 
     fn bar_for(&mut self, op: &Operation) -> ProgressBar {
-        if let Some(bar) = self.ops.get(&op.operation_id) {
+        let key = OpKey::of(op);
+        if let Some(bar) = self.ops.get(&key) {
             return bar.clone();
         }
         // Rates and ETAs count from when the operation started, not from when we looked.
@@ -106,24 +131,29 @@ impl Bars {
             .multi
             .add(ProgressBar::new(op.n_total.max(0) as u64).with_elapsed(running_for));
         let template = if op.operation_units.starts_with("byte") {
-            "  {prefix:24} [{bar:30.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}  {msg}"
+            "  {prefix:40} [{bar:30.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}  {msg}"
         } else {
-            "  {prefix:24} [{bar:30.cyan/blue}] {pos}/{len} {per_sec} eta {eta}  {msg}"
+            "  {prefix:40} [{bar:30.cyan/blue}] {pos}/{len} {per_sec} eta {eta}  {msg}"
         };
         bar.set_style(
             ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
-        bar.set_prefix(clean(&op.operation_id).into_owned());
-        self.ops.insert(op.operation_id.clone(), bar.clone());
+        bar.set_prefix(bar_label(op));
+        self.ops.insert(key, bar.clone());
         bar
     }
+}
+
+/// A bar's label: the item and the operation ID, as the key has them.
+fn bar_label(op: &Operation) -> String {
+    format!("{} {}", render::item(&op.resource), clean(&op.operation_id))
 }
 
 impl View for Bars {
     fn show(
         &mut self,
         update: &OwnerUpdate,
-        ops: &BTreeMap<String, Operation>,
+        ops: &BTreeMap<OpKey, Operation>,
     ) -> Result<(), String> {
         let o = &update.owner;
         self.overall
@@ -133,7 +163,7 @@ impl View for Bars {
             .set_position(o.operations_completed + o.operations_failed);
         self.overall.set_message(o.phase.to_string());
         for op in ops.values() {
-            let known = self.ops.contains_key(&op.operation_id);
+            let known = self.ops.contains_key(&OpKey::of(op));
             if !known && !op.phase.is_unfinished() {
                 continue; // finished before we looked: nothing to watch
             }
@@ -180,7 +210,7 @@ pub async fn wait(
         Box::new(Lines { last_owner: None })
     };
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-    let mut ops: BTreeMap<String, Operation> = BTreeMap::new();
+    let mut ops: BTreeMap<OpKey, Operation> = BTreeMap::new();
     loop {
         let next = match deadline {
             Some(d) => match tokio::time::timeout_at(d, updates.next()).await {
@@ -201,13 +231,7 @@ pub async fn wait(
             // The stream ends after a terminal update, which `until` always accepts.
             None => return Err(format!("the subscription to {kind} {name} ended")),
         };
-        // These carry every operation: start over from them.
-        if update.lagged || update.resumed {
-            ops.clear();
-        }
-        for op in &update.operations {
-            ops.insert(op.operation_id.clone(), op.clone());
-        }
+        remember(&mut ops, &update);
         view.show(&update, &ops)?;
         if until.is_reached(update.owner.phase) {
             view.finish();
@@ -216,12 +240,103 @@ pub async fn wait(
     }
 }
 
+/// Folds an update into the operations known so far.
+fn remember(ops: &mut BTreeMap<OpKey, Operation>, update: &opmon_client::Update) {
+    // These carry every operation: start over from them.
+    if update.lagged || update.resumed {
+        ops.clear();
+    }
+    for op in &update.operations {
+        ops.insert(OpKey::of(op), op.clone());
+    }
+}
+
 /// No progress output (for `-o json`, which prints only the result).
 struct Quiet;
 
 impl View for Quiet {
-    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<String, Operation>) -> Result<(), String> {
+    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<OpKey, Operation>) -> Result<(), String> {
         Ok(())
     }
     fn finish(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opmon_client::OwnerPhase;
+
+    fn op(item: &str, id: &str, n: i64) -> Operation {
+        let mut op: Operation = serde_json::from_value(serde_json::json!({
+            "plugin": {"kind": "BackupItemAction", "name": "example.io/copier"},
+            "resource": {"group": "", "resource": "pods", "namespace": "", "name": ""},
+            "operationId": id, "postOperationItems": [], "phase": "InProgress", "error": "",
+            "nCompleted": n, "nTotal": 100, "operationUnits": "byte", "description": "",
+            "created": "2026-01-01T00:00:00Z", "started": null, "updated": null
+        }))
+        .unwrap();
+        op.resource = render::parse_item(item).unwrap();
+        op
+    }
+
+    fn update(operations: Vec<Operation>, resumed: bool) -> opmon_client::Update {
+        let owner: Owner = serde_json::from_value(serde_json::json!({
+            "kind": "backup", "name": "b", "uid": "u", "phase": OwnerPhase::WaitingForPluginOperations,
+            "itemOperationTimeout": "4h0m0s", "finalize": true, "errors": 0, "warnings": 0,
+            "operationsAttempted": 2, "operationsCompleted": 0, "operationsFailed": 0,
+            "postOperationItems": null, "created": "2026-01-01T00:00:00Z",
+            "updated": "2026-01-01T00:00:00Z", "completed": null
+        }))
+        .unwrap();
+        opmon_client::Update {
+            update: OwnerUpdate {
+                owner,
+                operations,
+                lagged: false,
+            },
+            resumed,
+        }
+    }
+
+    #[test]
+    fn operations_of_two_items_with_one_id_are_watched_apart() {
+        let mut ops = BTreeMap::new();
+        remember(
+            &mut ops,
+            &update(
+                vec![
+                    op("pods/app/a", "copy-1", 10),
+                    op("pods/app/b", "copy-1", 20),
+                ],
+                false,
+            ),
+        );
+        assert_eq!(ops.len(), 2);
+        // A later change of one leaves the other as it was.
+        remember(
+            &mut ops,
+            &update(vec![op("pods/app/b", "copy-1", 90)], false),
+        );
+        let progress: Vec<(String, i64)> = ops
+            .values()
+            .map(|o| (o.resource.name.clone(), o.n_completed))
+            .collect();
+        assert_eq!(progress, [("a".to_string(), 10), ("b".to_string(), 90)]);
+        assert_eq!(
+            bar_label(&op("pods/app/b", "copy-1", 0)),
+            "pods app/b copy-1"
+        );
+    }
+
+    #[test]
+    fn a_resumed_update_replaces_what_was_known() {
+        let mut ops = BTreeMap::new();
+        remember(
+            &mut ops,
+            &update(vec![op("pods/app/a", "copy-1", 10)], false),
+        );
+        remember(&mut ops, &update(vec![op("pods/app/b", "copy-2", 5)], true));
+        let names: Vec<&str> = ops.values().map(|o| o.operation_id.as_str()).collect();
+        assert_eq!(names, ["copy-2"]);
+    }
 }
