@@ -22,7 +22,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::store::{Store, StorageFailure};
+use crate::store::{StorageFailure, Store};
 
 /// Who checkpoints the WAL into the database file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
