@@ -1,10 +1,13 @@
 //! `agent.status`'s counts (owners by phase, unfinished operations), kept in memory
 //! between commits so a status request reads no database.
 //!
-//! The writer thread, which runs every transaction, forgets the counts when it opens one
-//! and again when it has ended it; a count read from the database is kept only if no
-//! transaction was open or ended while it was read. So the cache is right whichever
-//! code wrote, with no rule for callers to remember.
+//! The counts are sums over the `owners` table alone. The writer thread, which runs
+//! every transaction, sees through SQLite's update hook whether a transaction changed
+//! an `owners` row (directly or through a trigger) and forgets the counts when such a
+//! transaction has ended; a count read from the database is kept only if no such
+//! transaction ended while it was read. So the cache is right whichever code wrote,
+//! with no rule for callers to remember, and the sweep's progress-only commits, which
+//! touch no owner, leave it in place.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -21,9 +24,7 @@ pub struct Tally(Mutex<State>);
 
 #[derive(Default)]
 struct State {
-    /// A transaction is open.
-    writing: bool,
-    /// Transactions ended so far.
+    /// Transactions that changed an owner, ended so far.
     generation: u64,
     counts: Option<Counts>,
 }
@@ -34,19 +35,15 @@ pub struct Seen {
 }
 
 impl Tally {
-    /// The writer opens a transaction.
-    pub fn begin(&self) {
-        let mut s = lock(&self.0);
-        s.writing = true;
-        s.counts = None;
-    }
-
-    /// The writer has committed or rolled back its transaction.
-    pub fn end(&self) {
-        let mut s = lock(&self.0);
-        s.writing = false;
-        s.generation += 1;
-        s.counts = None;
+    /// The writer has committed or rolled back a transaction; `owners_changed` if it
+    /// changed an `owners` row. Until then a database read gives what the cache holds:
+    /// the last commit's counts.
+    pub fn end(&self, owners_changed: bool) {
+        if owners_changed {
+            let mut s = lock(&self.0);
+            s.generation += 1;
+            s.counts = None;
+        }
     }
 
     /// The counts if they are known now; else what to pass to [`Tally::keep`] with the
@@ -54,17 +51,18 @@ impl Tally {
     pub fn cached(&self) -> Result<Counts, Seen> {
         let s = lock(&self.0);
         match &s.counts {
-            Some(counts) if !s.writing => Ok(counts.clone()),
-            _ => Err(Seen {
+            Some(counts) => Ok(counts.clone()),
+            None => Err(Seen {
                 generation: s.generation,
             }),
         }
     }
 
-    /// Keeps `counts`, read after `seen`, unless a transaction was open or ended since.
+    /// Keeps `counts`, read after `seen`, unless a transaction that changed an owner
+    /// ended since (the read may have seen the state before it or after it).
     pub fn keep(&self, seen: Seen, counts: &Counts) {
         let mut s = lock(&self.0);
-        if !s.writing && s.generation == seen.generation {
+        if s.generation == seen.generation {
             s.counts = Some(counts.clone());
         }
     }
@@ -79,37 +77,31 @@ mod tests {
     }
 
     #[test]
-    fn counts_read_across_a_transaction_are_not_kept() {
+    fn counts_read_across_a_change_of_owners_are_not_kept() {
         let tally = Tally::default();
         let Err(seen) = tally.cached() else {
             panic!("nothing is cached at first")
         };
-        tally.begin();
+        tally.end(true);
         tally.keep(seen, &counts(1));
-        assert!(tally.cached().is_err(), "read while a transaction was open");
-        tally.end();
         assert!(
             tally.cached().is_err(),
-            "forgotten at the end of a transaction"
+            "a transaction that changed owners ended while it was read"
         );
 
         let Err(seen) = tally.cached() else {
             panic!("nothing is cached yet")
         };
-        tally.begin();
-        tally.end();
+        tally.end(false);
         tally.keep(seen, &counts(2));
-        assert!(
-            tally.cached().is_err(),
-            "a transaction ended while it was read"
+        assert_eq!(
+            tally.cached().ok(),
+            Some(counts(2)),
+            "a transaction that changed no owner changes no count"
         );
-
-        let Err(seen) = tally.cached() else {
-            panic!("nothing is cached yet")
-        };
-        tally.keep(seen, &counts(3));
-        assert_eq!(tally.cached().ok(), Some(counts(3)));
-        tally.begin();
-        assert!(tally.cached().is_err(), "a transaction is open");
+        tally.end(false);
+        assert_eq!(tally.cached().ok(), Some(counts(2)));
+        tally.end(true);
+        assert!(tally.cached().is_err(), "forgotten once owners changed");
     }
 }

@@ -765,3 +765,64 @@ async fn status_counts_follow_every_commit_whatever_wrote_it() {
         std::collections::BTreeMap::from([(OwnerPhase::InProgress, 1), (OwnerPhase::Failed, 1)]);
     assert_eq!(store.counts().await.unwrap(), (both, 0));
 }
+
+#[tokio::test]
+async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts() {
+    use opmon_client::{NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
+    let op = NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: "example.io/copier".into(),
+        },
+        resource: ResourceIdentifier {
+            group: String::new(),
+            resource: "pods".into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+        },
+        operation_id: "op-1".into(),
+        post_operation_items: Vec::new(),
+        created: None,
+    };
+    store
+        .write(move |conn| {
+            let owner =
+                queries::insert_owner(conn, &backup("b", GoDuration::from_secs(60)), UnixMs(0))?;
+            queries::insert_operations(conn, owner, &[op], UnixMs(0))?;
+            Ok::<_, StorageFailure>(())
+        })
+        .await
+        .unwrap();
+    let in_progress = std::collections::BTreeMap::from([(OwnerPhase::InProgress, 1)]);
+    assert_eq!(store.counts().await.unwrap(), (in_progress.clone(), 1));
+    assert!(store.tally.cached().is_ok(), "read once, then cached");
+
+    // Progress touches no owner: the counts stay in memory.
+    store
+        .write(|conn| {
+            conn.execute(
+                "UPDATE operations SET n_completed = 5, description = 'x'",
+                [],
+            )
+            .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    assert!(
+        store.tally.cached().is_ok(),
+        "a progress-only commit dropped the counts"
+    );
+
+    // A phase change reaches the owner's counts through a trigger, which the hook sees.
+    store
+        .write(|conn| {
+            conn.execute("UPDATE operations SET phase = 'Completed'", [])
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.counts().await.unwrap(), (in_progress, 0));
+}

@@ -192,12 +192,24 @@ fn begin(conn: &Connection) -> Result<(), StorageFailure> {
 }
 
 fn run(
-    conn: Connection,
+    mut conn: Connection,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     queued: &AtomicUsize,
     tally: &Tally,
     on_commit: impl Fn(usize, std::time::Duration),
 ) {
+    // Whether the open transaction changed an `owners` row: the counts are sums over
+    // that table alone. SQLite calls the hook for every row a statement or a trigger
+    // changes, on this thread.
+    let owners_changed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    conn.update_hook(Some({
+        let owners_changed = owners_changed.clone();
+        move |_: rusqlite::hooks::Action, _: &str, table: &str, _: i64| {
+            if table == "owners" {
+                owners_changed.store(true, Ordering::Relaxed);
+            }
+        }
+    }));
     while let Some(first) = rx.blocking_recv() {
         let mut group = vec![first];
         while group.len() < MAX_GROUP {
@@ -211,7 +223,7 @@ fn run(
         let mut jobs = group.into_iter();
         let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
         let began = std::time::Instant::now();
-        tally.begin();
+        owners_changed.store(false, Ordering::Relaxed);
         let mut open = begin(&conn);
         while let Some(job) = jobs.next() {
             if let Err(e) = &open {
@@ -231,14 +243,14 @@ fn run(
             }
         }
         if open.is_err() {
-            tally.end();
+            tally.end(owners_changed.load(Ordering::Relaxed));
             continue;
         }
         let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
         if commit.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
-        tally.end();
+        tally.end(owners_changed.load(Ordering::Relaxed));
         if commit.is_ok() {
             on_commit(pending.len(), began.elapsed());
         }
