@@ -202,7 +202,7 @@ fn run(
     // that table alone. SQLite calls the hook for every row a statement or a trigger
     // changes, on this thread.
     let owners_changed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    conn.update_hook(Some({
+    let hooked = conn.update_hook(Some({
         let owners_changed = owners_changed.clone();
         move |_: rusqlite::hooks::Action, _: &str, table: &str, _: i64| {
             if table == "owners" {
@@ -210,6 +210,11 @@ fn run(
             }
         }
     }));
+    if let Err(e) = &hooked {
+        // Without the hook every commit forgets the counts: slower, never wrong.
+        tracing::warn!(error = %e, "watching owners for status counts failed");
+    }
+    let hooked = hooked.is_ok();
     while let Some(first) = rx.blocking_recv() {
         let mut group = vec![first];
         while group.len() < MAX_GROUP {
@@ -243,14 +248,14 @@ fn run(
             }
         }
         if open.is_err() {
-            tally.end(owners_changed.load(Ordering::Relaxed));
+            tally.end(!hooked || owners_changed.load(Ordering::Relaxed));
             continue;
         }
         let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
         if commit.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
-        tally.end(owners_changed.load(Ordering::Relaxed));
+        tally.end(!hooked || owners_changed.load(Ordering::Relaxed));
         if commit.is_ok() {
             on_commit(pending.len(), began.elapsed());
         }
