@@ -128,7 +128,7 @@ macro_rules! settings {
 settings! {
     /// the API socket (ignored when systemd passes one)
     socket: PathBuf = opmon_client::default_socket_path(),
-        shown Shown::Text("`$RUNTIME_DIRECTORY/agent.sock`, else `/run/opmon/agent.sock` as root, else `$XDG_RUNTIME_DIR/opmon/agent.sock`"),
+        shown Shown::Text("`$RUNTIME_DIRECTORY/agent.sock`, else `/run/opmon/agent.sock` as root, else `$XDG_RUNTIME_DIR/opmon/agent.sock`, else `/tmp/opmon-<uid>/agent.sock`"),
         check any;
     /// its file mode
     socket_mode: String = "0660".into(), shown Shown::Value,
@@ -137,7 +137,7 @@ settings! {
     socket_group: String = String::new(), shown Shown::Text("the agent's group"), check any;
     /// holds `agent.db`; a relative path is taken against the working directory at start
     state_dir: PathBuf = default_state_dir(),
-        shown Shown::Text("`$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`"),
+        shown Shown::Text("`$STATE_DIRECTORY`, else `/var/lib/opmon` as root, else `$XDG_STATE_HOME/opmon`, else `~/.local/state/opmon`"),
         check any;
     /// Velero object-store layout of the results (relative: as `state_dir`); result
     /// paths handed to clients are absolute

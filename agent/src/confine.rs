@@ -194,26 +194,13 @@ impl Confinement {
             canonical_prefix(&absolute).ok_or_else(|| self.outside(field, given, None))?;
         let allowed = self.allowed();
         // The agent's own places first: the most specific rule is the one to name.
-        if let Some(state) = self
-            .state_dir
-            .as_ref()
-            .and_then(|s| std::fs::canonicalize(s).ok())
-        {
-            let sheltered = allowed
-                .iter()
-                .any(|dir| canonical.starts_with(dir) && dir.starts_with(&state) && dir != &state);
-            if canonical.starts_with(&state) && !sheltered {
-                let via = if canonical != absolute {
-                    format!(" (it resolves to {})", canonical.display())
-                } else {
-                    String::new()
-                };
-                return Err(Error::Finalize(format!(
-                    "{field} {}{via}: inside the agent's state directory {}",
-                    given.display(),
-                    state.display()
-                )));
-            }
+        if let Some(state) = self.state_dir_holding(&canonical, &allowed) {
+            let via = if canonical != absolute {
+                format!(" (it resolves to {})", canonical.display())
+            } else {
+                String::new()
+            };
+            return Err(self.in_state_dir(field, given, &via, &state));
         }
         if let Some(socket) = self.socket.as_ref().and_then(|s| canonical_prefix(s)) {
             if canonical == socket {
@@ -256,23 +243,28 @@ impl Confinement {
         if !allowed.iter().any(|dir| actual.starts_with(dir)) {
             return Err(self.outside(field, given, Some(&actual)));
         }
-        if let Some(state) = self
-            .state_dir
-            .as_ref()
-            .and_then(|s| std::fs::canonicalize(s).ok())
-        {
-            let sheltered = allowed
-                .iter()
-                .any(|dir| actual.starts_with(dir) && dir.starts_with(&state) && dir != &state);
-            if actual.starts_with(&state) && !sheltered {
-                return Err(Error::Finalize(format!(
-                    "{field} {}: inside the agent's state directory {}",
-                    given.display(),
-                    state.display()
-                )));
-            }
+        if let Some(state) = self.state_dir_holding(&actual, &allowed) {
+            return Err(self.in_state_dir(field, given, "", &state));
         }
         Ok(())
+    }
+
+    /// The agent's state directory if `path` (canonical) lies inside it and inside no
+    /// allowed directory that is itself within the state directory.
+    fn state_dir_holding(&self, path: &Path, allowed: &[PathBuf]) -> Option<PathBuf> {
+        let state = std::fs::canonicalize(self.state_dir.as_ref()?).ok()?;
+        let sheltered = allowed
+            .iter()
+            .any(|dir| path.starts_with(dir) && dir.starts_with(&state) && dir != &state);
+        (path.starts_with(&state) && !sheltered).then_some(state)
+    }
+
+    fn in_state_dir(&self, field: &str, given: &Path, via: &str, state: &Path) -> Error {
+        Error::Finalize(format!(
+            "{field} {}{via}: inside the agent's state directory {}",
+            given.display(),
+            state.display()
+        ))
     }
 
     /// The `openat2` failure described: the kernel refuses a path that leads out of
@@ -336,8 +328,8 @@ impl Confinement {
                 Error::Finalize(format!("{field} {}: must name a file", given.display()))
             })?;
         // Walk the directories from the base, creating what is missing, each step
-        // confined beneath the base.
-        let mut dir = base;
+        // confined beneath the base (`base` stays open for the lookups, `dir` moves).
+        let mut dir = self.open_base(field, given, &r.base)?;
         let mut so_far = PathBuf::new();
         if let Some(parent) = r.relative.parent() {
             for part in parent.components() {
@@ -350,8 +342,7 @@ impl Confinement {
                         .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
                         .resolve(beneath())
                 };
-                let base_fd = self.open_base(field, given, &r.base)?;
-                let next = match openat2(&base_fd, &so_far, how()) {
+                let next = match openat2(&base, &so_far, how()) {
                     Err(Errno::ENOENT) => {
                         match nix::sys::stat::mkdirat(&dir, part, Mode::from_bits_truncate(0o750)) {
                             Ok(()) | Err(Errno::EEXIST) => {}
@@ -364,7 +355,7 @@ impl Confinement {
                                 ))
                             }
                         }
-                        openat2(&base_fd, &so_far, how())
+                        openat2(&base, &so_far, how())
                     }
                     other => other,
                 }

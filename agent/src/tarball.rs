@@ -441,6 +441,34 @@ impl<R: Read> Blocks<R> {
         self.offset += got as u64;
         Ok(true)
     }
+
+    /// Reads `left` bytes of entry `name`'s data (through `buf`), handing each piece
+    /// to `sink`; stops early once `stop` is set.
+    fn pass(
+        &mut self,
+        mut left: u64,
+        buf: &mut [u8],
+        stop: &AtomicBool,
+        name: &[u8],
+        mut sink: impl FnMut(&[u8]) -> Result<(), RewriteError>,
+    ) -> Result<(), RewriteError> {
+        while left > 0 {
+            if stop.load(Ordering::Relaxed) {
+                return Err(RewriteError::Stopped);
+            }
+            let n = left.min(buf.len() as u64) as usize;
+            let piece = &mut buf[..n];
+            self.fill(piece)
+                .and_then(|got| {
+                    got.then_some(())
+                        .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "no data"))
+                })
+                .map_err(|e| read_error(Some(name), e))?;
+            sink(piece)?;
+            left -= n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// Describes an I/O failure while reading at `entry` (or between entries).
@@ -891,7 +919,7 @@ fn copy<R: Read>(
             .ok()
             .filter(|_| !directory)
             .and_then(|n| path_index.get(n).map(|i| (n, *i)));
-        let mut left = size.div_ceil(BLOCK as u64) * BLOCK as u64;
+        let left = size.div_ceil(BLOCK as u64) * BLOCK as u64;
         match replacement {
             Some((path, i)) => {
                 let content = &updates.contents[updates.paths[path]];
@@ -906,41 +934,14 @@ fn copy<R: Read>(
                 outcome.replaced += 1;
                 // The old content is read (not copied) so a truncated archive is
                 // still noticed.
-                while left > 0 {
-                    if stop.load(Ordering::Relaxed) {
-                        return Err(RewriteError::Stopped);
-                    }
-                    let n = left.min(buf.len() as u64) as usize;
-                    blocks
-                        .fill(&mut buf[..n])
-                        .and_then(|got| {
-                            got.then_some(()).ok_or_else(|| {
-                                io::Error::new(io::ErrorKind::UnexpectedEof, "no data")
-                            })
-                        })
-                        .map_err(|e| read_error(Some(&name), e))?;
-                    left -= n as u64;
-                }
+                blocks.pass(left, &mut buf, stop, &name, |_| Ok(()))?;
             }
             None => {
                 out.write_all(&taken.all).map_err(write_error)?;
                 out.write_all(&header).map_err(write_error)?;
-                while left > 0 {
-                    if stop.load(Ordering::Relaxed) {
-                        return Err(RewriteError::Stopped);
-                    }
-                    let n = left.min(buf.len() as u64) as usize;
-                    blocks
-                        .fill(&mut buf[..n])
-                        .and_then(|got| {
-                            got.then_some(()).ok_or_else(|| {
-                                io::Error::new(io::ErrorKind::UnexpectedEof, "no data")
-                            })
-                        })
-                        .map_err(|e| read_error(Some(&name), e))?;
-                    out.write_all(&buf[..n]).map_err(write_error)?;
-                    left -= n as u64;
-                }
+                blocks.pass(left, &mut buf, stop, &name, |data| {
+                    out.write_all(data).map_err(write_error)
+                })?;
             }
         }
         last = Some(name);
