@@ -420,6 +420,7 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     match updates.take().await {
                         None => return Ok(()),
                         Some(Ok(update)) => {
+                            opmon_client::traffic::notification(sink.method_name(), &update.json);
                             sink.send(update.json.clone()).await?;
                             if let Some(outbox) = &outbox {
                                 outbox.push(update.json.get().len());

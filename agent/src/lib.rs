@@ -197,7 +197,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             }
         }
     });
-    let counting = RpcServiceBuilder::new().layer_fn(CountRequests::layer(metrics));
+    let counting = RpcServiceBuilder::new()
+        .layer_fn(opmon_client::traffic::Traffic::layer)
+        .layer_fn(CountRequests::layer(metrics));
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::debug!(error = %e, "notifying systemd failed");
     }

@@ -21,6 +21,8 @@ pub mod server;
 pub mod snapshotter;
 pub mod subscription;
 pub mod text;
+#[cfg(feature = "server")]
+pub mod traffic;
 pub mod types;
 pub mod validate;
 mod websocket;

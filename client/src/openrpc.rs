@@ -131,6 +131,14 @@ mod generate {
                 message: "invalid operation ID",
                 meaning: "the operation ID is unknown to the snapshotter; the operation fails",
             },
+            ErrorDoc {
+                code: INTERNAL_ERROR,
+                name: "Other",
+                message: "Internal error",
+                meaning: "any other failure (the SDK's SnapshotterError::Other); the operation \
+                          fails with the message. The agent takes any code it does not know \
+                          the same way",
+            },
         ]
     }
 
@@ -490,7 +498,11 @@ mod generate {
     pub fn snapshotter_document() -> Value {
         let all = snapshotter_errors();
         let g = &mut generator();
-        const CODES: &[i32] = &[codes::OPERATIONS_NOT_SUPPORTED, codes::INVALID_OPERATION_ID];
+        const CODES: &[i32] = &[
+            codes::OPERATIONS_NOT_SUPPORTED,
+            codes::INVALID_OPERATION_ID,
+            INTERNAL_ERROR,
+        ];
         let progress = method::<OperationRef, OperationProgress>(
             g,
             Meta {

@@ -140,7 +140,8 @@ pub async fn serve_methods(
         listener,
         methods,
         ServeConfig::default(),
-        jsonrpsee::server::middleware::rpc::RpcServiceBuilder::new(),
+        jsonrpsee::server::middleware::rpc::RpcServiceBuilder::new()
+            .layer_fn(crate::traffic::Traffic::layer),
         AdmitAll,
         shutdown,
     )

@@ -324,13 +324,13 @@ pub struct AgentStatus {
     pub unfinished_operations: u64,
     /// Number of registered snapshotters.
     pub snapshotters: u64,
-    /// The API version the agent speaks ([`crate::methods::API_VERSION`]); empty from an
-    /// agent older than the field.
+    /// The version of this API the agent speaks (`major.minor.patch`; a new minor adds
+    /// methods or fields); empty from an agent older than the field.
     #[serde(default)]
     pub api_version: String,
-    /// The optional features the agent has ([`crate::methods::FEATURES`]), so a client
-    /// can tell an older agent before relying on one; empty from an agent older than
-    /// the field.
+    /// The optional features the agent has (their names are listed in the reference,
+    /// client/REFERENCE.md), so a client can tell an older agent before relying on one;
+    /// empty from an agent older than the field.
     #[serde(default)]
     pub features: Vec<String>,
 }
@@ -350,8 +350,8 @@ pub struct StartParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finalize: Option<bool>,
     /// The backup server's own representation of the backup or restore (for Velero, the
-    /// Backup or Restore object as JSON): a JSON object of at most
-    /// [`crate::validate::MAX_OWNER_OBJECT_BYTES`] serialized. Stored with the owner and
+    /// Backup or Restore object as JSON): a JSON object of at most 64 KiB (65,536
+    /// bytes) serialized. Stored with the owner and
     /// passed to the snapshotters in every Progress and Cancel, as Velero passes the
     /// Backup or Restore to its plugins.
     #[serde(default, skip_serializing_if = "Option::is_none")]

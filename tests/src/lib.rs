@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, ResourceIdentifier};
 
 pub mod deploy;
+pub mod traffic;
 pub mod workflow;
 
 pub use workflow::{Steps, LONG};
@@ -266,7 +267,7 @@ impl Agent {
             .arg(&self.state_dir)
             .args(["--poll-interval", "100ms"])
             .args(&self.args)
-            .env("OPMON_LOG_LEVEL", "debug")
+            .env("OPMON_LOG_LEVEL", traffic::LOG_FILTER)
             .env("OPMON_CONFIG", "/dev/null")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -320,6 +321,10 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.kill9();
+        // Not while a test already fails: a second panic would abort the process.
+        if !std::thread::panicking() {
+            traffic::check(&self.log, traffic::Document::Agent);
+        }
     }
 }
 
@@ -327,6 +332,7 @@ impl Drop for Agent {
 pub struct SdkSnapshotter {
     child: Child,
     pub socket: PathBuf,
+    pub log: PathBuf,
 }
 
 impl SdkSnapshotter {
@@ -340,13 +346,18 @@ impl SdkSnapshotter {
             .arg(&socket)
             .arg(gates)
             .arg(journal)
+            .env(traffic::SNAPSHOTTER_LOG, traffic::LOG_FILTER)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("spawning opmon-test-snapshotter");
         wait_for_socket(&socket, &mut child, &log_path);
-        SdkSnapshotter { child, socket }
+        SdkSnapshotter {
+            child,
+            socket,
+            log: log_path,
+        }
     }
 
     pub fn kill9(&mut self) {
@@ -358,6 +369,10 @@ impl SdkSnapshotter {
 impl Drop for SdkSnapshotter {
     fn drop(&mut self) {
         self.kill9();
+        // Not while a test already fails: a second panic would abort the process.
+        if !std::thread::panicking() {
+            traffic::check(&self.log, traffic::Document::Snapshotter);
+        }
     }
 }
 

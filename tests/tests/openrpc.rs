@@ -44,6 +44,42 @@ fn checked_in_snapshotter_document_is_the_generated_one() {
     check_or_bless("snapshotter.json", openrpc::snapshotter_document());
 }
 
+/// Every `description` of `value`, at any depth.
+fn descriptions<'v>(value: &'v Value, found: &mut Vec<&'v str>) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map {
+                match (key.as_str(), v) {
+                    ("description", Value::String(text)) => found.push(text),
+                    _ => descriptions(v, found),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| descriptions(v, found)),
+        _ => {}
+    }
+}
+
+/// The documents' descriptions come from the Rust doc comments; a reader of the
+/// document has no Rust, so no description may point into the crate (rustdoc's
+/// ``[`crate::…`]`` links) instead of saying what it means.
+#[test]
+fn no_description_refers_to_rust_items() {
+    for document in [openrpc::agent_document(), openrpc::snapshotter_document()] {
+        let mut found = Vec::new();
+        descriptions(&document, &mut found);
+        assert!(found.len() >= 10, "{} descriptions", found.len());
+        let rusty: Vec<_> = found
+            .iter()
+            .filter(|d| d.contains("[`") || d.contains("crate::") || d.contains("Self::"))
+            .collect();
+        assert!(
+            rusty.is_empty(),
+            "descriptions naming Rust items: {rusty:#?}"
+        );
+    }
+}
+
 /// The agent's limit on a request in the Python run: small, so the oversized request
 /// the program sends stays small too.
 const MAX_REQUEST: usize = 256 * 1024;
@@ -175,6 +211,73 @@ async fn the_python_validator_fails_on_a_document_that_drifted() {
     );
     assert!(
         stderr.contains("AssertionError: result of backup.finalize does not match the document: "),
+        "{stderr}"
+    );
+}
+
+/// Runs tests/openrpc/traffic.py on `logs` with `document`.
+fn validate_traffic(document: &Path, log: &Path) -> std::process::Output {
+    std::process::Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("openrpc/traffic.py"))
+        .arg(document)
+        .arg(log)
+        .output()
+        .expect("running python3 (with the jsonschema package: .ci/run installs it)")
+}
+
+/// The harness validates every agent's logged traffic against the checked-in document
+/// when it drops the agent (tests/src/traffic.rs). Here the same validator reads one
+/// agent's log: calls, a batch, a call sent wrong, a method the document does not list
+/// and subscription notifications are all there and pass; with a document that drifted
+/// (an owner phase gone), the same log fails, naming the line.
+#[tokio::test]
+async fn the_logged_traffic_of_an_agent_is_validated_and_a_drifted_document_fails_it() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let agent = opmon_tests::Agent::start(dir.path(), &[]);
+    let client = agent.client().await;
+    opmon_tests::Steps::new(&client, opmon_client::OwnerKind::Backup, "b")
+        .start()
+        .await;
+    let mut updates = client.backups().subscribe("b").await.expect("subscribing");
+    let first = updates.next().await.expect("an update").expect("no error");
+    assert_eq!(first.owner.phase, opmon_client::OwnerPhase::InProgress);
+    let mut http = opmon_tests::RawHttp::connect(&agent.socket);
+    let (status, body) = http.post(
+        br#"[{"jsonrpc":"2.0","id":1,"method":"backup.get","params":{"name":"b"}},
+             {"jsonrpc":"2.0","id":2,"method":"backup.get","params":{"name":7}},
+             {"jsonrpc":"2.0","id":3,"method":"no.such.method"}]"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""id":2,"error":{"code":-32602"#), "{body}");
+    drop(updates);
+    drop(client);
+
+    let output = validate_traffic(&checked_in("opmon.json"), &agent.log);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}\n{stdout}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: Value = serde_json::from_str(stdout.trim()).expect("summary line");
+    assert!(summary["notifications"].as_u64() >= Some(1), "{summary}");
+    // The batch's refused and unknown calls are errors the document lists.
+    assert!(summary["errors"].as_u64() >= Some(2), "{summary}");
+    assert!(summary["exchanges"].as_u64() >= Some(4), "{summary}");
+
+    let mut document: Value = serde_json::from_str(openrpc::AGENT_DOCUMENT).expect("document");
+    let phases = &mut document["components"]["schemas"]["OwnerPhase"]["oneOf"][0]["enum"];
+    phases
+        .as_array_mut()
+        .expect("the OwnerPhase enum")
+        .retain(|p| p != "InProgress");
+    let drifted = dir.path().join("drifted.json");
+    std::fs::write(&drifted, document.to_string()).expect("writing the drifted document");
+    let output = validate_traffic(&drifted, &agent.log);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("agent.log:") && stderr.contains("does not match the document"),
         "{stderr}"
     );
 }

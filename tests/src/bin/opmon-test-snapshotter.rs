@@ -165,6 +165,17 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    // The harness validates the logged traffic against the snapshotter protocol's
+    // OpenRPC document (tests/src/traffic.rs).
+    if let Some(filter) = std::env::var_os(opmon_tests::traffic::SNAPSHOTTER_LOG) {
+        let filter = tracing_subscriber::EnvFilter::try_new(filter.to_string_lossy())
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(false)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let snapshotter = Scripted {
         gates: PathBuf::from(gates),
         journal: Mutex::new(journal),
