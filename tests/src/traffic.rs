@@ -127,10 +127,13 @@ fn start(document: Document) -> State {
 /// Validates the traffic logged in `log` against `document`; panics naming the first
 /// exchange the document does not admit.
 pub fn check(log: &Path, document: Document) {
-    // A test whose temporary directory goes before its agent leaves no log to read.
-    if !log.exists() {
-        return;
-    }
+    assert!(
+        log.exists(),
+        "{} is gone before its process was dropped, so its traffic cannot be checked: \
+         drop the agent or snapshotter before its temporary directory (struct fields drop \
+         in declaration order, locals in reverse)",
+        log.display()
+    );
     let mut state = document
         .validator()
         .lock()

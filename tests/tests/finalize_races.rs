@@ -42,10 +42,12 @@ async fn wait_for_temporary(dir: &Path, agent: &Agent) {
     );
 }
 
+/// The agent goes before its directory (fields drop in order): the harness reads the
+/// agent's log when it drops it.
 struct Setup {
-    _dir: tempfile::TempDir,
     agent: Agent,
     storage: PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 fn setup(extra: &[&str]) -> Setup {
@@ -54,9 +56,9 @@ fn setup(extra: &[&str]) -> Setup {
     let storage = agent.state_dir.join("storage");
     std::fs::create_dir_all(storage.join("out")).unwrap();
     Setup {
-        _dir: dir,
         agent,
         storage,
+        _dir: dir,
     }
 }
 
