@@ -60,7 +60,7 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
 
 /// The README row of the `[[snapshotter]]` tables, which are not a key=value setting.
-const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, registered at every start |";
+const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](#deadlines-and-retries)), registered at every start |";
 
 /// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
 /// its source), the config file's form, [`declarations`] (what the flags, `--help` and
@@ -602,6 +602,12 @@ struct FileSnapshotter {
     api_version: ApiVersion,
     socket: Option<PathBuf>,
     command: Option<Vec<String>>,
+    /// The snapshotter's deadlines and retry budget (see `Snapshotter`).
+    stall_timeout: Option<GoDuration>,
+    start_timeout: Option<GoDuration>,
+    retry_attempts: Option<u32>,
+    retry_backoff: Option<GoDuration>,
+    retry_within: Option<GoDuration>,
 }
 
 /// Where a value came from.
@@ -700,6 +706,20 @@ impl Settings {
             if let Some(command) = &s.command {
                 let parts: Vec<String> = command.iter().map(|c| toml_string(c)).collect();
                 out.push_str(&format!("command = [{}]\n", parts.join(", ")));
+            }
+            let durations = [
+                ("stall_timeout", s.stall_timeout),
+                ("start_timeout", s.start_timeout),
+                ("retry_backoff", s.retry_backoff),
+                ("retry_within", s.retry_within),
+            ];
+            for (key, value) in durations {
+                if let Some(d) = value {
+                    out.push_str(&format!("{key} = \"{d}\"\n"));
+                }
+            }
+            if let Some(n) = s.retry_attempts {
+                out.push_str(&format!("retry_attempts = {n}\n"));
             }
         }
         out
@@ -873,6 +893,11 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                 api_version: table.api_version,
                 socket: table.socket,
                 command: table.command,
+                stall_timeout: table.stall_timeout,
+                start_timeout: table.start_timeout,
+                retry_attempts: table.retry_attempts,
+                retry_backoff: table.retry_backoff,
+                retry_within: table.retry_within,
             };
             let given = s.name.clone();
             crate::api::check_snapshotter(&mut s)

@@ -63,6 +63,138 @@ pub fn cancelled_with(kind: OwnerKind) -> String {
     format!("cancelled: the {kind} failed")
 }
 
+/// The reason `*.cancel` uses when the caller gives none.
+pub const DEFAULT_CANCEL_REASON: &str = "canceled by request";
+
+/// The error of an operation canceled on request, and the failure reason of an owner
+/// canceled whole: what Velero's item-operations file shows, as it has no Canceled.
+pub fn canceled_because(reason: &str) -> String {
+    bounded(format!("canceled: {reason}"), MAX_ERROR)
+}
+
+/// Longest delay between two attempts after transient errors.
+pub const MAX_BACKOFF_MS: i64 = 300_000;
+
+/// How many transient errors an operation may meet, and for how long, before it fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryBudget {
+    /// Transient errors retried per operation; 0: the first one fails it.
+    pub attempts: u32,
+    /// The delay before the first retry, doubled for each next one (at most
+    /// [`MAX_BACKOFF_MS`]).
+    pub backoff_ms: i64,
+    /// How long a run of transient errors may last (from its first) before the operation
+    /// fails.
+    pub within_ms: i64,
+}
+
+impl RetryBudget {
+    /// The budget of a snapshotter that sets none: 5 retries, from 1 s, within 10 min.
+    pub const DEFAULT: RetryBudget = RetryBudget {
+        attempts: 5,
+        backoff_ms: 1_000,
+        within_ms: 600_000,
+    };
+
+    /// The delay before attempt number `attempt` + 1, after `attempt` transient errors.
+    pub fn backoff(&self, attempt: u32) -> i64 {
+        let doublings = attempt.saturating_sub(1).min(32);
+        self.backoff_ms
+            .max(0)
+            .saturating_mul(1_i64 << doublings)
+            .min(MAX_BACKOFF_MS)
+    }
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        RetryBudget::DEFAULT
+    }
+}
+
+/// What limits one operation besides its snapshotter's answers, all in ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// The item operation timeout, from `created`.
+    pub timeout_ms: i64,
+    /// Fail when progress has not changed for this long (`None` or 0: never).
+    pub stall_ms: Option<i64>,
+    /// Fail when still New this long after `created` (`None` or 0: never).
+    pub start_ms: Option<i64>,
+    pub retry: RetryBudget,
+}
+
+fn duration(ms: i64) -> GoDuration {
+    GoDuration::from_millis(ms.max(0) as u64)
+}
+
+/// `ms` as RFC 3339 to the second, as the reasons show times.
+fn rfc3339_seconds(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000))
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| format!("{ms} ms after the epoch"))
+}
+
+/// An amount of `units`: bytes in decimal units to one decimal (`8.4 GB`), anything
+/// else as the number and the snapshotter's unit.
+fn amount(n: i64, units: &str) -> String {
+    if matches!(units.to_ascii_lowercase().as_str(), "byte" | "bytes" | "b") {
+        const STEPS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
+        let mut value = n as f64;
+        if value.abs() < 1000.0 {
+            return format!("{n} B");
+        }
+        let mut unit = "B";
+        for step in STEPS {
+            if value.abs() < 1000.0 {
+                break;
+            }
+            value /= 1000.0;
+            unit = step;
+        }
+        format!("{value:.1} {unit}")
+    } else if units.is_empty() {
+        n.to_string()
+    } else {
+        format!("{n} {units}")
+    }
+}
+
+/// Why an operation whose progress stood still for `stall_ms` fails: what it last
+/// reported and when the agent saw it change.
+pub fn stall_reason(op: &OperationState, stall_ms: i64) -> String {
+    let d = duration(stall_ms);
+    let reported = op.n_completed != 0 || op.n_total != 0 || !op.description.is_empty();
+    let reason = match op.progressed_ms {
+        Some(at) if reported => {
+            let last = if op.n_total > 0 {
+                format!(
+                    "{} of {}",
+                    amount(op.n_completed, &op.operation_units),
+                    amount(op.n_total, &op.operation_units)
+                )
+            } else {
+                amount(op.n_completed, &op.operation_units)
+            };
+            format!("no progress for {d}: last {last} at {}", rfc3339_seconds(at))
+        }
+        _ => format!(
+            "no progress for {d}: nothing reported since it was created at {}",
+            rfc3339_seconds(op.created_ms)
+        ),
+    };
+    bounded(reason, MAX_ERROR)
+}
+
+/// Why an operation still New after `start_ms` fails.
+pub fn not_started_reason(start_ms: i64) -> String {
+    format!("not started after {}: still New", duration(start_ms))
+}
+
 /// What the agent knows about one operation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OperationState {
@@ -79,6 +211,18 @@ pub struct OperationState {
     pub updated_ms: Option<i64>,
     /// The `updated` the plugin last reported (Velero's `Status.Updated`).
     pub plugin_updated_ms: Option<i64>,
+    /// When the agent last saw progress (a change of counts, description, start or the
+    /// plugin's `updated`), by its own clock; the stall deadline counts from it (from
+    /// `created_ms` while unknown).
+    pub progressed_ms: Option<i64>,
+    /// Transient errors retried so far.
+    pub attempts: u32,
+    /// The last transient error.
+    pub last_error: String,
+    /// No Progress before this, after a transient error.
+    pub next_attempt_ms: Option<i64>,
+    /// When the current run of transient errors began; `None` after a good answer.
+    pub retrying_since_ms: Option<i64>,
 }
 
 /// What one poll learned about an operation.
@@ -91,6 +235,9 @@ pub enum Observation {
     Error(String),
     /// The snapshotter speaks v1, which has no Progress: the operation is complete.
     V1Adapter,
+    /// The snapshotter answered with an error it marked transient: tried again after a
+    /// backoff while the retry budget lasts, then the operation fails with it.
+    Transient(String),
     /// The snapshotter could not be reached (since `since_ms`, for the last time with
     /// `error`). Nothing changes until `grace_ms` has passed; then the operation fails
     /// saying so, rather than waiting hours for its timeout.
@@ -119,15 +266,78 @@ pub fn observe(
     timeout_ms: i64,
     now_ms: i64,
 ) -> Option<Decision> {
+    let limits = Limits {
+        timeout_ms,
+        ..Limits::default()
+    };
+    observe_within(current, observation, &limits, now_ms)
+}
+
+/// A deadline other than the item operation timeout that has passed for `op`, as the
+/// error it fails with: the start deadline (still New), then the stall deadline.
+fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<String> {
+    if let Some(start) = limits.start_ms.filter(|&d| d > 0) {
+        if op.phase == OperationPhase::New && now_ms.saturating_sub(op.created_ms) >= start {
+            return Some(not_started_reason(start));
+        }
+    }
+    if let Some(stall) = limits.stall_ms.filter(|&d| d > 0) {
+        let since = op.progressed_ms.unwrap_or(op.created_ms);
+        if now_ms.saturating_sub(since) >= stall {
+            return Some(stall_reason(op, stall));
+        }
+    }
+    None
+}
+
+/// [`observe`] with every limit: the item operation timeout, the stall and start
+/// deadlines (which cancel and fail like the timeout, saying what was seen last), and
+/// the retry budget for transient errors.
+pub fn observe_within(
+    current: &OperationState,
+    observation: Observation,
+    limits: &Limits,
+    now_ms: i64,
+) -> Option<Decision> {
     if !current.phase.is_unfinished() {
         return None;
     }
+    let timeout_ms = limits.timeout_ms;
     let mut next = current.clone();
     let mut cancel = false;
     match observation {
         Observation::Error(message) => {
             next.phase = OperationPhase::Failed;
             next.error = bounded(message, MAX_ERROR);
+            next.updated_ms = Some(now_ms);
+            next.next_attempt_ms = None;
+        }
+        Observation::Transient(message) => {
+            let message = bounded(message, MAX_ERROR);
+            let since = current.retrying_since_ms.unwrap_or(now_ms);
+            if now_ms > current.created_ms.saturating_add(timeout_ms) {
+                cancel = true;
+                next.phase = OperationPhase::Failed;
+                next.error = TIMED_OUT.to_string();
+                next.next_attempt_ms = None;
+            } else if let Some(reason) = deadline_passed(current, limits, now_ms) {
+                cancel = true;
+                next.phase = OperationPhase::Failed;
+                next.error = reason;
+                next.next_attempt_ms = None;
+            } else if current.attempts >= limits.retry.attempts
+                || now_ms.saturating_sub(since) >= limits.retry.within_ms
+            {
+                next.phase = OperationPhase::Failed;
+                next.error = message.clone();
+                next.next_attempt_ms = None;
+            } else {
+                next.attempts = current.attempts.saturating_add(1);
+                next.retrying_since_ms = Some(since);
+                next.next_attempt_ms =
+                    Some(now_ms.saturating_add(limits.retry.backoff(next.attempts)));
+            }
+            next.last_error = message;
             next.updated_ms = Some(now_ms);
         }
         Observation::V1Adapter => {
@@ -143,6 +353,10 @@ pub fn observe(
                 cancel = true;
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
+            } else if let Some(reason) = deadline_passed(current, limits, now_ms) {
+                cancel = true;
+                next.phase = OperationPhase::Failed;
+                next.error = reason;
             } else if now_ms.saturating_sub(since_ms) >= grace_ms {
                 next.phase = OperationPhase::Failed;
                 let grace = opmon_client::GoDuration::from_millis(grace_ms.max(0) as u64);
@@ -170,6 +384,18 @@ pub fn observe(
                 next.updated_ms = Some(ms(updated));
                 next.plugin_updated_ms = Some(ms(updated));
             }
+            // A good answer ends a run of transient errors (their count and the last
+            // one stay, to be seen).
+            next.next_attempt_ms = None;
+            next.retrying_since_ms = None;
+            if next.n_completed != current.n_completed
+                || next.n_total != current.n_total
+                || next.description != current.description
+                || next.started_ms != current.started_ms
+                || next.plugin_updated_ms != current.plugin_updated_ms
+            {
+                next.progressed_ms = Some(now_ms);
+            }
             if p.completed {
                 if p.err.is_empty() {
                     next.phase = OperationPhase::Completed;
@@ -183,6 +409,13 @@ pub fn observe(
                 next.error = TIMED_OUT.to_string();
             } else if next.phase == OperationPhase::New && next.started_ms.is_some() {
                 next.phase = OperationPhase::InProgress;
+            }
+            if next.phase.is_unfinished() {
+                if let Some(reason) = deadline_passed(&next, limits, now_ms) {
+                    cancel = true;
+                    next.phase = OperationPhase::Failed;
+                    next.error = reason;
+                }
             }
             if next != *current && next.updated_ms == current.updated_ms {
                 next.updated_ms = Some(now_ms);

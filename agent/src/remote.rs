@@ -59,12 +59,17 @@ pub enum CallError {
     /// progress: the operation fails now.
     #[error("{0}")]
     Answered(String),
+    /// The snapshotter answered with an error it marked as passing (code 2003,
+    /// `data.retryable: true`, a command's exit status 75): the operation is tried again
+    /// with backoff while its retry budget lasts.
+    #[error("{0}")]
+    Transient(String),
 }
 
 impl CallError {
     pub fn message(&self) -> &str {
         match self {
-            CallError::Unreachable(m) | CallError::Answered(m) => m,
+            CallError::Unreachable(m) | CallError::Answered(m) | CallError::Transient(m) => m,
         }
     }
 }
@@ -204,6 +209,22 @@ fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValu
 struct ErrorEntry {
     code: i32,
     message: String,
+    #[serde(default)]
+    data: Option<ErrorData>,
+}
+
+/// The part of an error's `data` the agent reads; anything else in it is ignored.
+#[derive(Deserialize)]
+struct ErrorData {
+    #[serde(default)]
+    retryable: bool,
+}
+
+impl ErrorEntry {
+    /// Whether the snapshotter marked the error as one that may pass.
+    fn transient(&self) -> bool {
+        self.code == codes::TRANSIENT || self.data.as_ref().is_some_and(|d| d.retryable)
+    }
 }
 
 impl SocketRemote {
@@ -297,6 +318,7 @@ impl SocketRemote {
                 continue;
             };
             *slot = match (entry.result, entry.error) {
+                (_, Some(e)) if e.transient() => Err(CallError::Transient(self.describe(&e))),
                 (_, Some(e)) => Err(CallError::Answered(self.describe(&e))),
                 (Some(result), None) => Ok(result.to_owned()),
                 (None, None) => Err(CallError::Answered(format!(
@@ -322,6 +344,7 @@ impl SocketRemote {
                     self.name, e.message
                 )
             }
+            codes::TRANSIENT => format!("snapshotter {}: {}", self.name, e.message),
             code => format!("snapshotter {}: {} (code {code})", self.name, e.message),
         }
     }
@@ -428,10 +451,36 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
     serde_json::to_vec(&requests).map_err(|e| format!("encoding a request: {e}"))
 }
 
+/// A snapshotter's defaults for its operations: deadlines (ms; `None`: off) and the
+/// retry budget for its transient errors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    pub stall_ms: Option<i64>,
+    pub start_ms: Option<i64>,
+    pub retry: crate::phase::RetryBudget,
+}
+
+impl Policy {
+    pub fn of(s: &Snapshotter) -> Policy {
+        let ms = |d: Option<opmon_client::GoDuration>| d.map(|d| crate::clock::millis(d.0));
+        let default = crate::phase::RetryBudget::DEFAULT;
+        Policy {
+            stall_ms: ms(s.stall_timeout),
+            start_ms: ms(s.start_timeout),
+            retry: crate::phase::RetryBudget {
+                attempts: s.retry_attempts.unwrap_or(default.attempts),
+                backoff_ms: ms(s.retry_backoff).unwrap_or(default.backoff_ms),
+                within_ms: ms(s.retry_within).unwrap_or(default.within_ms),
+            },
+        }
+    }
+}
+
 /// The live snapshotters by plugin name, rebuilt from the database at start.
 #[derive(Default)]
 pub struct Registry {
     remotes: std::sync::RwLock<std::collections::HashMap<String, Arc<Remote>>>,
+    policies: std::sync::RwLock<std::collections::HashMap<String, Policy>>,
 }
 
 impl Registry {
@@ -439,8 +488,17 @@ impl Registry {
         read(&self.remotes).get(plugin).cloned()
     }
 
+    /// The defaults `plugin`'s snapshotter set (the agent's if none is registered).
+    pub fn policy(&self, plugin: &str) -> Policy {
+        read(&self.policies)
+            .get(plugin)
+            .copied()
+            .unwrap_or_default()
+    }
+
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
         write(&self.remotes).insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
+        write(&self.policies).insert(s.name.clone(), Policy::of(s));
     }
 
     /// Keeps `name` registered but refuses every call to it, saying `why`.
@@ -453,6 +511,7 @@ impl Registry {
 
     pub fn remove(&self, name: &str) {
         write(&self.remotes).remove(name);
+        write(&self.policies).remove(name);
     }
 
     /// How many snapshotters are registered.

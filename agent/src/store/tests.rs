@@ -20,6 +20,8 @@ fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
         finalize: true,
         server: None,
         object: None,
+        stall_timeout: None,
+        start_timeout: None,
     }
 }
 

@@ -177,7 +177,7 @@ impl View for Bars {
             bar.set_position(op.n_completed.max(0) as u64);
             match op.phase {
                 OperationPhase::Completed => bar.finish_with_message("completed"),
-                OperationPhase::Failed => {
+                OperationPhase::Failed | OperationPhase::Canceled => {
                     bar.abandon_with_message(format!("failed: {}", clean(&op.error)))
                 }
                 _ => bar.set_message(op.phase.to_string()),
