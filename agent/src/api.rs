@@ -749,6 +749,7 @@ mod tests {
             api_version: ApiVersion::V2,
             socket: None,
             command: None,
+            ..Default::default()
         };
         assert!(check_snapshotter(&mut s).is_err());
         s.socket = Some("relative.sock".into());

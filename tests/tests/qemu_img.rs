@@ -218,6 +218,7 @@ impl QemuImgSnapshotter {
             api_version: ApiVersion::V2,
             socket: Some(self.socket.clone()),
             command: None,
+            ..Default::default()
         }
     }
 
