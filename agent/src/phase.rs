@@ -139,10 +139,14 @@ fn rfc3339_seconds(ms: i64) -> String {
         .unwrap_or_else(|| format!("{ms} ms after the epoch"))
 }
 
+fn is_bytes(units: &str) -> bool {
+    matches!(units.to_ascii_lowercase().as_str(), "byte" | "bytes" | "b")
+}
+
 /// An amount of `units`: bytes in decimal units to one decimal (`8.4 GB`), anything
 /// else as the number and the snapshotter's unit.
 fn amount(n: i64, units: &str) -> String {
-    if matches!(units.to_ascii_lowercase().as_str(), "byte" | "bytes" | "b") {
+    if is_bytes(units) {
         const STEPS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
         let mut value = n as f64;
         if value.abs() < 1000.0 {
@@ -171,14 +175,17 @@ pub fn stall_reason(op: &OperationState, stall_ms: i64) -> String {
     let reported = op.n_completed != 0 || op.n_total != 0 || !op.description.is_empty();
     let reason = match op.progressed_ms {
         Some(at) if reported => {
-            let last = if op.n_total > 0 {
+            let units = op.operation_units.as_str();
+            let last = if op.n_total == 0 {
+                amount(op.n_completed, units)
+            } else if is_bytes(units) {
                 format!(
                     "{} of {}",
-                    amount(op.n_completed, &op.operation_units),
-                    amount(op.n_total, &op.operation_units)
+                    amount(op.n_completed, units),
+                    amount(op.n_total, units)
                 )
             } else {
-                amount(op.n_completed, &op.operation_units)
+                format!("{} of {}", op.n_completed, amount(op.n_total, units))
             };
             format!("no progress for {d}: last {last} at {}", rfc3339_seconds(at))
         }
@@ -888,6 +895,214 @@ mod tests {
             format!("{}… [truncated 930 bytes]", "x".repeat(4070))
         );
         assert_eq!(bounded("short".into(), 5), "short");
+    }
+
+    // Deadlines and retries (issue 16).
+
+    const NOV_22_10_02_11: i64 = 1_795_341_731_000; // 2026-11-22T10:02:11Z
+    const MIN: i64 = 60_000;
+
+    fn limits(stall_ms: Option<i64>, start_ms: Option<i64>) -> Limits {
+        Limits {
+            timeout_ms: 4 * HOUR,
+            stall_ms,
+            start_ms,
+            retry: RetryBudget::DEFAULT,
+        }
+    }
+
+    fn copying(n: i64, total: i64) -> OperationProgress {
+        OperationProgress {
+            n_completed: n,
+            n_total: total,
+            operation_units: "bytes".into(),
+            description: "copying".into(),
+            started: Some(at(NOV_22_10_02_11 - MIN)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_stalled_operation_is_cancelled_and_failed_saying_what_it_saw_last() {
+        let l = limits(Some(30 * MIN), None);
+        let op = new_op(NOV_22_10_02_11 - 2 * MIN);
+        let seen = observe_within(
+            &op,
+            Observation::Progress(copying(8_400_000_000, 15_400_000_000)),
+            &l,
+            NOV_22_10_02_11,
+        )
+        .unwrap()
+        .next;
+        assert_eq!(seen.progressed_ms, Some(NOV_22_10_02_11));
+        let same = || Observation::Progress(copying(8_400_000_000, 15_400_000_000));
+        assert_eq!(
+            observe_within(&seen, same(), &l, NOV_22_10_02_11 + 30 * MIN - 1),
+            None,
+            "unchanged before the deadline: nothing to write"
+        );
+        let d = observe_within(&seen, same(), &l, NOV_22_10_02_11 + 30 * MIN).unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(
+            d.next.error,
+            "no progress for 30m0s: last 8.4 GB of 15.4 GB at 2026-11-22T10:02:11Z"
+        );
+    }
+
+    #[test]
+    fn progress_restarts_the_stall_clock_and_zero_or_none_turns_it_off() {
+        let l = limits(Some(MIN), None);
+        let op = new_op(0);
+        let first = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
+            .unwrap()
+            .next;
+        let moved = observe_within(&first, Observation::Progress(copying(2, 10)), &l, MIN)
+            .unwrap();
+        assert!(!moved.cancel);
+        assert_eq!(moved.next.progressed_ms, Some(MIN));
+        for off in [None, Some(0)] {
+            let l = limits(off, None);
+            assert_eq!(
+                observe_within(&first, Observation::Progress(copying(1, 10)), &l, HOUR),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn counts_in_other_units_and_silence_are_said_as_they_are() {
+        let mut op = new_op(NOV_22_10_02_11);
+        assert_eq!(
+            stall_reason(&op, 90_000),
+            "no progress for 1m30s: nothing reported since it was created at \
+             2026-11-22T10:02:11Z"
+        );
+        op.n_completed = 3;
+        op.n_total = 7;
+        op.operation_units = "files".into();
+        op.progressed_ms = Some(NOV_22_10_02_11 + 1_000);
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 3 of 7 files at 2026-11-22T10:02:12Z"
+        );
+        op.operation_units = "byte".into();
+        op.n_completed = 999;
+        op.n_total = 0;
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 999 B at 2026-11-22T10:02:12Z"
+        );
+    }
+
+    #[test]
+    fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed() {
+        let l = limits(None, Some(5 * MIN));
+        let idle = OperationProgress {
+            n_total: 10,
+            ..Default::default()
+        };
+        let op = new_op(0);
+        let d = observe_within(&op, Observation::Progress(idle.clone()), &l, 5 * MIN - 1)
+            .unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New, "not yet");
+        let d = observe_within(&d.next, Observation::Progress(idle), &l, 5 * MIN).unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.next.error, "not started after 5m0s: still New");
+        // Started in time: the start deadline no longer applies.
+        let started = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
+            .unwrap()
+            .next;
+        assert_eq!(started.phase, OperationPhase::InProgress);
+        assert_eq!(
+            observe_within(&started, Observation::Progress(copying(1, 10)), &l, HOUR),
+            None
+        );
+    }
+
+    #[test]
+    fn an_unreachable_snapshotter_is_caught_by_the_deadlines_before_its_grace() {
+        let l = limits(Some(MIN), None);
+        let unreachable = Observation::Unreachable {
+            error: "connection refused".into(),
+            since_ms: 0,
+            grace_ms: HOUR,
+        };
+        let d = observe_within(&new_op(0), unreachable, &l, MIN).unwrap();
+        assert!(d.cancel);
+        assert!(
+            d.next.error.starts_with("no progress for 1m0s: nothing reported"),
+            "{}",
+            d.next.error
+        );
+    }
+
+    #[test]
+    fn transient_errors_back_off_doubling_and_a_good_answer_ends_the_run() {
+        let l = Limits {
+            retry: RetryBudget {
+                attempts: 5,
+                backoff_ms: 1_000,
+                within_ms: HOUR,
+            },
+            ..limits(None, None)
+        };
+        let busy = || Observation::Transient("busy".into());
+        let one = observe_within(&new_op(0), busy(), &l, 100).unwrap();
+        assert!(!one.cancel);
+        assert_eq!(one.next.phase, OperationPhase::New);
+        assert_eq!(
+            (one.next.attempts, one.next.next_attempt_ms),
+            (1, Some(1_100))
+        );
+        assert_eq!(one.next.retrying_since_ms, Some(100));
+        let two = observe_within(&one.next, busy(), &l, 1_100).unwrap().next;
+        assert_eq!((two.attempts, two.next_attempt_ms), (2, Some(3_100)));
+        let ok = observe_within(&two, Observation::Progress(copying(1, 2)), &l, 3_100)
+            .unwrap()
+            .next;
+        assert_eq!(ok.phase, OperationPhase::InProgress);
+        assert_eq!(
+            (ok.attempts, ok.last_error.as_str(), ok.next_attempt_ms),
+            (2, "busy", None),
+            "the count and the last error stay to be seen"
+        );
+        assert_eq!(ok.retrying_since_ms, None);
+        assert_eq!(RetryBudget::DEFAULT.backoff(30), MAX_BACKOFF_MS);
+    }
+
+    #[test]
+    fn transient_errors_fail_with_the_last_one_once_attempts_or_time_run_out() {
+        let budget = |attempts, within_ms| Limits {
+            retry: RetryBudget {
+                attempts,
+                backoff_ms: 10,
+                within_ms,
+            },
+            ..limits(None, None)
+        };
+        let mut op = new_op(0);
+        let l = budget(2, HOUR);
+        for (i, now) in [1, 2].into_iter().enumerate() {
+            op = observe_within(&op, Observation::Transient(format!("busy {i}")), &l, now)
+                .unwrap()
+                .next;
+        }
+        let d = observe_within(&op, Observation::Transient("busy 2".into()), &l, 3).unwrap();
+        assert!(!d.cancel, "the snapshotter said the call failed: nothing to cancel");
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!((d.next.error.as_str(), d.next.attempts), ("busy 2", 2));
+        // Out of time first.
+        let l = budget(100, 1_000);
+        let first = observe_within(&new_op(0), Observation::Transient("a".into()), &l, 0)
+            .unwrap()
+            .next;
+        let d = observe_within(&first, Observation::Transient("b".into()), &l, 1_000).unwrap();
+        assert_eq!((d.next.phase, d.next.error.as_str()), (OperationPhase::Failed, "b"));
+        // No budget: the first transient error fails.
+        let d = observe_within(&new_op(0), Observation::Transient("c".into()), &budget(0, HOUR), 0)
+            .unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Failed);
     }
 
     #[test]

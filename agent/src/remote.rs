@@ -209,21 +209,21 @@ fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValu
 struct ErrorEntry {
     code: i32,
     message: String,
+    /// Any JSON: only `retryable` of an object is read, so data of another shape
+    /// cannot make the rest of the batch unreadable.
     #[serde(default)]
-    data: Option<ErrorData>,
-}
-
-/// The part of an error's `data` the agent reads; anything else in it is ignored.
-#[derive(Deserialize)]
-struct ErrorData {
-    #[serde(default)]
-    retryable: bool,
+    data: Option<serde_json::Value>,
 }
 
 impl ErrorEntry {
     /// Whether the snapshotter marked the error as one that may pass.
     fn transient(&self) -> bool {
-        self.code == codes::TRANSIENT || self.data.as_ref().is_some_and(|d| d.retryable)
+        self.code == codes::TRANSIENT
+            || self
+                .data
+                .as_ref()
+                .and_then(|d| d.get("retryable"))
+                .is_some_and(|r| r == &serde_json::Value::Bool(true))
     }
 }
 
@@ -517,5 +517,58 @@ impl Registry {
     /// How many snapshotters are registered.
     pub fn count(&self) -> usize {
         read(&self.remotes).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_remote() -> SocketRemote {
+        let settings = CallSettings {
+            deadline: Duration::from_secs(1),
+            batch_size: 8,
+            socket_concurrency: 1,
+            command_concurrency: 1,
+        };
+        let s = Snapshotter {
+            name: "example.io/copier".into(),
+            socket: Some("/run/copier.sock".into()),
+            ..Default::default()
+        };
+        match Remote::new(&s, &settings) {
+            Remote::Called(Caller::Socket(remote)) => remote,
+            _ => panic!("a socket snapshotter"),
+        }
+    }
+
+    #[test]
+    fn errors_marked_transient_by_code_or_data_are_retried_and_others_are_not() {
+        let remote = socket_remote();
+        let answers = remote.decode_batch(
+            br#"[
+                {"jsonrpc":"2.0","id":0,"error":{"code":2003,"message":"busy"}},
+                {"jsonrpc":"2.0","id":1,"error":{"code":-32000,"message":"throttled","data":{"retryable":true,"after":"1s"}}},
+                {"jsonrpc":"2.0","id":2,"error":{"code":-32000,"message":"gone","data":{"retryable":false}}},
+                {"jsonrpc":"2.0","id":3,"error":{"code":-32000,"message":"odd","data":"text"}},
+                {"jsonrpc":"2.0","id":4,"error":{"code":2002,"message":"no such op"}}
+            ]"#,
+            5,
+        );
+        let errors: Vec<CallError> = answers.into_iter().map(|a| a.unwrap_err()).collect();
+        assert_eq!(
+            errors,
+            [
+                CallError::Transient("snapshotter example.io/copier: busy".into()),
+                CallError::Transient(
+                    "snapshotter example.io/copier: throttled (code -32000)".into()
+                ),
+                CallError::Answered("snapshotter example.io/copier: gone (code -32000)".into()),
+                CallError::Answered("snapshotter example.io/copier: odd (code -32000)".into()),
+                CallError::Answered(
+                    "InvalidOperationId: snapshotter example.io/copier: no such op".into()
+                ),
+            ]
+        );
     }
 }
