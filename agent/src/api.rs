@@ -14,9 +14,9 @@ use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::server::Outbox;
 use opmon_client::{
-    validate, CancelParams, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
-    NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter, StartParams,
-    WaitParams,
+    validate, AddOperationsParams, ApiVersion, CancelParams, EndInProgressParams, FinalizeParams,
+    ListParams, NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter,
+    StartParams, WaitParams,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -243,7 +243,10 @@ fn check_cancel(p: &CancelParams) -> Result<(), Error> {
         if reason.len() > MAX_CANCEL_REASON {
             return Err(invalid(
                 "reason",
-                format!("must be at most {MAX_CANCEL_REASON} bytes (got {})", reason.len()),
+                format!(
+                    "must be at most {MAX_CANCEL_REASON} bytes (got {})",
+                    reason.len()
+                ),
             ));
         }
     }
@@ -257,7 +260,10 @@ fn check_cancel(p: &CancelParams) -> Result<(), Error> {
         if ops.len() > MAX_CANCEL_OPERATIONS {
             return Err(invalid(
                 "operations",
-                format!("must name at most {MAX_CANCEL_OPERATIONS} operations (got {})", ops.len()),
+                format!(
+                    "must name at most {MAX_CANCEL_OPERATIONS} operations (got {})",
+                    ops.len()
+                ),
             ));
         }
         for (i, op) in ops.iter().enumerate() {

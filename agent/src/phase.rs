@@ -187,7 +187,10 @@ pub fn stall_reason(op: &OperationState, stall_ms: i64) -> String {
             } else {
                 format!("{} of {}", op.n_completed, amount(op.n_total, units))
             };
-            format!("no progress for {d}: last {last} at {}", rfc3339_seconds(at))
+            format!(
+                "no progress for {d}: last {last} at {}",
+                rfc3339_seconds(at)
+            )
         }
         _ => format!(
             "no progress for {d}: nothing reported since it was created at {}",
@@ -957,8 +960,7 @@ mod tests {
         let first = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
             .unwrap()
             .next;
-        let moved = observe_within(&first, Observation::Progress(copying(2, 10)), &l, MIN)
-            .unwrap();
+        let moved = observe_within(&first, Observation::Progress(copying(2, 10)), &l, MIN).unwrap();
         assert!(!moved.cancel);
         assert_eq!(moved.next.progressed_ms, Some(MIN));
         for off in [None, Some(0)] {
@@ -1003,8 +1005,7 @@ mod tests {
             ..Default::default()
         };
         let op = new_op(0);
-        let d = observe_within(&op, Observation::Progress(idle.clone()), &l, 5 * MIN - 1)
-            .unwrap();
+        let d = observe_within(&op, Observation::Progress(idle.clone()), &l, 5 * MIN - 1).unwrap();
         assert_eq!(d.next.phase, OperationPhase::New, "not yet");
         let d = observe_within(&d.next, Observation::Progress(idle), &l, 5 * MIN).unwrap();
         assert!(d.cancel);
@@ -1031,7 +1032,9 @@ mod tests {
         let d = observe_within(&new_op(0), unreachable, &l, MIN).unwrap();
         assert!(d.cancel);
         assert!(
-            d.next.error.starts_with("no progress for 1m0s: nothing reported"),
+            d.next
+                .error
+                .starts_with("no progress for 1m0s: nothing reported"),
             "{}",
             d.next.error
         );
@@ -1089,7 +1092,10 @@ mod tests {
                 .next;
         }
         let d = observe_within(&op, Observation::Transient("busy 2".into()), &l, 3).unwrap();
-        assert!(!d.cancel, "the snapshotter said the call failed: nothing to cancel");
+        assert!(
+            !d.cancel,
+            "the snapshotter said the call failed: nothing to cancel"
+        );
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!((d.next.error.as_str(), d.next.attempts), ("busy 2", 2));
         // Out of time first.
@@ -1098,10 +1104,18 @@ mod tests {
             .unwrap()
             .next;
         let d = observe_within(&first, Observation::Transient("b".into()), &l, 1_000).unwrap();
-        assert_eq!((d.next.phase, d.next.error.as_str()), (OperationPhase::Failed, "b"));
+        assert_eq!(
+            (d.next.phase, d.next.error.as_str()),
+            (OperationPhase::Failed, "b")
+        );
         // No budget: the first transient error fails.
-        let d = observe_within(&new_op(0), Observation::Transient("c".into()), &budget(0, HOUR), 0)
-            .unwrap();
+        let d = observe_within(
+            &new_op(0),
+            Observation::Transient("c".into()),
+            &budget(0, HOUR),
+            0,
+        )
+        .unwrap();
         assert_eq!(d.next.phase, OperationPhase::Failed);
     }
 

@@ -502,7 +502,11 @@ mod generate {
     pub fn snapshotter_document() -> Value {
         let all = snapshotter_errors();
         let g = &mut generator();
-        const CODES: &[i32] = &[codes::OPERATIONS_NOT_SUPPORTED, codes::INVALID_OPERATION_ID, codes::TRANSIENT];
+        const CODES: &[i32] = &[
+            codes::OPERATIONS_NOT_SUPPORTED,
+            codes::INVALID_OPERATION_ID,
+            codes::TRANSIENT,
+        ];
         let progress = method::<OperationRef, OperationProgress>(
             g,
             Meta {

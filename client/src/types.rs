@@ -600,7 +600,7 @@ pub struct DeleteResult {
 
 /// Which operation of an owner `*.cancel` means: its operation ID, or, when two items'
 /// plugins returned the same ID, the ID and the item.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 pub enum OperationSelector {
@@ -617,6 +617,32 @@ pub enum OperationSelector {
 pub struct OperationOfItem {
     pub operation_id: String,
     pub resource: ResourceIdentifier,
+}
+
+/// By hand, so that a wrong element gets an error that says what was expected (serde's
+/// untagged enums only say that nothing matched).
+impl<'de> Deserialize<'de> for OperationSelector {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(id) => Ok(OperationSelector::Id(id)),
+            object @ serde_json::Value::Object(_) => OperationOfItem::deserialize(object)
+                .map(OperationSelector::Item)
+                .map_err(D::Error::custom),
+            other => {
+                // The kind, not the value: it may be large.
+                let kind = match other {
+                    serde_json::Value::Null => "null",
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Number(_) => "a number",
+                    _ => "an array",
+                };
+                Err(D::Error::custom(format!(
+                    "expected an operation ID (a string) or {{operationId, resource}}, got {kind}"
+                )))
+            }
+        }
+    }
 }
 
 impl OperationSelector {

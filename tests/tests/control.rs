@@ -88,7 +88,10 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
         result.owner.failure_reason,
         "canceled: the operator stopped it"
     );
-    assert_eq!(result.owner.operations_failed, 2, "canceled counts as failed");
+    assert_eq!(
+        result.owner.operations_failed, 2,
+        "canceled counts as failed"
+    );
     assert_eq!(result.owner.operations_completed, 1);
     let journal = f.journal();
     assert_eq!(count(&journal, "cancel gate-1 b"), 1, "{journal:?}");
@@ -100,12 +103,21 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
     assert_eq!(
         phases,
         [
-            (OperationPhase::Canceled, "canceled: the operator stopped it"),
-            (OperationPhase::Canceled, "canceled: the operator stopped it"),
+            (
+                OperationPhase::Canceled,
+                "canceled: the operator stopped it"
+            ),
+            (
+                OperationPhase::Canceled,
+                "canceled: the operator stopped it"
+            ),
             (OperationPhase::Completed, ""),
         ]
     );
-    assert!(ops.iter().all(|o| !o.cancel_requested), "the calls are over");
+    assert!(
+        ops.iter().all(|o| !o.cancel_requested),
+        "the calls are over"
+    );
 
     // Velero's file has no Canceled: it says Failed, with the reason in the error.
     let records = backups.item_operations("b").await.unwrap();
@@ -130,8 +142,7 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
 }
 
 #[tokio::test]
-async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_partially_failed()
-{
+async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_partially_failed() {
     let f = Fixture::new(&[]).await;
     let mut same_id_twice = operation(PLUGIN, "gate-x", "d", &[]);
     same_id_twice.resource = pvc("e");
@@ -196,7 +207,9 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
         )
     );
     let untouched = backups.operations("b", None).await.unwrap();
-    assert!(untouched.iter().all(|o| o.phase == OperationPhase::InProgress));
+    assert!(untouched
+        .iter()
+        .all(|o| o.phase == OperationPhase::InProgress));
 
     let result = backups
         .cancel(CancelParams {
@@ -288,7 +301,10 @@ async fn operations_canceled_while_in_progress_count_as_errors_when_it_ends() {
     assert_eq!(result.owner.failure_reason, "");
     let owner = backups.end_in_progress("b").errors(1).await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    assert_eq!(owner.errors, 2, "the server's one and the canceled operation");
+    assert_eq!(
+        owner.errors, 2,
+        "the server's one and the canceled operation"
+    );
     let journal = f.journal();
     assert_eq!(count(&journal, "cancel gate-2 b"), 1, "{journal:?}");
     assert_eq!(count(&journal, "progress gate-2 b"), 0, "{journal:?}");
@@ -322,12 +338,15 @@ async fn a_snapshotter_that_never_confirms_cancel_holds_the_call_one_deadline_an
     assert_eq!((result.canceled, result.unconfirmed), (1, 1));
     assert_eq!(result.owner.phase, OwnerPhase::Failed);
     let ops = backups.operations("b", None).await.unwrap();
-    assert!(!ops[0].cancel_requested, "abandoned calls are not outstanding");
+    assert!(
+        !ops[0].cancel_requested,
+        "abandoned calls are not outstanding"
+    );
 }
 
 #[tokio::test]
-async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying_what_it_saw_last(
-) {
+async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying_what_it_saw_last()
+{
     let f = Fixture::new(&[]).await;
     f.client
         .register_snapshotter(&copier(&f, |s| {
@@ -579,7 +598,15 @@ async fn the_cli_cancels_and_says_plainly_what_it_could_not_cancel() {
     );
     let out = opmon(
         socket,
-        &["backup", "cancel", "b", "--operation", "gate-1", "--reason", "not needed"],
+        &[
+            "backup",
+            "cancel",
+            "b",
+            "--operation",
+            "gate-1",
+            "--reason",
+            "not needed",
+        ],
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
@@ -590,7 +617,10 @@ async fn the_cli_cancels_and_says_plainly_what_it_could_not_cancel() {
     assert_eq!(out.status.code(), Some(2), "the owner Failed");
     let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(result["canceled"], 1);
-    assert_eq!(result["owner"]["failureReason"], "canceled: canceled by request");
+    assert_eq!(
+        result["owner"]["failureReason"],
+        "canceled: canceled by request"
+    );
     let out = opmon(socket, &["backup", "cancel", "b"]);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
@@ -598,4 +628,111 @@ async fn the_cli_cancels_and_says_plainly_what_it_could_not_cancel() {
         "opmon: backup b is Failed; cancel is allowed only while InProgress, \
          WaitingForPluginOperations or WaitingForPluginOperationsPartiallyFailed (code 1003)\n"
     );
+}
+
+#[tokio::test]
+async fn a_cancel_cut_short_by_an_agent_crash_is_sent_again_when_it_restarts() {
+    let mut f = Fixture::new(&[]).await;
+    f.backup("b")
+        .operation(operation(PLUGIN, "never-1", "a", &[]))
+        .end_in_progress()
+        .await;
+    f.open_gate("HANG");
+    let client = f.client.clone();
+    let call = tokio::spawn(async move { client.backups().cancel(cancel("b")).await });
+    opmon_tests::eventually_async("the snapshotter holds the cancel", LONG, || {
+        journal(&f.journal)
+            .contains(&"held cancel never-1 b".to_string())
+            .then_some(())
+    })
+    .await;
+    f.agent.kill9();
+    assert!(
+        call.await.unwrap().is_err(),
+        "the answer was lost with the agent"
+    );
+    std::fs::remove_file(f.gates.join("HANG")).unwrap();
+    f.agent.restart();
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    // The decision was committed before the crash; the Cancel call is made again.
+    assert_eq!(backups.get("b").await.unwrap().phase, OwnerPhase::Failed);
+    opmon_tests::eventually_async("Cancel is sent again", LONG, || {
+        journal(&f.journal)
+            .contains(&"cancel never-1 b".to_string())
+            .then_some(())
+    })
+    .await;
+    let started = std::time::Instant::now();
+    while backups.operations("b", None).await.unwrap()[0].cancel_requested {
+        assert!(started.elapsed() < LONG, "cancelRequested stays set");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let op = &backups.operations("b", None).await.unwrap()[0];
+    assert_eq!(op.phase, OperationPhase::Canceled);
+}
+
+#[tokio::test]
+async fn cancel_params_that_make_no_sense_are_refused_naming_the_field() {
+    let f = Fixture::new(&[]).await;
+    f.backup("b")
+        .operation(operation(PLUGIN, "gate-1", "a", &[]))
+        .start()
+        .await;
+    let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
+    let refused = |http: &mut opmon_tests::RawHttp, params: &str| {
+        let answer = http.call(&format!(
+            r#"{{"jsonrpc":"2.0","id":1,"method":"backup.cancel","params":{params}}}"#
+        ));
+        (
+            answer["error"]["code"].as_i64().unwrap_or(0),
+            answer["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        )
+    };
+    let long = "x".repeat(1025);
+    for (params, code, message) in [
+        (
+            r#"{"name":"b","operations":[123]}"#.to_string(),
+            -32602,
+            "operations[0]: expected an operation ID (a string) or {operationId, resource}, \
+             got a number",
+        ),
+        (
+            r#"{"name":"b","operations":[{"operationId":"gate-1"}]}"#.to_string(),
+            -32602,
+            "operations[0]: missing field `resource`",
+        ),
+        (
+            r#"{"name":"b","operations":[""]}"#.to_string(),
+            -32602,
+            "operations[0].operationId: must not be empty",
+        ),
+        (
+            format!(r#"{{"name":"b","reason":"{long}"}}"#),
+            -32602,
+            "reason: must be at most 1024 bytes (got 1025)",
+        ),
+        (
+            r#"{"name":"b","force":true}"#.to_string(),
+            -32602,
+            "force: unknown field `force`, expected one of `name`, `operations`, `reason`",
+        ),
+        (
+            r#"{"name":"b","operations":[{"operationId":"gate-1","resource":{"resource":"persistentvolumeclaims","namespace":"app","name":"zzz"}}]}"#.to_string(),
+            1001,
+            "operations[0]: backup b has no operation \"gate-1\" of item \
+             persistentvolumeclaims app/zzz",
+        ),
+    ] {
+        assert_eq!(
+            refused(&mut http, &params),
+            (code, message.to_string()),
+            "{params}"
+        );
+    }
+    let ops = f.client.backups().operations("b", None).await.unwrap();
+    assert_eq!(ops[0].phase, OperationPhase::New, "nothing was canceled");
 }

@@ -220,7 +220,9 @@ impl Core {
             let rows: Vec<i64> = targets.iter().map(|t| t.row).collect();
             if let Err(e) = core
                 .store
-                .write(move |conn| queries::clear_cancel_requested(conn, &rows).map_err(Error::from))
+                .write(move |conn| {
+                    queries::clear_cancel_requested(conn, &rows).map_err(Error::from)
+                })
                 .await
             {
                 tracing::warn!(error = %e, "clearing cancelRequested failed");

@@ -307,8 +307,11 @@ fn check_control_after_migration_9(conn: &Connection, from: u32) {
         "from version {from}"
     );
     // The identity check completed op-1; it runs again.
-    conn.execute("UPDATE operations SET phase = 'InProgress' WHERE id = 1", [])
-        .unwrap();
+    conn.execute(
+        "UPDATE operations SET phase = 'InProgress' WHERE id = 1",
+        [],
+    )
+    .unwrap();
     let targets = queries::poll_targets(conn, queries::Targets::Owner(1)).unwrap();
     assert_eq!(targets.len(), 1, "from version {from}");
     assert_eq!(
@@ -319,20 +322,31 @@ fn check_control_after_migration_9(conn: &Connection, from: u32) {
     let backup = queries::owner_by_id(conn, 1).unwrap().unwrap().owner;
     assert_eq!((backup.stall_timeout, backup.start_timeout), (None, None));
     let failed_before = backup.operations_failed;
-    let canceled = queries::cancel_operations(conn, 1, &[1], "canceled: test", UnixMs(3000))
-        .unwrap();
+    let canceled =
+        queries::cancel_operations(conn, 1, &[1], "canceled: test", UnixMs(3000)).unwrap();
     assert_eq!(canceled, [1]);
     let after = queries::owner_by_id(conn, 1).unwrap().unwrap();
-    assert_eq!(after.owner.operations_failed, failed_before + 1, "from version {from}");
+    assert_eq!(
+        after.owner.operations_failed,
+        failed_before + 1,
+        "from version {from}"
+    );
     assert_eq!(after.unfinished(), 0);
     let ops = queries::operations(conn, 1, None).unwrap();
     assert!(ops[0].cancel_requested);
     queries::clear_cancel_requested(conn, &[1]).unwrap();
     assert!(!queries::operations(conn, 1, None).unwrap()[0].cancel_requested);
-    conn.execute("UPDATE operations SET phase = 'InProgress' WHERE id = 1", [])
-        .unwrap();
+    conn.execute(
+        "UPDATE operations SET phase = 'InProgress' WHERE id = 1",
+        [],
+    )
+    .unwrap();
     assert_eq!(
-        queries::owner_by_id(conn, 1).unwrap().unwrap().owner.operations_failed,
+        queries::owner_by_id(conn, 1)
+            .unwrap()
+            .unwrap()
+            .owner
+            .operations_failed,
         failed_before,
         "leaving Canceled is counted too"
     );

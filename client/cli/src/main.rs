@@ -21,10 +21,10 @@ use clap::{CommandFactory, Parser};
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::text::escape_controls;
 use opmon_client::{
-    AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams, FinalizeParams, FinalizeResult,
-    ListParams, NameParams, NewOperation, OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind,
-    PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams,
-    UpdatedItem, WaitUntil,
+    AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
+    FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation, OperationSelector,
+    OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef, ServerStartedParams,
+    ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -447,7 +447,9 @@ async fn owner_command(
                 text.push_str(&one_line(&r.owner));
                 text
             })?;
-            Ok(render::exit_code(typed::<CancelResult>(&value)?.owner.phase))
+            Ok(render::exit_code(
+                typed::<CancelResult>(&value)?.owner.phase,
+            ))
         }
         OwnerCommand::Delete { name } => {
             let params = NameParams { name: name.clone() };
