@@ -900,6 +900,12 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                 retry_within: table.retry_within,
             };
             let given = s.name.clone();
+            // Checked here too, to name the file's key rather than the API's field.
+            if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
+                return Err(format!(
+                    "config snapshotter {given}: retry_backoff: must be greater than zero"
+                ));
+            }
             crate::api::check_snapshotter(&mut s)
                 .map_err(|e| format!("config snapshotter {given}: {e}"))?;
             Ok(s)
@@ -1119,6 +1125,50 @@ mod tests {
         let reparsed: toml::Table =
             toml::from_str(&text).expect("--print-config prints valid TOML");
         assert_eq!(reparsed["socket_mode"].as_str(), Some("0600"));
+    }
+
+    #[test]
+    fn snapshotter_tables_take_deadlines_and_retry_budgets_and_print_them_back() {
+        let table = "[[snapshotter]]\nname = \"example.io/copier\"\napi_version = \"v2\"\n\
+                     socket = \"/run/copier.sock\"\nstall_timeout = \"30m\"\n\
+                     start_timeout = \"5m\"\nretry_attempts = 3\nretry_backoff = \"2s\"\n\
+                     retry_within = \"1h\"\n";
+        let s = settings(&[], table).unwrap();
+        let c = &s.snapshotters[0];
+        assert_eq!(c.stall_timeout, Some(GoDuration::from_secs(1800)));
+        assert_eq!(c.start_timeout, Some(GoDuration::from_secs(300)));
+        assert_eq!(c.retry_attempts, Some(3));
+        assert_eq!(c.retry_backoff, Some(GoDuration::from_secs(2)));
+        assert_eq!(c.retry_within, Some(GoDuration::from_secs(3600)));
+        let text = s.describe();
+        for line in [
+            "stall_timeout = \"30m0s\"",
+            "start_timeout = \"5m0s\"",
+            "retry_attempts = 3",
+            "retry_backoff = \"2s\"",
+            "retry_within = \"1h0m0s\"",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        let again = settings(&[], &text).unwrap();
+        assert_eq!(
+            again.snapshotters, s.snapshotters,
+            "--print-config reads back"
+        );
+        let e = settings(&[], &table.replace("\"30m\"", "\"soon\""))
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "config file FILE line 5: invalid duration \"soon\": expected a number"
+        );
+        let e = settings(&[], &table.replace("\"2s\"", "\"0s\""))
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "config snapshotter example.io/copier: retry_backoff: must be greater than zero"
+        );
     }
 
     #[test]

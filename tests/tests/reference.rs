@@ -165,10 +165,7 @@ fn the_limits_are_the_codes_constants() {
         ("err", format!("{} bytes", phase::MAX_ERROR)),
         ("operationUnits", format!("{} bytes", phase::MAX_UNITS)),
         ("list limit", format!("{} owners", api::MAX_PAGE)),
-        (
-            "cancel reason",
-            format!("{} bytes", api::MAX_CANCEL_REASON),
-        ),
+        ("cancel reason", format!("{} bytes", api::MAX_CANCEL_REASON)),
         (
             "cancel operations",
             format!("{}", api::MAX_CANCEL_OPERATIONS),
