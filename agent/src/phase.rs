@@ -192,9 +192,9 @@ pub fn stall_reason(op: &OperationState, stall_ms: i64) -> String {
                 rfc3339_seconds(at)
             )
         }
-        _ => format!(
-            "no progress for {d}: nothing reported since it was created at {}",
-            rfc3339_seconds(op.created_ms)
+        since => format!(
+            "no progress for {d}: nothing reported since {}",
+            rfc3339_seconds(since.unwrap_or(op.created_ms))
         ),
     };
     bounded(reason, MAX_ERROR)
@@ -315,6 +315,11 @@ pub fn observe_within(
     let timeout_ms = limits.timeout_ms;
     let mut next = current.clone();
     let mut cancel = false;
+    // With a stall deadline, its clock starts at the first poll at the latest: an owner
+    // may stay InProgress (unpolled) for long, and its operations are not to blame.
+    if limits.stall_ms.is_some_and(|d| d > 0) && next.progressed_ms.is_none() {
+        next.progressed_ms = Some(now_ms);
+    }
     match observation {
         Observation::Error(message) => {
             next.phase = OperationPhase::Failed;
@@ -330,7 +335,7 @@ pub fn observe_within(
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
                 next.next_attempt_ms = None;
-            } else if let Some(reason) = deadline_passed(current, limits, now_ms) {
+            } else if let Some(reason) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
                 next.phase = OperationPhase::Failed;
                 next.error = reason;
@@ -363,7 +368,7 @@ pub fn observe_within(
                 cancel = true;
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
-            } else if let Some(reason) = deadline_passed(current, limits, now_ms) {
+            } else if let Some(reason) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
                 next.phase = OperationPhase::Failed;
                 next.error = reason;
@@ -375,7 +380,8 @@ pub fn observe_within(
                     MAX_ERROR,
                 );
             } else {
-                return None;
+                // Nothing changes, but a stall clock that just started is kept.
+                return (next != *current).then_some(Decision { next, cancel });
             }
             next.updated_ms = Some(now_ms);
         }
@@ -977,8 +983,7 @@ mod tests {
         let mut op = new_op(NOV_22_10_02_11);
         assert_eq!(
             stall_reason(&op, 90_000),
-            "no progress for 1m30s: nothing reported since it was created at \
-             2026-11-22T10:02:11Z"
+            "no progress for 1m30s: nothing reported since 2026-11-22T10:02:11Z"
         );
         op.n_completed = 3;
         op.n_total = 7;
@@ -1024,19 +1029,27 @@ mod tests {
     #[test]
     fn an_unreachable_snapshotter_is_caught_by_the_deadlines_before_its_grace() {
         let l = limits(Some(MIN), None);
-        let unreachable = Observation::Unreachable {
+        let unreachable = || Observation::Unreachable {
             error: "connection refused".into(),
             since_ms: 0,
             grace_ms: HOUR,
         };
-        let d = observe_within(&new_op(0), unreachable, &l, MIN).unwrap();
+        // First polled long after it was created (its owner was InProgress): the stall
+        // clock starts now, and nothing else changes.
+        let first = observe_within(&new_op(0), unreachable(), &l, 2 * MIN).unwrap();
+        assert!(!first.cancel);
+        assert_eq!(first.next.phase, OperationPhase::New);
+        assert_eq!(first.next.progressed_ms, Some(2 * MIN));
+        assert_eq!(first.next.updated_ms, None, "not a change of the operation");
+        assert_eq!(
+            observe_within(&first.next, unreachable(), &l, 3 * MIN - 1),
+            None
+        );
+        let d = observe_within(&first.next, unreachable(), &l, 3 * MIN).unwrap();
         assert!(d.cancel);
-        assert!(
-            d.next
-                .error
-                .starts_with("no progress for 1m0s: nothing reported"),
-            "{}",
-            d.next.error
+        assert_eq!(
+            d.next.error,
+            "no progress for 1m0s: nothing reported since 1970-01-01T00:02:00Z"
         );
     }
 

@@ -449,7 +449,7 @@ async fn an_unreachable_snapshotter_is_caught_by_the_stall_deadline_before_its_g
     let op = &f.client.backups().operations("b", None).await.unwrap()[0];
     assert!(
         op.error
-            .starts_with("no progress for 800ms: nothing reported since it was created at 20"),
+            .starts_with("no progress for 800ms: nothing reported since 20"),
         "{}",
         op.error
     );

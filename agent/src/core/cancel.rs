@@ -25,6 +25,9 @@ use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
 use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 
+/// Operations whose interrupted Cancel is sent again per step at a restart.
+const RESEND_PAGE: i64 = 4096;
+
 /// An item as messages name it: `persistentvolumeclaims ns/name` (with `.group` when
 /// not the core group; without `ns/` when cluster-scoped).
 pub(crate) fn item_text(r: &ResourceIdentifier) -> String {
@@ -190,42 +193,47 @@ impl Core {
     }
 
     /// After a restart: sends Cancel again for the operations whose calls were out
-    /// when the agent stopped, then clears their mark. In the background, so the agent
-    /// answers at once.
+    /// when the agent stopped, then clears their mark, a page at a time. In the
+    /// background, so the agent answers at once.
     pub(super) fn resend_cancels(self: &Arc<Self>) {
         let core = self.clone();
         self.sweeps.spawn(async move {
-            let targets = match core
-                .store
-                .read(|conn| {
-                    queries::poll_targets(conn, Targets::CancelRequested).map_err(Error::from)
-                })
-                .await
-            {
-                Ok(targets) if targets.is_empty() => return,
-                Ok(targets) => targets,
-                Err(e) => {
-                    tracing::warn!(error = %e, "finding interrupted cancels failed");
+            loop {
+                let page = core
+                    .store
+                    .read(|conn| {
+                        let which = Targets::CancelRequested { limit: RESEND_PAGE };
+                        queries::poll_targets(conn, which).map_err(Error::from)
+                    })
+                    .await;
+                let targets = match page {
+                    Ok(targets) if targets.is_empty() => return,
+                    Ok(targets) => targets,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "finding interrupted cancels failed");
+                        return;
+                    }
+                };
+                tracing::info!(
+                    operations = targets.len(),
+                    "sending Cancel again for cancels interrupted by a stop"
+                );
+                tokio::select! {
+                    _ = core.stopping.cancelled() => return,
+                    _ = core.poller.cancel_each(&targets) => {}
+                }
+                let rows: Vec<i64> = targets.iter().map(|t| t.row).collect();
+                let cleared = core
+                    .store
+                    .write(move |conn| {
+                        queries::clear_cancel_requested(conn, &rows).map_err(Error::from)
+                    })
+                    .await;
+                if let Err(e) = cleared {
+                    // Left marked: the next start sends them again.
+                    tracing::warn!(error = %e, "clearing cancelRequested failed");
                     return;
                 }
-            };
-            tracing::info!(
-                operations = targets.len(),
-                "sending Cancel again for cancels interrupted by a stop"
-            );
-            tokio::select! {
-                _ = core.stopping.cancelled() => return,
-                _ = core.poller.cancel_each(&targets) => {}
-            }
-            let rows: Vec<i64> = targets.iter().map(|t| t.row).collect();
-            if let Err(e) = core
-                .store
-                .write(move |conn| {
-                    queries::clear_cancel_requested(conn, &rows).map_err(Error::from)
-                })
-                .await
-            {
-                tracing::warn!(error = %e, "clearing cancelRequested failed");
             }
         });
     }

@@ -587,8 +587,8 @@ pub enum Targets<'a> {
         limit: i64,
     },
     /// Canceled operations whose Cancel calls were out when the agent stopped (any
-    /// phase: they are Canceled already).
-    CancelRequested,
+    /// phase: they are Canceled already), the first `limit` by row.
+    CancelRequested { limit: i64 },
 }
 
 /// The plugins that have unfinished operations (of any owner).
@@ -663,12 +663,12 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
-        Targets::CancelRequested => {
+        Targets::CancelRequested { limit } => {
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
-                 WHERE o.cancel_requested = 1 ORDER BY o.id"
+                 WHERE o.cancel_requested = 1 ORDER BY o.id LIMIT ?1"
             ))?;
-            rows = stmt.query([])?;
+            rows = stmt.query([limit])?;
         }
     }
     let mut targets = Vec::new();
