@@ -264,6 +264,27 @@ pub struct Decision {
     pub next: OperationState,
     /// Cancel must be called (and answered or timed out) before `next` is committed.
     pub cancel: bool,
+    /// Which limit decided, when one did (what an event of the change would say).
+    pub why: Option<Why>,
+}
+
+/// A limit that decided an operation's change, besides the snapshotter's own report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// The item operation timeout passed (cancelled and failed).
+    TimedOut,
+    /// The stall deadline passed (cancelled and failed).
+    Stalled,
+    /// The start deadline passed (cancelled and failed).
+    NotStarted,
+    /// Unreachable past the grace period (failed).
+    Unreachable,
+    /// A transient error, to be retried at `next_attempt_ms`.
+    RetryScheduled,
+    /// A transient error with the retry budget spent (failed).
+    RetriesSpent,
+    /// A good answer after a run of transient errors.
+    Recovered,
 }
 
 /// Applies `observation` to `current`. Returns `None` when nothing changed, so an
@@ -285,16 +306,16 @@ pub fn observe(
 
 /// A deadline other than the item operation timeout that has passed for `op`, as the
 /// error it fails with: the start deadline (still New), then the stall deadline.
-fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<String> {
+fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<(Why, String)> {
     if let Some(start) = limits.start_ms.filter(|&d| d > 0) {
         if op.phase == OperationPhase::New && now_ms.saturating_sub(op.created_ms) >= start {
-            return Some(not_started_reason(start));
+            return Some((Why::NotStarted, not_started_reason(start)));
         }
     }
     if let Some(stall) = limits.stall_ms.filter(|&d| d > 0) {
         let since = op.progressed_ms.unwrap_or(op.created_ms);
         if now_ms.saturating_sub(since) >= stall {
-            return Some(stall_reason(op, stall));
+            return Some((Why::Stalled, stall_reason(op, stall)));
         }
     }
     None
@@ -315,6 +336,7 @@ pub fn observe_within(
     let timeout_ms = limits.timeout_ms;
     let mut next = current.clone();
     let mut cancel = false;
+    let mut why = None;
     // With a stall deadline, its clock starts at the first poll at the latest: an owner
     // may stay InProgress (unpolled) for long, and its operations are not to blame.
     if limits.stall_ms.is_some_and(|d| d > 0) && next.progressed_ms.is_none() {
@@ -332,21 +354,25 @@ pub fn observe_within(
             let since = current.retrying_since_ms.unwrap_or(now_ms);
             if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
+                why = Some(Why::TimedOut);
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
                 next.next_attempt_ms = None;
-            } else if let Some(reason) = deadline_passed(&next, limits, now_ms) {
+            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
+                why = Some(deadline);
                 next.phase = OperationPhase::Failed;
                 next.error = reason;
                 next.next_attempt_ms = None;
             } else if current.attempts >= limits.retry.attempts
                 || now_ms.saturating_sub(since) >= limits.retry.within_ms
             {
+                why = Some(Why::RetriesSpent);
                 next.phase = OperationPhase::Failed;
                 next.error = message.clone();
                 next.next_attempt_ms = None;
             } else {
+                why = Some(Why::RetryScheduled);
                 next.attempts = current.attempts.saturating_add(1);
                 next.retrying_since_ms = Some(since);
                 next.next_attempt_ms =
@@ -366,13 +392,16 @@ pub fn observe_within(
         } => {
             if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
+                why = Some(Why::TimedOut);
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
-            } else if let Some(reason) = deadline_passed(&next, limits, now_ms) {
+            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
+                why = Some(deadline);
                 next.phase = OperationPhase::Failed;
                 next.error = reason;
             } else if now_ms.saturating_sub(since_ms) >= grace_ms {
+                why = Some(Why::Unreachable);
                 next.phase = OperationPhase::Failed;
                 let grace = opmon_client::GoDuration::from_millis(grace_ms.max(0) as u64);
                 next.error = bounded(
@@ -381,7 +410,7 @@ pub fn observe_within(
                 );
             } else {
                 // Nothing changes, but a stall clock that just started is kept.
-                return (next != *current).then_some(Decision { next, cancel });
+                return (next != *current).then_some(Decision { next, cancel, why });
             }
             next.updated_ms = Some(now_ms);
         }
@@ -404,6 +433,9 @@ pub fn observe_within(
             // one stay, to be seen).
             next.next_attempt_ms = None;
             next.retrying_since_ms = None;
+            if current.retrying_since_ms.is_some() {
+                why = Some(Why::Recovered);
+            }
             if next.n_completed != current.n_completed
                 || next.n_total != current.n_total
                 || next.description != current.description
@@ -421,14 +453,16 @@ pub fn observe_within(
                 }
             } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
+                why = Some(Why::TimedOut);
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
             } else if next.phase == OperationPhase::New && next.started_ms.is_some() {
                 next.phase = OperationPhase::InProgress;
             }
             if next.phase.is_unfinished() {
-                if let Some(reason) = deadline_passed(&next, limits, now_ms) {
+                if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
                     cancel = true;
+                    why = Some(deadline);
                     next.phase = OperationPhase::Failed;
                     next.error = reason;
                 }
@@ -438,7 +472,7 @@ pub fn observe_within(
             }
         }
     }
-    (next != *current).then_some(Decision { next, cancel })
+    (next != *current).then_some(Decision { next, cancel, why })
 }
 
 fn ms(t: time::OffsetDateTime) -> i64 {
@@ -777,6 +811,7 @@ mod tests {
         assert!(d.cancel);
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(d.next.error, TIMED_OUT);
+        assert_eq!(d.why, Some(Why::TimedOut));
     }
 
     #[test]
@@ -952,6 +987,7 @@ mod tests {
         );
         let d = observe_within(&seen, same(), &l, NOV_22_10_02_11 + 30 * MIN).unwrap();
         assert!(d.cancel);
+        assert_eq!(d.why, Some(Why::Stalled));
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(
             d.next.error,
@@ -1014,6 +1050,7 @@ mod tests {
         assert_eq!(d.next.phase, OperationPhase::New, "not yet");
         let d = observe_within(&d.next, Observation::Progress(idle), &l, 5 * MIN).unwrap();
         assert!(d.cancel);
+        assert_eq!(d.why, Some(Why::NotStarted));
         assert_eq!(d.next.error, "not started after 5m0s: still New");
         // Started in time: the start deadline no longer applies.
         let started = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
@@ -1066,6 +1103,7 @@ mod tests {
         let busy = || Observation::Transient("busy".into());
         let one = observe_within(&new_op(0), busy(), &l, 100).unwrap();
         assert!(!one.cancel);
+        assert_eq!(one.why, Some(Why::RetryScheduled));
         assert_eq!(one.next.phase, OperationPhase::New);
         assert_eq!(
             (one.next.attempts, one.next.next_attempt_ms),
@@ -1074,9 +1112,9 @@ mod tests {
         assert_eq!(one.next.retrying_since_ms, Some(100));
         let two = observe_within(&one.next, busy(), &l, 1_100).unwrap().next;
         assert_eq!((two.attempts, two.next_attempt_ms), (2, Some(3_100)));
-        let ok = observe_within(&two, Observation::Progress(copying(1, 2)), &l, 3_100)
-            .unwrap()
-            .next;
+        let ok = observe_within(&two, Observation::Progress(copying(1, 2)), &l, 3_100).unwrap();
+        assert_eq!(ok.why, Some(Why::Recovered));
+        let ok = ok.next;
         assert_eq!(ok.phase, OperationPhase::InProgress);
         assert_eq!(
             (ok.attempts, ok.last_error.as_str(), ok.next_attempt_ms),
@@ -1109,6 +1147,7 @@ mod tests {
             !d.cancel,
             "the snapshotter said the call failed: nothing to cancel"
         );
+        assert_eq!(d.why, Some(Why::RetriesSpent));
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!((d.next.error.as_str(), d.next.attempts), ("busy 2", 2));
         // Out of time first.

@@ -42,6 +42,8 @@ const MAX_OBJECT_BYTES_PER_CALL: usize = 4 << 20;
 pub(super) struct OperationChange {
     pub target: PollTarget,
     pub next: OperationState,
+    /// Which limit decided it, if one did (a deadline, a retry): what its event says.
+    pub why: Option<phase::Why>,
 }
 
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
@@ -91,6 +93,9 @@ pub(super) fn apply_changes(
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
         if queries::update_operation(conn, c.target.row, &c.next, phase_changed)? {
+            if let Some(why) = c.why {
+                log_limit(c, why);
+            }
             let failed = touched.entry(c.target.owner_row).or_default();
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;
@@ -98,6 +103,31 @@ pub(super) fn apply_changes(
         }
     }
     Ok(touched)
+}
+
+/// Logs a change a limit decided (a deadline, a retry), once it is written.
+fn log_limit(c: &OperationChange, why: phase::Why) {
+    use phase::Why;
+    let (t, next) = (&c.target, &c.next);
+    match why {
+        Why::TimedOut | Why::Stalled | Why::NotStarted | Why::Unreachable => {
+            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                error = %next.error, ?why, "operation failed by a limit");
+        }
+        Why::RetriesSpent => {
+            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                attempts = next.attempts, error = %next.error, "retries spent");
+        }
+        Why::RetryScheduled => {
+            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
+                attempt = next.attempts, error = %next.last_error,
+                next_attempt_ms = next.next_attempt_ms, "transient error; retrying");
+        }
+        Why::Recovered => {
+            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
+                attempts = next.attempts, "answered again after transient errors");
+        }
+    }
 }
 
 /// Why an owner is settled.
@@ -305,6 +335,7 @@ impl Poller {
                 changes.push(OperationChange {
                     target,
                     next: d.next,
+                    why: d.why,
                 });
             }
         }
