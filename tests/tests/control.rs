@@ -736,3 +736,59 @@ async fn cancel_params_that_make_no_sense_are_refused_naming_the_field() {
     let ops = f.client.backups().operations("b", None).await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::New, "nothing was canceled");
 }
+
+#[tokio::test]
+async fn a_cancel_naming_many_operations_finds_each_and_refuses_an_ambiguous_one() {
+    let f = Fixture::new(&[]).await;
+    let mut ops: Vec<_> = (0..20)
+        .map(|i| operation(PLUGIN, &format!("gate-{i}"), &format!("item-{i}"), &[]))
+        .collect();
+    ops.push(operation(PLUGIN, "gate-dup", "x", &[]));
+    ops.push(operation(PLUGIN, "gate-dup", "y", &[]));
+    f.backup("b").operations(ops).end_in_progress().await;
+    let backups = f.client.backups();
+    let mut chosen: Vec<String> = (0..17).map(|i| format!("gate-{i}")).collect();
+    chosen.push("gate-dup".into());
+    let as_ids = |list: &[String]| {
+        Some(
+            list.iter()
+                .map(|id| OperationSelector::Id(id.clone()))
+                .collect(),
+        )
+    };
+    assert_eq!(
+        api_error(
+            backups
+                .cancel(CancelParams {
+                    operations: as_ids(&chosen),
+                    ..cancel("b")
+                })
+                .await
+        ),
+        (
+            codes::INVALID_PARAMS,
+            "operations[17]: operation ID \"gate-dup\" names 2 operations of backup b (items \
+             persistentvolumeclaims app/x, persistentvolumeclaims app/y); give it as \
+             {operationId, resource} to say which"
+                .into()
+        )
+    );
+    chosen.pop();
+    chosen.push("gate-3".into()); // twice: canceled once
+    let result = backups
+        .cancel(CancelParams {
+            operations: as_ids(&chosen),
+            ..cancel("b")
+        })
+        .await
+        .unwrap();
+    assert_eq!(result.canceled, 17);
+    let ops = backups.operations("b", None).await.unwrap();
+    let canceled: Vec<&str> = ops
+        .iter()
+        .filter(|o| o.phase == OperationPhase::Canceled)
+        .map(|o| o.operation_id.as_str())
+        .collect();
+    let expected: Vec<String> = (0..17).map(|i| format!("gate-{i}")).collect();
+    assert_eq!(canceled, expected);
+}

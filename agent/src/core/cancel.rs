@@ -9,7 +9,7 @@
 //! owner not at all; an agent that stops in between sends the Cancel calls again when
 //! it starts ([`Core::resend_cancels`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use opmon_client::{
@@ -23,7 +23,10 @@ use crate::changes::Urgency;
 use crate::clock::UnixMs;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
-use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
+use crate::store::queries::{self, OperationKey, OwnerRow, PollTarget, Targets};
+
+/// Up to this many operations named by one cancel are looked up one by one.
+const LOOKUPS_ONE_BY_ONE: usize = 16;
 
 /// Operations whose interrupted Cancel is sent again per step at a restart.
 const RESEND_PAGE: i64 = 4096;
@@ -51,10 +54,25 @@ fn chosen_rows(
     selectors: &[OperationSelector],
 ) -> Result<BTreeSet<i64>, Error> {
     let (kind, name) = (row.owner.kind, row.owner.name.as_str());
+    // Operation IDs have no index of their own: a few are looked up one by one (the
+    // owner's index narrows each to its operations), many in one scan of them.
+    let by_id: Option<HashMap<String, Vec<OperationKey>>> = if selectors.len() > LOOKUPS_ONE_BY_ONE
+    {
+        let mut map: HashMap<String, Vec<OperationKey>> = HashMap::new();
+        for key in queries::operation_keys(conn, row.id)? {
+            map.entry(key.operation_id.clone()).or_default().push(key);
+        }
+        Some(map)
+    } else {
+        None
+    };
     let mut rows = BTreeSet::new();
     for (index, selector) in selectors.iter().enumerate() {
         let id = selector.operation_id();
-        let mut found = queries::operations_with_id(conn, row.id, id)?;
+        let mut found = match &by_id {
+            Some(map) => map.get(id).cloned().unwrap_or_default(),
+            None => queries::operations_with_id(conn, row.id, id)?,
+        };
         if let OperationSelector::Item(o) = selector {
             found.retain(|k| k.resource == o.resource);
         }
@@ -118,6 +136,7 @@ impl Core {
         let error = phase::canceled_because(&reason);
         let now = UnixMs::now();
         let name = p.name.clone();
+        let whole = p.operations.is_none();
         let (owner_id, targets, canceled) = self
             .store
             .write(move |conn| {
@@ -137,9 +156,10 @@ impl Core {
                 };
                 let rows: Vec<i64> = chosen.iter().copied().collect();
                 let canceled = queries::cancel_operations(conn, row.id, &rows, &error, now)?;
+                let set: HashSet<i64> = canceled.iter().copied().collect();
                 let targets: Vec<PollTarget> = unfinished
                     .into_iter()
-                    .filter(|t| canceled.contains(&t.row))
+                    .filter(|t| set.contains(&t.row))
                     .collect();
                 if p.operations.is_none() {
                     row.owner.phase = OwnerPhase::Failed;
@@ -156,12 +176,16 @@ impl Core {
                 Ok::<_, Error>((row.id, targets, canceled))
             })
             .await?;
-        tracing::warn!(%kind, owner = %name, %reason, canceled = canceled.len(),
-            whole = targets.len() == canceled.len(), "cancel requested");
+        tracing::warn!(%kind, owner = %name, %reason, canceled = canceled.len(), whole,
+            "cancel requested");
         self.changes
             .notify(kind, &name, canceled.clone(), Urgency::Now);
-        self.refresh_records([(kind, name.clone())]).await;
-        let confirmed = self.poller.cancel_each(&targets).await;
+        // The file is marked due in the transaction; writing it need not hold up the
+        // Cancel calls.
+        let (_, confirmed) = tokio::join!(
+            self.refresh_records([(kind, name.clone())]),
+            self.poller.cancel_each(&targets)
+        );
         let unconfirmed = canceled.iter().filter(|r| !confirmed.contains(r)).count() as u64;
         let rows = canceled.clone();
         let owner = self

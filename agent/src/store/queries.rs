@@ -773,6 +773,31 @@ pub struct OperationKey {
     pub phase: OperationPhase,
 }
 
+fn operation_key(r: &Row<'_>) -> rusqlite::Result<OperationKey> {
+    Ok(OperationKey {
+        row: r.get(0)?,
+        operation_id: r.get(1)?,
+        resource: ResourceIdentifier {
+            group: r.get(2)?,
+            resource: r.get(3)?,
+            namespace: r.get(4)?,
+            name: r.get(5)?,
+        },
+        phase: parse_column(r, 6)?,
+    })
+}
+
+/// Every operation of `owner_id` as `*.cancel` picks them, in row order: one scan,
+/// for a cancel that names many operations.
+pub fn operation_keys(conn: &Connection, owner_id: i64) -> rusqlite::Result<Vec<OperationKey>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
+         FROM operations WHERE owner_id = ?1 ORDER BY id",
+    )?;
+    let rows = stmt.query_map([owner_id], operation_key)?;
+    rows.collect()
+}
+
 /// The operations of `owner_id` with operation ID `operation_id`, in row order.
 pub fn operations_with_id(
     conn: &Connection,
@@ -783,19 +808,7 @@ pub fn operations_with_id(
         "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
          FROM operations WHERE owner_id = ?1 AND operation_id = ?2 ORDER BY id",
     )?;
-    let rows = stmt.query_map(params![owner_id, operation_id], |r| {
-        Ok(OperationKey {
-            row: r.get(0)?,
-            operation_id: r.get(1)?,
-            resource: ResourceIdentifier {
-                group: r.get(2)?,
-                resource: r.get(3)?,
-                namespace: r.get(4)?,
-                name: r.get(5)?,
-            },
-            phase: parse_column(r, 6)?,
-        })
-    })?;
+    let rows = stmt.query_map(params![owner_id, operation_id], operation_key)?;
     rows.collect()
 }
 
