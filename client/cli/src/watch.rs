@@ -177,9 +177,11 @@ impl View for Bars {
             bar.set_position(op.n_completed.max(0) as u64);
             match op.phase {
                 OperationPhase::Completed => bar.finish_with_message("completed"),
-                OperationPhase::Failed | OperationPhase::Canceled => {
+                OperationPhase::Failed => {
                     bar.abandon_with_message(format!("failed: {}", clean(&op.error)))
                 }
+                // Its error already says `canceled: <reason>`.
+                OperationPhase::Canceled => bar.abandon_with_message(clean(&op.error).into_owned()),
                 _ => bar.set_message(op.phase.to_string()),
             }
         }
