@@ -14,9 +14,9 @@ use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::server::Outbox;
 use opmon_client::{
-    validate, AddOperationsParams, ApiVersion, EndInProgressParams, FinalizeParams, ListParams,
-    NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter, StartParams,
-    WaitParams,
+    validate, AddOperationsParams, ApiVersion, CancelParams, EndInProgressParams, FinalizeParams,
+    ListParams, NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter,
+    StartParams, WaitParams,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -232,6 +232,53 @@ fn check_list(p: &ListParams) -> Result<(), Error> {
     Ok(())
 }
 
+/// Longest `*.cancel` reason, in bytes.
+pub const MAX_CANCEL_REASON: usize = 1024;
+/// Most operations one `*.cancel` may name.
+pub const MAX_CANCEL_OPERATIONS: usize = 10_000;
+
+fn check_cancel(p: &CancelParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    if let Some(reason) = &p.reason {
+        if reason.len() > MAX_CANCEL_REASON {
+            return Err(invalid(
+                "reason",
+                format!(
+                    "must be at most {MAX_CANCEL_REASON} bytes (got {})",
+                    reason.len()
+                ),
+            ));
+        }
+    }
+    if let Some(ops) = &p.operations {
+        if ops.is_empty() {
+            return Err(invalid(
+                "operations",
+                "must name at least one operation; leave it out to cancel the whole owner",
+            ));
+        }
+        if ops.len() > MAX_CANCEL_OPERATIONS {
+            return Err(invalid(
+                "operations",
+                format!(
+                    "must name at most {MAX_CANCEL_OPERATIONS} operations (got {})",
+                    ops.len()
+                ),
+            ));
+        }
+        for (i, op) in ops.iter().enumerate() {
+            validate::operation_id(op.operation_id())
+                .map_err(|e| invalid(&format!("operations[{i}].operationId"), e))?;
+            if let opmon_client::OperationSelector::Item(o) = op {
+                validate::resource(&o.resource).map_err(|(field, e)| {
+                    invalid(&format!("operations[{i}].resource.{field}"), e)
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_wait(p: &WaitParams) -> Result<(), Error> {
     owner_name(&p.name)?;
     if p.timeout.is_some_and(|t| t.0 > MAX_WAIT) {
@@ -242,6 +289,9 @@ fn check_wait(p: &WaitParams) -> Result<(), Error> {
 
 pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
     snapshotter_name(&mut s.name)?;
+    if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
+        return Err(invalid("retryBackoff", "must be greater than zero"));
+    }
     match (s.api_version, &s.socket, &s.command) {
         (ApiVersion::V1, None, None) => Ok(()),
         (ApiVersion::V1, _, _) => Err(invalid(
@@ -364,6 +414,14 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
     );
     register(
         module,
+        name(OwnerMethod::Cancel),
+        move |core, p: CancelParams| async move {
+            check_cancel(&p)?;
+            core.cancel(kind, p).await
+        },
+    );
+    register(
+        module,
         name(OwnerMethod::Delete),
         move |core, p: NameParams| async move {
             owner_name(&p.name)?;
@@ -448,6 +506,7 @@ pub fn waiting_methods() -> Vec<String> {
                 OwnerMethod::EndInProgress,
                 OwnerMethod::Finalize,
                 OwnerMethod::Delete,
+                OwnerMethod::Cancel,
                 OwnerMethod::Subscribe,
             ]
             .map(|m| m.name(kind).to_string())
@@ -697,6 +756,7 @@ mod tests {
             api_version: ApiVersion::V2,
             socket: None,
             command: None,
+            ..Default::default()
         };
         assert!(check_snapshotter(&mut s).is_err());
         s.socket = Some("relative.sock".into());

@@ -60,7 +60,7 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
 
 /// The README row of the `[[snapshotter]]` tables, which are not a key=value setting.
-const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, registered at every start |";
+const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](#deadlines-and-retries)), registered at every start |";
 
 /// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
 /// its source), the config file's form, [`declarations`] (what the flags, `--help` and
@@ -602,6 +602,12 @@ struct FileSnapshotter {
     api_version: ApiVersion,
     socket: Option<PathBuf>,
     command: Option<Vec<String>>,
+    /// The snapshotter's deadlines and retry budget (see `Snapshotter`).
+    stall_timeout: Option<GoDuration>,
+    start_timeout: Option<GoDuration>,
+    retry_attempts: Option<u32>,
+    retry_backoff: Option<GoDuration>,
+    retry_within: Option<GoDuration>,
 }
 
 /// Where a value came from.
@@ -700,6 +706,20 @@ impl Settings {
             if let Some(command) = &s.command {
                 let parts: Vec<String> = command.iter().map(|c| toml_string(c)).collect();
                 out.push_str(&format!("command = [{}]\n", parts.join(", ")));
+            }
+            let durations = [
+                ("stall_timeout", s.stall_timeout),
+                ("start_timeout", s.start_timeout),
+                ("retry_backoff", s.retry_backoff),
+                ("retry_within", s.retry_within),
+            ];
+            for (key, value) in durations {
+                if let Some(d) = value {
+                    out.push_str(&format!("{key} = \"{d}\"\n"));
+                }
+            }
+            if let Some(n) = s.retry_attempts {
+                out.push_str(&format!("retry_attempts = {n}\n"));
             }
         }
         out
@@ -873,8 +893,19 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                 api_version: table.api_version,
                 socket: table.socket,
                 command: table.command,
+                stall_timeout: table.stall_timeout,
+                start_timeout: table.start_timeout,
+                retry_attempts: table.retry_attempts,
+                retry_backoff: table.retry_backoff,
+                retry_within: table.retry_within,
             };
             let given = s.name.clone();
+            // Checked here too, to name the file's key rather than the API's field.
+            if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
+                return Err(format!(
+                    "config snapshotter {given}: retry_backoff: must be greater than zero"
+                ));
+            }
             crate::api::check_snapshotter(&mut s)
                 .map_err(|e| format!("config snapshotter {given}: {e}"))?;
             Ok(s)
@@ -1094,6 +1125,50 @@ mod tests {
         let reparsed: toml::Table =
             toml::from_str(&text).expect("--print-config prints valid TOML");
         assert_eq!(reparsed["socket_mode"].as_str(), Some("0600"));
+    }
+
+    #[test]
+    fn snapshotter_tables_take_deadlines_and_retry_budgets_and_print_them_back() {
+        let table = "[[snapshotter]]\nname = \"example.io/copier\"\napi_version = \"v2\"\n\
+                     socket = \"/run/copier.sock\"\nstall_timeout = \"30m\"\n\
+                     start_timeout = \"5m\"\nretry_attempts = 3\nretry_backoff = \"2s\"\n\
+                     retry_within = \"1h\"\n";
+        let s = settings(&[], table).unwrap();
+        let c = &s.snapshotters[0];
+        assert_eq!(c.stall_timeout, Some(GoDuration::from_secs(1800)));
+        assert_eq!(c.start_timeout, Some(GoDuration::from_secs(300)));
+        assert_eq!(c.retry_attempts, Some(3));
+        assert_eq!(c.retry_backoff, Some(GoDuration::from_secs(2)));
+        assert_eq!(c.retry_within, Some(GoDuration::from_secs(3600)));
+        let text = s.describe();
+        for line in [
+            "stall_timeout = \"30m0s\"",
+            "start_timeout = \"5m0s\"",
+            "retry_attempts = 3",
+            "retry_backoff = \"2s\"",
+            "retry_within = \"1h0m0s\"",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        let again = settings(&[], &text).unwrap();
+        assert_eq!(
+            again.snapshotters, s.snapshotters,
+            "--print-config reads back"
+        );
+        let e = settings(&[], &table.replace("\"30m\"", "\"soon\""))
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "config file FILE line 5: invalid duration \"soon\": expected a number"
+        );
+        let e = settings(&[], &table.replace("\"2s\"", "\"0s\""))
+            .err()
+            .unwrap();
+        assert_eq!(
+            e,
+            "config snapshotter example.io/copier: retry_backoff: must be greater than zero"
+        );
     }
 
     #[test]

@@ -47,6 +47,15 @@ pub enum NotFound {
     Vanished(i64),
     #[error("snapshotter {0} not found")]
     Snapshotter(String),
+    /// `*.cancel` named an operation the owner does not have.
+    #[error("operations[{index}]: {kind} {name} has no operation {operation}")]
+    Operation {
+        index: usize,
+        kind: OwnerKind,
+        name: String,
+        /// The ID as given, quoted, with its item when one was given.
+        operation: String,
+    },
 }
 
 /// Why an owner's phase refuses a request (error 1003).
@@ -66,6 +75,27 @@ pub enum WrongPhase {
         kind: OwnerKind,
         name: String,
         phase: OwnerPhase,
+    },
+    #[error(
+        "{kind} {name} is {phase}; cancel is allowed only while InProgress, \
+         WaitingForPluginOperations or WaitingForPluginOperationsPartiallyFailed"
+    )]
+    NotCancelable {
+        kind: OwnerKind,
+        name: String,
+        phase: OwnerPhase,
+    },
+    #[error(
+        "operations[{index}]: operation {operation_id:?} of {kind} {name} (item {item}) is \
+         {phase}; only New or InProgress operations can be canceled"
+    )]
+    OperationFinished {
+        index: usize,
+        kind: OwnerKind,
+        name: String,
+        operation_id: String,
+        item: String,
+        phase: opmon_client::OperationPhase,
     },
     #[error("{kind} {name} became {phase} during finalize")]
     ChangedDuringFinalize {

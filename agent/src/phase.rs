@@ -63,6 +63,148 @@ pub fn cancelled_with(kind: OwnerKind) -> String {
     format!("cancelled: the {kind} failed")
 }
 
+/// The reason `*.cancel` uses when the caller gives none.
+pub const DEFAULT_CANCEL_REASON: &str = "canceled by request";
+
+/// The error of an operation canceled on request, and the failure reason of an owner
+/// canceled whole: what Velero's item-operations file shows, as it has no Canceled.
+pub fn canceled_because(reason: &str) -> String {
+    bounded(format!("canceled: {reason}"), MAX_ERROR)
+}
+
+/// Longest delay between two attempts after transient errors.
+pub const MAX_BACKOFF_MS: i64 = 300_000;
+
+/// How many transient errors an operation may meet, and for how long, before it fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryBudget {
+    /// Transient errors retried per operation; 0: the first one fails it.
+    pub attempts: u32,
+    /// The delay before the first retry, doubled for each next one (at most
+    /// [`MAX_BACKOFF_MS`]).
+    pub backoff_ms: i64,
+    /// How long a run of transient errors may last (from its first) before the operation
+    /// fails.
+    pub within_ms: i64,
+}
+
+impl RetryBudget {
+    /// The budget of a snapshotter that sets none: 5 retries, from 1 s, within 10 min.
+    pub const DEFAULT: RetryBudget = RetryBudget {
+        attempts: 5,
+        backoff_ms: 1_000,
+        within_ms: 600_000,
+    };
+
+    /// The delay before attempt number `attempt` + 1, after `attempt` transient errors.
+    pub fn backoff(&self, attempt: u32) -> i64 {
+        let doublings = attempt.saturating_sub(1).min(32);
+        self.backoff_ms
+            .max(0)
+            .saturating_mul(1_i64 << doublings)
+            .min(MAX_BACKOFF_MS)
+    }
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        RetryBudget::DEFAULT
+    }
+}
+
+/// What limits one operation besides its snapshotter's answers, all in ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// The item operation timeout, from `created`.
+    pub timeout_ms: i64,
+    /// Fail when progress has not changed for this long (`None` or 0: never).
+    pub stall_ms: Option<i64>,
+    /// Fail when still New this long after `created` (`None` or 0: never).
+    pub start_ms: Option<i64>,
+    pub retry: RetryBudget,
+}
+
+fn duration(ms: i64) -> GoDuration {
+    GoDuration::from_millis(ms.max(0) as u64)
+}
+
+/// `ms` as RFC 3339 to the second, as the reasons show times.
+fn rfc3339_seconds(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000))
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| format!("{ms} ms after the epoch"))
+}
+
+fn is_bytes(units: &str) -> bool {
+    matches!(units.to_ascii_lowercase().as_str(), "byte" | "bytes" | "b")
+}
+
+/// An amount of `units`: bytes in decimal units to one decimal (`8.4 GB`), anything
+/// else as the number and the snapshotter's unit.
+fn amount(n: i64, units: &str) -> String {
+    if is_bytes(units) {
+        const STEPS: [&str; 6] = ["kB", "MB", "GB", "TB", "PB", "EB"];
+        let mut value = n as f64;
+        if value.abs() < 1000.0 {
+            return format!("{n} B");
+        }
+        let mut unit = "B";
+        for step in STEPS {
+            if value.abs() < 1000.0 {
+                break;
+            }
+            value /= 1000.0;
+            unit = step;
+        }
+        format!("{value:.1} {unit}")
+    } else if units.is_empty() {
+        n.to_string()
+    } else {
+        format!("{n} {units}")
+    }
+}
+
+/// Why an operation whose progress stood still for `stall_ms` fails: what it last
+/// reported and when the agent saw it change.
+pub fn stall_reason(op: &OperationState, stall_ms: i64) -> String {
+    let d = duration(stall_ms);
+    let reported = op.n_completed != 0 || op.n_total != 0 || !op.description.is_empty();
+    let reason = match op.progressed_ms {
+        Some(at) if reported => {
+            let units = op.operation_units.as_str();
+            let last = if op.n_total == 0 {
+                amount(op.n_completed, units)
+            } else if is_bytes(units) {
+                format!(
+                    "{} of {}",
+                    amount(op.n_completed, units),
+                    amount(op.n_total, units)
+                )
+            } else {
+                format!("{} of {}", op.n_completed, amount(op.n_total, units))
+            };
+            format!(
+                "no progress for {d}: last {last} at {}",
+                rfc3339_seconds(at)
+            )
+        }
+        since => format!(
+            "no progress for {d}: nothing reported since {}",
+            rfc3339_seconds(since.unwrap_or(op.created_ms))
+        ),
+    };
+    bounded(reason, MAX_ERROR)
+}
+
+/// Why an operation still New after `start_ms` fails.
+pub fn not_started_reason(start_ms: i64) -> String {
+    format!("not started after {}: still New", duration(start_ms))
+}
+
 /// What the agent knows about one operation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct OperationState {
@@ -79,6 +221,18 @@ pub struct OperationState {
     pub updated_ms: Option<i64>,
     /// The `updated` the plugin last reported (Velero's `Status.Updated`).
     pub plugin_updated_ms: Option<i64>,
+    /// When the agent last saw progress (a change of counts, description, start or the
+    /// plugin's `updated`), by its own clock; the stall deadline counts from it (from
+    /// `created_ms` while unknown).
+    pub progressed_ms: Option<i64>,
+    /// Transient errors retried so far.
+    pub attempts: u32,
+    /// The last transient error.
+    pub last_error: String,
+    /// No Progress before this, after a transient error.
+    pub next_attempt_ms: Option<i64>,
+    /// When the current run of transient errors began; `None` after a good answer.
+    pub retrying_since_ms: Option<i64>,
 }
 
 /// What one poll learned about an operation.
@@ -91,6 +245,9 @@ pub enum Observation {
     Error(String),
     /// The snapshotter speaks v1, which has no Progress: the operation is complete.
     V1Adapter,
+    /// The snapshotter answered with an error it marked transient: tried again after a
+    /// backoff while the retry budget lasts, then the operation fails with it.
+    Transient(String),
     /// The snapshotter could not be reached (since `since_ms`, for the last time with
     /// `error`). Nothing changes until `grace_ms` has passed; then the operation fails
     /// saying so, rather than waiting hours for its timeout.
@@ -107,6 +264,27 @@ pub struct Decision {
     pub next: OperationState,
     /// Cancel must be called (and answered or timed out) before `next` is committed.
     pub cancel: bool,
+    /// Which limit decided, when one did (what an event of the change would say).
+    pub why: Option<Why>,
+}
+
+/// A limit that decided an operation's change, besides the snapshotter's own report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// The item operation timeout passed (cancelled and failed).
+    TimedOut,
+    /// The stall deadline passed (cancelled and failed).
+    Stalled,
+    /// The start deadline passed (cancelled and failed).
+    NotStarted,
+    /// Unreachable past the grace period (failed).
+    Unreachable,
+    /// A transient error, to be retried at `next_attempt_ms`.
+    RetryScheduled,
+    /// A transient error with the retry budget spent (failed).
+    RetriesSpent,
+    /// A good answer after a run of transient errors.
+    Recovered,
 }
 
 /// Applies `observation` to `current`. Returns `None` when nothing changed, so an
@@ -119,15 +297,88 @@ pub fn observe(
     timeout_ms: i64,
     now_ms: i64,
 ) -> Option<Decision> {
+    let limits = Limits {
+        timeout_ms,
+        ..Limits::default()
+    };
+    observe_within(current, observation, &limits, now_ms)
+}
+
+/// A deadline other than the item operation timeout that has passed for `op`, as the
+/// error it fails with: the start deadline (still New), then the stall deadline.
+fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<(Why, String)> {
+    if let Some(start) = limits.start_ms.filter(|&d| d > 0) {
+        if op.phase == OperationPhase::New && now_ms.saturating_sub(op.created_ms) >= start {
+            return Some((Why::NotStarted, not_started_reason(start)));
+        }
+    }
+    if let Some(stall) = limits.stall_ms.filter(|&d| d > 0) {
+        let since = op.progressed_ms.unwrap_or(op.created_ms);
+        if now_ms.saturating_sub(since) >= stall {
+            return Some((Why::Stalled, stall_reason(op, stall)));
+        }
+    }
+    None
+}
+
+/// [`observe`] with every limit: the item operation timeout, the stall and start
+/// deadlines (which cancel and fail like the timeout, saying what was seen last), and
+/// the retry budget for transient errors.
+pub fn observe_within(
+    current: &OperationState,
+    observation: Observation,
+    limits: &Limits,
+    now_ms: i64,
+) -> Option<Decision> {
     if !current.phase.is_unfinished() {
         return None;
     }
+    let timeout_ms = limits.timeout_ms;
     let mut next = current.clone();
     let mut cancel = false;
+    let mut why = None;
+    // With a stall deadline, its clock starts at the first poll at the latest: an owner
+    // may stay InProgress (unpolled) for long, and its operations are not to blame.
+    if limits.stall_ms.is_some_and(|d| d > 0) && next.progressed_ms.is_none() {
+        next.progressed_ms = Some(now_ms);
+    }
     match observation {
         Observation::Error(message) => {
             next.phase = OperationPhase::Failed;
             next.error = bounded(message, MAX_ERROR);
+            next.updated_ms = Some(now_ms);
+            next.next_attempt_ms = None;
+        }
+        Observation::Transient(message) => {
+            let message = bounded(message, MAX_ERROR);
+            let since = current.retrying_since_ms.unwrap_or(now_ms);
+            if now_ms > current.created_ms.saturating_add(timeout_ms) {
+                cancel = true;
+                why = Some(Why::TimedOut);
+                next.phase = OperationPhase::Failed;
+                next.error = TIMED_OUT.to_string();
+                next.next_attempt_ms = None;
+            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
+                cancel = true;
+                why = Some(deadline);
+                next.phase = OperationPhase::Failed;
+                next.error = reason;
+                next.next_attempt_ms = None;
+            } else if current.attempts >= limits.retry.attempts
+                || now_ms.saturating_sub(since) >= limits.retry.within_ms
+            {
+                why = Some(Why::RetriesSpent);
+                next.phase = OperationPhase::Failed;
+                next.error = message.clone();
+                next.next_attempt_ms = None;
+            } else {
+                why = Some(Why::RetryScheduled);
+                next.attempts = current.attempts.saturating_add(1);
+                next.retrying_since_ms = Some(since);
+                next.next_attempt_ms =
+                    Some(now_ms.saturating_add(limits.retry.backoff(next.attempts)));
+            }
+            next.last_error = message;
             next.updated_ms = Some(now_ms);
         }
         Observation::V1Adapter => {
@@ -141,9 +392,16 @@ pub fn observe(
         } => {
             if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
+                why = Some(Why::TimedOut);
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
+            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
+                cancel = true;
+                why = Some(deadline);
+                next.phase = OperationPhase::Failed;
+                next.error = reason;
             } else if now_ms.saturating_sub(since_ms) >= grace_ms {
+                why = Some(Why::Unreachable);
                 next.phase = OperationPhase::Failed;
                 let grace = opmon_client::GoDuration::from_millis(grace_ms.max(0) as u64);
                 next.error = bounded(
@@ -151,7 +409,8 @@ pub fn observe(
                     MAX_ERROR,
                 );
             } else {
-                return None;
+                // Nothing changes, but a stall clock that just started is kept.
+                return (next != *current).then_some(Decision { next, cancel, why });
             }
             next.updated_ms = Some(now_ms);
         }
@@ -170,6 +429,21 @@ pub fn observe(
                 next.updated_ms = Some(ms(updated));
                 next.plugin_updated_ms = Some(ms(updated));
             }
+            // A good answer ends a run of transient errors (their count and the last
+            // one stay, to be seen).
+            next.next_attempt_ms = None;
+            next.retrying_since_ms = None;
+            if current.retrying_since_ms.is_some() {
+                why = Some(Why::Recovered);
+            }
+            if next.n_completed != current.n_completed
+                || next.n_total != current.n_total
+                || next.description != current.description
+                || next.started_ms != current.started_ms
+                || next.plugin_updated_ms != current.plugin_updated_ms
+            {
+                next.progressed_ms = Some(now_ms);
+            }
             if p.completed {
                 if p.err.is_empty() {
                     next.phase = OperationPhase::Completed;
@@ -179,17 +453,26 @@ pub fn observe(
                 }
             } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
+                why = Some(Why::TimedOut);
                 next.phase = OperationPhase::Failed;
                 next.error = TIMED_OUT.to_string();
             } else if next.phase == OperationPhase::New && next.started_ms.is_some() {
                 next.phase = OperationPhase::InProgress;
+            }
+            if next.phase.is_unfinished() {
+                if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
+                    cancel = true;
+                    why = Some(deadline);
+                    next.phase = OperationPhase::Failed;
+                    next.error = reason;
+                }
             }
             if next != *current && next.updated_ms == current.updated_ms {
                 next.updated_ms = Some(now_ms);
             }
         }
     }
-    (next != *current).then_some(Decision { next, cancel })
+    (next != *current).then_some(Decision { next, cancel, why })
 }
 
 fn ms(t: time::OffsetDateTime) -> i64 {
@@ -528,6 +811,7 @@ mod tests {
         assert!(d.cancel);
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(d.next.error, TIMED_OUT);
+        assert_eq!(d.why, Some(Why::TimedOut));
     }
 
     #[test]
@@ -655,6 +939,236 @@ mod tests {
             format!("{}… [truncated 930 bytes]", "x".repeat(4070))
         );
         assert_eq!(bounded("short".into(), 5), "short");
+    }
+
+    // Deadlines and retries (issue 16).
+
+    const NOV_22_10_02_11: i64 = 1_795_341_731_000; // 2026-11-22T10:02:11Z
+    const MIN: i64 = 60_000;
+
+    fn limits(stall_ms: Option<i64>, start_ms: Option<i64>) -> Limits {
+        Limits {
+            timeout_ms: 4 * HOUR,
+            stall_ms,
+            start_ms,
+            retry: RetryBudget::DEFAULT,
+        }
+    }
+
+    fn copying(n: i64, total: i64) -> OperationProgress {
+        OperationProgress {
+            n_completed: n,
+            n_total: total,
+            operation_units: "bytes".into(),
+            description: "copying".into(),
+            started: Some(at(NOV_22_10_02_11 - MIN)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_stalled_operation_is_cancelled_and_failed_saying_what_it_saw_last() {
+        let l = limits(Some(30 * MIN), None);
+        let op = new_op(NOV_22_10_02_11 - 2 * MIN);
+        let seen = observe_within(
+            &op,
+            Observation::Progress(copying(8_400_000_000, 15_400_000_000)),
+            &l,
+            NOV_22_10_02_11,
+        )
+        .unwrap()
+        .next;
+        assert_eq!(seen.progressed_ms, Some(NOV_22_10_02_11));
+        let same = || Observation::Progress(copying(8_400_000_000, 15_400_000_000));
+        assert_eq!(
+            observe_within(&seen, same(), &l, NOV_22_10_02_11 + 30 * MIN - 1),
+            None,
+            "unchanged before the deadline: nothing to write"
+        );
+        let d = observe_within(&seen, same(), &l, NOV_22_10_02_11 + 30 * MIN).unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.why, Some(Why::Stalled));
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!(
+            d.next.error,
+            "no progress for 30m0s: last 8.4 GB of 15.4 GB at 2026-11-22T10:02:11Z"
+        );
+    }
+
+    #[test]
+    fn progress_restarts_the_stall_clock_and_zero_or_none_turns_it_off() {
+        let l = limits(Some(MIN), None);
+        let op = new_op(0);
+        let first = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
+            .unwrap()
+            .next;
+        let moved = observe_within(&first, Observation::Progress(copying(2, 10)), &l, MIN).unwrap();
+        assert!(!moved.cancel);
+        assert_eq!(moved.next.progressed_ms, Some(MIN));
+        for off in [None, Some(0)] {
+            let l = limits(off, None);
+            assert_eq!(
+                observe_within(&first, Observation::Progress(copying(1, 10)), &l, HOUR),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn counts_in_other_units_and_silence_are_said_as_they_are() {
+        let mut op = new_op(NOV_22_10_02_11);
+        assert_eq!(
+            stall_reason(&op, 90_000),
+            "no progress for 1m30s: nothing reported since 2026-11-22T10:02:11Z"
+        );
+        op.n_completed = 3;
+        op.n_total = 7;
+        op.operation_units = "files".into();
+        op.progressed_ms = Some(NOV_22_10_02_11 + 1_000);
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 3 of 7 files at 2026-11-22T10:02:12Z"
+        );
+        op.operation_units = "byte".into();
+        op.n_completed = 999;
+        op.n_total = 0;
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 999 B at 2026-11-22T10:02:12Z"
+        );
+    }
+
+    #[test]
+    fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed() {
+        let l = limits(None, Some(5 * MIN));
+        let idle = OperationProgress {
+            n_total: 10,
+            ..Default::default()
+        };
+        let op = new_op(0);
+        let d = observe_within(&op, Observation::Progress(idle.clone()), &l, 5 * MIN - 1).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New, "not yet");
+        let d = observe_within(&d.next, Observation::Progress(idle), &l, 5 * MIN).unwrap();
+        assert!(d.cancel);
+        assert_eq!(d.why, Some(Why::NotStarted));
+        assert_eq!(d.next.error, "not started after 5m0s: still New");
+        // Started in time: the start deadline no longer applies.
+        let started = observe_within(&op, Observation::Progress(copying(1, 10)), &l, 10)
+            .unwrap()
+            .next;
+        assert_eq!(started.phase, OperationPhase::InProgress);
+        assert_eq!(
+            observe_within(&started, Observation::Progress(copying(1, 10)), &l, HOUR),
+            None
+        );
+    }
+
+    #[test]
+    fn an_unreachable_snapshotter_is_caught_by_the_deadlines_before_its_grace() {
+        let l = limits(Some(MIN), None);
+        let unreachable = || Observation::Unreachable {
+            error: "connection refused".into(),
+            since_ms: 0,
+            grace_ms: HOUR,
+        };
+        // First polled long after it was created (its owner was InProgress): the stall
+        // clock starts now, and nothing else changes.
+        let first = observe_within(&new_op(0), unreachable(), &l, 2 * MIN).unwrap();
+        assert!(!first.cancel);
+        assert_eq!(first.next.phase, OperationPhase::New);
+        assert_eq!(first.next.progressed_ms, Some(2 * MIN));
+        assert_eq!(first.next.updated_ms, None, "not a change of the operation");
+        assert_eq!(
+            observe_within(&first.next, unreachable(), &l, 3 * MIN - 1),
+            None
+        );
+        let d = observe_within(&first.next, unreachable(), &l, 3 * MIN).unwrap();
+        assert!(d.cancel);
+        assert_eq!(
+            d.next.error,
+            "no progress for 1m0s: nothing reported since 1970-01-01T00:02:00Z"
+        );
+    }
+
+    #[test]
+    fn transient_errors_back_off_doubling_and_a_good_answer_ends_the_run() {
+        let l = Limits {
+            retry: RetryBudget {
+                attempts: 5,
+                backoff_ms: 1_000,
+                within_ms: HOUR,
+            },
+            ..limits(None, None)
+        };
+        let busy = || Observation::Transient("busy".into());
+        let one = observe_within(&new_op(0), busy(), &l, 100).unwrap();
+        assert!(!one.cancel);
+        assert_eq!(one.why, Some(Why::RetryScheduled));
+        assert_eq!(one.next.phase, OperationPhase::New);
+        assert_eq!(
+            (one.next.attempts, one.next.next_attempt_ms),
+            (1, Some(1_100))
+        );
+        assert_eq!(one.next.retrying_since_ms, Some(100));
+        let two = observe_within(&one.next, busy(), &l, 1_100).unwrap().next;
+        assert_eq!((two.attempts, two.next_attempt_ms), (2, Some(3_100)));
+        let ok = observe_within(&two, Observation::Progress(copying(1, 2)), &l, 3_100).unwrap();
+        assert_eq!(ok.why, Some(Why::Recovered));
+        let ok = ok.next;
+        assert_eq!(ok.phase, OperationPhase::InProgress);
+        assert_eq!(
+            (ok.attempts, ok.last_error.as_str(), ok.next_attempt_ms),
+            (2, "busy", None),
+            "the count and the last error stay to be seen"
+        );
+        assert_eq!(ok.retrying_since_ms, None);
+        assert_eq!(RetryBudget::DEFAULT.backoff(30), MAX_BACKOFF_MS);
+    }
+
+    #[test]
+    fn transient_errors_fail_with_the_last_one_once_attempts_or_time_run_out() {
+        let budget = |attempts, within_ms| Limits {
+            retry: RetryBudget {
+                attempts,
+                backoff_ms: 10,
+                within_ms,
+            },
+            ..limits(None, None)
+        };
+        let mut op = new_op(0);
+        let l = budget(2, HOUR);
+        for (i, now) in [1, 2].into_iter().enumerate() {
+            op = observe_within(&op, Observation::Transient(format!("busy {i}")), &l, now)
+                .unwrap()
+                .next;
+        }
+        let d = observe_within(&op, Observation::Transient("busy 2".into()), &l, 3).unwrap();
+        assert!(
+            !d.cancel,
+            "the snapshotter said the call failed: nothing to cancel"
+        );
+        assert_eq!(d.why, Some(Why::RetriesSpent));
+        assert_eq!(d.next.phase, OperationPhase::Failed);
+        assert_eq!((d.next.error.as_str(), d.next.attempts), ("busy 2", 2));
+        // Out of time first.
+        let l = budget(100, 1_000);
+        let first = observe_within(&new_op(0), Observation::Transient("a".into()), &l, 0)
+            .unwrap()
+            .next;
+        let d = observe_within(&first, Observation::Transient("b".into()), &l, 1_000).unwrap();
+        assert_eq!(
+            (d.next.phase, d.next.error.as_str()),
+            (OperationPhase::Failed, "b")
+        );
+        // No budget: the first transient error fails.
+        let d = observe_within(
+            &new_op(0),
+            Observation::Transient("c".into()),
+            &budget(0, HOUR),
+            0,
+        )
+        .unwrap();
+        assert_eq!(d.next.phase, OperationPhase::Failed);
     }
 
     #[test]

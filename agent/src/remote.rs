@@ -59,12 +59,17 @@ pub enum CallError {
     /// progress: the operation fails now.
     #[error("{0}")]
     Answered(String),
+    /// The snapshotter answered with an error it marked as passing (code 2003,
+    /// `data.retryable: true`, a command's exit status 75): the operation is tried again
+    /// with backoff while its retry budget lasts.
+    #[error("{0}")]
+    Transient(String),
 }
 
 impl CallError {
     pub fn message(&self) -> &str {
         match self {
-            CallError::Unreachable(m) | CallError::Answered(m) => m,
+            CallError::Unreachable(m) | CallError::Answered(m) | CallError::Transient(m) => m,
         }
     }
 }
@@ -204,6 +209,22 @@ fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValu
 struct ErrorEntry {
     code: i32,
     message: String,
+    /// Any JSON: only `retryable` of an object is read, so data of another shape
+    /// cannot make the rest of the batch unreadable.
+    #[serde(default)]
+    data: Option<serde_json::Value>,
+}
+
+impl ErrorEntry {
+    /// Whether the snapshotter marked the error as one that may pass.
+    fn transient(&self) -> bool {
+        self.code == codes::TRANSIENT
+            || self
+                .data
+                .as_ref()
+                .and_then(|d| d.get("retryable"))
+                .is_some_and(|r| r == &serde_json::Value::Bool(true))
+    }
 }
 
 impl SocketRemote {
@@ -297,6 +318,7 @@ impl SocketRemote {
                 continue;
             };
             *slot = match (entry.result, entry.error) {
+                (_, Some(e)) if e.transient() => Err(CallError::Transient(self.describe(&e))),
                 (_, Some(e)) => Err(CallError::Answered(self.describe(&e))),
                 (Some(result), None) => Ok(result.to_owned()),
                 (None, None) => Err(CallError::Answered(format!(
@@ -322,6 +344,7 @@ impl SocketRemote {
                     self.name, e.message
                 )
             }
+            codes::TRANSIENT => format!("snapshotter {}: {}", self.name, e.message),
             code => format!("snapshotter {}: {} (code {code})", self.name, e.message),
         }
     }
@@ -428,10 +451,36 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
     serde_json::to_vec(&requests).map_err(|e| format!("encoding a request: {e}"))
 }
 
+/// A snapshotter's defaults for its operations: deadlines (ms; `None`: off) and the
+/// retry budget for its transient errors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    pub stall_ms: Option<i64>,
+    pub start_ms: Option<i64>,
+    pub retry: crate::phase::RetryBudget,
+}
+
+impl Policy {
+    pub fn of(s: &Snapshotter) -> Policy {
+        let ms = |d: Option<opmon_client::GoDuration>| d.map(|d| crate::clock::millis(d.0));
+        let default = crate::phase::RetryBudget::DEFAULT;
+        Policy {
+            stall_ms: ms(s.stall_timeout),
+            start_ms: ms(s.start_timeout),
+            retry: crate::phase::RetryBudget {
+                attempts: s.retry_attempts.unwrap_or(default.attempts),
+                backoff_ms: ms(s.retry_backoff).unwrap_or(default.backoff_ms),
+                within_ms: ms(s.retry_within).unwrap_or(default.within_ms),
+            },
+        }
+    }
+}
+
 /// The live snapshotters by plugin name, rebuilt from the database at start.
 #[derive(Default)]
 pub struct Registry {
     remotes: std::sync::RwLock<std::collections::HashMap<String, Arc<Remote>>>,
+    policies: std::sync::RwLock<std::collections::HashMap<String, Policy>>,
 }
 
 impl Registry {
@@ -439,8 +488,17 @@ impl Registry {
         read(&self.remotes).get(plugin).cloned()
     }
 
+    /// The defaults `plugin`'s snapshotter set (the agent's if none is registered).
+    pub fn policy(&self, plugin: &str) -> Policy {
+        read(&self.policies)
+            .get(plugin)
+            .copied()
+            .unwrap_or_default()
+    }
+
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
         write(&self.remotes).insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
+        write(&self.policies).insert(s.name.clone(), Policy::of(s));
     }
 
     /// Keeps `name` registered but refuses every call to it, saying `why`.
@@ -453,10 +511,64 @@ impl Registry {
 
     pub fn remove(&self, name: &str) {
         write(&self.remotes).remove(name);
+        write(&self.policies).remove(name);
     }
 
     /// How many snapshotters are registered.
     pub fn count(&self) -> usize {
         read(&self.remotes).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_remote() -> SocketRemote {
+        let settings = CallSettings {
+            deadline: Duration::from_secs(1),
+            batch_size: 8,
+            socket_concurrency: 1,
+            command_concurrency: 1,
+        };
+        let s = Snapshotter {
+            name: "example.io/copier".into(),
+            socket: Some("/run/copier.sock".into()),
+            ..Default::default()
+        };
+        match Remote::new(&s, &settings) {
+            Remote::Called(Caller::Socket(remote)) => remote,
+            _ => panic!("a socket snapshotter"),
+        }
+    }
+
+    #[test]
+    fn errors_marked_transient_by_code_or_data_are_retried_and_others_are_not() {
+        let remote = socket_remote();
+        let answers = remote.decode_batch(
+            br#"[
+                {"jsonrpc":"2.0","id":0,"error":{"code":2003,"message":"busy"}},
+                {"jsonrpc":"2.0","id":1,"error":{"code":-32000,"message":"throttled","data":{"retryable":true,"after":"1s"}}},
+                {"jsonrpc":"2.0","id":2,"error":{"code":-32000,"message":"gone","data":{"retryable":false}}},
+                {"jsonrpc":"2.0","id":3,"error":{"code":-32000,"message":"odd","data":"text"}},
+                {"jsonrpc":"2.0","id":4,"error":{"code":2002,"message":"no such op"}}
+            ]"#,
+            5,
+        );
+        let errors: Vec<CallError> = answers.into_iter().map(|a| a.unwrap_err()).collect();
+        assert_eq!(
+            errors,
+            [
+                CallError::Transient("snapshotter example.io/copier: busy".into()),
+                CallError::Transient(
+                    "snapshotter example.io/copier: throttled (code -32000)".into()
+                ),
+                CallError::Answered("snapshotter example.io/copier: gone (code -32000)".into()),
+                CallError::Answered("snapshotter example.io/copier: odd (code -32000)".into()),
+                CallError::Answered(
+                    "InvalidOperationId: snapshotter example.io/copier: no such op".into()
+                ),
+            ]
+        );
     }
 }

@@ -698,6 +698,12 @@ impl<'a> Owners<'a> {
         self.call(OwnerMethod::Delete, NameParams { name: name.into() })
             .await
     }
+
+    /// `cancel`: the whole owner (`operations: None`; it ends Failed) or the chosen
+    /// operations (they end Canceled). Not repeated after a lost answer: read back.
+    pub async fn cancel(&self, params: CancelParams) -> Result<CancelResult, Error> {
+        self.call(OwnerMethod::Cancel, params).await
+    }
 }
 
 /// One update of a subscription: the agent's [`OwnerUpdate`] (reachable through `Deref`)

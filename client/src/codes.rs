@@ -25,3 +25,8 @@ pub const FINALIZE_FAILED: i32 = 1005;
 pub const OPERATIONS_NOT_SUPPORTED: i32 = 2001;
 /// Snapshotter protocol: the operation ID is unknown to the snapshotter.
 pub const INVALID_OPERATION_ID: i32 = 2002;
+/// Snapshotter protocol: the call failed for a reason that may pass (a busy backend, a
+/// lost connection to storage); the agent tries again with backoff, up to the
+/// snapshotter's retry budget. Any error whose `data` has `retryable: true` is taken the
+/// same way.
+pub const TRANSIENT: i32 = 2003;

@@ -48,6 +48,13 @@ pub const FEATURES: &[&str] = &[
     "finalize_counts",
     // `rpc.discover` answers with the OpenRPC document.
     "openrpc",
+    // `*.cancel`, the Canceled operation phase and `Operation.cancelRequested`.
+    "cancel",
+    // `stallTimeout` and `startTimeout` (snapshotters and `start`).
+    "deadlines",
+    // Transient snapshotter errors (code 2003, `data.retryable`, exit 75) retried with
+    // backoff; `Operation.attempts`, `lastError`, `nextAttemptAt`.
+    "retries",
 ];
 
 /// When the client may send a request again after the connection broke before the
@@ -139,6 +146,8 @@ owner_methods! {
     Finalize => "finalize", Always;
     /// A repeat could delete an owner re-created under the same name meanwhile.
     Delete => "delete", IfNotSent;
+    /// A repeat answers 1003 (already canceled, or the owner Failed by the first).
+    Cancel => "cancel", IfNotSent;
     /// WebSocket only; the client resubscribes after a reconnect.
     Subscribe => "subscribe", Always;
     Unsubscribe => "unsubscribe", Always;
@@ -169,7 +178,14 @@ mod tests {
             .iter()
             .filter(|m| m.retry() == Retry::IfNotSent)
             .collect();
-        assert_eq!(careful, [&OwnerMethod::EndInProgress, &OwnerMethod::Delete]);
+        assert_eq!(
+            careful,
+            [
+                &OwnerMethod::EndInProgress,
+                &OwnerMethod::Delete,
+                &OwnerMethod::Cancel
+            ]
+        );
         assert_eq!(retry_of(SNAPSHOTTER_UNREGISTER), Retry::IfNotSent);
         assert_eq!(retry_of(SNAPSHOTTER_REGISTER), Retry::Always);
         assert_eq!(retry_of("copy.start"), Retry::IfNotSent);

@@ -132,6 +132,12 @@ mod generate {
                 meaning: "the operation ID is unknown to the snapshotter; the operation fails",
             },
             ErrorDoc {
+                code: codes::TRANSIENT,
+                name: "Transient",
+                message: "transient failure",
+                meaning: "the failure may pass: the agent asks again with backoff within the snapshotter's retry budget, then fails the operation with the message (any error with data.retryable true counts the same)",
+            },
+            ErrorDoc {
                 code: INTERNAL_ERROR,
                 name: "Other",
                 message: "Internal error",
@@ -304,6 +310,11 @@ mod generate {
                     None,
                     &[IP, NF, SF],
                 ),
+                OwnerMethod::Cancel => (
+                    format!("Cancels the {kind} (it ends Failed with the reason) or, with `operations`, only those operations (they end Canceled)."),
+                    Some("Allowed while InProgress or WaitingForPluginOperations*; otherwise 1003 naming the phase. A chosen operation that is finished: 1003 naming its phase; one the owner lacks: 1001; an ID two items share without its resource: -32602. Cancel is sent after the commit and waited for at most one call deadline (`unconfirmed` counts the ones not confirmed); `cancelRequested` is true on the operations meanwhile. Not safe to repeat: a repeat answers 1003."),
+                    &[IP, NF, WP, SF],
+                ),
                 OwnerMethod::Subscribe => (
                     format!("WebSocket only: a notification `{}` per change of the {kind} until it is terminal.", OwnerMethod::Changed.name(kind)),
                     Some("The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601. A deleted owner ends the subscription with an error notification. See x-notification."),
@@ -362,6 +373,7 @@ mod generate {
                 method::<FinalizeParams, FinalizeResult>(g, meta, "finalized", all)
             }
             OwnerMethod::Delete => method::<NameParams, DeleteResult>(g, meta, "deleted", all),
+            OwnerMethod::Cancel => method::<CancelParams, CancelResult>(g, meta, "canceled", all),
             OwnerMethod::Subscribe => {
                 method::<NameParams, SubscriptionId>(g, meta, "subscription", all)
             }
@@ -501,6 +513,7 @@ mod generate {
         const CODES: &[i32] = &[
             codes::OPERATIONS_NOT_SUPPORTED,
             codes::INVALID_OPERATION_ID,
+            codes::TRANSIENT,
             INTERNAL_ERROR,
         ];
         let progress = method::<OperationRef, OperationProgress>(

@@ -5,7 +5,10 @@
 //! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
 //! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
 //! allowed. Errors map to the protocol's codes: [`SnapshotterError::OperationsNotSupported`]
-//! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002.
+//! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002, and
+//! [`SnapshotterError::Transient`] is 2003 with `data: {"retryable": true}`: the agent
+//! asks again later (with backoff, within the snapshotter's retry budget) instead of
+//! failing the operation.
 //!
 //! ```no_run
 //! use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
@@ -52,7 +55,12 @@ pub enum SnapshotterError {
     /// The operation ID is unknown, e.g. forgotten after a restart (code 2002).
     #[error("invalid operation ID: {0}")]
     InvalidOperationId(String),
-    /// Anything else: the progress could not be read right now.
+    /// A failure that may pass (a busy backend, a storage connection lost for a moment):
+    /// the agent tries again with backoff, and fails the operation with this message
+    /// only once the snapshotter's retry budget is spent (code 2003).
+    #[error("{0}")]
+    Transient(String),
+    /// Anything else: the operation fails with this message.
     #[error("{0}")]
     Other(String),
 }
@@ -62,6 +70,13 @@ impl From<SnapshotterError> for ErrorObjectOwned {
         let code = match &e {
             SnapshotterError::OperationsNotSupported(_) => codes::OPERATIONS_NOT_SUPPORTED,
             SnapshotterError::InvalidOperationId(_) => codes::INVALID_OPERATION_ID,
+            SnapshotterError::Transient(_) => {
+                return ErrorObjectOwned::owned(
+                    codes::TRANSIENT,
+                    e.to_string(),
+                    Some(serde_json::json!({ "retryable": true })),
+                )
+            }
             SnapshotterError::Other(_) => jsonrpsee::types::error::INTERNAL_ERROR_CODE,
         };
         ErrorObjectOwned::owned(code, e.to_string(), None::<()>)

@@ -148,6 +148,9 @@ wire_enum! {
         InProgress,
         Completed,
         Failed,
+        /// Cancelled on request (`*.cancel`). Velero has no such phase: its
+        /// item-operations file says `Failed` with the error `canceled: <reason>`.
+        Canceled,
     }
 }
 
@@ -155,6 +158,20 @@ impl OperationPhase {
     /// New or InProgress: the operation is still polled.
     pub fn is_unfinished(self) -> bool {
         matches!(self, OperationPhase::New | OperationPhase::InProgress)
+    }
+
+    /// Failed or Canceled: counted in `operationsFailed`, as Velero counts them.
+    pub fn is_failure(self) -> bool {
+        matches!(self, OperationPhase::Failed | OperationPhase::Canceled)
+    }
+
+    /// The phase Velero's item-operations file has for this one (which knows no
+    /// Canceled).
+    pub fn in_velero(self) -> OperationPhase {
+        match self {
+            OperationPhase::Canceled => OperationPhase::Failed,
+            other => other,
+        }
     }
 }
 
@@ -259,6 +276,19 @@ pub struct Operation {
     #[serde(default, with = "time::serde::rfc3339::option")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub plugin_updated: Option<Timestamp>,
+    /// Cancel was sent to the snapshotter and has not been answered yet (`*.cancel`).
+    #[serde(default)]
+    pub cancel_requested: bool,
+    /// How many transient errors of the snapshotter were retried for this operation.
+    #[serde(default)]
+    pub attempts: u32,
+    /// The last transient error (kept after a retry succeeded); empty if none.
+    #[serde(default)]
+    pub last_error: String,
+    /// When the next Progress is due after a transient error; null when not backing off.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
+    pub next_attempt_at: Option<Timestamp>,
 }
 
 /// Which backup server started an owner, and which run of it: `name` says which server
@@ -290,6 +320,14 @@ pub struct Owner {
     #[serde(default)]
     pub failure_reason: String,
     pub item_operation_timeout: GoDuration,
+    /// The owner's own stall deadline (`start {stallTimeout}`); absent: each
+    /// snapshotter's (`0s`: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall_timeout: Option<GoDuration>,
+    /// The owner's own start deadline (`start {startTimeout}`); absent: each
+    /// snapshotter's (`0s`: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_timeout: Option<GoDuration>,
     /// Whether this owner passes through Finalizing (always for backups; opt-in for
     /// restores).
     pub finalize: bool,
@@ -345,6 +383,15 @@ pub struct StartParams {
     /// Defaults to `4h0m0s`, as in Velero.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item_operation_timeout: Option<GoDuration>,
+    /// Fail (and cancel) an operation whose progress (`nCompleted`, `description`, the
+    /// plugin's `updated`) has not changed for this long. Overrides the snapshotter's
+    /// `stallTimeout`; `0s` turns it off for this owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall_timeout: Option<GoDuration>,
+    /// Fail (and cancel) an operation still New this long after it was created.
+    /// Overrides the snapshotter's `startTimeout`; `0s` turns it off for this owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_timeout: Option<GoDuration>,
     /// Restores only: pass through Finalizing and wait for `restore.finalize`. Absent:
     /// the agent's `restore_finalize` setting decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -551,6 +598,91 @@ pub struct DeleteResult {
     pub cancelled: u64,
 }
 
+/// Which operation of an owner `*.cancel` means: its operation ID, or, when two items'
+/// plugins returned the same ID, the ID and the item.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(untagged)]
+pub enum OperationSelector {
+    /// An operation ID that names one operation of the owner.
+    Id(String),
+    /// An operation ID and the item it belongs to.
+    Item(OperationOfItem),
+}
+
+/// An operation ID and its item, for `*.cancel`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OperationOfItem {
+    pub operation_id: String,
+    pub resource: ResourceIdentifier,
+}
+
+/// By hand, so that a wrong element gets an error that says what was expected (serde's
+/// untagged enums only say that nothing matched).
+impl<'de> Deserialize<'de> for OperationSelector {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(id) => Ok(OperationSelector::Id(id)),
+            object @ serde_json::Value::Object(_) => OperationOfItem::deserialize(object)
+                .map(OperationSelector::Item)
+                .map_err(D::Error::custom),
+            other => {
+                // The kind, not the value: it may be large.
+                let kind = match other {
+                    serde_json::Value::Null => "null",
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Number(_) => "a number",
+                    _ => "an array",
+                };
+                Err(D::Error::custom(format!(
+                    "expected an operation ID (a string) or {{operationId, resource}}, got {kind}"
+                )))
+            }
+        }
+    }
+}
+
+impl OperationSelector {
+    pub fn operation_id(&self) -> &str {
+        match self {
+            OperationSelector::Id(id) => id,
+            OperationSelector::Item(o) => &o.operation_id,
+        }
+    }
+}
+
+/// `*.cancel` params: the whole owner, or only `operations`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CancelParams {
+    pub name: String,
+    /// The operations to cancel; absent: the whole owner (it ends Failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operations: Option<Vec<OperationSelector>>,
+    /// Why; in the operations' error (`canceled: <reason>`) and, for a whole owner, its
+    /// `failureReason`. Default `canceled by request`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `*.cancel` result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct CancelResult {
+    /// The owner after the cancel.
+    pub owner: Owner,
+    /// Operations that became Canceled.
+    pub canceled: u64,
+    /// Of those, the ones whose snapshotter did not confirm Cancel within the call
+    /// deadline (it failed, or did not answer): the agent stopped waiting for them.
+    pub unconfirmed: u64,
+}
+
 /// The backup tarball `finalize` rewrites: `input` is read, `output` written (atomically).
 /// Relative paths are taken relative to the agent's storage directory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -615,11 +747,12 @@ pub struct FinalizeResult {
 
 /// The snapshotter API a snapshotter speaks: v1 has no Progress (its operations
 /// complete at their first poll), v2 has Progress and Cancel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum ApiVersion {
     V1,
+    #[default]
     V2,
 }
 
@@ -646,7 +779,10 @@ impl FromStr for ApiVersion {
 /// A registered snapshotter; `name` equals the plugin name (`domain/name`) whose
 /// operations it owns. Exactly one of `socket` and `command` is set for v2; a v1
 /// snapshotter needs neither.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// The deadlines and the retry budget are the snapshotter's defaults for its
+/// operations; absent means off (deadlines) or the agent's default (retries).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Snapshotter {
@@ -656,6 +792,21 @@ pub struct Snapshotter {
     pub socket: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<String>>,
+    /// Cancel and fail an operation whose progress has not changed for this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall_timeout: Option<GoDuration>,
+    /// Cancel and fail an operation still New this long after it was created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_timeout: Option<GoDuration>,
+    /// Transient errors retried per operation before it fails (default 5; 0: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_attempts: Option<u32>,
+    /// The first retry's delay, doubled for each next one up to 5 minutes (default 1s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_backoff: Option<GoDuration>,
+    /// How long an operation may keep failing transiently before it fails (default 10m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_within: Option<GoDuration>,
 }
 
 /// Which owner an operation belongs to, as the snapshotter protocol passes it.
@@ -851,7 +1002,7 @@ impl ItemOperation {
         ItemOperation {
             spec,
             status: ItemOperationStatus {
-                phase: op.phase,
+                phase: op.phase.in_velero(),
                 error: op.error.clone(),
                 n_completed: op.n_completed,
                 n_total: op.n_total,

@@ -460,6 +460,25 @@ def drive(args):
     expect(os.path.exists(os.path.join(args.state, "cancelled-slow-2")),
            "the snapshotter got the Cancel")
 
+    # Cancel on demand: one operation of a backup, then a whole restore.
+    agent.call("backup.start", {"name": "b5", "uid": "u5"})
+    agent.call("backup.addOperations", {"name": "b5", "operations": [op("slow-5", "data"),
+                                                                     op("slow-6", "data")]})
+    canceled = agent.call("backup.cancel", {"name": "b5", "operations": ["slow-5"],
+                                            "reason": "python"})
+    expect(canceled["canceled"] == 1 and canceled["owner"]["phase"] == "InProgress",
+           "cancelling one operation leaves the backup InProgress")
+    phases = [o["phase"] for o in agent.call("backup.operations", {"name": "b5"})]
+    expect(phases == ["Canceled", "New"], f"only the chosen operation is Canceled ({phases})")
+    agent.error("backup.cancel", {"name": "b5", "operations": ["slow-5"]}, 1003)
+    agent.error("backup.cancel", {"name": "b5", "operations": ["nope"]}, 1001)
+    agent.call("restore.start", {"name": "r3", "uid": "ru3"})
+    agent.call("restore.addOperations", {"name": "r3", "operations": [op("slow-7", "data")]})
+    canceled = agent.call("restore.cancel", {"name": "r3"})
+    expect(canceled["owner"]["phase"] == "Failed"
+           and canceled["owner"]["failureReason"] == "canceled: canceled by request",
+           "a restore canceled whole is Failed with the reason")
+
     # A restarted backup server fails what its earlier instance left InProgress.
     agent.call("backup.start", {"name": "b3", "uid": "u3", "server": server})
     failed = agent.call("server.started", {"name": "python/server", "instance": "run-2"})

@@ -529,6 +529,7 @@ impl Fixture {
                 api_version: opmon_client::ApiVersion::V2,
                 socket: Some(snapshotter.socket.clone()),
                 command: None,
+                ..Default::default()
             })
             .await
             .expect("registering the snapshotter");

@@ -314,6 +314,7 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
                 api_version: ApiVersion::V1,
                 socket: None,
                 command: None,
+                ..Default::default()
             })
             .await
             .expect("registering the v1 snapshotter");

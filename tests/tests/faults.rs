@@ -17,6 +17,7 @@ fn socket_snapshotter(name: &str, socket: &Path) -> Snapshotter {
         api_version: ApiVersion::V2,
         socket: Some(socket.to_path_buf()),
         command: None,
+        ..Default::default()
     }
 }
 

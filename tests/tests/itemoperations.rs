@@ -4,7 +4,7 @@
 //! again as Velero does; the bytes must be the file's, decompressed. Records cover
 //! backups and restores, with and without post-operation items, errors, HTML
 //! characters, line separators, non-ASCII text, a start at the Unix epoch, sub-second
-//! times, unfinished and finished operations, and an owner without operations.
+//! times, unfinished, finished and canceled operations, and an owner without operations.
 //!
 //! Needs a Go toolchain (`apt-get install golang-go`; `.ci/run` installs it).
 
@@ -159,6 +159,7 @@ async fn item_operation_files_are_byte_for_byte_what_veleros_encoder_writes() {
         failing,
         odd,
         operation(PLUGIN, "gate-1", "slow", &[]),
+        operation(PLUGIN, "never-c", "stuck", &[]),
     ];
     if go_writes_short_escapes {
         ops.push(operation(PLUGIN, "ctl-1", "ctl", &[]));
@@ -204,6 +205,25 @@ async fn item_operation_files_are_byte_for_byte_what_veleros_encoder_writes() {
     // `itemOperations` answers the same records.
     let via_api = serde_json::to_value(backups.item_operations("b-1").await.unwrap()).unwrap();
     assert_eq!(via_api, serde_json::from_str::<Value>(&text).unwrap());
+
+    // A canceled operation: Velero has no Canceled, so the file says Failed, with the
+    // reason in the error.
+    let canceled = backups
+        .cancel(opmon_client::CancelParams {
+            name: "b-1".into(),
+            operations: Some(vec![opmon_client::OperationSelector::Id("never-c".into())]),
+            reason: Some("<&> stop".into()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(canceled.canceled, 1);
+    let text = check_file(&judge, OwnerKind::Backup, &backup_file);
+    assert!(
+        text.contains(
+            r#""operationID":"never-c","postOperationItems":null},"status":{"phase":"Failed","error":"canceled: \u003c\u0026\u003e stop""#
+        ),
+        "{text}"
+    );
 
     // Rewritten once everything finished: still Velero's bytes.
     f.open_gate("gate-1");

@@ -218,6 +218,7 @@ impl QemuImgSnapshotter {
             api_version: ApiVersion::V2,
             socket: Some(self.socket.clone()),
             command: None,
+            ..Default::default()
         }
     }
 
@@ -457,6 +458,51 @@ async fn deleting_the_backup_cancels_the_copy_and_leaves_no_file_behind() {
         assert_eq!(answer["result"], Value::Null);
     }
     assert_eq!(s.progress(&id).err, "cancelled");
+}
+
+#[tokio::test]
+async fn cancelling_the_backup_mid_copy_stops_qemu_img_and_fails_the_backup_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = make_disk(dir.path(), "disk.qcow2", 64, &[(0xcd, 0, 64)]);
+    let s = QemuImgSnapshotter::start(dir.path());
+    let (_agent, client) = agent_for(dir.path(), &s).await;
+    // At 2 MiB/s the copy would take half a minute: it is cancelled long before.
+    let id = s.start_copy(&disk, None, Some(2 * MIB));
+    backup_of(&client, "vm-1", &id).await;
+    // Mid-copy: the agent has recorded progress and qemu-img is writing.
+    let backups = client.backups();
+    let start = Instant::now();
+    while backups.operations("vm-1", None).await.unwrap()[0].n_completed == 0 {
+        assert!(start.elapsed() < PATIENCE, "the agent recorded no progress");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(processes_with_argument(&s.partial_file(&id)).len(), 1);
+
+    let result = backups
+        .cancel(opmon_client::CancelParams {
+            name: "vm-1".into(),
+            operations: None,
+            reason: Some("the VM was deleted".into()),
+        })
+        .await
+        .unwrap();
+    assert_eq!((result.canceled, result.unconfirmed), (1, 0));
+    assert_eq!(result.owner.phase, OwnerPhase::Failed);
+    assert_eq!(result.owner.failure_reason, "canceled: the VM was deleted");
+
+    // The answer comes once the snapshotter confirmed: the copy process is gone, its
+    // partial file too.
+    assert_eq!(
+        processes_with_argument(&s.partial_file(&id)),
+        Vec::<String>::new()
+    );
+    assert_eq!(files_in(&s.backup_dir), Vec::<String>::new());
+    assert_eq!(s.progress(&id).err, "cancelled");
+    let op = &backups.operations("vm-1", None).await.unwrap()[0];
+    assert_eq!(op.phase, OperationPhase::Canceled);
+    assert_eq!(op.error, "canceled: the VM was deleted");
+    assert!(!op.cancel_requested);
+    assert!(op.n_completed > 0 && op.n_completed < op.n_total, "{op:?}");
 }
 
 #[tokio::test]

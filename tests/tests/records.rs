@@ -251,6 +251,7 @@ async fn rbac_item_names_and_legacy_plugin_names_are_taken_as_velero_takes_them(
             api_version: ApiVersion::V2,
             socket: Some(f.snapshotter.socket.clone()),
             command: None,
+            ..Default::default()
         })
         .await
         .unwrap();

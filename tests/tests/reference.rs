@@ -70,7 +70,11 @@ fn the_method_table_lists_exactly_the_documented_methods() {
 #[test]
 fn the_error_table_lists_exactly_the_codes_answered() {
     let mut answered: BTreeSet<i32> = openrpc::error_codes().iter().map(|e| e.code).collect();
-    answered.extend([codes::OPERATIONS_NOT_SUPPORTED, codes::INVALID_OPERATION_ID]);
+    answered.extend([
+        codes::OPERATIONS_NOT_SUPPORTED,
+        codes::INVALID_OPERATION_ID,
+        codes::TRANSIENT,
+    ]);
     // The codes the agent's layers define, whatever the table in openrpc.rs says.
     for code in [
         codes::PARSE_ERROR,
@@ -161,6 +165,11 @@ fn the_limits_are_the_codes_constants() {
         ("err", format!("{} bytes", phase::MAX_ERROR)),
         ("operationUnits", format!("{} bytes", phase::MAX_UNITS)),
         ("list limit", format!("{} owners", api::MAX_PAGE)),
+        ("cancel reason", format!("{} bytes", api::MAX_CANCEL_REASON)),
+        (
+            "cancel operations",
+            format!("{}", api::MAX_CANCEL_OPERATIONS),
+        ),
         (
             "wait timeout",
             format!("{} seconds", api::MAX_WAIT.as_secs()),

@@ -117,6 +117,7 @@ async fn sighup_reloads_snapshotter_tables_and_log_level_and_nothing_else() {
             api_version: ApiVersion::V1,
             socket: None,
             command: None,
+            ..Default::default()
         })
         .await
         .unwrap();

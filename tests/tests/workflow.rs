@@ -220,6 +220,7 @@ async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_s
             api_version: ApiVersion::V1,
             socket: None,
             command: None,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -278,6 +279,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
                 journal.display().to_string(),
                 f.gates.display().to_string(),
             ]),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -350,6 +352,7 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
             api_version: ApiVersion::V2,
             socket: Some(hung.socket.clone()),
             command: None,
+            ..Default::default()
         })
         .await
         .unwrap();

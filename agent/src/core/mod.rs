@@ -2,6 +2,7 @@
 //! layer (never JSON), asks the phase machine what follows, commits through the store,
 //! then tells waiters. Nothing here reaches back into the API layer.
 
+mod cancel;
 mod expiry;
 mod finalize;
 mod name_locks;

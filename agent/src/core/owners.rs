@@ -104,6 +104,8 @@ impl Core {
                     finalize,
                     server: p.server.as_ref(),
                     object: object.as_deref(),
+                    stall_timeout: p.stall_timeout,
+                    start_timeout: p.start_timeout,
                 };
                 let id = queries::insert_owner(conn, &new, now)?;
                 reload(conn, id)

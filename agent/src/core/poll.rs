@@ -42,6 +42,8 @@ const MAX_OBJECT_BYTES_PER_CALL: usize = 4 << 20;
 pub(super) struct OperationChange {
     pub target: PollTarget,
     pub next: OperationState,
+    /// Which limit decided it, if one did (a deadline, a retry): what its event says.
+    pub why: Option<phase::Why>,
 }
 
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
@@ -91,6 +93,9 @@ pub(super) fn apply_changes(
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
         if queries::update_operation(conn, c.target.row, &c.next, phase_changed)? {
+            if let Some(why) = c.why {
+                log_limit(c, why);
+            }
             let failed = touched.entry(c.target.owner_row).or_default();
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;
@@ -98,6 +103,31 @@ pub(super) fn apply_changes(
         }
     }
     Ok(touched)
+}
+
+/// Logs a change a limit decided (a deadline, a retry), once it is written.
+fn log_limit(c: &OperationChange, why: phase::Why) {
+    use phase::Why;
+    let (t, next) = (&c.target, &c.next);
+    match why {
+        Why::TimedOut | Why::Stalled | Why::NotStarted | Why::Unreachable => {
+            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                error = %next.error, ?why, "operation failed by a limit");
+        }
+        Why::RetriesSpent => {
+            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                attempts = next.attempts, error = %next.error, "retries spent");
+        }
+        Why::RetryScheduled => {
+            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
+                attempt = next.attempts, error = %next.last_error,
+                next_attempt_ms = next.next_attempt_ms, "transient error; retrying");
+        }
+        Why::Recovered => {
+            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
+                attempts = next.attempts, "answered again after transient errors");
+        }
+    }
 }
 
 /// Why an owner is settled.
@@ -140,7 +170,13 @@ pub(super) fn settle_owner(
             if o.phase != opmon_client::OwnerPhase::InProgress {
                 return Ok(None);
             }
-            o.errors = errors.saturating_add(newly_failed);
+            // Operations fail while InProgress only by `*.cancel`; those failed before
+            // this poll count as errors like those it failed.
+            let failed_before = o.operations_failed.saturating_sub(u64::from(newly_failed));
+            let failed_before = u32::try_from(failed_before).unwrap_or(u32::MAX);
+            o.errors = errors
+                .saturating_add(newly_failed)
+                .saturating_add(failed_before);
             o.warnings = warnings;
             o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
             true
@@ -220,8 +256,25 @@ impl Poller {
             .collect()
     }
 
-    /// Polls the operations of one plugin.
+    /// Polls the operations of one plugin. Operations backing off after a transient
+    /// error are left out until their next attempt is due.
     pub async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<OperationChange> {
+        let due = UnixMs::now().ms();
+        let targets: Vec<PollTarget> = if targets
+            .iter()
+            .any(|t| t.state.next_attempt_ms.is_some_and(|at| at > due))
+        {
+            targets
+                .into_iter()
+                .filter(|t| t.state.next_attempt_ms.is_none_or(|at| at <= due))
+                .collect()
+        } else {
+            targets
+        };
+        if targets.is_empty() {
+            return Vec::new();
+        }
+        let policy = self.remotes.policy(plugin);
         let remote = self.remotes.get(plugin);
         let observations: Vec<Observation> = match remote.as_deref() {
             None => {
@@ -254,6 +307,7 @@ impl Poller {
                     .map(|answer| match answer {
                         Ok(p) => Observation::Progress(p),
                         Err(CallError::Answered(e)) => Observation::Error(e),
+                        Err(CallError::Transient(e)) => Observation::Transient(e),
                         Err(CallError::Unreachable(error)) => Observation::Unreachable {
                             error,
                             since_ms: since.unwrap_or_else(UnixMs::now).ms(),
@@ -267,14 +321,21 @@ impl Poller {
         let mut changes = Vec::new();
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
-            if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now.ms())
-            {
+            // The owner's own deadlines win over the snapshotter's.
+            let limits = phase::Limits {
+                timeout_ms: target.timeout_ms,
+                stall_ms: target.stall_timeout_ms.or(policy.stall_ms),
+                start_ms: target.start_timeout_ms.or(policy.start_ms),
+                retry: policy.retry,
+            };
+            if let Some(d) = phase::observe_within(&target.state, observation, &limits, now.ms()) {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
                 changes.push(OperationChange {
                     target,
                     next: d.next,
+                    why: d.why,
                 });
             }
         }
@@ -317,28 +378,39 @@ impl Poller {
     /// failures are logged, and calls still unanswered at the deadline are abandoned
     /// (and logged). Returns how many Cancel calls were made.
     pub async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
+        self.cancel_each(targets).await;
+        targets.len() as u64
+    }
+
+    /// [`Poller::cancel_all`], saying which rows the snapshotters confirmed (answered
+    /// Cancel without an error within the deadline).
+    pub async fn cancel_each(&self, targets: &[PollTarget]) -> HashSet<i64> {
         let deadline = tokio::time::Instant::now() + self.calls.deadline;
         let groups = by_plugin(targets.to_vec());
         let cancels = groups.into_iter().map(|(plugin, group)| async move {
             self.cancel_group(&plugin, group, deadline).await
         });
-        futures::future::join_all(cancels).await;
-        targets.len() as u64
+        futures::future::join_all(cancels)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
-    /// Cancels the operations of one plugin until `deadline`.
+    /// Cancels the operations of one plugin until `deadline`; returns the rows
+    /// confirmed.
     async fn cancel_group(
         &self,
         plugin: &str,
         targets: Vec<PollTarget>,
         deadline: tokio::time::Instant,
-    ) {
+    ) -> Vec<i64> {
         let Some(remote) = self.remotes.get(plugin) else {
             for t in &targets {
                 tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
                     plugin, "cannot cancel: no snapshotter registered");
             }
-            return;
+            return Vec::new();
         };
         let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
         let answers = match &*remote {
@@ -348,9 +420,10 @@ impl Poller {
         };
         let mut abandoned = 0;
         let mut errors = 0;
+        let mut confirmed = Vec::new();
         for (t, answer) in targets.iter().zip(&answers) {
             match answer {
-                Some(Ok(())) => {}
+                Some(Ok(())) => confirmed.push(t.row),
                 Some(Err(e)) => {
                     errors += 1;
                     let error = phase::bounded(e.message().to_string(), phase::MAX_ERROR);
@@ -370,6 +443,7 @@ impl Poller {
         }
         self.metrics
             .cancelled(plugin, answers.len(), errors + abandoned);
+        confirmed
     }
 }
 
@@ -489,6 +563,7 @@ impl Core {
         self.spawn_temp_cleanup();
         self.spawn_records_retry();
         self.spawn_expiry();
+        self.resend_cancels();
         self.poll_now.notify_one();
         Ok(())
     }
@@ -511,6 +586,8 @@ mod tests {
             }),
             object_bytes,
             timeout_ms: 1,
+            stall_timeout_ms: None,
+            start_timeout_ms: None,
             plugin: PluginRef {
                 kind: PluginKind::BackupItemAction,
                 name: "a.io/b".into(),

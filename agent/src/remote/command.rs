@@ -104,6 +104,10 @@ fn drain_now(pipe: impl AsFd, buf: &mut [u8], mut take: impl FnMut(&[u8]) -> boo
     }
 }
 
+/// The exit status of a command that failed transiently (sysexits.h `EX_TEMPFAIL`):
+/// the call is tried again, as a JSON-RPC error with code 2003 would be.
+pub const EXIT_TRANSIENT: i32 = 75;
+
 impl CommandRemote {
     /// Progress of `op`: one `OperationProgress` object on stdout.
     pub(super) async fn progress(
@@ -244,6 +248,14 @@ impl CommandRemote {
         });
         if status.success() {
             return Ok(out);
+        }
+        if status.code() == Some(EXIT_TRANSIENT) {
+            return Err(CallError::Transient(format!(
+                "snapshotter {} {verb} {} failed transiently ({status}): {}",
+                self.name,
+                op.operation_id,
+                err.last_line()
+            )));
         }
         Err(self.failed(format!(
             "{verb} {} failed ({status}): {}",

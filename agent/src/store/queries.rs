@@ -65,6 +65,12 @@ macro_rules! failed_operation {
         "'Failed'"
     };
 }
+/// An operation canceled on request.
+macro_rules! canceled_operation {
+    () => {
+        "'Canceled'"
+    };
+}
 
 /// How many operations are unfinished, from an owner's count columns (kept by
 /// [`insert_operations`] and [`update_operation`]): the one place that sum is made.
@@ -93,7 +99,8 @@ impl OwnerRow {
 
 const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
      errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms, n_operations, \
-     n_completed, n_failed, server_name, server_instance, failure_reason";
+     n_completed, n_failed, server_name, server_instance, failure_reason, stall_timeout_ms, \
+     start_timeout_ms";
 
 fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
     let post: Option<String> = row.get(9)?;
@@ -121,6 +128,8 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             phase: parse_column(row, 4)?,
             failure_reason: row.get(18)?,
             item_operation_timeout: GoDuration::from_millis(row.get::<_, i64>(5)?.max(0) as u64),
+            stall_timeout: optional_duration(row, 19)?,
+            start_timeout: optional_duration(row, 20)?,
             finalize: row.get(6)?,
             errors: row.get(7)?,
             warnings: row.get(8)?,
@@ -133,6 +142,17 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             completed: row.get::<_, Option<UnixMs>>(12)?.map(UnixMs::time),
         },
     })
+}
+
+/// A duration column in milliseconds, NULL when unset.
+fn optional_duration(row: &Row<'_>, index: usize) -> rusqlite::Result<Option<GoDuration>> {
+    Ok(row
+        .get::<_, Option<i64>>(index)?
+        .map(|ms| GoDuration::from_millis(ms.max(0) as u64)))
+}
+
+fn optional_ms(d: Option<GoDuration>) -> Option<i64> {
+    d.map(|d| crate::clock::millis(d.0))
 }
 
 /// The owner `kind`/`name`, with its counts.
@@ -166,14 +186,18 @@ pub struct NewOwner<'a> {
     pub server: Option<&'a ServerRef>,
     /// The backup server's representation of the owner, serialized.
     pub object: Option<&'a str>,
+    /// The owner's own deadlines (`start {stallTimeout, startTimeout}`).
+    pub stall_timeout: Option<GoDuration>,
+    pub start_timeout: Option<GoDuration>,
 }
 
 /// Creates an owner in InProgress; returns its row id. Its creation is its first call.
 pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now: UnixMs) -> rusqlite::Result<i64> {
     let mut stmt = conn.prepare_cached(
         "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, finalize, \
-         server_name, server_instance, object, created_ms, updated_ms, last_call_ms) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?10)",
+         server_name, server_instance, object, created_ms, updated_ms, last_call_ms, \
+         stall_timeout_ms, start_timeout_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?10, ?11, ?12)",
     )?;
     stmt.execute(params![
         o.kind.as_str(),
@@ -185,7 +209,9 @@ pub fn insert_owner(conn: &Connection, o: &NewOwner<'_>, now: UnixMs) -> rusqlit
         o.server.map(|s| s.name.as_str()).unwrap_or(""),
         o.server.map(|s| s.instance.as_str()),
         o.object,
-        now
+        now,
+        optional_ms(o.stall_timeout),
+        optional_ms(o.start_timeout)
     ])?;
     Ok(conn.last_insert_rowid())
 }
@@ -434,7 +460,7 @@ pub fn insert_operations(
 const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
      res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
      n_total, operation_units, description, created_ms, started_ms, updated_ms, \
-     plugin_updated_ms";
+     plugin_updated_ms, cancel_requested, attempts, last_error, next_attempt_ms";
 
 fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
     Ok(Operation {
@@ -460,6 +486,10 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         started: row.get::<_, Option<UnixMs>>(15)?.map(UnixMs::time),
         updated: row.get::<_, Option<UnixMs>>(16)?.map(UnixMs::time),
         plugin_updated: row.get::<_, Option<UnixMs>>(17)?.map(UnixMs::time),
+        cancel_requested: row.get(18)?,
+        attempts: row.get::<_, i64>(19)?.clamp(0, i64::from(u32::MAX)) as u32,
+        last_error: row.get(20)?,
+        next_attempt_at: row.get::<_, Option<UnixMs>>(21)?.map(UnixMs::time),
     })
 }
 
@@ -535,6 +565,10 @@ pub struct PollTarget {
     /// about this operation carries besides its own few hundred bytes.
     pub object_bytes: usize,
     pub timeout_ms: i64,
+    /// The owner's own stall and start deadlines in ms (`Some(0)`: off), overriding the
+    /// snapshotter's.
+    pub stall_timeout_ms: Option<i64>,
+    pub start_timeout_ms: Option<i64>,
     pub plugin: PluginRef,
     pub operation_id: String,
     pub state: OperationState,
@@ -552,6 +586,9 @@ pub enum Targets<'a> {
         after: i64,
         limit: i64,
     },
+    /// Canceled operations whose Cancel calls were out when the agent stopped (any
+    /// phase: they are Canceled already), the first `limit` by row.
+    CancelRequested { limit: i64 },
 }
 
 /// The plugins that have unfinished operations (of any owner).
@@ -599,7 +636,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
     const COLUMNS: &str = "o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
          o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
          o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms, \
-         o.plugin_updated_ms";
+         o.plugin_updated_ms, w.stall_timeout_ms, w.start_timeout_ms, o.progressed_ms, \
+         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms";
     let (mut stmt, mut rows);
     match which {
         Targets::Owner(id) => {
@@ -625,6 +663,13 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
+        Targets::CancelRequested { limit } => {
+            stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
+                 WHERE o.cancel_requested = 1 ORDER BY o.id LIMIT ?1"
+            ))?;
+            rows = stmt.query([limit])?;
+        }
     }
     let mut targets = Vec::new();
     let mut owners: HashMap<i64, (Arc<OwnerRef>, usize)> = HashMap::new();
@@ -645,6 +690,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             owner,
             object_bytes,
             timeout_ms: row.get(5)?,
+            stall_timeout_ms: row.get(19)?,
+            start_timeout_ms: row.get(20)?,
             plugin: PluginRef {
                 kind: parse_column::<PluginKind>(row, 6)?,
                 name: row.get(7)?,
@@ -661,6 +708,11 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                 started_ms: row.get(16)?,
                 updated_ms: row.get(17)?,
                 plugin_updated_ms: row.get(18)?,
+                progressed_ms: row.get(21)?,
+                attempts: row.get::<_, i64>(22)?.clamp(0, i64::from(u32::MAX)) as u32,
+                last_error: row.get(23)?,
+                next_attempt_ms: row.get(24)?,
+                retrying_since_ms: row.get(25)?,
             },
         });
     }
@@ -682,13 +734,15 @@ pub fn update_operation(
         concat!(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10 WHERE id = ?1 AND phase IN ",
+             plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
+             next_attempt_ms = ?14, retrying_since_ms = ?15 WHERE id = ?1 AND phase IN ",
             unfinished_operation!()
         )
     } else {
         "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
          operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-         plugin_updated_ms = ?10 WHERE id = ?1 AND phase = ?2"
+         plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
+         next_attempt_ms = ?14, retrying_since_ms = ?15 WHERE id = ?1 AND phase = ?2"
     };
     let changed = conn.prepare_cached(sql)?.execute(params![
         row,
@@ -700,9 +754,98 @@ pub fn update_operation(
         s.description,
         s.started_ms,
         s.updated_ms,
-        s.plugin_updated_ms
+        s.plugin_updated_ms,
+        s.progressed_ms,
+        s.attempts,
+        s.last_error,
+        s.next_attempt_ms,
+        s.retrying_since_ms
     ])?;
     Ok(changed > 0)
+}
+
+/// One operation of an owner as `*.cancel` picks it: row id, ID, item and phase.
+#[derive(Clone, Debug)]
+pub struct OperationKey {
+    pub row: i64,
+    pub operation_id: String,
+    pub resource: ResourceIdentifier,
+    pub phase: OperationPhase,
+}
+
+fn operation_key(r: &Row<'_>) -> rusqlite::Result<OperationKey> {
+    Ok(OperationKey {
+        row: r.get(0)?,
+        operation_id: r.get(1)?,
+        resource: ResourceIdentifier {
+            group: r.get(2)?,
+            resource: r.get(3)?,
+            namespace: r.get(4)?,
+            name: r.get(5)?,
+        },
+        phase: parse_column(r, 6)?,
+    })
+}
+
+/// Every operation of `owner_id` as `*.cancel` picks them, in row order: one scan,
+/// for a cancel that names many operations.
+pub fn operation_keys(conn: &Connection, owner_id: i64) -> rusqlite::Result<Vec<OperationKey>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
+         FROM operations WHERE owner_id = ?1 ORDER BY id",
+    )?;
+    let rows = stmt.query_map([owner_id], operation_key)?;
+    rows.collect()
+}
+
+/// The operations of `owner_id` with operation ID `operation_id`, in row order.
+pub fn operations_with_id(
+    conn: &Connection,
+    owner_id: i64,
+    operation_id: &str,
+) -> rusqlite::Result<Vec<OperationKey>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
+         FROM operations WHERE owner_id = ?1 AND operation_id = ?2 ORDER BY id",
+    )?;
+    let rows = stmt.query_map(params![owner_id, operation_id], operation_key)?;
+    rows.collect()
+}
+
+/// Cancels the still-unfinished operations among `rows` of `owner_id`: Canceled with
+/// `error`, and marked as having Cancel calls out. Returns the rows it changed.
+pub fn cancel_operations(
+    conn: &Connection,
+    owner_id: i64,
+    rows: &[i64],
+    error: &str,
+    now: UnixMs,
+) -> rusqlite::Result<Vec<i64>> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "UPDATE operations SET phase = ",
+        canceled_operation!(),
+        ", error = ?3, updated_ms = ?4, cancel_requested = 1, next_attempt_ms = NULL \
+         WHERE id = ?1 AND owner_id = ?2 AND phase IN ",
+        unfinished_operation!()
+    ))?;
+    let mut changed = Vec::new();
+    for &row in rows {
+        if stmt.execute(params![row, owner_id, error, now])? > 0 {
+            changed.push(row);
+        }
+    }
+    Ok(changed)
+}
+
+/// Records that the Cancel calls for `rows` are over (answered or abandoned).
+pub fn clear_cancel_requested(conn: &Connection, rows: &[i64]) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare_cached(
+        "UPDATE operations SET cancel_requested = 0 WHERE id = ?1 AND cancel_requested = 1",
+    )?;
+    for row in rows {
+        stmt.execute([row])?;
+    }
+    Ok(())
 }
 
 /// Fails every unfinished operation of an owner with `error`; returns how many.
@@ -790,7 +933,13 @@ pub fn tally(conn: &Connection) -> rusqlite::Result<super::Counts> {
 fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
     let api_version: ApiVersion = parse_column(row, 1)?;
     let command: Option<String> = row.get(3)?;
+    let attempts: Option<i64> = row.get(6)?;
     Ok(Snapshotter {
+        stall_timeout: optional_duration(row, 4)?,
+        start_timeout: optional_duration(row, 5)?,
+        retry_attempts: attempts.map(|n| n.clamp(0, i64::from(u32::MAX)) as u32),
+        retry_backoff: optional_duration(row, 7)?,
+        retry_within: optional_duration(row, 8)?,
         name: row.get(0)?,
         api_version,
         socket: row.get::<_, Option<String>>(2)?.map(Into::into),
@@ -806,15 +955,26 @@ fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
 /// Registers (or replaces) a snapshotter.
 pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Result<()> {
     conn.prepare_cached(
-        "INSERT INTO snapshotters (name, api_version, socket, command) VALUES (?1, ?2, ?3, ?4) \
+        "INSERT INTO snapshotters (name, api_version, socket, command, stall_timeout_ms, \
+         start_timeout_ms, retry_attempts, retry_backoff_ms, retry_within_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
          ON CONFLICT (name) DO UPDATE SET api_version = excluded.api_version, \
-         socket = excluded.socket, command = excluded.command",
+         socket = excluded.socket, command = excluded.command, \
+         stall_timeout_ms = excluded.stall_timeout_ms, \
+         start_timeout_ms = excluded.start_timeout_ms, \
+         retry_attempts = excluded.retry_attempts, retry_backoff_ms = excluded.retry_backoff_ms, \
+         retry_within_ms = excluded.retry_within_ms",
     )?
     .execute(params![
         s.name,
         s.api_version.as_str(),
         s.socket.as_ref().map(|p| p.to_string_lossy().into_owned()),
-        s.command.as_ref().map(to_json)
+        s.command.as_ref().map(to_json),
+        optional_ms(s.stall_timeout),
+        optional_ms(s.start_timeout),
+        s.retry_attempts,
+        optional_ms(s.retry_backoff),
+        optional_ms(s.retry_within)
     ])?;
     Ok(())
 }
@@ -822,7 +982,8 @@ pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Resul
 /// All snapshotters, by name.
 pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
     let mut stmt = conn.prepare_cached(
-        "SELECT name, api_version, socket, command FROM snapshotters ORDER BY name",
+        "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
+         retry_attempts, retry_backoff_ms, retry_within_ms FROM snapshotters ORDER BY name",
     )?;
     let rows = stmt.query_map([], snapshotter_from_row)?;
     rows.collect()
@@ -832,7 +993,8 @@ pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
 pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Option<Snapshotter>> {
     let found = conn
         .prepare_cached(
-            "SELECT name, api_version, socket, command FROM snapshotters WHERE name = ?1",
+            "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
+             retry_attempts, retry_backoff_ms, retry_within_ms FROM snapshotters WHERE name = ?1",
         )?
         .query_row([name], snapshotter_from_row)
         .optional()?;
@@ -866,6 +1028,10 @@ mod tests {
         assert_eq!(
             failed_operation!(),
             format!("'{}'", OperationPhase::Failed.as_str())
+        );
+        assert_eq!(
+            canceled_operation!(),
+            format!("'{}'", OperationPhase::Canceled.as_str())
         );
         assert_eq!(
             unfinished_operation!(),

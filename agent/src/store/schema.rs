@@ -163,6 +163,39 @@ pub const MIGRATIONS: &[&str] = &[
             n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
         WHERE id = NEW.owner_id;
     END;",
+    // 9: control over operations (issue 16). An operation may be Canceled (counted with
+    // the failed ones, as Velero counts it), and says while its Cancel calls are out;
+    // when its progress last changed by the agent's clock (the stall deadline counts
+    // from it; filled from the last change for operations already running); and its
+    // transient errors: how many were retried, the last one, when the next Progress is
+    // due and since when the current run of them lasts. Owners and snapshotters carry
+    // their deadlines and snapshotters their retry budgets (NULL: unset). Touches only
+    // columns of migrations 1 to 8, so a migration 10 adding its own applies after it.
+    "ALTER TABLE operations ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE operations ADD COLUMN progressed_ms INTEGER;
+    ALTER TABLE operations ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE operations ADD COLUMN last_error TEXT NOT NULL DEFAULT '';
+    ALTER TABLE operations ADD COLUMN next_attempt_ms INTEGER;
+    ALTER TABLE operations ADD COLUMN retrying_since_ms INTEGER;
+    UPDATE operations SET progressed_ms = updated_ms;
+    ALTER TABLE owners ADD COLUMN stall_timeout_ms INTEGER;
+    ALTER TABLE owners ADD COLUMN start_timeout_ms INTEGER;
+    ALTER TABLE snapshotters ADD COLUMN stall_timeout_ms INTEGER;
+    ALTER TABLE snapshotters ADD COLUMN start_timeout_ms INTEGER;
+    ALTER TABLE snapshotters ADD COLUMN retry_attempts INTEGER;
+    ALTER TABLE snapshotters ADD COLUMN retry_backoff_ms INTEGER;
+    ALTER TABLE snapshotters ADD COLUMN retry_within_ms INTEGER;
+    CREATE INDEX operations_cancel_requested ON operations (id) WHERE cancel_requested = 1;
+    DROP TRIGGER operations_counted_on_phase;
+    CREATE TRIGGER operations_counted_on_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE owners SET
+            n_completed = n_completed + (NEW.phase = 'Completed') - (OLD.phase = 'Completed'),
+            n_failed = n_failed + (NEW.phase IN ('Failed', 'Canceled'))
+                - (OLD.phase IN ('Failed', 'Canceled'))
+        WHERE id = NEW.owner_id;
+    END;",
 ];
 
 /// The schema version this agent writes.

@@ -20,6 +20,8 @@ fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
         finalize: true,
         server: None,
         object: None,
+        stall_timeout: None,
+        start_timeout: None,
     }
 }
 
@@ -91,6 +93,11 @@ fn fill_old_database(conn: &Connection, version: u32) {
         conn.execute_batch("UPDATE owners SET last_call_ms = created_ms;")
             .unwrap();
     }
+    if version >= 8 {
+        // From version 8 on, a poll records the plugin's own updated as well.
+        conn.execute_batch("UPDATE operations SET plugin_updated_ms = 2000 WHERE id = 1;")
+            .unwrap();
+    }
 }
 
 /// What the identity migration must leave: every operation with its id, state and
@@ -151,6 +158,7 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
         names,
         [
             "operations_by_owner_phase",
+            "operations_cancel_requested",
             "operations_counted_on_phase",
             "operations_unfinished_by_plugin"
         ],
@@ -255,9 +263,93 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         }
         if version >= 1 {
             check_operations_after_identity_migration(&conn, version);
+            check_control_after_migration_9(&conn, version);
+        }
+        if version >= 2 {
+            let s = &queries::snapshotters(&conn).unwrap()[0];
+            assert_eq!(
+                (s.stall_timeout, s.start_timeout, s.retry_attempts),
+                (None, None, None),
+                "a snapshotter registered before migration 9 sets no deadline or budget"
+            );
         }
         store.close();
     }
+}
+
+/// What migration 9 must leave: no cancel out, no retries, progress seen when the
+/// operation last changed (so a stall deadline set later counts from there), owners
+/// without deadlines, and a Canceled operation counted with the failed ones.
+fn check_control_after_migration_9(conn: &Connection, from: u32) {
+    type Row = (i64, bool, Option<i64>, i64, String, Option<i64>);
+    let rows: Vec<Row> = conn
+        .prepare(
+            "SELECT id, cancel_requested, progressed_ms, attempts, last_error, next_attempt_ms
+             FROM operations ORDER BY id",
+        )
+        .unwrap()
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(
+        rows[0],
+        (1, false, Some(2000), 0, String::new(), None),
+        "from version {from}"
+    );
+    // The identity check completed op-1; it runs again.
+    conn.execute(
+        "UPDATE operations SET phase = 'InProgress' WHERE id = 1",
+        [],
+    )
+    .unwrap();
+    let targets = queries::poll_targets(conn, queries::Targets::Owner(1)).unwrap();
+    assert_eq!(targets.len(), 1, "from version {from}");
+    assert_eq!(
+        (targets[0].stall_timeout_ms, targets[0].start_timeout_ms),
+        (None, None)
+    );
+    assert_eq!(targets[0].state.progressed_ms, Some(2000));
+    let backup = queries::owner_by_id(conn, 1).unwrap().unwrap().owner;
+    assert_eq!((backup.stall_timeout, backup.start_timeout), (None, None));
+    let failed_before = backup.operations_failed;
+    let canceled =
+        queries::cancel_operations(conn, 1, &[1], "canceled: test", UnixMs(3000)).unwrap();
+    assert_eq!(canceled, [1]);
+    let after = queries::owner_by_id(conn, 1).unwrap().unwrap();
+    assert_eq!(
+        after.owner.operations_failed,
+        failed_before + 1,
+        "from version {from}"
+    );
+    assert_eq!(after.unfinished(), 0);
+    let ops = queries::operations(conn, 1, None).unwrap();
+    assert!(ops[0].cancel_requested);
+    queries::clear_cancel_requested(conn, &[1]).unwrap();
+    assert!(!queries::operations(conn, 1, None).unwrap()[0].cancel_requested);
+    conn.execute(
+        "UPDATE operations SET phase = 'InProgress' WHERE id = 1",
+        [],
+    )
+    .unwrap();
+    assert_eq!(
+        queries::owner_by_id(conn, 1)
+            .unwrap()
+            .unwrap()
+            .owner
+            .operations_failed,
+        failed_before,
+        "leaving Canceled is counted too"
+    );
 }
 
 /// Each owner's counts as a scan of its operations finds them.

@@ -104,6 +104,14 @@ pub enum OwnerCommand {
         /// The instance of --server now running (e.g. its pod or process start ID).
         #[arg(long, requires = "server")]
         instance: Option<String>,
+        /// Cancel and fail an operation whose progress stands still this long (Go
+        /// duration; 0s: never) [default: its snapshotter's].
+        #[arg(long, value_parser = go_duration)]
+        stall_timeout: Option<GoDuration>,
+        /// Cancel and fail an operation still New this long after it was created (Go
+        /// duration; 0s: never) [default: its snapshotter's].
+        #[arg(long, value_parser = go_duration)]
+        start_timeout: Option<GoDuration>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
     AddOperation(AddOperation),
@@ -171,6 +179,19 @@ pub enum OwnerCommand {
     ItemOperations { name: String },
     /// Removes it, cancelling unfinished operations.
     Delete { name: String },
+    /// Cancels it (it ends Failed), or with --operation only those operations (they
+    /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.
+    Cancel {
+        name: String,
+        /// An operation ID to cancel (repeatable); an ID two items share is refused
+        /// with the items named.
+        #[arg(long = "operation", value_name = "ID")]
+        operations: Vec<String>,
+        /// Why, for the operations' error and the owner's failure reason [default:
+        /// canceled by request].
+        #[arg(long)]
+        reason: Option<String>,
+    },
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -233,6 +254,23 @@ pub enum SnapshotterCommand {
         /// program given by a relative path is resolved against the current directory.
         #[arg(last = true)]
         command: Vec<String>,
+        /// Cancel and fail an operation whose progress stands still this long [default:
+        /// never].
+        #[arg(long, value_parser = go_duration)]
+        stall_timeout: Option<GoDuration>,
+        /// Cancel and fail an operation still New this long after it was created
+        /// [default: never].
+        #[arg(long, value_parser = go_duration)]
+        start_timeout: Option<GoDuration>,
+        /// Transient errors retried per operation [default: 5].
+        #[arg(long)]
+        retry_attempts: Option<u32>,
+        /// Delay before the first retry, doubled each time up to 5m [default: 1s].
+        #[arg(long, value_parser = go_duration)]
+        retry_backoff: Option<GoDuration>,
+        /// How long an operation may fail transiently before it fails [default: 10m].
+        #[arg(long, value_parser = go_duration)]
+        retry_within: Option<GoDuration>,
     },
     /// All snapshotters.
     List,

@@ -21,10 +21,10 @@ use clap::{CommandFactory, Parser};
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::text::escape_controls;
 use opmon_client::{
-    AddOperationsParams, Client, Contents, EndInProgressParams, FinalizeParams, FinalizeResult,
-    ListParams, NameParams, NewOperation, OperationsParams, Owner, OwnerKind, PluginKind,
-    PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams,
-    UpdatedItem, WaitUntil,
+    AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
+    FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation, OperationSelector,
+    OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef, ServerStartedParams,
+    ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -173,6 +173,8 @@ async fn owner_command(
             object,
             server,
             instance,
+            stall_timeout,
+            start_timeout,
         } => {
             if finalize && kind == OwnerKind::Backup {
                 return Err("--finalize is for restores; backups always finalize".into());
@@ -190,6 +192,8 @@ async fn owner_command(
                 finalize: finalize.then_some(true),
                 object,
                 server,
+                stall_timeout,
+                start_timeout,
             };
             let value = call(client, method(OwnerMethod::Start), params).await?;
             print(out, &value, one_line)
@@ -415,6 +419,38 @@ async fn owner_command(
                 render::item_operations(r)
             })
         }
+        OwnerCommand::Cancel {
+            name,
+            operations,
+            reason,
+        } => {
+            let params = CancelParams {
+                name: name.clone(),
+                operations: (!operations.is_empty())
+                    .then(|| operations.into_iter().map(OperationSelector::Id).collect()),
+                reason,
+            };
+            let value = call(client, method(OwnerMethod::Cancel), params).await?;
+            print(out, &value, |r: &CancelResult| {
+                let mut text = format!(
+                    "{kind} {}: {} operations canceled",
+                    escape_controls(&name),
+                    r.canceled
+                );
+                if r.unconfirmed > 0 {
+                    text.push_str(&format!(
+                        " ({} not confirmed by their snapshotter within the call deadline)",
+                        r.unconfirmed
+                    ));
+                }
+                text.push('\n');
+                text.push_str(&one_line(&r.owner));
+                text
+            })?;
+            Ok(render::exit_code(
+                typed::<CancelResult>(&value)?.owner.phase,
+            ))
+        }
         OwnerCommand::Delete { name } => {
             let params = NameParams { name: name.clone() };
             let value = call(client, method(OwnerMethod::Delete), params).await?;
@@ -436,6 +472,11 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             api_version,
             snapshotter_socket,
             mut command,
+            stall_timeout,
+            start_timeout,
+            retry_attempts,
+            retry_backoff,
+            retry_within,
         } => {
             // A program named by a path runs from the agent's directory: resolve it
             // here. A bare name is looked up in the agent's PATH, as given.
@@ -453,6 +494,11 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
                     .map(|s| absolute("--snapshotter-socket", s))
                     .transpose()?,
                 command: (!command.is_empty()).then_some(command),
+                stall_timeout,
+                start_timeout,
+                retry_attempts,
+                retry_backoff,
+                retry_within,
             };
             let value = call(client, methods::SNAPSHOTTER_REGISTER, s).await?;
             print(out, &value, |s: &Snapshotter| {

@@ -535,6 +535,10 @@ mod tests {
             started: Some(datetime!(2026-01-01 0:00 UTC)),
             updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
             plugin_updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
+            cancel_requested: false,
+            attempts: 0,
+            last_error: String::new(),
+            next_attempt_at: None,
         }
     }
 
@@ -598,6 +602,8 @@ mod tests {
             uid: "u-1".into(),
             phase: OwnerPhase::WaitingForPluginOperationsPartiallyFailed,
             item_operation_timeout: GoDuration::from_secs(4 * 3600),
+            stall_timeout: None,
+            start_timeout: None,
             finalize: true,
             errors: 1,
             warnings: 0,

@@ -180,6 +180,8 @@ impl View for Bars {
                 OperationPhase::Failed => {
                     bar.abandon_with_message(format!("failed: {}", clean(&op.error)))
                 }
+                // Its error already says `canceled: <reason>`.
+                OperationPhase::Canceled => bar.abandon_with_message(clean(&op.error).into_owned()),
                 _ => bar.set_message(op.phase.to_string()),
             }
         }

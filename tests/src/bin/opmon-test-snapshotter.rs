@@ -7,7 +7,10 @@
 //! | `fail-` | completed with err `copy failed` |
 //! | `gate-` | 30/100 bytes, started; completed once the file `<gates>/<id>` exists |
 //! | `failgate-` | like `gate-`, but completes with err `copy failed` |
-//! | `never-` | 50/100 bytes, started, never completes |
+//! | `never-` | 50/100 bytes, started, never completes (a stalled copy) |
+//! | `idle-` | 0/100 bytes, not started, never completes (stays New) |
+//! | `flaky-` | a transient error (2003) at its first two Progress calls, then completed |
+//! | `flakier-` | a transient error at every Progress call |
 //! | `evil-` | like `gate-`, with control characters (ESC, CR, LF, BEL) in its description and error; its Cancel fails with that error |
 //! | `odd-` | completed with an err and a description full of characters JSON encoders disagree on (`<>&`, U+2028, non-ASCII, a tab), no counts, started at the Unix epoch, updated at 2026-11-22T09:57:45.678Z |
 //! | `ctl-` | completed with an err holding a backspace and a form feed (which Go writes as `\b`, `\f` since 1.22 only) |
@@ -37,6 +40,8 @@ const EVIL_ERROR: &str =
 struct Scripted {
     gates: PathBuf,
     journal: Mutex<std::fs::File>,
+    /// Progress calls answered so far, per operation ID (for `flaky-`).
+    calls: Mutex<std::collections::HashMap<String, u32>>,
 }
 
 impl Scripted {
@@ -85,6 +90,12 @@ impl OperationHandler for Scripted {
         self.record("progress", &op);
         let id = op.operation_id.as_str();
         let open = || self.gates.join(id).exists();
+        let call = {
+            let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+            let n = calls.entry(id.to_string()).or_default();
+            *n += 1;
+            *n
+        };
         if id.starts_with("done-") {
             Ok(Self::progress(100, true, ""))
         } else if id.starts_with("fail-") {
@@ -111,6 +122,23 @@ impl OperationHandler for Scripted {
             Ok(p)
         } else if id.starts_with("never-") {
             Ok(Self::progress(50, false, ""))
+        } else if id.starts_with("idle-") {
+            Ok(OperationProgress {
+                n_total: 100,
+                operation_units: "byte".into(),
+                description: "queued".into(),
+                ..OperationProgress::default()
+            })
+        } else if id.starts_with("flaky-") && call <= 2 {
+            Err(SnapshotterError::Transient(format!(
+                "backend busy (call {call})"
+            )))
+        } else if id.starts_with("flaky-") {
+            Ok(Self::progress(100, true, ""))
+        } else if id.starts_with("flakier-") {
+            Err(SnapshotterError::Transient(format!(
+                "backend busy (call {call})"
+            )))
         } else if id.starts_with("odd-") {
             Ok(OperationProgress {
                 completed: true,
@@ -179,6 +207,7 @@ async fn main() -> std::process::ExitCode {
     let snapshotter = Scripted {
         gates: PathBuf::from(gates),
         journal: Mutex::new(journal),
+        calls: Mutex::default(),
     };
     match serve(socket, snapshotter).await {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -204,6 +204,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
             api_version: ApiVersion::V1,
             socket: None,
             command: None,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("snapshotter.register: {e}"))?;

@@ -170,6 +170,7 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
             api_version: ApiVersion::V2,
             socket: Some(snap.socket.clone()),
             command: None,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("snapshotter.register: {e}"))?;

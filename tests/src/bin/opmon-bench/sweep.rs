@@ -299,6 +299,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
             api_version: ApiVersion::V2,
             socket: Some(snap.socket.clone()),
             command: None,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("snapshotter.register: {e}"))?;
