@@ -140,6 +140,19 @@ fn processes_with_argument(path: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Whether process `pid` is gone or a zombie: either way its files are closed (the
+/// kernel closes them before the process becomes a zombie).
+fn exited(pid: &str) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold any
+        // character: read after the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
 /// Polls `probe` until it returns `Some`, failing the test after [`PATIENCE`].
 async fn poll_until<T>(what: &str, probe: impl FnMut() -> Option<T>) -> T {
     opmon_tests::eventually_async(what, PATIENCE, probe).await
@@ -551,12 +564,17 @@ async fn a_copy_cut_short_by_a_crash_is_copied_again_from_scratch_after_the_rest
         .await;
     assert!(!cut.completed, "the slow copy is already over: {cut:?}");
 
+    let copiers = processes_with_argument(&s.partial_file(&id));
+    assert!(
+        !copiers.is_empty(),
+        "no qemu-img copying to the partial file"
+    );
     s.kill9();
-    // qemu-img dies with the snapshotter instead of finishing the copy as an orphan.
+    // qemu-img dies with the snapshotter instead of finishing the copy as an orphan. Its
+    // command line goes before its files (and the image lock) are closed, so wait for
+    // the process itself to be gone or a zombie, not for the command line.
     poll_until("qemu-img exits with its snapshotter", || {
-        processes_with_argument(&s.partial_file(&id))
-            .is_empty()
-            .then_some(())
+        copiers.iter().all(|pid| exited(pid)).then_some(())
     })
     .await;
     assert!(!s.final_file(&id).exists());
