@@ -48,6 +48,10 @@ pub const FEATURES: &[&str] = &[
     "finalize_counts",
     // `rpc.discover` answers with the OpenRPC document.
     "openrpc",
+    // `events`: each owner's history, with the callers of the calls that changed it.
+    "events",
+    // `Operation.rate`/`eta` and `Owner.progress`: smoothed rates and ETAs.
+    "rate",
 ];
 
 /// When the client may send a request again after the connection broke before the
@@ -135,6 +139,8 @@ owner_methods! {
     /// Repeated with the time that is left.
     Wait => "wait", Always;
     ItemOperations => "itemOperations", Always;
+    /// The owner's history, a page at a time.
+    Events => "events", Always;
     /// A finalized owner answers with the first finalize's result.
     Finalize => "finalize", Always;
     /// A repeat could delete an owner re-created under the same name meanwhile.
