@@ -13,9 +13,10 @@
 //! agrees with its operations.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write;
 use std::sync::{Arc, Mutex};
 
-use opmon_client::{OperationPhase, OperationRef, OwnerRef};
+use opmon_client::{EventReason, OperationPhase, OperationRef, OwnerRef};
 use rusqlite::Connection;
 
 use super::Core;
@@ -24,7 +25,9 @@ use crate::clock::UnixMs;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::phase::{self, Observation, OperationState};
+use crate::rate::Rate;
 use crate::remote::{CallError, CallSettings, Registry, Remote};
+use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 use crate::sync::lock;
 use std::time::Duration;
@@ -42,6 +45,8 @@ const MAX_OBJECT_BYTES_PER_CALL: usize = 4 << 20;
 pub(super) struct OperationChange {
     pub target: PollTarget,
     pub next: OperationState,
+    /// Its rate after this poll's sample (unchanged unless `nCompleted` moved).
+    pub rate: Rate,
 }
 
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
@@ -86,26 +91,74 @@ fn by_plugin(targets: Vec<PollTarget>) -> BTreeMap<String, Vec<PollTarget>> {
 pub(super) fn apply_changes(
     conn: &Connection,
     changes: &[OperationChange],
+    now: UnixMs,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
-        if queries::update_operation(conn, c.target.row, &c.next, phase_changed)? {
+        if queries::update_operation(conn, c.target.row, &c.next, &c.rate, phase_changed)? {
             let failed = touched.entry(c.target.owner_row).or_default();
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;
+            }
+            // Progress alone is no event: only a phase change is recorded.
+            if phase_changed {
+                record_operation_phase(conn, c, now)?;
             }
         }
     }
     Ok(touched)
 }
 
+/// The event of a polled operation's phase change: its failure with the error, or the
+/// change itself.
+fn record_operation_phase(
+    conn: &Connection,
+    c: &OperationChange,
+    now: UnixMs,
+) -> rusqlite::Result<()> {
+    let (reason, message) = if c.next.phase == OperationPhase::Failed {
+        let reason = if c.next.error == phase::TIMED_OUT {
+            EventReason::DeadlineExceeded
+        } else {
+            EventReason::OperationFailed
+        };
+        (reason, c.next.error.clone())
+    } else {
+        let mut message = format!("{} → {}", c.target.state.phase, c.next.phase);
+        if c.next.n_total > 0 {
+            let _ = write!(
+                message,
+                " at {} of {} {}",
+                c.next.n_completed, c.next.n_total, c.next.operation_units
+            );
+        }
+        (EventReason::OperationPhaseChanged, message)
+    };
+    events::record(
+        conn,
+        c.target.owner_row,
+        &NewEvent {
+            reason,
+            operation: Some(c.target.row),
+            caller: None,
+            message: &message,
+        },
+        now,
+    )
+}
+
 /// Why an owner is settled.
 pub(super) enum Settle {
     /// A poll changed some of a waiting owner's operations.
     Poll,
-    /// `endInProgress {failed: false}`, with the server's counts, after its poll.
-    EndInProgress { errors: u32, warnings: u32 },
+    /// `endInProgress {failed: false}`, with the server's counts, after its poll, by
+    /// `caller`.
+    EndInProgress {
+        errors: u32,
+        warnings: u32,
+        caller: Option<opmon_client::Caller>,
+    },
 }
 
 /// Moves an owner on after its operations' changes were applied in this transaction
@@ -125,8 +178,10 @@ pub(super) fn settle_owner(
     let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
         return Ok(None); // deleted meanwhile
     };
+    let was = row.owner.phase;
     let unfinished = row.unfinished();
     let o = &mut row.owner;
+    let mut by = None;
     let due = match how {
         Settle::Poll => {
             if !o.phase.is_waiting() {
@@ -136,10 +191,15 @@ pub(super) fn settle_owner(
             o.phase = phase::after_poll(o.phase, o.finalize, o.errors, unfinished);
             newly_failed > 0 || !o.phase.is_waiting()
         }
-        Settle::EndInProgress { errors, warnings } => {
+        Settle::EndInProgress {
+            errors,
+            warnings,
+            caller,
+        } => {
             if o.phase != opmon_client::OwnerPhase::InProgress {
                 return Ok(None);
             }
+            by = caller;
             o.errors = errors.saturating_add(newly_failed);
             o.warnings = warnings;
             o.phase = phase::leave_in_progress(o.finalize, false, o.errors, unfinished);
@@ -153,7 +213,51 @@ pub(super) fn settle_owner(
     if due {
         queries::mark_records_due(conn, row.id)?;
     }
+    if row.owner.phase != was {
+        record_owner_phase(conn, &row, was, by, now)?;
+    }
     Ok(Some((row, due)))
+}
+
+/// The event of an owner's phase change from `was` (by `caller`'s call, or by the
+/// agent itself): its failure with the reason, or the change with the counts.
+pub(super) fn record_owner_phase(
+    conn: &Connection,
+    row: &OwnerRow,
+    was: opmon_client::OwnerPhase,
+    caller: Option<opmon_client::Caller>,
+    now: UnixMs,
+) -> rusqlite::Result<()> {
+    let o = &row.owner;
+    let (reason, message) = if o.phase == opmon_client::OwnerPhase::Failed {
+        (
+            EventReason::Failed,
+            format!("{was} → {}: {}", o.phase, o.failure_reason),
+        )
+    } else {
+        (
+            EventReason::PhaseChanged,
+            format!(
+                "{was} → {}: {} of {} operations completed, {} failed, {} errors",
+                o.phase,
+                o.operations_completed,
+                o.operations_attempted,
+                o.operations_failed,
+                o.errors
+            ),
+        )
+    };
+    events::record(
+        conn,
+        row.id,
+        &NewEvent {
+            reason,
+            operation: None,
+            caller,
+            message: &message,
+        },
+        now,
+    )
 }
 
 /// What polling remembers between passes, and the calls it makes.
@@ -267,14 +371,29 @@ impl Poller {
         let mut changes = Vec::new();
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
+            let reported = match &observation {
+                Observation::Progress(p) => p.updated,
+                _ => None,
+            };
             if let Some(d) = phase::observe(&target.state, observation, target.timeout_ms, now.ms())
             {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
+                // Only a sample that moved `nCompleted` moves the rate (the first one
+                // anchors it).
+                let rate = if d.next.n_completed != target.state.n_completed
+                    || target.rate.anchor_ms.is_none()
+                {
+                    let at = crate::rate::sample_time(reported, now.ms());
+                    target.rate.sample(d.next.n_completed, at)
+                } else {
+                    target.rate
+                };
                 changes.push(OperationChange {
                     target,
                     next: d.next,
+                    rate,
                 });
             }
         }
@@ -399,7 +518,7 @@ impl Core {
         let now = UnixMs::now();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
-            for (owner_row, failed) in apply_changes(conn, &changes)? {
+            for (owner_row, failed) in apply_changes(conn, &changes, now)? {
                 if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
                 {
                     due.push((row.owner.kind, row.owner.name));
@@ -517,6 +636,7 @@ mod tests {
             },
             operation_id: "op".into(),
             state: OperationState::default(),
+            rate: Rate::default(),
         }
     }
 
