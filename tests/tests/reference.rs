@@ -162,6 +162,14 @@ fn the_limits_are_the_codes_constants() {
         ("operationUnits", format!("{} bytes", phase::MAX_UNITS)),
         ("list limit", format!("{} owners", api::MAX_PAGE)),
         (
+            "events per owner",
+            format!("{} events", opmon_agent::store::events::MAX_PER_OWNER),
+        ),
+        (
+            "events page",
+            format!("{} events", opmon_agent::store::events::MAX_PAGE),
+        ),
+        (
             "wait timeout",
             format!("{} seconds", api::MAX_WAIT.as_secs()),
         ),
