@@ -177,6 +177,31 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         }
     }
 
+    // A cursor that is no number, as a client without the types would send it.
+    let mut raw = opmon_tests::RawHttp::connect(&f.agent.socket);
+    for (params, message) in [
+        (
+            r#"{"name":"b","after":-1}"#,
+            "after: invalid value: integer `-1`, expected u64",
+        ),
+        (
+            r#"{"name":"b","after":"6"}"#,
+            "after: invalid type: string \"6\", expected u64",
+        ),
+        (
+            r#"{"name":"b","before":6}"#,
+            "before: unknown field `before`, expected one of `name`, `after`, `limit`",
+        ),
+    ] {
+        let answer = raw.post(
+            format!(r#"{{"jsonrpc":"2.0","id":1,"method":"backup.events","params":{params}}}"#)
+                .as_bytes(),
+        );
+        let answer: Value = serde_json::from_str(&answer.1).expect("JSON");
+        assert_eq!(answer["error"]["code"], -32602, "{answer}");
+        assert_eq!(answer["error"]["message"], message);
+    }
+
     // `describe`, run as a process, ends with the events as kubectl shows them.
     let out = Command::new(workspace_binary("opmon"))
         .arg("--socket")
