@@ -12,8 +12,12 @@
 //!   nothing: the anchor stays, so the next sample measures from it;
 //! - every rate is finite and at least zero, so no NaN or infinity reaches the API.
 //!
-//! The state lives in the operation's row (`rate`, `rate_n`, `rate_at_ms`), written with
-//! the progress that moved it, so a restart keeps it.
+//! The ETA is counted on the agent's clock, from when the agent saw the anchoring
+//! sample: a snapshotter's clock times its own progress well, but may be off from
+//! everyone else's, and an ETA is read against the reader's clock.
+//!
+//! The state lives in the operation's row (`rate`, `rate_n`, `rate_at_ms`,
+//! `rate_seen_ms`), written with the progress that moved it, so a restart keeps it.
 
 use opmon_client::RATE_HALF_LIFE_SECONDS;
 
@@ -27,17 +31,22 @@ pub struct Rate {
     pub per_second: Option<f64>,
     /// `nCompleted` at the anchor.
     pub anchor_n: i64,
-    /// When the anchor was sampled (Unix ms); `None` before the first sample.
+    /// When the anchor was sampled (Unix ms, the sample's clock); `None` before the
+    /// first sample.
     pub anchor_ms: Option<i64>,
+    /// When the agent saw the anchor (Unix ms, the agent's clock): what the ETA counts
+    /// from.
+    pub seen_ms: Option<i64>,
 }
 
 impl Rate {
-    /// The rate after a sample of `n` units at `at_ms`.
-    pub fn sample(self, n: i64, at_ms: i64) -> Rate {
+    /// The rate after a sample of `n` units at `at_ms`, seen by the agent at `seen_ms`.
+    pub fn sample(self, n: i64, at_ms: i64, seen_ms: i64) -> Rate {
         let anchored = Rate {
             per_second: None,
             anchor_n: n,
             anchor_ms: Some(at_ms),
+            seen_ms: Some(seen_ms),
         };
         let Some(anchor_ms) = self.anchor_ms else {
             return anchored;
@@ -62,19 +71,21 @@ impl Rate {
             per_second: per_second.is_finite().then_some(per_second.max(0.0)),
             anchor_n: n,
             anchor_ms: Some(at_ms),
+            seen_ms: Some(seen_ms),
         }
     }
 
-    /// When `n_total` will be reached at this rate, counted from the anchor (Unix ms);
+    /// When `n_total` will be reached at this rate, counted from when the agent saw the
+    /// anchor (Unix ms, the agent's clock);
     /// `None` without a total beyond the anchor, without a rate or with a zero one.
     pub fn eta_ms(&self, n_total: i64) -> Option<i64> {
         let rate = self.per_second.filter(|r| *r > 0.0)?;
-        let anchor_ms = self.anchor_ms?;
+        let seen_ms = self.seen_ms?;
         if n_total <= self.anchor_n {
             return None;
         }
         let ms = (n_total - self.anchor_n) as f64 / rate * 1000.0;
-        let eta = anchor_ms as f64 + ms.ceil();
+        let eta = seen_ms as f64 + ms.ceil();
         // Past the year 9999 (a crawl towards a huge total) is as good as unknown.
         (eta.is_finite() && eta <= MAX_ETA_MS as f64).then_some(eta as i64)
     }
@@ -96,8 +107,11 @@ mod tests {
     fn samples(points: &[(i64, i64)]) -> Rate {
         points
             .iter()
-            .fold(Rate::default(), |r, &(n, at)| r.sample(n, at))
+            .fold(Rate::default(), |r, &(n, at)| r.sample(n, at, at + SKEW))
     }
+
+    /// How far the agent's clock is ahead of the snapshotter's in these tests.
+    const SKEW: i64 = 100_000;
 
     #[test]
     fn the_first_sample_only_anchors() {
@@ -118,8 +132,8 @@ mod tests {
         ]);
         let rate = r.per_second.unwrap();
         assert!((rate - 1000.0).abs() < 1e-9, "{rate}");
-        // 1000 left at 1000/s from the last sample at 9 s.
-        assert_eq!(r.eta_ms(10_000), Some(10_000));
+        // 1000 left at 1000/s: a second after the agent saw the last sample.
+        assert_eq!(r.eta_ms(10_000), Some(9000 + SKEW + 1000));
     }
 
     #[test]
@@ -131,7 +145,7 @@ mod tests {
         let keep = 0.5f64.powf(1.0 / RATE_HALF_LIFE_SECONDS);
         assert!((rate - (1000.0 * keep + 500.0 * (1.0 - keep))).abs() < 1e-9);
         // A long gap weighs the new pace almost alone.
-        let later = r.sample(1500 + 100 * 600, 2000 + 600_000);
+        let later = r.sample(1500 + 100 * 600, 2000 + 600_000, 0);
         assert!((later.per_second.unwrap() - 100.0).abs() < 0.01);
     }
 
@@ -140,16 +154,16 @@ mod tests {
         let r = samples(&[(0, 0), (1000, 1000), (200, 2000)]);
         assert_eq!(r.per_second, None);
         assert_eq!((r.anchor_n, r.anchor_ms), (200, Some(2000)));
-        let r = r.sample(1200, 3000);
+        let r = r.sample(1200, 3000, 3000);
         assert!((r.per_second.unwrap() - 1000.0).abs() < 1e-9);
     }
 
     #[test]
     fn an_unchanged_clock_changes_nothing_and_the_next_sample_measures_from_the_anchor() {
         let r = samples(&[(0, 0), (1000, 1000)]);
-        assert_eq!(r.sample(5000, 1000), r);
-        assert_eq!(r.sample(5000, 500), r, "a clock that went back");
-        let next = r.sample(3000, 2000);
+        assert_eq!(r.sample(5000, 1000, 7), r);
+        assert_eq!(r.sample(5000, 500, 7), r, "a clock that went back");
+        let next = r.sample(3000, 2000, 7);
         // 2000 units in the second since the anchor, not 3000 or 5000.
         let keep = 0.5f64.powf(1.0 / RATE_HALF_LIFE_SECONDS);
         assert!((next.per_second.unwrap() - (1000.0 * keep + 2000.0 * (1.0 - keep))).abs() < 1e-9);

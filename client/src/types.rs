@@ -266,8 +266,9 @@ pub struct Operation {
     /// feature `rate`.
     #[serde(default)]
     pub rate: Option<f64>,
-    /// When the operation should finish at `rate`, counted from the last sample that
-    /// moved `nCompleted`; null when unknown: finished, no `nTotal`, no rate or a zero one.
+    /// When the operation should finish at `rate`, counted on the agent's clock from
+    /// when it saw the last sample that moved `nCompleted`; null when unknown: finished,
+    /// no `nTotal`, no rate or a zero one.
     #[serde(default, with = "time::serde::rfc3339::option")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub eta: Option<Timestamp>,

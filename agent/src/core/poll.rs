@@ -386,7 +386,7 @@ impl Poller {
                     || target.rate.anchor_ms.is_none()
                 {
                     let at = crate::rate::sample_time(reported, now.ms());
-                    target.rate.sample(d.next.n_completed, at)
+                    target.rate.sample(d.next.n_completed, at, now.ms())
                 } else {
                     target.rate
                 };

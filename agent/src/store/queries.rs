@@ -437,15 +437,16 @@ pub fn insert_operations(
 const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
      res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
      n_total, operation_units, description, created_ms, started_ms, updated_ms, \
-     plugin_updated_ms, rate, rate_n, rate_at_ms";
+     plugin_updated_ms, rate, rate_n, rate_at_ms, rate_seen_ms";
 
-/// An operation's rate state from columns `first`, `first + 1`, `first + 2` (`rate`,
-/// `rate_n`, `rate_at_ms`).
+/// An operation's rate state from columns `first` to `first + 3` (`rate`, `rate_n`,
+/// `rate_at_ms`, `rate_seen_ms`).
 fn rate_from_row(row: &Row<'_>, first: usize) -> rusqlite::Result<Rate> {
     Ok(Rate {
         per_second: row.get(first)?,
         anchor_n: row.get(first + 1)?,
         anchor_ms: row.get(first + 2)?,
+        seen_ms: row.get(first + 3)?,
     })
 }
 
@@ -535,7 +536,7 @@ pub fn operations_by_rows(
 pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<OwnerProgress> {
     // Driven by the index on (owner_id, phase): only unfinished operations are read.
     let mut stmt = conn.prepare_cached(concat!(
-        "SELECT operation_units, n_completed, n_total, rate, rate_n, rate_at_ms \
+        "SELECT operation_units, n_completed, n_total, rate, rate_n, rate_at_ms, rate_seen_ms \
          FROM operations WHERE owner_id = ?1 AND phase IN ",
         unfinished_operation!()
     ))?;
@@ -665,7 +666,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
     const COLUMNS: &str = "o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
          o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
          o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms, \
-         o.plugin_updated_ms, o.rate, o.rate_n, o.rate_at_ms";
+         o.plugin_updated_ms, o.rate, o.rate_n, o.rate_at_ms, o.rate_seen_ms";
     let (mut stmt, mut rows);
     match which {
         Targets::Owner(id) => {
@@ -750,15 +751,15 @@ pub fn update_operation(
         concat!(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10, rate = ?11, rate_n = ?12, rate_at_ms = ?13 \
-             WHERE id = ?1 AND phase IN ",
+             plugin_updated_ms = ?10, rate = ?11, rate_n = ?12, rate_at_ms = ?13, \
+             rate_seen_ms = ?14 WHERE id = ?1 AND phase IN ",
             unfinished_operation!()
         )
     } else {
         "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
          operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-         plugin_updated_ms = ?10, rate = ?11, rate_n = ?12, rate_at_ms = ?13 \
-         WHERE id = ?1 AND phase = ?2"
+         plugin_updated_ms = ?10, rate = ?11, rate_n = ?12, rate_at_ms = ?13, \
+         rate_seen_ms = ?14 WHERE id = ?1 AND phase = ?2"
     };
     let changed = conn.prepare_cached(sql)?.execute(params![
         row,
@@ -773,7 +774,8 @@ pub fn update_operation(
         s.plugin_updated_ms,
         rate.per_second,
         rate.anchor_n,
-        rate.anchor_ms
+        rate.anchor_ms,
+        rate.seen_ms
     ])?;
     Ok(changed > 0)
 }

@@ -170,8 +170,8 @@ pub const MIGRATIONS: &[&str] = &[
     // removed with the owner. `store::events` keeps at most `MAX_PER_OWNER` per owner.
     // `operation_row` names the operation (operations are removed only with their
     // owner, so the row outlives no event). On operations, the smoothed rate and the
-    // sample it was last moved by (`rate_n` units at `rate_at_ms`), so a restart keeps
-    // the rate.
+    // sample it was last moved by (`rate_n` units at `rate_at_ms`, seen by the agent at
+    // `rate_seen_ms`), so a restart keeps the rate.
     "CREATE TABLE events (
         owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
         seq INTEGER NOT NULL,
@@ -185,7 +185,8 @@ pub const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     ALTER TABLE operations ADD COLUMN rate REAL;
     ALTER TABLE operations ADD COLUMN rate_n INTEGER NOT NULL DEFAULT 0;
-    ALTER TABLE operations ADD COLUMN rate_at_ms INTEGER;",
+    ALTER TABLE operations ADD COLUMN rate_at_ms INTEGER;
+    ALTER TABLE operations ADD COLUMN rate_seen_ms INTEGER;",
 ];
 
 /// The schema version this agent writes.
