@@ -540,3 +540,52 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
     let kept = |ops: &[Operation]| ops.iter().map(|o| (o.rate, o.eta)).collect::<Vec<_>>();
     assert_eq!(kept(&after), kept(&before));
 }
+
+#[tokio::test]
+async fn failures_and_timeouts_are_events_with_their_reasons() {
+    let f = Fixture::new(&[]).await;
+    // The backup server fails the backup: one event, by it, saying what was cancelled.
+    f.backup("failed")
+        .operation(operation(PLUGIN, "gate-1", "a", &[]))
+        .start()
+        .await;
+    f.client
+        .backups()
+        .end_in_progress("failed")
+        .failed()
+        .await
+        .expect("endInProgress failed");
+    let events = all_events(&f.client, "failed", 100).await;
+    let last = events.last().expect("events");
+    assert_eq!(
+        (last.reason.as_str(), last.caller, last.message.as_str()),
+        (
+            "Failed",
+            Some(me()),
+            "InProgress → Failed: the backup server ended InProgress with failed: true \
+             (1 unfinished operations failed and cancelled)"
+        )
+    );
+    // An operation past its item operation timeout: a deadline, by the agent.
+    f.backup("late")
+        .item_operation_timeout(Duration::from_millis(1))
+        .operation(operation(PLUGIN, "never-1", "a", &[]))
+        .end_in_progress()
+        .await;
+    let events = all_events(&f.client, "late", 100).await;
+    let deadline: Vec<_> = events
+        .iter()
+        .filter(|e| e.reason == "DeadlineExceeded")
+        .map(|e| {
+            (
+                e.caller,
+                e.message.as_str(),
+                e.operation.as_ref().map(|o| o.operation_id.as_str()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        deadline,
+        [(None, "Asynchronous action timed out", Some("never-1"))]
+    );
+}
