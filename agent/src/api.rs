@@ -14,9 +14,9 @@ use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::server::Outbox;
 use opmon_client::{
-    validate, AddOperationsParams, ApiVersion, CancelParams, EndInProgressParams, FinalizeParams,
-    ListParams, NameParams, OperationsParams, OwnerKind, ServerStartedParams, Snapshotter,
-    StartParams, WaitParams,
+    validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
+    EventsParams, FinalizeParams, ListParams, NameParams, OperationsParams, OwnerKind,
+    ServerStartedParams, Snapshotter, StartParams, WaitParams,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -25,6 +25,7 @@ use time::OffsetDateTime;
 use crate::core::Core;
 use crate::error::Error;
 use crate::storage_dir;
+use crate::store::events;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -279,6 +280,17 @@ fn check_cancel(p: &CancelParams) -> Result<(), Error> {
     Ok(())
 }
 
+fn check_events(p: &EventsParams) -> Result<(), Error> {
+    owner_name(&p.name)?;
+    if p.limit.is_some_and(|l| l == 0 || l > events::MAX_PAGE) {
+        return Err(invalid(
+            "limit",
+            format!("must be between 1 and {}", events::MAX_PAGE),
+        ));
+    }
+    Ok(())
+}
+
 fn check_wait(p: &WaitParams) -> Result<(), Error> {
     owner_name(&p.name)?;
     if p.timeout.is_some_and(|t| t.0 > MAX_WAIT) {
@@ -326,12 +338,28 @@ where
     F: Fn(Arc<Core>, P) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<R, Error>> + Send + 'static,
 {
+    register_called(module, name, move |core, p, _| handler(core, p));
+}
+
+/// [`register`] for a method that changes state: the handler also gets who called (the
+/// connection's peer credentials, which the server puts in the call's extensions), to
+/// be recorded in the owner's history.
+fn register_called<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
+where
+    P: DeserializeOwned + Send + 'static,
+    R: Serialize + Clone + Send + 'static,
+    F: Fn(Arc<Core>, P, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<R, Error>> + Send + 'static,
+{
     module
-        .register_async_method(name, move |params, core, _| {
+        .register_async_method(name, move |params, core, extensions| {
             let handler = handler.clone();
+            let caller = extensions.get::<Caller>().copied();
             async move {
                 let parsed: P = parse(&params)?;
-                handler(core, parsed).await.map_err(ErrorObjectOwned::from)
+                handler(core, parsed, caller)
+                    .await
+                    .map_err(ErrorObjectOwned::from)
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
@@ -340,28 +368,28 @@ where
 /// The owner methods of `kind`, named by [`OwnerMethod::name`].
 fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
     let name = |m: OwnerMethod| m.name(kind);
-    register(
+    register_called(
         module,
         name(OwnerMethod::Start),
-        move |core, p: StartParams| async move {
+        move |core, p: StartParams, caller| async move {
             check_start(kind, &p)?;
-            core.start(kind, p).await
+            core.start(kind, p, caller).await
         },
     );
-    register(
+    register_called(
         module,
         name(OwnerMethod::AddOperations),
-        move |core, mut p: AddOperationsParams| async move {
+        move |core, mut p: AddOperationsParams, caller| async move {
             check_add(&mut p, OffsetDateTime::now_utc())?;
-            core.add_operations(kind, p).await
+            core.add_operations(kind, p, caller).await
         },
     );
-    register(
+    register_called(
         module,
         name(OwnerMethod::EndInProgress),
-        move |core, p: EndInProgressParams| async move {
+        move |core, p: EndInProgressParams, caller| async move {
             owner_name(&p.name)?;
-            core.end_in_progress(kind, p).await
+            core.end_in_progress(kind, p, caller).await
         },
     );
     register(
@@ -406,18 +434,26 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
     );
     register(
         module,
-        name(OwnerMethod::Finalize),
-        move |core, p: FinalizeParams| async move {
-            check_finalize(kind, &p)?;
-            core.finalize(kind, p).await
+        name(OwnerMethod::Events),
+        move |core, p: EventsParams| async move {
+            check_events(&p)?;
+            core.events(kind, p).await
         },
     );
-    register(
+    register_called(
+        module,
+        name(OwnerMethod::Finalize),
+        move |core, p: FinalizeParams, caller| async move {
+            check_finalize(kind, &p)?;
+            core.finalize(kind, p, caller).await
+        },
+    );
+    register_called(
         module,
         name(OwnerMethod::Cancel),
-        move |core, p: CancelParams| async move {
+        move |core, p: CancelParams, caller| async move {
             check_cancel(&p)?;
-            core.cancel(kind, p).await
+            core.cancel(kind, p, caller).await
         },
     );
     register(
@@ -531,10 +567,10 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
         register_owner_methods(&mut module, kind);
         register_subscription(&mut module, kind);
     }
-    register(
+    register_called(
         &mut module,
         methods::SERVER_STARTED,
-        |core, p: ServerStartedParams| async move {
+        |core, p: ServerStartedParams, caller| async move {
             check_server(
                 &opmon_client::ServerRef {
                     name: p.name.clone(),
@@ -542,7 +578,7 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
                 },
                 "",
             )?;
-            core.server_started(p).await
+            core.server_started(p, caller).await
         },
     );
     register(

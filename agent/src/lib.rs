@@ -18,6 +18,7 @@ pub mod gojson;
 pub mod metrics;
 pub mod openrpc;
 pub mod phase;
+pub mod rate;
 pub mod reload;
 pub mod remote;
 pub mod replica;

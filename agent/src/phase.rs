@@ -129,7 +129,7 @@ fn duration(ms: i64) -> GoDuration {
 }
 
 /// `ms` as RFC 3339 to the second, as the reasons show times.
-fn rfc3339_seconds(ms: i64) -> String {
+pub fn rfc3339_seconds(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000))
         .ok()
         .and_then(|t| {

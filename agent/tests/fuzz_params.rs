@@ -35,8 +35,8 @@ use opmon_agent::storage_dir::StorageDir;
 use opmon_agent::store::Store;
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::{
-    AddOperationsResult, AgentStatus, DeleteResult, FinalizeResult, ItemOperation, Operation,
-    Owner, OwnerKind, OwnerList, Snapshotter, WaitParams, WaitResult,
+    AddOperationsResult, AgentStatus, DeleteResult, EventList, FinalizeResult, ItemOperation,
+    Operation, Owner, OwnerKind, OwnerList, Snapshotter, WaitParams, WaitResult,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -62,6 +62,7 @@ const OWNER_METHODS: &[(OwnerMethod, &[&str])] = &[
     (OwnerMethod::Operations, &["name", "phases"]),
     (OwnerMethod::Wait, &["name", "until", "timeout"]),
     (OwnerMethod::ItemOperations, &["name"]),
+    (OwnerMethod::Events, &["name", "after", "limit"]),
     (OwnerMethod::Finalize, &["name", "contents", "updatedItems"]),
     (OwnerMethod::Delete, &["name"]),
     (OwnerMethod::Subscribe, &["name"]),
@@ -860,9 +861,19 @@ impl Harness {
         tables
             .into_iter()
             .map(|t| {
+                // A table without rowid (events) is ordered by its key, its first columns.
+                let without_rowid: bool = self
+                    .db
+                    .query_row(
+                        "SELECT wr FROM pragma_table_list WHERE name = ?1",
+                        [&t],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+                let order = if without_rowid { "1, 2" } else { "rowid" };
                 let mut stmt = self
                     .db
-                    .prepare(&format!("SELECT * FROM \"{t}\" ORDER BY rowid"))
+                    .prepare(&format!("SELECT * FROM \"{t}\" ORDER BY {order}"))
                     .unwrap();
                 let n = stmt.column_count();
                 let rows = stmt
@@ -952,6 +963,7 @@ fn check_result(method: &str, result: &Value) -> Result<(), String> {
         (_, Some(OwnerMethod::Operations)) => is::<Vec<Operation>>(result),
         (_, Some(OwnerMethod::Wait)) => is::<WaitResult>(result),
         (_, Some(OwnerMethod::ItemOperations)) => is::<Vec<ItemOperation>>(result),
+        (_, Some(OwnerMethod::Events)) => is::<EventList>(result),
         (_, Some(OwnerMethod::Finalize)) => is::<FinalizeResult>(result),
         (_, Some(OwnerMethod::Delete)) => is::<DeleteResult>(result),
         (_, Some(OwnerMethod::Unsubscribe)) => is::<bool>(result),

@@ -611,6 +611,11 @@ impl<'a> Owners<'a> {
         self.call(OwnerMethod::List, params).await
     }
 
+    /// `events`: one page of the owner's history, oldest first (`next` continues it).
+    pub async fn events(&self, params: EventsParams) -> Result<EventList, Error> {
+        self.call(OwnerMethod::Events, params).await
+    }
+
     /// `operations`: all of the owner's operations, or those in `phases`.
     pub async fn operations(
         &self,

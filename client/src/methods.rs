@@ -55,6 +55,10 @@ pub const FEATURES: &[&str] = &[
     // Transient snapshotter errors (code 2003, `data.retryable`, exit 75) retried with
     // backoff; `Operation.attempts`, `lastError`, `nextAttemptAt`.
     "retries",
+    // `events`: each owner's history, with the callers of the calls that changed it.
+    "events",
+    // `Operation.rate`/`eta` and `Owner.progress`: smoothed rates and ETAs.
+    "rate",
 ];
 
 /// When the client may send a request again after the connection broke before the
@@ -142,6 +146,8 @@ owner_methods! {
     /// Repeated with the time that is left.
     Wait => "wait", Always;
     ItemOperations => "itemOperations", Always;
+    /// The owner's history, a page at a time.
+    Events => "events", Always;
     /// A finalized owner answers with the first finalize's result.
     Finalize => "finalize", Always;
     /// A repeat could delete an owner re-created under the same name meanwhile.

@@ -300,6 +300,11 @@ mod generate {
                     None,
                     &[IP, NF, SF],
                 ),
+                OwnerMethod::Events => (
+                    format!("A page of the {kind}'s history, oldest first: phase changes, failures and the calls that changed it, with their callers."),
+                    Some("Paged by seq: pass the previous page's next as after. limit: default 100, at most 1000. Each owner keeps its latest 1000 events; they are removed with it."),
+                    &[IP, NF, SF],
+                ),
                 OwnerMethod::Finalize => (
                     format!("Finalizes the {kind}: Finalizing goes to Completed, FinalizingPartiallyFailed to PartiallyFailed."),
                     Some("A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`."),
@@ -369,6 +374,7 @@ mod generate {
             OwnerMethod::ItemOperations => {
                 method::<NameParams, Vec<ItemOperation>>(g, meta, "records", all)
             }
+            OwnerMethod::Events => method::<EventsParams, EventList>(g, meta, "page", all),
             OwnerMethod::Finalize => {
                 method::<FinalizeParams, FinalizeResult>(g, meta, "finalized", all)
             }

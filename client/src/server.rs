@@ -373,6 +373,7 @@ async fn route<S>(
     mut rpc: S,
     shared: Arc<Shared>,
     outbox: Arc<Outbox>,
+    caller: Option<crate::types::Caller>,
 ) -> Result<HttpResponse, BoxError>
 where
     S: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
@@ -385,6 +386,10 @@ where
     let upgrade = jsonrpsee::server::ws::is_upgrade_request(&request);
     let (mut parts, body) = request.into_parts();
     parts.extensions.insert(outbox.clone());
+    // Who is calling, for the handlers that record it (the agent's history).
+    if let Some(caller) = caller {
+        parts.extensions.insert(caller);
+    }
     if upgrade {
         parts.extensions.insert(Transport::WebSocket);
         return rpc
@@ -974,6 +979,11 @@ pub async fn serve<L>(
                 continue;
             }
         };
+        // Read once per connection: what the kernel recorded when the peer connected.
+        let caller = stream.peer_cred().ok().map(|cred| crate::types::Caller {
+            uid: cred.uid(),
+            pid: cred.pid().unwrap_or(0),
+        });
         let outbox = Arc::new(Outbox::new(
             config.max_queued_bytes,
             config.max_calls_per_connection,
@@ -986,7 +996,7 @@ pub async fn serve<L>(
             if jsonrpsee::server::ws::is_upgrade_request(&request) {
                 websocket.store(true, std::sync::atomic::Ordering::Relaxed);
             }
-            route(request, rpc.clone(), shared.clone(), outbox.clone())
+            route(request, rpc.clone(), shared.clone(), outbox.clone(), caller)
         });
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;

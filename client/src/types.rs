@@ -243,7 +243,7 @@ pub struct OperationProgress {
 }
 
 /// One operation as the agent keeps it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Operation {
@@ -289,6 +289,54 @@ pub struct Operation {
     #[serde(default, with = "time::serde::rfc3339::option")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub next_attempt_at: Option<Timestamp>,
+    /// `operationUnits` per second, smoothed over the progress samples the agent has
+    /// seen (an exponentially weighted moving average with a half-life of 20 s,
+    /// `RATE_HALF_LIFE_SECONDS`); null until two samples apart in time have been seen
+    /// (and again after `nCompleted` went backwards). Absent from agents before the
+    /// feature `rate`.
+    #[serde(default)]
+    pub rate: Option<f64>,
+    /// When the operation should finish at `rate`, counted on the agent's clock from
+    /// when it saw the last sample that moved `nCompleted`; null when unknown: finished,
+    /// no `nTotal`, no rate or a zero one.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
+    pub eta: Option<Timestamp>,
+}
+
+/// The half-life of an operation's smoothed `rate`, in seconds: a sample this old
+/// weighs half as much as one just taken.
+pub const RATE_HALF_LIFE_SECONDS: f64 = 20.0;
+
+/// An owner's progress in one unit: the sum over its unfinished operations that report
+/// `operationUnits` equal to `units`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct UnitsProgress {
+    /// The operations' `operationUnits` (`""` for those that report none).
+    pub units: String,
+    /// How many unfinished operations report these units.
+    pub operations: u64,
+    pub n_completed: i64,
+    pub n_total: i64,
+    /// The sum of their rates (operations without a rate count as none); null when none
+    /// of them has a rate.
+    pub rate: Option<f64>,
+}
+
+/// An owner's aggregate progress: rates are summed per unit (bytes and items do not
+/// add up), and the owner's ETA is the latest of its unfinished operations' ETAs, null
+/// when any of them has none.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerProgress {
+    /// One entry per distinct `operationUnits` of the unfinished operations, by units.
+    pub units: Vec<UnitsProgress>,
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
+    pub eta: Option<Timestamp>,
 }
 
 /// Which backup server started an owner, and which run of it: `name` says which server
@@ -304,7 +352,7 @@ pub struct ServerRef {
 }
 
 /// A backup or restore as the agent keeps it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Owner {
@@ -348,6 +396,12 @@ pub struct Owner {
     #[serde(with = "time::serde::rfc3339::option")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
     pub completed: Option<Timestamp>,
+    /// The aggregate rate and ETA of its unfinished operations. Given by `get`, `wait`,
+    /// `start`, `endInProgress` and subscription notifications; absent in `list` pages
+    /// (which would pay a scan of every owner's operations) and from agents before the
+    /// feature `rate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<OwnerProgress>,
 }
 
 /// `agent.status` result.
@@ -517,7 +571,7 @@ pub struct ListParams {
 }
 
 /// `*.list` result; `next` is set when more owners follow.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OwnerList {
@@ -567,7 +621,7 @@ pub struct WaitParams {
 }
 
 /// `*.wait` result: the owner as it was when the wait ended.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WaitResult {
@@ -578,7 +632,7 @@ pub struct WaitResult {
 /// One notification of `*.subscribe`: the owner as it is now and the operations that
 /// changed since the previous notification. The first notification, and any after the
 /// subscriber fell behind (`lagged`), carries every operation instead.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct OwnerUpdate {
@@ -588,6 +642,108 @@ pub struct OwnerUpdate {
     /// holds all of them so nothing is missed.
     #[serde(default)]
     pub lagged: bool,
+}
+
+wire_enum! {
+    /// Why an event was recorded. [`Event::reason`] is a string so that a client reads
+    /// the events of a newer agent with reasons it does not know; these are the ones
+    /// this version records.
+    EventReason {
+        /// `start` created the owner.
+        Started,
+        /// `addOperations` added operations (the message says how many).
+        OperationsAdded,
+        /// `endInProgress` was called (the message has its errors, warnings, failed).
+        EndInProgress,
+        /// `finalize` was called and moved the owner on.
+        Finalized,
+        /// The owner changed phase (`from → to`).
+        PhaseChanged,
+        /// The owner failed (the message is its failure reason).
+        Failed,
+        /// An operation changed phase (`from → to`).
+        OperationPhaseChanged,
+        /// An operation failed (the message is its error).
+        OperationFailed,
+        /// Cancel was asked for (an owner or chosen operations).
+        CancelRequested,
+        /// An operation is retried after a transient error.
+        Retrying,
+        /// A deadline (timeout, stall, start) passed.
+        DeadlineExceeded,
+        /// An operation's snapshotter answered again after transient errors.
+        Recovered,
+        /// Cancel calls asked for by `*.cancel` are over (the message says how many
+        /// the snapshotters confirmed).
+        CancelSent,
+    }
+}
+
+/// Who made a call: the peer's credentials (`SO_PEERCRED`) when it connected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Caller {
+    pub uid: u32,
+    /// The process that opened the connection (it may have ended since, or handed the
+    /// connection on).
+    pub pid: i32,
+}
+
+/// The operation an event is about.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct EventOperation {
+    pub plugin: PluginRef,
+    pub resource: ResourceIdentifier,
+    pub operation_id: String,
+}
+
+/// One entry of an owner's history.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Event {
+    /// The event's number in its owner's history (1, 2, …; kept when older events are
+    /// dropped): the cursor `events {after}` takes.
+    pub seq: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(feature = "schema", schemars(with = "crate::openrpc::Rfc3339"))]
+    pub time: Timestamp,
+    /// One of the reasons the reference lists (`Started`, `PhaseChanged`, …); a newer
+    /// agent may record others.
+    pub reason: String,
+    /// The operation it is about; null for the owner's own events.
+    pub operation: Option<EventOperation>,
+    /// Who called, for events of a call; null for what the agent did by itself
+    /// (polls, timeouts, expiry).
+    pub caller: Option<Caller>,
+    pub message: String,
+}
+
+/// `*.events` params: the owner, and paging by `seq`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EventsParams {
+    pub name: String,
+    /// Return events after this `seq` (the previous page's `next`); from the oldest kept
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<u64>,
+    /// Page size; default 100, at most 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// `*.events` result, oldest first; `next` is set when more events follow.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct EventList {
+    pub items: Vec<Event>,
+    pub next: Option<u64>,
 }
 
 /// `*.delete` result: how many unfinished operations were cancelled.
@@ -670,7 +826,7 @@ pub struct CancelParams {
 }
 
 /// `*.cancel` result.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CancelResult {
@@ -730,7 +886,7 @@ fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
 }
 
 /// `*.finalize` result. A repeated `finalize` returns the first one's result again.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FinalizeResult {

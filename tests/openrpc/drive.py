@@ -391,6 +391,14 @@ def drive(args):
     records = agent.call("backup.itemOperations", {"name": "b1"})
     expect(sorted(r["status"]["phase"] for r in records) == ["Completed", "Completed"],
            "both item operations Completed")
+    history = agent.call("backup.events", {"name": "b1", "limit": 2})
+    expect(len(history["items"]) == 2 and history["next"] == 2, "a first page of 2 events")
+    rest = agent.call("backup.events", {"name": "b1", "after": history["next"]})
+    expect(rest["next"] is None and rest["items"][-1]["message"].startswith("Finalizing → Completed"),
+           f"the history ends with the finalize ({rest['items'][-1]})")
+    expect(history["items"][0]["caller"]["pid"] == os.getpid(),
+           "the history names this process as the caller of start")
+    agent.error("backup.events", {"name": "b1", "limit": 0}, -32602)
 
     # The subscription's notifications up to the terminal phase.
     phases = []
@@ -422,6 +430,7 @@ def drive(args):
            == "PartiallyFailed", "finalize errors make the restore PartiallyFailed")
     agent.call("restore.list", {})
     agent.call("restore.get", {"name": "r1"})
+    agent.call("restore.events", {"name": "r1", "after": 1, "limit": 1000})
     agent.error("restore.finalize", {"name": "r1", "contents": {"input": "a", "output": "b"}},
                 -32602)
 

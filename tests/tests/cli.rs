@@ -393,11 +393,15 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
         text.contains("\n  Operation for pods app/b:\n    Backup Item Action Plugin:  example.io/copier\n    Operation ID:               done-b\n"),
         "{text}"
     );
-    // Without --details: Velero's summary line.
+    // Without --details: Velero's summary line, then the events.
     let summary = opmon(&f, &["backup", "describe", "lines"]);
-    assert!(String::from_utf8_lossy(&summary.stdout).ends_with(
-        "\nBackup Item Operations:  2 of 2 completed successfully, 0 failed (specify --details for more information)\n"
-    ));
+    let summary = String::from_utf8_lossy(&summary.stdout);
+    assert!(
+        summary.contains(
+            "\nBackup Item Operations:  2 of 2 completed successfully, 0 failed (specify --details for more information)\n\nEvents:\n"
+        ),
+        "{summary}"
+    );
 }
 
 /// Runs `opmon` with `args` in `cwd`, its standard output a pipe whose read end is

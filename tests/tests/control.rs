@@ -61,6 +61,58 @@ fn count(journal: &[String], line: &str) -> usize {
     journal.iter().filter(|l| *l == line).count()
 }
 
+/// The owner `name`'s events after its first `skip` as `(reason, operation ID, caller
+/// given, message)`.
+async fn history(f: &Fixture, name: &str) -> Vec<(String, Option<String>, bool, String)> {
+    let page = f
+        .client
+        .backups()
+        .events(opmon_client::EventsParams {
+            name: name.into(),
+            after: None,
+            limit: Some(1000),
+        })
+        .await
+        .unwrap();
+    page.items
+        .into_iter()
+        .map(|e| {
+            (
+                e.reason,
+                e.operation.map(|o| o.operation_id),
+                e.caller.is_some(),
+                e.message,
+            )
+        })
+        .collect()
+}
+
+/// The events of `history` from the first with reason `from` on.
+fn from_reason(
+    events: Vec<(String, Option<String>, bool, String)>,
+    from: &str,
+) -> Vec<(String, Option<String>, bool, String)> {
+    let at = events
+        .iter()
+        .position(|e| e.0 == from)
+        .unwrap_or_else(|| panic!("no {from} event in {events:#?}"));
+    events[at..].to_vec()
+}
+
+fn ev(
+    reason: &str,
+    op: Option<&str>,
+    called: bool,
+    message: &str,
+) -> (String, Option<String>, bool, String) {
+    (
+        reason.into(),
+        op.map(str::to_string),
+        called,
+        message.into(),
+    )
+}
+
 #[tokio::test]
 async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_reason() {
     let f = Fixture::new(&[]).await;
@@ -117,6 +169,45 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
     assert!(
         ops.iter().all(|o| !o.cancel_requested),
         "the calls are over"
+    );
+
+    // The history: the request with its caller, each operation it canceled, the owner's
+    // failure, and the Cancel calls being over.
+    let reason = "canceled: the operator stopped it";
+    assert_eq!(
+        from_reason(history(&f, "b").await, "CancelRequested"),
+        [
+            ev(
+                "CancelRequested",
+                None,
+                true,
+                "cancel of the whole backup asked for: the operator stopped it"
+            ),
+            ev(
+                "OperationPhaseChanged",
+                Some("gate-1"),
+                true,
+                &format!("InProgress → Canceled: {reason}")
+            ),
+            ev(
+                "OperationPhaseChanged",
+                Some("never-2"),
+                true,
+                &format!("InProgress → Canceled: {reason}")
+            ),
+            ev(
+                "Failed",
+                None,
+                true,
+                &format!("WaitingForPluginOperations → Failed: {reason}")
+            ),
+            ev(
+                "CancelSent",
+                None,
+                false,
+                "Cancel sent for 2 operations: 2 confirmed by their snapshotters, 0 not"
+            ),
+        ]
     );
 
     // Velero's file has no Canceled: it says Failed, with the reason in the error.
@@ -427,6 +518,19 @@ async fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed
     let ops = f.client.backups().operations("b", None).await.unwrap();
     assert_eq!(ops[0].error, "not started after 600ms: still New");
     assert_eq!(ops[1].phase, OperationPhase::Completed);
+    let deadline = history(&f, "b")
+        .await
+        .into_iter()
+        .find(|e| e.0 == "DeadlineExceeded");
+    assert_eq!(
+        deadline,
+        Some(ev(
+            "DeadlineExceeded",
+            Some(&ops[0].operation_id),
+            false,
+            "not started after 600ms: still New"
+        ))
+    );
 }
 
 #[tokio::test]
@@ -485,6 +589,46 @@ async fn transient_errors_are_retried_with_backoff_until_the_snapshotter_answers
     );
     assert_eq!(op.next_attempt_at, None);
     assert_eq!(count(&f.journal(), "progress flaky-1 b"), 3);
+    // Each retry and the recovery are events of the agent (no caller).
+    let events: Vec<_> = history(&f, "b")
+        .await
+        .into_iter()
+        .filter(|e| ["Retrying", "Recovered"].contains(&e.0.as_str()))
+        .map(|e| {
+            (
+                e.0,
+                e.1,
+                e.2,
+                e.3.split("; next attempt at")
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ev(
+                "Retrying",
+                Some("flaky-1"),
+                false,
+                "attempt 1 failed transiently: snapshotter example.io/copier: backend busy (call 1)"
+            ),
+            ev(
+                "Retrying",
+                Some("flaky-1"),
+                false,
+                "attempt 2 failed transiently: snapshotter example.io/copier: backend busy (call 2)"
+            ),
+            ev(
+                "Recovered",
+                Some("flaky-1"),
+                false,
+                "answered again after 2 transient errors"
+            ),
+        ]
+    );
 }
 
 #[tokio::test]
@@ -511,6 +655,19 @@ async fn transient_errors_fail_the_operation_with_the_last_one_once_the_budget_i
     );
     assert_eq!((op.attempts, op.next_attempt_at), (2, None));
     assert_eq!(count(&f.journal(), "progress flakier-1 b"), 3);
+    let spent = history(&f, "b")
+        .await
+        .into_iter()
+        .find(|e| e.0 == "OperationFailed");
+    assert_eq!(
+        spent,
+        Some(ev(
+            "OperationFailed",
+            Some("flakier-1"),
+            false,
+            "retries spent after 2 attempts: snapshotter example.io/copier: backend busy (call 3)"
+        ))
+    );
 }
 
 #[tokio::test]

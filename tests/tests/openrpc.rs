@@ -182,7 +182,9 @@ async fn status_reports_api_version_and_features_and_an_older_status_still_parse
             "openrpc",
             "cancel",
             "deadlines",
-            "retries"
+            "retries",
+            "events",
+            "rate"
         ]
     );
     let older: opmon_client::AgentStatus = serde_json::from_str(

@@ -171,6 +171,14 @@ fn the_limits_are_the_codes_constants() {
             format!("{}", api::MAX_CANCEL_OPERATIONS),
         ),
         (
+            "events per owner",
+            format!("{} events", opmon_agent::store::events::MAX_PER_OWNER),
+        ),
+        (
+            "events page",
+            format!("{} events", opmon_agent::store::events::MAX_PAGE),
+        ),
+        (
             "wait timeout",
             format!("{} seconds", api::MAX_WAIT.as_secs()),
         ),

@@ -13,16 +13,18 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use opmon_client::{
-    CancelParams, CancelResult, OperationSelector, OwnerKind, OwnerPhase, ResourceIdentifier,
+    Caller, CancelParams, CancelResult, EventReason, OperationSelector, OwnerKind, OwnerPhase,
+    ResourceIdentifier,
 };
 use rusqlite::Connection;
 
-use super::poll::{settle_owner, Settle};
+use super::poll::{record_owner_phase, settle_owner, Settle};
 use super::{require, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
+use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, OperationKey, OwnerRow, PollTarget, Targets};
 
 /// Up to this many operations named by one cancel are looked up one by one.
@@ -128,6 +130,7 @@ impl Core {
         self: &Arc<Self>,
         kind: OwnerKind,
         p: CancelParams,
+        caller: Option<Caller>,
     ) -> Result<CancelResult, Error> {
         let reason = p
             .reason
@@ -137,6 +140,7 @@ impl Core {
         let now = UnixMs::now();
         let name = p.name.clone();
         let whole = p.operations.is_none();
+        let asked = reason.clone();
         let (owner_id, targets, canceled) = self
             .store
             .write(move |conn| {
@@ -161,11 +165,42 @@ impl Core {
                     .into_iter()
                     .filter(|t| set.contains(&t.row))
                     .collect();
+                // The request, then what it changed, each an event of the owner.
+                let what = if p.operations.is_none() {
+                    format!("the whole {kind}")
+                } else {
+                    format!("{} of its operations", canceled.len())
+                };
+                let message = format!("cancel of {what} asked for: {asked}");
+                let event = |reason, operation, message: &str| {
+                    events::record(
+                        conn,
+                        row.id,
+                        &NewEvent {
+                            reason,
+                            operation,
+                            caller,
+                            message,
+                        },
+                        now,
+                    )
+                };
+                event(EventReason::CancelRequested, None, &message)?;
+                for t in &targets {
+                    let message = format!(
+                        "{} → {}: {error}",
+                        t.state.phase,
+                        opmon_client::OperationPhase::Canceled
+                    );
+                    event(EventReason::OperationPhaseChanged, Some(t.row), &message)?;
+                }
                 if p.operations.is_none() {
+                    let was = row.owner.phase;
                     row.owner.phase = OwnerPhase::Failed;
                     row.owner.failure_reason = error.clone();
                     queries::update_owner(conn, &row, now)?;
                     queries::mark_records_due(conn, row.id)?;
+                    record_owner_phase(conn, &row, was, caller, now)?;
                 } else if row.owner.phase.is_waiting() {
                     // Canceled operations count as failed ones: the owner moves on as
                     // after a poll that failed them.
@@ -192,9 +227,26 @@ impl Core {
             .store
             .write(move |conn| {
                 queries::clear_cancel_requested(conn, &rows)?;
-                queries::owner_by_id(conn, owner_id)?
-                    .map(|row| row.owner)
-                    .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))
+                let row = queries::owner_by_id(conn, owner_id)?
+                    .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
+                let message = format!(
+                    "Cancel sent for {} operations: {} confirmed by their snapshotters, \
+                     {unconfirmed} not",
+                    rows.len(),
+                    rows.len() as u64 - unconfirmed
+                );
+                events::record(
+                    conn,
+                    owner_id,
+                    &NewEvent {
+                        reason: EventReason::CancelSent,
+                        operation: None,
+                        caller: None,
+                        message: &message,
+                    },
+                    now,
+                )?;
+                Ok(row.owner)
             })
             .await;
         let owner = match owner {

@@ -179,6 +179,7 @@ impl Core {
         &self,
         kind: OwnerKind,
         p: FinalizeParams,
+        caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
         let _turn = self.finalizer.turn(kind, &p.name).await;
         let name = p.name.clone();
@@ -274,11 +275,13 @@ impl Core {
                         phase: current.owner.phase,
                     })
                 })?;
+                let was = current.owner.phase;
                 current.owner.phase = next;
                 current.owner.errors = current.owner.errors.saturating_add(errors);
                 current.owner.warnings = current.owner.warnings.saturating_add(warnings);
                 queries::update_owner(conn, &current, now)?;
                 queries::set_finalize_result(conn, current.id, &text)?;
+                super::poll::record_owner_phase(conn, &current, was, caller, now)?;
                 Ok::<_, Error>(queries::owner_by_id(conn, current.id)?.map(|r| r.owner))
             })
             .await?

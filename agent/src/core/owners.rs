@@ -6,19 +6,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opmon_client::{
-    AddOperationsParams, AddOperationsResult, DeleteResult, EndInProgressParams, ItemOperation,
-    ListParams, Operation, OperationsParams, Owner, OwnerKind, OwnerList, OwnerPhase, StartParams,
-    WaitParams, WaitResult,
+    AddOperationsParams, AddOperationsResult, Caller, DeleteResult, EndInProgressParams, EventList,
+    EventReason, EventsParams, ItemOperation, ListParams, Operation, OperationsParams, Owner,
+    OwnerKind, OwnerList, OwnerPhase, StartParams, WaitParams, WaitResult,
 };
 use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
 
-use super::poll::{apply_changes, settle_owner, Settle};
+use super::poll::{apply_changes, record_owner_phase, settle_owner, Settle};
 use super::{require, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::phase;
+use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
 
 /// Default `wait` timeout, as ARCHITECTURE.md gives it.
@@ -47,28 +48,48 @@ pub(super) fn fail_owner(
     conn: &Connection,
     row: &mut OwnerRow,
     reason: &str,
+    caller: Option<Caller>,
     now: UnixMs,
 ) -> Result<Vec<PollTarget>, Error> {
     let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
-    queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
+    let cancelled =
+        queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
+    let was = row.owner.phase;
     row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, row.owner.errors, 0);
     row.owner.failure_reason = reason.to_string();
     queries::update_owner(conn, row, now)?;
     queries::mark_records_due(conn, row.id)?;
+    let mut recorded = row.clone();
+    if cancelled > 0 {
+        recorded.owner.failure_reason =
+            format!("{reason} ({cancelled} unfinished operations failed and cancelled)");
+    }
+    record_owner_phase(conn, &recorded, was, caller, now)?;
     Ok(targets)
 }
 
-/// Reloads an owner after a change, with fresh counts.
+/// Reloads an owner after a change, with fresh counts and its aggregate progress.
 fn reload(conn: &Connection, id: i64) -> Result<Owner, Error> {
-    queries::owner_by_id(conn, id)?
-        .map(|row| row.owner)
-        .ok_or(Error::NotFound(NotFound::Vanished(id)))
+    let row = queries::owner_by_id(conn, id)?.ok_or(Error::NotFound(NotFound::Vanished(id)))?;
+    with_progress(conn, row)
+}
+
+/// The owner of `row` with its aggregate progress, as single-owner answers give it.
+pub(super) fn with_progress(conn: &Connection, row: OwnerRow) -> Result<Owner, Error> {
+    let mut owner = row.owner;
+    owner.progress = Some(queries::owner_progress(conn, row.id)?);
+    Ok(owner)
 }
 
 impl Core {
     /// `start`: creates the owner in InProgress. The same name and uid again returns the
     /// existing owner, so a backup server may retry safely.
-    pub async fn start(&self, kind: OwnerKind, p: StartParams) -> Result<Owner, Error> {
+    pub async fn start(
+        &self,
+        kind: OwnerKind,
+        p: StartParams,
+        caller: Option<Caller>,
+    ) -> Result<Owner, Error> {
         let timeout = p
             .item_operation_timeout
             .unwrap_or(self.settings.default_item_operation_timeout);
@@ -87,7 +108,7 @@ impl Core {
                         // A repeated start is a call about the owner (a heartbeat for
                         // the idle timeout); nothing else changes.
                         queries::touch_owner(conn, row.id, now)?;
-                        Ok(row.owner)
+                        with_progress(conn, row)
                     } else {
                         Err(Error::AlreadyExists {
                             kind,
@@ -108,6 +129,23 @@ impl Core {
                     start_timeout: p.start_timeout,
                 };
                 let id = queries::insert_owner(conn, &new, now)?;
+                let mut message = format!(
+                    "started in {} (itemOperationTimeout {timeout}, finalize {finalize})",
+                    OwnerPhase::InProgress
+                );
+                if let Some(server) = &p.server {
+                    message.push_str(&format!(
+                        " by server {} instance {}",
+                        server.name, server.instance
+                    ));
+                }
+                let event = NewEvent {
+                    reason: EventReason::Started,
+                    operation: None,
+                    caller,
+                    message: &message,
+                };
+                events::record(conn, id, &event, now)?;
                 reload(conn, id)
             })
             .await?;
@@ -121,6 +159,7 @@ impl Core {
         &self,
         kind: OwnerKind,
         p: AddOperationsParams,
+        caller: Option<Caller>,
     ) -> Result<AddOperationsResult, Error> {
         let now = UnixMs::now();
         let name = p.name.clone();
@@ -131,12 +170,24 @@ impl Core {
                 let row = require(conn, kind, &p.name)?;
                 require_in_progress(&row, "addOperations")?;
                 queries::touch_owner(conn, row.id, now)?;
-                Ok::<_, Error>(queries::insert_operations(
-                    conn,
-                    row.id,
-                    &p.operations,
-                    now,
-                )?)
+                let added = queries::insert_operations(conn, row.id, &p.operations, now)?;
+                // A repeat that adds nothing changes nothing worth a line of history.
+                if !added.is_empty() {
+                    let message = format!(
+                        "{} operations added ({} already known); {} in all",
+                        added.len(),
+                        p.operations.len() - added.len(),
+                        row.owner.operations_attempted + added.len() as u64
+                    );
+                    let event = NewEvent {
+                        reason: EventReason::OperationsAdded,
+                        operation: None,
+                        caller,
+                        message: &message,
+                    };
+                    events::record(conn, row.id, &event, now)?;
+                }
+                Ok::<_, Error>(added)
             })
             .await?;
         let count = added.len() as u64;
@@ -155,9 +206,10 @@ impl Core {
         self: &Arc<Self>,
         kind: OwnerKind,
         p: EndInProgressParams,
+        caller: Option<Caller>,
     ) -> Result<Owner, Error> {
         if p.failed {
-            return self.fail(kind, p).await;
+            return self.fail(kind, p, caller).await;
         }
         let name = p.name.clone();
         let (row, targets) = self
@@ -183,13 +235,14 @@ impl Core {
                     }));
                 }
                 require_in_progress(&current, "endInProgress")?;
-                let newly_failed = apply_changes(conn, &changes)?
+                let newly_failed = apply_changes(conn, &changes, now)?
                     .get(&current.id)
                     .copied()
                     .unwrap_or(0);
                 let how = Settle::EndInProgress {
                     errors: p.errors,
                     warnings: p.warnings,
+                    caller,
                 };
                 settle_owner(conn, current.id, newly_failed, how, now)?;
                 reload(conn, current.id)
@@ -204,7 +257,12 @@ impl Core {
 
     /// `endInProgress {failed: true}`: Failed at once, then Cancel on every unfinished
     /// operation (which the agent stops monitoring).
-    async fn fail(&self, kind: OwnerKind, p: EndInProgressParams) -> Result<Owner, Error> {
+    async fn fail(
+        &self,
+        kind: OwnerKind,
+        p: EndInProgressParams,
+        caller: Option<Caller>,
+    ) -> Result<Owner, Error> {
         let now = UnixMs::now();
         let (owner, targets) = self
             .store
@@ -213,7 +271,7 @@ impl Core {
                 require_in_progress(&row, "endInProgress")?;
                 row.owner.errors = p.errors;
                 row.owner.warnings = p.warnings;
-                let targets = fail_owner(conn, &mut row, phase::FAILED_BY_SERVER, now)?;
+                let targets = fail_owner(conn, &mut row, phase::FAILED_BY_SERVER, caller, now)?;
                 Ok::<_, Error>((reload(conn, row.id)?, targets))
             })
             .await?;
@@ -242,11 +300,31 @@ impl Core {
         }
     }
 
-    /// `get`.
+    /// `get`: the owner with its aggregate progress.
     pub async fn get(&self, kind: OwnerKind, name: String) -> Result<Owner, Error> {
         self.store
-            .read(move |conn| require(conn, kind, &name).map(|row| row.owner))
+            .read(move |conn| with_progress(conn, require(conn, kind, &name)?))
             .await
+    }
+
+    /// `events`: a page of the owner's history, oldest first.
+    pub async fn events(&self, kind: OwnerKind, p: EventsParams) -> Result<EventList, Error> {
+        let limit = p.limit.unwrap_or(events::DEFAULT_PAGE);
+        let mut items = self
+            .store
+            .read(move |conn| {
+                let row = require(conn, kind, &p.name)?;
+                Ok::<_, Error>(events::page(conn, row.id, p.after.unwrap_or(0), limit + 1)?)
+            })
+            .await?;
+        let more = items.len() > limit as usize;
+        items.truncate(limit as usize);
+        let next = if more {
+            items.last().map(|e| e.seq)
+        } else {
+            None
+        };
+        Ok(EventList { items, next })
     }
 
     /// `list`: a page of owners by name, `next` set when more follow.

@@ -13,9 +13,10 @@
 //! agrees with its operations.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write;
 use std::sync::{Arc, Mutex};
 
-use opmon_client::{OperationPhase, OperationRef, OwnerRef};
+use opmon_client::{EventReason, OperationPhase, OperationRef, OwnerRef};
 use rusqlite::Connection;
 
 use super::Core;
@@ -24,7 +25,9 @@ use crate::clock::UnixMs;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::phase::{self, Observation, OperationState};
+use crate::rate::Rate;
 use crate::remote::{CallError, CallSettings, Registry, Remote};
+use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, OwnerRow, PollTarget, Targets};
 use crate::sync::lock;
 use std::time::Duration;
@@ -44,6 +47,8 @@ pub(super) struct OperationChange {
     pub next: OperationState,
     /// Which limit decided it, if one did (a deadline, a retry): what its event says.
     pub why: Option<phase::Why>,
+    /// Its rate after this poll's sample (unchanged unless `nCompleted` moved).
+    pub rate: Rate,
 }
 
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
@@ -88,17 +93,23 @@ fn by_plugin(targets: Vec<PollTarget>) -> BTreeMap<String, Vec<PollTarget>> {
 pub(super) fn apply_changes(
     conn: &Connection,
     changes: &[OperationChange],
+    now: UnixMs,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
-        if queries::update_operation(conn, c.target.row, &c.next, phase_changed)? {
+        if queries::update_operation(conn, c.target.row, &c.next, &c.rate, phase_changed)? {
             if let Some(why) = c.why {
                 log_limit(c, why);
             }
             let failed = touched.entry(c.target.owner_row).or_default();
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;
+            }
+            // Progress alone is no event: a phase change is, and so is what a limit
+            // decided (a deadline, a retry scheduled or spent, a recovery).
+            if phase_changed || c.why.is_some() {
+                record_operation_change(conn, c, now)?;
             }
         }
     }
@@ -130,12 +141,92 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
     }
 }
 
+/// The events of a polled operation's change: what a limit decided (a deadline passed,
+/// a retry scheduled or spent, a recovery), and the phase change unless the limit's
+/// event already says it (a failure).
+fn record_operation_change(
+    conn: &Connection,
+    c: &OperationChange,
+    now: UnixMs,
+) -> rusqlite::Result<()> {
+    use phase::Why;
+    let next = &c.next;
+    let record = |reason: EventReason, message: &str| {
+        events::record(
+            conn,
+            c.target.owner_row,
+            &NewEvent {
+                reason,
+                operation: Some(c.target.row),
+                caller: None,
+                message,
+            },
+            now,
+        )
+    };
+    let failed = next.phase == OperationPhase::Failed;
+    match c.why {
+        Some(Why::TimedOut | Why::Stalled | Why::NotStarted) => {
+            return record(EventReason::DeadlineExceeded, &next.error);
+        }
+        Some(Why::Unreachable) => return record(EventReason::OperationFailed, &next.error),
+        Some(Why::RetriesSpent) => {
+            let message = format!(
+                "retries spent after {} attempts: {}",
+                next.attempts, next.error
+            );
+            return record(EventReason::OperationFailed, &message);
+        }
+        Some(Why::RetryScheduled) => {
+            let at = next
+                .next_attempt_ms
+                .map(phase::rfc3339_seconds)
+                .unwrap_or_default();
+            let message = format!(
+                "attempt {} failed transiently: {}; next attempt at {at}",
+                next.attempts, next.last_error
+            );
+            record(EventReason::Retrying, &message)?;
+        }
+        Some(Why::Recovered) => {
+            let message = format!("answered again after {} transient errors", next.attempts);
+            record(EventReason::Recovered, &message)?;
+        }
+        None => {}
+    }
+    if next.phase == c.target.state.phase {
+        return Ok(());
+    }
+    if failed {
+        let reason = if next.error == phase::TIMED_OUT {
+            EventReason::DeadlineExceeded
+        } else {
+            EventReason::OperationFailed
+        };
+        return record(reason, &next.error);
+    }
+    let mut message = format!("{} → {}", c.target.state.phase, next.phase);
+    if next.n_total > 0 {
+        let _ = write!(
+            message,
+            " at {} of {} {}",
+            next.n_completed, next.n_total, next.operation_units
+        );
+    }
+    record(EventReason::OperationPhaseChanged, &message)
+}
+
 /// Why an owner is settled.
 pub(super) enum Settle {
     /// A poll changed some of a waiting owner's operations.
     Poll,
-    /// `endInProgress {failed: false}`, with the server's counts, after its poll.
-    EndInProgress { errors: u32, warnings: u32 },
+    /// `endInProgress {failed: false}`, with the server's counts, after its poll, by
+    /// `caller`.
+    EndInProgress {
+        errors: u32,
+        warnings: u32,
+        caller: Option<opmon_client::Caller>,
+    },
 }
 
 /// Moves an owner on after its operations' changes were applied in this transaction
@@ -155,8 +246,10 @@ pub(super) fn settle_owner(
     let Some(mut row) = queries::owner_by_id(conn, owner_row)? else {
         return Ok(None); // deleted meanwhile
     };
+    let was = row.owner.phase;
     let unfinished = row.unfinished();
     let o = &mut row.owner;
+    let mut by = None;
     let due = match how {
         Settle::Poll => {
             if !o.phase.is_waiting() {
@@ -166,7 +259,11 @@ pub(super) fn settle_owner(
             o.phase = phase::after_poll(o.phase, o.finalize, o.errors, unfinished);
             newly_failed > 0 || !o.phase.is_waiting()
         }
-        Settle::EndInProgress { errors, warnings } => {
+        Settle::EndInProgress {
+            errors,
+            warnings,
+            caller,
+        } => {
             if o.phase != opmon_client::OwnerPhase::InProgress {
                 return Ok(None);
             }
@@ -174,6 +271,7 @@ pub(super) fn settle_owner(
             // this poll count as errors like those it failed.
             let failed_before = o.operations_failed.saturating_sub(u64::from(newly_failed));
             let failed_before = u32::try_from(failed_before).unwrap_or(u32::MAX);
+            by = caller;
             o.errors = errors
                 .saturating_add(newly_failed)
                 .saturating_add(failed_before);
@@ -189,7 +287,51 @@ pub(super) fn settle_owner(
     if due {
         queries::mark_records_due(conn, row.id)?;
     }
+    if row.owner.phase != was {
+        record_owner_phase(conn, &row, was, by, now)?;
+    }
     Ok(Some((row, due)))
+}
+
+/// The event of an owner's phase change from `was` (by `caller`'s call, or by the
+/// agent itself): its failure with the reason, or the change with the counts.
+pub(super) fn record_owner_phase(
+    conn: &Connection,
+    row: &OwnerRow,
+    was: opmon_client::OwnerPhase,
+    caller: Option<opmon_client::Caller>,
+    now: UnixMs,
+) -> rusqlite::Result<()> {
+    let o = &row.owner;
+    let (reason, message) = if o.phase == opmon_client::OwnerPhase::Failed {
+        (
+            EventReason::Failed,
+            format!("{was} → {}: {}", o.phase, o.failure_reason),
+        )
+    } else {
+        (
+            EventReason::PhaseChanged,
+            format!(
+                "{was} → {}: {} of {} operations completed, {} failed, {} errors",
+                o.phase,
+                o.operations_completed,
+                o.operations_attempted,
+                o.operations_failed,
+                o.errors
+            ),
+        )
+    };
+    events::record(
+        conn,
+        row.id,
+        &NewEvent {
+            reason,
+            operation: None,
+            caller,
+            message: &message,
+        },
+        now,
+    )
 }
 
 /// What polling remembers between passes, and the calls it makes.
@@ -321,6 +463,10 @@ impl Poller {
         let mut changes = Vec::new();
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
+            let reported = match &observation {
+                Observation::Progress(p) => p.updated,
+                _ => None,
+            };
             // The owner's own deadlines win over the snapshotter's.
             let limits = phase::Limits {
                 timeout_ms: target.timeout_ms,
@@ -332,10 +478,21 @@ impl Poller {
                 if d.cancel {
                     to_cancel.push(target.clone());
                 }
+                // Only a sample that moved `nCompleted` moves the rate (the first one
+                // anchors it).
+                let rate = if d.next.n_completed != target.state.n_completed
+                    || target.rate.anchor_ms.is_none()
+                {
+                    let at = crate::rate::sample_time(reported, now.ms());
+                    target.rate.sample(d.next.n_completed, at, now.ms())
+                } else {
+                    target.rate
+                };
                 changes.push(OperationChange {
                     target,
                     next: d.next,
                     why: d.why,
+                    rate,
                 });
             }
         }
@@ -473,7 +630,7 @@ impl Core {
         let now = UnixMs::now();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
-            for (owner_row, failed) in apply_changes(conn, &changes)? {
+            for (owner_row, failed) in apply_changes(conn, &changes, now)? {
                 if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
                 {
                     due.push((row.owner.kind, row.owner.name));
@@ -594,6 +751,7 @@ mod tests {
             },
             operation_id: "op".into(),
             state: OperationState::default(),
+            rate: Rate::default(),
         }
     }
 

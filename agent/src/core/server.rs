@@ -26,6 +26,7 @@ impl Core {
     pub async fn server_started(
         self: &Arc<Self>,
         p: ServerStartedParams,
+        caller: Option<opmon_client::Caller>,
     ) -> Result<ServerStartedResult, Error> {
         let now = UnixMs::now();
         let (failed, targets) = self
@@ -38,7 +39,7 @@ impl Core {
                         continue;
                     };
                     let reason = phase::server_restarted_reason(row.owner.kind);
-                    targets.extend(fail_owner(conn, &mut row, &reason, now)?);
+                    targets.extend(fail_owner(conn, &mut row, &reason, caller, now)?);
                     failed.push((row.owner.kind, row.owner.name, row.owner.uid, reason));
                 }
                 Ok::<_, Error>((failed, targets))
@@ -104,7 +105,7 @@ impl Core {
                         .format(&Rfc3339)
                         .unwrap_or_else(|_| last_call.ms().to_string());
                     let reason = phase::idle_reason(&since, limit);
-                    targets.extend(fail_owner(conn, &mut row, &reason, now)?);
+                    targets.extend(fail_owner(conn, &mut row, &reason, None, now)?);
                     failed.push((row.owner.kind, row.owner.name, reason));
                 }
                 Ok::<_, Error>((failed, targets))

@@ -176,7 +176,7 @@ impl Core {
                 };
                 let terminal = row.owner.phase.is_terminal();
                 let update = OwnerUpdate {
-                    owner: row.owner,
+                    owner: super::owners::with_progress(conn, row)?,
                     operations,
                     lagged,
                 };
@@ -241,7 +241,7 @@ mod tests {
             uid: "u".into(),
             ..Default::default()
         };
-        core.start(OwnerKind::Backup, start).await.unwrap();
+        core.start(OwnerKind::Backup, start, None).await.unwrap();
         let mut stream = core.subscribe(OwnerKind::Backup, "b".into()).await.unwrap();
         let parse = |r: Arc<crate::changes::Rendered>| {
             serde_json::from_str::<opmon_client::OwnerUpdate>(r.json.get()).unwrap()

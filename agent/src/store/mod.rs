@@ -7,6 +7,7 @@
 //! is written to `<db>.lock` (also locked, for agents of older versions) so a second
 //! agent can say who has it.
 
+pub mod events;
 pub mod queries;
 pub mod schema;
 mod tally;

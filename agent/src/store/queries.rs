@@ -7,12 +7,14 @@ use std::sync::Arc;
 
 use opmon_client::{
     ApiVersion, GoDuration, NewOperation, Operation, OperationPhase, OwnerKind, OwnerPhase,
-    OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
+    OwnerProgress, OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
+    UnitsProgress,
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::clock::UnixMs;
 use crate::phase::OperationState;
+use crate::rate::Rate;
 
 fn parse_column<T: std::str::FromStr<Err = String>>(
     row: &Row<'_>,
@@ -140,6 +142,7 @@ fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
             created: row.get::<_, UnixMs>(10)?.time(),
             updated: row.get::<_, UnixMs>(11)?.time(),
             completed: row.get::<_, Option<UnixMs>>(12)?.map(UnixMs::time),
+            progress: None,
         },
     })
 }
@@ -460,10 +463,32 @@ pub fn insert_operations(
 const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
      res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
      n_total, operation_units, description, created_ms, started_ms, updated_ms, \
-     plugin_updated_ms, cancel_requested, attempts, last_error, next_attempt_ms";
+     plugin_updated_ms, cancel_requested, attempts, last_error, next_attempt_ms, rate, rate_n, \
+     rate_at_ms, rate_seen_ms";
+
+/// An operation's rate state from columns `first` to `first + 3` (`rate`, `rate_n`,
+/// `rate_at_ms`, `rate_seen_ms`).
+fn rate_from_row(row: &Row<'_>, first: usize) -> rusqlite::Result<Rate> {
+    Ok(Rate {
+        per_second: row.get(first)?,
+        anchor_n: row.get(first + 1)?,
+        anchor_ms: row.get(first + 2)?,
+        seen_ms: row.get(first + 3)?,
+    })
+}
 
 fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
+    let phase: OperationPhase = parse_column(row, 8)?;
+    let rate = rate_from_row(row, 22)?;
+    let n_total: i64 = row.get(11)?;
+    let eta = if phase.is_unfinished() {
+        rate.eta_ms(n_total).map(|ms| UnixMs(ms).time())
+    } else {
+        None
+    };
     Ok(Operation {
+        rate: rate.per_second,
+        eta,
         plugin: PluginRef {
             kind: parse_column(row, 0)?,
             name: row.get(1)?,
@@ -476,10 +501,10 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         },
         operation_id: row.get(6)?,
         post_operation_items: json_column(row, 7)?,
-        phase: parse_column(row, 8)?,
+        phase,
         error: row.get(9)?,
         n_completed: row.get(10)?,
-        n_total: row.get(11)?,
+        n_total,
         operation_units: row.get(12)?,
         description: row.get(13)?,
         created: row.get::<_, UnixMs>(14)?.time(),
@@ -537,6 +562,47 @@ pub fn operations_by_rows(
     Ok(found)
 }
 
+/// The aggregate progress of the owner's unfinished operations: per unit, their count,
+/// counts and summed rates; and the latest of their ETAs, if every one has one.
+pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<OwnerProgress> {
+    // Driven by the index on (owner_id, phase): only unfinished operations are read.
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT operation_units, n_completed, n_total, rate, rate_n, rate_at_ms, rate_seen_ms \
+         FROM operations WHERE owner_id = ?1 AND phase IN ",
+        unfinished_operation!()
+    ))?;
+    let mut rows = stmt.query([owner_id])?;
+    let mut units: BTreeMap<String, UnitsProgress> = BTreeMap::new();
+    let mut latest: Option<i64> = None;
+    let mut every_eta = true;
+    while let Some(row) = rows.next()? {
+        let name: String = row.get(0)?;
+        let n_total: i64 = row.get(2)?;
+        let rate = rate_from_row(row, 3)?;
+        let entry = units.entry(name.clone()).or_insert_with(|| UnitsProgress {
+            units: name,
+            operations: 0,
+            n_completed: 0,
+            n_total: 0,
+            rate: None,
+        });
+        entry.operations += 1;
+        entry.n_completed = entry.n_completed.saturating_add(row.get(1)?);
+        entry.n_total = entry.n_total.saturating_add(n_total);
+        if let Some(r) = rate.per_second {
+            entry.rate = Some(entry.rate.unwrap_or(0.0) + r);
+        }
+        match rate.eta_ms(n_total) {
+            Some(eta) => latest = Some(latest.map_or(eta, |l| l.max(eta))),
+            None => every_eta = false,
+        }
+    }
+    Ok(OwnerProgress {
+        units: units.into_values().collect(),
+        eta: latest.filter(|_| every_eta).map(|ms| UnixMs(ms).time()),
+    })
+}
+
 /// The union of the owner's post-operation items, sorted and without duplicates.
 pub fn post_operation_items(
     conn: &Connection,
@@ -572,6 +638,8 @@ pub struct PollTarget {
     pub plugin: PluginRef,
     pub operation_id: String,
     pub state: OperationState,
+    /// Its smoothed rate as stored.
+    pub rate: Rate,
 }
 
 /// Which unfinished operations to load.
@@ -637,7 +705,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
          o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
          o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms, \
          o.plugin_updated_ms, w.stall_timeout_ms, w.start_timeout_ms, o.progressed_ms, \
-         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms";
+         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, o.rate, o.rate_n, \
+         o.rate_at_ms, o.rate_seen_ms";
     let (mut stmt, mut rows);
     match which {
         Targets::Owner(id) => {
@@ -714,6 +783,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                 next_attempt_ms: row.get(24)?,
                 retrying_since_ms: row.get(25)?,
             },
+            rate: rate_from_row(row, 26)?,
         });
     }
     Ok(targets)
@@ -727,6 +797,7 @@ pub fn update_operation(
     conn: &Connection,
     row: i64,
     s: &OperationState,
+    rate: &Rate,
     phase_changed: bool,
 ) -> rusqlite::Result<bool> {
     // The same parameters either way; only the phase column and the guard differ.
@@ -735,14 +806,16 @@ pub fn update_operation(
             "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
              operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
              plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-             next_attempt_ms = ?14, retrying_since_ms = ?15 WHERE id = ?1 AND phase IN ",
+             next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
+             rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase IN ",
             unfinished_operation!()
         )
     } else {
         "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
          operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
          plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-         next_attempt_ms = ?14, retrying_since_ms = ?15 WHERE id = ?1 AND phase = ?2"
+         next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
+         rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase = ?2"
     };
     let changed = conn.prepare_cached(sql)?.execute(params![
         row,
@@ -759,7 +832,11 @@ pub fn update_operation(
         s.attempts,
         s.last_error,
         s.next_attempt_ms,
-        s.retrying_since_ms
+        s.retrying_since_ms,
+        rate.per_second,
+        rate.anchor_n,
+        rate.anchor_ms,
+        rate.seen_ms
     ])?;
     Ok(changed > 0)
 }

@@ -196,6 +196,29 @@ pub const MIGRATIONS: &[&str] = &[
                 - (OLD.phase IN ('Failed', 'Canceled'))
         WHERE id = NEW.owner_id;
     END;",
+    // 10: history and rates (issue 16; it touches no table or column of migration 9).
+    // `events`: each owner's history, numbered per owner by
+    // `seq` (the paging cursor), stored in `seq` order inside the owner's key range and
+    // removed with the owner. `store::events` keeps at most `MAX_PER_OWNER` per owner.
+    // `operation_row` names the operation (operations are removed only with their
+    // owner, so the row outlives no event). On operations, the smoothed rate and the
+    // sample it was last moved by (`rate_n` units at `rate_at_ms`, seen by the agent at
+    // `rate_seen_ms`), so a restart keeps the rate.
+    "CREATE TABLE events (
+        owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        at_ms INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        operation_row INTEGER,
+        caller_uid INTEGER,
+        caller_pid INTEGER,
+        message TEXT NOT NULL,
+        PRIMARY KEY (owner_id, seq)
+    ) WITHOUT ROWID;
+    ALTER TABLE operations ADD COLUMN rate REAL;
+    ALTER TABLE operations ADD COLUMN rate_n INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE operations ADD COLUMN rate_at_ms INTEGER;
+    ALTER TABLE operations ADD COLUMN rate_seen_ms INTEGER;",
 ];
 
 /// The schema version this agent writes.

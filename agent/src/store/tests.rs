@@ -9,6 +9,7 @@ use rusqlite::Connection;
 use super::schema::{self, CURRENT_VERSION};
 use super::{queries, OpenError, StorageFailure, Store};
 use crate::clock::UnixMs;
+use crate::rate::Rate;
 
 /// A backup named `name` as `start` creates it, without an object.
 fn backup(name: &str, timeout: GoDuration) -> queries::NewOwner<'_> {
@@ -96,6 +97,11 @@ fn fill_old_database(conn: &Connection, version: u32) {
     if version >= 8 {
         // From version 8 on, a poll records the plugin's own updated as well.
         conn.execute_batch("UPDATE operations SET plugin_updated_ms = 2000 WHERE id = 1;")
+            .unwrap();
+    }
+    if version >= 9 {
+        // From version 9 on, a poll that moves the progress records when it saw it.
+        conn.execute_batch("UPDATE operations SET progressed_ms = updated_ms;")
             .unwrap();
     }
 }
@@ -264,6 +270,13 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         if version >= 1 {
             check_operations_after_identity_migration(&conn, version);
             check_control_after_migration_9(&conn, version);
+            // Migration 10: no history before it, and no rate yet.
+            let backup = queries::owner_by_name(&conn, OwnerKind::Backup, "old-backup")
+                .unwrap()
+                .expect("backup kept");
+            assert_eq!(super::events::count(&conn, backup.id).unwrap(), 0);
+            let ops = queries::operations(&conn, backup.id, None).unwrap();
+            assert!(ops.iter().all(|o| o.rate.is_none() && o.eta.is_none()));
         }
         if version >= 2 {
             let s = &queries::snapshotters(&conn).unwrap()[0];
@@ -440,24 +453,47 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         ..OperationState::default()
     };
     // New → InProgress changes no count; progress without a phase change neither.
-    assert!(
-        queries::update_operation(&conn, rows[0], &state(OperationPhase::InProgress), true)
-            .unwrap()
-    );
-    assert!(
-        queries::update_operation(&conn, rows[0], &state(OperationPhase::InProgress), false)
-            .unwrap()
-    );
-    assert!(
-        queries::update_operation(&conn, rows[0], &state(OperationPhase::Completed), true).unwrap()
-    );
-    assert!(
-        queries::update_operation(&conn, rows[1], &state(OperationPhase::Failed), true).unwrap()
-    );
+    assert!(queries::update_operation(
+        &conn,
+        rows[0],
+        &state(OperationPhase::InProgress),
+        &Rate::default(),
+        true
+    )
+    .unwrap());
+    assert!(queries::update_operation(
+        &conn,
+        rows[0],
+        &state(OperationPhase::InProgress),
+        &Rate::default(),
+        false
+    )
+    .unwrap());
+    assert!(queries::update_operation(
+        &conn,
+        rows[0],
+        &state(OperationPhase::Completed),
+        &Rate::default(),
+        true
+    )
+    .unwrap());
+    assert!(queries::update_operation(
+        &conn,
+        rows[1],
+        &state(OperationPhase::Failed),
+        &Rate::default(),
+        true
+    )
+    .unwrap());
     // A finished operation is not updated again, so it is not counted again.
-    assert!(
-        !queries::update_operation(&conn, rows[0], &state(OperationPhase::Failed), true).unwrap()
-    );
+    assert!(!queries::update_operation(
+        &conn,
+        rows[0],
+        &state(OperationPhase::Failed),
+        &Rate::default(),
+        true
+    )
+    .unwrap());
     assert_eq!(stored_counts(&conn), recount(&conn));
     assert_eq!(stored_counts(&conn)[0], (a, 6, 1, 1));
     assert_eq!(unfinished(&conn, a), 4);
@@ -917,4 +953,53 @@ async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts(
         .await
         .unwrap();
     assert_eq!(store.counts().await.unwrap(), (in_progress, 0));
+}
+
+#[test]
+fn events_are_numbered_per_owner_bounded_and_removed_with_their_owner() {
+    use super::events::{self, NewEvent, MAX_PER_OWNER};
+    use opmon_client::{Caller, EventReason};
+
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
+    let a =
+        queries::insert_owner(&conn, &backup("a", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
+    let b =
+        queries::insert_owner(&conn, &backup("b", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
+    let caller = Caller { uid: 7, pid: 42 };
+    for i in 0..MAX_PER_OWNER + 5 {
+        let message = format!("event {i}");
+        let event = NewEvent {
+            reason: EventReason::OperationsAdded,
+            operation: None,
+            caller: Some(caller),
+            message: &message,
+        };
+        events::record(&conn, a, &event, UnixMs(1000 + i)).unwrap();
+    }
+    let event = NewEvent {
+        reason: EventReason::Started,
+        operation: None,
+        caller: None,
+        message: "b's own",
+    };
+    events::record(&conn, b, &event, UnixMs(5)).unwrap();
+    // The oldest five of a's went; b's numbering is its own.
+    assert_eq!(events::count(&conn, a).unwrap(), MAX_PER_OWNER);
+    let first = events::page(&conn, a, 0, 2).unwrap();
+    assert_eq!(first[0].seq, 6);
+    assert_eq!(first[0].message, "event 5");
+    assert_eq!(first[0].caller, Some(caller));
+    assert_eq!(first[1].seq, 7);
+    let tail = events::page(&conn, a, MAX_PER_OWNER as u64, 100).unwrap();
+    let seqs: Vec<u64> = tail.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1001..=1005).collect::<Vec<u64>>());
+    assert!(events::page(&conn, a, u64::MAX, 10).unwrap().is_empty());
+    let bs = events::page(&conn, b, 0, 10).unwrap();
+    assert_eq!((bs.len(), bs[0].seq, bs[0].caller), (1, 1, None));
+    queries::delete_owner(&conn, a, OwnerKind::Backup, "a").unwrap();
+    assert_eq!(events::count(&conn, a).unwrap(), 0);
+    assert_eq!(events::count(&conn, b).unwrap(), 1);
 }

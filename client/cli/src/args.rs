@@ -145,11 +145,23 @@ pub enum OwnerCommand {
         #[arg(long = "phase", value_parser = operation_phase)]
         phases: Vec<OperationPhase>,
     },
-    /// The owner, readable; with --details, each operation too.
+    /// The owner, readable, ending with its recent events; with --details, each
+    /// operation and every event kept.
     Describe {
         name: String,
         #[arg(long)]
         details: bool,
+    },
+    /// The owner's history (phase changes, failures, calls and their callers), oldest
+    /// first, a page at a time.
+    Events {
+        name: String,
+        /// Start after this event (the previous page's last SEQ).
+        #[arg(long)]
+        after: Option<u64>,
+        /// At most this many events (default 100, at most 1000).
+        #[arg(long)]
+        limit: Option<u32>,
     },
     /// Waits, showing progress, until ready to finalize (or terminal).
     Wait {

@@ -22,15 +22,21 @@ use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::text::escape_controls;
 use opmon_client::{
     AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
-    FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation, OperationSelector,
-    OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef, ServerStartedParams,
-    ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation,
+    OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef,
+    ServerStartedParams, ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use args::{Cli, Command, Output, OwnerCommand, ServerCommand, SnapshotterCommand, Until};
+
+/// The largest `events` page, which is also how many events an owner keeps: `describe`
+/// reads them all in one call.
+const EVENTS_PAGE: u32 = 1000;
+/// Events `describe` shows without `--details`: the most recent, as `kubectl describe`.
+const DESCRIBE_EVENTS: usize = 20;
 
 /// `{}`: the params of methods that take none.
 #[derive(Serialize)]
@@ -294,14 +300,34 @@ async fn owner_command(
             )
             .await?;
             let ops = if details {
-                let params = OperationsParams { name, phases: None };
+                let params = OperationsParams {
+                    name: name.clone(),
+                    phases: None,
+                };
                 Some(call(client, method(OwnerMethod::Operations), params).await?)
             } else {
                 None
             };
+            // An owner keeps at most as many events as one page holds: one call reads
+            // them all.
+            let params = EventsParams {
+                name,
+                after: None,
+                limit: Some(EVENTS_PAGE),
+            };
+            let events: EventList =
+                typed(&call(client, method(OwnerMethod::Events), params).await?)?;
+            // The recent ones, as kubectl shows them; --details shows every one kept.
+            let shown = if details {
+                events.items.len()
+            } else {
+                DESCRIBE_EVENTS
+            };
+            let omitted = events.items.len().saturating_sub(shown);
+            let recent = &events.items[omitted..];
             match out {
                 Output::Json => {
-                    let mut value = json!({"owner": owner});
+                    let mut value = json!({"owner": owner, "events": recent});
                     if let Some(ops) = ops {
                         value["operations"] = ops;
                     }
@@ -311,10 +337,24 @@ async fn owner_command(
                     let owner: Owner = typed(&owner)?;
                     let ops: Option<Vec<opmon_client::Operation>> =
                         ops.as_ref().map(typed).transpose()?;
-                    out::emit(&render::describe(&owner, ops.as_deref()))?;
+                    let now = time::OffsetDateTime::now_utc();
+                    let mut text = render::describe(&owner, ops.as_deref(), now);
+                    text.push_str(&render::events(recent, omitted, now));
+                    out::emit(&text)?;
                 }
             }
             Ok(render::exit_code(typed::<Owner>(&owner)?.phase))
+        }
+        OwnerCommand::Events { name, after, limit } => {
+            let params = EventsParams { name, after, limit };
+            let value = call(client, method(OwnerMethod::Events), params).await?;
+            print(out, &value, |l: &EventList| {
+                let mut text = render::event_list(&l.items);
+                if let Some(next) = l.next {
+                    text.push_str(&format!("(more: --after {next})\n"));
+                }
+                text
+            })
         }
         OwnerCommand::Wait {
             name,

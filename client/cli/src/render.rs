@@ -7,8 +7,8 @@ use std::borrow::Cow;
 use std::fmt::Write;
 
 use opmon_client::{
-    AgentStatus, GoDuration, ItemOperation, Operation, Owner, OwnerPhase, ResourceIdentifier,
-    ServerStartedResult, Snapshotter, Timestamp,
+    AgentStatus, Event, GoDuration, ItemOperation, Operation, Owner, OwnerPhase,
+    ResourceIdentifier, ServerStartedResult, Snapshotter, Timestamp,
 };
 
 /// Parses `RESOURCE[.GROUP]/NAMESPACE/NAME` or `RESOURCE[.GROUP]/NAME` (cluster-scoped).
@@ -153,27 +153,145 @@ pub fn progress(op: &Operation) -> String {
     }
 }
 
-/// Rate and time left, from the progress seen between start and last update; `None`
-/// until progress has moved.
-pub fn rate_and_eta(op: &Operation) -> Option<String> {
-    let (started, updated) = (op.started?, op.updated?);
-    let seconds = (updated - started).as_seconds_f64();
-    if seconds <= 0.0 || op.n_completed <= 0 {
-        return None;
-    }
-    let rate = op.n_completed as f64 / seconds;
+/// The agent's smoothed rate of `op` and, while it runs, the time left by its ETA
+/// counted from `now`; `None` until the agent knows a rate.
+pub fn rate_and_eta(op: &Operation, now: Timestamp) -> Option<String> {
+    let rate = op.rate?;
     let units = if op.operation_units.is_empty() {
         Cow::Borrowed("units")
     } else {
         clean(&op.operation_units)
     };
     let mut text = format!("{} {units}/s", human(rate));
-    if op.phase.is_unfinished() && op.n_total > op.n_completed {
-        let left = (op.n_total - op.n_completed) as f64 / rate;
-        let eta = GoDuration(std::time::Duration::from_secs(left.ceil() as u64));
-        let _ = write!(text, ", about {eta} left");
+    if let Some(eta) = op.eta.filter(|_| op.phase.is_unfinished()) {
+        let _ = write!(text, ", {}", time_left(eta, now));
     }
     Some(text)
+}
+
+/// `about 1m5s left` until `eta`, or `overdue by 5s` once it has passed: the ETA was
+/// made from the last sample that moved, so a stalled operation shows as overdue.
+pub fn time_left(eta: Timestamp, now: Timestamp) -> String {
+    let seconds = |d: time::Duration| {
+        GoDuration(std::time::Duration::from_secs(
+            d.whole_seconds().unsigned_abs(),
+        ))
+    };
+    if eta >= now {
+        format!(
+            "about {} left",
+            seconds(eta - now + time::Duration::milliseconds(999))
+        )
+    } else {
+        format!("overdue by {}", seconds(now - eta))
+    }
+}
+
+/// The owner's aggregate rate per unit and its ETA (`10.0M bytes/s, 3 items/s, about
+/// 2m0s left`); `None` when it has no rate in any unit and no ETA.
+pub fn owner_rate(owner: &Owner, now: Timestamp) -> Option<String> {
+    let progress = owner.progress.as_ref()?;
+    let mut parts: Vec<String> = progress
+        .units
+        .iter()
+        .filter_map(|u| {
+            let rate = u.rate?;
+            let units = if u.units.is_empty() {
+                Cow::Borrowed("units")
+            } else {
+                clean(&u.units)
+            };
+            Some(format!("{} {units}/s", human(rate)))
+        })
+        .collect();
+    if let Some(eta) = progress.eta {
+        parts.push(time_left(eta, now));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// How long ago `t` was, as kubectl's `Age` column: the largest two units (`45s`,
+/// `3m20s`, `5h2m`, `3d4h`).
+pub fn age(t: Timestamp, now: Timestamp) -> String {
+    let s = (now - t).whole_seconds().max(0);
+    let (d, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{sec}s"),
+        (0, 0, _) if sec == 0 => format!("{m}m"),
+        (0, 0, _) => format!("{m}m{sec}s"),
+        (0, _, 0) => format!("{h}h"),
+        (0, _, _) => format!("{h}h{m}m"),
+        (_, 0, _) => format!("{d}d"),
+        _ => format!("{d}d{h}h"),
+    }
+}
+
+/// Who caused an event: `uid 1000 pid 4242` for a call, `agent` for what the agent did.
+fn event_source(e: &Event) -> String {
+    match e.caller {
+        Some(c) => format!("uid {} pid {}", c.uid, c.pid),
+        None => "agent".into(),
+    }
+}
+
+/// An owner's events as `kubectl describe` ends with them: a table of age, reason,
+/// source, operation and message, oldest first. `omitted` earlier events are said in
+/// the title (they are in `opmon backup|restore events`).
+pub fn events(events: &[Event], omitted: usize, now: Timestamp) -> String {
+    if events.is_empty() {
+        return "\nEvents:  <none>\n".into();
+    }
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            let operation = e
+                .operation
+                .as_ref()
+                .map(|o| format!("{} {}", item(&o.resource), clean(&o.operation_id)))
+                .unwrap_or_else(|| "-".into());
+            vec![
+                age(e.time, now),
+                clean(&e.reason).into_owned(),
+                event_source(e),
+                operation,
+                clean(&e.message).into_owned(),
+            ]
+        })
+        .collect();
+    let title = if omitted > 0 {
+        format!("\nEvents (the last {}; {omitted} earlier):\n", events.len())
+    } else {
+        "\nEvents:\n".to_string()
+    };
+    let mut out = title;
+    for line in table(&["AGE", "REASON", "FROM", "OPERATION", "MESSAGE"], &rows).lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+    out
+}
+
+/// Events as `opmon backup events` lists them: with their number and time.
+pub fn event_list(events: &[Event]) -> String {
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                e.seq.to_string(),
+                time(Some(e.time)),
+                clean(&e.reason).into_owned(),
+                event_source(e),
+                e.operation
+                    .as_ref()
+                    .map(|o| format!("{} {}", item(&o.resource), clean(&o.operation_id)))
+                    .unwrap_or_else(|| "-".into()),
+                clean(&e.message).into_owned(),
+            ]
+        })
+        .collect();
+    table(
+        &["SEQ", "TIME", "REASON", "FROM", "OPERATION", "MESSAGE"],
+        &rows,
+    )
 }
 
 /// A rate with at most three significant digits and a k/M/G suffix.
@@ -296,7 +414,7 @@ fn velero_time(t: Timestamp) -> String {
 
 /// One operation as `velero backup|restore describe --details` prints it, then the
 /// agent's extras (rate, time left).
-fn describe_operation(out: &mut String, op: &Operation) {
+fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
     let action = match op.plugin.kind {
         opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
         opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
@@ -335,14 +453,14 @@ fn describe_operation(out: &mut String, op: &Operation) {
     if let Some(t) = op.plugin_updated {
         let _ = writeln!(out, "\t\tUpdated:\t{}", velero_time(t));
     }
-    if let Some(rate) = rate_and_eta(op) {
+    if let Some(rate) = rate_and_eta(op, now) {
         let _ = writeln!(out, "\t\tRate:\t{rate}");
     }
 }
 
 /// `describe`: the owner, then its item operations as Velero's describers show them: a
 /// summary line without `--details`, every operation with it.
-pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
+pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "Name:\t{}", clean(&owner.name));
     let _ = writeln!(out, "Kind:\t{}", owner.kind);
@@ -370,6 +488,9 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
     let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
     if let Some(t) = owner.completed {
         let _ = writeln!(out, "Completed:\t{}", velero_time(t));
+    }
+    if let Some(rate) = owner_rate(owner, now) {
+        let _ = writeln!(out, "Rate:\t{rate}");
     }
     if let Some(items) = owner
         .post_operation_items
@@ -400,7 +521,7 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>) -> String {
             Some(ops) => {
                 let _ = writeln!(out, "{title}");
                 for op in ops {
-                    describe_operation(&mut out, op);
+                    describe_operation(&mut out, op, now);
                 }
             }
         }
@@ -539,8 +660,17 @@ mod tests {
             attempts: 0,
             last_error: String::new(),
             next_attempt_at: None,
+            // What the agent would say of n units in the 10 s since the start.
+            rate: (n > 0).then(|| n as f64 / 10.0),
+            eta: (n > 0 && total > n).then(|| {
+                datetime!(2026-01-01 0:00:10 UTC)
+                    + time::Duration::seconds_f64((total - n) as f64 * 10.0 / n as f64)
+            }),
         }
     }
+
+    /// When the tests look: at the operations' last update.
+    const NOW: Timestamp = datetime!(2026-01-01 0:00:10 UTC);
 
     #[test]
     fn items_parse_with_groups_and_without_namespaces() {
@@ -573,17 +703,115 @@ mod tests {
     }
 
     #[test]
-    fn rate_and_eta_come_from_start_and_last_update() {
-        // 50 MB in 10 s: 5 MB/s, 50 MB left: 10 s.
+    fn rate_and_eta_are_the_agents() {
+        // 5 MB/s, 50 MB left: 10 s from the last sample.
         assert_eq!(
-            rate_and_eta(&op(50_000_000, 100_000_000)).as_deref(),
+            rate_and_eta(&op(50_000_000, 100_000_000), NOW).as_deref(),
             Some("5.00M bytes/s, about 10s left")
         );
+        let later = NOW + time::Duration::seconds(4);
         assert_eq!(
-            rate_and_eta(&op(0, 100)),
-            None,
-            "no rate before progress moves"
+            rate_and_eta(&op(50_000_000, 100_000_000), later).as_deref(),
+            Some("5.00M bytes/s, about 6s left")
         );
+        let stalled = NOW + time::Duration::seconds(75);
+        assert_eq!(
+            rate_and_eta(&op(50_000_000, 100_000_000), stalled).as_deref(),
+            Some("5.00M bytes/s, overdue by 1m5s")
+        );
+        assert_eq!(
+            rate_and_eta(&op(0, 100), NOW),
+            None,
+            "no rate before the agent has one"
+        );
+        let mut unknown_total = op(50, 0);
+        unknown_total.operation_units = String::new();
+        assert_eq!(
+            rate_and_eta(&unknown_total, NOW).as_deref(),
+            Some("5.00 units/s"),
+            "no ETA without a total"
+        );
+    }
+
+    #[test]
+    fn an_owners_rate_is_per_unit_with_the_latest_eta() {
+        let mut o = owner(opmon_client::OwnerKind::Backup, 3, 0, 0);
+        assert_eq!(owner_rate(&o, NOW), None, "an older agent's owner");
+        o.progress = Some(opmon_client::OwnerProgress {
+            units: vec![
+                opmon_client::UnitsProgress {
+                    units: "bytes".into(),
+                    operations: 2,
+                    n_completed: 10,
+                    n_total: 100,
+                    rate: Some(12_500_000.0),
+                },
+                opmon_client::UnitsProgress {
+                    units: "".into(),
+                    operations: 1,
+                    n_completed: 1,
+                    n_total: 0,
+                    rate: None,
+                },
+            ],
+            eta: Some(NOW + time::Duration::seconds(120)),
+        });
+        assert_eq!(
+            owner_rate(&o, NOW).as_deref(),
+            Some("12.5M bytes/s, about 2m0s left")
+        );
+    }
+
+    #[test]
+    fn ages_show_the_two_largest_units() {
+        let ago = |s: i64| age(NOW - time::Duration::seconds(s), NOW);
+        assert_eq!(
+            [
+                ago(0),
+                ago(45),
+                ago(60),
+                ago(200),
+                ago(7200),
+                ago(7500),
+                ago(86_400 * 3 + 3600 * 4)
+            ],
+            ["0s", "45s", "1m", "3m20s", "2h", "2h5m", "3d4h"]
+        );
+        assert_eq!(ago(-5), "0s", "a clock ahead is no negative age");
+    }
+
+    #[test]
+    fn events_end_describe_as_kubectl_shows_them() {
+        let event = |seq: u64, reason: &str, caller, message: &str| Event {
+            seq,
+            time: NOW - time::Duration::seconds(90),
+            reason: reason.into(),
+            operation: None,
+            caller,
+            message: message.into(),
+        };
+        let mut failed = event(3, "OperationFailed", None, "disk\u{1b}[2J gone");
+        failed.operation = Some(opmon_client::EventOperation {
+            plugin: PluginRef {
+                kind: PluginKind::BackupItemAction,
+                name: "example.io/copier".into(),
+            },
+            resource: parse_item("persistentvolumeclaims/app/data").unwrap(),
+            operation_id: "copy-1".into(),
+        });
+        let caller = Some(opmon_client::Caller {
+            uid: 1000,
+            pid: 4242,
+        });
+        let list = [event(2, "Started", caller, "started in InProgress"), failed];
+        assert_eq!(
+            events(&list, 1, NOW),
+            "\nEvents (the last 2; 1 earlier):\n\
+             \x20 AGE    REASON           FROM               OPERATION                               MESSAGE\n\
+             \x20 1m30s  Started          uid 1000 pid 4242  -                                       started in InProgress\n\
+             \x20 1m30s  OperationFailed  agent              persistentvolumeclaims app/data copy-1  disk\\x1b[2J gone\n"
+        );
+        assert_eq!(events(&[], 0, NOW), "\nEvents:  <none>\n");
     }
 
     #[test]
@@ -616,12 +844,13 @@ mod tests {
             created: datetime!(2026-01-01 0:00 UTC),
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,
+            progress: None,
         }
     }
 
     #[test]
     fn describe_without_details_prints_veleros_summary_line() {
-        let text = describe(&owner(opmon_client::OwnerKind::Backup, 6, 3, 3), None);
+        let text = describe(&owner(opmon_client::OwnerKind::Backup, 6, 3, 3), None, NOW);
         assert_eq!(
             text,
             "Name:                  nightly\n\
@@ -654,6 +883,7 @@ mod tests {
         let text = describe(
             &owner(opmon_client::OwnerKind::Backup, 2, 0, 1),
             Some(&[copying, failed]),
+            NOW,
         );
         let operations = text.split_once("\n\n").unwrap().1;
         assert_eq!(
@@ -687,13 +917,15 @@ mod tests {
         restoring.operation_units = String::new();
         restoring.started = None;
         restoring.plugin_updated = None;
-        let summary = describe(&owner(opmon_client::OwnerKind::Restore, 1, 0, 0), None);
+        (restoring.rate, restoring.eta) = (None, None);
+        let summary = describe(&owner(opmon_client::OwnerKind::Restore, 1, 0, 0), None, NOW);
         assert!(summary.ends_with(
             "\nRestore Item Operations:  0 of 1 completed successfully, 0 failed (specify --details for more information)\n"
         ), "{summary}");
         let details = describe(
             &owner(opmon_client::OwnerKind::Restore, 1, 0, 0),
             Some(&[restoring]),
+            NOW,
         );
         assert!(
             details.ends_with(
@@ -708,10 +940,12 @@ mod tests {
             "{details}"
         );
         // No operations, no operations section (as Velero).
-        assert!(
-            !describe(&owner(opmon_client::OwnerKind::Restore, 0, 0, 0), Some(&[]))
-                .contains("Item Operations")
-        );
+        assert!(!describe(
+            &owner(opmon_client::OwnerKind::Restore, 0, 0, 0),
+            Some(&[]),
+            NOW
+        )
+        .contains("Item Operations"));
     }
 
     #[test]

@@ -57,10 +57,11 @@ impl View for Lines {
     ) -> Result<(), String> {
         let o = &update.owner;
         let summary = (o.phase, o.operations_completed, o.operations_failed);
+        let now = time::OffsetDateTime::now_utc();
         let mut text = String::new();
         if self.last_owner != Some(summary) {
             text.push_str(&format!(
-                "{} {}: {} ({}/{} operations completed, {} failed)\n",
+                "{} {}: {} ({}/{} operations completed, {} failed)",
                 o.kind,
                 clean(&o.name),
                 o.phase,
@@ -68,6 +69,10 @@ impl View for Lines {
                 o.operations_attempted,
                 o.operations_failed
             ));
+            if let Some(rate) = render::owner_rate(o, now) {
+                text.push_str(&format!(" {rate}"));
+            }
+            text.push('\n');
             self.last_owner = Some(summary);
         }
         for op in &update.operations {
@@ -76,9 +81,14 @@ impl View for Lines {
             } else {
                 String::new()
             };
+            // The agent's rate and ETA while it runs (a finished one needs neither).
+            let rate = render::rate_and_eta(op, now)
+                .filter(|_| op.phase.is_unfinished())
+                .map(|r| format!(" {r}"))
+                .unwrap_or_default();
             // The item too: operations of two items may share an ID.
             text.push_str(&format!(
-                "  {} {} {} {}{error}\n",
+                "  {} {} {} {}{rate}{error}\n",
                 render::item(&op.resource),
                 clean(&op.operation_id),
                 op.phase,
@@ -121,19 +131,13 @@ impl Bars {
         if let Some(bar) = self.ops.get(&key) {
             return bar.clone();
         }
-        // Rates and ETAs count from when the operation started, not from when we looked.
-        let running_for = op
-            .started
-            .map(|t| (time::OffsetDateTime::now_utc() - t).max(time::Duration::ZERO))
-            .and_then(|d| Duration::try_from(d).ok())
-            .unwrap_or_default();
-        let bar = self
-            .multi
-            .add(ProgressBar::new(op.n_total.max(0) as u64).with_elapsed(running_for));
+        // The rate and the time left are the agent's (in the message), not indicatif's
+        // guess from what this process happened to see.
+        let bar = self.multi.add(ProgressBar::new(op.n_total.max(0) as u64));
         let template = if op.operation_units.starts_with("byte") {
-            "  {prefix:40} [{bar:30.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}  {msg}"
+            "  {prefix:40} [{bar:30.cyan/blue}] {bytes}/{total_bytes}  {msg}"
         } else {
-            "  {prefix:40} [{bar:30.cyan/blue}] {pos}/{len} {per_sec} eta {eta}  {msg}"
+            "  {prefix:40} [{bar:30.cyan/blue}] {pos}/{len}  {msg}"
         };
         bar.set_style(
             ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -156,12 +160,16 @@ impl View for Bars {
         ops: &BTreeMap<OpKey, Operation>,
     ) -> Result<(), String> {
         let o = &update.owner;
+        let now = time::OffsetDateTime::now_utc();
         self.overall
             .set_prefix(format!("{} {}", o.kind, clean(&o.name)));
         self.overall.set_length(o.operations_attempted);
         self.overall
             .set_position(o.operations_completed + o.operations_failed);
-        self.overall.set_message(o.phase.to_string());
+        self.overall.set_message(match render::owner_rate(o, now) {
+            Some(rate) => format!("{}  {rate}", o.phase),
+            None => o.phase.to_string(),
+        });
         for op in ops.values() {
             let known = self.ops.contains_key(&OpKey::of(op));
             if !known && !op.phase.is_unfinished() {
@@ -182,7 +190,10 @@ impl View for Bars {
                 }
                 // Its error already says `canceled: <reason>`.
                 OperationPhase::Canceled => bar.abandon_with_message(clean(&op.error).into_owned()),
-                _ => bar.set_message(op.phase.to_string()),
+                _ => bar.set_message(match render::rate_and_eta(op, now) {
+                    Some(rate) => format!("{}  {rate}", op.phase),
+                    None => op.phase.to_string(),
+                }),
             }
         }
         Ok(())

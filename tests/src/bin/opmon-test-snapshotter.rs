@@ -14,6 +14,7 @@
 //! | `evil-` | like `gate-`, with control characters (ESC, CR, LF, BEL) in its description and error; its Cancel fails with that error |
 //! | `odd-` | completed with an err and a description full of characters JSON encoders disagree on (`<>&`, U+2028, non-ASCII, a tab), no counts, started at the Unix epoch, updated at 2026-11-22T09:57:45.678Z |
 //! | `ctl-` | completed with an err holding a backspace and a form feed (which Go writes as `\b`, `\f` since 1.22 only) |
+//! | `pace-` | moves at a known pace by its own clock: the k-th Progress call answers `nCompleted` = 1000·k + 500·(k mod 2) of 1,000,000 at `updated` = 2026-01-01T00:00:00Z + k s (so 1,500 then 500 units a second, by turns); `pace-items-` counts `item`s, others `byte`s; `pace-nototal-` has no `nTotal`; each answer is journaled as `paced N UPDATED_MS ID OWNER` |
 //! | `unsupported-` | error 2001 OperationsNotSupported |
 //! | anything else | error 2002 InvalidOperationId |
 //!
@@ -42,6 +43,8 @@ struct Scripted {
     journal: Mutex<std::fs::File>,
     /// Progress calls answered so far, per operation ID (for `flaky-`).
     calls: Mutex<std::collections::HashMap<String, u32>>,
+    /// Progress calls answered so far per `pace-` operation.
+    paced: Mutex<std::collections::HashMap<String, i64>>,
 }
 
 impl Scripted {
@@ -154,6 +157,39 @@ impl OperationHandler for Scripted {
                 true,
                 "bell\u{7} back\u{8} feed\u{c} del\u{7f}",
             ))
+        } else if id.starts_with("pace-") {
+            let k = match self.paced.lock() {
+                Ok(mut calls) => {
+                    let k = calls.entry(id.to_string()).or_insert(0);
+                    *k += 1;
+                    *k
+                }
+                Err(_) => return Err(SnapshotterError::Other("the pace lock".into())),
+            };
+            let n = 1000 * k + 500 * (k % 2);
+            let updated = time::macros::datetime!(2026-01-01 0:00 UTC) + time::Duration::seconds(k);
+            self.record(
+                &format!("paced {n} {}", updated.unix_timestamp() * 1000),
+                &op,
+            );
+            Ok(OperationProgress {
+                completed: false,
+                err: String::new(),
+                n_completed: n,
+                n_total: if id.starts_with("pace-nototal-") {
+                    0
+                } else {
+                    1_000_000
+                },
+                operation_units: if id.starts_with("pace-items-") {
+                    "item".into()
+                } else {
+                    "byte".into()
+                },
+                description: "copying".into(),
+                started: Some(time::macros::datetime!(2026-01-01 0:00 UTC)),
+                updated: Some(updated),
+            })
         } else if id.starts_with("unsupported-") {
             Err(SnapshotterError::OperationsNotSupported(format!(
                 "{id} is not mine"
@@ -208,6 +244,7 @@ async fn main() -> std::process::ExitCode {
         gates: PathBuf::from(gates),
         journal: Mutex::new(journal),
         calls: Mutex::default(),
+        paced: Mutex::default(),
     };
     match serve(socket, snapshotter).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
