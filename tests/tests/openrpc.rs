@@ -143,7 +143,8 @@ async fn status_reports_api_version_and_features_and_an_older_status_still_parse
             "created",
             "failureReason",
             "finalize_counts",
-            "openrpc"
+            "openrpc",
+            "snapshotter.changed"
         ]
     );
     let older: opmon_client::AgentStatus = serde_json::from_str(
