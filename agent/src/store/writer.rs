@@ -2,8 +2,7 @@
 //!
 //! One thread owns the only read-write connection. Requests queue up while a commit is
 //! being made durable (fsync under `synchronous=FULL`); the next transaction takes all of
-//! them at once, so concurrent requests share one fsync. Requests that arrive while a
-//! transaction's requests run join it before its COMMIT. And when the last commit was
+//! them at once, so concurrent requests share one fsync. When the last commit was
 //! shared (requests come from several callers at once), the next transaction waits a
 //! little for the callers that were just answered, at most [`GATHER_MAX`] and a quarter
 //! of the last commit's time, until as many requests as last time are in: their replies
@@ -264,37 +263,28 @@ fn run(
             (began + wait, last_group)
         });
         take_queued(&rx, &mut group, MAX_GROUP, gather);
-        let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(group.len());
+        let size = group.len();
+        queued.fetch_sub(size, Ordering::SeqCst);
+        let mut jobs = group.into_iter();
+        let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
         owners_changed.store(false, Ordering::Relaxed);
         let mut open = begin(&conn);
-        let mut taken = 0;
-        // Runs the group, then whatever arrived meanwhile, until nothing more is queued.
-        while !group.is_empty() {
-            taken += group.len();
-            queued.fetch_sub(group.len(), Ordering::SeqCst);
-            let mut jobs = group.drain(..);
-            while let Some(job) = jobs.next() {
-                if let Err(e) = &open {
-                    job.abort(e.clone());
-                    jobs.by_ref().for_each(|j| j.abort(e.clone()));
-                    break;
-                }
-                let (done, lost) = job.run(&conn);
-                pending.push(done);
-                if let Some(cause) = lost {
-                    // Everything run in this transaction is gone: say so to those
-                    // requests and go on with the rest in a fresh transaction.
-                    for p in pending.drain(..) {
-                        p.finish(Err(cause.clone()));
-                    }
-                    open = begin(&conn);
-                }
-            }
-            drop(jobs);
-            if open.is_err() || taken >= MAX_GROUP {
+        while let Some(job) = jobs.next() {
+            if let Err(e) = &open {
+                job.abort(e.clone());
+                jobs.by_ref().for_each(|j| j.abort(e.clone()));
                 break;
             }
-            take_queued(&rx, &mut group, MAX_GROUP - taken, None);
+            let (done, lost) = job.run(&conn);
+            pending.push(done);
+            if let Some(cause) = lost {
+                // Everything run in this transaction is gone: say so to those requests
+                // and go on with the rest in a fresh transaction.
+                for p in pending.drain(..) {
+                    p.finish(Err(cause.clone()));
+                }
+                open = begin(&conn);
+            }
         }
         if open.is_err() {
             tally.end(!hooked || owners_changed.load(Ordering::Relaxed));
@@ -317,5 +307,58 @@ fn run(
     }
     if let Err((_, e)) = conn.close() {
         tracing::error!(error = %e, "closing the database");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Box<dyn Job> {
+        let (reply, _) = oneshot::channel();
+        Box::new(TypedJob {
+            work: |_: &Connection| Ok::<_, StorageFailure>(()),
+            reply,
+        })
+    }
+
+    #[test]
+    fn a_lone_write_takes_what_is_queued_and_does_not_wait() {
+        let (tx, rx) = mpsc::channel();
+        tx.send(job()).unwrap();
+        let mut group = vec![job()];
+        // No gathering (the last commit held one request): whatever is queued, at once.
+        take_queued(&rx, &mut group, MAX_GROUP, None);
+        assert_eq!(group.len(), 2);
+        // With nothing queued and no gathering it returns with what it has: were it to
+        // wait, this would block with the sender alive.
+        take_queued(&rx, &mut group, MAX_GROUP, None);
+        assert_eq!(group.len(), 2);
+    }
+
+    #[test]
+    fn after_a_shared_commit_the_next_gathers_until_as_many_as_last_time_are_in() {
+        let (tx, rx) = mpsc::channel();
+        let sender = std::thread::spawn(move || {
+            for _ in 0..3 {
+                tx.send(job()).unwrap();
+            }
+            tx
+        });
+        let mut group = vec![job()];
+        // The deadline is far: only the count (4, as last time) ends the wait.
+        let until = Instant::now() + Duration::from_secs(3600);
+        take_queued(&rx, &mut group, MAX_GROUP, Some((until, 4)));
+        assert_eq!(group.len(), 4);
+        let tx = sender.join().unwrap();
+        // At the deadline it stops waiting, however few came.
+        take_queued(&rx, &mut group, MAX_GROUP, Some((Instant::now(), 100)));
+        assert_eq!(group.len(), 4);
+        // The group never exceeds its limit.
+        for _ in 0..3 {
+            tx.send(job()).unwrap();
+        }
+        take_queued(&rx, &mut group, 5, None);
+        assert_eq!(group.len(), 5);
     }
 }
