@@ -247,13 +247,11 @@ async fn send_hints(
     loop {
         wake.notified().await;
         let Some(inner) = inner.upgrade() else { return };
-        let taken = std::mem::replace(
-            &mut *inner
-                .pending
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-            Some(Default::default()),
-        );
+        let taken = inner
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .replace(Default::default());
         let ids = match taken {
             Some(ids) if ids.is_empty() => continue,
             Some(ids) => Some(ids.into_iter().collect::<Vec<_>>()),
