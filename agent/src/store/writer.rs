@@ -2,13 +2,7 @@
 //!
 //! One thread owns the only read-write connection. Requests queue up while a commit is
 //! being made durable (fsync under `synchronous=FULL`); the next transaction takes all of
-//! them at once, so concurrent requests share one fsync. When the last commit was
-//! shared (requests come from several callers at once), the next transaction waits a
-//! little for the callers that were just answered, at most [`GATHER_MAX`] and a quarter
-//! of the last commit's time, until as many requests as last time are in: their replies
-//! went out together, so their next requests come close together, and without the wait
-//! the first of them would take a commit of its own. A lone caller's write (the last
-//! commit held one request) never waits. Each request runs in its own
+//! them at once, so concurrent requests share one fsync. Each request runs in its own
 //! savepoint: one that fails is rolled back alone and does not spoil the others.
 //! Invariant: a request's reply is sent only after the transaction holding its changes
 //! has committed, so anything acknowledged survives a crash. The writer also tells the
@@ -16,12 +10,11 @@
 //! never outlive a commit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::tally::Tally;
 use super::StorageFailure;
@@ -29,8 +22,6 @@ use crate::sync::lock;
 
 /// Most requests folded into one transaction.
 const MAX_GROUP: usize = 4096;
-/// Longest a transaction waits for more requests after a shared commit.
-const GATHER_MAX: Duration = Duration::from_millis(1);
 
 /// A request that has run inside the transaction and waits for its commit.
 trait Pending: Send {
@@ -128,7 +119,7 @@ impl<T: Send, E: From<StorageFailure> + Send> Pending for TypedPending<T, E> {
 
 /// Handle to the writer thread.
 pub struct Writer {
-    queue: Mutex<Option<mpsc::Sender<Box<dyn Job>>>>,
+    queue: Mutex<Option<mpsc::UnboundedSender<Box<dyn Job>>>>,
     /// Requests sent but not yet taken into a transaction.
     queued: Arc<AtomicUsize>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -141,7 +132,7 @@ impl Writer {
         tally: Arc<Tally>,
         on_commit: impl Fn(usize, std::time::Duration) + Send + 'static,
     ) -> Writer {
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let taken = queued.clone();
         let thread = std::thread::Builder::new()
@@ -200,37 +191,9 @@ fn begin(conn: &Connection) -> Result<(), StorageFailure> {
         .map_err(StorageFailure::from)
 }
 
-/// Takes into `group` what is queued now, up to `limit` requests in all, then, when
-/// `gather` is set, what arrives until `gather`'s instant or until the group holds
-/// `gather`'s count.
-fn take_queued(
-    rx: &mpsc::Receiver<Box<dyn Job>>,
-    group: &mut Vec<Box<dyn Job>>,
-    limit: usize,
-    gather: Option<(Instant, usize)>,
-) {
-    while group.len() < limit {
-        match rx.try_recv() {
-            Ok(job) => group.push(job),
-            Err(_) => break,
-        }
-    }
-    let Some((until, count)) = gather else { return };
-    while group.len() < count.min(limit) {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        match rx.recv_timeout(left) {
-            Ok(job) => group.push(job),
-            Err(_) => break,
-        }
-    }
-}
-
 fn run(
     mut conn: Connection,
-    rx: mpsc::Receiver<Box<dyn Job>>,
+    mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     queued: &AtomicUsize,
     tally: &Tally,
     on_commit: impl Fn(usize, std::time::Duration),
@@ -252,21 +215,19 @@ fn run(
         tracing::warn!(error = %e, "watching owners for status counts failed");
     }
     let hooked = hooked.is_ok();
-    // The last commit's group size and duration, for the gathering wait.
-    let (mut last_group, mut last_took) = (1, Duration::ZERO);
-    while let Ok(first) = rx.recv() {
-        let began = Instant::now();
+    while let Some(first) = rx.blocking_recv() {
         let mut group = vec![first];
-        let gather = (last_group > 1).then(|| {
-            // A quarter of an fsync: the wait costs less than the commit it saves.
-            let wait = GATHER_MAX.min(last_took / 4);
-            (began + wait, last_group)
-        });
-        take_queued(&rx, &mut group, MAX_GROUP, gather);
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
         let size = group.len();
         queued.fetch_sub(size, Ordering::SeqCst);
         let mut jobs = group.into_iter();
         let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
+        let began = std::time::Instant::now();
         owners_changed.store(false, Ordering::Relaxed);
         let mut open = begin(&conn);
         while let Some(job) = jobs.next() {
@@ -290,9 +251,7 @@ fn run(
             tally.end(!hooked || owners_changed.load(Ordering::Relaxed));
             continue;
         }
-        let committing = Instant::now();
         let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
-        let commit_took = committing.elapsed();
         if commit.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
@@ -300,65 +259,11 @@ fn run(
         if commit.is_ok() {
             on_commit(pending.len(), began.elapsed());
         }
-        (last_group, last_took) = (pending.len().max(1), commit_took);
         for p in pending {
             p.finish(commit.clone());
         }
     }
     if let Err((_, e)) = conn.close() {
         tracing::error!(error = %e, "closing the database");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn job() -> Box<dyn Job> {
-        let (reply, _) = oneshot::channel();
-        Box::new(TypedJob {
-            work: |_: &Connection| Ok::<_, StorageFailure>(()),
-            reply,
-        })
-    }
-
-    #[test]
-    fn a_lone_write_takes_what_is_queued_and_does_not_wait() {
-        let (tx, rx) = mpsc::channel();
-        tx.send(job()).unwrap();
-        let mut group = vec![job()];
-        // No gathering (the last commit held one request): whatever is queued, at once.
-        take_queued(&rx, &mut group, MAX_GROUP, None);
-        assert_eq!(group.len(), 2);
-        // With nothing queued and no gathering it returns with what it has: were it to
-        // wait, this would block with the sender alive.
-        take_queued(&rx, &mut group, MAX_GROUP, None);
-        assert_eq!(group.len(), 2);
-    }
-
-    #[test]
-    fn after_a_shared_commit_the_next_gathers_until_as_many_as_last_time_are_in() {
-        let (tx, rx) = mpsc::channel();
-        let sender = std::thread::spawn(move || {
-            for _ in 0..3 {
-                tx.send(job()).unwrap();
-            }
-            tx
-        });
-        let mut group = vec![job()];
-        // The deadline is far: only the count (4, as last time) ends the wait.
-        let until = Instant::now() + Duration::from_secs(3600);
-        take_queued(&rx, &mut group, MAX_GROUP, Some((until, 4)));
-        assert_eq!(group.len(), 4);
-        let tx = sender.join().unwrap();
-        // At the deadline it stops waiting, however few came.
-        take_queued(&rx, &mut group, MAX_GROUP, Some((Instant::now(), 100)));
-        assert_eq!(group.len(), 4);
-        // The group never exceeds its limit.
-        for _ in 0..3 {
-            tx.send(job()).unwrap();
-        }
-        take_queued(&rx, &mut group, 5, None);
-        assert_eq!(group.len(), 5);
     }
 }
