@@ -16,7 +16,8 @@ use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationsParams, OwnerKind,
-    ServerStartedParams, Snapshotter, StartParams, WaitParams,
+    ServerStartedParams, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
+    MAX_CHANGED_OPERATIONS,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -324,6 +325,29 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
     }
 }
 
+/// Maps a legacy plugin name and checks the operation IDs, at most
+/// [`MAX_CHANGED_OPERATIONS`] of them.
+fn check_changed(p: &mut SnapshotterChangedParams) -> Result<(), Error> {
+    validate::legacy_plugin_name(&mut p.plugin);
+    validate::plugin_name(&p.plugin).map_err(|e| invalid("plugin", e))?;
+    if let Some(ids) = &p.operations {
+        if ids.len() > MAX_CHANGED_OPERATIONS {
+            return Err(invalid(
+                "operations",
+                format!(
+                    "at most {MAX_CHANGED_OPERATIONS} operation IDs (got {}); leave it out to \
+                     have all of the plugin's operations polled",
+                    ids.len()
+                ),
+            ));
+        }
+        for (i, id) in ids.iter().enumerate() {
+            validate::operation_id(id).map_err(|e| invalid(&format!("operations[{i}]"), e))?;
+        }
+    }
+    Ok(())
+}
+
 /// Why `snapshotter.register` refuses a command: the operator decides who may run
 /// programs as the agent's user.
 pub const COMMAND_REFUSED: &str = "only the config file may register a command snapshotter \
@@ -590,6 +614,14 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
                 return Err(invalid("command", COMMAND_REFUSED));
             }
             core.register_snapshotter(s).await
+        },
+    );
+    register(
+        &mut module,
+        methods::SNAPSHOTTER_CHANGED,
+        |core, mut p: SnapshotterChangedParams| async move {
+            check_changed(&mut p)?;
+            core.snapshotter_changed(p.plugin, p.operations).await
         },
     );
     register(

@@ -25,6 +25,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use opmon_client::{codes, ApiVersion, OperationProgress, OperationRef, Snapshotter};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
 use serde_json::value::RawValue;
 use tokio::sync::Semaphore;
@@ -158,8 +159,11 @@ impl Caller {
                 stream::iter((0..ops.len()).step_by(size))
                     .map(move |start| async move {
                         let end = (start + size).min(ops.len());
-                        let answers = s.batch("operation.cancel", &ops[start..end]).await;
-                        (start, answers.into_iter().map(|a| a.map(|_| ())).collect())
+                        // Any result is a success (the protocol's is `null`).
+                        let answers = s
+                            .batch("operation.cancel", &ops[start..end], |_| Ok(()))
+                            .await;
+                        (start, answers)
                     })
                     .buffer_unordered(s.settings.socket_concurrency.max(1))
                     .boxed()
@@ -205,6 +209,15 @@ fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValu
     <&'a RawValue>::deserialize(d).map(Some)
 }
 
+/// A response entry whose result is parsed as `T` at once (`null` or absent: `None`).
+#[derive(Deserialize)]
+struct TypedEntry<T> {
+    id: Option<u64>,
+    #[serde(default = "Option::default")]
+    result: Option<T>,
+    error: Option<ErrorEntry>,
+}
+
 #[derive(Deserialize)]
 struct ErrorEntry {
     code: i32,
@@ -230,34 +243,36 @@ impl ErrorEntry {
 impl SocketRemote {
     async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
         let size = self.settings.batch_size.max(1);
-        let answers: Vec<Vec<Answer<Box<RawValue>>>> = stream::iter((0..ops.len()).step_by(size))
-            .map(|start| {
-                self.batch(
-                    "operation.progress",
-                    &ops[start..(start + size).min(ops.len())],
-                )
+        let parse = |raw: &RawValue| {
+            serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
+                CallError::Answered(format!(
+                    "snapshotter {} answered an invalid progress: {e}",
+                    self.name
+                ))
             })
-            .buffered(self.settings.socket_concurrency.max(1))
-            .collect()
-            .await;
-        answers
-            .into_iter()
-            .flatten()
-            .map(|answer| {
-                answer.and_then(|raw| {
-                    serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
-                        CallError::Answered(format!(
-                            "snapshotter {} answered an invalid progress: {e}",
-                            self.name
-                        ))
-                    })
+        };
+        let answers: Vec<Vec<Answer<OperationProgress>>> =
+            stream::iter((0..ops.len()).step_by(size))
+                .map(|start| {
+                    self.batch(
+                        "operation.progress",
+                        &ops[start..(start + size).min(ops.len())],
+                        parse,
+                    )
                 })
-            })
-            .collect()
+                .buffered(self.settings.socket_concurrency.max(1))
+                .collect()
+                .await;
+        answers.into_iter().flatten().collect()
     }
 
     /// Sends one JSON-RPC batch of `method` for `ops`; one answer per op, in order.
-    async fn batch(&self, method: &str, ops: &[OperationRef]) -> Vec<Answer<Box<RawValue>>> {
+    async fn batch<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        ops: &[OperationRef],
+        parse: impl Fn(&RawValue) -> Answer<T>,
+    ) -> Vec<Answer<T>> {
         let _permit = self.in_flight.acquire().await;
         let body = match encode_batch(method, ops) {
             Ok(body) => body,
@@ -283,10 +298,44 @@ impl SocketRemote {
                 return ops.iter().map(|_| Err(e.clone())).collect();
             }
         };
-        self.decode_batch(&response, ops.len())
+        self.decode_batch(&response, ops.len(), parse)
     }
 
-    fn decode_batch(&self, response: &[u8], count: usize) -> Vec<Answer<Box<RawValue>>> {
+    /// One answer per op from a batch response, each result parsed by `parse`. The
+    /// usual response (every entry a result of type `T` or an error) is parsed in one
+    /// pass; anything else is read entry by entry, so one bad entry fails only its own
+    /// operation, with the message that says why.
+    fn decode_batch<T: DeserializeOwned>(
+        &self,
+        response: &[u8],
+        count: usize,
+        parse: impl Fn(&RawValue) -> Answer<T>,
+    ) -> Vec<Answer<T>> {
+        if let Ok(entries) = serde_json::from_slice::<Vec<TypedEntry<T>>>(response) {
+            if entries
+                .iter()
+                .all(|e| e.result.is_some() || e.error.is_some())
+            {
+                let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
+                for entry in entries {
+                    let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
+                        continue;
+                    };
+                    *slot = match (entry.result, entry.error) {
+                        (_, Some(e)) if e.transient() => {
+                            Some(Err(CallError::Transient(self.describe(&e))))
+                        }
+                        (_, Some(e)) => Some(Err(CallError::Answered(self.describe(&e)))),
+                        (Some(result), None) => Some(Ok(result)),
+                        (None, None) => None,
+                    };
+                }
+                return answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(|| Err(self.unanswered())))
+                    .collect();
+            }
+        }
         let whole = |e: String| {
             (0..count)
                 .map(|_| Err(CallError::Answered(e.clone())))
@@ -305,14 +354,7 @@ impl SocketRemote {
                 };
             }
         };
-        let mut answers: Vec<Answer<Box<RawValue>>> = (0..count)
-            .map(|_| {
-                Err(CallError::Answered(format!(
-                    "snapshotter {} left the call unanswered",
-                    self.name
-                )))
-            })
-            .collect();
+        let mut answers: Vec<Answer<T>> = (0..count).map(|_| Err(self.unanswered())).collect();
         for entry in entries {
             let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
                 continue;
@@ -320,7 +362,7 @@ impl SocketRemote {
             *slot = match (entry.result, entry.error) {
                 (_, Some(e)) if e.transient() => Err(CallError::Transient(self.describe(&e))),
                 (_, Some(e)) => Err(CallError::Answered(self.describe(&e))),
-                (Some(result), None) => Ok(result.to_owned()),
+                (Some(result), None) => parse(result),
                 (None, None) => Err(CallError::Answered(format!(
                     "snapshotter {} answered without a result",
                     self.name
@@ -328,6 +370,13 @@ impl SocketRemote {
             };
         }
         answers
+    }
+
+    fn unanswered(&self) -> CallError {
+        CallError::Answered(format!(
+            "snapshotter {} left the call unanswered",
+            self.name
+        ))
     }
 
     fn describe(&self, e: &ErrorEntry) -> String {
@@ -545,7 +594,7 @@ mod tests {
     #[test]
     fn errors_marked_transient_by_code_or_data_are_retried_and_others_are_not() {
         let remote = socket_remote();
-        let answers = remote.decode_batch(
+        let answers = remote.decode_batch::<()>(
             br#"[
                 {"jsonrpc":"2.0","id":0,"error":{"code":2003,"message":"busy"}},
                 {"jsonrpc":"2.0","id":1,"error":{"code":-32000,"message":"throttled","data":{"retryable":true,"after":"1s"}}},
@@ -554,6 +603,7 @@ mod tests {
                 {"jsonrpc":"2.0","id":4,"error":{"code":2002,"message":"no such op"}}
             ]"#,
             5,
+            |_| Ok(()),
         );
         let errors: Vec<CallError> = answers.into_iter().map(|a| a.unwrap_err()).collect();
         assert_eq!(
@@ -570,5 +620,79 @@ mod tests {
                 ),
             ]
         );
+    }
+    fn remote() -> SocketRemote {
+        SocketRemote {
+            name: "a.io/b".into(),
+            path: "/nonexistent".into(),
+            pool: Mutex::new(Vec::new()),
+            settings: CallSettings {
+                deadline: Duration::from_secs(1),
+                batch_size: 256,
+                socket_concurrency: 1,
+                command_concurrency: 1,
+            },
+            in_flight: Semaphore::new(1),
+        }
+    }
+
+    fn progress(r: &SocketRemote, response: &str, count: usize) -> Vec<Answer<OperationProgress>> {
+        r.decode_batch(response.as_bytes(), count, |raw| {
+            serde_json::from_str::<OperationProgress>(raw.get())
+                .map_err(|e| CallError::Answered(format!("invalid progress: {e}")))
+        })
+    }
+
+    const DONE: &str = r#"{"completed":true,"nCompleted":1,"nTotal":1}"#;
+
+    #[test]
+    fn a_usual_batch_is_read_in_one_pass_in_id_order() {
+        let r = remote();
+        let response = format!(
+            r#"[{{"jsonrpc":"2.0","id":1,"error":{{"code":2002,"message":"gone"}}}},{{"jsonrpc":"2.0","id":0,"result":{DONE}}}]"#
+        );
+        let answers = progress(&r, &response, 3);
+        assert!(answers[0].as_ref().is_ok_and(|p| p.completed));
+        assert_eq!(
+            answers[1],
+            Err(CallError::Answered(
+                "InvalidOperationId: snapshotter a.io/b: gone".into()
+            ))
+        );
+        assert_eq!(
+            answers[2],
+            Err(CallError::Answered(
+                "snapshotter a.io/b left the call unanswered".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn one_bad_entry_fails_only_its_own_operation() {
+        let r = remote();
+        let response = format!(
+            r#"[{{"id":0,"result":{DONE}}},{{"id":1,"result":{{"completed":"yes"}}}},{{"id":2,"result":null}},{{"id":3}}]"#
+        );
+        let answers = progress(&r, &response, 4);
+        assert!(answers[0].is_ok());
+        assert!(
+            matches!(&answers[1], Err(CallError::Answered(e)) if e.starts_with("invalid progress: invalid type: string \"yes\", expected a boolean")),
+            "{:?}",
+            answers[1]
+        );
+        assert!(
+            matches!(&answers[2], Err(CallError::Answered(e)) if e.starts_with("invalid progress: invalid type: null")),
+            "{:?}",
+            answers[2]
+        );
+        assert_eq!(
+            answers[3],
+            Err(CallError::Answered(
+                "snapshotter a.io/b answered without a result".into()
+            ))
+        );
+        // Cancel's `null` results are successes.
+        let cancels = r.decode_batch(br#"[{"id":0,"result":null}]"#, 1, |_| Ok(()));
+        assert_eq!(cancels, vec![Ok(())]);
     }
 }

@@ -9,7 +9,8 @@
 //! ```sh
 //! cargo build -p opmon-client --example qemu-img-snapshotter
 //! Q=target/debug/examples/qemu-img-snapshotter
-//! $Q serve --socket /tmp/qemu-img.sock --state-dir /tmp/qis/state --backup-dir /tmp/qis/backups &
+//! $Q serve --socket /tmp/qemu-img.sock --state-dir /tmp/qis/state --backup-dir /tmp/qis/backups \
+//!    --agent-socket "$OPMON_SOCKET" --plugin example.io/qemu-img &
 //! call snapshotter.register '{"name":"example.io/qemu-img","apiVersion":"v2","socket":"/tmp/qemu-img.sock"}'
 //!
 //! qemu-img create -f qcow2 disk.qcow2 64M && qemu-io -c 'write -P 0xab 0 64M' disk.qcow2
@@ -51,7 +52,7 @@ use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
 use opmon_client::snapshotter::{
-    rpc_module, serve_methods, termination, OperationHandler, SnapshotterError,
+    rpc_module, serve_methods, termination, Hints, OperationHandler, SnapshotterError,
 };
 use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -97,6 +98,13 @@ struct ServeArgs {
     /// Where the copies are written, as `<operation ID>.qcow2`; created if missing.
     #[arg(long)]
     backup_dir: PathBuf,
+    /// The agent's socket: when a copy finishes, tell the agent at once
+    /// (`snapshotter.changed`) instead of letting it wait for its next poll.
+    #[arg(long, requires = "plugin")]
+    agent_socket: Option<PathBuf>,
+    /// The plugin name this snapshotter is registered under, for the hints.
+    #[arg(long, requires = "agent_socket")]
+    plugin: Option<String>,
 }
 
 #[derive(Args)]
@@ -219,6 +227,8 @@ struct Copier {
     copies: Mutex<Copies>,
     /// Serialises state-file writes, so that the last write holds the latest state.
     save_turn: tokio::sync::Mutex<()>,
+    /// Tells the agent when a copy finishes (nothing without `--agent-socket`).
+    hints: Hints,
     /// Held for the process's life: a second snapshotter on the same state directory
     /// would overwrite this one's records.
     _lock: nix::fcntl::Flock<std::fs::File>,
@@ -253,7 +263,7 @@ impl OperationHandler for QemuImgSnapshotter {
 
 impl Copier {
     /// Opens the state in `state_dir`, creating both directories if needed.
-    fn open(state_dir: &Path, backup_dir: &Path) -> Result<Copier, String> {
+    fn open(state_dir: &Path, backup_dir: &Path, hints: Hints) -> Result<Copier, String> {
         for (flag, dir) in [("--state-dir", state_dir), ("--backup-dir", backup_dir)] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| format!("{flag}: cannot create {}: {e}", dir.display()))?;
@@ -282,6 +292,7 @@ impl Copier {
                 running: HashMap::new(),
             }),
             save_turn: tokio::sync::Mutex::new(()),
+            hints,
             _lock: lock,
         })
     }
@@ -571,11 +582,15 @@ impl Copier {
             // Still settle in memory: the copy did end; a restart reruns it.
             eprintln!("{id}: saving its outcome: {e}");
         }
-        let mut copies = self.lock();
-        copies.running.remove(id);
-        if let Some(record) = copies.records.get_mut(id) {
-            settle(record);
+        {
+            let mut copies = self.lock();
+            copies.running.remove(id);
+            if let Some(record) = copies.records.get_mut(id) {
+                settle(record);
+            }
         }
+        // After the record says so: the agent's poll reads the outcome.
+        self.hints.changed(id);
     }
 }
 
@@ -827,7 +842,11 @@ async fn last_line_of(stream: Option<impl AsyncRead + Unpin>) -> Option<String> 
 
 /// `serve`: loads the state, restarts interrupted copies, serves until SIGTERM/SIGINT.
 async fn serve(args: ServeArgs) -> Result<(), String> {
-    let copier = Arc::new(Copier::open(&args.state_dir, &args.backup_dir)?);
+    let hints = match (&args.agent_socket, &args.plugin) {
+        (Some(agent), Some(plugin)) => Hints::new(agent, plugin.as_str()),
+        _ => Hints::none(),
+    };
+    let copier = Arc::new(Copier::open(&args.state_dir, &args.backup_dir, hints)?);
     copier.resume_interrupted();
     let mut module = rpc_module(QemuImgSnapshotter(Arc::clone(&copier)));
     module

@@ -522,6 +522,24 @@ impl Client {
         )
         .await
     }
+
+    /// `snapshotter.changed`: tells the agent that `operations` of `plugin` (all of its
+    /// operations if `None`) changed, so it polls them now. The SDK's
+    /// [`crate::snapshotter::Hints`] sends these for a snapshotter.
+    pub async fn snapshotter_changed(
+        &self,
+        plugin: &str,
+        operations: Option<Vec<String>>,
+    ) -> Result<(), Error> {
+        self.call(
+            methods::SNAPSHOTTER_CHANGED,
+            SnapshotterChangedParams {
+                plugin: plugin.into(),
+                operations,
+            },
+        )
+        .await
+    }
 }
 
 /// The `backup.*` or `restore.*` methods; one implementation for both kinds.

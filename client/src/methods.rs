@@ -17,6 +17,9 @@ pub const SNAPSHOTTER_LIST: &str = "snapshotter.list";
 pub const SNAPSHOTTER_UNREGISTER: &str = "snapshotter.unregister";
 /// `server.started`: a backup server says it (re)started.
 pub const SERVER_STARTED: &str = "server.started";
+/// `snapshotter.changed`: a snapshotter's hint that some of its operations changed, so
+/// the agent polls them now instead of at its next tick.
+pub const SNAPSHOTTER_CHANGED: &str = "snapshotter.changed";
 
 /// The snapshotter protocol: the agent calls these on a socket snapshotter.
 pub const OPERATION_PROGRESS: &str = "operation.progress";
@@ -29,7 +32,7 @@ pub const RPC_DISCOVER: &str = "rpc.discover";
 /// The API version `agent.status` reports and the OpenRPC document's `info.version`.
 /// The major number changes only when a call that worked stops working; additions show
 /// in [`FEATURES`].
-pub const API_VERSION: &str = "1.1.0";
+pub const API_VERSION: &str = "1.2.0";
 
 /// The optional features `agent.status` lists, so a client can tell an agent that has
 /// one from an older agent that does not (client/REFERENCE.md says what each means).
@@ -59,6 +62,8 @@ pub const FEATURES: &[&str] = &[
     "events",
     // `Operation.rate`/`eta` and `Owner.progress`: smoothed rates and ETAs.
     "rate",
+    // `snapshotter.changed`: a snapshotter's hint makes the agent poll at once.
+    "snapshotter.changed",
 ];
 
 /// When the client may send a request again after the connection broke before the
@@ -82,7 +87,9 @@ pub enum Retry {
 pub fn retry_of(method: &str) -> Retry {
     match method {
         // `server.started` fails only owners of other instances: a repeat fails nothing more.
-        AGENT_STATUS | SNAPSHOTTER_LIST | SNAPSHOTTER_REGISTER | SERVER_STARTED => Retry::Always,
+        // A hint changes nothing by itself: a repeat at most polls once more.
+        AGENT_STATUS | SNAPSHOTTER_LIST | SNAPSHOTTER_REGISTER | SERVER_STARTED
+        | SNAPSHOTTER_CHANGED => Retry::Always,
         _ => match method.split_once('.') {
             Some((kind, verb)) if kind.parse::<OwnerKind>().is_ok() => OwnerMethod::ALL
                 .iter()

@@ -494,6 +494,16 @@ mod generate {
             "snapshotter",
             &all,
         ));
+        list.push(method::<SnapshotterChangedParams, ()>(
+            g,
+            meta(
+                methods::SNAPSHOTTER_CHANGED,
+                "A snapshotter's hint that operations of `plugin` changed: the agent polls them at once (hints that arrive meanwhile are merged, and hinted polls take a bounded share of the agent's time). The hint itself changes nothing; the poll's answers do.",
+                &[IP, NF],
+            ),
+            "result",
+            &all,
+        ));
         let mut discover = meta(methods::RPC_DISCOVER, "This OpenRPC document.", &[IP]);
         discover.description =
             Some("The result is the document client/openrpc/opmon.json of the agent's version.");

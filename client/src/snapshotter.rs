@@ -164,6 +164,132 @@ pub async fn serve_methods(
     Ok(())
 }
 
+/// Tells the agent when operations change, so it polls them at once rather than at its
+/// next poll (10 s by default): a finished copy reaches its owner in milliseconds.
+///
+/// Call [`Hints::changed`] whenever an operation's state changes (it finished, failed,
+/// or made progress worth showing). It never blocks and never fails: hints are merged
+/// and sent by a task of their own, one `snapshotter.changed` call at a time, and a hint
+/// that cannot be sent is dropped (the agent's regular poll still finds the change).
+/// Dropping the last clone stops the task.
+///
+/// ```no_run
+/// # async fn demo() {
+/// use opmon_client::snapshotter::Hints;
+/// let hints = Hints::new("/run/opmon/agent.sock", "example.io/copier");
+/// // … when copy-1 finishes:
+/// hints.changed("copy-1");
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Hints {
+    inner: Option<Arc<HintsInner>>,
+}
+
+struct HintsInner {
+    plugin: String,
+    /// IDs waiting to be sent; `None`: all of the plugin's operations.
+    pending: std::sync::Mutex<Option<std::collections::BTreeSet<String>>>,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for HintsInner {
+    fn drop(&mut self) {
+        // Lets the sender task see that every handle is gone.
+        self.wake.notify_one();
+    }
+}
+
+impl Hints {
+    /// Hints that go nowhere: for a snapshotter not told its agent's socket.
+    pub fn none() -> Hints {
+        Hints { inner: None }
+    }
+
+    /// Hints for `plugin`'s operations, sent to the agent on `agent_socket`. Must be
+    /// called within a tokio runtime (it spawns the sender task).
+    pub fn new(agent_socket: impl AsRef<Path>, plugin: impl Into<String>) -> Hints {
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let inner = Arc::new(HintsInner {
+            plugin: plugin.into(),
+            pending: std::sync::Mutex::new(Some(Default::default())),
+            wake: wake.clone(),
+        });
+        tokio::spawn(send_hints(
+            agent_socket.as_ref().to_path_buf(),
+            Arc::downgrade(&inner),
+            wake,
+        ));
+        Hints { inner: Some(inner) }
+    }
+
+    /// Operation `operation_id` changed.
+    pub fn changed(&self, operation_id: &str) {
+        self.add(Some(operation_id));
+    }
+
+    /// Any of the plugin's operations may have changed (after a restart, say).
+    pub fn all_changed(&self) {
+        self.add(None);
+    }
+
+    fn add(&self, id: Option<&str>) {
+        let Some(inner) = &self.inner else { return };
+        {
+            let mut pending = inner
+                .pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match (pending.as_mut(), id) {
+                // Bounded: past one call's worth, all of them.
+                (Some(ids), Some(id)) if ids.len() < crate::types::MAX_CHANGED_OPERATIONS => {
+                    ids.insert(id.to_string());
+                }
+                (Some(ids), Some(id)) if ids.contains(id) => {}
+                _ => *pending = None,
+            }
+        }
+        inner.wake.notify_one();
+    }
+}
+
+/// Sends what [`Hints`] gathered, one call at a time, until every handle is dropped.
+async fn send_hints(
+    socket: std::path::PathBuf,
+    inner: std::sync::Weak<HintsInner>,
+    wake: Arc<tokio::sync::Notify>,
+) {
+    let mut client: Option<crate::Client> = None;
+    loop {
+        wake.notified().await;
+        let Some(inner) = inner.upgrade() else { return };
+        let taken = inner
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .replace(Default::default());
+        let ids = match taken {
+            Some(ids) if ids.is_empty() => continue,
+            Some(ids) => Some(ids.into_iter().collect::<Vec<_>>()),
+            None => None,
+        };
+        let plugin = inner.plugin.clone();
+        drop(inner);
+        if client.is_none() {
+            client = crate::Client::connect(&socket).await.ok();
+        }
+        let Some(c) = &client else {
+            tracing::debug!(socket = %socket.display(), "hint dropped: cannot connect to the agent");
+            continue;
+        };
+        if let Err(e) = c.snapshotter_changed(&plugin, ids).await {
+            // Polling finds the change anyway; a broken connection is made afresh.
+            tracing::debug!(error = %e, "hint not taken by the agent");
+            client = None;
+        }
+    }
+}
+
 /// Resolves at the first SIGTERM or SIGINT. The handlers are installed when this is
 /// called, not when the future is first polled, so a signal that arrives while the
 /// caller is still starting up is not lost (and does not kill the process outright).

@@ -481,6 +481,25 @@ pub struct ServerStartedResult {
     pub failed: Vec<FailedOwner>,
 }
 
+/// Most operation IDs one `snapshotter.changed` may name; a snapshotter with more
+/// changes names none, and all of its plugin's operations are polled.
+pub const MAX_CHANGED_OPERATIONS: usize = 1000;
+
+/// `snapshotter.changed` params: some operations of `plugin` changed (finished, failed,
+/// progressed), so the agent should poll them now. A hint only decides when to poll:
+/// what the agent records comes from the poll, never from the hint.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SnapshotterChangedParams {
+    /// The plugin whose snapshotter saw the change, as registered.
+    pub plugin: String,
+    /// The operation IDs that changed (at most 1,000); absent: any
+    /// of the plugin's operations may have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operations: Option<Vec<String>>,
+}
+
 /// An owner `server.started` failed.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

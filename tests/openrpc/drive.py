@@ -341,6 +341,9 @@ def drive(args):
     expect({s["name"] for s in agent.call("snapshotter.list")} >= {PLUGIN, "example.io/old"},
            "snapshotter.list has both")
     agent.call("snapshotter.unregister", {"name": "example.io/old"})
+    expect(agent.call("snapshotter.changed", {"plugin": PLUGIN, "operations": ["x"]}) is None,
+           "snapshotter.changed answers null")
+    agent.error("snapshotter.changed", {"plugin": "example.io/old"}, 1001)
     agent.error("snapshotter.unregister", {"name": "example.io/old"}, 1001)
 
     # A backup: InProgress, operations, Waiting, released, Finalizing, Completed.

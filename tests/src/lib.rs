@@ -213,6 +213,8 @@ pub struct Agent {
     pub state_dir: PathBuf,
     pub log: PathBuf,
     args: Vec<String>,
+    /// `--poll-interval` (100 ms unless started with [`Agent::start_polling_every`]).
+    poll_interval: String,
 }
 
 impl Agent {
@@ -221,6 +223,16 @@ impl Agent {
     pub fn start(dir: &Path, extra: &[&str]) -> Agent {
         let mut agent = Agent::unstarted(dir, &dir.join("run/agent.sock"), &dir.join("state"));
         agent.args = extra.iter().map(|s| s.to_string()).collect();
+        agent.launch();
+        agent
+    }
+
+    /// Like [`Agent::start`], polling every `interval` (`"1h"`: a change seen within
+    /// the test's time was not found by the periodic poll).
+    pub fn start_polling_every(dir: &Path, interval: &str, extra: &[&str]) -> Agent {
+        let mut agent = Agent::unstarted(dir, &dir.join("run/agent.sock"), &dir.join("state"));
+        agent.args = extra.iter().map(|s| s.to_string()).collect();
+        agent.poll_interval = interval.to_string();
         agent.launch();
         agent
     }
@@ -242,6 +254,7 @@ impl Agent {
             state_dir: state_dir.to_path_buf(),
             log: dir.join("agent.log"),
             args: Vec::new(),
+            poll_interval: "100ms".into(),
         }
     }
 
@@ -265,7 +278,7 @@ impl Agent {
             .arg(&self.socket)
             .arg("--state-dir")
             .arg(&self.state_dir)
-            .args(["--poll-interval", "100ms"])
+            .args(["--poll-interval", &self.poll_interval])
             .args(&self.args)
             .env("OPMON_LOG_LEVEL", traffic::LOG_FILTER)
             .env("OPMON_CONFIG", "/dev/null")
@@ -353,6 +366,40 @@ impl SdkSnapshotter {
             .spawn()
             .expect("spawning opmon-test-snapshotter");
         wait_for_socket(&socket, &mut child, &log_path);
+        SdkSnapshotter {
+            child,
+            socket,
+            log: log_path,
+        }
+    }
+
+    /// Like [`SdkSnapshotter::start`], sending `snapshotter.changed` hints for `plugin`
+    /// to the agent on `agent_socket` when a gate is opened with its `gate.open` method.
+    pub fn start_hinting(
+        dir: &Path,
+        name: &str,
+        gates: &Path,
+        journal: &Path,
+        agent_socket: &Path,
+        plugin: &str,
+    ) -> SdkSnapshotter {
+        let socket = dir.join(format!("{name}.sock"));
+        let log_path = dir.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).expect("snapshotter log");
+        let mut child = Command::new(test_snapshotter_binary())
+            .arg(&socket)
+            .arg(gates)
+            .arg(journal)
+            .arg(agent_socket)
+            .arg(plugin)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawning opmon-test-snapshotter");
+        wait_for_socket(&socket, &mut child, &log_path);
+        // Its traffic is not logged: it also serves the test's own `gate.open`, which
+        // is no part of the snapshotter protocol's document.
         SdkSnapshotter {
             child,
             socket,

@@ -184,7 +184,8 @@ async fn status_reports_api_version_and_features_and_an_older_status_still_parse
             "deadlines",
             "retries",
             "events",
-            "rate"
+            "rate",
+            "snapshotter.changed"
         ]
     );
     let older: opmon_client::AgentStatus = serde_json::from_str(

@@ -5,6 +5,7 @@
 mod cancel;
 mod expiry;
 mod finalize;
+mod hints;
 mod name_locks;
 mod owners;
 mod poll;
@@ -75,6 +76,8 @@ pub struct Core {
     changes: Changes,
     /// Wakes the poller before its next tick (after a restart, for instance).
     poll_now: Notify,
+    /// Snapshotters' hints waiting for their poll.
+    hints: hints::Hints,
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
@@ -141,6 +144,7 @@ impl Core {
             poller,
             changes: Changes::default(),
             poll_now: Notify::new(),
+            hints: hints::Hints::default(),
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
@@ -234,6 +238,7 @@ impl Core {
             .clamp(Duration::from_millis(100), Duration::from_secs(3600));
         let mut retention = tokio::time::interval(retention_every);
         retention.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.sweeps.spawn(self.clone().poll_hinted());
         loop {
             tokio::select! {
                 _ = self.stopping.cancelled() => break,

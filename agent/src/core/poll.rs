@@ -606,7 +606,7 @@ impl Poller {
 
 impl Core {
     /// Commits polled changes and settles the waiting owners they touched.
-    async fn commit_sweep(&self, changes: Vec<OperationChange>) -> Result<(), Error> {
+    pub(super) async fn commit_sweep(&self, changes: Vec<OperationChange>) -> Result<(), Error> {
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.
         // An owner whose operations only progressed hears of it with the next progress
         // announcement; one with a phase change (its own may follow) at once.
@@ -680,7 +680,7 @@ impl Core {
 
     /// Polls every unfinished operation of `plugin`'s waiting owners, a page at a time:
     /// memory is bounded by the page, whatever the number of operations.
-    async fn sweep_plugin(&self, plugin: &str) -> Result<(), Error> {
+    pub(super) async fn sweep_plugin(&self, plugin: &str) -> Result<(), Error> {
         let mut after = 0;
         loop {
             let name = plugin.to_string();

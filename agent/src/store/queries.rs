@@ -657,6 +657,12 @@ pub enum Targets<'a> {
     /// Canceled operations whose Cancel calls were out when the agent stopped (any
     /// phase: they are Canceled already), the first `limit` by row.
     CancelRequested { limit: i64 },
+    /// Those of `plugin` named in `operation_ids` (a JSON array of strings) whose owner
+    /// is waiting (a snapshotter's hint).
+    Hinted {
+        plugin: &'a str,
+        operation_ids: &'a str,
+    },
 }
 
 /// The plugins that have unfinished operations (of any owner).
@@ -738,6 +744,28 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                  WHERE o.cancel_requested = 1 ORDER BY o.id LIMIT ?1"
             ))?;
             rows = stmt.query([limit])?;
+        }
+        Targets::Hinted {
+            plugin,
+            operation_ids,
+        } => {
+            // Waiting owners first (CROSS JOIN keeps that order), then a lookup per
+            // owner, kind and ID in the unique index: the cost follows the IDs named
+            // and the owners waiting, not the plugin's operations.
+            let kinds = PluginKind::ALL
+                .iter()
+                .map(|k| format!("'{}'", k.as_str()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM owners w CROSS JOIN operations o ON o.owner_id = w.id \
+                 WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
+                 AND o.operation_id IN (SELECT value FROM json_each(?2)) \
+                 AND o.phase IN {} ORDER BY o.owner_id, o.id",
+                waiting_owner!(),
+                unfinished_operation!()
+            ))?;
+            rows = stmt.query(params![plugin, operation_ids])?;
         }
     }
     let mut targets = Vec::new();

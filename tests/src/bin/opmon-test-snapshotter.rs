@@ -23,12 +23,18 @@
 //! it. Each call answered is appended to the journal file (`progress ID OWNER` or
 //! `cancel ID OWNER`, then ` OBJECT` as compact JSON when the owner has an object)
 //! before it is answered, so tests can see what the agent asked and in which order.
+//!
+//! Given the agent's socket and a plugin name as well, it also serves `gate.open {id}`,
+//! which opens the gate of `id` the way a copy finishes inside a snapshotter, and
+//! tells the agent through the SDK's hints.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
+use opmon_client::snapshotter::{
+    rpc_module, serve_methods, termination, Hints, OperationHandler, SnapshotterError,
+};
 use opmon_client::{OperationProgress, OperationRef};
 use time::OffsetDateTime;
 
@@ -214,9 +220,17 @@ impl OperationHandler for Scripted {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let [_, socket, gates, journal] = args.as_slice() else {
-        eprintln!("usage: opmon-test-snapshotter SOCKET GATES_DIR JOURNAL");
-        return std::process::ExitCode::from(2);
+    let (socket, gates, journal, hints) = match args.as_slice() {
+        [_, socket, gates, journal] => (socket, gates, journal, Hints::none()),
+        [_, socket, gates, journal, agent, plugin] => {
+            (socket, gates, journal, Hints::new(agent, plugin.as_str()))
+        }
+        _ => {
+            eprintln!(
+                "usage: opmon-test-snapshotter SOCKET GATES_DIR JOURNAL [AGENT_SOCKET PLUGIN]"
+            );
+            return std::process::ExitCode::from(2);
+        }
     };
     let journal = match std::fs::OpenOptions::new()
         .create(true)
@@ -240,13 +254,43 @@ async fn main() -> std::process::ExitCode {
             .with_writer(std::io::stderr)
             .init();
     }
+    let gates = PathBuf::from(gates);
     let snapshotter = Scripted {
-        gates: PathBuf::from(gates),
+        gates: gates.clone(),
         journal: Mutex::new(journal),
         calls: Mutex::default(),
         paced: Mutex::default(),
     };
-    match serve(socket, snapshotter).await {
+    let mut module = rpc_module(snapshotter);
+    let registered = module.register_method("gate.open", move |params, _, _| {
+        #[derive(serde::Deserialize)]
+        struct Gate {
+            id: String,
+        }
+        let gate: Gate = params.parse()?;
+        // A file name: no separators, nothing that leaves the gates directory.
+        if gate.id.is_empty() || gate.id.contains('/') || gate.id.starts_with('.') {
+            return Err(jsonrpsee::types::ErrorObjectOwned::owned(
+                opmon_client::codes::INVALID_PARAMS,
+                "id: must be a plain file name",
+                None::<()>,
+            ));
+        }
+        std::fs::write(gates.join(&gate.id), b"").map_err(|e| {
+            jsonrpsee::types::ErrorObjectOwned::owned(
+                jsonrpsee::types::error::INTERNAL_ERROR_CODE,
+                format!("opening gate {}: {e}", gate.id),
+                None::<()>,
+            )
+        })?;
+        hints.changed(&gate.id);
+        Ok::<_, jsonrpsee::types::ErrorObjectOwned>(())
+    });
+    if let Err(e) = registered {
+        eprintln!("opmon-test-snapshotter: registering gate.open: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
+    match serve_methods(socket, module, termination()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("opmon-test-snapshotter: {e}");

@@ -34,6 +34,9 @@ pub struct Spec {
     pub args: Vec<String>,
     /// Extra environment (`--agent-env`), for experiments such as `MALLOC_ARENA_MAX`.
     pub env: Vec<(String, String)>,
+    /// A program (with its arguments) that runs the agent, such as valgrind; empty:
+    /// the agent runs itself.
+    pub wrapper: Vec<String>,
 }
 
 impl Spec {
@@ -47,6 +50,7 @@ impl Spec {
             log: dir.join("agent.log"),
             args: args.iter().map(|s| s.to_string()).collect(),
             env: ctx.agent_env.clone(),
+            wrapper: Vec::new(),
         }
     }
 
@@ -84,7 +88,15 @@ impl Spec {
             .map_err(|e| format!("opening {}: {e}", self.log.display()))?;
         // Only the flags here configure the agent: the harness's command (no inherited
         // OPMON_* variables, no systemd hand-overs) and no /etc/opmon/agent.toml.
-        let child = opmon_tests::agent_command_of(&self.bin)
+        let mut command = match self.wrapper.split_first() {
+            None => opmon_tests::agent_command_of(&self.bin),
+            Some((program, args)) => {
+                let mut command = opmon_tests::agent_command_of(Path::new(program));
+                command.args(args).arg(&self.bin);
+                command
+            }
+        };
+        let child = command
             .arg("--socket")
             .arg(&self.socket)
             .arg("--state-dir")

@@ -14,6 +14,9 @@
 
 mod agent;
 mod finalize;
+mod hint;
+mod idle;
+mod instructions;
 mod litestream;
 mod memory;
 mod raw;
@@ -123,6 +126,12 @@ pub enum Scenario {
     Restart,
     Finalize,
     Subscribe,
+    /// Prompt completion: change → owner's new phase, with and without the hint.
+    Hint,
+    /// Agent CPU while 10,000 operations wait and nothing changes.
+    Idle,
+    /// Agent instructions per polled-and-committed operation (needs valgrind).
+    Instructions,
     /// Not in the default run: needs the `litestream` binary (issue 18).
     Litestream,
 }
@@ -451,6 +460,15 @@ async fn main() -> std::process::ExitCode {
                 sweep::run(&ctx, want),
             )
             .await;
+        }
+        if selected(only, Scenario::Hint) {
+            guarded(&mut report, "hint", hint::run(&ctx)).await;
+        }
+        if selected(only, Scenario::Idle) {
+            guarded(&mut report, "idle", idle::run(&ctx)).await;
+        }
+        if selected(only, Scenario::Instructions) {
+            guarded(&mut report, "instructions", instructions::run(&ctx)).await;
         }
         if selected(only, Scenario::Finalize) {
             guarded(&mut report, "finalize", finalize::run(&ctx)).await;

@@ -168,6 +168,8 @@ pub async fn batch(ctx: &Ctx) -> Result<Vec<Row>, String> {
 struct ConcurrentRun {
     rate: f64,
     base: f64,
+    /// One lone client's calls: the p50 latency, in seconds.
+    lone_p50: f64,
     group: Option<f64>,
     problems: Vec<String>,
 }
@@ -219,7 +221,22 @@ async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentR
     }
     let took = began.elapsed();
     let group = mean_commit_group(&spec.socket);
+    // Then one caller alone, one call at a time: group commit must not make it wait.
+    let lone = clients.pop().ok_or("no clients")?;
     drop(clients);
+    let name = "lone".to_string();
+    start_backups(ctx, &lone, std::slice::from_ref(&name)).await?;
+    let mut latencies = Vec::new();
+    for i in 0..s.concurrent_calls * 4 {
+        let op = operation("example.io/bench", s.concurrent_clients, i);
+        let began = Instant::now();
+        lone.backups()
+            .add_operations(&name, vec![op])
+            .await
+            .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+        latencies.push(began.elapsed().as_secs_f64());
+    }
+    drop(lone);
     agent.terminate()?;
 
     let ops: Vec<NewOperation> = (0..total)
@@ -229,6 +246,7 @@ async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentR
     Ok(ConcurrentRun {
         rate: total as f64 / took.as_secs_f64(),
         base: total as f64 / base.as_secs_f64(),
+        lone_p50: median_f64(latencies),
         group,
         problems: agent::log_problems(&spec.log),
     })
@@ -239,7 +257,10 @@ async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentR
 pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let s = &ctx.sizes;
     let mut runs = Vec::new();
-    for r in 0..s.repeats {
+    // Five runs (each the agent, then the baseline): the baseline follows the disk's
+    // fsync time, which drifts, so both are measured in alternation.
+    let repeats = 5;
+    for r in 0..repeats {
         let dir = ctx.subdir(&format!("register-concurrent/{r}"))?;
         runs.push(concurrent_once(ctx, &dir).await?);
     }
@@ -247,7 +268,7 @@ pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
         format!(
             "register-concurrent: addOperations ops/s, {} clients × {} calls of 1 op \
              (baseline: rusqlite, 1 row per committed tx); median of {}",
-            s.concurrent_clients, s.concurrent_calls, s.repeats
+            s.concurrent_clients, s.concurrent_calls, repeats
         ),
         per_sec(median_f64(runs.iter().map(|r| r.rate).collect()), "ops"),
         per_sec(median_f64(runs.iter().map(|r| r.base).collect()), "ops"),
@@ -260,6 +281,19 @@ pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
             format!("{:.1}", median_f64(groups)),
         ));
     }
+    let lone = median_f64(runs.iter().map(|r| r.lone_p50).collect());
+    let per_commit = median_f64(runs.iter().map(|r| 1.0 / r.base).collect());
+    rows.push(Row::info_vs(
+        format!(
+            "register-lone: one client alone, addOperations of 1 op, one call at a time, p50 \
+             latency, {} calls after the concurrent run (baseline: rusqlite, time per \
+             committed 1-row tx); median of {}",
+            s.concurrent_calls * 4,
+            runs.len()
+        ),
+        crate::table::dur(std::time::Duration::from_secs_f64(lone)),
+        crate::table::dur(std::time::Duration::from_secs_f64(per_commit)),
+    ));
     if let Some(problems) = runs.iter().map(|r| &r.problems).find(|p| !p.is_empty()) {
         rows.push(Row::info(
             "register: agent log warnings/errors",

@@ -4,6 +4,10 @@
 //!
 //! - operations whose ID starts with `soak-` are InProgress at their first call and
 //!   completed at their second;
+//! - those starting with `steady-` answer the same InProgress progress every time
+//!   (nothing changes, so nothing is committed: the `idle` scenario);
+//! - those starting with `until-` are InProgress until [`Bench::finish`] names them,
+//!   then completed (the `hint` scenario);
 //! - every other operation never completes, and each answer carries a new `nCompleted`
 //!   (a counter over all calls), so every poll changes the operation and is committed.
 //!
@@ -44,6 +48,8 @@ struct State {
     marked: Mutex<Option<Marked>>,
     reached: Notify,
     soak: Mutex<HashSet<String>>,
+    /// `until-` operations that [`Bench::finish`] completed.
+    finished: Mutex<HashSet<String>>,
 }
 
 struct Snap(Arc<State>);
@@ -60,6 +66,26 @@ impl OperationHandler for Snap {
             s.held.fetch_add(1, Ordering::SeqCst);
             let _ = hold.wait_for(|h| !*h).await;
             s.held.fetch_sub(1, Ordering::SeqCst);
+        }
+        let constant = |completed: bool| OperationProgress {
+            completed,
+            n_completed: if completed { 100 } else { 50 },
+            n_total: 100,
+            operation_units: "bytes".into(),
+            description: if completed { "done" } else { "copying" }.into(),
+            started: Some(started()),
+            ..Default::default()
+        };
+        if op.operation_id.starts_with("steady-") {
+            return Ok(constant(false));
+        }
+        if op.operation_id.starts_with("until-") {
+            let done = s
+                .finished
+                .lock()
+                .map(|f| f.contains(&op.operation_id))
+                .unwrap_or(false);
+            return Ok(constant(done));
         }
         if op.operation_id.starts_with("soak-") {
             // Seen before: completed now (and forgotten, so the set stays small).
@@ -130,6 +156,7 @@ impl Bench {
             marked: Mutex::new(None),
             reached: Notify::new(),
             soak: Mutex::new(HashSet::new()),
+            finished: Mutex::new(HashSet::new()),
         });
         let (stop, stopped) = oneshot::channel::<()>();
         let path = socket.to_path_buf();
@@ -158,6 +185,13 @@ impl Bench {
             socket: socket.to_path_buf(),
             stop: Some(stop),
         })
+    }
+
+    /// Completes the `until-` operation `id`: its next Progress answer says so.
+    pub fn finish(&self, id: &str) {
+        if let Ok(mut finished) = self.state.finished.lock() {
+            finished.insert(id.to_string());
+        }
     }
 
     /// From now on calls wait until [`Bench::release`].

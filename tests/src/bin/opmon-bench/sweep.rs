@@ -28,7 +28,7 @@ use crate::{memory, restart, rtt, subscribe, Ctx};
 
 const PLUGIN: &str = "example.io/bench";
 /// Longest a pass (even the serial one) may take.
-const PASS_WITHIN: Duration = Duration::from_secs(600);
+pub(crate) const PASS_WITHIN: Duration = Duration::from_secs(600);
 
 /// Which figures to produce.
 #[derive(Clone, Copy, Debug)]
@@ -47,7 +47,7 @@ impl Want {
 
 /// CPU time the process has used, in clock ticks (`/proc/<pid>/stat`; `self` for
 /// this process).
-fn cpu_ticks(pid: impl std::fmt::Display) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: impl std::fmt::Display) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     let utime: u64 = fields.get(11)?.parse().ok()?;
@@ -56,7 +56,7 @@ fn cpu_ticks(pid: impl std::fmt::Display) -> Option<u64> {
 }
 
 /// Waits until the agent has used no CPU for `quiet`.
-async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), String> {
+pub(crate) async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), String> {
     let began = Instant::now();
     let mut last = cpu_ticks(agent.pid);
     let mut since = Instant::now();
@@ -88,7 +88,7 @@ fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option
 }
 
 /// Waits until the marked call's change is committed; returns when that was seen.
-async fn wait_committed(db: &Path, m: &Marked) -> Result<Instant, String> {
+pub(crate) async fn wait_committed(db: &Path, m: &Marked) -> Result<Instant, String> {
     let sql = |e: rusqlite::Error| format!("reading {}: {e}", db.display());
     let conn = rusqlite::Connection::open_with_flags(
         db,

@@ -1,0 +1,204 @@
+//! Hinted polls: `snapshotter.changed` lets a snapshotter say that some of its
+//! operations changed, and the agent polls them at once instead of at its next tick.
+//!
+//! Invariants:
+//! - A hint decides only *when* to poll; what is recorded comes from the poll's answers,
+//!   exactly as for the periodic sweep. A false or hostile hint costs a poll, nothing else.
+//! - Hints are merged while they wait: per plugin, a set of operation IDs (at most
+//!   [`MAX_PENDING_IDS`]; past that, "all of the plugin's operations"). Plugins are
+//!   registered ones only, so what waits is bounded.
+//! - One hinted poll runs at a time, and after each the next waits at least
+//!   [`REST_FACTOR`] times as long as it took (and at least [`MIN_GAP`]): hints can take
+//!   at most 1 / (1 + [`REST_FACTOR`]) of the agent's time however fast they come.
+//!   Hints that arrive meanwhile are merged into the next poll.
+//! - A hinted poll takes the plugin's sweep turn, like the periodic sweep, so the same
+//!   operation is never polled by two tasks that could commit out of order; a hint
+//!   for a plugin whose sweep runs waits for the next round.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::Core;
+use crate::error::{Error, NotFound};
+use crate::store::queries::{self, Targets};
+use crate::sync::lock;
+
+/// Most operation IDs kept waiting per plugin; more make the next poll cover all of
+/// the plugin's operations.
+pub const MAX_PENDING_IDS: usize = 4096;
+/// The shortest wait between two hinted polls.
+pub const MIN_GAP: Duration = Duration::from_millis(5);
+/// After a hinted poll that took `t`, the next starts no sooner than `REST_FACTOR × t`.
+pub const REST_FACTOR: u32 = 4;
+
+/// What to poll for one plugin.
+#[derive(Debug, PartialEq, Eq)]
+enum Hinted {
+    All,
+    Some(HashSet<String>),
+}
+
+impl Hinted {
+    fn add(&mut self, ids: Option<Vec<String>>) {
+        match (&mut *self, ids) {
+            (Hinted::All, _) => {}
+            (_, None) => *self = Hinted::All,
+            (Hinted::Some(set), Some(ids)) => {
+                set.extend(ids);
+                if set.len() > MAX_PENDING_IDS {
+                    *self = Hinted::All;
+                }
+            }
+        }
+    }
+
+    fn merge(&mut self, other: Hinted) {
+        match other {
+            Hinted::All => *self = Hinted::All,
+            Hinted::Some(ids) => self.add(Some(ids.into_iter().collect())),
+        }
+    }
+}
+
+/// The hints waiting for a poll, and the wake-up of the task that polls them.
+#[derive(Default)]
+pub(super) struct Hints {
+    pending: Mutex<HashMap<String, Hinted>>,
+    wake: Notify,
+}
+
+impl Hints {
+    fn add(&self, plugin: String, ids: Option<Vec<String>>) {
+        lock(&self.pending)
+            .entry(plugin)
+            .or_insert_with(|| Hinted::Some(HashSet::new()))
+            .add(ids);
+        // Stores a permit if the task is busy: it looks again when done.
+        self.wake.notify_one();
+    }
+
+    fn take(&self) -> HashMap<String, Hinted> {
+        std::mem::take(&mut *lock(&self.pending))
+    }
+
+    fn put_back(&self, plugin: String, hinted: Hinted) {
+        lock(&self.pending)
+            .entry(plugin)
+            .or_insert_with(|| Hinted::Some(HashSet::new()))
+            .merge(hinted);
+    }
+}
+
+impl Core {
+    /// `snapshotter.changed` (params validated): remembers the hint and wakes the
+    /// hinted-poll task. Answers before the poll: the hint is a request to look, and
+    /// its sender learns nothing from waiting.
+    pub async fn snapshotter_changed(
+        &self,
+        plugin: String,
+        operations: Option<Vec<String>>,
+    ) -> Result<(), Error> {
+        if self.poller.remotes.get(&plugin).is_none() {
+            return Err(Error::NotFound(NotFound::Snapshotter(plugin)));
+        }
+        self.hints.add(plugin, operations);
+        Ok(())
+    }
+
+    /// The hinted-poll task: runs until [`Core::stop`].
+    pub(super) async fn poll_hinted(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                _ = self.stopping.cancelled() => return,
+                _ = self.hints.wake.notified() => {}
+            }
+            let began = Instant::now();
+            let mut busy = false;
+            for (plugin, hinted) in self.hints.take() {
+                let Some(_turn) = self.poller.start_sweep(&plugin) else {
+                    self.hints.put_back(plugin, hinted);
+                    busy = true;
+                    continue;
+                };
+                let poll = async {
+                    match hinted {
+                        Hinted::All => self.sweep_plugin(&plugin).await,
+                        Hinted::Some(ids) => self.poll_named(&plugin, ids).await,
+                    }
+                };
+                tokio::select! {
+                    _ = self.stopping.cancelled() => return,
+                    result = poll => if let Err(e) = result {
+                        tracing::warn!(plugin, error = %e, "hinted poll failed");
+                    }
+                }
+            }
+            let rest = (began.elapsed() * REST_FACTOR).max(MIN_GAP);
+            tokio::select! {
+                _ = self.stopping.cancelled() => return,
+                _ = tokio::time::sleep(rest) => {}
+            }
+            if busy {
+                self.hints.wake.notify_one();
+            }
+        }
+    }
+
+    /// Polls the operations of `plugin` named `ids` whose owners wait, and commits.
+    async fn poll_named(&self, plugin: &str, ids: HashSet<String>) -> Result<(), Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        // Passed to SQLite as one JSON array (json_each), so one statement serves any count.
+        let json = serde_json::Value::from(ids.into_iter().collect::<Vec<_>>()).to_string();
+        let name = plugin.to_string();
+        let targets = self
+            .store
+            .read(move |conn| {
+                let which = Targets::Hinted {
+                    plugin: &name,
+                    operation_ids: &json,
+                };
+                queries::poll_targets(conn, which).map_err(Error::from)
+            })
+            .await?;
+        if targets.is_empty() {
+            return Ok(());
+        }
+        let changes = self.poller.poll_group(plugin, targets).await;
+        if !changes.is_empty() {
+            self.commit_sweep(changes).await?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: std::ops::Range<usize>) -> Vec<String> {
+        n.map(|i| format!("op-{i}")).collect()
+    }
+
+    #[test]
+    fn hints_merge_and_fall_back_to_all_past_the_bound() {
+        let mut h = Hinted::Some(HashSet::new());
+        h.add(Some(ids(0..10)));
+        h.add(Some(ids(5..20)));
+        assert_eq!(h, Hinted::Some(ids(0..20).into_iter().collect()));
+        h.add(Some(ids(0..MAX_PENDING_IDS + 1)));
+        assert_eq!(h, Hinted::All);
+        h.add(Some(ids(0..1)));
+        assert_eq!(h, Hinted::All);
+        let mut h = Hinted::Some(ids(0..1).into_iter().collect());
+        h.add(None);
+        assert_eq!(h, Hinted::All);
+        let mut h = Hinted::Some(ids(0..1).into_iter().collect());
+        h.merge(Hinted::Some(ids(1..2).into_iter().collect()));
+        assert_eq!(h, Hinted::Some(ids(0..2).into_iter().collect()));
+    }
+}

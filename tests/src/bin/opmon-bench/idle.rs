@@ -1,0 +1,126 @@
+//! idle: what an agent costs while operations wait and nothing changes (issue 17.5).
+//! 10,000 `steady-` operations over 10 backups, all waiting, polled every 10 s (the
+//! default) by a snapshotter that answers the same progress every time, so nothing is
+//! committed. The agent's CPU time (utime + stime, /proc/PID/stat) over the window is
+//! the figure; the baseline is an agent with nothing to poll, measured over the same
+//! window at the same time.
+
+use std::time::{Duration, Instant};
+
+use opmon_client::{ApiVersion, OwnerPhase, Snapshotter};
+
+use crate::agent::Spec;
+use crate::register::{operation, start_backups};
+use crate::snap::Bench;
+use crate::sweep::cpu_ticks;
+use crate::table::{thousands, Row};
+use crate::Ctx;
+
+const PLUGIN: &str = "example.io/bench";
+const OPERATIONS: usize = 10_000;
+const BACKUPS: usize = 10;
+/// The target: agent CPU as a share of one core.
+const TARGET: f64 = 0.01;
+
+pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
+    let window = if ctx.quick {
+        Duration::from_secs(20)
+    } else {
+        Duration::from_secs(60)
+    };
+    let dir = ctx.subdir("idle")?;
+    let snap = Bench::start(&dir.join("snapshotter.sock")).await?;
+    let spec = Spec::new(ctx, &dir, &[]);
+    let (mut agent, _) = spec.start().await?;
+    let empty_dir = ctx.subdir("idle-empty")?;
+    let (mut empty, _) = Spec::new(ctx, &empty_dir, &[]).start().await?;
+    let client = agent.client().await?;
+    client
+        .register_snapshotter(&Snapshotter {
+            name: PLUGIN.into(),
+            api_version: ApiVersion::V2,
+            socket: Some(snap.socket.clone()),
+            command: None,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    let per = OPERATIONS / BACKUPS;
+    let names: Vec<String> = (0..BACKUPS).map(|b| format!("idle-{b}")).collect();
+    start_backups(ctx, &client, &names).await?;
+    for (b, name) in names.iter().enumerate() {
+        let ops: Vec<_> = (0..per)
+            .map(|i| {
+                let mut op = operation(PLUGIN, b, i);
+                op.operation_id = format!("steady-{}", op.operation_id);
+                op
+            })
+            .collect();
+        for chunk in ops.chunks(1000) {
+            client
+                .backups()
+                .add_operations(name, chunk.to_vec())
+                .await
+                .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+        }
+        let owner = client
+            .backups()
+            .end_in_progress(name)
+            .await
+            .map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
+        if owner.phase != OwnerPhase::WaitingForPluginOperations {
+            return Err(format!("{name} is {} after endInProgress", owner.phase));
+        }
+    }
+    drop(client);
+    let ticks = |pid: u32| cpu_ticks(pid).unwrap_or(0);
+    let before = (
+        ticks(agent.pid),
+        ticks(empty.pid),
+        cpu_ticks("self").unwrap_or(0),
+    );
+    let began = Instant::now();
+    tokio::time::sleep(window).await;
+    let took = began.elapsed().as_secs_f64();
+    let after = (
+        ticks(agent.pid),
+        ticks(empty.pid),
+        cpu_ticks("self").unwrap_or(0),
+    );
+    agent.terminate()?;
+    empty.terminate()?;
+    let tick = 1.0
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+    let share = |a: u64, b: u64| a.saturating_sub(b) as f64 * tick / took;
+    let loaded = share(after.0, before.0);
+    let idle = share(after.1, before.1);
+    let snapshotter = share(after.2, before.2);
+    let pct = |x: f64| format!("{:.2} % of one core", x * 100.0);
+    Ok(vec![
+        Row {
+            figure: format!(
+                "idle: agent CPU (utime+stime) over {} s while {} operations of {BACKUPS} \
+                 backups wait, polled every 10 s (the default), nothing changing (baseline: \
+                 an agent with no operations, the same window)",
+                window.as_secs(),
+                thousands(OPERATIONS as f64)
+            ),
+            value: pct(loaded),
+            baseline: pct(idle),
+            ratio: "–".into(),
+            target: format!("≤ {:.0} % of one core", TARGET * 100.0),
+            verdict: if loaded <= TARGET {
+                crate::table::Verdict::Pass
+            } else {
+                crate::table::Verdict::Fail
+            },
+        },
+        Row::info(
+            "idle: the snapshotter's CPU in that window (bench process)",
+            pct(snapshotter),
+        ),
+    ])
+}
