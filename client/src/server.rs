@@ -95,10 +95,7 @@ pub struct ServeConfig {
     /// memory: they do not count against `max_calls_in_flight`.
     pub unmetered_methods: Vec<String>,
     /// Bytes a connection may have waiting to be written before its subscriptions wait
-    /// and (WebSocket) its requests are no longer read. 4 MiB by default: what a peer
-    /// that never reads makes the agent hold is several times this (the copies on the
-    /// way out, and the updates rendered for its other subscriptions), and with 256
-    /// subscriptions of 700 KB updates 16 MiB let the agent grow by over 64 MiB.
+    /// and (WebSocket) its requests are no longer read.
     pub max_queued_bytes: u64,
     /// Calls one WebSocket connection may have unanswered before it is no longer read.
     pub max_calls_per_connection: usize,
@@ -117,7 +114,7 @@ impl Default for ServeConfig {
             idle_timeout: None,
             max_calls_in_flight: 32,
             unmetered_methods: Vec::new(),
-            max_queued_bytes: 4 * 1024 * 1024,
+            max_queued_bytes: 16 * 1024 * 1024,
             max_calls_per_connection: 16,
             write_stall_timeout: Some(Duration::from_secs(30)),
         }
