@@ -352,25 +352,7 @@ impl SdkSnapshotter {
     /// Starts the SDK snapshotter on `dir/<name>.sock`, with gate files in `gates` and
     /// its journal at `journal`.
     pub fn start(dir: &Path, name: &str, gates: &Path, journal: &Path) -> SdkSnapshotter {
-        let socket = dir.join(format!("{name}.sock"));
-        let log_path = dir.join(format!("{name}.log"));
-        let log = std::fs::File::create(&log_path).expect("snapshotter log");
-        let mut child = Command::new(test_snapshotter_binary())
-            .arg(&socket)
-            .arg(gates)
-            .arg(journal)
-            .env(traffic::SNAPSHOTTER_LOG, traffic::LOG_FILTER)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawning opmon-test-snapshotter");
-        wait_for_socket(&socket, &mut child, &log_path);
-        SdkSnapshotter {
-            child,
-            socket,
-            log: log_path,
-        }
+        SdkSnapshotter::spawn(dir, name, gates, journal, None)
     }
 
     /// Like [`SdkSnapshotter::start`], sending `snapshotter.changed` hints for `plugin`
@@ -383,23 +365,38 @@ impl SdkSnapshotter {
         agent_socket: &Path,
         plugin: &str,
     ) -> SdkSnapshotter {
+        SdkSnapshotter::spawn(dir, name, gates, journal, Some((agent_socket, plugin)))
+    }
+
+    fn spawn(
+        dir: &Path,
+        name: &str,
+        gates: &Path,
+        journal: &Path,
+        hints: Option<(&Path, &str)>,
+    ) -> SdkSnapshotter {
         let socket = dir.join(format!("{name}.sock"));
         let log_path = dir.join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).expect("snapshotter log");
-        let mut child = Command::new(test_snapshotter_binary())
-            .arg(&socket)
-            .arg(gates)
-            .arg(journal)
-            .arg(agent_socket)
-            .arg(plugin)
+        let mut command = Command::new(test_snapshotter_binary());
+        command.arg(&socket).arg(gates).arg(journal);
+        match hints {
+            Some((agent_socket, plugin)) => {
+                // Its traffic is not logged: it also serves the test's own `gate.open`,
+                // which is no part of the snapshotter protocol's document.
+                command.arg(agent_socket).arg(plugin);
+            }
+            None => {
+                command.env(traffic::SNAPSHOTTER_LOG, traffic::LOG_FILTER);
+            }
+        }
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("spawning opmon-test-snapshotter");
         wait_for_socket(&socket, &mut child, &log_path);
-        // Its traffic is not logged: it also serves the test's own `gate.open`, which
-        // is no part of the snapshotter protocol's document.
         SdkSnapshotter {
             child,
             socket,
