@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use opmon_client::snapshotter::Hints;
-use opmon_client::{ApiVersion, Client, OwnerPhase, Snapshotter, WaitUntil};
+use opmon_client::{Client, OwnerPhase, WaitUntil};
 
 use crate::agent::Spec;
 use crate::register::{operation, start_backups};
@@ -40,16 +40,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         .connect()
         .await
         .map_err(|e| format!("connecting to the agent: {e}"))?;
-    client
-        .register_snapshotter(&Snapshotter {
-            name: PLUGIN.into(),
-            api_version: ApiVersion::V2,
-            socket: Some(snap.socket.clone()),
-            command: None,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    snap.register(&client, PLUGIN).await?;
     let names: Vec<String> = (0..n).map(|i| format!("hint-{i}")).collect();
     start_backups(ctx, &client, &names).await?;
     let mut ids = Vec::new();

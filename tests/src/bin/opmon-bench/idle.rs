@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use opmon_client::{ApiVersion, OwnerPhase, Snapshotter};
+use opmon_client::OwnerPhase;
 
 use crate::agent::Spec;
 use crate::register::{operation, start_backups};
@@ -35,16 +35,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let empty_dir = ctx.subdir("idle-empty")?;
     let (mut empty, _) = Spec::new(ctx, &empty_dir, &[]).start().await?;
     let client = agent.client().await?;
-    client
-        .register_snapshotter(&Snapshotter {
-            name: PLUGIN.into(),
-            api_version: ApiVersion::V2,
-            socket: Some(snap.socket.clone()),
-            command: None,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    snap.register(&client, PLUGIN).await?;
     let per = OPERATIONS / BACKUPS;
     let names: Vec<String> = (0..BACKUPS).map(|b| format!("idle-{b}")).collect();
     start_backups(ctx, &client, &names).await?;

@@ -14,8 +14,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use opmon_client::{ApiVersion, Snapshotter};
-
 use crate::agent::Spec;
 use crate::register::{operation, start_backups, QUIET};
 use crate::snap::Bench;
@@ -85,16 +83,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let spec = Spec::new(ctx, &dir, QUIET);
     let (mut agent, _) = spec.start().await?;
     let client = agent.client().await?;
-    client
-        .register_snapshotter(&Snapshotter {
-            name: PLUGIN.into(),
-            api_version: ApiVersion::V2,
-            socket: Some(snap.socket.clone()),
-            command: None,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    snap.register(&client, PLUGIN).await?;
     let per = n / BACKUPS;
     let names: Vec<String> = (0..BACKUPS).map(|b| format!("instr-{b}")).collect();
     start_backups(ctx, &client, &names).await?;

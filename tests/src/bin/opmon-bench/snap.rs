@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opmon_client::snapshotter::{serve_until, OperationHandler, SnapshotterError};
-use opmon_client::{OperationProgress, OperationRef};
+use opmon_client::{ApiVersion, Client, OperationProgress, OperationRef, Snapshotter};
 use time::OffsetDateTime;
 use tokio::sync::{oneshot, watch, Notify};
 
@@ -185,6 +185,21 @@ impl Bench {
             socket: socket.to_path_buf(),
             stop: Some(stop),
         })
+    }
+
+    /// Registers this snapshotter with the agent behind `client` as the one owning the
+    /// operations of `plugin`.
+    pub async fn register(&self, client: &Client, plugin: &str) -> Result<(), String> {
+        client
+            .register_snapshotter(&Snapshotter {
+                name: plugin.into(),
+                api_version: ApiVersion::V2,
+                socket: Some(self.socket.clone()),
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+            .map_err(|e| format!("snapshotter.register: {e}"))
     }
 
     /// Completes the `until-` operation `id`: its next Progress answer says so.

@@ -7,9 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::{
-    ApiVersion, Client, Contents, FinalizeParams, OwnerPhase, Snapshotter, UpdatedItem, WaitUntil,
-};
+use opmon_client::{Client, Contents, FinalizeParams, OwnerPhase, UpdatedItem, WaitUntil};
 
 use crate::agent::{self, Spec};
 use crate::register::{operation, uid};
@@ -164,16 +162,7 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
     );
     let (mut agent, _) = spec.start().await?;
     let admin = agent.client().await?;
-    admin
-        .register_snapshotter(&Snapshotter {
-            name: PLUGIN.into(),
-            api_version: ApiVersion::V2,
-            socket: Some(snap.socket.clone()),
-            command: None,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    snap.register(&admin, PLUGIN).await?;
     let sample = |agent: &agent::Agent| -> Result<Sample, String> {
         Ok(Sample {
             rss_kib: agent.rss_kib()?,

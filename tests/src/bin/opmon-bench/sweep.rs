@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::{ApiVersion, Client, OwnerPhase, Snapshotter};
+use opmon_client::{Client, OwnerPhase};
 use rusqlite::OptionalExtension;
 
 use crate::agent::{self, Agent, Spec};
@@ -293,16 +293,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
     let spec = Spec::new(ctx, &dir, QUIET);
     let (mut agent, _) = spec.start().await?;
     let client = agent.client().await?;
-    client
-        .register_snapshotter(&Snapshotter {
-            name: PLUGIN.into(),
-            api_version: ApiVersion::V2,
-            socket: Some(snap.socket.clone()),
-            command: None,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("snapshotter.register: {e}"))?;
+    snap.register(&client, PLUGIN).await?;
     let per = s.sweep_ops / s.sweep_backups;
     let n = per * s.sweep_backups;
     let names: Vec<String> = (0..s.sweep_backups).map(|b| format!("sweep-{b}")).collect();
