@@ -322,10 +322,7 @@ impl SocketRemote {
                         continue;
                     };
                     *slot = match (entry.result, entry.error) {
-                        (_, Some(e)) if e.transient() => {
-                            Some(Err(CallError::Transient(self.describe(&e))))
-                        }
-                        (_, Some(e)) => Some(Err(CallError::Answered(self.describe(&e)))),
+                        (_, Some(e)) => Some(Err(self.refused(&e))),
                         (Some(result), None) => Some(Ok(result)),
                         (None, None) => None,
                     };
@@ -336,21 +333,17 @@ impl SocketRemote {
                     .collect();
             }
         }
-        let whole = |e: String| {
-            (0..count)
-                .map(|_| Err(CallError::Answered(e.clone())))
-                .collect()
-        };
+        let whole = |e: CallError| (0..count).map(|_| Err(e.clone())).collect();
         let entries: Vec<ResponseEntry<'_>> = match serde_json::from_slice(response) {
             Ok(entries) => entries,
             Err(_) => {
                 // A single error object answers the whole batch (e.g. a parse error).
                 return match serde_json::from_slice::<ResponseEntry<'_>>(response) {
-                    Ok(ResponseEntry { error: Some(e), .. }) => whole(self.describe(&e)),
-                    _ => whole(format!(
+                    Ok(ResponseEntry { error: Some(e), .. }) => whole(self.refused(&e)),
+                    _ => whole(CallError::Answered(format!(
                         "snapshotter {} answered something that is not a JSON-RPC response",
                         self.name
-                    )),
+                    ))),
                 };
             }
         };
@@ -360,8 +353,7 @@ impl SocketRemote {
                 continue;
             };
             *slot = match (entry.result, entry.error) {
-                (_, Some(e)) if e.transient() => Err(CallError::Transient(self.describe(&e))),
-                (_, Some(e)) => Err(CallError::Answered(self.describe(&e))),
+                (_, Some(e)) => Err(self.refused(&e)),
                 (Some(result), None) => parse(result),
                 (None, None) => Err(CallError::Answered(format!(
                     "snapshotter {} answered without a result",
@@ -370,6 +362,17 @@ impl SocketRemote {
             };
         }
         answers
+    }
+
+    /// The call's error answer: retried later when the snapshotter marked it transient
+    /// (code 2003 or `data.retryable`), final otherwise. Both ways of reading a batch
+    /// use it, so they cannot disagree.
+    fn refused(&self, e: &ErrorEntry) -> CallError {
+        if e.transient() {
+            CallError::Transient(self.describe(e))
+        } else {
+            CallError::Answered(self.describe(e))
+        }
     }
 
     fn unanswered(&self) -> CallError {
@@ -620,6 +623,14 @@ mod tests {
                 ),
             ]
         );
+        // One error object answering the whole batch is read the same way.
+        let whole = remote.decode_batch::<()>(
+            br#"{"jsonrpc":"2.0","id":null,"error":{"code":2003,"message":"overloaded"}}"#,
+            2,
+            |_| Ok(()),
+        );
+        let busy = CallError::Transient("snapshotter example.io/copier: overloaded".into());
+        assert_eq!(whole, [Err(busy.clone()), Err(busy)]);
     }
     fn remote() -> SocketRemote {
         SocketRemote {
