@@ -87,6 +87,8 @@ pub struct Store {
     path: PathBuf,
     writer: Writer,
     readers: Mutex<Vec<Connection>>,
+    /// A place among the [`MAX_READERS`] reads that run at once.
+    read_slots: Arc<tokio::sync::Semaphore>,
     /// `agent.status`'s counts between commits; the writer forgets them.
     tally: Arc<Tally>,
     _lock: Lock,
@@ -97,6 +99,13 @@ struct Lock {
     _dir: Flock<File>,
     _pid_file: Flock<File>,
 }
+
+/// How many reads run at once, each on a connection of its own. Every read connection
+/// keeps a page cache of up to SQLite's default 2 MB, and each read holds a thread of
+/// the blocking pool: without a bound, a burst of calls (256 subscriptions opened at
+/// once on one WebSocket) opened as many connections and grew the agent by 100 MiB and
+/// more. Reads beyond it wait for a place, holding neither.
+pub const MAX_READERS: usize = 8;
 
 /// Connection settings every connection shares. `busy_timeout` covers the moments a
 /// checkpoint holds the file briefly.
@@ -151,6 +160,7 @@ impl Store {
             path: path.to_path_buf(),
             writer: Writer::start(conn, tally.clone(), on_commit),
             readers: Mutex::new(Vec::new()),
+            read_slots: Arc::new(tokio::sync::Semaphore::new(MAX_READERS)),
             tally,
             _lock: lock,
         })
@@ -175,18 +185,28 @@ impl Store {
         self.writer.write(work).await
     }
 
-    /// Runs `work` on a read connection, on the blocking pool. Sees the last commit.
+    /// Runs `work` on a read connection, on the blocking pool, once one of the
+    /// [`MAX_READERS`] places is free. Sees the last commit.
     pub async fn read<T, E, F>(self: &Arc<Self>, work: F) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StorageFailure> + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
+        // The semaphore is never closed. The place goes with the work, so a caller that
+        // gives up waiting does not free it while the read still runs.
+        let slot = self.read_slots.clone().acquire_owned().await.map_err(|e| {
+            E::from(StorageFailure {
+                message: format!("a database read failed: {e}"),
+                disk_full: false,
+            })
+        })?;
         let store = self.clone();
         let joined = tokio::task::spawn_blocking(move || {
             let conn = store.take_reader()?;
             let result = work(&conn);
             crate::sync::lock(&store.readers).push(conn);
+            drop(slot);
             result
         })
         .await;

@@ -1003,3 +1003,88 @@ fn events_are_numbered_per_owner_bounded_and_removed_with_their_owner() {
     assert_eq!(events::count(&conn, a).unwrap(), 0);
     assert_eq!(events::count(&conn, b).unwrap(), 1);
 }
+
+/// Reads beyond [`super::MAX_READERS`] wait for a place: a burst of calls cannot open a
+/// connection (and its page cache, and a blocking thread) each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_beyond_the_bound_wait_for_a_place() {
+    use std::sync::Condvar;
+
+    /// Reads running now, and whether the held ones may finish. Opens when dropped, so
+    /// a failed assertion does not leave reads blocking the runtime's shutdown.
+    #[derive(Default)]
+    struct Gate {
+        state: Mutex<(usize, bool)>,
+        changed: Condvar,
+    }
+    impl Gate {
+        fn open(&self) {
+            self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+            self.changed.notify_all();
+        }
+    }
+    struct OpenOnDrop(Arc<Gate>);
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open();
+        }
+    }
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
+    let gate = Arc::new(Gate::default());
+    let _opens = OpenOnDrop(gate.clone());
+    let mut held = Vec::new();
+    for _ in 0..super::MAX_READERS {
+        let (store, gate) = (store.clone(), gate.clone());
+        held.push(tokio::spawn(async move {
+            store
+                .read(move |_| {
+                    let mut state = gate.state.lock().unwrap();
+                    state.0 += 1;
+                    gate.changed.notify_all();
+                    while !state.1 {
+                        state = gate.changed.wait(state).unwrap();
+                    }
+                    state.0 -= 1;
+                    Ok::<_, StorageFailure>(())
+                })
+                .await
+        }));
+    }
+    {
+        let state = gate.state.lock().unwrap();
+        let state = gate
+            .changed
+            .wait_while(state, |s| s.0 < super::MAX_READERS)
+            .unwrap();
+        assert_eq!(state.0, super::MAX_READERS);
+    }
+    assert_eq!(
+        store.read_slots.available_permits(),
+        0,
+        "the held reads took every place"
+    );
+    // One more read starts only once a held one has finished.
+    let more = {
+        let (store, gate) = (store.clone(), gate.clone());
+        tokio::spawn(async move {
+            store
+                .read(move |_| Ok::<_, StorageFailure>(gate.state.lock().unwrap().0))
+                .await
+        })
+    };
+    gate.open();
+    let running_beside = more.await.unwrap().unwrap();
+    assert!(
+        running_beside < super::MAX_READERS,
+        "a read ran beside {running_beside} held ones"
+    );
+    for read in held {
+        read.await.unwrap().unwrap();
+    }
+    let pooled = store.readers.lock().unwrap().len();
+    assert!(
+        (1..=super::MAX_READERS).contains(&pooled),
+        "{pooled} read connections kept"
+    );
+}
