@@ -96,9 +96,10 @@ pub(super) fn apply_changes(
     now: UnixMs,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
+    let mut updates = queries::OperationUpdates::new(conn);
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
-        if queries::update_operation(conn, c.target.row, &c.next, &c.rate, phase_changed)? {
+        if updates.write(c.target.row, &c.target.state, &c.next, &c.rate)? {
             if let Some(why) = c.why {
                 log_limit(c, why);
             }

@@ -10,7 +10,7 @@ use opmon_client::{
     OwnerProgress, OwnerRef, PluginKind, PluginRef, ResourceIdentifier, ServerRef, Snapshotter,
     UnitsProgress,
 };
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Row};
 
 use crate::clock::UnixMs;
 use crate::phase::OperationState;
@@ -817,35 +817,119 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
     Ok(targets)
 }
 
-/// Writes a polled operation's new state, only if it is still unfinished (a concurrent
-/// delete or failure wins). `phase_changed` says whether the phase differs from the
-/// one read: when it does not, the phase column (and its index entry) is left alone.
-/// Returns whether the row changed.
-pub fn update_operation(
-    conn: &Connection,
+/// Writes polled operations' new states, each only if the operation is still
+/// unfinished (a concurrent delete or failure wins). A sweep writes thousands of rows in
+/// one transaction: each of the three statements is prepared once per batch, and the
+/// narrowest that says the change is used.
+pub struct OperationUpdates<'c> {
+    conn: &'c Connection,
+    /// Every column, the phase included (and with it its index entry and count trigger).
+    phase: Option<CachedStatement<'c>>,
+    /// Every column but the phase.
+    state: Option<CachedStatement<'c>>,
+    /// Progress alone: counts, description, times and rate (most of a sweep's writes).
+    progress: Option<CachedStatement<'c>>,
+}
+
+impl<'c> OperationUpdates<'c> {
+    pub fn new(conn: &'c Connection) -> OperationUpdates<'c> {
+        OperationUpdates {
+            conn,
+            phase: None,
+            state: None,
+            progress: None,
+        }
+    }
+
+    /// Writes `new` over `old` (the state read before the poll). Returns whether the
+    /// row changed.
+    pub fn write(
+        &mut self,
+        row: i64,
+        old: &OperationState,
+        new: &OperationState,
+        rate: &Rate,
+    ) -> rusqlite::Result<bool> {
+        let changed = if new.phase != old.phase {
+            let stmt = prepared(self.conn, &mut self.phase, UPDATE_PHASE)?;
+            state_update(stmt, row, new, rate)?
+        } else if progress_only(old, new) {
+            let stmt = prepared(self.conn, &mut self.progress, UPDATE_PROGRESS)?;
+            stmt.execute(params![
+                row,
+                new.phase.as_str(),
+                new.n_completed,
+                new.n_total,
+                new.description,
+                new.updated_ms,
+                new.plugin_updated_ms,
+                new.progressed_ms,
+                rate.per_second,
+                rate.anchor_n,
+                rate.anchor_ms,
+                rate.seen_ms
+            ])?
+        } else {
+            let stmt = prepared(self.conn, &mut self.state, UPDATE_STATE)?;
+            state_update(stmt, row, new, rate)?
+        };
+        Ok(changed > 0)
+    }
+}
+
+/// `slot`'s statement, prepared on first use.
+fn prepared<'s, 'c>(
+    conn: &'c Connection,
+    slot: &'s mut Option<CachedStatement<'c>>,
+    sql: &str,
+) -> rusqlite::Result<&'s mut CachedStatement<'c>> {
+    let stmt = match slot.take() {
+        Some(stmt) => stmt,
+        None => conn.prepare_cached(sql)?,
+    };
+    Ok(slot.insert(stmt))
+}
+
+/// Whether only what [`UPDATE_PROGRESS`] writes differs (the phase too is the same).
+fn progress_only(old: &OperationState, new: &OperationState) -> bool {
+    old.phase == new.phase
+        && old.error == new.error
+        && old.operation_units == new.operation_units
+        && old.started_ms == new.started_ms
+        && old.attempts == new.attempts
+        && old.last_error == new.last_error
+        && old.next_attempt_ms == new.next_attempt_ms
+        && old.retrying_since_ms == new.retrying_since_ms
+}
+
+const UPDATE_PHASE: &str = concat!(
+    "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
+     operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+     plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
+     next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
+     rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase IN ",
+    unfinished_operation!()
+);
+
+/// The same parameters as [`UPDATE_PHASE`]; the phase is the guard, not written.
+const UPDATE_STATE: &str = "UPDATE operations SET error = ?3, n_completed = ?4, \
+     n_total = ?5, operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
+     plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
+     next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
+     rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase = ?2";
+
+const UPDATE_PROGRESS: &str = "UPDATE operations SET n_completed = ?3, n_total = ?4, \
+     description = ?5, updated_ms = ?6, plugin_updated_ms = ?7, progressed_ms = ?8, \
+     rate = ?9, rate_n = ?10, rate_at_ms = ?11, rate_seen_ms = ?12 \
+     WHERE id = ?1 AND phase = ?2";
+
+fn state_update(
+    stmt: &mut CachedStatement<'_>,
     row: i64,
     s: &OperationState,
     rate: &Rate,
-    phase_changed: bool,
-) -> rusqlite::Result<bool> {
-    // The same parameters either way; only the phase column and the guard differ.
-    let sql = if phase_changed {
-        concat!(
-            "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
-             operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-             plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-             next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
-             rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase IN ",
-            unfinished_operation!()
-        )
-    } else {
-        "UPDATE operations SET error = ?3, n_completed = ?4, n_total = ?5, \
-         operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-         plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-         next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
-         rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase = ?2"
-    };
-    let changed = conn.prepare_cached(sql)?.execute(params![
+) -> rusqlite::Result<usize> {
+    stmt.execute(params![
         row,
         s.phase.as_str(),
         s.error,
@@ -865,8 +949,7 @@ pub fn update_operation(
         rate.anchor_n,
         rate.anchor_ms,
         rate.seen_ms
-    ])?;
-    Ok(changed > 0)
+    ])
 }
 
 /// One operation of an owner as `*.cancel` picks it: row id, ID, item and phase.

@@ -453,47 +453,20 @@ fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
         ..OperationState::default()
     };
     // New → InProgress changes no count; progress without a phase change neither.
-    assert!(queries::update_operation(
-        &conn,
-        rows[0],
-        &state(OperationPhase::InProgress),
-        &Rate::default(),
-        true
-    )
-    .unwrap());
-    assert!(queries::update_operation(
-        &conn,
-        rows[0],
-        &state(OperationPhase::InProgress),
-        &Rate::default(),
-        false
-    )
-    .unwrap());
-    assert!(queries::update_operation(
-        &conn,
-        rows[0],
-        &state(OperationPhase::Completed),
-        &Rate::default(),
-        true
-    )
-    .unwrap());
-    assert!(queries::update_operation(
-        &conn,
-        rows[1],
-        &state(OperationPhase::Failed),
-        &Rate::default(),
-        true
-    )
-    .unwrap());
+    let write = |row, old, new| {
+        queries::OperationUpdates::new(&conn)
+            .write(row, &state(old), &state(new), &Rate::default())
+            .unwrap()
+    };
+    use OperationPhase::{Completed, Failed, InProgress, New};
+    assert!(write(rows[0], New, InProgress));
+    assert!(write(rows[0], InProgress, InProgress));
+    assert!(write(rows[0], InProgress, Completed));
+    assert!(write(rows[1], New, Failed));
     // A finished operation is not updated again, so it is not counted again.
-    assert!(!queries::update_operation(
-        &conn,
-        rows[0],
-        &state(OperationPhase::Failed),
-        &Rate::default(),
-        true
-    )
-    .unwrap());
+    assert!(!write(rows[0], InProgress, Failed));
+    // Nor is one whose phase moved on since it was read.
+    assert!(!write(rows[1], New, New));
     assert_eq!(stored_counts(&conn), recount(&conn));
     assert_eq!(stored_counts(&conn)[0], (a, 6, 1, 1));
     assert_eq!(unfinished(&conn, a), 4);
@@ -1002,6 +975,77 @@ fn events_are_numbered_per_owner_bounded_and_removed_with_their_owner() {
     queries::delete_owner(&conn, a, OwnerKind::Backup, "a").unwrap();
     assert_eq!(events::count(&conn, a).unwrap(), 0);
     assert_eq!(events::count(&conn, b).unwrap(), 1);
+}
+
+/// Whichever statement a change is written with (the narrow progress one for most of a
+/// sweep), every field of the new state is stored: one field changed at a time, then
+/// read back as the poller reads it.
+#[test]
+fn every_field_of_a_polled_change_is_stored_by_whichever_statement_writes_it() {
+    use crate::phase::OperationState;
+    use opmon_client::OperationPhase;
+    let (_dir, db) = temp_db();
+    let store = Store::open(&db, |_, _| {}).unwrap();
+    drop(store);
+    let conn = Connection::open(&db).unwrap();
+    let owner =
+        queries::insert_owner(&conn, &backup("b", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
+    let op = opmon_client::NewOperation {
+        plugin: opmon_client::PluginRef {
+            kind: opmon_client::PluginKind::BackupItemAction,
+            name: "example.io/p".into(),
+        },
+        resource: opmon_client::ResourceIdentifier {
+            group: String::new(),
+            resource: "pods".into(),
+            namespace: "ns".into(),
+            name: "a".into(),
+        },
+        operation_id: "op".into(),
+        post_operation_items: Vec::new(),
+        created: None,
+    };
+    let row = queries::insert_operations(&conn, owner, &[op], UnixMs(1)).unwrap()[0];
+    let stored = |conn: &Connection| {
+        let targets = queries::poll_targets(conn, queries::Targets::Owner(owner)).unwrap();
+        (targets[0].state.clone(), targets[0].rate)
+    };
+    let (mut old, _) = stored(&conn);
+    type Change = fn(&mut OperationState, &mut Rate);
+    let changes: [(&str, Change); 16] = [
+        ("phase", |s, _| s.phase = OperationPhase::InProgress),
+        ("nCompleted", |s, _| s.n_completed += 7),
+        ("nTotal", |s, _| s.n_total = 100),
+        ("description", |s, _| s.description = "copying".into()),
+        ("updated", |s, _| s.updated_ms = Some(5_000)),
+        ("plugin updated", |s, _| s.plugin_updated_ms = Some(4_000)),
+        ("progressed", |s, _| s.progressed_ms = Some(5_001)),
+        ("rate", |_, r| r.per_second = Some(2.5)),
+        ("rate anchor", |_, r| {
+            r.anchor_n = 3;
+            r.anchor_ms = Some(4_500);
+            r.seen_ms = Some(4_600);
+        }),
+        ("error", |s, _| s.error = "e".into()),
+        ("units", |s, _| s.operation_units = "bytes".into()),
+        ("started", |s, _| s.started_ms = Some(3_000)),
+        ("attempts", |s, _| s.attempts = 2),
+        ("last error", |s, _| s.last_error = "busy".into()),
+        ("next attempt", |s, _| s.next_attempt_ms = Some(9_000)),
+        ("retrying since", |s, _| s.retrying_since_ms = Some(8_000)),
+    ];
+    let mut rate = stored(&conn).1;
+    for (what, change) in changes {
+        let mut new = old.clone();
+        change(&mut new, &mut rate);
+        let mut updates = queries::OperationUpdates::new(&conn);
+        assert!(updates.write(row, &old, &new, &rate).unwrap(), "{what}");
+        drop(updates);
+        let (state, stored_rate) = stored(&conn);
+        assert_eq!(state, new, "after a change of {what}");
+        assert_eq!(stored_rate, rate, "after a change of {what}");
+        old = new;
+    }
 }
 
 /// Reads beyond [`super::MAX_READERS`] wait for a place: a burst of calls cannot open a
