@@ -313,7 +313,11 @@ impl SocketRemote {
         count: usize,
         parse: impl Fn(&RawValue) -> Answer<T>,
     ) -> Vec<Answer<T>> {
-        if let Ok(entries) = serde_json::from_slice::<Vec<TypedEntry<T>>>(response) {
+        // Read as text checked once: serde_json then skips checking each string.
+        let typed = std::str::from_utf8(response)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Vec<TypedEntry<T>>>(text).ok());
+        if let Some(entries) = typed {
             if entries
                 .iter()
                 .all(|e| e.result.is_some() || e.error.is_some())
