@@ -235,6 +235,30 @@ pub struct OperationState {
     pub retrying_since_ms: Option<i64>,
 }
 
+impl OperationState {
+    /// A copy with `operation_units` and `description` left empty: the copy a Progress
+    /// answer, which brings both, starts from (a sweep makes thousands of them).
+    fn without_progress_text(&self) -> OperationState {
+        OperationState {
+            phase: self.phase,
+            error: self.error.clone(),
+            n_completed: self.n_completed,
+            n_total: self.n_total,
+            operation_units: String::new(),
+            description: String::new(),
+            created_ms: self.created_ms,
+            started_ms: self.started_ms,
+            updated_ms: self.updated_ms,
+            plugin_updated_ms: self.plugin_updated_ms,
+            progressed_ms: self.progressed_ms,
+            attempts: self.attempts,
+            last_error: self.last_error.clone(),
+            next_attempt_ms: self.next_attempt_ms,
+            retrying_since_ms: self.retrying_since_ms,
+        }
+    }
+}
+
 /// What one poll learned about an operation.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Observation {
@@ -334,7 +358,10 @@ pub fn observe_within(
         return None;
     }
     let timeout_ms = limits.timeout_ms;
-    let mut next = current.clone();
+    let mut next = match observation {
+        Observation::Progress(_) => current.without_progress_text(),
+        _ => current.clone(),
+    };
     let mut cancel = false;
     let mut why = None;
     // With a stall deadline, its clock starts at the first poll at the latest: an owner

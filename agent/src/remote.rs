@@ -492,6 +492,7 @@ impl SocketRemote {
 /// [`OperationRef`] as `params` gives, but each owner (shared by its operations, its
 /// `object` up to 64 KiB) and each plugin encoded once per batch and copied after.
 fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
+    use std::io::Write as _;
     fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, String> {
         serde_json::to_vec(value).map_err(|e| format!("encoding a request: {e}"))
     }
@@ -505,7 +506,8 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
             out.push(b',');
         }
         out.extend_from_slice(b"{\"jsonrpc\":\"2.0\",\"id\":");
-        out.extend_from_slice(id.to_string().as_bytes());
+        // Writing to a Vec cannot fail.
+        let _ = write!(out, "{id}");
         out.extend_from_slice(b",\"method\":");
         out.extend_from_slice(&method);
         out.extend_from_slice(b",\"params\":{\"plugin\":");
@@ -518,7 +520,8 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
         };
         out.extend_from_slice(&plugins[plugin].1);
         out.extend_from_slice(b",\"operationId\":");
-        out.extend_from_slice(&encode(&op.operation_id)?);
+        serde_json::to_writer(&mut out, &op.operation_id)
+            .map_err(|e| format!("encoding a request: {e}"))?;
         out.extend_from_slice(b",\"owner\":");
         let key = Arc::as_ptr(&op.owner);
         // Operations come grouped by owner: the last one encoded is the usual match.
