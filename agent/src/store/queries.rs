@@ -20,15 +20,15 @@ fn parse_column<T: std::str::FromStr<Err = String>>(
     row: &Row<'_>,
     index: usize,
 ) -> rusqlite::Result<T> {
-    let text: String = row.get(index)?;
+    let text = row.get_ref(index)?.as_str()?;
     text.parse().map_err(|e: String| {
         rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
     })
 }
 
 fn json_column<T: serde::de::DeserializeOwned>(row: &Row<'_>, index: usize) -> rusqlite::Result<T> {
-    let text: String = row.get(index)?;
-    serde_json::from_str(&text).map_err(|e| {
+    let text = row.get_ref(index)?.as_str()?;
+    serde_json::from_str(text).map_err(|e| {
         rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
     })
 }
@@ -676,41 +676,54 @@ pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String
     rows.collect()
 }
 
-/// The owner an operation is polled for, as the snapshotter protocol passes it, with
-/// its `object` parsed, and the object's size.
-fn owner_ref(
-    conn: &Connection,
-    row: &Row<'_>,
-    owner_row: i64,
-) -> rusqlite::Result<(OwnerRef, usize)> {
-    // Read by a statement of its own, once per owner: a page of targets holds an owner's
-    // object once, however many of its operations it holds.
-    let object: Option<String> = conn
-        .prepare_cached("SELECT object FROM owners WHERE id = ?1")?
-        .query_row([owner_row], |r| r.get(0))?;
-    let bytes = object.as_ref().map_or(0, String::len);
-    let object = match object {
-        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
-            rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, e.into())
-        })?),
-        None => None,
-    };
-    let owner = OwnerRef {
-        kind: parse_column(row, 2)?,
-        name: row.get(3)?,
-        uid: row.get(4)?,
-        object,
-    };
-    Ok((owner, bytes))
+/// What the targets of one owner share: the owner as the snapshotter protocol names
+/// it (its `object` parsed), the object's size, and the owner's deadlines.
+struct OwnerPart {
+    owner: Arc<OwnerRef>,
+    object_bytes: usize,
+    timeout_ms: i64,
+    stall_timeout_ms: Option<i64>,
+    start_timeout_ms: Option<i64>,
+}
+
+/// Read by a statement of its own, once per owner: a page of targets holds an owner
+/// once, however many of its operations it holds, and its rows carry none of it.
+fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> {
+    conn.prepare_cached(
+        "SELECT kind, name, uid, object, item_operation_timeout_ms, stall_timeout_ms, \
+         start_timeout_ms FROM owners WHERE id = ?1",
+    )?
+    .query_row([owner_row], |row| {
+        let object = row.get_ref(3)?.as_str_or_null()?;
+        let object_bytes = object.map_or(0, str::len);
+        let object = match object {
+            Some(text) => Some(serde_json::from_str(text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, e.into())
+            })?),
+            None => None,
+        };
+        Ok(OwnerPart {
+            owner: Arc::new(OwnerRef {
+                kind: parse_column(row, 0)?,
+                name: row.get(1)?,
+                uid: row.get(2)?,
+                object,
+            }),
+            object_bytes,
+            timeout_ms: row.get(4)?,
+            stall_timeout_ms: row.get(5)?,
+            start_timeout_ms: row.get(6)?,
+        })
+    })
 }
 
 /// The unfinished operations selected by `which`. Targets of one owner share one
 /// [`OwnerRef`].
 pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Vec<PollTarget>> {
-    const COLUMNS: &str = "o.id, o.owner_id, w.kind, w.name, w.uid, w.item_operation_timeout_ms, \
-         o.plugin_kind, o.plugin_name, o.operation_id, o.phase, o.error, o.n_completed, \
-         o.n_total, o.operation_units, o.description, o.created_ms, o.started_ms, o.updated_ms, \
-         o.plugin_updated_ms, w.stall_timeout_ms, w.start_timeout_ms, o.progressed_ms, \
+    // The operation's columns only: what the owner adds is read once per owner.
+    const COLUMNS: &str = "o.id, o.owner_id, o.plugin_kind, o.plugin_name, o.operation_id, \
+         o.phase, o.error, o.n_completed, o.n_total, o.operation_units, o.description, \
+         o.created_ms, o.started_ms, o.updated_ms, o.plugin_updated_ms, o.progressed_ms, \
          o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, o.rate, o.rate_n, \
          o.rate_at_ms, o.rate_seen_ms";
     let (mut stmt, mut rows);
@@ -769,49 +782,44 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         }
     }
     let mut targets = Vec::new();
-    let mut owners: HashMap<i64, (Arc<OwnerRef>, usize)> = HashMap::new();
+    let mut owners: HashMap<i64, OwnerPart> = HashMap::new();
     while let Some(row) = rows.next()? {
         let owner_row: i64 = row.get(1)?;
-        let (owner, object_bytes) = match owners.get(&owner_row) {
-            Some((o, bytes)) => (o.clone(), *bytes),
-            None => {
-                let (o, bytes) = owner_ref(conn, row, owner_row)?;
-                let o = Arc::new(o);
-                owners.insert(owner_row, (o.clone(), bytes));
-                (o, bytes)
-            }
+        let part = match owners.entry(owner_row) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(owner_part(conn, owner_row)?),
         };
         targets.push(PollTarget {
             row: row.get(0)?,
             owner_row,
-            owner,
-            object_bytes,
-            timeout_ms: row.get(5)?,
-            stall_timeout_ms: row.get(19)?,
-            start_timeout_ms: row.get(20)?,
+            owner: part.owner.clone(),
+            object_bytes: part.object_bytes,
+            timeout_ms: part.timeout_ms,
+            stall_timeout_ms: part.stall_timeout_ms,
+            start_timeout_ms: part.start_timeout_ms,
             plugin: PluginRef {
-                kind: parse_column::<PluginKind>(row, 6)?,
-                name: row.get(7)?,
+                kind: parse_column::<PluginKind>(row, 2)?,
+                name: row.get(3)?,
             },
-            operation_id: row.get(8)?,
+            operation_id: row.get(4)?,
             state: OperationState {
-                phase: parse_column(row, 9)?,
-                error: row.get(10)?,
-                n_completed: row.get(11)?,
-                n_total: row.get(12)?,
-                operation_units: row.get(13)?,
-                description: row.get(14)?,
-                created_ms: row.get(15)?,
-                started_ms: row.get(16)?,
-                updated_ms: row.get(17)?,
-                plugin_updated_ms: row.get(18)?,
-                progressed_ms: row.get(21)?,
-                attempts: row.get::<_, i64>(22)?.clamp(0, i64::from(u32::MAX)) as u32,
-                last_error: row.get(23)?,
-                next_attempt_ms: row.get(24)?,
-                retrying_since_ms: row.get(25)?,
+                phase: parse_column(row, 5)?,
+                error: row.get(6)?,
+                n_completed: row.get(7)?,
+                n_total: row.get(8)?,
+                operation_units: row.get(9)?,
+                description: row.get(10)?,
+                created_ms: row.get(11)?,
+                started_ms: row.get(12)?,
+                updated_ms: row.get(13)?,
+                plugin_updated_ms: row.get(14)?,
+                progressed_ms: row.get(15)?,
+                attempts: row.get::<_, i64>(16)?.clamp(0, i64::from(u32::MAX)) as u32,
+                last_error: row.get(17)?,
+                next_attempt_ms: row.get(18)?,
+                retrying_since_ms: row.get(19)?,
             },
-            rate: rate_from_row(row, 26)?,
+            rate: rate_from_row(row, 20)?,
         });
     }
     Ok(targets)
