@@ -692,8 +692,10 @@ wire_enum! {
         DeadlineExceeded,
         /// An operation's snapshotter answered again after transient errors.
         Recovered,
-        /// Cancel calls asked for by `*.cancel` are over (the message says how many
-        /// the snapshotters confirmed).
+        /// Cancel calls are over (the message says how many the snapshotters
+        /// confirmed): those `*.cancel` asked for, a deadline's (for its operation, with
+        /// its `DeadlineExceeded`), or those of an owner that failed with unfinished
+        /// operations.
         CancelSent,
     }
 }

@@ -488,6 +488,42 @@ async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying
     }
 }
 
+/// A deadline's Cancel is recorded with the failure it follows, confirmed or not.
+#[tokio::test]
+async fn a_deadline_cancel_the_snapshotter_never_confirms_is_recorded_as_unconfirmed() {
+    let f = Fixture::new(&["--call-deadline", "500ms"]).await;
+    f.client
+        .register_snapshotter(&copier(&f, |s| {
+            s.stall_timeout = Some(GoDuration::from_millis(700))
+        }))
+        .await
+        .unwrap();
+    f.open_gate("HANG");
+    f.backup("b")
+        .operation(operation(PLUGIN, "never-1", "a", &[]))
+        .end_in_progress()
+        .await;
+    let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
+    assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
+    assert!(journal(&f.journal).contains(&"held cancel never-1 b".to_string()));
+    let events = from_reason(history(&f, "b").await, "DeadlineExceeded");
+    let error = &f.client.backups().operations("b", None).await.unwrap()[0].error;
+    // Both in the transaction that failed the operation, before the owner moved on.
+    assert_eq!(
+        events[..2],
+        [
+            ev("DeadlineExceeded", Some("never-1"), false, error),
+            ev(
+                "CancelSent",
+                Some("never-1"),
+                false,
+                "Cancel sent after the deadline; not confirmed by the snapshotter within \
+                 the call deadline"
+            )
+        ]
+    );
+}
+
 #[tokio::test]
 async fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed() {
     let f = Fixture::new(&[]).await;
@@ -767,7 +803,7 @@ async fn the_cli_cancels_and_says_plainly_what_it_could_not_cancel() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        "backup b: 1 operations canceled\nbackup b is WaitingForPluginOperationsPartiallyFailed\n"
+        "backup b: 1 operation canceled\nbackup b is WaitingForPluginOperationsPartiallyFailed\n"
     );
     assert_eq!(out.status.code(), Some(1), "the owner is partially failed");
     let out = opmon(socket, &["-o", "json", "backup", "cancel", "b"]);

@@ -91,10 +91,10 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
             s("OperationsAdded", None, Some(me()), "2 operations added (0 already known); 2 in all"),
             s("OperationPhaseChanged", Some("gate-1"), None, "New → InProgress at 30 of 100 byte"),
             s("OperationFailed", Some("fail-1"), None, "copy failed"),
-            s("PhaseChanged", None, Some(me()), "InProgress → WaitingForPluginOperationsPartiallyFailed: 0 of 2 operations completed, 1 failed, 1 errors"),
+            s("PhaseChanged", None, Some(me()), "InProgress → WaitingForPluginOperationsPartiallyFailed: 0 of 2 operations completed, 1 failed, 1 error"),
             s("OperationPhaseChanged", Some("gate-1"), None, "InProgress → Completed at 100 of 100 byte"),
-            s("PhaseChanged", None, None, "WaitingForPluginOperationsPartiallyFailed → FinalizingPartiallyFailed: 1 of 2 operations completed, 1 failed, 1 errors"),
-            s("PhaseChanged", None, Some(me()), "FinalizingPartiallyFailed → PartiallyFailed: 1 of 2 operations completed, 1 failed, 1 errors"),
+            s("PhaseChanged", None, None, "WaitingForPluginOperationsPartiallyFailed → FinalizingPartiallyFailed: 1 of 2 operations completed, 1 failed, 1 error"),
+            s("PhaseChanged", None, Some(me()), "FinalizingPartiallyFailed → PartiallyFailed: 1 of 2 operations completed, 1 failed, 1 error"),
         ]
     );
     let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
@@ -228,7 +228,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         .collect();
     assert_eq!(
         &last[1..],
-        ["PhaseChanged", &mine, "-", "FinalizingPartiallyFailed → PartiallyFailed: 1 of 2 operations completed, 1 failed, 1 errors"],
+        ["PhaseChanged", &mine, "-", "FinalizingPartiallyFailed → PartiallyFailed: 1 of 2 operations completed, 1 failed, 1 error"],
         "{text}"
     );
     assert!(
@@ -272,7 +272,7 @@ async fn an_owner_keeps_its_latest_1000_events() {
     assert!(events.iter().all(|e| e.reason == "OperationsAdded"));
     assert_eq!(
         events[999].message,
-        "1 operations added (0 already known); 1005 in all"
+        "1 operation added (0 already known); 1005 in all"
     );
     let one_page = backups
         .events(EventsParams {
@@ -555,16 +555,28 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
         .failed()
         .await
         .expect("endInProgress failed");
+    // Then the Cancel calls it sent, and what came of them (no caller: the agent's).
     let events = all_events(&f.client, "failed", 100).await;
-    let last = events.last().expect("events");
+    let last: Vec<_> = events[events.len().saturating_sub(2)..]
+        .iter()
+        .map(|e| (e.reason.as_str(), e.caller, e.message.as_str()))
+        .collect();
     assert_eq!(
-        (last.reason.as_str(), last.caller, last.message.as_str()),
-        (
-            "Failed",
-            Some(me()),
-            "InProgress → Failed: the backup server ended InProgress with failed: true \
-             (1 unfinished operations failed and cancelled)"
-        )
+        last,
+        [
+            (
+                "Failed",
+                Some(me()),
+                "InProgress → Failed: the backup server ended InProgress with failed: true \
+                 (1 unfinished operation failed and cancelled)"
+            ),
+            (
+                "CancelSent",
+                None,
+                "Cancel sent for 1 unfinished operation of the failed owner: 1 confirmed \
+                 by their snapshotters, 0 not"
+            )
+        ]
     );
     // An operation past its item operation timeout: a deadline, by the agent.
     f.backup("late")
@@ -575,7 +587,7 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
     let events = all_events(&f.client, "late", 100).await;
     let deadline: Vec<_> = events
         .iter()
-        .filter(|e| e.reason == "DeadlineExceeded")
+        .filter(|e| e.reason == "DeadlineExceeded" || e.reason == "CancelSent")
         .map(|e| {
             (
                 e.caller,
@@ -586,6 +598,13 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
         .collect();
     assert_eq!(
         deadline,
-        [(None, "Asynchronous action timed out", Some("never-1"))]
+        [
+            (None, "Asynchronous action timed out", Some("never-1")),
+            (
+                None,
+                "Cancel sent after the deadline; confirmed by the snapshotter",
+                Some("never-1")
+            )
+        ]
     );
 }

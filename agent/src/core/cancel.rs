@@ -230,9 +230,8 @@ impl Core {
                 let row = queries::owner_by_id(conn, owner_id)?
                     .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
                 let message = format!(
-                    "Cancel sent for {} operations: {} confirmed by their snapshotters, \
-                     {unconfirmed} not",
-                    rows.len(),
+                    "Cancel sent for {}: {} confirmed by their snapshotters, {unconfirmed} not",
+                    super::counted(rows.len() as u64, "operation"),
                     rows.len() as u64 - unconfirmed
                 );
                 events::record(
@@ -266,6 +265,55 @@ impl Core {
             canceled: canceled.len() as u64,
             unconfirmed,
         })
+    }
+
+    /// Sends Cancel for the unfinished operations of owners that just failed (their
+    /// timeout, or the server's `endInProgress {failed: true}`), then records per owner
+    /// how many the snapshotters confirmed. An owner deleted meanwhile has no history
+    /// left to add to.
+    pub(super) async fn cancel_failed(&self, targets: &[PollTarget]) {
+        if targets.is_empty() {
+            return;
+        }
+        let confirmed = self.poller.cancel_each(targets).await;
+        let mut per_owner: std::collections::BTreeMap<i64, (usize, usize)> = Default::default();
+        for t in targets {
+            let (sent, ok) = per_owner.entry(t.owner_row).or_default();
+            *sent += 1;
+            *ok += usize::from(confirmed.contains(&t.row));
+        }
+        let now = UnixMs::now();
+        let written = self
+            .store
+            .write(move |conn| {
+                for (owner, (sent, ok)) in per_owner {
+                    if queries::owner_by_id(conn, owner)?.is_none() {
+                        continue;
+                    }
+                    let message = format!(
+                        "Cancel sent for {} of the failed owner: {ok} confirmed by their \
+                         snapshotters, {} not",
+                        super::counted(sent as u64, "unfinished operation"),
+                        sent - ok
+                    );
+                    events::record(
+                        conn,
+                        owner,
+                        &NewEvent {
+                            reason: EventReason::CancelSent,
+                            operation: None,
+                            caller: None,
+                            message: &message,
+                        },
+                        now,
+                    )?;
+                }
+                Ok::<_, Error>(())
+            })
+            .await;
+        if let Err(e) = written {
+            tracing::warn!(error = %e, "recording the cancels of failed owners");
+        }
     }
 
     /// After a restart: sends Cancel again for the operations whose calls were out

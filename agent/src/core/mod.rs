@@ -105,6 +105,16 @@ impl Drop for Running<'_> {
 }
 
 /// Why a command snapshotter not in the config file is not run.
+/// `n` and `noun`, plural unless `n` is 1: "1 operation", "2 operations".
+pub(crate) fn counted(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 fn command_refusal(name: &str) -> String {
     format!(
         "snapshotter {name} runs a command, which only the config file may register \

@@ -61,8 +61,10 @@ pub(super) fn fail_owner(
     queries::mark_records_due(conn, row.id)?;
     let mut recorded = row.clone();
     if cancelled > 0 {
-        recorded.owner.failure_reason =
-            format!("{reason} ({cancelled} unfinished operations failed and cancelled)");
+        recorded.owner.failure_reason = format!(
+            "{reason} ({} failed and cancelled)",
+            super::counted(cancelled as u64, "unfinished operation")
+        );
     }
     record_owner_phase(conn, &recorded, was, caller, now)?;
     Ok(targets)
@@ -174,8 +176,8 @@ impl Core {
                 // A repeat that adds nothing changes nothing worth a line of history.
                 if !added.is_empty() {
                     let message = format!(
-                        "{} operations added ({} already known); {} in all",
-                        added.len(),
+                        "{} added ({} already known); {} in all",
+                        super::counted(added.len() as u64, "operation"),
                         p.operations.len() - added.len(),
                         row.owner.operations_attempted + added.len() as u64
                     );
@@ -277,7 +279,7 @@ impl Core {
             .await?;
         let failed = vec![(kind, owner.name.clone(), owner.failure_reason.clone())];
         self.announce_failed(&failed, &targets);
-        self.poller.cancel_all(&targets).await;
+        self.cancel_failed(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;
         Ok(owner)
     }

@@ -49,6 +49,9 @@ pub(super) struct OperationChange {
     pub why: Option<phase::Why>,
     /// Its rate after this poll's sample (unchanged unless `nCompleted` moved).
     pub rate: Rate,
+    /// Whether a deadline's Cancel, sent before this change is committed, was
+    /// confirmed by the snapshotter; `None` if none was sent.
+    pub cancel_confirmed: Option<bool>,
 }
 
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
@@ -168,7 +171,17 @@ fn record_operation_change(
     let failed = next.phase == OperationPhase::Failed;
     match c.why {
         Some(Why::TimedOut | Why::Stalled | Why::NotStarted) => {
-            return record(EventReason::DeadlineExceeded, &next.error);
+            record(EventReason::DeadlineExceeded, &next.error)?;
+            if let Some(confirmed) = c.cancel_confirmed {
+                let message = if confirmed {
+                    "Cancel sent after the deadline; confirmed by the snapshotter"
+                } else {
+                    "Cancel sent after the deadline; not confirmed by the snapshotter \
+                     within the call deadline"
+                };
+                record(EventReason::CancelSent, message)?;
+            }
+            return Ok(());
         }
         Some(Why::Unreachable) => return record(EventReason::OperationFailed, &next.error),
         Some(Why::RetriesSpent) => {
@@ -313,12 +326,12 @@ pub(super) fn record_owner_phase(
         (
             EventReason::PhaseChanged,
             format!(
-                "{was} → {}: {} of {} operations completed, {} failed, {} errors",
+                "{was} → {}: {} of {} operations completed, {} failed, {}",
                 o.phase,
                 o.operations_completed,
                 o.operations_attempted,
                 o.operations_failed,
-                o.errors
+                super::counted(o.errors, "error")
             ),
         )
     };
@@ -494,11 +507,17 @@ impl Poller {
                     next: d.next,
                     why: d.why,
                     rate,
+                    cancel_confirmed: d.cancel.then_some(false),
                 });
             }
         }
         if !to_cancel.is_empty() {
-            self.cancel_all(&to_cancel).await;
+            let confirmed = self.cancel_each(&to_cancel).await;
+            for c in &mut changes {
+                if c.cancel_confirmed.is_some() {
+                    c.cancel_confirmed = Some(confirmed.contains(&c.target.row));
+                }
+            }
         }
         changes
     }

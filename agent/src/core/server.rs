@@ -130,7 +130,7 @@ impl Core {
         self.announce_failed(&failed, &targets);
         let core = self.clone();
         self.sweeps.spawn(async move {
-            core.poller.cancel_all(&targets).await;
+            core.cancel_failed(&targets).await;
             core.refresh_records(failed.into_iter().map(|(kind, name, _)| (kind, name)))
                 .await;
         });

@@ -473,9 +473,9 @@ async fn owner_command(
             let value = call(client, method(OwnerMethod::Cancel), params).await?;
             print(out, &value, |r: &CancelResult| {
                 let mut text = format!(
-                    "{kind} {}: {} operations canceled",
+                    "{kind} {}: {} canceled",
                     escape_controls(&name),
-                    r.canceled
+                    render::counted(r.canceled, "operation")
                 );
                 if r.unconfirmed > 0 {
                     text.push_str(&format!(
@@ -496,9 +496,9 @@ async fn owner_command(
             let value = call(client, method(OwnerMethod::Delete), params).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(
-                    "{kind} {} deleted, {} operations cancelled\n",
+                    "{kind} {} deleted, {} cancelled\n",
                     escape_controls(&name),
-                    r.cancelled
+                    render::counted(r.cancelled, "operation")
                 )
             })
         }

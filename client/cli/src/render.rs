@@ -38,6 +38,15 @@ pub fn parse_item(text: &str) -> Result<ResourceIdentifier, String> {
 }
 
 /// Text from outside, control characters escaped.
+/// `n` and `noun`, plural unless `n` is 1: "1 operation", "2 operations".
+pub fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 pub fn clean(text: &str) -> Cow<'_, str> {
     opmon_client::text::escape_controls(text)
 }
