@@ -229,22 +229,9 @@ impl Core {
                 queries::clear_cancel_requested(conn, &rows)?;
                 let row = queries::owner_by_id(conn, owner_id)?
                     .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
-                let message = format!(
-                    "Cancel sent for {}: {} confirmed by their snapshotters, {unconfirmed} not",
-                    super::counted(rows.len() as u64, "operation"),
-                    rows.len() as u64 - unconfirmed
-                );
-                events::record(
-                    conn,
-                    owner_id,
-                    &NewEvent {
-                        reason: EventReason::CancelSent,
-                        operation: None,
-                        caller: None,
-                        message: &message,
-                    },
-                    now,
-                )?;
+                let sent = rows.len() as u64;
+                let what = super::counted(sent, "operation");
+                record_cancels_sent(conn, owner_id, &what, sent - unconfirmed, unconfirmed, now)?;
                 Ok(row.owner)
             })
             .await;
@@ -290,23 +277,11 @@ impl Core {
                     if queries::owner_by_id(conn, owner)?.is_none() {
                         continue;
                     }
-                    let message = format!(
-                        "Cancel sent for {} of the failed owner: {ok} confirmed by their \
-                         snapshotters, {} not",
-                        super::counted(sent as u64, "unfinished operation"),
-                        sent - ok
+                    let what = format!(
+                        "{} of the failed owner",
+                        super::counted(sent as u64, "unfinished operation")
                     );
-                    events::record(
-                        conn,
-                        owner,
-                        &NewEvent {
-                            reason: EventReason::CancelSent,
-                            operation: None,
-                            caller: None,
-                            message: &message,
-                        },
-                        now,
-                    )?;
+                    record_cancels_sent(conn, owner, &what, ok as u64, (sent - ok) as u64, now)?;
                 }
                 Ok::<_, Error>(())
             })
@@ -361,4 +336,30 @@ impl Core {
             }
         });
     }
+}
+
+/// The owner's `CancelSent` event: Cancel calls for `what` are over, `confirmed` of
+/// them confirmed by their snapshotters and `unconfirmed` not.
+fn record_cancels_sent(
+    conn: &Connection,
+    owner: i64,
+    what: &str,
+    confirmed: u64,
+    unconfirmed: u64,
+    now: UnixMs,
+) -> rusqlite::Result<()> {
+    let message = format!(
+        "Cancel sent for {what}: {confirmed} confirmed by their snapshotters, {unconfirmed} not"
+    );
+    events::record(
+        conn,
+        owner,
+        &NewEvent {
+            reason: EventReason::CancelSent,
+            operation: None,
+            caller: None,
+            message: &message,
+        },
+        now,
+    )
 }
