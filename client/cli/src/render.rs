@@ -465,6 +465,24 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
     if let Some(rate) = rate_and_eta(op, now) {
         let _ = writeln!(out, "\t\tRate:\t{rate}");
     }
+    // What the agent adds: why an operation is waiting, and what it is waiting for.
+    if op.attempts > 0 {
+        let _ = writeln!(
+            out,
+            "\t\tTransient errors:\t{} retried, the last: {}",
+            op.attempts,
+            clean(&op.last_error)
+        );
+    }
+    if let Some(t) = op.next_attempt_at {
+        let _ = writeln!(out, "\t\tNext attempt:\t{}", velero_time(t));
+    }
+    if op.cancel_requested {
+        let _ = writeln!(
+            out,
+            "\t\tCancel:\tsent, not yet answered by the snapshotter"
+        );
+    }
 }
 
 /// `describe`: the owner, then its item operations as Velero's describers show them: a
@@ -916,6 +934,41 @@ mod tests {
              \x20   Phase:                      Failed\n\
              \x20   Operation Error:            disk\\x1b[2J gone\\nforged\n\
              \x20   Created:                    2026-01-01 00:00:00 +0000 UTC\n"
+        );
+    }
+
+    #[test]
+    fn describe_details_say_what_an_operation_is_waiting_for() {
+        let mut retrying = op(10, 100);
+        retrying.attempts = 2;
+        retrying.last_error = "snapshotter busy\u{1b}[2J".into();
+        retrying.next_attempt_at = Some(datetime!(2026-01-01 0:00:14 UTC));
+        retrying.cancel_requested = true;
+        let text = describe(
+            &owner(opmon_client::OwnerKind::Backup, 1, 0, 0),
+            Some(&[retrying]),
+            NOW,
+        );
+        let tail: Vec<&str> = text.lines().rev().take(3).collect();
+        assert_eq!(
+            tail,
+            [
+                "    Cancel:                     sent, not yet answered by the snapshotter",
+                "    Next attempt:               2026-01-01 00:00:14 +0000 UTC",
+                "    Transient errors:           2 retried, the last: snapshotter busy\\x1b[2J",
+            ]
+        );
+        // An operation without any shows none of the three.
+        let plain = describe(
+            &owner(opmon_client::OwnerKind::Backup, 1, 0, 0),
+            Some(&[op(10, 100)]),
+            NOW,
+        );
+        assert!(
+            !plain.contains("Transient")
+                && !plain.contains("Next attempt")
+                && !plain.contains("Cancel:"),
+            "{plain}"
         );
     }
 
