@@ -14,7 +14,7 @@ use opmon_client::snapshotter::Hints;
 use opmon_client::{Client, OwnerPhase, WaitUntil};
 
 use crate::agent::Spec;
-use crate::register::{operation, start_backups};
+use crate::register::{add_operations, end_in_progress, operation, start_backups};
 use crate::snap::Bench;
 use crate::table::{dur, quantile, Row};
 use crate::Ctx;
@@ -48,19 +48,8 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         let mut op = operation(PLUGIN, i, 0);
         op.operation_id = format!("until-{i}");
         ids.push(op.operation_id.clone());
-        client
-            .backups()
-            .add_operations(name, vec![op])
-            .await
-            .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
-        let owner = client
-            .backups()
-            .end_in_progress(name)
-            .await
-            .map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
-        if owner.phase != OwnerPhase::WaitingForPluginOperations {
-            return Err(format!("{name} is {} after endInProgress", owner.phase));
-        }
+        add_operations(&client, name, &[op]).await?;
+        end_in_progress(&client, name, OwnerPhase::WaitingForPluginOperations).await?;
     }
     let hints = Hints::new(&spec.socket, PLUGIN);
     let waiters: Vec<_> = names

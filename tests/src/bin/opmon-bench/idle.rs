@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use opmon_client::OwnerPhase;
 
 use crate::agent::Spec;
-use crate::register::{operation, start_backups};
+use crate::register::{add_operations, end_in_progress, operation, start_backups};
 use crate::snap::Bench;
 use crate::sweep::cpu_ticks;
 use crate::table::{thousands, Row};
@@ -47,21 +47,8 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
                 op
             })
             .collect();
-        for chunk in ops.chunks(1000) {
-            client
-                .backups()
-                .add_operations(name, chunk.to_vec())
-                .await
-                .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
-        }
-        let owner = client
-            .backups()
-            .end_in_progress(name)
-            .await
-            .map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
-        if owner.phase != OwnerPhase::WaitingForPluginOperations {
-            return Err(format!("{name} is {} after endInProgress", owner.phase));
-        }
+        add_operations(&client, name, &ops).await?;
+        end_in_progress(&client, name, OwnerPhase::WaitingForPluginOperations).await?;
     }
     drop(client);
     let ticks = |pid: u32| cpu_ticks(pid).unwrap_or(0);

@@ -14,8 +14,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use opmon_client::OwnerPhase;
+
 use crate::agent::Spec;
-use crate::register::{operation, start_backups, QUIET};
+use crate::register::{add_operations, end_in_progress, operation, start_backups, QUIET};
 use crate::snap::Bench;
 use crate::sweep::{wait_committed, wait_idle, PASS_WITHIN};
 use crate::table::{thousands, Row};
@@ -89,18 +91,8 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     start_backups(ctx, &client, &names).await?;
     for (b, name) in names.iter().enumerate() {
         let ops: Vec<_> = (0..per).map(|i| operation(PLUGIN, b, i)).collect();
-        for chunk in ops.chunks(1000) {
-            client
-                .backups()
-                .add_operations(name, chunk.to_vec())
-                .await
-                .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
-        }
-        client
-            .backups()
-            .end_in_progress(name)
-            .await
-            .map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
+        add_operations(&client, name, &ops).await?;
+        end_in_progress(&client, name, OwnerPhase::WaitingForPluginOperations).await?;
     }
     drop(client);
     agent.terminate()?;

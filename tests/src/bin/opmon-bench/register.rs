@@ -77,6 +77,42 @@ pub async fn start_backups(ctx: &Ctx, client: &Client, names: &[String]) -> Resu
     Ok(())
 }
 
+/// Adds `ops` to backup `name`, 1,000 per call.
+pub async fn add_operations(
+    client: &Client,
+    name: &str,
+    ops: &[NewOperation],
+) -> Result<(), String> {
+    for chunk in ops.chunks(1000) {
+        client
+            .backups()
+            .add_operations(name, chunk.to_vec())
+            .await
+            .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Ends backup `name`'s InProgress; fails unless it is then in phase `expected`.
+pub async fn end_in_progress(
+    client: &Client,
+    name: &str,
+    expected: opmon_client::OwnerPhase,
+) -> Result<(), String> {
+    let owner = client
+        .backups()
+        .end_in_progress(name)
+        .await
+        .map_err(|e| format!("backup.endInProgress {name}: {e}"))?;
+    if owner.phase != expected {
+        return Err(format!(
+            "{name} is {} after endInProgress; expected {expected}",
+            owner.phase
+        ));
+    }
+    Ok(())
+}
+
 /// The mean size of the agent's commit groups, from its metrics.
 fn mean_commit_group(socket: &std::path::Path) -> Option<f64> {
     let page = raw::metrics(socket).ok()?;

@@ -21,7 +21,7 @@ use opmon_client::{Client, OwnerPhase};
 use rusqlite::OptionalExtension;
 
 use crate::agent::{self, Agent, Spec};
-use crate::register::{operation, start_backups, QUIET};
+use crate::register::{add_operations, operation, start_backups, QUIET};
 use crate::snap::{Bench, Marked};
 use crate::table::{dur, median, per_sec, quantile, thousands, Row};
 use crate::{memory, restart, rtt, subscribe, Ctx};
@@ -300,13 +300,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
     start_backups(ctx, &client, &names).await?;
     for (b, name) in names.iter().enumerate() {
         let ops: Vec<_> = (0..per).map(|i| operation(PLUGIN, b, i)).collect();
-        for chunk in ops.chunks(1000) {
-            client
-                .backups()
-                .add_operations(name, chunk.to_vec())
-                .await
-                .map_err(|e| format!("backup.addOperations {name}: {e}"))?;
-        }
+        add_operations(&client, name, &ops).await?;
     }
     let mut rows = Vec::new();
 
