@@ -313,11 +313,10 @@ impl SocketRemote {
         count: usize,
         parse: impl Fn(&RawValue) -> Answer<T>,
     ) -> Vec<Answer<T>> {
-        // Read as text checked once: serde_json then skips checking each string.
-        let typed = std::str::from_utf8(response)
-            .ok()
-            .and_then(|text| serde_json::from_str::<Vec<TypedEntry<T>>>(text).ok());
-        if let Some(entries) = typed {
+        // Read as text, checked once (serde_json then skips checking each string); a
+        // byte that is not UTF-8 spoils only the text it is in (U+FFFD), not the batch.
+        let text = String::from_utf8_lossy(response);
+        if let Ok(entries) = serde_json::from_str::<Vec<TypedEntry<T>>>(&text) {
             if entries
                 .iter()
                 .all(|e| e.result.is_some() || e.error.is_some())
@@ -340,11 +339,11 @@ impl SocketRemote {
             }
         }
         let whole = |e: CallError| (0..count).map(|_| Err(e.clone())).collect();
-        let entries: Vec<ResponseEntry<'_>> = match serde_json::from_slice(response) {
+        let entries: Vec<ResponseEntry<'_>> = match serde_json::from_str(&text) {
             Ok(entries) => entries,
             Err(_) => {
                 // A single error object answers the whole batch (e.g. a parse error).
-                return match serde_json::from_slice::<ResponseEntry<'_>>(response) {
+                return match serde_json::from_str::<ResponseEntry<'_>>(&text) {
                     Ok(ResponseEntry { error: Some(e), .. }) => whole(self.refused(&e)),
                     _ => whole(CallError::Answered(format!(
                         "snapshotter {} answered something that is not a JSON-RPC response",
@@ -774,6 +773,31 @@ mod tests {
             Err(CallError::Answered(
                 "snapshotter a.io/b left the call unanswered".into()
             ))
+        );
+    }
+
+    /// A snapshotter that sends a byte that is not UTF-8 in one answer's text spoils
+    /// that text, not the batch: the byte reads as U+FFFD.
+    #[test]
+    fn a_byte_that_is_not_utf8_spoils_one_text_not_the_batch() {
+        let r = remote();
+        let mut response = format!(
+            r#"[{{"id":0,"result":{DONE}}},{{"id":1,"result":{{"description":"copy X"}}}}]"#
+        )
+        .into_bytes();
+        let x = response.iter().rposition(|&b| b == b'X').unwrap();
+        response[x] = 0xff;
+        let answers = r.decode_batch(&response, 2, |raw| {
+            serde_json::from_str::<OperationProgress>(raw.get())
+                .map_err(|e| CallError::Answered(format!("invalid progress: {e}")))
+        });
+        assert!(
+            answers[0].as_ref().is_ok_and(|p| p.completed),
+            "{answers:?}"
+        );
+        assert_eq!(
+            answers[1].as_ref().map(|p| p.description.as_str()),
+            Ok("copy \u{fffd}")
         );
     }
 
