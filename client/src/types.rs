@@ -693,7 +693,8 @@ wire_enum! {
         /// An operation's snapshotter answered again after transient errors.
         Recovered,
         /// Cancel calls are over (the message says how many the snapshotters
-        /// confirmed): those `*.cancel` asked for, a deadline's (for its operation, with
+        /// confirmed, and names the plugins of any not sent for want of a registered
+        /// snapshotter): those `*.cancel` asked for, a deadline's (for its operation, with
         /// its `DeadlineExceeded`), or those of an owner that failed with unfinished
         /// operations.
         CancelSent,

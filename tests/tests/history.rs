@@ -542,6 +542,59 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
 }
 
 #[tokio::test]
+async fn a_cancel_with_no_snapshotter_to_send_it_to_names_the_plugin() {
+    let f = Fixture::new(&[]).await;
+    // One operation of the registered snapshotter, one of a plugin nobody registered.
+    f.backup("orphan")
+        .operation(operation(PLUGIN, "gate-1", "a", &[]))
+        .operation(operation("example.io/unregistered", "gone-1", "b", &[]))
+        .start()
+        .await;
+    f.client
+        .backups()
+        .end_in_progress("orphan")
+        .failed()
+        .await
+        .expect("endInProgress failed");
+    let events = all_events(&f.client, "orphan", 100).await;
+    let last = events
+        .last()
+        .map(|e| (e.reason.as_str(), e.message.as_str()));
+    assert_eq!(
+        last,
+        Some((
+            "CancelSent",
+            "Cancel sent for 2 unfinished operations of the failed owner: 1 confirmed by \
+             their snapshotters, 0 not; 1 not sent: no snapshotter registered for \
+             example.io/unregistered"
+        ))
+    );
+    // Only the unregistered plugin's: nothing was sent at all.
+    f.backup("nobody")
+        .operation(operation("example.io/unregistered", "gone-2", "c", &[]))
+        .start()
+        .await;
+    f.client
+        .backups()
+        .end_in_progress("nobody")
+        .failed()
+        .await
+        .expect("endInProgress failed");
+    let events = all_events(&f.client, "nobody", 100).await;
+    let last = events
+        .last()
+        .map(|e| (e.reason.as_str(), e.message.as_str()));
+    assert_eq!(
+        last,
+        Some((
+            "CancelSent",
+            "Cancel not sent for 1 unfinished operation of the failed owner: no snapshotter \
+             registered for example.io/unregistered"
+        ))
+    );
+}
+
+#[tokio::test]
 async fn failures_and_timeouts_are_events_with_their_reasons() {
     let f = Fixture::new(&[]).await;
     // The backup server fails the backup: one event, by it, saying what was cancelled.

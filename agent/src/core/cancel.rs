@@ -18,7 +18,7 @@ use opmon_client::{
 };
 use rusqlite::Connection;
 
-use super::poll::{record_owner_phase, settle_owner, Settle};
+use super::poll::{record_owner_phase, settle_owner, Cancels, Settle};
 use super::{require, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
@@ -217,11 +217,14 @@ impl Core {
             .notify(kind, &name, canceled.clone(), Urgency::Now);
         // The file is marked due in the transaction; writing it need not hold up the
         // Cancel calls.
-        let (_, confirmed) = tokio::join!(
+        let (_, cancels) = tokio::join!(
             self.refresh_records([(kind, name.clone())]),
             self.poller.cancel_each(&targets)
         );
-        let unconfirmed = canceled.iter().filter(|r| !confirmed.contains(r)).count() as u64;
+        let unconfirmed = canceled
+            .iter()
+            .filter(|r| !cancels.confirmed.contains(r))
+            .count() as u64;
         let rows = canceled.clone();
         let owner = self
             .store
@@ -229,9 +232,9 @@ impl Core {
                 queries::clear_cancel_requested(conn, &rows)?;
                 let row = queries::owner_by_id(conn, owner_id)?
                     .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
-                let sent = rows.len() as u64;
-                let what = super::counted(sent, "operation");
-                record_cancels_sent(conn, owner_id, &what, sent - unconfirmed, unconfirmed, now)?;
+                let what = super::counted(rows.len() as u64, "operation");
+                let outcome = CancelsOutcome::of(&rows, &cancels);
+                record_cancels_sent(conn, owner_id, &what, &outcome, now)?;
                 Ok(row.owner)
             })
             .await;
@@ -262,26 +265,25 @@ impl Core {
         if targets.is_empty() {
             return;
         }
-        let confirmed = self.poller.cancel_each(targets).await;
-        let mut per_owner: std::collections::BTreeMap<i64, (usize, usize)> = Default::default();
+        let cancels = self.poller.cancel_each(targets).await;
+        let mut per_owner: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
         for t in targets {
-            let (sent, ok) = per_owner.entry(t.owner_row).or_default();
-            *sent += 1;
-            *ok += usize::from(confirmed.contains(&t.row));
+            per_owner.entry(t.owner_row).or_default().push(t.row);
         }
         let now = UnixMs::now();
         let written = self
             .store
             .write(move |conn| {
-                for (owner, (sent, ok)) in per_owner {
+                for (owner, rows) in per_owner {
                     if queries::owner_by_id(conn, owner)?.is_none() {
                         continue;
                     }
                     let what = format!(
                         "{} of the failed owner",
-                        super::counted(sent as u64, "unfinished operation")
+                        super::counted(rows.len() as u64, "unfinished operation")
                     );
-                    record_cancels_sent(conn, owner, &what, ok as u64, (sent - ok) as u64, now)?;
+                    let outcome = CancelsOutcome::of(&rows, &cancels);
+                    record_cancels_sent(conn, owner, &what, &outcome, now)?;
                 }
                 Ok::<_, Error>(())
             })
@@ -338,19 +340,65 @@ impl Core {
     }
 }
 
-/// The owner's `CancelSent` event: Cancel calls for `what` are over, `confirmed` of
-/// them confirmed by their snapshotters and `unconfirmed` not.
+/// How an owner's Cancel calls came out: confirmed by their snapshotters, sent and not
+/// confirmed, and not sent for want of a registered snapshotter (with its plugins).
+#[derive(Debug, PartialEq)]
+struct CancelsOutcome {
+    confirmed: u64,
+    unconfirmed: u64,
+    not_sent: u64,
+    unregistered: Vec<String>,
+}
+
+impl CancelsOutcome {
+    /// The outcome for `rows`, out of all that `cancels` covered.
+    fn of(rows: &[i64], cancels: &Cancels) -> CancelsOutcome {
+        let confirmed = rows
+            .iter()
+            .filter(|r| cancels.confirmed.contains(r))
+            .count() as u64;
+        let unregistered: BTreeSet<&String> = rows
+            .iter()
+            .filter_map(|r| cancels.not_sent.get(r))
+            .collect();
+        let not_sent = rows
+            .iter()
+            .filter(|r| cancels.not_sent.contains_key(r))
+            .count() as u64;
+        CancelsOutcome {
+            confirmed,
+            unconfirmed: rows.len() as u64 - confirmed - not_sent,
+            not_sent,
+            unregistered: unregistered.into_iter().cloned().collect(),
+        }
+    }
+
+    /// The `CancelSent` message for Cancel calls about `what`.
+    fn message(&self, what: &str) -> String {
+        let sent = format!(
+            "{} confirmed by their snapshotters, {} not",
+            self.confirmed, self.unconfirmed
+        );
+        let nobody = format!(
+            "no snapshotter registered for {}",
+            self.unregistered.join(", ")
+        );
+        match (self.confirmed + self.unconfirmed, self.not_sent) {
+            (_, 0) => format!("Cancel sent for {what}: {sent}"),
+            (0, _) => format!("Cancel not sent for {what}: {nobody}"),
+            (_, n) => format!("Cancel sent for {what}: {sent}; {n} not sent: {nobody}"),
+        }
+    }
+}
+
+/// The owner's `CancelSent` event: Cancel calls for `what` are over, as `outcome` says.
 fn record_cancels_sent(
     conn: &Connection,
     owner: i64,
     what: &str,
-    confirmed: u64,
-    unconfirmed: u64,
+    outcome: &CancelsOutcome,
     now: UnixMs,
 ) -> rusqlite::Result<()> {
-    let message = format!(
-        "Cancel sent for {what}: {confirmed} confirmed by their snapshotters, {unconfirmed} not"
-    );
     events::record(
         conn,
         owner,
@@ -358,7 +406,7 @@ fn record_cancels_sent(
             reason: EventReason::CancelSent,
             operation: None,
             caller: None,
-            message: &message,
+            message: &outcome.message(what),
         },
         now,
     )

@@ -54,6 +54,15 @@ pub(super) struct OperationChange {
     pub cancel_confirmed: Option<bool>,
 }
 
+/// What Cancel calls came to, by row.
+#[derive(Debug, Default)]
+pub struct Cancels {
+    /// Answered without an error within the deadline.
+    pub confirmed: HashSet<i64>,
+    /// Not sent, with their plugin: no snapshotter is registered for it.
+    pub not_sent: HashMap<i64, String>,
+}
+
 /// The params of a Progress or Cancel call. The owner (with its object) is shared with
 /// the target, not copied: a sweep holds each owner's object once.
 fn operation_ref(t: &PollTarget) -> OperationRef {
@@ -512,7 +521,7 @@ impl Poller {
             }
         }
         if !to_cancel.is_empty() {
-            let confirmed = self.cancel_each(&to_cancel).await;
+            let confirmed = self.cancel_each(&to_cancel).await.confirmed;
             for c in &mut changes {
                 if c.cancel_confirmed.is_some() {
                     c.cancel_confirmed = Some(confirmed.contains(&c.target.row));
@@ -560,34 +569,42 @@ impl Poller {
     }
 
     /// [`Poller::cancel_all`], saying which rows the snapshotters confirmed (answered
-    /// Cancel without an error within the deadline).
-    pub async fn cancel_each(&self, targets: &[PollTarget]) -> HashSet<i64> {
+    /// Cancel without an error within the deadline) and which were not sent at all.
+    pub async fn cancel_each(&self, targets: &[PollTarget]) -> Cancels {
         let deadline = tokio::time::Instant::now() + self.calls.deadline;
         let groups = by_plugin(targets.to_vec());
         let cancels = groups.into_iter().map(|(plugin, group)| async move {
-            self.cancel_group(&plugin, group, deadline).await
+            let rows: Vec<i64> = group.iter().map(|t| t.row).collect();
+            let confirmed = self.cancel_group(&plugin, group, deadline).await;
+            (plugin, rows, confirmed)
         });
-        futures::future::join_all(cancels)
-            .await
-            .into_iter()
-            .flatten()
-            .collect()
+        let mut cancels_made = Cancels::default();
+        for (plugin, rows, confirmed) in futures::future::join_all(cancels).await {
+            match confirmed {
+                Some(confirmed) => cancels_made.confirmed.extend(confirmed),
+                None => {
+                    let not_sent = rows.into_iter().map(|r| (r, plugin.clone()));
+                    cancels_made.not_sent.extend(not_sent);
+                }
+            }
+        }
+        cancels_made
     }
 
     /// Cancels the operations of one plugin until `deadline`; returns the rows
-    /// confirmed.
+    /// confirmed, or `None` if no snapshotter is registered for it (nothing was sent).
     async fn cancel_group(
         &self,
         plugin: &str,
         targets: Vec<PollTarget>,
         deadline: tokio::time::Instant,
-    ) -> Vec<i64> {
+    ) -> Option<Vec<i64>> {
         let Some(remote) = self.remotes.get(plugin) else {
             for t in &targets {
                 tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
                     plugin, "cannot cancel: no snapshotter registered");
             }
-            return Vec::new();
+            return None;
         };
         let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
         let answers = match &*remote {
@@ -620,7 +637,7 @@ impl Poller {
         }
         self.metrics
             .cancelled(plugin, answers.len(), errors + abandoned);
-        confirmed
+        Some(confirmed)
     }
 }
 
