@@ -59,6 +59,30 @@ impl StorageDir {
         self.root.join(dir).join(name).join(file)
     }
 
+    /// The owner whose item operations file `path` (absolute) is, whether or not the
+    /// owner or the file exists: a file the agent writes, which nothing else may.
+    pub fn item_operations_owner(&self, path: &Path) -> Option<(OwnerKind, String)> {
+        let canonical = std::fs::canonicalize(&self.root).ok();
+        let roots = std::iter::once(self.root.as_path()).chain(canonical.as_deref());
+        for root in roots {
+            let Ok(relative) = path.strip_prefix(root) else {
+                continue;
+            };
+            let parts: Vec<&std::ffi::OsStr> = relative.iter().collect();
+            let [dir, name, file] = parts[..] else {
+                continue;
+            };
+            let name = name.to_str()?;
+            for kind in OwnerKind::ALL {
+                let (kind_dir, kind_file) = item_operations_name(kind, name);
+                if dir == kind_dir && file == kind_file.as_str() {
+                    return Some((kind, name.to_string()));
+                }
+            }
+        }
+        None
+    }
+
     /// Writes the owner's records as a gzipped JSON array, atomically, with the bytes
     /// Velero's own encoder would write for them (see [`crate::gojson`]).
     pub fn write_item_operations(

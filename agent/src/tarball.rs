@@ -442,6 +442,34 @@ impl<R: Read> Blocks<R> {
         Ok(true)
     }
 
+    /// Reads what follows the end of the archive to the end of the input, copying
+    /// nothing: a gzip member's CRC and length are in its trailer, checked only once it
+    /// is read, and a corrupt input must not come out as a valid output with a fresh
+    /// CRC. The decompressed bound still holds; stops early once `stop` is set.
+    fn verify_rest(&mut self, buf: &mut [u8], stop: &AtomicBool) -> Result<(), RewriteError> {
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return Err(RewriteError::Stopped);
+            }
+            match self.inner.read(buf) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let reason = match e.kind() {
+                        io::ErrorKind::UnexpectedEof => {
+                            format!("the gzip stream is truncated ({e})")
+                        }
+                        _ => e.to_string(),
+                    };
+                    return Err(RewriteError::Archive(format!(
+                        "after the end of the archive: {reason}"
+                    )));
+                }
+            }
+        }
+    }
+
     /// Reads `left` bytes of entry `name`'s data (through `buf`), handing each piece
     /// to `sink`; stops early once `stop` is set.
     fn pass(
@@ -729,7 +757,8 @@ fn copy<R: Read>(
         }
         if header.iter().all(|b| *b == 0) {
             // The end of the archive. GNU tar and Python stop at the first zero block,
-            // Go wants a second; anything after it is not read, and not copied.
+            // Go wants a second; anything after it is not copied.
+            blocks.verify_rest(&mut buf, stop)?;
             break;
         }
         if !checksum_ok(&header) {
@@ -1097,6 +1126,45 @@ mod tests {
             .map(|_| ())
             .unwrap_err()
             .to_string()
+    }
+
+    #[test]
+    fn a_gzip_trailer_that_does_not_match_the_data_is_refused() {
+        let tar = finish(tar_of(&[("resources/a.json", b"{}"), ("b", b"x")]));
+        let good = gz(&tar);
+        assert!(run(&good, &[], u64::MAX).is_ok());
+        // The trailer: CRC-32 of the data, then its length mod 2^32.
+        let n = good.len();
+        let mut crc = good.clone();
+        crc[n - 8] ^= 0xff;
+        let mut size = good.clone();
+        size[n - 1] ^= 0x01;
+        let cut = good[..n - 8].to_vec();
+        let mut garbage = good.clone();
+        garbage.extend_from_slice(b"not gzip");
+        for (what, input) in [
+            ("crc", crc),
+            ("size", size),
+            ("cut", cut),
+            ("garbage", garbage),
+        ] {
+            let e = run(&input, &[], u64::MAX)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("after the end of the archive: "),
+                "{what}: {e}"
+            );
+        }
+        // Two members (as pigz or `cat a.gz b.gz` make) are one stream: both checked.
+        let (head, tail) = tar.split_at(BLOCK);
+        let mut two = gz(head);
+        two.extend_from_slice(&gz(tail));
+        assert!(run(&two, &[], u64::MAX).is_ok());
+        let last = two.len() - 8;
+        two[last] ^= 0xff;
+        assert!(run(&two, &[], u64::MAX).is_err());
     }
 
     #[test]

@@ -676,6 +676,9 @@ wire_enum! {
         EndInProgress,
         /// `finalize` was called and moved the owner on.
         Finalized,
+        /// `finalize` failed (the message is its error, as the caller got it); the
+        /// owner stays in its phase and nothing of the attempt is kept.
+        FinalizeFailed,
         /// The owner changed phase (`from → to`).
         PhaseChanged,
         /// The owner failed (the message is its failure reason).

@@ -270,6 +270,122 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
 }
 
 /// A gzipped tarball with one symbolic link, written by the system tar.
+#[tokio::test]
+async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
+    let f = Fixture::new(&[]).await;
+    let backups = f.client.backups();
+    for (name, gate) in [("first", "gate-1"), ("second", "gate-2")] {
+        opmon_tests::start_and_end_in_progress(
+            &backups,
+            name,
+            vec![operation(PLUGIN, gate, "a", &[])],
+        )
+        .await;
+        f.open_gate(gate);
+        backups
+            .wait(name, WaitUntil::ReadyToFinalize, LONG)
+            .await
+            .unwrap();
+    }
+    let storage = f.agent.state_dir.join("storage");
+    let tree = f.dir.path().join("tree");
+    velero_tree(&tree);
+    let input = storage.join("in.tar.gz");
+    run(Command::new("tar")
+        .arg("-czf")
+        .arg(&input)
+        .arg("-C")
+        .arg(&tree)
+        .args(["metadata", "resources"]));
+    let finalize = |name: &str, input: &str, output: &str| FinalizeParams {
+        name: name.into(),
+        contents: Some(Contents {
+            input: input.into(),
+            output: output.into(),
+        }),
+        ..Default::default()
+    };
+    let first = backups
+        .finalize(finalize("first", "in.tar.gz", "out/first.tar.gz"))
+        .await
+        .unwrap();
+    assert_eq!(first.owner.phase, OwnerPhase::Completed);
+    let first_output = std::fs::read(storage.join("out/first.tar.gz")).unwrap();
+    let first_records = std::fs::read(&first.item_operations_file).unwrap();
+
+    // A gzip trailer that does not match the data: GNU gzip says so, and so does the
+    // agent, rather than writing the damage out under a fresh CRC.
+    let mut corrupt = std::fs::read(&input).unwrap();
+    let n = corrupt.len();
+    corrupt[n - 8] ^= 0xff;
+    std::fs::write(storage.join("corrupt.tar.gz"), &corrupt).unwrap();
+    let gzip_t = Command::new("gzip")
+        .arg("-t")
+        .arg(storage.join("corrupt.tar.gz"))
+        .output()
+        .unwrap();
+    assert!(!gzip_t.status.success(), "gzip -t finds the corruption");
+
+    let refusals = [
+        (
+            finalize("second", "corrupt.tar.gz", "out/second.tar.gz"),
+            "after the end of the archive: ",
+        ),
+        (
+            finalize(
+                "second",
+                "in.tar.gz",
+                "backups/first/first-itemoperations.json.gz",
+            ),
+            "backups/first/first-itemoperations.json.gz: the item operations file of backup \
+             first, which the agent writes; choose another path",
+        ),
+        (
+            finalize(
+                "second",
+                "in.tar.gz",
+                "backups/second/second-itemoperations.json.gz",
+            ),
+            "the item operations file of backup second, which the agent writes",
+        ),
+        (
+            finalize("second", "in.tar.gz", "out/first.tar.gz"),
+            "out/first.tar.gz: the finalized output of backup first; choose another path",
+        ),
+    ];
+    for (params, expected) in refusals {
+        let output = params.contents.as_ref().map(|c| c.output.clone());
+        let err = backups.finalize(params).await.unwrap_err();
+        assert_eq!(
+            err.code(),
+            Some(codes::FINALIZE_FAILED),
+            "{output:?}: {err}"
+        );
+        assert!(err.to_string().contains(expected), "{output:?}: {err}");
+        assert_eq!(
+            backups.get("second").await.unwrap().phase,
+            OwnerPhase::Finalizing
+        );
+    }
+    assert!(!storage.join("out/second.tar.gz").exists());
+    assert_eq!(
+        std::fs::read(storage.join("out/first.tar.gz")).unwrap(),
+        first_output
+    );
+    assert_eq!(
+        std::fs::read(&first.item_operations_file).unwrap(),
+        first_records
+    );
+
+    // A path of its own is fine.
+    let second = backups
+        .finalize(finalize("second", "in.tar.gz", "out/second.tar.gz"))
+        .await
+        .unwrap();
+    assert_eq!(second.owner.phase, OwnerPhase::Completed);
+    assert!(listing(&storage.join("out/second.tar.gz")).contains(&"metadata/version".to_string()));
+}
+
 fn tarball_with_symlink(dir: &Path) -> PathBuf {
     let tree = dir.join("evil-tree");
     std::fs::create_dir_all(tree.join("resources")).unwrap();

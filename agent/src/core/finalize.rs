@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use opmon_client::{FinalizeParams, FinalizeResult, OwnerKind};
+use opmon_client::{EventReason, FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedMutexGuard;
 
@@ -31,6 +31,7 @@ use crate::confine::Confinement;
 use crate::error::{Error, NotFound, WrongPhase};
 use crate::filework::FileWork;
 use crate::phase;
+use crate::store::events::{self, NewEvent};
 use crate::store::queries;
 use crate::sync::lock;
 use crate::tarball::{self, RewriteError, Updates};
@@ -181,6 +182,41 @@ impl Core {
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
+        let name = p.name.clone();
+        let result = self.finalize_once(kind, p, caller).await;
+        if let Err(Error::Finalize(message)) = &result {
+            // Only the caller hears the error: the log and the owner's history keep it
+            // for whoever looks later.
+            tracing::warn!(%kind, owner = %name, error = %message, "finalize failed");
+            let message = phase::bounded(message.clone(), phase::MAX_ERROR);
+            let recorded = self
+                .store
+                .write(move |conn| {
+                    let Some(row) = queries::owner_by_name(conn, kind, &name)? else {
+                        return Ok(());
+                    };
+                    let event = NewEvent {
+                        reason: EventReason::FinalizeFailed,
+                        operation: None,
+                        caller,
+                        message: &message,
+                    };
+                    events::record(conn, row.id, &event, UnixMs::now()).map_err(Error::from)
+                })
+                .await;
+            if let Err(e) = recorded {
+                tracing::warn!(error = %e, "recording a failed finalize");
+            }
+        }
+        result
+    }
+
+    async fn finalize_once(
+        &self,
+        kind: OwnerKind,
+        p: FinalizeParams,
+        caller: Option<opmon_client::Caller>,
+    ) -> Result<FinalizeResult, Error> {
         let _turn = self.finalizer.turn(kind, &p.name).await;
         let name = p.name.clone();
         let (row, stored) = self
@@ -227,13 +263,23 @@ impl Core {
         if let Some(contents) = &p.contents {
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
             let (temp, outcome) = self.rewrite(contents, updates).await?;
-            // Still the owner this started for? Otherwise the output never appears.
+            // Still the owner this started for? Otherwise the output never appears. Nor
+            // does it over another owner's finalized output.
             let name = p.name.clone();
             let check = bound.clone();
+            let path = temp.path().to_path_buf();
             self.store
                 .read(move |conn| {
                     let row = queries::owner_by_name(conn, kind, &name)?;
-                    check.check(kind, &name, row).map(|_| ())
+                    check.check(kind, &name, row)?;
+                    match queries::owner_with_contents_file(conn, &path, check.id)? {
+                        None => Ok(()),
+                        Some((other_kind, other)) => Err(Error::Finalize(format!(
+                            "contents.output {}: the finalized output of {other_kind} {other}; \
+                             choose another path",
+                            path.display()
+                        ))),
+                    }
                 })
                 .await?;
             let shown = temp.path().display().to_string();
@@ -307,6 +353,7 @@ impl Core {
         updates: Updates,
     ) -> Result<(crate::confine::TempOutput, tarball::Outcome), Error> {
         let confinement = self.finalizer.confinement.clone();
+        let storage = self.storage.clone();
         let (input, output) = (contents.input.clone(), contents.output.clone());
         let limit = self.settings.max_decompressed_size;
         let what = format!("the rewrite of {}", input.display());
@@ -315,6 +362,13 @@ impl Core {
             .run(&what, self.finalizer.deadline, move |job| {
                 let (source, stat) = confinement.open_input("contents.input", &input)?;
                 let target = confinement.output("contents.output", &output, &stat)?;
+                if let Some((kind, name)) = storage.item_operations_owner(&target.path) {
+                    return Err(Error::Finalize(format!(
+                        "contents.output {}: the item operations file of {kind} {name}, \
+                         which the agent writes; choose another path",
+                        output.display()
+                    )));
+                }
                 let mut temp = target.create_temp().map_err(|e| {
                     Error::Finalize(format!(
                         "contents.output {}: creating a temporary file beside it: {e}",

@@ -1070,6 +1070,25 @@ pub fn finalize_result(conn: &Connection, id: i64) -> rusqlite::Result<Option<St
         .map(Option::flatten)
 }
 
+/// The owner other than `except` whose finalize wrote its contents to `path`.
+pub fn owner_with_contents_file(
+    conn: &Connection,
+    path: &std::path::Path,
+    except: i64,
+) -> rusqlite::Result<Option<(OwnerKind, String)>> {
+    // Stored as JSON strings (a path that is not UTF-8 cannot be stored).
+    let path = path.to_string_lossy();
+    let mut stmt = conn.prepare_cached(
+        "SELECT kind, name FROM owners WHERE id != ?2 AND finalize_result IS NOT NULL \
+         AND CASE WHEN json_valid(finalize_result) \
+         THEN json_extract(finalize_result, '$.contentsFile') END = ?1 LIMIT 1",
+    )?;
+    stmt.query_row(params![path, except], |r| {
+        Ok((parse_column(r, 0)?, r.get(1)?))
+    })
+    .optional()
+}
+
 /// Records the result of an owner's `finalize`.
 pub fn set_finalize_result(conn: &Connection, id: i64, result: &str) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE owners SET finalize_result = ?2 WHERE id = ?1")?
