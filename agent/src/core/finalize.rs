@@ -268,6 +268,7 @@ impl Core {
             let name = p.name.clone();
             let check = bound.clone();
             let path = temp.path().to_path_buf();
+            let given = contents.output.clone();
             self.store
                 .read(move |conn| {
                     let row = queries::owner_by_name(conn, kind, &name)?;
@@ -277,7 +278,7 @@ impl Core {
                         Some((other_kind, other)) => Err(Error::Finalize(format!(
                             "contents.output {}: the finalized output of {other_kind} {other}; \
                              choose another path",
-                            path.display()
+                            given.display()
                         ))),
                     }
                 })
