@@ -56,6 +56,16 @@ fn velero_tree(tree: &Path) -> BTreeMap<String, Vec<u8>> {
     files
 }
 
+/// `tree`'s metadata and resources, gzipped by GNU tar into `tarball`.
+fn tar_gz(tree: &Path, tarball: &Path) {
+    run(Command::new("tar")
+        .arg("-czf")
+        .arg(tarball)
+        .arg("-C")
+        .arg(tree)
+        .args(["metadata", "resources"]));
+}
+
 fn listing(tarball: &Path) -> Vec<String> {
     String::from_utf8(run(Command::new("tar").arg("-tzf").arg(tarball)))
         .unwrap()
@@ -83,12 +93,7 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
     let backup_dir = storage.join("backups/nightly");
     std::fs::create_dir_all(&backup_dir).unwrap();
     let input = backup_dir.join("nightly.tar.gz");
-    run(Command::new("tar")
-        .arg("-czf")
-        .arg(&input)
-        .arg("-C")
-        .arg(&tree)
-        .args(["metadata", "resources"]));
+    tar_gz(&tree, &input);
 
     let nightly =
         f.backup("nightly")
@@ -291,12 +296,7 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
     let tree = f.dir.path().join("tree");
     velero_tree(&tree);
     let input = storage.join("in.tar.gz");
-    run(Command::new("tar")
-        .arg("-czf")
-        .arg(&input)
-        .arg("-C")
-        .arg(&tree)
-        .args(["metadata", "resources"]));
+    tar_gz(&tree, &input);
     let finalize = |name: &str, input: &str, output: &str| FinalizeParams {
         name: name.into(),
         contents: Some(Contents {
@@ -616,12 +616,7 @@ async fn a_velero_layout_hpa_is_finalized_as_velero_does_and_read_by_gnu_tar_pyt
     }
     let input = storage.join("backups/web/web.tar.gz");
     std::fs::create_dir_all(input.parent().unwrap()).unwrap();
-    run(Command::new("tar")
-        .arg("-czf")
-        .arg(&input)
-        .arg("-C")
-        .arg(&tree)
-        .args(["metadata", "resources"]));
+    tar_gz(&tree, &input);
 
     let client = f.agent.client().await;
     let backups = client.backups();

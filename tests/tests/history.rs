@@ -544,54 +544,45 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
 #[tokio::test]
 async fn a_cancel_with_no_snapshotter_to_send_it_to_names_the_plugin() {
     let f = Fixture::new(&[]).await;
-    // One operation of the registered snapshotter, one of a plugin nobody registered.
-    f.backup("orphan")
-        .operation(operation(PLUGIN, "gate-1", "a", &[]))
-        .operation(operation("example.io/unregistered", "gone-1", "b", &[]))
-        .start()
-        .await;
-    f.client
-        .backups()
-        .end_in_progress("orphan")
-        .failed()
-        .await
-        .expect("endInProgress failed");
-    let events = all_events(&f.client, "orphan", 100).await;
-    let last = events
-        .last()
-        .map(|e| (e.reason.as_str(), e.message.as_str()));
-    assert_eq!(
-        last,
-        Some((
-            "CancelSent",
+    let nobody = "example.io/unregistered";
+    let cases = [
+        // One operation of the registered snapshotter, one of a plugin nobody registered.
+        (
+            "orphan",
+            vec![
+                operation(PLUGIN, "gate-1", "a", &[]),
+                operation(nobody, "gone-1", "b", &[]),
+            ],
             "Cancel sent for 2 unfinished operations of the failed owner: 1 confirmed by \
              their snapshotters, 0 not; 1 not sent: no snapshotter registered for \
-             example.io/unregistered"
-        ))
-    );
-    // Only the unregistered plugin's: nothing was sent at all.
-    f.backup("nobody")
-        .operation(operation("example.io/unregistered", "gone-2", "c", &[]))
-        .start()
-        .await;
-    f.client
-        .backups()
-        .end_in_progress("nobody")
-        .failed()
-        .await
-        .expect("endInProgress failed");
-    let events = all_events(&f.client, "nobody", 100).await;
-    let last = events
-        .last()
-        .map(|e| (e.reason.as_str(), e.message.as_str()));
-    assert_eq!(
-        last,
-        Some((
-            "CancelSent",
+             example.io/unregistered",
+        ),
+        // Only the unregistered plugin's: nothing was sent at all.
+        (
+            "nobody",
+            vec![operation(nobody, "gone-2", "c", &[])],
             "Cancel not sent for 1 unfinished operation of the failed owner: no snapshotter \
-             registered for example.io/unregistered"
-        ))
-    );
+             registered for example.io/unregistered",
+        ),
+    ];
+    for (name, operations, expected) in cases {
+        let mut backup = f.backup(name);
+        for op in operations {
+            backup = backup.operation(op);
+        }
+        backup.start().await;
+        f.client
+            .backups()
+            .end_in_progress(name)
+            .failed()
+            .await
+            .expect("endInProgress failed");
+        let events = all_events(&f.client, name, 100).await;
+        let last = events
+            .last()
+            .map(|e| (e.reason.as_str(), e.message.as_str()));
+        assert_eq!(last, Some(("CancelSent", expected)), "{name}");
+    }
 }
 
 #[tokio::test]
