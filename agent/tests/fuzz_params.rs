@@ -876,11 +876,17 @@ impl Harness {
                     .prepare(&format!("SELECT * FROM \"{t}\" ORDER BY {order}"))
                     .unwrap();
                 let n = stmt.column_count();
-                let rows = stmt
+                let mut rows = stmt
                     .query_map([], |r| (0..n).map(|i| r.get::<_, SqlValue>(i)).collect())
                     .unwrap()
                     .collect::<Result<Vec<Vec<SqlValue>>, _>>()
                     .unwrap();
+                // A failed finalize is recorded in the owner's history, and nothing else
+                // of it is kept: its event is the one change a failed call may make.
+                if t == "events" {
+                    let failed = SqlValue::Text("FinalizeFailed".into());
+                    rows.retain(|row| !row.contains(&failed));
+                }
                 (t, rows)
             })
             .collect()
