@@ -357,14 +357,12 @@ impl CancelsOutcome {
             .iter()
             .filter(|r| cancels.confirmed.contains(r))
             .count() as u64;
-        let unregistered: BTreeSet<&String> = rows
+        let missing: Vec<&String> = rows
             .iter()
             .filter_map(|r| cancels.not_sent.get(r))
             .collect();
-        let not_sent = rows
-            .iter()
-            .filter(|r| cancels.not_sent.contains_key(r))
-            .count() as u64;
+        let not_sent = missing.len() as u64;
+        let unregistered: BTreeSet<&String> = missing.into_iter().collect();
         CancelsOutcome {
             confirmed,
             unconfirmed: rows.len() as u64 - confirmed - not_sent,
