@@ -26,8 +26,10 @@
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout` is closed, which frees all of the above;
 //! - a request body over `max_request_body_size` is answered with a JSON-RPC error
-//!   (HTTP 413) and its rest read and dropped (up to the larger of the limit and
-//!   [`MIN_DRAIN`]), so the client sees the answer rather than a reset.
+//!   (HTTP 413) and its rest read and dropped, so the client sees the answer rather
+//!   than a reset, whether the refusal came from the declared length or from reading:
+//!   up to the larger of the limit and [`MIN_DRAIN`] past the limit (32 MiB in all by
+//!   default).
 //!
 //! Errors jsonrpsee words for itself are reworded where a client could not act on them:
 //! an unknown method is named, a subscription over plain HTTP says it needs a
@@ -68,10 +70,20 @@ pub const MAX_CONNECTIONS: u32 = 4096;
 /// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Least of an oversized request body read (and dropped) after its 413, so that a client
-/// still sending it reads the answer instead of a broken pipe; at most the larger of this
-/// and the request size limit is read, past which the connection is closed.
+/// Least of an oversized request body read (and dropped) past the request size limit
+/// after its 413, so that a client still sending it reads the answer instead of a broken
+/// pipe. At most the larger of this and the limit is read past the limit (see
+/// [`drain_bound`]); a longer body is cut off by closing the connection.
 pub const MIN_DRAIN: u64 = 16 * 1024 * 1024;
+
+/// The most of a refused request body read before the connection is closed: the limit
+/// and [`MIN_DRAIN`] past it, or twice the limit if that is larger. Counted from the
+/// start of the body, whether the refusal came from its declared length (nothing read
+/// yet) or from reading past the limit, so both refuse the same bodies cleanly.
+fn drain_bound(max_body: u32) -> u64 {
+    let limit = u64::from(max_body);
+    limit + limit.max(MIN_DRAIN)
+}
 
 /// JSON-RPC code of jsonrpsee's "Request is too big".
 pub const REQUEST_TOO_BIG: i32 = -32007;
@@ -310,27 +322,33 @@ fn expects_continue(headers: &hyper::HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
+/// The `Content-Length` of a request, if it declares one.
+fn declared_length(headers: &hyper::HeaderMap) -> Option<u64> {
+    headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
 /// Reads and drops the rest of a refused body after the answer, so the client, still
-/// writing, is not cut off before it reads the answer. At most `limit` bytes: a longer
-/// body (declared or not) is cut off by closing the connection.
-fn drain<B>(mut body: B, headers: &hyper::HeaderMap, limit: u64)
+/// writing, is not cut off before it reads the answer. `read` bytes of the body have
+/// been read already; at most `bound` in all are: a longer body (declared or not) is cut
+/// off by closing the connection. Each chunk is dropped as it comes, so a drain holds
+/// no more than hyper's read buffer.
+fn drain<B>(mut body: B, headers: &hyper::HeaderMap, read: u64, bound: u64)
 where
     B: Body + Send + Unpin + 'static,
     B::Data: Send,
 {
-    let declared = headers
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if expects_continue(headers) || declared.is_some_and(|length| length > limit) {
+    if expects_continue(headers) || declared_length(headers).is_some_and(|length| length > bound) {
         return;
     }
     tokio::spawn(async move {
-        let mut left = limit;
+        let mut left = bound.saturating_sub(read);
         while let Some(Ok(frame)) = body.frame().await {
             if let Ok(data) = frame.into_data() {
                 let n = hyper::body::Buf::remaining(&data) as u64;
-                if n >= left {
+                if n > left {
                     return;
                 }
                 left -= n;
@@ -404,7 +422,7 @@ where
             .await;
     }
     let max_body = shared.max_body;
-    let drain_limit = u64::from(max_body).max(MIN_DRAIN);
+    let drain_bound = drain_bound(max_body);
     match content_type(&parts.headers) {
         ContentType::Json => {}
         ContentType::TakenAsJson => {
@@ -414,7 +432,7 @@ where
             );
         }
         ContentType::Other(text) => {
-            drain(body, &parts.headers, drain_limit);
+            drain(body, &parts.headers, 0, drain_bound);
             return Ok(rpc_error(
                 hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
@@ -425,13 +443,9 @@ where
             ));
         }
     }
-    let declared = parts
-        .headers
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
+    let declared = declared_length(&parts.headers);
     if declared.is_some_and(|length| length > u64::from(max_body)) {
-        drain(body, &parts.headers, drain_limit);
+        drain(body, &parts.headers, 0, drain_bound);
         return Ok(too_big(max_body));
     }
     let place = Place(Arc::new(Mutex::new(
@@ -443,8 +457,9 @@ where
         let mut collected = Vec::new();
         while let Some(frame) = body.frame().await {
             if let Ok(data) = frame?.into_data() {
-                if collected.len() + data.len() > max_body as usize {
-                    drain(body, &parts.headers, drain_limit);
+                let read = collected.len() + data.len();
+                if read > max_body as usize {
+                    drain(body, &parts.headers, read as u64, drain_bound);
                     return Ok(too_big(max_body));
                 }
                 collected.extend_from_slice(&data);

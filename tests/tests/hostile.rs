@@ -664,17 +664,38 @@ fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
     );
 }
 
-#[test]
-fn a_client_that_sends_an_oversized_body_whole_reads_the_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &["--max-request-size", "65536"]);
-    let body = request(
-        "backup.start",
-        json!({"name": "b", "uid": "x".repeat(2_000_000)}),
-    );
-    let chunked: Vec<u8> = body
-        .as_bytes()
-        .chunks(100_000)
+/// What a simple client (Python's `http.client`, say) does with a request: writes the
+/// head with `framing` and all of `body`, and only then reads the answer. Returns the
+/// answer's head and its JSON body.
+fn post_whole_then_read(socket: &std::path::Path, framing: &str, body: &[u8]) -> (String, Value) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    )
+    .unwrap();
+    s.write_all(body)
+        .unwrap_or_else(|e| panic!("{framing}: the agent stopped reading the body: {e}"));
+    let head = read_head(&mut s);
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("{framing}: no content-length in {head}"));
+    let mut answer = vec![0; length];
+    s.read_exact(&mut answer).unwrap();
+    let value = serde_json::from_slice(&answer)
+        .unwrap_or_else(|e| panic!("{framing}: {e}: {}", String::from_utf8_lossy(&answer)));
+    (head, value)
+}
+
+/// `body` in chunks of at most `size` bytes, with the chunked encoding's last chunk.
+fn chunked(body: &[u8], size: usize) -> Vec<u8> {
+    body.chunks(size)
         .flat_map(|c| {
             [
                 format!("{:x}\r\n", c.len()).into_bytes(),
@@ -684,42 +705,56 @@ fn a_client_that_sends_an_oversized_body_whole_reads_the_error() {
         })
         .flatten()
         .chain(b"0\r\n\r\n".iter().copied())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_client_that_sends_an_oversized_body_whole_reads_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &["--max-request-size", "65536"]);
+    let body = request(
+        "backup.start",
+        json!({"name": "b", "uid": "x".repeat(2_000_000)}),
+    );
     let cases = [
         (
             format!("Content-Length: {}", body.len()),
             body.as_bytes().to_vec(),
         ),
-        ("Transfer-Encoding: chunked".to_string(), chunked),
+        (
+            "Transfer-Encoding: chunked".to_string(),
+            chunked(body.as_bytes(), 100_000),
+        ),
     ];
     for (framing, bytes) in cases {
-        let mut s = UnixStream::connect(&agent.socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        write!(
-            s,
-            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
-        )
-        .unwrap();
-        // As a simple client does: all of the body, then the answer.
-        s.write_all(&bytes)
-            .unwrap_or_else(|e| panic!("{framing}: the agent stopped reading the body: {e}"));
-        let head = read_head(&mut s);
+        let (head, value) = post_whole_then_read(&agent.socket, &framing, &bytes);
         assert!(head.starts_with("HTTP/1.1 413"), "{framing}: {head}");
-        let length: usize = head
-            .lines()
-            .find_map(|l| {
-                l.to_ascii_lowercase()
-                    .strip_prefix("content-length:")
-                    .map(|v| v.trim().parse().unwrap())
-            })
-            .expect("content-length");
-        let mut answer = vec![0; length];
-        s.read_exact(&mut answer).unwrap();
-        let value: serde_json::Value = serde_json::from_slice(&answer).unwrap();
         assert_eq!(
             value,
             json!({"jsonrpc": "2.0", "id": null,
                    "error": {"code": -32007, "message": "Request is too big: over 65536 bytes"}}),
+            "{framing}"
+        );
+    }
+}
+
+/// Under the default limit (16 MiB) too: a body just past it, sent whole before the
+/// answer is read, is read to its end and dropped, so the client reads the 413 rather
+/// than a broken pipe.
+#[test]
+fn a_client_that_sends_a_body_just_over_the_default_limit_whole_reads_the_error() {
+    const LIMIT: usize = 16 * 1024 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    for size in [LIMIT + 100, 17_000_000] {
+        let body = vec![b' '; size];
+        let framing = format!("Content-Length: {size}");
+        let (head, value) = post_whole_then_read(&agent.socket, &framing, &body);
+        assert!(head.starts_with("HTTP/1.1 413"), "{framing}: {head}");
+        assert_eq!(
+            value,
+            json!({"jsonrpc": "2.0", "id": null,
+                   "error": {"code": -32007, "message": format!("Request is too big: over {LIMIT} bytes")}}),
             "{framing}"
         );
     }
