@@ -33,7 +33,8 @@
 //!
 //! Errors jsonrpsee words for itself are reworded where a client could not act on them:
 //! an unknown method is named, a subscription over plain HTTP says it needs a
-//! WebSocket, a wrong `Content-Type` names the header.
+//! WebSocket, a wrong `Content-Type` names the header. A notification, or a batch of
+//! notifications only, gets an empty body over HTTP rather than jsonrpsee's `null`.
 
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
@@ -471,7 +472,13 @@ where
     } else {
         HttpBody::new(body)
     };
-    let response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
+    let mut response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
+    if response.extensions().get::<Unanswered>().is_some() {
+        // jsonrpsee's HTTP answer to a notification is the body `null`; JSON-RPC's is
+        // nothing at all.
+        *response.body_mut() = HttpBody::empty();
+        response.headers_mut().remove(hyper::header::CONTENT_TYPE);
+    }
     let length = response.body().size_hint().exact().unwrap_or(0) as usize;
     outbox.respond(length, place.take(), false);
     Ok(response)
@@ -623,6 +630,20 @@ impl Outbox {
     }
 }
 
+/// Marks the response jsonrpsee makes for a notification, or for a batch of
+/// notifications only, which JSON-RPC does not answer: over HTTP its body is left empty
+/// (jsonrpsee would send `null`); over WebSocket jsonrpsee sends nothing.
+#[derive(Clone, Copy, Debug)]
+struct Unanswered;
+
+/// `response`, marked [`Unanswered`] if it answers nothing.
+fn marked(mut response: MethodResponse) -> MethodResponse {
+    if response.is_notification() {
+        response.extensions_mut().insert(Unanswered);
+    }
+    response
+}
+
 /// The RPC middleware `serve` puts first: keeps calls within their limits (see the
 /// module's doc) and rewords jsonrpsee's errors a client cannot act on.
 #[derive(Clone)]
@@ -738,11 +759,11 @@ where
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     outbox.call_started();
                     let place = rules.places.clone().acquire_owned().await.ok();
-                    let response = inner.batch(requests).await;
+                    let response = marked(inner.batch(requests).await);
                     outbox.respond(response.as_json().get().len(), place, true);
                     response
                 }
-                _ => inner.batch(requests).await,
+                _ => marked(inner.batch(requests).await),
             }
         }
     }
@@ -751,7 +772,8 @@ where
         &self,
         n: Notification<'a>,
     ) -> impl Future<Output = MethodResponse> + Send + 'a {
-        self.inner.notification(n)
+        let inner = self.inner.clone();
+        async move { marked(inner.notification(n).await) }
     }
 }
 

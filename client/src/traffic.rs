@@ -108,7 +108,8 @@ where
             .flatten();
         async move {
             let response = inner.batch(batch).await;
-            if let Some(text) = text {
+            // A batch of notifications only is not answered: no exchange to log.
+            if let Some(text) = text.filter(|_| !response.is_notification()) {
                 exchange(&text, response.as_json());
             }
             response

@@ -1,5 +1,6 @@
 //! End-to-end: bad input gets the specified error, the connection stays usable, and
-//! nothing stored changes.
+//! nothing stored changes; what JSON-RPC gives no answer (notifications) gets an empty
+//! one.
 
 use opmon_tests::{operation, Fixture, RawHttp, PLUGIN};
 use serde_json::{json, Value};
@@ -226,6 +227,44 @@ async fn the_content_type_of_curl_d_is_accepted_and_a_wrong_one_is_named() {
         json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32600,
                "message": "Content-Type: text/plain is not accepted; send application/json"}})
     );
+}
+
+/// JSON-RPC answers no notification, nor a batch of notifications only ("nothing at
+/// all", not an empty array): over HTTP that is a 200 with an empty body, alone or in a
+/// batch. A batch with a call in it is answered for the call alone.
+#[tokio::test]
+async fn notifications_alone_or_in_a_batch_get_an_empty_answer() {
+    let f = Fixture::new(&[]).await;
+    let changed = json!({"jsonrpc": "2.0", "method": "snapshotter.changed",
+                         "params": {"plugin": PLUGIN, "operations": ["x"]}});
+    let json = "Content-Type: application/json\r\n";
+    let unanswered = [
+        ("a notification", changed.to_string()),
+        ("a batch of one notification", json!([changed]).to_string()),
+        (
+            "a batch of notifications",
+            json!([changed, {"jsonrpc": "2.0", "method": "agent.status"}]).to_string(),
+        ),
+    ];
+    for (what, body) in unanswered {
+        let (code, head, answer) = post_with(&f.agent.socket, json, &body);
+        assert_eq!((code, answer.as_str()), (200, ""), "{what}: {head}");
+        assert!(
+            head.to_ascii_lowercase().contains("content-length: 0"),
+            "{what}: {head}"
+        );
+    }
+    let mixed = json!([changed, {"jsonrpc": "2.0", "id": 7, "method": "agent.status"}]);
+    let (code, _, answer) = post_with(&f.agent.socket, json, &mixed.to_string());
+    assert_eq!(code, 200, "{answer}");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    let ids: Vec<&Value> = answer
+        .as_array()
+        .unwrap_or_else(|| panic!("a batch answered with {answer}"))
+        .iter()
+        .map(|r| &r["id"])
+        .collect();
+    assert_eq!(ids, [&json!(7)], "{answer}");
 }
 
 #[tokio::test]
