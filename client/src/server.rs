@@ -760,7 +760,15 @@ where
                     outbox.call_started();
                     let place = rules.places.clone().acquire_owned().await.ok();
                     let response = marked(inner.batch(requests).await);
-                    outbox.respond(response.as_json().get().len(), place, true);
+                    // Nothing is written for a batch of notifications only: its place
+                    // and its count among the unanswered calls are given back now, not
+                    // when bytes that never come are written.
+                    let bytes = if response.is_notification() {
+                        0
+                    } else {
+                        response.as_json().get().len()
+                    };
+                    outbox.respond(bytes, place, true);
                     response
                 }
                 _ => marked(inner.batch(requests).await),

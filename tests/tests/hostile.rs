@@ -604,6 +604,65 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
     assert!(sent > 0);
 }
 
+/// The agent's count of batches answered without error, from its metrics page.
+fn batches_counted(socket: &std::path::Path) -> u64 {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(r#"opmon_rpc_requests_total{method="batch",code="0"} "#))
+        .map_or(0, |n| n.parse().unwrap_or_else(|e| panic!("{n:?}: {e}")))
+}
+
+/// A batch of notifications only gets nothing back over WebSocket, so it must not wait
+/// for its answer to be written to give back its place among the calls in flight (32 in
+/// all) and its count among its connection's unanswered calls (16): two connections
+/// sending 16 such batches each would otherwise stop being read, and leave no place
+/// for anyone's call.
+#[test]
+fn batches_of_notifications_only_over_websocket_hold_no_call_places() {
+    const BATCHES: usize = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let batch = json!([{"jsonrpc": "2.0", "method": "snapshotter.changed",
+                        "params": {"plugin": PLUGIN}}])
+    .to_string();
+    let mut connections: Vec<UnixStream> = (0..2)
+        .map(|_| {
+            let mut ws = UnixStream::connect(&agent.socket).unwrap();
+            ws.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
+            let head = read_head(&mut ws);
+            assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+            for _ in 0..BATCHES {
+                ws_send(&mut ws, &batch).unwrap();
+            }
+            ws
+        })
+        .collect();
+    let all = 2 * BATCHES as u64;
+    assert!(
+        eventually(Duration::from_secs(30), || batches_counted(&agent.socket)
+            >= all),
+        "the agent handled {} of {all} batches",
+        batches_counted(&agent.socket)
+    );
+
+    let mut http = RawHttp::connect(&agent.socket);
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    for (i, ws) in connections.iter_mut().enumerate() {
+        ws_send(ws, &request("agent.status", json!({}))).unwrap();
+        let answer: Value = serde_json::from_slice(&ws_recv(ws)).unwrap();
+        assert!(
+            answer["result"]["version"].is_string(),
+            "connection {i}: {answer}"
+        );
+    }
+}
+
 #[test]
 fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
     const OWNERS: usize = 300;
