@@ -315,7 +315,12 @@ impl SocketRemote {
     ) -> Vec<Answer<T>> {
         // Read as text, checked once (serde_json then skips checking each string); a
         // byte that is not UTF-8 spoils only the text it is in (U+FFFD), not the batch.
-        let text = String::from_utf8_lossy(response);
+        // `from_utf8` checks ASCII a word at a time; the lossy copy is for the rare
+        // answer that needs it.
+        let text = match std::str::from_utf8(response) {
+            Ok(text) => std::borrow::Cow::Borrowed(text),
+            Err(_) => String::from_utf8_lossy(response),
+        };
         if let Ok(entries) = serde_json::from_str::<Vec<TypedEntry<T>>>(&text) {
             if entries
                 .iter()
