@@ -80,7 +80,8 @@ fn path_of(fd: &impl AsRawFd) -> io::Result<PathBuf> {
 }
 
 /// The canonical form of `path`'s longest existing ancestor, with the rest appended
-/// (which must then be plain names).
+/// (which must then be plain names); `None` when a `..` follows a name that does not
+/// exist (the kernel cannot resolve it either).
 fn canonical_prefix(path: &Path) -> Option<PathBuf> {
     let mut tail: Vec<OsString> = Vec::new();
     let mut probe = path.to_path_buf();
@@ -190,8 +191,13 @@ impl Confinement {
                 )))
             }
         }
-        let canonical =
-            canonical_prefix(&absolute).ok_or_else(|| self.outside(field, given, None))?;
+        let canonical = canonical_prefix(&absolute).ok_or_else(|| {
+            Error::Finalize(format!(
+                "{field} {}: a `..` in it follows a directory that does not exist, so it \
+                 cannot be resolved",
+                given.display()
+            ))
+        })?;
         let allowed = self.allowed();
         // The agent's own places first: the most specific rule is the one to name.
         if let Some(state) = self.state_dir_holding(&canonical, &allowed) {

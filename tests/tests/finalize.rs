@@ -352,6 +352,11 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
             finalize("second", "in.tar.gz", "out/first.tar.gz"),
             "out/first.tar.gz: the finalized output of backup first; choose another path",
         ),
+        (
+            finalize("second", "in.tar.gz", "missing/../out/second.tar.gz"),
+            "contents.output missing/../out/second.tar.gz: a `..` in it follows a directory \
+             that does not exist, so it cannot be resolved",
+        ),
     ];
     for (params, expected) in refusals {
         let output = params.contents.as_ref().map(|c| c.output.clone());
@@ -384,6 +389,90 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
         .unwrap();
     assert_eq!(second.owner.phase, OwnerPhase::Completed);
     assert!(listing(&storage.join("out/second.tar.gz")).contains(&"metadata/version".to_string()));
+}
+
+/// Two backups naming one output at once: the check that no other owner's result names
+/// it and the storing of the result are one step per output path, so one finalizes and
+/// the others are refused, and the output is the winner's (before, each could pass the
+/// check before any stored its result, and the last rename won under every result).
+#[tokio::test]
+async fn concurrent_finalizes_of_backups_naming_one_output_finalize_one() {
+    let f = Fixture::new(&[]).await;
+    let backups = f.client.backups();
+    let names = ["b0", "b1", "b2", "b3"];
+    for (i, name) in names.iter().enumerate() {
+        let gate = format!("gate-{i}");
+        opmon_tests::start_and_end_in_progress(
+            &backups,
+            name,
+            vec![operation(PLUGIN, &gate, "a", &[])],
+        )
+        .await;
+        f.open_gate(&gate);
+        backups
+            .wait(name, WaitUntil::ReadyToFinalize, LONG)
+            .await
+            .unwrap();
+    }
+    let storage = f.agent.state_dir.join("storage");
+    let tree = f.dir.path().join("tree");
+    velero_tree(&tree);
+    tar_gz(&tree, &storage.join("in.tar.gz"));
+    let finalize = |name: &str, output: &str| FinalizeParams {
+        name: name.into(),
+        contents: Some(Contents {
+            input: "in.tar.gz".into(),
+            output: output.into(),
+        }),
+        ..Default::default()
+    };
+    // One file, spelt four ways (`out/..` needs `out` to exist).
+    std::fs::create_dir_all(storage.join("out")).unwrap();
+    let absolute = storage.join("out/shared.tar.gz");
+    let spellings = [
+        "out/shared.tar.gz",
+        "out/./shared.tar.gz",
+        "out/../out/shared.tar.gz",
+        absolute.to_str().unwrap(),
+    ];
+    let answers = futures::future::join_all(
+        names
+            .iter()
+            .zip(spellings)
+            .map(|(name, output)| backups.finalize(finalize(name, output))),
+    )
+    .await;
+    let winners: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
+    assert_eq!(winners.len(), 1, "{answers:?}");
+    let winner = &winners[0].owner.name;
+    assert_eq!(winners[0].owner.phase, OwnerPhase::Completed);
+    for (name, answer) in names.iter().zip(&answers) {
+        let Err(err) = answer else { continue };
+        assert_eq!(err.code(), Some(codes::FINALIZE_FAILED), "{name}: {err}");
+        assert!(
+            err.to_string().contains(&format!(
+                "shared.tar.gz: the finalized output of backup {winner}; choose another path"
+            )),
+            "{name}: {err}"
+        );
+        assert_eq!(
+            backups.get(name).await.unwrap().phase,
+            OwnerPhase::Finalizing
+        );
+        // Its own path is fine afterwards.
+        let own = backups
+            .finalize(finalize(name, &format!("out/{name}.tar.gz")))
+            .await
+            .unwrap();
+        assert_eq!(own.owner.phase, OwnerPhase::Completed);
+    }
+    assert!(listing(&storage.join("out/shared.tar.gz")).contains(&"metadata/version".to_string()));
+    let leftovers: Vec<_> = std::fs::read_dir(storage.join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".tar.gz"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 }
 
 fn tarball_with_symlink(dir: &Path) -> PathBuf {

@@ -11,19 +11,19 @@
 //! - a finalize is bound to the owner it started for, by row and uid: if the owner is
 //!   deleted and re-created (another uid) meanwhile, the output is not renamed into
 //!   place and the new owner is not completed;
+//! - an output is never another owner's finalized output: finalizes naming one output
+//!   hold its lock from that check until the result is stored;
 //! - file work (open, rewrite, rename) runs on the [`FileWork`] pool under the
 //!   `finalize_deadline`, confined by [`Confinement`]; shutdown stops it.
 
-use std::collections::HashMap;
 use std::io::BufWriter;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opmon_client::{EventReason, FinalizeParams, FinalizeResult, OwnerKind};
 use serde::{Deserialize, Serialize};
-use tokio::sync::OwnedMutexGuard;
 
+use super::name_locks::{KeyedLocks, NameLocks};
 use super::{require, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
@@ -33,7 +33,6 @@ use crate::filework::FileWork;
 use crate::phase;
 use crate::store::events::{self, NewEvent};
 use crate::store::queries;
-use crate::sync::lock;
 use crate::tarball::{self, RewriteError, Updates};
 
 /// What the core needs to know to finalize with contents.
@@ -60,39 +59,17 @@ impl Default for FinalizeSettings {
     }
 }
 
-/// Whose turn it is to finalize, per owner.
-type Turns = Arc<Mutex<HashMap<(OwnerKind, String), Arc<tokio::sync::Mutex<()>>>>>;
-
-/// Finalize's share of the core: where it may write, the threads it writes on, and
-/// whose turn it is per owner.
+/// Finalize's share of the core: where it may write, the threads it writes on, whose
+/// turn it is per owner, and which outputs are being put in place.
 pub struct Finalizer {
     confinement: Confinement,
     pool: FileWork,
     deadline: Duration,
-    turns: Turns,
-}
-
-/// One owner's turn to finalize; the next caller for it waits until this is dropped.
-struct Turn {
-    turns: Turns,
-    key: (OwnerKind, String),
-    guard: Option<OwnedMutexGuard<()>>,
-}
-
-impl Drop for Turn {
-    fn drop(&mut self) {
-        self.guard.take();
-        {
-            let mut turns = lock(&self.turns);
-            // Nobody holds or waits for it: forget the owner.
-            if turns
-                .get(&self.key)
-                .is_some_and(|m| Arc::strong_count(m) == 1)
-            {
-                turns.remove(&self.key);
-            }
-        }
-    }
+    turns: NameLocks,
+    /// Held by output path from the check that no other owner's result names it until
+    /// this owner's result is stored: finalizes of two owners naming one output take
+    /// turns there, and the later is refused.
+    outputs: KeyedLocks<PathBuf>,
 }
 
 impl Finalizer {
@@ -106,21 +83,8 @@ impl Finalizer {
             ),
             pool: FileWork::start(),
             deadline: settings.deadline,
-            turns: Arc::default(),
-        }
-    }
-
-    async fn turn(&self, kind: OwnerKind, name: &str) -> Turn {
-        let key = (kind, name.to_string());
-        let mutex = {
-            let mut turns = lock(&self.turns);
-            turns.entry(key.clone()).or_default().clone()
-        };
-        let guard = mutex.lock_owned().await;
-        Turn {
-            turns: self.turns.clone(),
-            key,
-            guard: Some(guard),
+            turns: NameLocks::default(),
+            outputs: KeyedLocks::default(),
         }
     }
 
@@ -217,7 +181,7 @@ impl Core {
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
-        let _turn = self.finalizer.turn(kind, &p.name).await;
+        let _turn = self.finalizer.turns.lock(kind, &p.name).await;
         let name = p.name.clone();
         let (row, stored) = self
             .store
@@ -260,9 +224,12 @@ impl Core {
             replaced: 0,
             added: 0,
         };
+        let mut _output = None;
         if let Some(contents) = &p.contents {
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
             let (temp, outcome) = self.rewrite(contents, updates).await?;
+            let claim = self.finalizer.outputs.lock_key(temp.path().to_path_buf());
+            _output = Some(claim.await);
             // Still the owner this started for? Otherwise the output never appears. Nor
             // does it over another owner's finalized output.
             let name = p.name.clone();

@@ -1,55 +1,64 @@
-//! One lock per owner name (kind and name), held around the file work on that owner's
+//! Async locks by key, made when wanted and forgotten when free. [`NameLocks`]: one
+//! lock per owner name (kind and name), held around the file work on that owner's
 //! files: writing its item-operations file, or removing the files of a deleted owner of
 //! that name. A removal checks, under the lock, that no owner of the name exists again,
 //! and a write reads the owner under it, so an old removal never takes a re-created
 //! owner's new file and two writes of one file land in the order they read the state.
 //!
-//! The map holds only names whose lock is held or awaited: an entry is dropped with its
-//! last guard.
+//! The map holds only keys whose lock is held or awaited: an entry is dropped with its
+//! last guard. Finalize takes turns per owner and per output path with the same locks.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 use crate::sync::lock;
 use opmon_client::OwnerKind;
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
-type Key = (OwnerKind, String);
-
-#[derive(Default)]
-pub struct NameLocks {
-    held: Mutex<HashMap<Key, Arc<AsyncMutex<()>>>>,
+/// One async lock per key, made when first wanted and forgotten with its last guard.
+pub struct KeyedLocks<K> {
+    held: Mutex<HashMap<K, Arc<AsyncMutex<()>>>>,
 }
 
-/// The lock of one name, held until dropped.
-pub struct NameGuard<'a> {
-    locks: &'a NameLocks,
-    key: Key,
+impl<K> Default for KeyedLocks<K> {
+    fn default() -> Self {
+        KeyedLocks {
+            held: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// The lock of owner names: kind and name.
+pub type NameLocks = KeyedLocks<(OwnerKind, String)>;
+
+/// The lock of one key, held until dropped.
+pub struct KeyGuard<'a, K: Eq + Hash> {
+    locks: &'a KeyedLocks<K>,
+    key: K,
     guard: Option<OwnedMutexGuard<()>>,
 }
 
-impl NameLocks {
-    fn entry(&self, key: &Key) -> Arc<AsyncMutex<()>> {
+impl<K: Eq + Hash + Clone> KeyedLocks<K> {
+    fn entry(&self, key: &K) -> Arc<AsyncMutex<()>> {
         let mut held = lock(&self.held);
         held.entry(key.clone()).or_default().clone()
     }
 
-    /// Waits for the lock of `kind`/`name`.
-    pub async fn lock(&self, kind: OwnerKind, name: &str) -> NameGuard<'_> {
-        let key = (kind, name.to_string());
+    /// Waits for the lock of `key`.
+    pub async fn lock_key(&self, key: K) -> KeyGuard<'_, K> {
         let guard = self.entry(&key).lock_owned().await;
-        NameGuard {
+        KeyGuard {
             locks: self,
             key,
             guard: Some(guard),
         }
     }
 
-    /// The lock of `kind`/`name` if nobody holds or awaits it.
-    pub fn try_lock(&self, kind: OwnerKind, name: &str) -> Option<NameGuard<'_>> {
-        let key = (kind, name.to_string());
+    /// The lock of `key` if nobody holds or awaits it.
+    pub fn try_lock_key(&self, key: K) -> Option<KeyGuard<'_, K>> {
         let guard = self.entry(&key).try_lock_owned().ok();
-        let guard = NameGuard {
+        let guard = KeyGuard {
             locks: self,
             key,
             guard,
@@ -64,12 +73,28 @@ impl NameLocks {
     }
 }
 
-impl Drop for NameGuard<'_> {
+impl NameLocks {
+    /// Waits for the lock of `kind`/`name`.
+    pub async fn lock(&self, kind: OwnerKind, name: &str) -> KeyGuard<'_, (OwnerKind, String)> {
+        self.lock_key((kind, name.to_string())).await
+    }
+
+    /// The lock of `kind`/`name` if nobody holds or awaits it.
+    pub fn try_lock(
+        &self,
+        kind: OwnerKind,
+        name: &str,
+    ) -> Option<KeyGuard<'_, (OwnerKind, String)>> {
+        self.try_lock_key((kind, name.to_string()))
+    }
+}
+
+impl<K: Eq + Hash> Drop for KeyGuard<'_, K> {
     fn drop(&mut self) {
         self.guard.take();
         let mut held = lock(&self.locks.held);
         // Clones are made under this map lock, so a count of one (the map's) means no
-        // one else holds or awaits this name.
+        // one else holds or awaits this key.
         if held
             .get(&self.key)
             .is_some_and(|l| Arc::strong_count(l) == 1)
