@@ -553,8 +553,8 @@ async fn a_cancel_with_no_snapshotter_to_send_it_to_names_the_plugin() {
                 operation(PLUGIN, "gate-1", "a", &[]),
                 operation(nobody, "gone-1", "b", &[]),
             ],
-            "Cancel sent for 2 unfinished operations of the failed owner: 1 confirmed by \
-             their snapshotters, 0 not; 1 not sent: no snapshotter registered for \
+            "Cancel sent for 1 unfinished operation of the failed owner: 1 confirmed by \
+             their snapshotters, 0 not; not sent for 1 more: no snapshotter registered for \
              example.io/unregistered",
         ),
         // Only the unregistered plugin's: nothing was sent at all.

@@ -232,9 +232,8 @@ impl Core {
                 queries::clear_cancel_requested(conn, &rows)?;
                 let row = queries::owner_by_id(conn, owner_id)?
                     .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
-                let what = super::counted(rows.len() as u64, "operation");
                 let outcome = CancelsOutcome::of(&rows, &cancels);
-                record_cancels_sent(conn, owner_id, &what, &outcome, now)?;
+                record_cancels_sent(conn, owner_id, ("operation", ""), &outcome, now)?;
                 Ok(row.owner)
             })
             .await;
@@ -278,12 +277,9 @@ impl Core {
                     if queries::owner_by_id(conn, owner)?.is_none() {
                         continue;
                     }
-                    let what = format!(
-                        "{} of the failed owner",
-                        super::counted(rows.len() as u64, "unfinished operation")
-                    );
+                    let what = ("unfinished operation", " of the failed owner");
                     let outcome = CancelsOutcome::of(&rows, &cancels);
-                    record_cancels_sent(conn, owner, &what, &outcome, now)?;
+                    record_cancels_sent(conn, owner, what, &outcome, now)?;
                 }
                 Ok::<_, Error>(())
             })
@@ -371,8 +367,10 @@ impl CancelsOutcome {
         }
     }
 
-    /// The `CancelSent` message for Cancel calls about `what`.
-    fn message(&self, what: &str) -> String {
+    /// The `CancelSent` message, counting Cancel calls about `noun`s (`of` after the
+    /// count): those sent in the subject, those not sent after them.
+    fn message(&self, (noun, of): (&str, &str)) -> String {
+        let sent_count = self.confirmed + self.unconfirmed;
         let sent = format!(
             "{} confirmed by their snapshotters, {} not",
             self.confirmed, self.unconfirmed
@@ -381,10 +379,14 @@ impl CancelsOutcome {
             "no snapshotter registered for {}",
             self.unregistered.join(", ")
         );
-        match (self.confirmed + self.unconfirmed, self.not_sent) {
-            (_, 0) => format!("Cancel sent for {what}: {sent}"),
-            (0, _) => format!("Cancel not sent for {what}: {nobody}"),
-            (_, n) => format!("Cancel sent for {what}: {sent}; {n} not sent: {nobody}"),
+        let what = |n| format!("{}{of}", super::counted(n, noun));
+        match (sent_count, self.not_sent) {
+            (n, 0) => format!("Cancel sent for {}: {sent}", what(n)),
+            (0, n) => format!("Cancel not sent for {}: {nobody}", what(n)),
+            (n, m) => format!(
+                "Cancel sent for {}: {sent}; not sent for {m} more: {nobody}",
+                what(n)
+            ),
         }
     }
 }
@@ -393,7 +395,7 @@ impl CancelsOutcome {
 fn record_cancels_sent(
     conn: &Connection,
     owner: i64,
-    what: &str,
+    what: (&str, &str),
     outcome: &CancelsOutcome,
     now: UnixMs,
 ) -> rusqlite::Result<()> {
