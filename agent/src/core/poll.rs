@@ -483,7 +483,7 @@ impl Poller {
             }
         };
         let now = UnixMs::now();
-        let mut changes = Vec::new();
+        let mut changes = Vec::with_capacity(targets.len());
         let mut to_cancel = Vec::new();
         for (target, observation) in targets.into_iter().zip(observations) {
             let reported = match &observation {

@@ -460,11 +460,18 @@ pub fn insert_operations(
     Ok(added)
 }
 
-const OPERATION_COLUMNS: &str = "plugin_kind, plugin_name, res_group, res_resource, \
-     res_namespace, res_name, operation_id, post_operation_items, phase, error, n_completed, \
-     n_total, operation_units, description, created_ms, started_ms, updated_ms, \
-     plugin_updated_ms, cancel_requested, attempts, last_error, next_attempt_ms, rate, rate_n, \
-     rate_at_ms, rate_seen_ms";
+const OPERATION_COLUMNS: &str = "o.plugin_kind, o.plugin_name, o.res_group, o.res_resource, \
+     o.res_namespace, o.res_name, o.operation_id, o.post_operation_items, o.phase, o.error, \
+     p.n_completed, p.n_total, o.operation_units, p.description, o.created_ms, o.started_ms, \
+     p.updated_ms, p.plugin_updated_ms, o.cancel_requested, o.attempts, o.last_error, \
+     o.next_attempt_ms, p.rate, p.rate_n, p.rate_at_ms, p.rate_seen_ms";
+
+/// Operations (`o`) with their progress (`p`, migration 11).
+macro_rules! operations_with_progress {
+    () => {
+        "operations o JOIN operation_progress p ON p.op = o.id"
+    };
+}
 
 /// An operation's rate state from columns `first` to `first + 3` (`rate`, `rate_n`,
 /// `rate_at_ms`, `rate_seen_ms`).
@@ -530,10 +537,11 @@ pub fn operations(
     phases: Option<&[OperationPhase]>,
 ) -> rusqlite::Result<Vec<Operation>> {
     let filter = phases
-        .map(|p| format!("AND phase IN ({})", phase_list(p, OperationPhase::as_str)))
+        .map(|p| format!("AND o.phase IN ({})", phase_list(p, OperationPhase::as_str)))
         .unwrap_or_default();
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {OPERATION_COLUMNS} FROM operations WHERE owner_id = ?1 {filter} ORDER BY id"
+        "SELECT {OPERATION_COLUMNS} FROM {} WHERE o.owner_id = ?1 {filter} ORDER BY o.id",
+        operations_with_progress!()
     ))?;
     let rows = stmt.query_map([owner_id], operation_from_row)?;
     rows.collect()
@@ -550,8 +558,9 @@ pub fn operations_by_rows(
     for chunk in rows.chunks(500) {
         let list: Vec<String> = chunk.iter().map(i64::to_string).collect();
         let mut stmt = conn.prepare(&format!(
-            "SELECT {OPERATION_COLUMNS} FROM operations WHERE owner_id = ?1 AND id IN ({}) \
-             ORDER BY id",
+            "SELECT {OPERATION_COLUMNS} FROM {} WHERE o.owner_id = ?1 AND o.id IN ({}) \
+             ORDER BY o.id",
+            operations_with_progress!(),
             list.join(", ")
         ))?;
         let ops = stmt.query_map([owner_id], operation_from_row)?;
@@ -567,8 +576,10 @@ pub fn operations_by_rows(
 pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<OwnerProgress> {
     // Driven by the index on (owner_id, phase): only unfinished operations are read.
     let mut stmt = conn.prepare_cached(concat!(
-        "SELECT operation_units, n_completed, n_total, rate, rate_n, rate_at_ms, rate_seen_ms \
-         FROM operations WHERE owner_id = ?1 AND phase IN ",
+        "SELECT o.operation_units, p.n_completed, p.n_total, p.rate, p.rate_n, p.rate_at_ms, \
+         p.rate_seen_ms FROM ",
+        operations_with_progress!(),
+        " WHERE o.owner_id = ?1 AND o.phase IN ",
         unfinished_operation!()
     ))?;
     let mut rows = stmt.query([owner_id])?;
@@ -722,15 +733,23 @@ fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> 
 pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Vec<PollTarget>> {
     // The operation's columns only: what the owner adds is read once per owner.
     const COLUMNS: &str = "o.id, o.owner_id, o.plugin_kind, o.plugin_name, o.operation_id, \
-         o.phase, o.error, o.n_completed, o.n_total, o.operation_units, o.description, \
-         o.created_ms, o.started_ms, o.updated_ms, o.plugin_updated_ms, o.progressed_ms, \
-         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, o.rate, o.rate_n, \
-         o.rate_at_ms, o.rate_seen_ms";
+         o.phase, o.error, p.n_completed, p.n_total, o.operation_units, p.description, \
+         o.created_ms, o.started_ms, p.updated_ms, p.plugin_updated_ms, p.progressed_ms, \
+         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, p.rate, p.rate_n, \
+         p.rate_at_ms, p.rate_seen_ms";
+    const PROGRESS: &str = "JOIN operation_progress p ON p.op = o.id";
     let (mut stmt, mut rows);
+    // A page is usually full: its rows are large, so growing the list costs copies.
+    let expected = match which {
+        Targets::WaitingPage { limit, .. } | Targets::CancelRequested { limit } => {
+            usize::try_from(limit).unwrap_or(0).min(10_000)
+        }
+        _ => 0,
+    };
     match which {
         Targets::Owner(id) => {
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id \
+                "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id {PROGRESS} \
                  WHERE w.id = ?1 AND o.phase IN {} ORDER BY o.id",
                 unfinished_operation!()
             ))?;
@@ -743,7 +762,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         } => {
             // Driven by the partial index on unfinished operations by plugin.
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
+                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id {PROGRESS} \
                  WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN {} \
                  AND w.phase IN {} ORDER BY o.id LIMIT ?3",
                 unfinished_operation!(),
@@ -753,7 +772,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
         }
         Targets::CancelRequested { limit } => {
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id \
+                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id {PROGRESS} \
                  WHERE o.cancel_requested = 1 ORDER BY o.id LIMIT ?1"
             ))?;
             rows = stmt.query([limit])?;
@@ -772,7 +791,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                 .join(", ");
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM owners w CROSS JOIN operations o ON o.owner_id = w.id \
-                 WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
+                 {PROGRESS} WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
                  AND o.operation_id IN (SELECT value FROM json_each(?2)) \
                  AND o.phase IN {} ORDER BY o.owner_id, o.id",
                 waiting_owner!(),
@@ -781,7 +800,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             rows = stmt.query(params![plugin, operation_ids])?;
         }
     }
-    let mut targets = Vec::new();
+    let mut targets = Vec::with_capacity(expected);
     let mut owners: HashMap<i64, OwnerPart> = HashMap::new();
     while let Some(row) = rows.next()? {
         let owner_row: i64 = row.get(1)?;
@@ -827,15 +846,16 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
 
 /// Writes polled operations' new states, each only if the operation is still
 /// unfinished (a concurrent delete or failure wins). A sweep writes thousands of rows in
-/// one transaction: each of the three statements is prepared once per batch, and the
-/// narrowest that says the change is used.
+/// one transaction: each statement is prepared once per batch, and a change of progress
+/// alone (most of a sweep's writes) touches only the narrow `operation_progress` row.
 pub struct OperationUpdates<'c> {
     conn: &'c Connection,
-    /// Every column, the phase included (and with it its index entry and count trigger).
+    /// The operation's own columns with its phase (and with it its index entry, count
+    /// trigger and the phase copied to its progress row).
     phase: Option<CachedStatement<'c>>,
-    /// Every column but the phase.
+    /// The operation's own columns but the phase.
     state: Option<CachedStatement<'c>>,
-    /// Progress alone: counts, description, times and rate (most of a sweep's writes).
+    /// The progress row: counts, description, times and rate.
     progress: Option<CachedStatement<'c>>,
 }
 
@@ -858,29 +878,45 @@ impl<'c> OperationUpdates<'c> {
         new: &OperationState,
         rate: &Rate,
     ) -> rusqlite::Result<bool> {
-        let changed = if new.phase != old.phase {
-            let stmt = prepared(self.conn, &mut self.phase, UPDATE_PHASE)?;
-            state_update(stmt, row, new, rate)?
+        let own = if new.phase != old.phase {
+            Some(prepared(self.conn, &mut self.phase, UPDATE_PHASE)?)
         } else if progress_only(old, new) {
-            let stmt = prepared(self.conn, &mut self.progress, UPDATE_PROGRESS)?;
-            stmt.execute(params![
+            None
+        } else {
+            Some(prepared(self.conn, &mut self.state, UPDATE_STATE)?)
+        };
+        if let Some(stmt) = own {
+            let changed = stmt.execute(params![
                 row,
                 new.phase.as_str(),
-                new.n_completed,
-                new.n_total,
-                new.description,
-                new.updated_ms,
-                new.plugin_updated_ms,
-                new.progressed_ms,
-                rate.per_second,
-                rate.anchor_n,
-                rate.anchor_ms,
-                rate.seen_ms
-            ])?
-        } else {
-            let stmt = prepared(self.conn, &mut self.state, UPDATE_STATE)?;
-            state_update(stmt, row, new, rate)?
-        };
+                new.error,
+                new.operation_units,
+                new.started_ms,
+                new.attempts,
+                new.last_error,
+                new.next_attempt_ms,
+                new.retrying_since_ms
+            ])?;
+            if changed == 0 {
+                return Ok(false);
+            }
+        }
+        // Guarded by the phase just written (or, for progress alone, the one read).
+        let stmt = prepared(self.conn, &mut self.progress, UPDATE_PROGRESS)?;
+        let changed = stmt.execute(params![
+            row,
+            new.phase.as_str(),
+            new.n_completed,
+            new.n_total,
+            new.description,
+            new.updated_ms,
+            new.plugin_updated_ms,
+            new.progressed_ms,
+            rate.per_second,
+            rate.anchor_n,
+            rate.anchor_ms,
+            rate.seen_ms
+        ])?;
         Ok(changed > 0)
     }
 }
@@ -911,54 +947,22 @@ fn progress_only(old: &OperationState, new: &OperationState) -> bool {
 }
 
 const UPDATE_PHASE: &str = concat!(
-    "UPDATE operations SET phase = ?2, error = ?3, n_completed = ?4, n_total = ?5, \
-     operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-     plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-     next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
-     rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase IN ",
+    "UPDATE operations SET phase = ?2, error = ?3, operation_units = ?4, started_ms = ?5, \
+     attempts = ?6, last_error = ?7, next_attempt_ms = ?8, retrying_since_ms = ?9 \
+     WHERE id = ?1 AND phase IN ",
     unfinished_operation!()
 );
 
 /// The same parameters as [`UPDATE_PHASE`]; the phase is the guard, not written.
-const UPDATE_STATE: &str = "UPDATE operations SET error = ?3, n_completed = ?4, \
-     n_total = ?5, operation_units = ?6, description = ?7, started_ms = ?8, updated_ms = ?9, \
-     plugin_updated_ms = ?10, progressed_ms = ?11, attempts = ?12, last_error = ?13, \
-     next_attempt_ms = ?14, retrying_since_ms = ?15, rate = ?16, rate_n = ?17, \
-     rate_at_ms = ?18, rate_seen_ms = ?19 WHERE id = ?1 AND phase = ?2";
+const UPDATE_STATE: &str = "UPDATE operations SET error = ?3, operation_units = ?4, \
+     started_ms = ?5, attempts = ?6, last_error = ?7, next_attempt_ms = ?8, \
+     retrying_since_ms = ?9 WHERE id = ?1 AND phase = ?2";
 
-const UPDATE_PROGRESS: &str = "UPDATE operations SET n_completed = ?3, n_total = ?4, \
+/// The progress row, guarded by the phase copied into it.
+const UPDATE_PROGRESS: &str = "UPDATE operation_progress SET n_completed = ?3, n_total = ?4, \
      description = ?5, updated_ms = ?6, plugin_updated_ms = ?7, progressed_ms = ?8, \
      rate = ?9, rate_n = ?10, rate_at_ms = ?11, rate_seen_ms = ?12 \
-     WHERE id = ?1 AND phase = ?2";
-
-fn state_update(
-    stmt: &mut CachedStatement<'_>,
-    row: i64,
-    s: &OperationState,
-    rate: &Rate,
-) -> rusqlite::Result<usize> {
-    stmt.execute(params![
-        row,
-        s.phase.as_str(),
-        s.error,
-        s.n_completed,
-        s.n_total,
-        s.operation_units,
-        s.description,
-        s.started_ms,
-        s.updated_ms,
-        s.plugin_updated_ms,
-        s.progressed_ms,
-        s.attempts,
-        s.last_error,
-        s.next_attempt_ms,
-        s.retrying_since_ms,
-        rate.per_second,
-        rate.anchor_n,
-        rate.anchor_ms,
-        rate.seen_ms
-    ])
-}
+     WHERE op = ?1 AND phase = ?2";
 
 /// One operation of an owner as `*.cancel` picks it: row id, ID, item and phase.
 #[derive(Clone, Debug)]
@@ -1020,13 +1024,16 @@ pub fn cancel_operations(
     let mut stmt = conn.prepare_cached(concat!(
         "UPDATE operations SET phase = ",
         canceled_operation!(),
-        ", error = ?3, updated_ms = ?4, cancel_requested = 1, next_attempt_ms = NULL \
+        ", error = ?3, cancel_requested = 1, next_attempt_ms = NULL \
          WHERE id = ?1 AND owner_id = ?2 AND phase IN ",
         unfinished_operation!()
     ))?;
+    let mut updated =
+        conn.prepare_cached("UPDATE operation_progress SET updated_ms = ?2 WHERE op = ?1")?;
     let mut changed = Vec::new();
     for &row in rows {
-        if stmt.execute(params![row, owner_id, error, now])? > 0 {
+        if stmt.execute(params![row, owner_id, error])? > 0 {
+            updated.execute(params![row, now])?;
             changed.push(row);
         }
     }
@@ -1051,14 +1058,22 @@ pub fn fail_unfinished(
     error: &str,
     now: UnixMs,
 ) -> rusqlite::Result<u64> {
+    // The progress rows first, while the unfinished ones are still known by phase.
+    conn.prepare_cached(concat!(
+        "UPDATE operation_progress SET updated_ms = ?2 WHERE op IN \
+         (SELECT id FROM operations WHERE owner_id = ?1 AND phase IN ",
+        unfinished_operation!(),
+        ")"
+    ))?
+    .execute(params![owner_id, now])?;
     let changed = conn
         .prepare_cached(concat!(
             "UPDATE operations SET phase = ",
             failed_operation!(),
-            ", error = ?2, updated_ms = ?3 WHERE owner_id = ?1 AND phase IN ",
+            ", error = ?2 WHERE owner_id = ?1 AND phase IN ",
             unfinished_operation!()
         ))?
-        .execute(params![owner_id, error, now])?;
+        .execute(params![owner_id, error])?;
     Ok(changed as u64)
 }
 

@@ -219,6 +219,52 @@ pub const MIGRATIONS: &[&str] = &[
     ALTER TABLE operations ADD COLUMN rate_n INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE operations ADD COLUMN rate_at_ms INTEGER;
     ALTER TABLE operations ADD COLUMN rate_seen_ms INTEGER;",
+    // 11: an operation's progress in a narrow table of its own (issue 17.2). A sweep
+    // writes progress for every operation it polls; rewriting the operation's 30-column
+    // row for it cost twice what the 12 columns here cost. `operation_progress` holds one
+    // row per operation, made with it by a trigger and removed with it (cascade); its
+    // `phase` is the operation's, copied by a trigger in the statement that changes it, so
+    // a progress write guards on the phase without reading the wide row. The columns
+    // move: `operations` keeps identity, phase, errors and retries. (A progress row left
+    // by a delete made without foreign keys is replaced when its row id is used again.)
+    "CREATE TABLE operation_progress (
+        op INTEGER PRIMARY KEY REFERENCES operations (id) ON DELETE CASCADE,
+        phase TEXT NOT NULL,
+        n_completed INTEGER NOT NULL DEFAULT 0,
+        n_total INTEGER NOT NULL DEFAULT 0,
+        description TEXT NOT NULL DEFAULT '',
+        updated_ms INTEGER,
+        plugin_updated_ms INTEGER,
+        progressed_ms INTEGER,
+        rate REAL,
+        rate_n INTEGER NOT NULL DEFAULT 0,
+        rate_at_ms INTEGER,
+        rate_seen_ms INTEGER
+    );
+    INSERT INTO operation_progress (op, phase, n_completed, n_total, description, updated_ms,
+        plugin_updated_ms, progressed_ms, rate, rate_n, rate_at_ms, rate_seen_ms)
+    SELECT id, phase, n_completed, n_total, description, updated_ms, plugin_updated_ms,
+        progressed_ms, rate, rate_n, rate_at_ms, rate_seen_ms
+    FROM operations;
+    ALTER TABLE operations DROP COLUMN n_completed;
+    ALTER TABLE operations DROP COLUMN n_total;
+    ALTER TABLE operations DROP COLUMN description;
+    ALTER TABLE operations DROP COLUMN updated_ms;
+    ALTER TABLE operations DROP COLUMN plugin_updated_ms;
+    ALTER TABLE operations DROP COLUMN progressed_ms;
+    ALTER TABLE operations DROP COLUMN rate;
+    ALTER TABLE operations DROP COLUMN rate_n;
+    ALTER TABLE operations DROP COLUMN rate_at_ms;
+    ALTER TABLE operations DROP COLUMN rate_seen_ms;
+    CREATE TRIGGER operation_progress_made AFTER INSERT ON operations
+    BEGIN
+        INSERT OR REPLACE INTO operation_progress (op, phase) VALUES (NEW.id, NEW.phase);
+    END;
+    CREATE TRIGGER operation_progress_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE operation_progress SET phase = NEW.phase WHERE op = NEW.id;
+    END;",
 ];
 
 /// The schema version this agent writes.

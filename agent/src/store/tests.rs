@@ -114,8 +114,8 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     type Row = (i64, String, String, Option<i64>, Option<i64>, Option<i64>);
     let rows: Vec<Row> = conn
         .prepare(
-            "SELECT id, operation_id, phase, started_ms, updated_ms, plugin_updated_ms
-             FROM operations ORDER BY id",
+            "SELECT o.id, o.operation_id, o.phase, o.started_ms, p.updated_ms, p.plugin_updated_ms
+             FROM operations o JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
         )
         .unwrap()
         .query_map([], |r| {
@@ -163,6 +163,8 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     assert_eq!(
         names,
         [
+            "operation_progress_made",
+            "operation_progress_phase",
             "operations_by_owner_phase",
             "operations_cancel_requested",
             "operations_counted_on_phase",
@@ -209,6 +211,84 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
         (before.0 + 1, before.1),
         "from version {from}"
     );
+    check_progress_after_migration_11(conn, from);
+}
+
+/// What migration 11 must leave: the progress columns moved to `operation_progress`,
+/// one row per operation with its phase, kept in step by the triggers.
+fn check_progress_after_migration_11(conn: &Connection, from: u32) {
+    let columns: Vec<String> = conn
+        .prepare("SELECT name FROM pragma_table_info('operations')")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    for moved in [
+        "n_completed",
+        "n_total",
+        "description",
+        "updated_ms",
+        "rate",
+    ] {
+        assert!(
+            !columns.iter().any(|c| c == moved),
+            "{moved} from version {from}"
+        );
+    }
+    let pairs = |conn: &Connection| -> Vec<(i64, String, String)> {
+        conn.prepare(
+            "SELECT o.id, o.phase, p.phase FROM operations o \
+             LEFT JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
+        )
+        .unwrap()
+        .query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get::<_, Option<String>>(2)?.unwrap_or_default(),
+            ))
+        })
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap()
+    };
+    let all = pairs(conn);
+    assert_eq!(all.len(), 3, "from version {from}");
+    assert!(
+        all.iter().all(|(_, o, p)| o == p),
+        "{all:?} from version {from}"
+    );
+    let progress: (i64, i64) = conn
+        .query_row(
+            "SELECT n_completed, n_total FROM operation_progress WHERE op = 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(progress, (5, 10), "from version {from}");
+    conn.execute("UPDATE operations SET phase = 'Failed' WHERE id = 2", [])
+        .unwrap();
+    conn.execute(
+        "INSERT INTO operations (owner_id, plugin_kind, plugin_name, res_group, res_resource,
+             res_namespace, res_name, operation_id, created_ms)
+         VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'q', 'op-4', 1)",
+        [],
+    )
+    .unwrap();
+    let all = pairs(conn);
+    assert_eq!(all.len(), 4, "from version {from}");
+    assert!(
+        all.iter().all(|(_, o, p)| o == p),
+        "{all:?} from version {from}"
+    );
+    // As it was, for the checks that follow (this connection has no foreign keys).
+    conn.execute_batch(
+        "UPDATE operations SET phase = 'Completed' WHERE id = 2;
+         DELETE FROM operations WHERE operation_id = 'op-4';
+         DELETE FROM operation_progress WHERE op NOT IN (SELECT id FROM operations);",
+    )
+    .unwrap();
 }
 
 #[test]
@@ -297,8 +377,9 @@ fn check_control_after_migration_9(conn: &Connection, from: u32) {
     type Row = (i64, bool, Option<i64>, i64, String, Option<i64>);
     let rows: Vec<Row> = conn
         .prepare(
-            "SELECT id, cancel_requested, progressed_ms, attempts, last_error, next_attempt_ms
-             FROM operations ORDER BY id",
+            "SELECT o.id, o.cancel_requested, p.progressed_ms, o.attempts, o.last_error,
+                 o.next_attempt_ms
+             FROM operations o JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
         )
         .unwrap()
         .query_map([], |r| {
@@ -905,7 +986,7 @@ async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts(
     store
         .write(|conn| {
             conn.execute(
-                "UPDATE operations SET n_completed = 5, description = 'x'",
+                "UPDATE operation_progress SET n_completed = 5, description = 'x'",
                 [],
             )
             .map_err(StorageFailure::from)

@@ -75,12 +75,25 @@ pub(crate) async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), Stri
     }
 }
 
-/// The committed `nCompleted` of the marked operation.
+/// The committed `nCompleted` of the marked operation: in `operation_progress` from
+/// schema 11 on, in `operations` before (an older agent given with `--agent`).
 fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option<i64>> {
+    let narrow: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'operation_progress')",
+        [],
+        |r| r.get(0),
+    )?;
+    let (column, join) = if narrow {
+        ("p.n_completed", "JOIN operation_progress p ON p.op = o.id")
+    } else {
+        ("o.n_completed", "")
+    };
     conn.query_row(
-        "SELECT o.n_completed FROM operations o JOIN owners w ON w.id = o.owner_id \
-         WHERE w.kind = 'backup' AND w.name = ?1 AND o.plugin_kind = ?2 \
-         AND o.plugin_name = ?3 AND o.operation_id = ?4",
+        &format!(
+            "SELECT {column} FROM operations o JOIN owners w ON w.id = o.owner_id {join} \
+             WHERE w.kind = 'backup' AND w.name = ?1 AND o.plugin_kind = ?2 \
+             AND o.plugin_name = ?3 AND o.operation_id = ?4"
+        ),
         rusqlite::params![m.owner, m.plugin_kind, m.plugin, m.operation_id],
         |r| r.get(0),
     )
