@@ -417,7 +417,8 @@ pub fn records_due(
     rows.collect()
 }
 
-/// Adds operations (New), ignoring ones already known, and counts them on the owner.
+/// Adds operations (New) with their progress rows (migration 11), ignoring ones already
+/// known, and counts them on the owner.
 /// An operation is known by its plugin (kind and name), its operation ID and its item
 /// (migration 8): the same ID on another item is another operation, as in Velero, and
 /// a retried call adds nothing twice. Returns the rows of the added ones. Each is
@@ -433,6 +434,8 @@ pub fn insert_operations(
          res_resource, res_namespace, res_name, operation_id, post_operation_items, created_ms) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
     )?;
+    let mut progress =
+        conn.prepare_cached("INSERT INTO operation_progress (op, phase) VALUES (?1, 'New')")?;
     let mut added = Vec::new();
     for op in operations {
         let r = &op.resource;
@@ -449,7 +452,9 @@ pub fn insert_operations(
             op.created.map_or(now, UnixMs::of)
         ])?;
         if inserted > 0 {
-            added.push(conn.last_insert_rowid());
+            let row = conn.last_insert_rowid();
+            progress.execute([row])?;
+            added.push(row);
         }
     }
     // New operations count as attempted and unfinished (migration 6).

@@ -163,7 +163,6 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     assert_eq!(
         names,
         [
-            "operation_progress_made",
             "operation_progress_phase",
             "operations_by_owner_phase",
             "operations_cancel_requested",
@@ -215,7 +214,8 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
 }
 
 /// What migration 11 must leave: the progress columns moved to `operation_progress`,
-/// one row per operation with its phase, kept in step by the triggers.
+/// one row per operation with its phase (a new operation gets its row, a phase change
+/// is copied by the trigger).
 fn check_progress_after_migration_11(conn: &Connection, from: u32) {
     let columns: Vec<String> = conn
         .prepare("SELECT name FROM pragma_table_info('operations')")
@@ -269,13 +269,28 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
     assert_eq!(progress, (5, 10), "from version {from}");
     conn.execute("UPDATE operations SET phase = 'Failed' WHERE id = 2", [])
         .unwrap();
-    conn.execute(
-        "INSERT INTO operations (owner_id, plugin_kind, plugin_name, res_group, res_resource,
-             res_namespace, res_name, operation_id, created_ms)
-         VALUES (1, 'BackupItemAction', 'example.io/copier', '', 'pods', 'ns', 'q', 'op-4', 1)",
-        [],
-    )
-    .unwrap();
+    use opmon_client::{NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+    let op = NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: "example.io/copier".into(),
+        },
+        resource: ResourceIdentifier {
+            group: String::new(),
+            resource: "pods".into(),
+            namespace: "ns".into(),
+            name: "q".into(),
+        },
+        operation_id: "op-4".into(),
+        post_operation_items: Vec::new(),
+        created: None,
+    };
+    assert_eq!(
+        queries::insert_operations(conn, 1, &[op], UnixMs(1))
+            .unwrap()
+            .len(),
+        1
+    );
     let all = pairs(conn);
     assert_eq!(all.len(), 4, "from version {from}");
     assert!(
@@ -286,7 +301,8 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
     conn.execute_batch(
         "UPDATE operations SET phase = 'Completed' WHERE id = 2;
          DELETE FROM operations WHERE operation_id = 'op-4';
-         DELETE FROM operation_progress WHERE op NOT IN (SELECT id FROM operations);",
+         DELETE FROM operation_progress WHERE op NOT IN (SELECT id FROM operations);
+         UPDATE owners SET n_operations = n_operations - 1 WHERE id = 1;",
     )
     .unwrap();
 }

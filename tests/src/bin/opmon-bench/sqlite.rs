@@ -71,8 +71,9 @@ fn values(owner: i64, op: &NewOperation) -> Values {
     }
 }
 
+/// An operation's row and, as the agent adds it, its progress row (schema 11).
 fn insert(conn: &Connection, v: &Values, now: i64) -> rusqlite::Result<usize> {
-    conn.prepare_cached(INSERT)?.execute(params![
+    let inserted = conn.prepare_cached(INSERT)?.execute(params![
         v.owner,
         v.kind,
         v.plugin,
@@ -83,7 +84,12 @@ fn insert(conn: &Connection, v: &Values, now: i64) -> rusqlite::Result<usize> {
         v.id,
         v.post,
         now
-    ])
+    ])?;
+    if inserted > 0 {
+        conn.prepare_cached("INSERT INTO operation_progress (op, phase) VALUES (?1, 'New')")?
+            .execute([conn.last_insert_rowid()])?;
+    }
+    Ok(inserted)
 }
 
 /// Inserts `owners[i]`'s operations into backup `i`, `per_tx` rows per transaction;
