@@ -15,16 +15,21 @@
 //!
 //! What a peer can make the server hold is bounded, whether or not it reads what it is
 //! sent ([`ServeConfig`] has the numbers):
-//! - at most `max_calls_in_flight` calls run at once, over all connections, and a call
-//!   keeps its place until its response has been written to the socket (an HTTP request
-//!   waits for its place before its body is read); methods that mostly wait (listed in
-//!   `unmetered_methods`) take no place;
+//! - at most `max_calls_in_flight` calls run at once, over all connections; methods that
+//!   mostly wait (listed in `unmetered_methods`) take no place. An HTTP request waits
+//!   for its place before its body is read and keeps it until its response has been
+//!   written; a WebSocket call first waits for one of its connection's
+//!   `max_calls_per_connection` slots, which it keeps until its response has been
+//!   written, and gives its place back once the response is made, so a peer that reads
+//!   none of its answers holds its own slots and no one else's places;
 //! - each connection has an [`Outbox`]: the bytes handed to it and not yet written.
 //!   Subscriptions send only while it holds less than `max_queued_bytes`, and a
-//!   WebSocket connection is not read further while it is that full or has
-//!   `max_calls_per_connection` calls unanswered;
+//!   WebSocket connection is not read further while it is that full or has no slot
+//!   free;
 //! - a connection whose peer takes nothing of what waits for it for
-//!   `write_stall_timeout` is closed, which frees all of the above;
+//!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
+//!   or not: its reads fail too, so it ends even while it is not being read, which frees
+//!   all of the above;
 //! - a request body over `max_request_body_size` is answered with a JSON-RPC error
 //!   (HTTP 413) and its rest read and dropped, so the client sees the answer rather
 //!   than a reset, whether the refusal came from the declared length or from reading:
@@ -102,7 +107,8 @@ pub struct ServeConfig {
     pub metrics: Option<MetricsPage>,
     /// A connection whose peer sends nothing for this long is closed.
     pub idle_timeout: Option<Duration>,
-    /// Calls running (or with a response not yet written) at once, over all connections.
+    /// Calls running at once, over all connections (an HTTP request's until its
+    /// response is written).
     pub max_calls_in_flight: usize,
     /// Methods that mostly wait (for a change, another process, a file) holding little
     /// memory: they do not count against `max_calls_in_flight`.
@@ -110,10 +116,11 @@ pub struct ServeConfig {
     /// Bytes a connection may have waiting to be written before its subscriptions wait
     /// and (WebSocket) its requests are no longer read.
     pub max_queued_bytes: u64,
-    /// Calls one WebSocket connection may have unanswered before it is no longer read.
+    /// Calls one WebSocket connection may have unanswered or not yet written; more wait
+    /// (holding no place among the calls in flight) and the connection is not read.
     pub max_calls_per_connection: usize,
     /// A connection whose peer takes none of the bytes waiting for it for this long is
-    /// closed.
+    /// closed (WebSocket too: the stream itself fails).
     pub write_stall_timeout: Option<Duration>,
 }
 
@@ -480,7 +487,7 @@ where
         response.headers_mut().remove(hyper::header::CONTENT_TYPE);
     }
     let length = response.body().size_hint().exact().unwrap_or(0) as usize;
-    outbox.respond(length, place.take(), false);
+    outbox.respond(length, place.take());
     Ok(response)
 }
 
@@ -489,8 +496,8 @@ where
 ///
 /// `due` counts the bytes handed over, `written` those the socket took. Responses and
 /// notifications are written in the order they are handed over, so a response is out
-/// once `written` reaches the `due` it was given; its place among the calls in flight is
-/// given back then. Headers and frames count as written but not as handed over, which
+/// once `written` reaches the `due` it was given; what it holds (an HTTP request's place
+/// among the calls in flight, a WebSocket call's slot) is given back then. Headers and frames count as written but not as handed over, which
 /// only ever errs towards giving back early.
 pub struct Outbox {
     state: Mutex<OutboxState>,
@@ -500,20 +507,29 @@ pub struct Outbox {
     /// update each.
     turn: tokio::sync::Mutex<()>,
     limit: u64,
-    max_calls: usize,
+    /// The connection's WebSocket calls unanswered or not yet written, at most
+    /// `max_calls_per_connection`.
+    slots: Arc<Semaphore>,
 }
 
 #[derive(Default)]
 struct OutboxState {
     due: u64,
     written: u64,
-    /// WebSocket calls of this connection not yet answered and written.
-    calls: usize,
-    /// Per response not yet written: its `due`, its place, whether it counts in `calls`.
-    pending: VecDeque<(u64, Option<OwnedSemaphorePermit>, bool)>,
+    /// Per response not yet written: its `due`, and its place or slot.
+    pending: VecDeque<(u64, Held)>,
     /// The connection's reader, waiting for room.
     reader: Option<Waker>,
+    /// The connection's reader, waiting for the peer to send: woken only if the
+    /// connection fails, which it must see even if the peer sends nothing more.
+    reader_on_socket: Option<Waker>,
+    /// A write failed or stalled: the connection is over.
+    failed: bool,
 }
+
+/// What a response holds until it is written: an HTTP request's place among the calls
+/// in flight, or a WebSocket call's slot among its connection's.
+type Held = Option<OwnedSemaphorePermit>;
 
 impl OutboxState {
     fn queued(&self) -> u64 {
@@ -536,7 +552,7 @@ impl Outbox {
             written: tokio::sync::Notify::new(),
             turn: tokio::sync::Mutex::new(()),
             limit,
-            max_calls: max_calls.max(1),
+            slots: Arc::new(Semaphore::new(max_calls.max(1))),
         }
     }
 
@@ -570,63 +586,112 @@ impl Outbox {
         self.lock().hand_over(bytes);
     }
 
-    fn call_started(&self) {
-        self.lock().calls += 1;
+    /// Waits for one of the connection's slots for a WebSocket call (`None` once the
+    /// connection is gone).
+    async fn slot(&self) -> Held {
+        self.slots.clone().acquire_owned().await.ok()
     }
 
-    /// Records a response of `bytes`: `place` is given back, and the call stops counting
-    /// (if `counted`), once it is written.
-    fn respond(&self, bytes: usize, place: Option<OwnedSemaphorePermit>, counted: bool) {
-        let mut state = self.lock();
+    /// Whether the connection may be read: little enough waits to be written and a
+    /// slot is free.
+    fn has_room(&self, state: &OutboxState) -> bool {
+        state.queued() < self.limit && self.slots.available_permits() > 0
+    }
+
+    /// Records a response of `bytes`; what it `held` is given back once it is written
+    /// (at once if nothing is written for it).
+    fn respond(&self, bytes: usize, held: Held) {
         if bytes == 0 {
-            if counted {
-                state.calls = state.calls.saturating_sub(1);
-            }
+            drop(held);
+            self.wake_reader();
             return;
         }
+        let mut state = self.lock();
         let due = state.hand_over(bytes);
-        state.pending.push_back((due, place, counted));
+        state.pending.push_back((due, held));
     }
 
     fn wrote(&self, n: usize) {
         let mut released = Vec::new();
-        let reader = {
+        {
             let mut state = self.lock();
             state.written += n as u64;
             while state
                 .pending
                 .front()
-                .is_some_and(|(due, _, _)| *due <= state.written)
+                .is_some_and(|(due, _)| *due <= state.written)
             {
-                if let Some((_, place, counted)) = state.pending.pop_front() {
-                    if counted {
-                        state.calls = state.calls.saturating_sub(1);
-                    }
-                    released.push(place);
+                if let Some((_, held)) = state.pending.pop_front() {
+                    released.push(held);
                 }
             }
-            if state.queued() < self.limit && state.calls < self.max_calls {
+        }
+        // Given back before the reader looks for a free slot.
+        drop(released);
+        self.wake_reader();
+        self.written.notify_waiters();
+    }
+
+    /// Wakes the reader held back for room, if there is room now (or the connection
+    /// failed, which its reads must see).
+    fn wake_reader(&self) {
+        let reader = {
+            let mut state = self.lock();
+            if state.failed || self.has_room(&state) {
                 state.reader.take()
             } else {
                 None
             }
         };
-        drop(released);
         if let Some(reader) = reader {
             reader.wake();
         }
-        self.written.notify_waiters();
     }
 
     /// Whether a WebSocket connection must not be read now (too much waits to be
-    /// written, or too many calls are unanswered); if so, `waker` is woken when it may.
+    /// written, or no slot is free); if so, `waker` is woken when it may.
     fn full(&self, waker: &Waker) -> bool {
         let mut state = self.lock();
-        if state.queued() < self.limit && state.calls < self.max_calls {
+        if state.failed || self.has_room(&state) {
             return false;
         }
         state.reader = Some(waker.clone());
         true
+    }
+
+    /// The connection's writes failed or stalled: its reads fail from now on, and what
+    /// its responses held is given back.
+    fn fail(&self) {
+        let (released, on_socket): (Vec<_>, _) = {
+            let mut state = self.lock();
+            state.failed = true;
+            (
+                state.pending.drain(..).collect(),
+                state.reader_on_socket.take(),
+            )
+        };
+        drop(released);
+        if let Some(reader) = on_socket {
+            reader.wake();
+        }
+        self.wake_reader();
+        self.written.notify_waiters();
+    }
+
+    /// Records the reader waiting for the peer to send (see `reader_on_socket`).
+    fn reading(&self, waker: &Waker) {
+        let mut state = self.lock();
+        if !state
+            .reader_on_socket
+            .as_ref()
+            .is_some_and(|w| w.will_wake(waker))
+        {
+            state.reader_on_socket = Some(waker.clone());
+        }
+    }
+
+    fn failed(&self) -> bool {
+        self.lock().failed
     }
 }
 
@@ -724,14 +789,18 @@ where
                     inner.call(request).await
                 }
                 (Some(Transport::WebSocket), Some(outbox)) => {
-                    outbox.call_started();
+                    // Frames already read wait here for their connection's slot, not
+                    // among everyone's calls for a place.
+                    let slot = outbox.slot().await;
                     let place = if metered {
                         rules.places.clone().acquire_owned().await.ok()
                     } else {
                         None
                     };
                     let response = inner.call(request).await;
-                    outbox.respond(response.as_json().get().len(), place, true);
+                    // The place bounds work, not answers waiting for their reader.
+                    drop(place);
+                    outbox.respond(response.as_json().get().len(), slot);
                     response
                 }
                 _ => inner.call(request).await,
@@ -757,18 +826,18 @@ where
             }
             match (transport, outbox) {
                 (Some(Transport::WebSocket), Some(outbox)) => {
-                    outbox.call_started();
+                    let slot = outbox.slot().await;
                     let place = rules.places.clone().acquire_owned().await.ok();
                     let response = marked(inner.batch(requests).await);
-                    // Nothing is written for a batch of notifications only: its place
-                    // and its count among the unanswered calls are given back now, not
-                    // when bytes that never come are written.
+                    drop(place);
+                    // Nothing is written for a batch of notifications only: its slot is
+                    // given back now, not when bytes that never come are written.
                     let bytes = if response.is_notification() {
                         0
                     } else {
                         response.as_json().get().len()
                     };
-                    outbox.respond(bytes, place, true);
+                    outbox.respond(bytes, slot);
                     response
                 }
                 _ => marked(inner.batch(requests).await),
@@ -785,19 +854,13 @@ where
     }
 }
 
-/// When a connection's peer last sent a byte, and since when a write has been waiting
-/// for the peer to read.
+/// When a connection's peer last sent a byte.
 #[derive(Clone)]
 struct Activity {
     start: tokio::time::Instant,
     /// Milliseconds after `start` of the last read.
     last_ms: Arc<std::sync::atomic::AtomicU64>,
-    /// Milliseconds after `start` since when a write has been blocked ([`NOT_BLOCKED`]
-    /// while writes go through).
-    blocked_ms: Arc<std::sync::atomic::AtomicU64>,
 }
-
-const NOT_BLOCKED: u64 = u64::MAX;
 
 impl Activity {
     fn now_ms(&self) -> u64 {
@@ -820,37 +883,12 @@ impl Activity {
             }
         }
     }
-
-    fn write_blocked(&self, blocked: bool) {
-        use std::sync::atomic::Ordering::Relaxed;
-        if blocked {
-            let now = self.now_ms();
-            let _ = self
-                .blocked_ms
-                .compare_exchange(NOT_BLOCKED, now, Relaxed, Relaxed);
-        } else {
-            self.blocked_ms.store(NOT_BLOCKED, Relaxed);
-        }
-    }
-
-    /// Resolves once a write has waited `timeout` for the peer to read.
-    async fn stalled_for(&self, timeout: Duration) {
-        loop {
-            let since = self.blocked_ms.load(std::sync::atomic::Ordering::Relaxed);
-            if since == NOT_BLOCKED {
-                tokio::time::sleep(timeout).await;
-                continue;
-            }
-            tokio::time::sleep_until(self.start + Duration::from_millis(since) + timeout).await;
-            if self.blocked_ms.load(std::sync::atomic::Ordering::Relaxed) == since {
-                return;
-            }
-        }
-    }
 }
 
 /// A connection's stream, watched: reads and writes feed its [`Activity`] and
-/// [`Outbox`], and a WebSocket connection whose outbox is full is not read.
+/// [`Outbox`], a WebSocket connection whose outbox is full is not read, and a write
+/// the peer leaves waiting for `stall_timeout` fails the connection. The stream does
+/// this itself because an upgraded connection is served by a task jsonrpsee spawns.
 struct Watched<S> {
     inner: S,
     activity: Activity,
@@ -858,14 +896,20 @@ struct Watched<S> {
     /// Set once the connection turned into a WebSocket: only then is reading held
     /// back (an HTTP connection has one response at a time anyway).
     websocket: Arc<std::sync::atomic::AtomicBool>,
+    stall_timeout: Option<Duration>,
+    /// Runs while a write waits for the peer; reset by any write that goes through.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> Watched<S> {
-    fn new(inner: S, outbox: Arc<Outbox>) -> (Watched<S>, Activity) {
+    fn new(
+        inner: S,
+        outbox: Arc<Outbox>,
+        stall_timeout: Option<Duration>,
+    ) -> (Watched<S>, Activity) {
         let activity = Activity {
             start: tokio::time::Instant::now(),
             last_ms: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-            blocked_ms: Arc::new(std::sync::atomic::AtomicU64::new(NOT_BLOCKED)),
         };
         (
             Watched {
@@ -873,6 +917,8 @@ impl<S> Watched<S> {
                 activity: activity.clone(),
                 outbox,
                 websocket: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                stall_timeout,
+                stall: None,
             },
             activity,
         )
@@ -885,6 +931,12 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.outbox.failed() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the connection's writes failed or stalled",
+            )));
+        }
         if self.websocket.load(std::sync::atomic::Ordering::Relaxed) && self.outbox.full(cx.waker())
         {
             return Poll::Pending;
@@ -893,6 +945,9 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
             self.activity.touch();
+        }
+        if polled.is_pending() {
+            self.outbox.reading(cx.waker());
         }
         polled
     }
@@ -908,12 +963,26 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
         // idle even while the server is still writing to it.
         let polled = Pin::new(&mut self.inner).poll_write(cx, data);
         match &polled {
-            Poll::Pending => self.activity.write_blocked(true),
+            Poll::Pending => {
+                if let Some(timeout) = self.stall_timeout {
+                    let stall = self
+                        .stall
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                    if stall.as_mut().poll(cx).is_ready() {
+                        tracing::debug!("closed a connection whose peer stopped reading");
+                        self.outbox.fail();
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the peer read nothing of what waited for it",
+                        )));
+                    }
+                }
+            }
             Poll::Ready(Ok(n)) => {
-                self.activity.write_blocked(false);
+                self.stall = None;
                 self.outbox.wrote(*n);
             }
-            Poll::Ready(Err(_)) => {}
+            Poll::Ready(Err(_)) => self.outbox.fail(),
         }
         polled
     }
@@ -1033,7 +1102,7 @@ pub async fn serve<L>(
             config.max_queued_bytes,
             config.max_calls_per_connection,
         ));
-        let (stream, activity) = Watched::new(stream, outbox.clone());
+        let (stream, activity) = Watched::new(stream, outbox.clone(), config.write_stall_timeout);
         let websocket = stream.websocket.clone();
         let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
         let shared = shared.clone();
@@ -1045,7 +1114,6 @@ pub async fn serve<L>(
         });
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;
-        let stall_timeout = config.write_stall_timeout;
         connections.spawn(async move {
             let _ticket = ticket;
             let served = serve_with_graceful_shutdown(stream, service, stopped);
@@ -1055,18 +1123,11 @@ pub async fn serve<L>(
                     None => std::future::pending().await,
                 }
             };
-            let stalled = async {
-                match stall_timeout {
-                    Some(timeout) => activity.stalled_for(timeout).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 result = served => if let Err(e) = result {
                     tracing::debug!(error = %e, "connection ended with an error");
                 },
                 _ = idle => tracing::debug!("closed an idle connection"),
-                _ = stalled => tracing::debug!("closed a connection whose peer stopped reading"),
             }
         });
     }

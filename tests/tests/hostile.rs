@@ -818,3 +818,76 @@ fn a_client_that_sends_a_body_just_over_the_default_limit_whole_reads_the_error(
         );
     }
 }
+
+/// A WebSocket peer that sends many calls at once and reads none of the answers: its
+/// frames arrive together, so all were read before its connection could be held back.
+/// Each call now waits for one of its connection's slots before it takes a place among
+/// everyone's calls, and gives the place back once its answer is made, so such peers
+/// stop no one else (before, 200 `agent.status` calls on one connection took every
+/// place for good and every other call of the agent timed out). A peer that goes away
+/// meanwhile, or reads nothing for `write_stall_timeout` (30 s), has its connection
+/// ended, though the agent had stopped reading it (before, it stayed forever).
+#[test]
+fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let baseline = open_sockets(pid);
+    let hostile = |calls: usize| {
+        let mut ws = UnixStream::connect(&agent.socket).unwrap();
+        ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
+        let head = read_head(&mut ws);
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let mut writer = ws.try_clone().unwrap();
+        // The agent may stop reading: send from a thread of its own. Answers of 70 KB
+        // (`rpc.discover`) fill the socket, so the agent's writes wait for the peer.
+        let sender = std::thread::spawn(move || {
+            for i in 0..calls {
+                let method = if i % 4 == 0 {
+                    "rpc.discover"
+                } else {
+                    "agent.status"
+                };
+                let call = json!({"jsonrpc": "2.0", "id": i, "method": method});
+                if ws_send(&mut writer, &call.to_string()).is_err() {
+                    return;
+                }
+            }
+        });
+        (ws, sender)
+    };
+    let (stays, stays_sender) = hostile(200);
+    let (leaves, leaves_sender) = hostile(200);
+    let mut http = RawHttp::connect(&agent.socket);
+    for _ in 0..3 {
+        // RawHttp gives up after 60 s.
+        let status = http.call(&request("agent.status", json!({})));
+        assert!(status["result"]["version"].is_string(), "{status}");
+    }
+    assert_eq!(
+        open_sockets(pid),
+        baseline + 3,
+        "the listener's and three connections"
+    );
+
+    // A peer that goes away is noticed, though its connection is not being read.
+    drop(leaves);
+    leaves_sender.join().unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || open_sockets(pid)
+            == baseline + 2),
+        "{} sockets after a peer left; {baseline} before",
+        open_sockets(pid)
+    );
+    // One that stays and reads nothing is closed once its writes waited 30 s.
+    assert!(
+        eventually(Duration::from_secs(90), || open_sockets(pid)
+            == baseline + 1),
+        "{} sockets while a peer read nothing; {baseline} before",
+        open_sockets(pid)
+    );
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    drop(stays);
+    stays_sender.join().unwrap();
+}
