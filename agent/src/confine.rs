@@ -177,6 +177,12 @@ impl Confinement {
     /// Resolves `given` (relative: under the storage directory) to the allowed
     /// directory it lies beneath. With `parent_only`, only its directory must exist.
     fn resolve(&self, field: &str, given: &Path) -> Result<Resolved, Error> {
+        if std::os::unix::ffi::OsStrExt::as_bytes(given.as_os_str()).contains(&0) {
+            return Err(Error::Finalize(format!(
+                "{field} {:?}: contains a NUL character, which no file name can",
+                given.display().to_string()
+            )));
+        }
         let absolute = if given.is_absolute() {
             given.to_path_buf()
         } else {

@@ -126,6 +126,14 @@ impl StorageDir {
     }
 }
 
+/// Whether `name` is a temporary file's name (`.opmon-*.tmp`): one the agent removes
+/// when it starts, unless it is newer than the start.
+pub fn is_temp_name(name: &str) -> bool {
+    name.len() > TEMP_PREFIX.len() + TEMP_SUFFIX.len()
+        && name.starts_with(TEMP_PREFIX)
+        && name.ends_with(TEMP_SUFFIX)
+}
+
 /// Removes the temporary files (`.opmon-*.tmp`) under `root` last modified before
 /// `before`: those of writes a crash interrupted (a write of this run is newer). Symbolic
 /// links are not followed. The walk ends early once `stop()` says so. Returns how many
@@ -164,11 +172,7 @@ pub fn remove_stale_temp_files(
                 continue;
             }
             let name = entry.file_name();
-            let name = name.to_string_lossy();
-            let temporary = kind.is_file()
-                && name.len() > TEMP_PREFIX.len() + TEMP_SUFFIX.len()
-                && name.starts_with(TEMP_PREFIX)
-                && name.ends_with(TEMP_SUFFIX);
+            let temporary = kind.is_file() && is_temp_name(&name.to_string_lossy());
             let stale = entry
                 .metadata()
                 .and_then(|m| m.modified())

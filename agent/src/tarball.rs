@@ -457,9 +457,10 @@ impl<R: Read> Blocks<R> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     let reason = match e.kind() {
-                        io::ErrorKind::UnexpectedEof => {
-                            format!("the gzip stream is truncated ({e})")
-                        }
+                        io::ErrorKind::UnexpectedEof => format!(
+                            "the gzip stream ends early: it is truncated, or followed by \
+                             bytes that are not gzip ({e})"
+                        ),
                         _ => e.to_string(),
                     };
                     return Err(RewriteError::Archive(format!(
@@ -1156,6 +1157,10 @@ mod tests {
                 e.starts_with("after the end of the archive: "),
                 "{what}: {e}"
             );
+            if what == "garbage" {
+                // Too short for a gzip header: said as what it may be, not as a cut.
+                assert!(e.contains("followed by bytes that are not gzip"), "{e}");
+            }
         }
         // Two members (as pigz or `cat a.gz b.gz` make) are one stream: both checked.
         let (head, tail) = tar.split_at(BLOCK);

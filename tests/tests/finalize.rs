@@ -353,6 +353,11 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
             "out/first.tar.gz: the finalized output of backup first; choose another path",
         ),
         (
+            finalize("second", "in.tar.gz", "out/.opmon-final.tmp"),
+            "contents.output out/.opmon-final.tmp: named like the agent's temporary files \
+             (.opmon-*.tmp), which it removes when it starts; choose another name",
+        ),
+        (
             finalize("second", "in.tar.gz", "missing/../out/second.tar.gz"),
             "contents.output missing/../out/second.tar.gz: a `..` in it follows a directory \
              that does not exist, so it cannot be resolved",

@@ -193,6 +193,14 @@ async fn finalize_paths_outside_the_allowed_directories_or_onto_the_agent_s_file
                  {storage} and every finalize_dirs entry"
             ),
         ),
+        // JSON can carry a NUL (`\u0000`); no file name can.
+        (
+            input.clone(),
+            PathBuf::from("out\0.tar.gz"),
+            "contents.output \"out\\0.tar.gz\": contains a NUL character, which no file name \
+             can"
+                .to_string(),
+        ),
     ];
     for (input, output, message) in &cases {
         let got = finalize(&client, input, output).await.unwrap_err();

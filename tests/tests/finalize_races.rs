@@ -98,6 +98,18 @@ async fn a_finalize_does_not_complete_a_backup_deleted_and_started_again_under_a
         "the old output never appeared"
     );
     assert_eq!(temporaries(&s.storage.join("out")), Vec::<String>::new());
+    // The failure was the old backup's: the new one's history has none of it.
+    let events = client
+        .backups()
+        .events(opmon_client::EventsParams {
+            name: "b".into(),
+            after: None,
+            limit: Some(1000),
+        })
+        .await
+        .unwrap();
+    let reasons: Vec<&str> = events.items.iter().map(|e| e.reason.as_str()).collect();
+    assert!(!reasons.contains(&"FinalizeFailed"), "{reasons:?}");
 }
 
 #[tokio::test]

@@ -147,7 +147,8 @@ impl Core {
         caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
         let name = p.name.clone();
-        let result = self.finalize_once(kind, p, caller).await;
+        let mut bound = None;
+        let result = self.finalize_once(kind, p, caller, &mut bound).await;
         if let Err(Error::Finalize(message)) = &result {
             // Only the caller hears the error: the log and the owner's history keep it
             // for whoever looks later.
@@ -156,7 +157,13 @@ impl Core {
             let recorded = self
                 .store
                 .write(move |conn| {
-                    let Some(row) = queries::owner_by_name(conn, kind, &name)? else {
+                    // The owner this finalize was for, not one started again under its
+                    // name meanwhile.
+                    let Some(bound) = bound else {
+                        return Ok(());
+                    };
+                    let Ok(row) = bound.check(kind, &name, queries::owner_by_id(conn, bound.id)?)
+                    else {
                         return Ok(());
                     };
                     let event = NewEvent {
@@ -180,6 +187,7 @@ impl Core {
         kind: OwnerKind,
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
+        bound_to: &mut Option<Bound>,
     ) -> Result<FinalizeResult, Error> {
         let _turn = self.finalizer.turns.lock(kind, &p.name).await;
         let name = p.name.clone();
@@ -191,6 +199,11 @@ impl Core {
                 Ok::<_, Error>((row, stored))
             })
             .await?;
+        let bound = Bound {
+            id: row.id,
+            uid: row.owner.uid.clone(),
+        };
+        *bound_to = Some(bound.clone());
         let records_file = self.storage.item_operations_file(kind, &p.name);
         if let Some(text) = stored {
             let stored: Stored = serde_json::from_str(&text).map_err(|e| {
@@ -214,10 +227,6 @@ impl Core {
                 phase: row.owner.phase,
             }));
         }
-        let bound = Bound {
-            id: row.id,
-            uid: row.owner.uid.clone(),
-        };
 
         let mut stored = Stored {
             contents_file: None,
@@ -330,6 +339,16 @@ impl Core {
             .run(&what, self.finalizer.deadline, move |job| {
                 let (source, stat) = confinement.open_input("contents.input", &input)?;
                 let target = confinement.output("contents.output", &output, &stat)?;
+                let named = target.path.file_name().map(|n| n.to_string_lossy());
+                if named.is_some_and(|n| crate::storage_dir::is_temp_name(&n)) {
+                    return Err(Error::Finalize(format!(
+                        "contents.output {}: named like the agent's temporary files \
+                         ({}*{}), which it removes when it starts; choose another name",
+                        output.display(),
+                        crate::storage_dir::TEMP_PREFIX,
+                        crate::storage_dir::TEMP_SUFFIX
+                    )));
+                }
                 if let Some((kind, name)) = storage.item_operations_owner(&target.path) {
                     return Err(Error::Finalize(format!(
                         "contents.output {}: the item operations file of {kind} {name}, \
