@@ -275,18 +275,19 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
 }
 
 /// A gzipped tarball with one symbolic link, written by the system tar.
-#[tokio::test]
-async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
-    let f = Fixture::new(&[]).await;
+/// Backups `names`, each with one operation done, ready to finalize; returns the
+/// storage directory, holding `in.tar.gz` (a Velero tree).
+async fn ready_to_finalize(f: &Fixture, names: &[&str]) -> PathBuf {
     let backups = f.client.backups();
-    for (name, gate) in [("first", "gate-1"), ("second", "gate-2")] {
+    for name in names {
+        let gate = format!("gate-{name}");
         opmon_tests::start_and_end_in_progress(
             &backups,
             name,
-            vec![operation(PLUGIN, gate, "a", &[])],
+            vec![operation(PLUGIN, &gate, "a", &[])],
         )
         .await;
-        f.open_gate(gate);
+        f.open_gate(&gate);
         backups
             .wait(name, WaitUntil::ReadyToFinalize, LONG)
             .await
@@ -295,8 +296,16 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
     let storage = f.agent.state_dir.join("storage");
     let tree = f.dir.path().join("tree");
     velero_tree(&tree);
+    tar_gz(&tree, &storage.join("in.tar.gz"));
+    storage
+}
+
+#[tokio::test]
+async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
+    let f = Fixture::new(&[]).await;
+    let backups = f.client.backups();
+    let storage = ready_to_finalize(&f, &["first", "second"]).await;
     let input = storage.join("in.tar.gz");
-    tar_gz(&tree, &input);
     let finalize = |name: &str, input: &str, output: &str| FinalizeParams {
         name: name.into(),
         contents: Some(Contents {
@@ -405,24 +414,7 @@ async fn concurrent_finalizes_of_backups_naming_one_output_finalize_one() {
     let f = Fixture::new(&[]).await;
     let backups = f.client.backups();
     let names = ["b0", "b1", "b2", "b3"];
-    for (i, name) in names.iter().enumerate() {
-        let gate = format!("gate-{i}");
-        opmon_tests::start_and_end_in_progress(
-            &backups,
-            name,
-            vec![operation(PLUGIN, &gate, "a", &[])],
-        )
-        .await;
-        f.open_gate(&gate);
-        backups
-            .wait(name, WaitUntil::ReadyToFinalize, LONG)
-            .await
-            .unwrap();
-    }
-    let storage = f.agent.state_dir.join("storage");
-    let tree = f.dir.path().join("tree");
-    velero_tree(&tree);
-    tar_gz(&tree, &storage.join("in.tar.gz"));
+    let storage = ready_to_finalize(&f, &names).await;
     let finalize = |name: &str, output: &str| FinalizeParams {
         name: name.into(),
         contents: Some(Contents {

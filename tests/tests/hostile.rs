@@ -260,14 +260,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
                     .unwrap();
                     let head = read_head(&mut s);
                     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-                    let length: usize = head
-                        .lines()
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().parse().unwrap())
-                        })
-                        .expect("content-length");
+                    let length = content_length(&head).expect("content-length");
                     let mut body = vec![0; length];
                     s.read_exact(&mut body).unwrap();
                     "keep-alive"
@@ -486,6 +479,24 @@ fn quiescent(pid: u32, within: Duration) {
     }
 }
 
+/// The `Content-Length` of a response head.
+fn content_length(head: &str) -> Option<usize> {
+    head.lines().find_map(|l| {
+        l.to_ascii_lowercase()
+            .strip_prefix("content-length:")
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// A connection to `socket` upgraded to WebSocket.
+fn websocket(socket: &std::path::Path) -> UnixStream {
+    let mut ws = UnixStream::connect(socket).unwrap();
+    ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
+    let head = read_head(&mut ws);
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    ws
+}
+
 /// Writes `text` as one masked WebSocket text frame (mask key 0: the payload as is).
 fn ws_send(stream: &mut UnixStream, text: &str) -> std::io::Result<()> {
     let n = text.len();
@@ -545,10 +556,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
     assert_eq!(added["result"]["added"], 600);
     let baseline = rss(pid);
 
-    let mut ws = UnixStream::connect(&agent.socket).unwrap();
-    ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
-    let head = read_head(&mut ws);
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut ws = websocket(&agent.socket);
     // The agent may stop reading this connection: send from a thread of its own.
     let mut writer = ws.try_clone().unwrap();
     let sender = std::thread::spawn(move || {
@@ -631,11 +639,8 @@ fn batches_of_notifications_only_over_websocket_hold_no_call_places() {
     .to_string();
     let mut connections: Vec<UnixStream> = (0..2)
         .map(|_| {
-            let mut ws = UnixStream::connect(&agent.socket).unwrap();
+            let mut ws = websocket(&agent.socket);
             ws.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-            ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
-            let head = read_head(&mut ws);
-            assert!(head.starts_with("HTTP/1.1 101"), "{head}");
             for _ in 0..BATCHES {
                 ws_send(&mut ws, &batch).unwrap();
             }
@@ -737,14 +742,8 @@ fn post_whole_then_read(socket: &std::path::Path, framing: &str, body: &[u8]) ->
     s.write_all(body)
         .unwrap_or_else(|e| panic!("{framing}: the agent stopped reading the body: {e}"));
     let head = read_head(&mut s);
-    let length: usize = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("content-length:")
-                .map(|v| v.trim().parse().unwrap())
-        })
-        .unwrap_or_else(|| panic!("{framing}: no content-length in {head}"));
+    let length =
+        content_length(&head).unwrap_or_else(|| panic!("{framing}: no content-length in {head}"));
     let mut answer = vec![0; length];
     s.read_exact(&mut answer).unwrap();
     let value = serde_json::from_slice(&answer)
@@ -834,10 +833,7 @@ fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
     let pid = agent_pid(&agent);
     let baseline = open_sockets(pid);
     let hostile = |calls: usize| {
-        let mut ws = UnixStream::connect(&agent.socket).unwrap();
-        ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
-        let head = read_head(&mut ws);
-        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let ws = websocket(&agent.socket);
         let mut writer = ws.try_clone().unwrap();
         // The agent may stop reading: send from a thread of its own. Answers of 70 KB
         // (`rpc.discover`) fill the socket, so the agent's writes wait for the peer.

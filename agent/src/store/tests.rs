@@ -213,6 +213,26 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     check_progress_after_migration_11(conn, from);
 }
 
+/// An operation of `example.io/copier` on pod `ns/item`, with operation ID `id`.
+fn copier_op(item: &str, id: &str) -> opmon_client::NewOperation {
+    use opmon_client::{NewOperation, PluginKind, PluginRef, ResourceIdentifier};
+    NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::BackupItemAction,
+            name: "example.io/copier".into(),
+        },
+        resource: ResourceIdentifier {
+            group: String::new(),
+            resource: "pods".into(),
+            namespace: "ns".into(),
+            name: item.into(),
+        },
+        operation_id: id.into(),
+        post_operation_items: Vec::new(),
+        created: None,
+    }
+}
+
 /// What migration 11 must leave: the progress columns moved to `operation_progress`,
 /// one row per operation with its phase (a new operation gets its row, a phase change
 /// is copied by the trigger).
@@ -269,22 +289,7 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
     assert_eq!(progress, (5, 10), "from version {from}");
     conn.execute("UPDATE operations SET phase = 'Failed' WHERE id = 2", [])
         .unwrap();
-    use opmon_client::{NewOperation, PluginKind, PluginRef, ResourceIdentifier};
-    let op = NewOperation {
-        plugin: PluginRef {
-            kind: PluginKind::BackupItemAction,
-            name: "example.io/copier".into(),
-        },
-        resource: ResourceIdentifier {
-            group: String::new(),
-            resource: "pods".into(),
-            namespace: "ns".into(),
-            name: "q".into(),
-        },
-        operation_id: "op-4".into(),
-        post_operation_items: Vec::new(),
-        created: None,
-    };
+    let op = copier_op("q", "op-4");
     assert_eq!(
         queries::insert_operations(conn, 1, &[op], UnixMs(1))
             .unwrap()
@@ -512,31 +517,17 @@ fn stored_counts(conn: &Connection) -> Vec<(i64, u64, u64, u64)> {
 #[test]
 fn owner_counts_follow_every_insert_phase_change_failure_and_delete() {
     use crate::phase::OperationState;
-    use opmon_client::{NewOperation, OperationPhase, PluginKind, PluginRef, ResourceIdentifier};
+    use opmon_client::OperationPhase;
 
     let (_dir, db) = temp_db();
     drop(Store::open(&db, |_, _| {}).unwrap());
     let conn = Connection::open(&db).unwrap();
     conn.execute_batch("PRAGMA foreign_keys = ON").unwrap();
-    let op = |id: &str| NewOperation {
-        plugin: PluginRef {
-            kind: PluginKind::BackupItemAction,
-            name: "example.io/copier".into(),
-        },
-        resource: ResourceIdentifier {
-            group: String::new(),
-            resource: "pods".into(),
-            namespace: "ns".into(),
-            name: id.into(),
-        },
-        operation_id: id.into(),
-        post_operation_items: Vec::new(),
-        created: None,
-    };
+    let op = |id: &str| copier_op(id, id);
     let timeout = GoDuration::from_millis(60_000);
     let a = queries::insert_owner(&conn, &backup("a", timeout), UnixMs(1)).unwrap();
     let b = queries::insert_owner(&conn, &backup("b", timeout), UnixMs(1)).unwrap();
-    let ops: Vec<NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
+    let ops: Vec<opmon_client::NewOperation> = (0..6).map(|i| op(&format!("op-{i}"))).collect();
     let rows = queries::insert_operations(&conn, a, &ops, UnixMs(1)).unwrap();
     // Already known: ignored, not counted twice.
     assert!(queries::insert_operations(&conn, a, &ops[..2], UnixMs(1))
@@ -966,25 +957,9 @@ async fn status_counts_follow_every_commit_whatever_wrote_it() {
 
 #[tokio::test]
 async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts() {
-    use opmon_client::{NewOperation, PluginKind, PluginRef, ResourceIdentifier};
-
     let (_dir, db) = temp_db();
     let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
-    let op = NewOperation {
-        plugin: PluginRef {
-            kind: PluginKind::BackupItemAction,
-            name: "example.io/copier".into(),
-        },
-        resource: ResourceIdentifier {
-            group: String::new(),
-            resource: "pods".into(),
-            namespace: "ns".into(),
-            name: "p".into(),
-        },
-        operation_id: "op-1".into(),
-        post_operation_items: Vec::new(),
-        created: None,
-    };
+    let op = copier_op("p", "op-1");
     store
         .write(move |conn| {
             let owner =
