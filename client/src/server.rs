@@ -497,8 +497,9 @@ where
 /// `due` counts the bytes handed over, `written` those the socket took. Responses and
 /// notifications are written in the order they are handed over, so a response is out
 /// once `written` reaches the `due` it was given; what it holds (an HTTP request's place
-/// among the calls in flight, a WebSocket call's slot) is given back then. Headers and frames count as written but not as handed over, which
-/// only ever errs towards giving back early.
+/// among the calls in flight, a WebSocket call's slot) is given back then. Headers and
+/// frames count as written but not as handed over, which only ever errs towards giving
+/// back early.
 pub struct Outbox {
     state: Mutex<OutboxState>,
     /// Notified whenever bytes are written.
