@@ -825,10 +825,25 @@ where
                     }
                 }
             }
+            // A batch of calls that mostly wait (and notifications, never run) takes no
+            // place, as each of those calls alone would not.
+            let metered = requests.iter().any(|entry| {
+                matches!(entry, Ok(BatchEntry::Call(call))
+                    if !rules.unmetered.contains(call.method_name()))
+            });
+            if !metered && transport == Some(Transport::Http) {
+                if let Some(place) = requests.extensions().get::<Place>() {
+                    drop(place.take());
+                }
+            }
             match (transport, outbox) {
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     let slot = outbox.slot().await;
-                    let place = rules.places.clone().acquire_owned().await.ok();
+                    let place = if metered {
+                        rules.places.clone().acquire_owned().await.ok()
+                    } else {
+                        None
+                    };
                     let response = marked(inner.batch(requests).await);
                     drop(place);
                     // Nothing is written for a batch of notifications only: its slot is

@@ -887,3 +887,39 @@ fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
     drop(stays);
     stays_sender.join().unwrap();
 }
+
+/// A batch of calls that mostly wait takes no place among the calls in flight, as each
+/// of them alone would not: 40 batches of one `backup.wait`, over HTTP and over
+/// WebSocket, leave room for everyone else (before, each batch took a place for as long
+/// as its wait ran, and 32 of them stopped every other call).
+#[test]
+fn batches_of_waits_take_no_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b1", "uid": "u1"})));
+    let batch = json!([{"jsonrpc": "2.0", "id": 1, "method": "backup.wait",
+                        "params": {"name": "b1", "until": "terminal", "timeout": "120s"}}])
+    .to_string();
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        let mut s = UnixStream::connect(&agent.socket).unwrap();
+        write!(
+            s,
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{batch}",
+            batch.len()
+        )
+        .unwrap();
+        held.push(s);
+        let mut ws = websocket(&agent.socket);
+        ws_send(&mut ws, &batch).unwrap();
+        held.push(ws);
+    }
+    // RawHttp gives up after 60 s; the waits run for 120 s.
+    for _ in 0..3 {
+        let status = http.call(&request("agent.status", json!({})));
+        assert!(status["result"]["version"].is_string(), "{status}");
+    }
+    drop(held);
+}
