@@ -16,12 +16,17 @@
 //! What a peer can make the server hold is bounded, whether or not it reads what it is
 //! sent ([`ServeConfig`] has the numbers):
 //! - at most `max_calls_in_flight` calls run at once, over all connections; methods that
-//!   mostly wait (listed in `unmetered_methods`) take no place. An HTTP request waits
-//!   for its place before its body is read and keeps it until its response has been
-//!   written; a WebSocket call first waits for one of its connection's
-//!   `max_calls_per_connection` slots, which it keeps until its response has been
-//!   written, and gives its place back once the response is made, so a peer that reads
-//!   none of its answers holds its own slots and no one else's places;
+//!   mostly wait (listed in `unmetered_methods`) take no place. A place is held while a
+//!   call runs, not while its answer waits for its reader, so a peer that reads none of
+//!   its answers holds no one else's places. An HTTP request waits for its place before
+//!   its body is read and gives it back once its response is made (hyper reads no
+//!   further request of the connection until that response is written); a WebSocket
+//!   call first waits for one of its connection's `max_calls_per_connection` slots,
+//!   which it keeps until its response has been written;
+//! - a batch runs its calls one after another, each as it would alone (over WebSocket
+//!   it holds as many slots as it has calls, up to all of them), lets other tasks run
+//!   between them, and stops with an error once its answer would pass
+//!   `max_batch_response_bytes`;
 //! - each connection has an [`Outbox`]: the bytes handed to it and not yet written.
 //!   Subscriptions send only while it holds less than `max_queued_bytes`, and a
 //!   WebSocket connection is not read further while it is that full or has no slot
@@ -58,8 +63,8 @@ use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
 use jsonrpsee::server::{
-    serve_with_graceful_shutdown, stop_channel, HttpBody, HttpResponse, MethodCallback,
-    MethodResponse, Methods, ServerConfig,
+    serve_with_graceful_shutdown, stop_channel, BatchResponseBuilder, HttpBody, HttpResponse,
+    MethodCallback, MethodResponse, Methods, ServerConfig,
 };
 use jsonrpsee::types::{ErrorObject, ErrorObjectOwned, Request};
 use tokio::net::{UnixListener, UnixStream};
@@ -107,8 +112,8 @@ pub struct ServeConfig {
     pub metrics: Option<MetricsPage>,
     /// A connection whose peer sends nothing for this long is closed.
     pub idle_timeout: Option<Duration>,
-    /// Calls running at once, over all connections (an HTTP request's until its
-    /// response is written).
+    /// Calls running at once, over all connections (an HTTP request's from before its
+    /// body is read until its response is made).
     pub max_calls_in_flight: usize,
     /// Methods that mostly wait (for a change, another process, a file) holding little
     /// memory: they do not count against `max_calls_in_flight`.
@@ -122,6 +127,10 @@ pub struct ServeConfig {
     /// A connection whose peer takes none of the bytes waiting for it for this long is
     /// closed (WebSocket too: the stream itself fails).
     pub write_stall_timeout: Option<Duration>,
+    /// Largest answer to a batch, in bytes: a batch whose answer would grow past it is
+    /// answered with an error (-32011) and its remaining calls are not run. The agent
+    /// reads at most 16 MiB of a snapshotter's answer, so a batch needs no more.
+    pub max_batch_response_bytes: u32,
 }
 
 impl Default for ServeConfig {
@@ -137,6 +146,7 @@ impl Default for ServeConfig {
             max_queued_bytes: 16 * 1024 * 1024,
             max_calls_per_connection: 16,
             write_stall_timeout: Some(Duration::from_secs(30)),
+            max_batch_response_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -486,8 +496,11 @@ where
         *response.body_mut() = HttpBody::empty();
         response.headers_mut().remove(hyper::header::CONTENT_TYPE);
     }
+    // The place bounds work, not answers waiting for their reader: hyper reads no
+    // further request of this connection until this response has been written.
+    drop(place.take());
     let length = response.body().size_hint().exact().unwrap_or(0) as usize;
-    outbox.respond(length, place.take());
+    outbox.respond(length, None);
     Ok(response)
 }
 
@@ -496,8 +509,8 @@ where
 ///
 /// `due` counts the bytes handed over, `written` those the socket took. Responses and
 /// notifications are written in the order they are handed over, so a response is out
-/// once `written` reaches the `due` it was given; what it holds (an HTTP request's place
-/// among the calls in flight, a WebSocket call's slot) is given back then. Headers and
+/// once `written` reaches the `due` it was given; what it holds (a WebSocket call's or
+/// batch's slots) is given back then. Headers and
 /// frames count as written but not as handed over, which only ever errs towards giving
 /// back early.
 pub struct Outbox {
@@ -511,13 +524,15 @@ pub struct Outbox {
     /// The connection's WebSocket calls unanswered or not yet written, at most
     /// `max_calls_per_connection`.
     slots: Arc<Semaphore>,
+    /// The number of `slots`.
+    max_slots: usize,
 }
 
 #[derive(Default)]
 struct OutboxState {
     due: u64,
     written: u64,
-    /// Per response not yet written: its `due`, and its place or slot.
+    /// Per response not yet written: its `due`, and its slots.
     pending: VecDeque<(u64, Held)>,
     /// The connection's reader, waiting for room.
     reader: Option<Waker>,
@@ -528,8 +543,8 @@ struct OutboxState {
     failed: bool,
 }
 
-/// What a response holds until it is written: an HTTP request's place among the calls
-/// in flight, or a WebSocket call's slot among its connection's.
+/// What a response holds until it is written: a WebSocket call's or batch's slots among
+/// its connection's.
 type Held = Option<OwnedSemaphorePermit>;
 
 impl OutboxState {
@@ -554,6 +569,7 @@ impl Outbox {
             turn: tokio::sync::Mutex::new(()),
             limit,
             slots: Arc::new(Semaphore::new(max_calls.max(1))),
+            max_slots: max_calls.max(1),
         }
     }
 
@@ -587,10 +603,11 @@ impl Outbox {
         self.lock().hand_over(bytes);
     }
 
-    /// Waits for one of the connection's slots for a WebSocket call (`None` once the
-    /// connection is gone).
-    async fn slot(&self) -> Held {
-        self.slots.clone().acquire_owned().await.ok()
+    /// Waits for `n` of the connection's slots (at least one, at most all of them) for
+    /// a WebSocket call or batch of `n` calls (`None` once the connection is gone).
+    async fn slots(&self, n: usize) -> Held {
+        let n = n.clamp(1, self.max_slots);
+        self.slots.clone().acquire_many_owned(n as u32).await.ok()
     }
 
     /// Whether the connection may be read: little enough waits to be written and a
@@ -722,9 +739,26 @@ struct Rules {
     methods: Methods,
     places: Arc<Semaphore>,
     unmetered: HashSet<String>,
+    /// The most bytes of a batch's answer (`max_batch_response_bytes`).
+    max_batch_response: usize,
 }
 
 impl Rules {
+    /// Runs `request` on `inner`, holding a place among the calls in flight while it
+    /// runs if it is `metered`: the place bounds work, not answers waiting for their
+    /// reader.
+    async fn placed<S>(&self, inner: &S, request: Request<'_>, metered: bool) -> MethodResponse
+    where
+        S: RpcServiceT<MethodResponse = MethodResponse>,
+    {
+        let _place = if metered {
+            self.places.clone().acquire_owned().await.ok()
+        } else {
+            None
+        };
+        inner.call(request).await
+    }
+
     /// The error for calling `method` by `transport`, if it cannot be called so.
     fn refusal(&self, method: &str, transport: Option<Transport>) -> Option<ErrorObjectOwned> {
         let code = jsonrpsee::types::error::METHOD_NOT_FOUND_CODE;
@@ -792,15 +826,8 @@ where
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     // Frames already read wait here for their connection's slot, not
                     // among everyone's calls for a place.
-                    let slot = outbox.slot().await;
-                    let place = if metered {
-                        rules.places.clone().acquire_owned().await.ok()
-                    } else {
-                        None
-                    };
-                    let response = inner.call(request).await;
-                    // The place bounds work, not answers waiting for their reader.
-                    drop(place);
+                    let slot = outbox.slots(1).await;
+                    let response = rules.placed(&inner, request, metered).await;
                     outbox.respond(response.as_json().get().len(), slot);
                     response
                 }
@@ -809,6 +836,13 @@ where
         }
     }
 
+    /// A batch runs its calls one after another, as the calls alone would: over
+    /// WebSocket each metered call takes a place for as long as it runs, and the batch
+    /// holds as many of its connection's slots as it has calls (up to all of them)
+    /// until its answer is written; over HTTP the request's place serves them all. It
+    /// lets other tasks run between its calls, and its answer stops growing at
+    /// `max_batch_response_bytes`: past that the batch is answered with an error and
+    /// its remaining calls are not run.
     fn batch<'a>(
         &self,
         mut requests: Batch<'a>,
@@ -825,6 +859,10 @@ where
                     }
                 }
             }
+            let calls = requests
+                .iter()
+                .filter(|entry| matches!(entry, Ok(BatchEntry::Call(_))))
+                .count();
             // A batch of calls that mostly wait (and notifications, never run) takes no
             // place, as each of those calls alone would not.
             let metered = requests.iter().any(|entry| {
@@ -836,28 +874,71 @@ where
                     drop(place.take());
                 }
             }
-            match (transport, outbox) {
+            let websocket = match (transport, outbox) {
                 (Some(Transport::WebSocket), Some(outbox)) => {
-                    let slot = outbox.slot().await;
-                    let place = if metered {
-                        rules.places.clone().acquire_owned().await.ok()
-                    } else {
-                        None
-                    };
-                    let response = marked(inner.batch(requests).await);
-                    drop(place);
-                    // Nothing is written for a batch of notifications only: its slot is
-                    // given back now, not when bytes that never come are written.
-                    let bytes = if response.is_notification() {
-                        0
-                    } else {
-                        response.as_json().get().len()
-                    };
-                    outbox.respond(bytes, slot);
-                    response
+                    let slots = outbox.slots(calls).await;
+                    Some((outbox, slots))
                 }
-                _ => marked(inner.batch(requests).await),
+                _ => None,
+            };
+            let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
+            let mut notified = false;
+            let mut stopped = None;
+            let mut run = 0;
+            for entry in requests {
+                let response = match entry {
+                    Ok(BatchEntry::Call(call)) => {
+                        let metered = !rules.unmetered.contains(call.method_name());
+                        // Over HTTP the request's place is the batch's.
+                        let metered = metered && websocket.is_some();
+                        rules.placed(&inner, call, metered).await
+                    }
+                    Ok(BatchEntry::Notification(n)) => {
+                        notified = true;
+                        inner.notification(n).await;
+                        continue;
+                    }
+                    Err(e) => {
+                        let (e, id) = e.into_parts();
+                        MethodResponse::error(id, e)
+                    }
+                };
+                if answer.append(response).is_err() {
+                    stopped = Some(MethodResponse::error(
+                        jsonrpsee::types::Id::Null,
+                        ErrorObject::owned(
+                            jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
+                            format!(
+                                "the answer to this batch grew past {} bytes after {run} of \
+                                 its {calls} calls, so the rest were not run; send fewer \
+                                 calls in a batch",
+                                rules.max_batch_response
+                            ),
+                            None::<()>,
+                        ),
+                    ));
+                    break;
+                }
+                run += 1;
+                tokio::task::coop::consume_budget().await;
             }
+            let response = match stopped {
+                Some(refused) => refused,
+                None if answer.is_empty() && notified => MethodResponse::notification(),
+                None => MethodResponse::from_batch(answer.finish()),
+            };
+            let response = marked(response);
+            if let Some((outbox, slots)) = websocket {
+                // Nothing is written for a batch of notifications only: its slots are
+                // given back now, not when bytes that never come are written.
+                let bytes = if response.is_notification() {
+                    0
+                } else {
+                    response.as_json().get().len()
+                };
+                outbox.respond(bytes, slots);
+            }
+            response
         }
     }
 
@@ -915,6 +996,8 @@ struct Watched<S> {
     stall_timeout: Option<Duration>,
     /// Runs while a write waits for the peer; reset by any write that goes through.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes in the socket that the peer had not read when `stall` was last set.
+    unread_at_stall: Option<u32>,
 }
 
 impl<S> Watched<S> {
@@ -935,6 +1018,7 @@ impl<S> Watched<S> {
                 websocket: Arc::new(std::sync::atomic::AtomicBool::new(false)),
                 stall_timeout,
                 stall: None,
+                unread_at_stall: None,
             },
             activity,
         )
@@ -969,7 +1053,34 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
     }
 }
 
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
+nix::ioctl_read_bad!(socket_unread, nix::libc::TIOCOUTQ, nix::libc::c_int);
+
+/// Bytes written to the socket `fd` that its peer has not read yet (`SIOCOUTQ`: for a
+/// Unix socket, what its peer's receive queue holds of them).
+fn unread_bytes(fd: &impl std::os::fd::AsRawFd) -> Option<u32> {
+    let mut unread: nix::libc::c_int = 0;
+    // SAFETY: TIOCOUTQ writes one c_int to the pointer, which points at `unread`.
+    unsafe { socket_unread(fd.as_raw_fd(), &mut unread) }.ok()?;
+    u32::try_from(unread).ok()
+}
+
+impl<S> Watched<S>
+where
+    S: std::os::fd::AsRawFd,
+{
+    /// Whether the peer read some of what waits in the socket since the stall timer was
+    /// set: the kernel wakes a blocked writer only once much of the socket's buffer has
+    /// drained, so a peer reading slowly but steadily can leave a write waiting longer
+    /// than the stall timeout. If so, the timer starts again from now.
+    fn peer_read_since_stall(&mut self) -> bool {
+        let now = unread_bytes(&self.inner);
+        let read = matches!((self.unread_at_stall, now), (Some(before), Some(now)) if now < before);
+        self.unread_at_stall = now;
+        read
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + std::os::fd::AsRawFd + Unpin> tokio::io::AsyncWrite for Watched<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -981,10 +1092,21 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<S> {
         match &polled {
             Poll::Pending => {
                 if let Some(timeout) = self.stall_timeout {
-                    let stall = self
+                    if self.stall.is_none() {
+                        self.stall = Some(Box::pin(tokio::time::sleep(timeout)));
+                        self.unread_at_stall = unread_bytes(&self.inner);
+                    }
+                    let mut stalled = self
                         .stall
-                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-                    if stall.as_mut().poll(cx).is_ready() {
+                        .as_mut()
+                        .is_some_and(|stall| stall.as_mut().poll(cx).is_ready());
+                    if stalled && self.peer_read_since_stall() {
+                        if let Some(stall) = self.stall.as_mut() {
+                            stall.as_mut().reset(tokio::time::Instant::now() + timeout);
+                            stalled = stall.as_mut().poll(cx).is_ready();
+                        }
+                    }
+                    if stalled {
                         tracing::debug!("closed a connection whose peer stopped reading");
                         self.outbox.fail();
                         return Poll::Ready(Err(io::Error::new(
@@ -1065,6 +1187,7 @@ pub async fn serve<L>(
         methods: methods.clone(),
         places: places.clone(),
         unmetered: config.unmetered_methods.iter().cloned().collect(),
+        max_batch_response: config.max_batch_response_bytes as usize,
     });
     let guarded = rpc_middleware.layer_fn(move |inner| Guard {
         inner,
@@ -1237,4 +1360,80 @@ async fn answer_refused(stream: UnixStream, refusal: Refusal) {
         .max_buf_size(8192)
         .serve_connection(io, service)
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWrite;
+
+    /// One `poll_write` of `data`, without waiting.
+    async fn write_once(watched: &mut Watched<UnixStream>, data: &[u8]) -> Poll<io::Result<usize>> {
+        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *watched).poll_write(cx, data))).await
+    }
+
+    /// Writes 4 KiB at a time until a write waits for the peer; the bytes written.
+    async fn fill(watched: &mut Watched<UnixStream>) -> usize {
+        // Until the runtime has seen the socket writable, a write waits without trying.
+        watched.inner.writable().await.expect("a writable socket");
+        let chunk = [0u8; 4096];
+        let mut written = 0;
+        while let Poll::Ready(result) = write_once(watched, &chunk).await {
+            written += result.expect("writing to a peer that is there");
+        }
+        written
+    }
+
+    /// Reads up to `n` bytes the peer has waiting, without waiting.
+    fn peer_reads(mut peer: &std::os::unix::net::UnixStream, n: usize) -> usize {
+        use std::io::Read;
+        let mut buf = vec![0u8; n];
+        let mut read = 0;
+        while read < n {
+            match peer.read(&mut buf[read..]) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => read += k,
+            }
+        }
+        read
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_reads_slowly_is_not_taken_for_one_that_stopped() {
+        let stall = Duration::from_secs(30);
+        let (ours, peer) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        ours.set_nonblocking(true).expect("O_NONBLOCK");
+        peer.set_nonblocking(true).expect("O_NONBLOCK");
+        let ours = UnixStream::from_std(ours).expect("a tokio stream");
+        let outbox = Arc::new(Outbox::new(1 << 20, 16));
+        let (mut watched, _) = Watched::new(ours, outbox.clone(), Some(stall));
+        let written = fill(&mut watched).await;
+        // What the socket charges for them: their buffers' sizes, not only the data.
+        let waiting = unread_bytes(&watched.inner).expect("SIOCOUTQ on a Unix socket");
+        assert!(
+            waiting as usize >= written,
+            "{waiting} bytes unread of {written} written"
+        );
+
+        // The peer takes a little, far from enough for the kernel to wake the writer, in
+        // each stall period: the connection stays.
+        for period in 0..3 {
+            assert_eq!(peer_reads(&peer, 8192), 8192, "period {period}");
+            tokio::time::advance(stall + Duration::from_secs(1)).await;
+            assert!(
+                write_once(&mut watched, &[0u8; 4096]).await.is_pending(),
+                "period {period}: a write went through or failed"
+            );
+            assert!(!outbox.failed(), "period {period}: taken for a stall");
+        }
+
+        // Then it reads nothing for a whole period: the write fails, and so does the
+        // connection.
+        tokio::time::advance(stall + Duration::from_secs(1)).await;
+        match write_once(&mut watched, &[0u8; 4096]).await {
+            Poll::Ready(Err(e)) => assert_eq!(e.kind(), io::ErrorKind::TimedOut),
+            other => panic!("after a period with nothing read: {other:?}"),
+        }
+        assert!(outbox.failed());
+    }
 }

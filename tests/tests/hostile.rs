@@ -923,3 +923,105 @@ fn batches_of_waits_take_no_place() {
     }
     drop(held);
 }
+
+/// A batch of 1,000 `rpc.discover` (70 KB answers each).
+fn discover_batch() -> String {
+    let calls: Vec<Value> = (0..1000)
+        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
+        .collect();
+    Value::Array(calls).to_string()
+}
+
+/// The refusal of a batch whose answer would pass the bound (16 MiB): code -32011, and
+/// a message that says what to do.
+fn assert_batch_refused(answer: &Value) {
+    assert_eq!(answer["error"]["code"], -32011, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("the answer to this batch grew past 16777216 bytes after ")
+            && message.ends_with(
+                "of its 1000 calls, so the rest were not run; send fewer calls in a batch"
+            ),
+        "{message}"
+    );
+}
+
+/// Batches are bounded by their answer and run their calls as the calls alone would:
+/// one WebSocket connection that sends 16 batches of 1,000 `rpc.discover` and reads
+/// nothing leaves room for everyone else and holds far less than the 70 MB each answer
+/// would be (before, every batch built its whole answer at once while holding one
+/// place, and `agent.status` went unanswered for minutes while the agent grew past a
+/// gigabyte).
+#[test]
+fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let batch = discover_batch();
+
+    let mut http = RawHttp::connect(&agent.socket);
+    assert_batch_refused(&http.call(&batch));
+
+    let mut ws = websocket(&agent.socket);
+    let mut writer = ws.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        for _ in 0..16 {
+            if ws_send(&mut writer, &batch).is_err() {
+                return;
+            }
+        }
+    });
+    for _ in 0..3 {
+        // RawHttp gives up after 60 s.
+        let status = http.call(&request("agent.status", json!({})));
+        assert!(status["result"]["version"].is_string(), "{status}");
+    }
+    for i in 0..16 {
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+            .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
+        assert_batch_refused(&answer);
+    }
+    sender.join().unwrap();
+    let peak = status_bytes(pid, "VmHWM:");
+    assert!(
+        peak < 256 << 20,
+        "the agent's peak RSS reached {} MiB",
+        peak >> 20
+    );
+}
+
+/// An HTTP connection's place among the calls in flight is given back once its response
+/// is made, not when its reader takes it: 40 connections that pipeline `rpc.discover`
+/// and read nothing stop no one else, while they are still open (before, each held a
+/// place until its 30 s write stall closed it).
+#[test]
+fn http_peers_that_read_none_of_their_answers_hold_no_places() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let baseline = open_sockets(pid);
+    let call = request("rpc.discover", json!({}));
+    let one = format!(
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{call}",
+        call.len()
+    );
+    let pipelined = one.repeat(100);
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        let mut s = UnixStream::connect(&agent.socket).unwrap();
+        s.write_all(pipelined.as_bytes()).unwrap();
+        held.push(s);
+    }
+    let mut http = RawHttp::connect(&agent.socket);
+    for _ in 0..3 {
+        let status = http.call(&request("agent.status", json!({})));
+        assert!(status["result"]["version"].is_string(), "{status}");
+    }
+    assert_eq!(
+        open_sockets(pid),
+        baseline + 41,
+        "the 40 that read nothing were still open when agent.status answered"
+    );
+    drop(held);
+}

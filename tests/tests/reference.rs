@@ -91,6 +91,7 @@ fn the_error_table_lists_exactly_the_codes_answered() {
         jsonrpsee::types::error::INTERNAL_ERROR_CODE,
         jsonrpsee::types::error::TOO_MANY_SUBSCRIPTIONS_CODE,
         jsonrpsee::types::error::OVERSIZED_RESPONSE_CODE,
+        jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
     ] {
         assert!(
             answered.contains(&code),
