@@ -64,7 +64,8 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
                     &reason[..i],
                     fields_of::<T>()
                 )),
-                None => Error::InvalidParams(reason),
+                // A missing field, bad syntax: said of the params, like any other.
+                None => Error::InvalidParams(format!("params: {reason}")),
             }
         } else {
             Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))

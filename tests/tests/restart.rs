@@ -274,7 +274,10 @@ async fn server_started_names_the_bad_field() {
     };
     let e = call(serde_json::json!({"name": "velero/velero"})).await;
     assert_eq!(e.code(), Some(codes::INVALID_PARAMS));
-    assert_eq!(e.to_string(), "missing field `instance` (code -32602)");
+    assert_eq!(
+        e.to_string(),
+        "params: missing field `instance` (code -32602)"
+    );
     let e = call(serde_json::json!({"name": "velero/velero", "instance": ""})).await;
     assert_eq!(
         e.to_string(),
