@@ -358,7 +358,8 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
             "the item operations file of backup second, which the agent writes",
         ),
         (
-            finalize("second", "in.tar.gz", "out/first.tar.gz"),
+            // Refused before the input is read: its corruption is never reached.
+            finalize("second", "corrupt.tar.gz", "out/first.tar.gz"),
             "out/first.tar.gz: the finalized output of backup first; choose another path",
         ),
         (

@@ -236,28 +236,18 @@ impl Core {
         let mut _output = None;
         if let Some(contents) = &p.contents {
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
-            let (temp, outcome) = self.rewrite(contents, updates).await?;
+            let (source, target) = self.resolve(contents).await?;
+            // Refused before the input is read if another owner's result already names
+            // it; checked again below, under the output's lock, for one finalized
+            // meanwhile.
+            self.check_output(kind, &p.name, &bound, &target.path, &contents.output)
+                .await?;
+            let (temp, outcome) = self.rewrite(contents, source, target, updates).await?;
             let claim = self.finalizer.outputs.lock_key(temp.path().to_path_buf());
             _output = Some(claim.await);
             // Still the owner this started for? Otherwise the output never appears. Nor
             // does it over another owner's finalized output.
-            let name = p.name.clone();
-            let check = bound.clone();
-            let path = temp.path().to_path_buf();
-            let given = contents.output.clone();
-            self.store
-                .read(move |conn| {
-                    let row = queries::owner_by_name(conn, kind, &name)?;
-                    check.check(kind, &name, row)?;
-                    match queries::owner_with_contents_file(conn, &path, check.id)? {
-                        None => Ok(()),
-                        Some((other_kind, other)) => Err(Error::Finalize(format!(
-                            "contents.output {}: the finalized output of {other_kind} {other}; \
-                             choose another path",
-                            given.display()
-                        ))),
-                    }
-                })
+            self.check_output(kind, &p.name, &bound, temp.path(), &contents.output)
                 .await?;
             let shown = temp.path().display().to_string();
             let output = self
@@ -324,19 +314,49 @@ impl Core {
 
     /// Rewrites `contents.input` into a temporary file beside `contents.output`, on the
     /// file-work pool; the caller renames it into place.
-    async fn rewrite(
+    /// Whether `bound` is still the owner `name`, and `path` is no other owner's
+    /// finalized output.
+    async fn check_output(
+        &self,
+        kind: OwnerKind,
+        name: &str,
+        bound: &Bound,
+        path: &std::path::Path,
+        given: &std::path::Path,
+    ) -> Result<(), Error> {
+        let name = name.to_string();
+        let check = bound.clone();
+        let path = path.to_path_buf();
+        let given = given.to_path_buf();
+        self.store
+            .read(move |conn| {
+                let row = queries::owner_by_name(conn, kind, &name)?;
+                check.check(kind, &name, row)?;
+                match queries::owner_with_contents_file(conn, &path, check.id)? {
+                    None => Ok(()),
+                    Some((other_kind, other)) => Err(Error::Finalize(format!(
+                        "contents.output {}: the finalized output of {other_kind} {other}; \
+                         choose another path",
+                        given.display()
+                    ))),
+                }
+            })
+            .await
+    }
+
+    /// Opens `contents.input` and finds where `contents.output` goes, refusing outputs
+    /// the agent's own files or temporary names would clash with.
+    async fn resolve(
         &self,
         contents: &opmon_client::Contents,
-        updates: Updates,
-    ) -> Result<(crate::confine::TempOutput, tarball::Outcome), Error> {
+    ) -> Result<(std::fs::File, crate::confine::OutputTarget), Error> {
         let confinement = self.finalizer.confinement.clone();
         let storage = self.storage.clone();
         let (input, output) = (contents.input.clone(), contents.output.clone());
-        let limit = self.settings.max_decompressed_size;
-        let what = format!("the rewrite of {}", input.display());
+        let what = format!("opening {}", input.display());
         self.finalizer
             .pool
-            .run(&what, self.finalizer.deadline, move |job| {
+            .run(&what, self.finalizer.deadline, move |_| {
                 let (source, stat) = confinement.open_input("contents.input", &input)?;
                 let target = confinement.output("contents.output", &output, &stat)?;
                 let named = target.path.file_name().map(|n| n.to_string_lossy());
@@ -356,6 +376,24 @@ impl Core {
                         output.display()
                     )));
                 }
+                Ok((source, target))
+            })
+            .await
+    }
+
+    async fn rewrite(
+        &self,
+        contents: &opmon_client::Contents,
+        source: std::fs::File,
+        target: crate::confine::OutputTarget,
+        updates: Updates,
+    ) -> Result<(crate::confine::TempOutput, tarball::Outcome), Error> {
+        let (input, output) = (contents.input.clone(), contents.output.clone());
+        let limit = self.settings.max_decompressed_size;
+        let what = format!("the rewrite of {}", input.display());
+        self.finalizer
+            .pool
+            .run(&what, self.finalizer.deadline, move |job| {
                 let mut temp = target.create_temp().map_err(|e| {
                     Error::Finalize(format!(
                         "contents.output {}: creating a temporary file beside it: {e}",
