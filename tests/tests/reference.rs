@@ -200,6 +200,10 @@ fn the_limits_are_the_codes_constants() {
         ),
         ("calls in flight", format!("{}", serve.max_calls_in_flight)),
         (
+            "batch answer",
+            format!("{} bytes", serve.max_batch_response_bytes),
+        ),
+        (
             "unanswered calls per connection",
             format!("{}", serve.max_calls_per_connection),
         ),
