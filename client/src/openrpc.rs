@@ -89,7 +89,7 @@ mod generate {
         };
         vec![
             e(codes::PARSE_ERROR, "ParseError", "Parse error", "the body is not JSON"),
-            e(codes::INVALID_REQUEST, "InvalidRequest", "Invalid request", "not a JSON-RPC 2.0 request; also a POST whose Content-Type is not JSON or a form (HTTP 415)"),
+            e(codes::INVALID_REQUEST, "InvalidRequest", "Invalid request", "not a JSON-RPC 2.0 request; also a POST whose Content-Type is not JSON or a form (HTTP 415), and a subscription called in a batch"),
             e(codes::METHOD_NOT_FOUND, "MethodNotFound", "Method not found", "no such method; also a `*.subscribe` called over plain HTTP (it needs a WebSocket)"),
             e(codes::INVALID_PARAMS, "InvalidParams", "Invalid params", "the params are wrong; the message starts with the offending field's path (`operations[3].resource.name: ...`)"),
             e(REFUSED, "Refused", "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections they may (HTTP 429)"),
@@ -324,8 +324,8 @@ mod generate {
                 ),
                 OwnerMethod::Subscribe => (
                     format!("WebSocket only: a notification `{}` per change of the {kind} until it is terminal.", OwnerMethod::Changed.name(kind)),
-                    Some("The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601. A deleted owner ends the subscription with an error notification. See x-notification."),
-                    &[IP, NF, SF, codes::METHOD_NOT_FOUND, TOO_MANY_SUBSCRIPTIONS],
+                    Some("The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601; in a batch: -32600 (call it on its own). A deleted owner ends the subscription with an error notification. See x-notification."),
+                    &[IP, NF, SF, codes::METHOD_NOT_FOUND, codes::INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS],
                 ),
                 OwnerMethod::Unsubscribe => (
                     format!("Ends a subscription made with {} on this connection; true if it existed.", OwnerMethod::Subscribe.name(kind)),

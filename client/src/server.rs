@@ -524,8 +524,8 @@ pub struct Outbox {
     /// The connection's WebSocket calls unanswered or not yet written, at most
     /// `max_calls_per_connection`.
     slots: Arc<Semaphore>,
-    /// The number of `slots`.
-    max_slots: usize,
+    /// Held while one of the connection's batches builds its answer.
+    batches: tokio::sync::Mutex<()>,
 }
 
 #[derive(Default)]
@@ -541,6 +541,8 @@ struct OutboxState {
     reader_on_socket: Option<Waker>,
     /// A write failed or stalled: the connection is over.
     failed: bool,
+    /// The peer closed its side (a read found the end of the stream).
+    peer_closed: bool,
 }
 
 /// What a response holds until it is written: a WebSocket call's or batch's slots among
@@ -569,7 +571,7 @@ impl Outbox {
             turn: tokio::sync::Mutex::new(()),
             limit,
             slots: Arc::new(Semaphore::new(max_calls.max(1))),
-            max_slots: max_calls.max(1),
+            batches: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -603,11 +605,10 @@ impl Outbox {
         self.lock().hand_over(bytes);
     }
 
-    /// Waits for `n` of the connection's slots (at least one, at most all of them) for
-    /// a WebSocket call or batch of `n` calls (`None` once the connection is gone).
-    async fn slots(&self, n: usize) -> Held {
-        let n = n.clamp(1, self.max_slots);
-        self.slots.clone().acquire_many_owned(n as u32).await.ok()
+    /// Waits for one of the connection's slots for a WebSocket call or batch (`None`
+    /// once the connection is gone).
+    async fn slot(&self) -> Held {
+        self.slots.clone().acquire_owned().await.ok()
     }
 
     /// Whether the connection may be read: little enough waits to be written and a
@@ -711,6 +712,18 @@ impl Outbox {
     fn failed(&self) -> bool {
         self.lock().failed
     }
+
+    /// Records that the peer closed its side of the connection.
+    fn peer_closed(&self) {
+        self.lock().peer_closed = true;
+    }
+
+    /// Whether no answer can reach the peer any more: its writes failed, or it closed
+    /// its side (a half-closed HTTP request is not answered either).
+    fn ended(&self) -> bool {
+        let state = self.lock();
+        state.failed || state.peer_closed
+    }
 }
 
 /// Marks the response jsonrpsee makes for a notification, or for a batch of
@@ -757,6 +770,22 @@ impl Rules {
             None
         };
         inner.call(request).await
+    }
+
+    /// The error for calling `method` in a batch, if it cannot be: a subscription's
+    /// notifications would go out before the batch's answer that names it.
+    fn batch_refusal(&self, method: &str) -> Option<ErrorObjectOwned> {
+        match self.methods.method(method) {
+            Some(MethodCallback::Subscription(_)) => Some(ErrorObject::owned(
+                jsonrpsee::types::error::INVALID_REQUEST_CODE,
+                format!(
+                    "{method} cannot be called in a batch: a subscription is answered at once, \
+                     ahead of its batch; call it on its own"
+                ),
+                None::<()>,
+            )),
+            _ => None,
+        }
     }
 
     /// The error for calling `method` by `transport`, if it cannot be called so.
@@ -826,7 +855,7 @@ where
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     // Frames already read wait here for their connection's slot, not
                     // among everyone's calls for a place.
-                    let slot = outbox.slots(1).await;
+                    let slot = outbox.slot().await;
                     let response = rules.placed(&inner, request, metered).await;
                     outbox.respond(response.as_json().get().len(), slot);
                     response
@@ -836,13 +865,15 @@ where
         }
     }
 
-    /// A batch runs its calls one after another, as the calls alone would: over
-    /// WebSocket each metered call takes a place for as long as it runs, and the batch
-    /// holds as many of its connection's slots as it has calls (up to all of them)
-    /// until its answer is written; over HTTP the request's place serves them all. It
-    /// lets other tasks run between its calls, and its answer stops growing at
-    /// `max_batch_response_bytes`: past that the batch is answered with an error and
-    /// its remaining calls are not run.
+    /// A batch runs its calls one after another, as the calls alone would: each metered
+    /// call takes a place for as long as it runs (over HTTP the request's place serves
+    /// them, unless the batch also holds a call that mostly waits: then it gives that
+    /// place back). It lets other tasks run between its calls, stops once its
+    /// connection has ended, and its answer stops growing at `max_batch_response_bytes`:
+    /// past that the batch is answered with one error and its remaining calls are not
+    /// run. Over WebSocket a batch holds one of its connection's slots until its answer
+    /// is written, and a connection's batches that run metered calls are built one at
+    /// a time, so one connection holds at most one batch answer in the making.
     fn batch<'a>(
         &self,
         mut requests: Batch<'a>,
@@ -854,31 +885,48 @@ where
             let outbox = requests.extensions().get::<Arc<Outbox>>().cloned();
             for entry in requests.iter_mut() {
                 if let Ok(BatchEntry::Call(call)) = entry {
-                    if let Some(e) = rules.refusal(call.method_name(), transport) {
+                    let refusal = rules
+                        .refusal(call.method_name(), transport)
+                        .or_else(|| rules.batch_refusal(call.method_name()));
+                    if let Some(e) = refusal {
                         *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
                     }
                 }
             }
-            let calls = requests
+            // Entries that get an answer: calls, and entries refused as they are.
+            let answered = requests
                 .iter()
-                .filter(|entry| matches!(entry, Ok(BatchEntry::Call(_))))
+                .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
                 .count();
-            // A batch of calls that mostly wait (and notifications, never run) takes no
-            // place, as each of those calls alone would not.
-            let metered = requests.iter().any(|entry| {
+            let is_metered = |entry: &Result<BatchEntry<'_>, BatchEntryErr<'_>>| {
                 matches!(entry, Ok(BatchEntry::Call(call))
                     if !rules.unmetered.contains(call.method_name()))
-            });
-            if !metered && transport == Some(Transport::Http) {
-                if let Some(place) = requests.extensions().get::<Place>() {
-                    drop(place.take());
+            };
+            let metered = requests.iter().any(is_metered);
+            let waits = requests
+                .iter()
+                .any(|entry| matches!(entry, Ok(BatchEntry::Call(_))) && !is_metered(entry));
+            // Over HTTP the request took its place before its body was read. It serves
+            // the batch's calls, unless one of them mostly waits: a batch must not hold
+            // a place for as long as its waits run, so its other calls take places of
+            // their own, as over WebSocket.
+            let own_places = match transport {
+                Some(Transport::Http) => {
+                    if !metered || waits {
+                        if let Some(place) = requests.extensions().get::<Place>() {
+                            drop(place.take());
+                        }
+                    }
+                    waits
                 }
-            }
-            let websocket = match (transport, outbox) {
-                (Some(Transport::WebSocket), Some(outbox)) => {
-                    let slots = outbox.slots(calls).await;
-                    Some((outbox, slots))
-                }
+                _ => true,
+            };
+            let websocket = match (transport, &outbox) {
+                (Some(Transport::WebSocket), Some(outbox)) => Some(outbox.slot().await),
+                _ => None,
+            };
+            let turn = match (&websocket, &outbox) {
+                (Some(_), Some(outbox)) if metered => Some(outbox.batches.lock().await),
                 _ => None,
             };
             let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
@@ -886,11 +934,14 @@ where
             let mut stopped = None;
             let mut run = 0;
             for entry in requests {
+                if outbox.as_ref().is_some_and(|o| o.ended()) {
+                    // No one will read the answer: the rest is not worth running.
+                    stopped = Some(MethodResponse::notification());
+                    break;
+                }
                 let response = match entry {
                     Ok(BatchEntry::Call(call)) => {
-                        let metered = !rules.unmetered.contains(call.method_name());
-                        // Over HTTP the request's place is the batch's.
-                        let metered = metered && websocket.is_some();
+                        let metered = own_places && !rules.unmetered.contains(call.method_name());
                         rules.placed(&inner, call, metered).await
                     }
                     Ok(BatchEntry::Notification(n)) => {
@@ -910,7 +961,7 @@ where
                             jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
                             format!(
                                 "the answer to this batch grew past {} bytes after {run} of \
-                                 its {calls} calls, so the rest were not run; send fewer \
+                                 its {answered} calls, so the rest were not run; send fewer \
                                  calls in a batch",
                                 rules.max_batch_response
                             ),
@@ -928,15 +979,16 @@ where
                 None => MethodResponse::from_batch(answer.finish()),
             };
             let response = marked(response);
-            if let Some((outbox, slots)) = websocket {
-                // Nothing is written for a batch of notifications only: its slots are
+            drop(turn);
+            if let (Some(slot), Some(outbox)) = (websocket, &outbox) {
+                // Nothing is written for a batch of notifications only: its slot is
                 // given back now, not when bytes that never come are written.
                 let bytes = if response.is_notification() {
                     0
                 } else {
                     response.as_json().get().len()
                 };
-                outbox.respond(bytes, slots);
+                outbox.respond(bytes, slot);
             }
             response
         }
@@ -1045,6 +1097,9 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
             self.activity.touch();
+        } else if matches!(polled, Poll::Ready(_)) && buf.remaining() > 0 {
+            // The end of the stream (or an error): the peer is gone or half-closed.
+            self.outbox.peer_closed();
         }
         if polled.is_pending() {
             self.outbox.reading(cx.waker());

@@ -889,20 +889,24 @@ fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
 }
 
 /// A batch of calls that mostly wait takes no place among the calls in flight, as each
-/// of them alone would not: 40 batches of one `backup.wait`, over HTTP and over
-/// WebSocket, leave room for everyone else (before, each batch took a place for as long
-/// as its wait ran, and 32 of them stopped every other call).
+/// of them alone would not, and one that also holds other calls does not keep a place
+/// while its wait runs: 40 batches of one `backup.wait` and 40 of a `backup.wait` then
+/// an `agent.status`, over HTTP and over WebSocket, leave room for everyone else
+/// (before, each batch took a place for as long as its wait ran, and 32 of them stopped
+/// every other call).
 #[test]
 fn batches_of_waits_take_no_place() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("backup.start", json!({"name": "b1", "uid": "u1"})));
-    let batch = json!([{"jsonrpc": "2.0", "id": 1, "method": "backup.wait",
-                        "params": {"name": "b1", "until": "terminal", "timeout": "120s"}}])
-    .to_string();
+    let wait = json!({"jsonrpc": "2.0", "id": 1, "method": "backup.wait",
+                      "params": {"name": "b1", "until": "terminal", "timeout": "120s"}});
+    let status = json!({"jsonrpc": "2.0", "id": 2, "method": "agent.status"});
+    let waits = json!([wait]).to_string();
+    let mixed = json!([wait, status]).to_string();
     let mut held = Vec::new();
-    for _ in 0..40 {
+    for batch in std::iter::repeat_n(&waits, 40).chain(std::iter::repeat_n(&mixed, 40)) {
         let mut s = UnixStream::connect(&agent.socket).unwrap();
         write!(
             s,
@@ -1024,4 +1028,94 @@ fn http_peers_that_read_none_of_their_answers_hold_no_places() {
         "the 40 that read nothing were still open when agent.status answered"
     );
     drop(held);
+}
+
+/// A WebSocket client may send several large batches before it reads: the agent keeps
+/// reading while it answers them (before, a batch held all of its connection's slots, so
+/// the agent stopped reading while the client, its frames unsent, read nothing, and the
+/// connection was closed as stalled after 30 s).
+#[test]
+fn a_client_that_sends_several_large_batches_before_reading_gets_every_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let calls: Vec<Value> = (0..5000)
+        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "agent.status"}))
+        .collect();
+    let batch = Value::Array(calls).to_string();
+    let mut ws = websocket(&agent.socket);
+    for _ in 0..3 {
+        ws_send(&mut ws, &batch).expect("the agent reads every batch");
+    }
+    for i in 0..3 {
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+            .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
+        let answers = answer
+            .as_array()
+            .unwrap_or_else(|| panic!("answer {i}: {answer}"));
+        assert_eq!(answers.len(), 5000, "answer {i}");
+        assert!(answers.iter().all(|a| a["result"]["version"].is_string()));
+    }
+}
+
+/// A subscription cannot be called in a batch (its answer would go out ahead of the
+/// batch's, and again inside it); the batch's other calls are answered.
+#[test]
+fn subscriptions_are_refused_in_a_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b1", "uid": "u1"})));
+    let mut ws = websocket(&agent.socket);
+    let batch = json!([
+        {"jsonrpc": "2.0", "id": 1, "method": "backup.subscribe", "params": {"name": "b1"}},
+        {"jsonrpc": "2.0", "id": 2, "method": "agent.status"},
+    ]);
+    ws_send(&mut ws, &batch.to_string()).unwrap();
+    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+    let answers = answer.as_array().unwrap_or_else(|| panic!("{answer}"));
+    assert_eq!(answers.len(), 2, "{answer}");
+    assert_eq!(answers[0]["id"], 1);
+    assert_eq!(answers[0]["error"]["code"], -32600, "{answer}");
+    assert_eq!(
+        answers[0]["error"]["message"],
+        "backup.subscribe cannot be called in a batch: a subscription is answered at once, \
+         ahead of its batch; call it on its own"
+    );
+    assert!(answers[1]["result"]["version"].is_string(), "{answer}");
+}
+
+/// A batch stops once its client has gone: of 3,000 `backup.start` sent in one batch by
+/// a WebSocket client that closes once the first has been run, far from all are run
+/// (before, the batch held all of its connection's slots, so the agent stopped reading
+/// and never saw the client go: every call was run, its answer built for no one).
+#[test]
+fn a_batch_stops_once_its_client_has_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let calls: Vec<Value> = (0..3000)
+        .map(|i| {
+            json!({"jsonrpc": "2.0", "id": i, "method": "backup.start",
+                   "params": {"name": format!("b{i}"), "uid": format!("u{i}")}})
+        })
+        .collect();
+    let mut ws = websocket(&agent.socket);
+    ws_send(&mut ws, &Value::Array(calls).to_string()).unwrap();
+    let mut http = RawHttp::connect(&agent.socket);
+    let mut started = || {
+        let status = http.call(&request("agent.status", json!({})));
+        status["result"]["owners"]["InProgress"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || started() > 0),
+        "the batch never started"
+    );
+    drop(ws);
+    quiescent(agent_pid(&agent), Duration::from_secs(120));
+    let started = started();
+    assert!(
+        started < 3000,
+        "all {started} backups were started for a client that left"
+    );
 }
