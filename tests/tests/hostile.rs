@@ -917,7 +917,7 @@ fn batches_of_waits_take_no_place() {
         .unwrap();
         held.push(s);
         let mut ws = websocket(&agent.socket);
-        ws_send(&mut ws, &batch).unwrap();
+        ws_send(&mut ws, batch).unwrap();
         held.push(ws);
     }
     // RawHttp gives up after 60 s; the waits run for 120 s.
