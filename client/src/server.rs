@@ -23,10 +23,10 @@
 //!   further request of the connection until that response is written); a WebSocket
 //!   call first waits for one of its connection's `max_calls_per_connection` slots,
 //!   which it keeps until its response has been written;
-//! - a batch runs its calls one after another, each as it would alone (over WebSocket
-//!   it holds as many slots as it has calls, up to all of them), lets other tasks run
-//!   between them, and stops with an error once its answer would pass
-//!   `max_batch_response_bytes`;
+//! - a batch runs its calls one after another, each as it would alone, lets other tasks
+//!   run between them, stops once its connection has ended, and stops with an error
+//!   once its answer would pass `max_batch_response_bytes`; over WebSocket it takes one
+//!   slot, and a connection builds one batch answer at a time;
 //! - each connection has an [`Outbox`]: the bytes handed to it and not yet written.
 //!   Subscriptions send only while it holds less than `max_queued_bytes`, and a
 //!   WebSocket connection is not read further while it is that full or has no slot
@@ -510,9 +510,8 @@ where
 /// `due` counts the bytes handed over, `written` those the socket took. Responses and
 /// notifications are written in the order they are handed over, so a response is out
 /// once `written` reaches the `due` it was given; what it holds (a WebSocket call's or
-/// batch's slots) is given back then. Headers and
-/// frames count as written but not as handed over, which only ever errs towards giving
-/// back early.
+/// batch's slot) is given back then. Headers and frames count as written but not as
+/// handed over, which only ever errs towards giving back early.
 pub struct Outbox {
     state: Mutex<OutboxState>,
     /// Notified whenever bytes are written.
@@ -532,7 +531,7 @@ pub struct Outbox {
 struct OutboxState {
     due: u64,
     written: u64,
-    /// Per response not yet written: its `due`, and its slots.
+    /// Per response not yet written: its `due`, and its slot.
     pending: VecDeque<(u64, Held)>,
     /// The connection's reader, waiting for room.
     reader: Option<Waker>,
@@ -545,7 +544,7 @@ struct OutboxState {
     peer_closed: bool,
 }
 
-/// What a response holds until it is written: a WebSocket call's or batch's slots among
+/// What a response holds until it is written: a WebSocket call's or batch's slot among
 /// its connection's.
 type Held = Option<OwnedSemaphorePermit>;
 
