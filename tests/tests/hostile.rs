@@ -515,6 +515,22 @@ fn ws_send(stream: &mut UnixStream, text: &str) -> std::io::Result<()> {
     stream.write_all(&frame)
 }
 
+/// Sends `frames` on `ws` from a thread of its own, until one cannot be sent: the agent
+/// may stop reading the connection while its answers wait to be read.
+fn send_from_thread(
+    ws: &UnixStream,
+    frames: impl Iterator<Item = String> + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let mut writer = ws.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for frame in frames {
+            if ws_send(&mut writer, &frame).is_err() {
+                return;
+            }
+        }
+    })
+}
+
 /// Reads one WebSocket frame's payload.
 fn ws_recv(stream: &mut UnixStream) -> Vec<u8> {
     let mut head = [0u8; 2];
@@ -834,22 +850,17 @@ fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
     let baseline = open_sockets(pid);
     let hostile = |calls: usize| {
         let ws = websocket(&agent.socket);
-        let mut writer = ws.try_clone().unwrap();
-        // The agent may stop reading: send from a thread of its own. Answers of 70 KB
-        // (`rpc.discover`) fill the socket, so the agent's writes wait for the peer.
-        let sender = std::thread::spawn(move || {
-            for i in 0..calls {
-                let method = if i % 4 == 0 {
-                    "rpc.discover"
-                } else {
-                    "agent.status"
-                };
-                let call = json!({"jsonrpc": "2.0", "id": i, "method": method});
-                if ws_send(&mut writer, &call.to_string()).is_err() {
-                    return;
-                }
-            }
+        // Answers of 70 KB (`rpc.discover`) fill the socket, so the agent's writes wait
+        // for the peer.
+        let calls = (0..calls).map(|i| {
+            let method = if i % 4 == 0 {
+                "rpc.discover"
+            } else {
+                "agent.status"
+            };
+            json!({"jsonrpc": "2.0", "id": i, "method": method}).to_string()
         });
+        let sender = send_from_thread(&ws, calls);
         (ws, sender)
     };
     let (stays, stays_sender) = hostile(200);
@@ -967,14 +978,7 @@ fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
     assert_batch_refused(&http.call(&batch));
 
     let mut ws = websocket(&agent.socket);
-    let mut writer = ws.try_clone().unwrap();
-    let sender = std::thread::spawn(move || {
-        for _ in 0..16 {
-            if ws_send(&mut writer, &batch).is_err() {
-                return;
-            }
-        }
-    });
+    let sender = send_from_thread(&ws, std::iter::repeat_n(batch, 16));
     for _ in 0..3 {
         // RawHttp gives up after 60 s.
         let status = http.call(&request("agent.status", json!({})));
