@@ -847,6 +847,9 @@ fn websocket_peers_that_read_none_of_their_answers_stop_no_one_else() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
+    // The start's readiness probe connected and left: once the agent is at rest, it
+    // has closed that connection too.
+    quiescent(pid, Duration::from_secs(30));
     let baseline = open_sockets(pid);
     let hostile = |calls: usize| {
         let ws = websocket(&agent.socket);
