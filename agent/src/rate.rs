@@ -10,7 +10,9 @@
 //! - `nCompleted` going backwards (a copy started over) forgets the rate and anchors anew;
 //! - a sample no later than the anchor (a clock that did not move, or went back) changes
 //!   nothing: the anchor stays, so the next sample measures from it;
-//! - every rate is finite and at least zero, so no NaN or infinity reaches the API.
+//! - every rate is finite and at least zero, so no NaN or infinity reaches the API, and
+//!   counts at the ends of the 64-bit range (a snapshotter may report any) overflow
+//!   nothing.
 //!
 //! The ETA is counted on the agent's clock, from when the agent saw the anchoring
 //! sample: a snapshotter's clock times its own progress well, but may be off from
@@ -57,8 +59,9 @@ impl Rate {
         if at_ms <= anchor_ms {
             return self;
         }
-        let dt_ms = (at_ms - anchor_ms) as f64;
-        let instant = (n - self.anchor_n) as f64 * 1000.0 / dt_ms;
+        // Differences of any two i64 (a snapshotter may report any) fit in i128.
+        let dt_ms = (i128::from(at_ms) - i128::from(anchor_ms)) as f64;
+        let instant = (i128::from(n) - i128::from(self.anchor_n)) as f64 * 1000.0 / dt_ms;
         let per_second = match self.per_second {
             None => instant,
             Some(previous) => {
@@ -84,7 +87,7 @@ impl Rate {
         if n_total <= self.anchor_n {
             return None;
         }
-        let ms = (n_total - self.anchor_n) as f64 / rate * 1000.0;
+        let ms = (i128::from(n_total) - i128::from(self.anchor_n)) as f64 / rate * 1000.0;
         let eta = seen_ms as f64 + ms.ceil();
         // Past the year 9999 (a crawl towards a huge total) is as good as unknown.
         (eta.is_finite() && eta <= MAX_ETA_MS as f64).then_some(eta as i64)
@@ -112,6 +115,22 @@ mod tests {
 
     /// How far the agent's clock is ahead of the snapshotter's in these tests.
     const SKEW: i64 = 100_000;
+
+    #[test]
+    fn counts_at_the_ends_of_the_range_overflow_nothing() {
+        let r = samples(&[(i64::MIN, 10_000), (i64::MAX, 11_000)]);
+        let rate = r.per_second.expect("a rate");
+        // 2^64 - 1 units in one second.
+        assert!(rate.is_finite() && rate > 1.8e19, "{rate}");
+        assert_eq!(r.anchor_n, i64::MAX);
+        let low = samples(&[(i64::MIN, 10_000), (i64::MIN + 1, 11_000)]);
+        assert_eq!(low.eta_ms(i64::MAX), None, "past the year 9999");
+        // One unit over 2^64 ms.
+        let r = Rate::default()
+            .sample(0, i64::MIN, 0)
+            .sample(1, i64::MAX, 0);
+        assert!(r.per_second.is_some_and(|p| p > 0.0 && p < 1e-16), "{r:?}");
+    }
 
     #[test]
     fn the_first_sample_only_anchors() {

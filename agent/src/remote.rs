@@ -211,6 +211,12 @@ fn present<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<&'a RawValu
     <&'a RawValue>::deserialize(d).map(Some)
 }
 
+/// Only the id of a response entry: what a malformed entry is still good for.
+#[derive(Deserialize)]
+struct EntryId {
+    id: Option<u64>,
+}
+
 /// A response entry whose result is parsed as `T` at once (`null` or absent: `None`).
 #[derive(Deserialize)]
 struct TypedEntry<T> {
@@ -327,8 +333,15 @@ impl SocketRemote {
                 .all(|e| e.result.is_some() || e.error.is_some())
             {
                 let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
+                let mut orphan = None;
                 for entry in entries {
                     let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
+                        if entry.id.is_none() {
+                            orphan = entry
+                                .error
+                                .map(|e| format!("{} (code {})", e.message, e.code))
+                                .or(orphan);
+                        }
                         continue;
                     };
                     *slot = match (entry.result, entry.error) {
@@ -339,12 +352,12 @@ impl SocketRemote {
                 }
                 return answers
                     .into_iter()
-                    .map(|a| a.unwrap_or_else(|| Err(self.unanswered())))
+                    .map(|a| a.unwrap_or_else(|| Err(self.unanswered(orphan.as_deref()))))
                     .collect();
             }
         }
         let whole = |e: CallError| (0..count).map(|_| Err(e.clone())).collect();
-        let entries: Vec<ResponseEntry<'_>> = match serde_json::from_str(&text) {
+        let entries: Vec<&RawValue> = match serde_json::from_str(&text) {
             Ok(entries) => entries,
             Err(_) => {
                 // A single error object answers the whole batch (e.g. a parse error).
@@ -357,21 +370,50 @@ impl SocketRemote {
                 };
             }
         };
-        let mut answers: Vec<Answer<T>> = (0..count).map(|_| Err(self.unanswered())).collect();
-        for entry in entries {
+        let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
+        let mut orphan = None;
+        for raw in entries {
+            let entry = match serde_json::from_str::<ResponseEntry<'_>>(raw.get()) {
+                Ok(entry) => entry,
+                Err(e) => {
+                    // A malformed entry (an error without its message, say) fails the
+                    // call its id names, if it names one, and no other.
+                    let id = serde_json::from_str::<EntryId>(raw.get()).ok();
+                    if let Some(slot) = id
+                        .and_then(|entry| entry.id)
+                        .and_then(|id| answers.get_mut(id as usize))
+                    {
+                        *slot = Some(Err(CallError::Answered(format!(
+                            "snapshotter {} answered an entry that is not a JSON-RPC \
+                             response: {e}",
+                            self.name
+                        ))));
+                    }
+                    continue;
+                }
+            };
             let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
+                if entry.id.is_none() {
+                    orphan = entry
+                        .error
+                        .map(|e| format!("{} (code {})", e.message, e.code))
+                        .or(orphan);
+                }
                 continue;
             };
-            *slot = match (entry.result, entry.error) {
+            *slot = Some(match (entry.result, entry.error) {
                 (_, Some(e)) => Err(self.refused(&e)),
                 (Some(result), None) => parse(result),
                 (None, None) => Err(CallError::Answered(format!(
                     "snapshotter {} answered without a result",
                     self.name
                 ))),
-            };
+            });
         }
         answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(self.unanswered(orphan.as_deref()))))
+            .collect()
     }
 
     /// The call's error answer: retried later when the snapshotter marked it transient
@@ -385,11 +427,20 @@ impl SocketRemote {
         }
     }
 
-    fn unanswered(&self) -> CallError {
-        CallError::Answered(format!(
-            "snapshotter {} left the call unanswered",
-            self.name
-        ))
+    /// A call the answer has no entry for; `orphan` is what an error entry without an
+    /// id said, which may be why.
+    fn unanswered(&self, orphan: Option<&str>) -> CallError {
+        match orphan {
+            None => CallError::Answered(format!(
+                "snapshotter {} left the call unanswered",
+                self.name
+            )),
+            Some(said) => CallError::Answered(format!(
+                "snapshotter {} left the call unanswered, and answered an error without an \
+                 id: {said}",
+                self.name
+            )),
+        }
     }
 
     fn describe(&self, e: &ErrorEntry) -> String {
@@ -803,6 +854,49 @@ mod tests {
         assert_eq!(
             answers[1].as_ref().map(|p| p.description.as_str()),
             Ok("copy \u{fffd}")
+        );
+    }
+
+    /// An entry whose error is malformed (no message, a code that is not a number)
+    /// fails its own operation, saying what was wrong, not every operation of the batch.
+    #[test]
+    fn a_malformed_error_entry_fails_only_its_own_operation() {
+        let r = remote();
+        let response = format!(
+            r#"[{{"id":0,"result":{DONE}}},{{"id":1,"error":{{"code":5}}}},{{"id":2,"error":{{"code":"2003","message":"x"}}}},{{"id":3,"result":{DONE}}}]"#
+        );
+        let answers = progress(&r, &response, 4);
+        assert!(answers[0].is_ok() && answers[3].is_ok(), "{answers:?}");
+        for (i, expected) in [
+            (1, "missing field `message`"),
+            (2, "invalid type: string \"2003\""),
+        ] {
+            assert!(
+                matches!(&answers[i], Err(CallError::Answered(e)) if e.starts_with(
+                    "snapshotter a.io/b answered an entry that is not a JSON-RPC response: "
+                ) && e.contains(expected)),
+                "{i}: {:?}",
+                answers[i]
+            );
+        }
+    }
+
+    /// What an error entry without an id says reaches the calls left unanswered.
+    #[test]
+    fn an_error_without_an_id_is_said_for_the_calls_left_unanswered() {
+        let r = remote();
+        let response = format!(
+            r#"[{{"id":0,"result":{DONE}}},{{"id":null,"error":{{"code":-32603,"message":"database on fire"}}}}]"#
+        );
+        let answers = progress(&r, &response, 2);
+        assert!(answers[0].is_ok(), "{answers:?}");
+        assert_eq!(
+            answers[1],
+            Err(CallError::Answered(
+                "snapshotter a.io/b left the call unanswered, and answered an error without \
+                 an id: database on fire (code -32603)"
+                    .into()
+            ))
         );
     }
 
