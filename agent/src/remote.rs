@@ -517,7 +517,14 @@ impl SocketRemote {
             }
         }
         if !status.is_success() {
-            return Err(unreachable(&format!("HTTP status {status}")));
+            // What the snapshotter said with it, if anything: the start of its body.
+            let said = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]);
+            let said = said.trim();
+            return Err(unreachable(&if said.is_empty() {
+                format!("HTTP status {status}")
+            } else {
+                format!("HTTP status {status}: {said}")
+            }));
         }
         Ok(bytes)
     }
@@ -683,6 +690,37 @@ mod tests {
             Remote::Called(Caller::Socket(remote)) => remote,
             _ => panic!("a socket snapshotter"),
         }
+    }
+
+    /// A snapshotter that answers with an HTTP error status is unreachable for the call,
+    /// and what it said with the status (the start of its body) is in the message.
+    #[tokio::test]
+    async fn an_http_error_status_says_what_came_with_it() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 4096];
+            let _ = stream.read(&mut request).await.unwrap();
+            let body = "database on fire\n";
+            let answer = format!(
+                "HTTP/1.1 500 Internal Server Error\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            stream.write_all(answer.as_bytes()).await.unwrap();
+        });
+        let mut remote = remote();
+        remote.path = path;
+        let e = remote.post(Bytes::from_static(b"[]")).await.unwrap_err();
+        server.await.unwrap();
+        assert!(
+            matches!(&e, CallError::Unreachable(m) if m.ends_with(
+                "HTTP status 500 Internal Server Error: database on fire"
+            )),
+            "{e:?}"
+        );
     }
 
     /// The batch written by hand is exactly what serde writes for each request, for
