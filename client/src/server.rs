@@ -28,9 +28,9 @@
 //!   once its answer would pass `max_batch_response_bytes`; over WebSocket it takes one
 //!   slot, and a connection builds one batch answer at a time;
 //! - each connection has an [`Outbox`]: the bytes handed to it and not yet written.
-//!   Subscriptions send only while it holds less than `max_queued_bytes`, and a
-//!   WebSocket connection is not read further while it is that full or has no slot
-//!   free;
+//!   Subscriptions send, and a WebSocket connection's calls already read run, only
+//!   while it holds less than `max_queued_bytes`, and a WebSocket connection is not read
+//!   further while it is that full or has no slot free;
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
 //!   or not: its reads fail too, so it ends even while it is not being read, which frees
@@ -588,12 +588,19 @@ impl Outbox {
     /// over with [`Outbox::push`] before dropping the turn.
     pub async fn turn(&self) -> OutboxTurn<'_> {
         let turn = self.turn.lock().await;
+        self.room().await;
+        turn
+    }
+
+    /// Waits until less than `max_queued_bytes` waits to be written, or the connection
+    /// has ended (nothing more will be written then).
+    async fn room(&self) {
         loop {
             let written = self.written.notified();
             tokio::pin!(written);
             written.as_mut().enable();
-            if self.queued() < self.limit {
-                return turn;
+            if self.queued() < self.limit || self.ended() {
+                return;
             }
             written.await;
         }
@@ -712,9 +719,11 @@ impl Outbox {
         self.lock().failed
     }
 
-    /// Records that the peer closed its side of the connection.
+    /// Records that the peer closed its side of the connection: whatever waits for room
+    /// stops waiting (as it does when the connection fails).
     fn peer_closed(&self) {
         self.lock().peer_closed = true;
+        self.written.notify_waiters();
     }
 
     /// Whether no answer can reach the peer any more: its writes failed, or it closed
@@ -855,6 +864,10 @@ where
                     // Frames already read wait here for their connection's slot, not
                     // among everyone's calls for a place.
                     let slot = outbox.slot().await;
+                    // Calls already read run only while their connection has room: a
+                    // peer that reads nothing holds `max_queued_bytes` and one answer
+                    // in the making, not one answer per slot.
+                    outbox.room().await;
                     let response = rules.placed(&inner, request, metered).await;
                     outbox.respond(response.as_json().get().len(), slot);
                     response
@@ -925,7 +938,11 @@ where
                 _ => None,
             };
             let turn = match (&websocket, &outbox) {
-                (Some(_), Some(outbox)) if metered => Some(outbox.batches.lock().await),
+                (Some(_), Some(outbox)) if metered => {
+                    let turn = outbox.batches.lock().await;
+                    outbox.room().await;
+                    Some(turn)
+                }
                 _ => None,
             };
             let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);

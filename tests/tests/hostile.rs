@@ -1126,3 +1126,36 @@ fn a_batch_stops_once_its_client_has_gone() {
         "all {started} backups were started for a client that left"
     );
 }
+
+/// Calls already read run only while their connection has room: one WebSocket client
+/// that sends 16 batches of 200 `rpc.discover` (14 MB answers, under the batch limit)
+/// and reads nothing makes the agent hold about two of those answers, not sixteen
+/// (before, every batch read, one per slot, built its answer while the first waited for
+/// the client); once the client reads, every answer comes.
+#[test]
+fn calls_already_read_wait_for_room_before_they_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let calls: Vec<Value> = (0..200)
+        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
+        .collect();
+    let batch = Value::Array(calls).to_string();
+    let mut ws = websocket(&agent.socket);
+    send_from_thread(&ws, std::iter::repeat_n(batch, 16))
+        .join()
+        .unwrap();
+    quiescent(pid, Duration::from_secs(120));
+    let peak = status_bytes(pid, "VmHWM:");
+    assert!(
+        peak < 128 << 20,
+        "the agent's peak RSS reached {} MiB",
+        peak >> 20
+    );
+    for i in 0..16 {
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+            .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
+        let answers = answer.as_array().unwrap_or_else(|| panic!("answer {i}"));
+        assert_eq!(answers.len(), 200, "answer {i}");
+    }
+}
