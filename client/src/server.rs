@@ -119,7 +119,8 @@ pub struct ServeConfig {
     /// memory: they do not count against `max_calls_in_flight`.
     pub unmetered_methods: Vec<String>,
     /// Bytes a connection may have waiting to be written before its subscriptions wait
-    /// and (WebSocket) its requests are no longer read.
+    /// and (WebSocket) its requests are no longer read and those already read wait to
+    /// run.
     pub max_queued_bytes: u64,
     /// Calls one WebSocket connection may have unanswered or not yet written; more wait
     /// (holding no place among the calls in flight) and the connection is not read.
