@@ -934,11 +934,12 @@ where
                 }
                 _ => true,
             };
-            let websocket = match (transport, &outbox) {
+            // Over WebSocket the batch's slot among its connection's: `Some` then.
+            let slot = match (transport, &outbox) {
                 (Some(Transport::WebSocket), Some(outbox)) => Some(outbox.slot().await),
                 _ => None,
             };
-            let turn = match (&websocket, &outbox) {
+            let turn = match (&slot, &outbox) {
                 (Some(_), Some(outbox)) if metered => {
                     let turn = outbox.batches.lock().await;
                     outbox.room().await;
@@ -997,7 +998,7 @@ where
             };
             let response = marked(response);
             drop(turn);
-            if let (Some(slot), Some(outbox)) = (websocket, &outbox) {
+            if let (Some(slot), Some(outbox)) = (slot, &outbox) {
                 // Nothing is written for a batch of notifications only: its slot is
                 // given back now, not when bytes that never come are written.
                 let bytes = if response.is_notification() {
