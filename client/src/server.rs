@@ -31,6 +31,12 @@
 //!   Subscriptions send, and a WebSocket connection's calls already read run, only
 //!   while it holds less than `max_queued_bytes`, and a WebSocket connection is not read
 //!   further while it is that full or has no slot free;
+//! - over all connections, the bytes waiting to be written and the batch answers in the
+//!   making are counted against `max_queued_bytes_total`: while the server holds more,
+//!   a connection that already has [`SMALL_BACKLOG`] waiting runs no new call and sends
+//!   no notification, and a batch whose answer has grown past [`SMALL_BACKLOG`] stops
+//!   with an error. Connections holding little go on as before, so the peers that read
+//!   nothing are the ones held back, not the others;
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
 //!   or not: its reads fail too, so it ends even while it is not being read, which frees
@@ -77,6 +83,10 @@ pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Sen
 
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
+
+/// What a connection may have waiting to be written, or a batch answer may hold, and
+/// still go on while the server as a whole holds more than `max_queued_bytes_total`.
+pub const SMALL_BACKLOG: u64 = 1024 * 1024;
 
 /// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -132,6 +142,10 @@ pub struct ServeConfig {
     /// answered with an error (-32011) and its remaining calls are not run. The agent
     /// reads at most 16 MiB of a snapshotter's answer, so a batch needs no more.
     pub max_batch_response_bytes: u32,
+    /// Bytes waiting to be written over all connections, with batch answers in the
+    /// making, past which only connections and batches holding less than
+    /// [`SMALL_BACKLOG`] go on.
+    pub max_queued_bytes_total: u64,
 }
 
 impl Default for ServeConfig {
@@ -148,6 +162,7 @@ impl Default for ServeConfig {
             max_calls_per_connection: 16,
             write_stall_timeout: Some(Duration::from_secs(30)),
             max_batch_response_bytes: 16 * 1024 * 1024,
+            max_queued_bytes_total: 64 * 1024 * 1024,
         }
     }
 }
@@ -505,6 +520,63 @@ where
     Ok(response)
 }
 
+/// The bytes every connection has waiting to be written, and the batch answers in the
+/// making: what the server holds for peers, over all of them.
+struct Backlog {
+    bytes: std::sync::atomic::AtomicU64,
+    limit: u64,
+    /// Notified when `bytes` falls back below `limit`.
+    drained: tokio::sync::Notify,
+}
+
+impl Backlog {
+    fn new(limit: u64) -> Backlog {
+        Backlog {
+            bytes: std::sync::atomic::AtomicU64::new(0),
+            limit,
+            drained: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn add(&self, n: u64) {
+        self.bytes
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: u64) {
+        let before = self
+            .bytes
+            .fetch_sub(n, std::sync::atomic::Ordering::Relaxed);
+        if before >= self.limit && before.saturating_sub(n) < self.limit {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Whether the server holds more than it should: only small holders go on.
+    fn over(&self) -> bool {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed) >= self.limit
+    }
+}
+
+/// A batch answer in the making, counted in the [`Backlog`] until it is handed over.
+struct Making {
+    backlog: Arc<Backlog>,
+    bytes: u64,
+}
+
+impl Making {
+    fn grow(&mut self, n: usize) {
+        self.bytes += n as u64;
+        self.backlog.add(n as u64);
+    }
+}
+
+impl Drop for Making {
+    fn drop(&mut self) {
+        self.backlog.sub(self.bytes);
+    }
+}
+
 /// One connection's bytes handed over for writing and written: what a peer that does
 /// not read can make the server hold on its behalf.
 ///
@@ -526,6 +598,8 @@ pub struct Outbox {
     slots: Arc<Semaphore>,
     /// Held while one of the connection's batches builds its answer.
     batches: tokio::sync::Mutex<()>,
+    /// Everyone's; this connection's part is what it has queued, until it fails.
+    backlog: Arc<Backlog>,
 }
 
 #[derive(Default)]
@@ -564,7 +638,7 @@ impl OutboxState {
 pub type OutboxTurn<'a> = tokio::sync::MutexGuard<'a, ()>;
 
 impl Outbox {
-    fn new(limit: u64, max_calls: usize) -> Outbox {
+    fn new(limit: u64, max_calls: usize, backlog: Arc<Backlog>) -> Outbox {
         Outbox {
             state: Mutex::new(OutboxState::default()),
             written: tokio::sync::Notify::new(),
@@ -572,7 +646,18 @@ impl Outbox {
             limit,
             slots: Arc::new(Semaphore::new(max_calls.max(1))),
             batches: tokio::sync::Mutex::new(()),
+            backlog,
         }
+    }
+
+    /// Hands `bytes` over in `state`, counting them in the backlog; returns their `due`.
+    fn hand_over(&self, state: &mut OutboxState, bytes: usize) -> u64 {
+        let before = state.queued();
+        let due = state.hand_over(bytes);
+        if !state.failed {
+            self.backlog.add(state.queued() - before);
+        }
+        due
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
@@ -593,23 +678,33 @@ impl Outbox {
         turn
     }
 
-    /// Waits until less than `max_queued_bytes` waits to be written, or the connection
-    /// has ended (nothing more will be written then).
+    /// Waits until less than `max_queued_bytes` waits to be written, and less than
+    /// [`SMALL_BACKLOG`] if the server as a whole holds more than it should; or until
+    /// the connection has ended (nothing more will be written then).
     async fn room(&self) {
         loop {
             let written = self.written.notified();
-            tokio::pin!(written);
+            let drained = self.backlog.drained.notified();
+            tokio::pin!(written, drained);
             written.as_mut().enable();
-            if self.queued() < self.limit || self.ended() {
+            drained.as_mut().enable();
+            let queued = self.queued();
+            if self.ended()
+                || (queued < self.limit && (queued < SMALL_BACKLOG || !self.backlog.over()))
+            {
                 return;
             }
-            written.await;
+            tokio::select! {
+                _ = written => {}
+                _ = drained => {}
+            }
         }
     }
 
     /// Records a notification of `bytes` handed to the connection.
     pub fn push(&self, bytes: usize) {
-        self.lock().hand_over(bytes);
+        let mut state = self.lock();
+        self.hand_over(&mut state, bytes);
     }
 
     /// Waits for one of the connection's slots for a WebSocket call or batch (`None`
@@ -633,7 +728,7 @@ impl Outbox {
             return;
         }
         let mut state = self.lock();
-        let due = state.hand_over(bytes);
+        let due = self.hand_over(&mut state, bytes);
         state.pending.push_back((due, held));
     }
 
@@ -641,7 +736,11 @@ impl Outbox {
         let mut released = Vec::new();
         {
             let mut state = self.lock();
+            let before = state.queued();
             state.written += n as u64;
+            if !state.failed {
+                self.backlog.sub(before - state.queued());
+            }
             while state
                 .pending
                 .front()
@@ -690,6 +789,9 @@ impl Outbox {
     fn fail(&self) {
         let (released, on_socket): (Vec<_>, _) = {
             let mut state = self.lock();
+            if !state.failed {
+                self.backlog.sub(state.queued());
+            }
             state.failed = true;
             (
                 state.pending.drain(..).collect(),
@@ -735,6 +837,27 @@ impl Outbox {
     }
 }
 
+impl Drop for Outbox {
+    fn drop(&mut self) {
+        let state = self.lock();
+        if !state.failed {
+            self.backlog.sub(state.queued());
+        }
+    }
+}
+
+/// A batch's answer when it was stopped for its size (-32011), saying why.
+fn too_big_batch(message: String) -> MethodResponse {
+    MethodResponse::error(
+        jsonrpsee::types::Id::Null,
+        ErrorObject::owned(
+            jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
+            message,
+            None::<()>,
+        ),
+    )
+}
+
 /// Marks the response jsonrpsee makes for a notification, or for a batch of
 /// notifications only, which JSON-RPC does not answer: over HTTP its body is left empty
 /// (jsonrpsee would send `null`); over WebSocket jsonrpsee sends nothing.
@@ -763,6 +886,7 @@ struct Rules {
     unmetered: HashSet<String>,
     /// The most bytes of a batch's answer (`max_batch_response_bytes`).
     max_batch_response: usize,
+    backlog: Arc<Backlog>,
 }
 
 impl Rules {
@@ -948,6 +1072,10 @@ where
                 _ => None,
             };
             let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
+            let mut making = Making {
+                backlog: rules.backlog.clone(),
+                bytes: 0,
+            };
             let mut notified = false;
             let mut stopped = None;
             let mut run = 0;
@@ -955,6 +1083,16 @@ where
                 if outbox.as_ref().is_some_and(|o| o.ended()) {
                     // No one will read the answer: the rest is not worth running.
                     stopped = Some(MethodResponse::notification());
+                    break;
+                }
+                if making.bytes >= SMALL_BACKLOG && rules.backlog.over() {
+                    stopped = Some(too_big_batch(format!(
+                        "the server holds more than {} bytes of answers not yet read by their \
+                         clients, so this batch stopped after {run} of its {answered} calls, \
+                         its answer at {} bytes; read your answers, or send fewer calls in a \
+                         batch",
+                        rules.backlog.limit, making.bytes
+                    )));
                     break;
                 }
                 let response = match entry {
@@ -972,22 +1110,17 @@ where
                         MethodResponse::error(id, e)
                     }
                 };
+                let bytes = response.as_json().get().len();
                 if answer.append(response).is_err() {
-                    stopped = Some(MethodResponse::error(
-                        jsonrpsee::types::Id::Null,
-                        ErrorObject::owned(
-                            jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
-                            format!(
-                                "the answer to this batch grew past {} bytes after {run} of \
-                                 its {answered} calls, so the rest were not run; send fewer \
-                                 calls in a batch",
-                                rules.max_batch_response
-                            ),
-                            None::<()>,
-                        ),
-                    ));
+                    stopped = Some(too_big_batch(format!(
+                        "the answer to this batch grew past {} bytes after {run} of its \
+                         {answered} calls, so the rest were not run; send fewer calls in a \
+                         batch",
+                        rules.max_batch_response
+                    )));
                     break;
                 }
+                making.grow(bytes);
                 run += 1;
                 tokio::task::coop::consume_budget().await;
             }
@@ -997,6 +1130,8 @@ where
                 None => MethodResponse::from_batch(answer.finish()),
             };
             let response = marked(response);
+            // Handed over below: counted as the connection's from now on.
+            drop(making);
             drop(turn);
             if let (Some(slot), Some(outbox)) = (slot, &outbox) {
                 // Nothing is written for a batch of notifications only: its slot is
@@ -1261,7 +1396,9 @@ pub async fn serve<L>(
         places: places.clone(),
         unmetered: config.unmetered_methods.iter().cloned().collect(),
         max_batch_response: config.max_batch_response_bytes as usize,
+        backlog: Arc::new(Backlog::new(config.max_queued_bytes_total)),
     });
+    let backlog = rules.backlog.clone();
     let guarded = rpc_middleware.layer_fn(move |inner| Guard {
         inner,
         rules: rules.clone(),
@@ -1313,6 +1450,7 @@ pub async fn serve<L>(
         let outbox = Arc::new(Outbox::new(
             config.max_queued_bytes,
             config.max_calls_per_connection,
+            backlog.clone(),
         ));
         let (stream, activity) = Watched::new(stream, outbox.clone(), config.write_stall_timeout);
         let websocket = stream.websocket.clone();
@@ -1478,7 +1616,7 @@ mod tests {
         ours.set_nonblocking(true).expect("O_NONBLOCK");
         peer.set_nonblocking(true).expect("O_NONBLOCK");
         let ours = UnixStream::from_std(ours).expect("a tokio stream");
-        let outbox = Arc::new(Outbox::new(1 << 20, 16));
+        let outbox = Arc::new(Outbox::new(1 << 20, 16, Arc::new(Backlog::new(1 << 30))));
         let (mut watched, _) = Watched::new(ours, outbox.clone(), Some(stall));
         let written = fill(&mut watched).await;
         // What the socket charges for them: their buffers' sizes, not only the data.

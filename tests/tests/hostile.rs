@@ -1001,6 +1001,87 @@ fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
     );
 }
 
+/// What many connections that read nothing make the agent hold is bounded over all of
+/// them, not only per connection: 24 WebSocket clients that each send two batches of
+/// 200 `rpc.discover` (14 MB answers) and read nothing leave the agent holding about
+/// about 64 MiB of answers in all and 1 MiB per connection (under 256 MiB of RSS with
+/// the allocator's slack), and everyone else served (before, every
+/// connection built its first answer and queued it, then built its second: 24 × 28 MB,
+/// and with 100 such clients the agent grew past 1.7 GB while `agent.status` took
+/// seconds). Batches stopped for it say why; every client gets both of its answers, and
+/// once they are read the agent's count is back down.
+#[test]
+fn connections_that_read_nothing_are_held_to_a_bound_over_all_of_them() {
+    const CLIENTS: usize = 24;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let calls: Vec<Value> = (0..200)
+        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
+        .collect();
+    let batch = Value::Array(calls).to_string();
+    let clients: Vec<UnixStream> = (0..CLIENTS)
+        .map(|_| {
+            let ws = websocket(&agent.socket);
+            send_from_thread(&ws, std::iter::repeat_n(batch.clone(), 2))
+                .join()
+                .unwrap();
+            ws
+        })
+        .collect();
+    quiescent(pid, Duration::from_secs(120));
+    let peak = status_bytes(pid, "VmHWM:");
+    assert!(
+        peak < 256 << 20,
+        "the agent's peak RSS reached {} MiB",
+        peak >> 20
+    );
+    let mut http = RawHttp::connect(&agent.socket);
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    // Read at once, each client on a thread of its own: a connection left unread for
+    // 30 s would be closed as stalled.
+    let readers: Vec<_> = clients
+        .into_iter()
+        .map(|mut ws| {
+            std::thread::spawn(move || {
+                (0..2)
+                    .map(|_| serde_json::from_slice::<Value>(&ws_recv(&mut ws)).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let answers: Vec<Value> = readers
+        .into_iter()
+        .flat_map(|reader| reader.join().unwrap())
+        .collect();
+    assert_eq!(answers.len(), 2 * CLIENTS);
+    let mut stopped = 0;
+    for answer in &answers {
+        if let Some(list) = answer.as_array() {
+            assert_eq!(list.len(), 200);
+            continue;
+        }
+        assert_eq!(answer["error"]["code"], -32011, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.starts_with(
+                "the server holds more than 67108864 bytes of answers not yet read by their \
+                 clients, so this batch stopped after "
+            ) && message.contains(" of its 200 calls, its answer at ")
+                && message.ends_with(" bytes; read your answers, or send fewer calls in a batch"),
+            "{message}"
+        );
+        stopped += 1;
+    }
+    assert!(stopped > 0, "no batch was stopped");
+    // Everything read, the agent's count is back down: a batch as large runs whole.
+    let mut ws = websocket(&agent.socket);
+    ws_send(&mut ws, &batch).unwrap();
+    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+    assert_eq!(answer.as_array().map(Vec::len), Some(200), "{answer:.200}");
+}
+
 /// An HTTP connection's place among the calls in flight is given back once its response
 /// is made, not when its reader takes it: 40 connections that pipeline `rpc.discover`
 /// and read nothing stop no one else, while they are still open (before, each held a

@@ -212,6 +212,11 @@ fn the_limits_are_the_codes_constants() {
             format!("{} bytes", serve.max_queued_bytes),
         ),
         (
+            "queued bytes in all",
+            format!("{} bytes", serve.max_queued_bytes_total),
+        ),
+        ("small backlog", format!("{} bytes", server::SMALL_BACKLOG)),
+        (
             "write stall",
             format!(
                 "{} seconds",
