@@ -335,7 +335,10 @@ impl SocketRemote {
                 let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
                 let mut orphan = None;
                 for entry in entries {
-                    let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
+                    let Some((id, slot)) = entry
+                        .id
+                        .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
+                    else {
                         if entry.id.is_none() {
                             orphan = entry
                                 .error
@@ -344,6 +347,10 @@ impl SocketRemote {
                         }
                         continue;
                     };
+                    if slot.is_some() {
+                        *slot = Some(Err(self.repeated(id)));
+                        continue;
+                    }
                     *slot = match (entry.result, entry.error) {
                         (_, Some(e)) => Some(Err(self.refused(&e))),
                         (Some(result), None) => Some(Ok(result)),
@@ -379,20 +386,27 @@ impl SocketRemote {
                     // A malformed entry (an error without its message, say) fails the
                     // call its id names, if it names one, and no other.
                     let id = serde_json::from_str::<EntryId>(raw.get()).ok();
-                    if let Some(slot) = id
+                    if let Some((id, slot)) = id
                         .and_then(|entry| entry.id)
-                        .and_then(|id| answers.get_mut(id as usize))
+                        .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
                     {
-                        *slot = Some(Err(CallError::Answered(format!(
-                            "snapshotter {} answered an entry that is not a JSON-RPC \
-                             response: {e}",
-                            self.name
-                        ))));
+                        *slot = Some(Err(if slot.is_some() {
+                            self.repeated(id)
+                        } else {
+                            CallError::Answered(format!(
+                                "snapshotter {} answered an entry that is not a JSON-RPC \
+                                 response: {e}",
+                                self.name
+                            ))
+                        }));
                     }
                     continue;
                 }
             };
-            let Some(slot) = entry.id.and_then(|id| answers.get_mut(id as usize)) else {
+            let Some((id, slot)) = entry
+                .id
+                .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
+            else {
                 if entry.id.is_none() {
                     orphan = entry
                         .error
@@ -401,6 +415,10 @@ impl SocketRemote {
                 }
                 continue;
             };
+            if slot.is_some() {
+                *slot = Some(Err(self.repeated(id)));
+                continue;
+            }
             *slot = Some(match (entry.result, entry.error) {
                 (_, Some(e)) => Err(self.refused(&e)),
                 (Some(result), None) => parse(result),
@@ -425,6 +443,16 @@ impl SocketRemote {
         } else {
             CallError::Answered(self.describe(e))
         }
+    }
+
+    /// A call the answer has more than one entry for: which one the snapshotter meant
+    /// is not known, so none is taken. Transient: asked again at the next poll, and the
+    /// operation fails with this once its retry budget is spent.
+    fn repeated(&self, id: u64) -> CallError {
+        CallError::Transient(format!(
+            "snapshotter {} answered call {id} of the batch more than once",
+            self.name
+        ))
     }
 
     /// A call the answer has no entry for; `orphan` is what an error entry without an
@@ -936,6 +964,32 @@ mod tests {
                     .into()
             ))
         );
+    }
+
+    /// JSON-RPC answers each call once: a call answered twice (here once well and once
+    /// finished, and once finished and once malformed) takes neither answer, and is
+    /// asked again; the other calls keep theirs.
+    #[test]
+    fn a_call_answered_twice_takes_neither_answer() {
+        let r = remote();
+        let repeated = |id: u64| {
+            Err(CallError::Transient(format!(
+                "snapshotter a.io/b answered call {id} of the batch more than once"
+            )))
+        };
+        let response = format!(
+            r#"[{{"id":0,"result":{DONE}}},{{"id":1,"result":{DONE}}},{{"id":0,"result":{{"completed":false}}}}]"#
+        );
+        let answers = progress(&r, &response, 2);
+        assert_eq!(answers[0], repeated(0));
+        assert!(answers[1].is_ok(), "{answers:?}");
+        // The same on the entry-by-entry reading (an error entry without its message).
+        let response = format!(
+            r#"[{{"id":0,"error":{{"code":1}}}},{{"id":1,"result":{DONE}}},{{"id":1,"result":{DONE}}},{{"id":0,"result":{DONE}}}]"#
+        );
+        let answers = progress(&r, &response, 2);
+        assert_eq!(answers[0], repeated(0));
+        assert_eq!(answers[1], repeated(1));
     }
 
     #[test]
