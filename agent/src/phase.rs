@@ -436,7 +436,10 @@ pub fn observe_within(
                     MAX_ERROR,
                 );
             } else {
-                // Nothing changes, but a stall clock that just started is kept.
+                // Nothing else changes, but the operation says why it waits (written
+                // when the error changes, not at every poll), and a stall clock that
+                // just started is kept.
+                next.last_error = bounded(error, MAX_ERROR);
                 return (next != *current).then_some(Decision { next, cancel, why });
             }
             next.updated_ms = Some(now_ms);
@@ -875,7 +878,14 @@ mod tests {
             since_ms,
             grace_ms: 600_000,
         };
-        assert_eq!(observe(&new_op(0), unreachable(1_000), HOUR, 500_000), None);
+        // The first poll that finds it unreachable says so in lastError; later ones
+        // with the same error change nothing.
+        let d = observe(&new_op(0), unreachable(1_000), HOUR, 1_000).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New);
+        assert_eq!(d.next.last_error, "connection refused");
+        assert_eq!((d.next.attempts, d.next.error.as_str()), (0, ""));
+        assert!(d.why.is_none() && !d.cancel);
+        assert_eq!(observe(&d.next, unreachable(1_000), HOUR, 500_000), None);
         let d = observe(&new_op(0), unreachable(1_000), HOUR, 601_000).unwrap();
         assert_eq!(d.next.phase, OperationPhase::Failed);
         assert_eq!(

@@ -282,7 +282,8 @@ pub struct Operation {
     /// How many transient errors of the snapshotter were retried for this operation.
     #[serde(default)]
     pub attempts: u32,
-    /// The last transient error (kept after a retry succeeded); empty if none.
+    /// The last transient error (kept after a retry succeeded), or why the snapshotter
+    /// could not be reached while the operation waits for it; empty if none.
     #[serde(default)]
     pub last_error: String,
     /// When the next Progress is due after a transient error; null when not backing off.

@@ -47,12 +47,26 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let ops = backups.operations("b", None).await.unwrap();
+    // The operation says why it waits (committed just after the log line).
+    let op = loop {
+        let ops = backups.operations("b", None).await.unwrap();
+        if !ops[0].last_error.is_empty() {
+            break ops[0].clone();
+        }
+        assert!(start.elapsed() < LONG, "lastError stayed empty: {ops:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(
-        ops[0].phase,
+        op.phase,
         OperationPhase::InProgress,
         "an unreachable snapshotter fails nothing yet"
     );
+    assert!(
+        op.last_error.starts_with(&format!("snapshotter {PLUGIN}")),
+        "{}",
+        op.last_error
+    );
+    assert_eq!((op.attempts, op.error.as_str()), (0, ""));
     f.open_gate("gate-1");
     f.snapshotter = SdkSnapshotter::start(f.dir.path(), "copier", &f.gates, &f.journal);
     let owner = backups
