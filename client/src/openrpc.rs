@@ -97,7 +97,7 @@ mod generate {
             e(TOO_MANY_SUBSCRIPTIONS, "TooManySubscriptions", "Too many subscriptions on the connection", "jsonrpsee's limit of 1024 subscriptions on one WebSocket connection"),
             e(OVERSIZED_REQUEST, "OversizedRequest", "Request is too big", "the request is over max_request_size (HTTP 413)"),
             e(OVERSIZED_RESPONSE, "OversizedResponse", "Response is too big", "the response would be over 256 MiB"),
-            e(OVERSIZED_BATCH_RESPONSE, "OversizedBatchResponse", "the answer to this batch grew past 16777216 bytes", "a batch's answer would be over 16 MiB, or had reached 1 MiB while the agent holds more than 64 MiB of answers its clients have not read (the message says which): the batch is answered with this one error (id null) instead of a list, and its calls after the cut are not run"),
+            e(OVERSIZED_BATCH_RESPONSE, "OversizedBatchResponse", "the answer to this batch grew past 16777216 bytes", "a batch's answer would be over 16 MiB, or the agent came to hold more than 64 MiB of answers its clients have not read while the batch ran (the message says which): the batch is answered with this one error (id null) instead of a list, and its calls after the cut are not run"),
             e(codes::NOT_FOUND, "NotFound", "not found", "the named owner or snapshotter does not exist"),
             e(codes::ALREADY_EXISTS, "AlreadyExists", "already exists", "the name is taken by an owner with another uid"),
             e(codes::WRONG_PHASE, "WrongPhase", "wrong phase", "the owner is not in a phase that allows the request"),

@@ -34,9 +34,10 @@
 //! - over all connections, the bytes waiting to be written and the batch answers in the
 //!   making are counted against `max_queued_bytes_total`: while the server holds more,
 //!   a connection that already has [`SMALL_BACKLOG`] waiting runs no new call and sends
-//!   no notification, and a batch whose answer has grown past [`SMALL_BACKLOG`] stops
-//!   with an error. Connections holding little go on as before, so the peers that read
-//!   nothing are the ones held back, not the others;
+//!   no notification, a batch does not start (holding nothing while it waits), and a
+//!   batch already running stops with an error before its next call. Single calls of
+//!   connections holding little go on as before, so the peers that read nothing are
+//!   the ones held back, not the others;
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
 //!   or not: its reads fail too, so it ends even while it is not being read, which frees
@@ -84,8 +85,8 @@ pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Sen
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
 
-/// What a connection may have waiting to be written, or a batch answer may hold, and
-/// still go on while the server as a whole holds more than `max_queued_bytes_total`.
+/// What a connection may have waiting to be written and still run calls while the
+/// server as a whole holds more than `max_queued_bytes_total`.
 pub const SMALL_BACKLOG: u64 = 1024 * 1024;
 
 /// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
@@ -143,8 +144,8 @@ pub struct ServeConfig {
     /// reads at most 16 MiB of a snapshotter's answer, so a batch needs no more.
     pub max_batch_response_bytes: u32,
     /// Bytes waiting to be written over all connections, with batch answers in the
-    /// making, past which only connections and batches holding less than
-    /// [`SMALL_BACKLOG`] go on.
+    /// making, past which batches wait to start or stop before their next call, and
+    /// only connections holding less than [`SMALL_BACKLOG`] run calls.
     pub max_queued_bytes_total: u64,
 }
 
@@ -701,6 +702,25 @@ impl Outbox {
         }
     }
 
+    /// Waits until the server as a whole holds less than `max_queued_bytes_total`, or
+    /// the connection has ended.
+    async fn room_in_all(&self) {
+        loop {
+            let written = self.written.notified();
+            let drained = self.backlog.drained.notified();
+            tokio::pin!(written, drained);
+            written.as_mut().enable();
+            drained.as_mut().enable();
+            if self.ended() || !self.backlog.over() {
+                return;
+            }
+            tokio::select! {
+                _ = written => {}
+                _ = drained => {}
+            }
+        }
+    }
+
     /// Records a notification of `bytes` handed to the connection.
     pub fn push(&self, bytes: usize) {
         let mut state = self.lock();
@@ -1047,17 +1067,27 @@ where
             // the batch's calls, unless one of them mostly waits: a batch must not hold
             // a place for as long as its waits run, so its other calls take places of
             // their own, as over WebSocket.
+            // While the server holds more than `max_queued_bytes_total`, a batch would
+            // only add to it: it starts once the server holds less, waiting with nothing
+            // (over HTTP it gives its request's place back, and its calls take places of
+            // their own).
+            let crowded = metered && rules.backlog.over();
             let own_places = match transport {
                 Some(Transport::Http) => {
-                    if !metered || waits {
+                    if !metered || waits || crowded {
                         if let Some(place) = requests.extensions().get::<Place>() {
                             drop(place.take());
                         }
                     }
-                    waits
+                    waits || crowded
                 }
                 _ => true,
             };
+            if crowded {
+                if let Some(outbox) = &outbox {
+                    outbox.room_in_all().await;
+                }
+            }
             // Over WebSocket the batch's slot among its connection's: `Some` then.
             let slot = match (transport, &outbox) {
                 (Some(Transport::WebSocket), Some(outbox)) => Some(outbox.slot().await),
@@ -1085,13 +1115,15 @@ where
                     stopped = Some(MethodResponse::notification());
                     break;
                 }
-                if making.bytes >= SMALL_BACKLOG && rules.backlog.over() {
+                if making.bytes > 0 && rules.backlog.over() {
                     stopped = Some(too_big_batch(format!(
-                        "the server holds more than {} bytes of answers not yet read by their \
-                         clients, so this batch stopped after {run} of its {answered} calls, \
-                         its answer at {} bytes; read your answers, or send fewer calls in a \
-                         batch",
-                        rules.backlog.limit, making.bytes
+                        "the server holds more than {} bytes of answers its clients have not \
+                         read yet, so this batch stopped at call {} of its {answered} (its \
+                         answer had reached {} bytes); try again later, or send fewer calls in \
+                         a batch",
+                        rules.backlog.limit,
+                        run + 1,
+                        making.bytes
                     )));
                     break;
                 }
@@ -1113,10 +1145,10 @@ where
                 let bytes = response.as_json().get().len();
                 if answer.append(response).is_err() {
                     stopped = Some(too_big_batch(format!(
-                        "the answer to this batch grew past {} bytes after {run} of its \
-                         {answered} calls, so the rest were not run; send fewer calls in a \
-                         batch",
-                        rules.max_batch_response
+                        "the answer to this batch grew past {} bytes at call {} of its \
+                         {answered}, so the rest were not run; send fewer calls in a batch",
+                        rules.max_batch_response,
+                        run + 1
                     )));
                     break;
                 }
