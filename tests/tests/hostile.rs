@@ -942,9 +942,9 @@ fn batches_of_waits_take_no_place() {
     drop(held);
 }
 
-/// A batch of 1,000 `rpc.discover` (70 KB answers each).
-fn discover_batch() -> String {
-    let calls: Vec<Value> = (0..1000)
+/// A batch of `calls` `rpc.discover` (70 KB answers each).
+fn discover_batch(calls: usize) -> String {
+    let calls: Vec<Value> = (0..calls)
         .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
         .collect();
     Value::Array(calls).to_string()
@@ -974,7 +974,7 @@ fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
-    let batch = discover_batch();
+    let batch = discover_batch(1000);
 
     let mut http = RawHttp::connect(&agent.socket);
     assert_batch_refused(&http.call(&batch));
@@ -1015,10 +1015,7 @@ fn connections_that_read_nothing_are_held_to_a_bound_over_all_of_them() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
-    let calls: Vec<Value> = (0..200)
-        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
-        .collect();
-    let batch = Value::Array(calls).to_string();
+    let batch = discover_batch(200);
     let clients: Vec<UnixStream> = (0..CLIENTS)
         .map(|_| {
             let ws = websocket(&agent.socket);
@@ -1093,10 +1090,7 @@ fn many_batches_in_the_making_are_held_to_the_bound_over_all_of_them() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
-    let calls: Vec<Value> = (0..14)
-        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
-        .collect();
-    let batch = Value::Array(calls).to_string();
+    let batch = discover_batch(14);
     let mut clients: Vec<UnixStream> = (0..CLIENTS).map(|_| websocket(&agent.socket)).collect();
     for ws in &mut clients {
         ws_send(ws, &batch).unwrap();
@@ -1139,6 +1133,9 @@ fn http_peers_that_read_none_of_their_answers_hold_no_places() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
+    // The start's readiness probe connected and left: once the agent is at rest, it
+    // has closed that connection too.
+    quiescent(pid, Duration::from_secs(30));
     let baseline = open_sockets(pid);
     let call = request("rpc.discover", json!({}));
     let one = format!(
@@ -1266,10 +1263,7 @@ fn calls_already_read_wait_for_room_before_they_run() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let pid = agent_pid(&agent);
-    let calls: Vec<Value> = (0..200)
-        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
-        .collect();
-    let batch = Value::Array(calls).to_string();
+    let batch = discover_batch(200);
     let mut ws = websocket(&agent.socket);
     send_from_thread(&ws, std::iter::repeat_n(batch, 16))
         .join()
