@@ -1063,15 +1063,13 @@ where
             let waits = requests
                 .iter()
                 .any(|entry| matches!(entry, Ok(BatchEntry::Call(_))) && !is_metered(entry));
-            // Over HTTP the request took its place before its body was read. It serves
-            // the batch's calls, unless one of them mostly waits: a batch must not hold
-            // a place for as long as its waits run, so its other calls take places of
-            // their own, as over WebSocket.
             // While the server holds more than `max_queued_bytes_total`, a batch would
-            // only add to it: it starts once the server holds less, waiting with nothing
-            // (over HTTP it gives its request's place back, and its calls take places of
-            // their own).
+            // only add to it: it starts once the server holds less, waiting with nothing.
             let crowded = metered && rules.backlog.over();
+            // Over HTTP the request took its place before its body was read. It serves
+            // the batch's calls, unless one of them mostly waits (a batch must not hold
+            // a place for as long as its waits run) or the batch must wait to start:
+            // then its calls take places of their own, as over WebSocket.
             let own_places = match transport {
                 Some(Transport::Http) => {
                     if !metered || waits || crowded {
