@@ -217,6 +217,56 @@ struct EntryId {
     id: Option<u64>,
 }
 
+/// A batch's answers as its entries are read: one per call, by id.
+struct Answers<'r, T> {
+    remote: &'r SocketRemote,
+    calls: Vec<Option<Answer<T>>>,
+    /// What an error entry without an id said: maybe why calls went unanswered.
+    orphan: Option<String>,
+}
+
+impl<'r, T> Answers<'r, T> {
+    fn new(remote: &'r SocketRemote, count: usize) -> Self {
+        Answers {
+            remote,
+            calls: (0..count).map(|_| None).collect(),
+            orphan: None,
+        }
+    }
+
+    /// Records the entry for call `id`: `answer` the first time, an error if the call
+    /// was answered before (which answer was meant is not known), nothing for an id
+    /// no call has. An entry without an id is kept only for what its `error` says.
+    fn record(
+        &mut self,
+        id: Option<u64>,
+        error: Option<&ErrorEntry>,
+        answer: impl FnOnce() -> Answer<T>,
+    ) {
+        let Some(id) = id else {
+            if let Some(e) = error {
+                self.orphan = Some(format!("{} (code {})", e.message, e.code));
+            }
+            return;
+        };
+        if let Some(call) = self.calls.get_mut(id as usize) {
+            *call = Some(match call {
+                Some(_) => Err(self.remote.repeated(id)),
+                None => answer(),
+            });
+        }
+    }
+
+    /// One answer per call, in order; a call with no entry is said unanswered.
+    fn finish(self) -> Vec<Answer<T>> {
+        let (remote, orphan) = (self.remote, self.orphan);
+        self.calls
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(remote.unanswered(orphan.as_deref()))))
+            .collect()
+    }
+}
+
 /// A response entry whose result is parsed as `T` at once (`null` or absent: `None`).
 #[derive(Deserialize)]
 struct TypedEntry<T> {
@@ -332,35 +382,15 @@ impl SocketRemote {
                 .iter()
                 .all(|e| e.result.is_some() || e.error.is_some())
             {
-                let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
-                let mut orphan = None;
-                for entry in entries {
-                    let Some((id, slot)) = entry
-                        .id
-                        .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
-                    else {
-                        if entry.id.is_none() {
-                            orphan = entry
-                                .error
-                                .map(|e| format!("{} (code {})", e.message, e.code))
-                                .or(orphan);
-                        }
-                        continue;
-                    };
-                    if slot.is_some() {
-                        *slot = Some(Err(self.repeated(id)));
-                        continue;
-                    }
-                    *slot = match (entry.result, entry.error) {
-                        (_, Some(e)) => Some(Err(self.refused(&e))),
-                        (Some(result), None) => Some(Ok(result)),
-                        (None, None) => None,
-                    };
+                let mut answers = Answers::new(self, count);
+                for TypedEntry { id, result, error } in entries {
+                    answers.record(id, error.as_ref(), || match (result, &error) {
+                        (_, Some(e)) => Err(self.refused(e)),
+                        (Some(result), None) => Ok(result),
+                        (None, None) => Err(self.without_result()),
+                    });
                 }
-                return answers
-                    .into_iter()
-                    .map(|a| a.unwrap_or_else(|| Err(self.unanswered(orphan.as_deref()))))
-                    .collect();
+                return answers.finish();
             }
         }
         let whole = |e: CallError| (0..count).map(|_| Err(e.clone())).collect();
@@ -377,61 +407,33 @@ impl SocketRemote {
                 };
             }
         };
-        let mut answers: Vec<Option<Answer<T>>> = (0..count).map(|_| None).collect();
-        let mut orphan = None;
+        let mut answers = Answers::new(self, count);
         for raw in entries {
-            let entry = match serde_json::from_str::<ResponseEntry<'_>>(raw.get()) {
-                Ok(entry) => entry,
+            match serde_json::from_str::<ResponseEntry<'_>>(raw.get()) {
+                Ok(entry) => answers.record(entry.id, entry.error.as_ref(), || {
+                    match (entry.result, &entry.error) {
+                        (_, Some(e)) => Err(self.refused(e)),
+                        (Some(result), None) => parse(result),
+                        (None, None) => Err(self.without_result()),
+                    }
+                }),
                 Err(e) => {
                     // A malformed entry (an error without its message, say) fails the
                     // call its id names, if it names one, and no other.
-                    let id = serde_json::from_str::<EntryId>(raw.get()).ok();
-                    if let Some((id, slot)) = id
-                        .and_then(|entry| entry.id)
-                        .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
-                    {
-                        *slot = Some(Err(if slot.is_some() {
-                            self.repeated(id)
-                        } else {
-                            CallError::Answered(format!(
-                                "snapshotter {} answered an entry that is not a JSON-RPC \
-                                 response: {e}",
-                                self.name
-                            ))
-                        }));
-                    }
-                    continue;
+                    let id = serde_json::from_str::<EntryId>(raw.get())
+                        .ok()
+                        .and_then(|entry| entry.id);
+                    answers.record(id, None, || {
+                        Err(CallError::Answered(format!(
+                            "snapshotter {} answered an entry that is not a JSON-RPC \
+                             response: {e}",
+                            self.name
+                        )))
+                    });
                 }
-            };
-            let Some((id, slot)) = entry
-                .id
-                .and_then(|id| Some((id, answers.get_mut(id as usize)?)))
-            else {
-                if entry.id.is_none() {
-                    orphan = entry
-                        .error
-                        .map(|e| format!("{} (code {})", e.message, e.code))
-                        .or(orphan);
-                }
-                continue;
-            };
-            if slot.is_some() {
-                *slot = Some(Err(self.repeated(id)));
-                continue;
             }
-            *slot = Some(match (entry.result, entry.error) {
-                (_, Some(e)) => Err(self.refused(&e)),
-                (Some(result), None) => parse(result),
-                (None, None) => Err(CallError::Answered(format!(
-                    "snapshotter {} answered without a result",
-                    self.name
-                ))),
-            });
         }
-        answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(self.unanswered(orphan.as_deref()))))
-            .collect()
+        answers.finish()
     }
 
     /// The call's error answer: retried later when the snapshotter marked it transient
@@ -443,6 +445,14 @@ impl SocketRemote {
         } else {
             CallError::Answered(self.describe(e))
         }
+    }
+
+    /// An entry with neither a result nor an error.
+    fn without_result(&self) -> CallError {
+        CallError::Answered(format!(
+            "snapshotter {} answered without a result",
+            self.name
+        ))
     }
 
     /// A call the answer has more than one entry for: which one the snapshotter meant

@@ -683,35 +683,29 @@ impl Outbox {
     /// [`SMALL_BACKLOG`] if the server as a whole holds more than it should; or until
     /// the connection has ended (nothing more will be written then).
     async fn room(&self) {
-        loop {
-            let written = self.written.notified();
-            let drained = self.backlog.drained.notified();
-            tokio::pin!(written, drained);
-            written.as_mut().enable();
-            drained.as_mut().enable();
+        self.until(|| {
             let queued = self.queued();
-            if self.ended()
-                || (queued < self.limit && (queued < SMALL_BACKLOG || !self.backlog.over()))
-            {
-                return;
-            }
-            tokio::select! {
-                _ = written => {}
-                _ = drained => {}
-            }
-        }
+            queued < self.limit && (queued < SMALL_BACKLOG || !self.backlog.over())
+        })
+        .await
     }
 
     /// Waits until the server as a whole holds less than `max_queued_bytes_total`, or
     /// the connection has ended.
     async fn room_in_all(&self) {
+        self.until(|| !self.backlog.over()).await
+    }
+
+    /// Waits until `ready` holds or the connection has ended, looking again whenever
+    /// this connection writes or the server's backlog falls below its limit.
+    async fn until(&self, ready: impl Fn() -> bool) {
         loop {
             let written = self.written.notified();
             let drained = self.backlog.drained.notified();
             tokio::pin!(written, drained);
             written.as_mut().enable();
             drained.as_mut().enable();
-            if self.ended() || !self.backlog.over() {
+            if self.ended() || ready() {
                 return;
             }
             tokio::select! {
