@@ -37,7 +37,10 @@
 //!   no notification, a batch does not start (holding nothing while it waits), and a
 //!   batch already running stops with an error before its next call. Single calls of
 //!   connections holding little go on as before, so the peers that read nothing are
-//!   the ones held back, not the others;
+//!   the ones held back, not the others; but a call of a method that has answered with
+//!   [`SMALL_BACKLOG`] or more counts its largest answer before it runs, and waits for
+//!   room over all connections (holding no place), alone or in a batch, so many peers
+//!   each asking for one large answer are held to the bound too;
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
 //!   or not: its reads fail too, so it ends even while it is not being read, which frees
@@ -144,8 +147,9 @@ pub struct ServeConfig {
     /// reads at most 16 MiB of a snapshotter's answer, so a batch needs no more.
     pub max_batch_response_bytes: u32,
     /// Bytes waiting to be written over all connections, with batch answers in the
-    /// making, past which batches wait to start or stop before their next call, and
-    /// only connections holding less than [`SMALL_BACKLOG`] run calls.
+    /// making, past which batches wait to start or stop before their next call, only
+    /// connections holding less than [`SMALL_BACKLOG`] run calls, and calls of a method
+    /// that has answered with [`SMALL_BACKLOG`] or more wait.
     pub max_queued_bytes_total: u64,
 }
 
@@ -557,6 +561,18 @@ impl Backlog {
     fn over(&self) -> bool {
         self.bytes.load(std::sync::atomic::Ordering::Relaxed) >= self.limit
     }
+
+    /// Counts `n` bytes about to be made if the server holds less than it should, in
+    /// one step, so that callers let in together cannot all pass the bound.
+    fn try_reserve(&self, n: u64) -> bool {
+        self.bytes
+            .fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |bytes| (bytes < self.limit).then_some(bytes + n),
+            )
+            .is_ok()
+    }
 }
 
 /// A batch answer in the making, counted in the [`Backlog`] until it is handed over.
@@ -566,6 +582,14 @@ struct Making {
 }
 
 impl Making {
+    /// `bytes` already counted in `backlog`: given back when dropped.
+    fn counted(backlog: &Arc<Backlog>, bytes: u64) -> Making {
+        Making {
+            backlog: backlog.clone(),
+            bytes,
+        }
+    }
+
     fn grow(&mut self, n: usize) {
         self.bytes += n as u64;
         self.backlog.add(n as u64);
@@ -694,6 +718,21 @@ impl Outbox {
     /// the connection has ended.
     async fn room_in_all(&self) {
         self.until(|| !self.backlog.over()).await
+    }
+
+    /// Counts `n` bytes about to be made against the server's backlog, waiting until it
+    /// holds less than `max_queued_bytes_total` (holding nothing meanwhile); counts
+    /// nothing if the connection ends first.
+    async fn reserve_in_all(&self, n: u64) -> Making {
+        let reserved = std::sync::atomic::AtomicBool::new(false);
+        self.until(|| {
+            let now = self.backlog.try_reserve(n);
+            reserved.store(now, std::sync::atomic::Ordering::Relaxed);
+            now
+        })
+        .await;
+        let counted = reserved.load(std::sync::atomic::Ordering::Relaxed);
+        Making::counted(&self.backlog, if counted { n } else { 0 })
     }
 
     /// Waits until `ready` holds or the connection has ended, looking again whenever
@@ -860,6 +899,17 @@ impl Drop for Outbox {
     }
 }
 
+/// A batch's answer when it stopped before its call `at` of `calls` because the server
+/// holds more than `max_queued_bytes_total` (-32011).
+fn over_bound(rules: &Rules, at: usize, calls: usize, made: u64) -> MethodResponse {
+    too_big_batch(format!(
+        "the server holds more than {} bytes of answers its clients have not read yet, so \
+         this batch stopped at call {at} of its {calls} (its answer had reached {made} \
+         bytes); try again later, or send fewer calls in a batch",
+        rules.backlog.limit
+    ))
+}
+
 /// A batch's answer when it was stopped for its size (-32011), saying why.
 fn too_big_batch(message: String) -> MethodResponse {
     MethodResponse::error(
@@ -901,9 +951,45 @@ struct Rules {
     /// The most bytes of a batch's answer (`max_batch_response_bytes`).
     max_batch_response: usize,
     backlog: Arc<Backlog>,
+    /// The largest answer each method served has given, for those that have given one
+    /// of [`SMALL_BACKLOG`] or more (a listing of a large backup, say): a call of such a
+    /// method counts that much against the backlog before it runs. Keyed by the
+    /// server's own method names, so it holds at most one entry per method.
+    large: Mutex<std::collections::HashMap<String, u64>>,
+    /// Whether `large` has an entry: until then no call looks it up.
+    any_large: std::sync::atomic::AtomicBool,
 }
 
 impl Rules {
+    /// The largest answer `method` has given, if that was [`SMALL_BACKLOG`] or more.
+    fn large(&self, method: &str) -> Option<u64> {
+        if !self.any_large.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        self.large
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(method)
+            .copied()
+    }
+
+    /// Records that `method` answered with `bytes`.
+    fn answered(&self, method: &str, bytes: usize) {
+        let bytes = bytes as u64;
+        if bytes < SMALL_BACKLOG || self.methods.method(method).is_none() {
+            return;
+        }
+        let mut large = self.large.lock().unwrap_or_else(|p| p.into_inner());
+        match large.get_mut(method) {
+            Some(most) => *most = (*most).max(bytes),
+            None => {
+                large.insert(method.to_owned(), bytes);
+            }
+        }
+        self.any_large
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Runs `request` on `inner`, holding a place among the calls in flight while it
     /// runs if it is `metered`: the place bounds work, not answers waiting for their
     /// reader.
@@ -986,18 +1072,38 @@ where
                 return MethodResponse::error(request.id().into_owned(), e);
             }
             let metered = !rules.unmetered.contains(request.method_name());
-            match (
+            let method = request.method.clone();
+            let large = rules.large(&method);
+            let response = match (
                 transport,
                 request.extensions().get::<Arc<Outbox>>().cloned(),
             ) {
-                (Some(Transport::Http), _) => {
-                    // The request took its place before its body was read.
-                    if !metered {
+                (Some(Transport::Http), outbox) => {
+                    // The request took its place before its body was read. It keeps it
+                    // unless the method mostly waits, or its answer must wait for the
+                    // server to hold less: then it waits holding nothing.
+                    let (mut making, waits) = match (large, &outbox) {
+                        (Some(n), Some(_)) if rules.backlog.try_reserve(n) => {
+                            (Some(Making::counted(&rules.backlog, n)), false)
+                        }
+                        (Some(_), Some(_)) => (None, true),
+                        _ => (None, false),
+                    };
+                    if !metered || waits {
                         if let Some(place) = request.extensions().get::<Place>() {
                             drop(place.take());
                         }
                     }
-                    inner.call(request).await
+                    if let (true, Some(n), Some(outbox)) = (waits, large, &outbox) {
+                        making = Some(outbox.reserve_in_all(n).await);
+                    }
+                    let response = if waits {
+                        rules.placed(&inner, request, metered).await
+                    } else {
+                        inner.call(request).await
+                    };
+                    drop(making);
+                    response
                 }
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     // Frames already read wait here for their connection's slot, not
@@ -1007,12 +1113,19 @@ where
                     // peer that reads nothing holds `max_queued_bytes` and one answer
                     // in the making, not one answer per slot.
                     outbox.room().await;
+                    let making = match large {
+                        Some(n) => Some(outbox.reserve_in_all(n).await),
+                        None => None,
+                    };
                     let response = rules.placed(&inner, request, metered).await;
                     outbox.respond(response.as_json().get().len(), slot);
+                    drop(making);
                     response
                 }
                 _ => inner.call(request).await,
-            }
+            };
+            rules.answered(&method, response.as_json().get().len());
+            response
         }
     }
 
@@ -1057,6 +1170,11 @@ where
             let waits = requests
                 .iter()
                 .any(|entry| matches!(entry, Ok(BatchEntry::Call(_))) && !is_metered(entry));
+            // A call whose answers have been large counts them before it runs, and may
+            // have to wait for that (see the loop): the batch waits holding no place.
+            let large = requests.iter().any(|entry| {
+                matches!(entry, Ok(BatchEntry::Call(call)) if rules.large(call.method_name()).is_some())
+            });
             // While the server holds more than `max_queued_bytes_total`, a batch would
             // only add to it: it starts once the server holds less, waiting with nothing.
             let crowded = metered && rules.backlog.over();
@@ -1066,12 +1184,12 @@ where
             // then its calls take places of their own, as over WebSocket.
             let own_places = match transport {
                 Some(Transport::Http) => {
-                    if !metered || waits || crowded {
+                    if !metered || waits || crowded || large {
                         if let Some(place) = requests.extensions().get::<Place>() {
                             drop(place.take());
                         }
                     }
-                    waits || crowded
+                    waits || crowded || large
                 }
                 _ => true,
             };
@@ -1108,20 +1226,27 @@ where
                     break;
                 }
                 if making.bytes > 0 && rules.backlog.over() {
-                    stopped = Some(too_big_batch(format!(
-                        "the server holds more than {} bytes of answers its clients have not \
-                         read yet, so this batch stopped at call {} of its {answered} (its \
-                         answer had reached {} bytes); try again later, or send fewer calls in \
-                         a batch",
-                        rules.backlog.limit,
-                        run + 1,
-                        making.bytes
-                    )));
+                    stopped = Some(over_bound(&rules, run + 1, answered, making.bytes));
                     break;
+                }
+                let mut method = None;
+                let mut reserved = None;
+                if let (Ok(BatchEntry::Call(call)), Some(outbox)) = (&entry, &outbox) {
+                    if let Some(n) = rules.large(call.method_name()) {
+                        if making.bytes == 0 {
+                            reserved = Some(outbox.reserve_in_all(n).await);
+                        } else if rules.backlog.try_reserve(n) {
+                            reserved = Some(Making::counted(&rules.backlog, n));
+                        } else {
+                            stopped = Some(over_bound(&rules, run + 1, answered, making.bytes));
+                            break;
+                        }
+                    }
                 }
                 let response = match entry {
                     Ok(BatchEntry::Call(call)) => {
                         let metered = own_places && !rules.unmetered.contains(call.method_name());
+                        method = Some(call.method.clone());
                         rules.placed(&inner, call, metered).await
                     }
                     Ok(BatchEntry::Notification(n)) => {
@@ -1135,6 +1260,10 @@ where
                     }
                 };
                 let bytes = response.as_json().get().len();
+                drop(reserved);
+                if let Some(method) = method {
+                    rules.answered(&method, bytes);
+                }
                 if answer.append(response).is_err() {
                     stopped = Some(too_big_batch(format!(
                         "the answer to this batch grew past {} bytes at call {} of its \
@@ -1421,6 +1550,8 @@ pub async fn serve<L>(
         unmetered: config.unmetered_methods.iter().cloned().collect(),
         max_batch_response: config.max_batch_response_bytes as usize,
         backlog: Arc::new(Backlog::new(config.max_queued_bytes_total)),
+        large: Mutex::new(std::collections::HashMap::new()),
+        any_large: std::sync::atomic::AtomicBool::new(false),
     });
     let backlog = rules.backlog.clone();
     let guarded = rpc_middleware.layer_fn(move |inner| Guard {

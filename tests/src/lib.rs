@@ -215,6 +215,9 @@ pub struct Agent {
     args: Vec<String>,
     /// `--poll-interval` (100 ms unless started with [`Agent::start_polling_every`]).
     poll_interval: String,
+    /// `OPMON_LOG_LEVEL`: debug with the traffic, unless started with
+    /// [`Agent::start_untraced`].
+    log_filter: &'static str,
 }
 
 impl Agent {
@@ -237,6 +240,17 @@ impl Agent {
         agent
     }
 
+    /// Like [`Agent::start`], logging at debug without the traffic, for a test of what
+    /// many large answers cost: their trace lines would cost as much again, which an
+    /// agent run as documented does not spend, and their check would take minutes.
+    pub fn start_untraced(dir: &Path, extra: &[&str]) -> Agent {
+        let mut agent = Agent::unstarted(dir, &dir.join("run/agent.sock"), &dir.join("state"));
+        agent.args = extra.iter().map(|s| s.to_string()).collect();
+        agent.log_filter = "debug";
+        agent.launch();
+        agent
+    }
+
     /// Starts an agent logging to `dir/agent.log` on `socket` and `state_dir`.
     pub fn start_at(dir: &Path, socket: &Path, state_dir: &Path, extra: &[&str]) -> Agent {
         let mut agent = Agent::unstarted(dir, socket, state_dir);
@@ -255,6 +269,7 @@ impl Agent {
             log: dir.join("agent.log"),
             args: Vec::new(),
             poll_interval: "100ms".into(),
+            log_filter: traffic::LOG_FILTER,
         }
     }
 
@@ -280,7 +295,7 @@ impl Agent {
             .arg(&self.state_dir)
             .args(["--poll-interval", &self.poll_interval])
             .args(&self.args)
-            .env("OPMON_LOG_LEVEL", traffic::LOG_FILTER)
+            .env("OPMON_LOG_LEVEL", self.log_filter)
             .env("OPMON_CONFIG", "/dev/null")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

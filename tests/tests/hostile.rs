@@ -1282,3 +1282,88 @@ fn calls_already_read_wait_for_room_before_they_run() {
         assert_eq!(answers.len(), 200, "answer {i}");
     }
 }
+
+/// One call's answer can be large too (`backup.operations` of a backup of thousands of
+/// operations): once a method has answered with 1 MiB or more, each call of it counts
+/// that much against the bound over all connections before it runs, and waits, holding
+/// no place, while the server holds more. 80 HTTP clients that each ask for a 5.3 MB
+/// list and read nothing make the agent hold about 64 MiB of answers, not 80 lists (its
+/// peak about 212 MiB with the lists being made; 582 MiB before, and some clients then
+/// got a list cut short); a small call still answers meanwhile, and every client gets
+/// its whole list once it reads.
+#[test]
+fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
+    const CLIENTS: usize = 80;
+    const OPS: usize = 3600;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_untraced(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
+    let ops: Vec<_> = (0..OPS)
+        .map(|i| operation(PLUGIN, &format!("{i:04}-{}", "x".repeat(1000)), "data", &[]))
+        .collect();
+    let added = http.call(&request(
+        "backup.addOperations",
+        json!({"name": "big", "operations": ops}),
+    ));
+    assert_eq!(added["result"]["added"], OPS, "{added:.300}");
+    let list = request("backup.operations", json!({"name": "big"}));
+    let whole = http.call(&list);
+    assert_eq!(whole["result"].as_array().map(Vec::len), Some(OPS));
+    let bytes = whole.to_string().len();
+    assert!(bytes > 4_000_000, "the list is {bytes} bytes");
+    drop(http);
+
+    let post = format!(
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{list}",
+        list.len()
+    );
+    let mut clients: Vec<UnixStream> = (0..CLIENTS)
+        .map(|_| UnixStream::connect(&agent.socket).unwrap())
+        .collect();
+    for c in &mut clients {
+        c.write_all(post.as_bytes()).unwrap();
+    }
+    quiescent(pid, Duration::from_secs(120));
+    let peak = status_bytes(pid, "VmHWM:");
+    println!(
+        "peak RSS {} MiB with {CLIENTS} unread lists of {bytes} bytes",
+        peak >> 20
+    );
+    let mut probe = RawHttp::connect(&agent.socket);
+    let status = probe.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    // Read at once, each client on a thread of its own: a connection left unread for
+    // 30 s would be closed as stalled.
+    let readers: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                let mut answer = Vec::new();
+                c.read_to_end(&mut answer).unwrap();
+                answer
+            })
+        })
+        .collect();
+    for reader in readers {
+        let answer = reader.join().unwrap();
+        let text = String::from_utf8_lossy(&answer);
+        let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+        let value: Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {:.300}", text.as_ref()));
+        assert_eq!(
+            value["result"].as_array().map(Vec::len),
+            Some(OPS),
+            "{value:.300}"
+        );
+    }
+    assert!(
+        peak < 320 << 20,
+        "the agent's peak RSS reached {} MiB for {CLIENTS} unread lists of {} KB",
+        peak >> 20,
+        bytes / 1000
+    );
+}
