@@ -47,7 +47,12 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
         return Ok(parsed);
     }
     let mut de = serde_json::Deserializer::from_str(raw);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    serde_path_to_error::deserialize(&mut de).map_err(|e| clipped(said_of_params::<T>(e)))
+}
+
+/// The invalid-params error serde_json's `e` says, worded for a client.
+fn said_of_params<T: DeserializeOwned>(e: serde_path_to_error::Error<serde_json::Error>) -> Error {
+    {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
         // serde_json appends the position; the field path says more.
@@ -70,7 +75,39 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
         } else {
             Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
         }
-    })
+    }
+}
+
+/// Longest invalid-params message: serde quotes what it could not take (`invalid type:
+/// string "…"`, an unknown field's name), which a peer may make megabytes long.
+const MAX_PARAMS_ERROR: usize = 1024;
+
+/// `e` with the middle of a message over [`MAX_PARAMS_ERROR`] bytes left out: its start
+/// names the field and what was sent, its end what was expected (`expected u32`).
+fn clipped(e: Error) -> Error {
+    const TAIL: usize = 256;
+    let Error::InvalidParams(message) = e else {
+        return e;
+    };
+    if message.len() <= MAX_PARAMS_ERROR {
+        return Error::InvalidParams(message);
+    }
+    let mut tail = message.len() - TAIL;
+    while !message.is_char_boundary(tail) {
+        tail += 1;
+    }
+    // The marker's number has at most as many digits as the whole length.
+    let marker = format!("… [{} bytes left out] …", message.len());
+    let mut head = MAX_PARAMS_ERROR - TAIL - marker.len();
+    while !message.is_char_boundary(head) {
+        head -= 1;
+    }
+    Error::InvalidParams(format!(
+        "{}… [{} bytes left out] …{}",
+        &message[..head],
+        tail - head,
+        &message[tail..]
+    ))
 }
 
 /// `expected struct PluginRef` → `expected an object`: a client knows no Rust types.
@@ -664,6 +701,23 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "operations[0].resource.name: invalid type: integer `5`, expected a string"
+        );
+    }
+
+    #[test]
+    fn a_long_value_quoted_in_an_error_is_cut_in_its_middle() {
+        let raw = format!(r#"{{"limit":"{}é"}}"#, "x".repeat(2_000_000));
+        let raw: &'static str = Box::leak(raw.into_boxed_str());
+        let e = parse::<ListParams>(&params(raw)).unwrap_err().to_string();
+        assert!(e.len() <= MAX_PARAMS_ERROR, "{} bytes", e.len());
+        assert!(e.starts_with("limit: invalid type: string \"xxxx"), "{e}");
+        assert!(e.contains("… [1999"), "{e}");
+        assert!(e.ends_with("xxxxé\", expected u32"), "{e}");
+        // Short ones are whole.
+        let e = parse::<ListParams>(&params(r#"{"limit":"ten"}"#)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "limit: invalid type: string \"ten\", expected u32"
         );
     }
 

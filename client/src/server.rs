@@ -973,7 +973,9 @@ impl Rules {
             .copied()
     }
 
-    /// Records that `method` answered with `bytes`.
+    /// Records that `method` answered with `bytes`: results only, so that an error
+    /// that quotes what a peer sent cannot make a small method (the one a health probe
+    /// calls) count as large and wait.
     fn answered(&self, method: &str, bytes: usize) {
         let bytes = bytes as u64;
         if bytes < SMALL_BACKLOG || self.methods.method(method).is_none() {
@@ -1124,7 +1126,9 @@ where
                 }
                 _ => inner.call(request).await,
             };
-            rules.answered(&method, response.as_json().get().len());
+            if response.is_success() {
+                rules.answered(&method, response.as_json().get().len());
+            }
             response
         }
     }
@@ -1261,7 +1265,7 @@ where
                 };
                 let bytes = response.as_json().get().len();
                 drop(reserved);
-                if let Some(method) = method {
+                if let (Some(method), true) = (method, response.is_success()) {
                     rules.answered(&method, bytes);
                 }
                 if answer.append(response).is_err() {
