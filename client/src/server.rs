@@ -1084,28 +1084,23 @@ where
                     // The request took its place before its body was read. It keeps it
                     // unless the method mostly waits, or its answer must wait for the
                     // server to hold less: then it waits holding nothing.
-                    let (mut making, waits) = match (large, &outbox) {
-                        (Some(n), Some(_)) if rules.backlog.try_reserve(n) => {
-                            (Some(Making::counted(&rules.backlog, n)), false)
-                        }
-                        (Some(_), Some(_)) => (None, true),
-                        _ => (None, false),
-                    };
+                    let reserved = large.is_some_and(|n| rules.backlog.try_reserve(n));
+                    let waits = large.is_some() && !reserved && outbox.is_some();
                     if !metered || waits {
                         if let Some(place) = request.extensions().get::<Place>() {
                             drop(place.take());
                         }
                     }
-                    if let (true, Some(n), Some(outbox)) = (waits, large, &outbox) {
-                        making = Some(outbox.reserve_in_all(n).await);
-                    }
-                    let response = if waits {
+                    let _making = match (large, &outbox) {
+                        (Some(n), _) if reserved => Some(Making::counted(&rules.backlog, n)),
+                        (Some(n), Some(outbox)) => Some(outbox.reserve_in_all(n).await),
+                        _ => None,
+                    };
+                    if waits {
                         rules.placed(&inner, request, metered).await
                     } else {
                         inner.call(request).await
-                    };
-                    drop(making);
-                    response
+                    }
                 }
                 (Some(Transport::WebSocket), Some(outbox)) => {
                     // Frames already read wait here for their connection's slot, not
@@ -1736,6 +1731,27 @@ async fn answer_refused(stream: UnixStream, refusal: Refusal) {
 mod tests {
     use super::*;
     use tokio::io::AsyncWrite;
+
+    /// Reservations are let in while the count is under the bound, one step each: of
+    /// callers let in together, those after the one that passed the bound wait, and
+    /// one waiting is let in once a reservation is given back.
+    #[tokio::test]
+    async fn reservations_wait_once_the_count_passes_the_bound() {
+        let backlog = Arc::new(Backlog::new(10));
+        let outbox = Outbox::new(1 << 20, 16, backlog.clone());
+        let first = outbox.reserve_in_all(6).await;
+        let second = outbox.reserve_in_all(6).await;
+        assert_eq!(backlog.bytes.load(std::sync::atomic::Ordering::Relaxed), 12);
+        assert!(!backlog.try_reserve(1), "a third was let in past the bound");
+        let third = outbox.reserve_in_all(6);
+        tokio::pin!(third);
+        assert!(futures::poll!(third.as_mut()).is_pending());
+        drop(first);
+        let third = third.await;
+        assert_eq!(third.bytes, 6);
+        drop((second, third));
+        assert_eq!(backlog.bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
 
     /// One `poll_write` of `data`, without waiting.
     async fn write_once(watched: &mut Watched<UnixStream>, data: &[u8]) -> Poll<io::Result<usize>> {
