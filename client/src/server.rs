@@ -623,7 +623,8 @@ pub struct Outbox {
     slots: Arc<Semaphore>,
     /// Held while one of the connection's batches builds its answer.
     batches: tokio::sync::Mutex<()>,
-    /// Everyone's; this connection's part is what it has queued, until it fails.
+    /// Everyone's; this connection's part is its answers not yet written whole, until
+    /// it fails.
     backlog: Arc<Backlog>,
 }
 
@@ -633,6 +634,11 @@ struct OutboxState {
     written: u64,
     /// Per response not yet written: its `due`, and its slot.
     pending: VecDeque<(u64, Held)>,
+    /// Per response or notification not yet written whole: its `due` and its size,
+    /// counted whole in the backlog until its last byte is written. A response is held
+    /// in memory whole until then, so a peer that reads all of each answer but its last
+    /// bytes holds every answer, not their tails.
+    unwritten: VecDeque<(u64, u64)>,
     /// The connection's reader, waiting for room.
     reader: Option<Waker>,
     /// The connection's reader, waiting for the peer to send: woken only if the
@@ -677,12 +683,26 @@ impl Outbox {
 
     /// Hands `bytes` over in `state`, counting them in the backlog; returns their `due`.
     fn hand_over(&self, state: &mut OutboxState, bytes: usize) -> u64 {
-        let before = state.queued();
         let due = state.hand_over(bytes);
         if !state.failed {
-            self.backlog.add(state.queued() - before);
+            self.backlog.add(bytes as u64);
+            state.unwritten.push_back((due, bytes as u64));
         }
         due
+    }
+
+    /// Gives back to the backlog what `state` counts of answers written whole, or of
+    /// all of them once nothing more will be written.
+    fn uncount(&self, state: &mut OutboxState, all: bool) {
+        let mut done = 0;
+        while let Some(&(due, bytes)) = state.unwritten.front() {
+            if !all && due > state.written {
+                break;
+            }
+            done += bytes;
+            state.unwritten.pop_front();
+        }
+        self.backlog.sub(done);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
@@ -789,11 +809,8 @@ impl Outbox {
         let mut released = Vec::new();
         {
             let mut state = self.lock();
-            let before = state.queued();
             state.written += n as u64;
-            if !state.failed {
-                self.backlog.sub(before - state.queued());
-            }
+            self.uncount(&mut state, false);
             while state
                 .pending
                 .front()
@@ -842,9 +859,7 @@ impl Outbox {
     fn fail(&self) {
         let (released, on_socket): (Vec<_>, _) = {
             let mut state = self.lock();
-            if !state.failed {
-                self.backlog.sub(state.queued());
-            }
+            self.uncount(&mut state, true);
             state.failed = true;
             (
                 state.pending.drain(..).collect(),
@@ -892,10 +907,8 @@ impl Outbox {
 
 impl Drop for Outbox {
     fn drop(&mut self) {
-        let state = self.lock();
-        if !state.failed {
-            self.backlog.sub(state.queued());
-        }
+        let mut state = self.lock();
+        self.uncount(&mut state, true);
     }
 }
 
@@ -1751,6 +1764,42 @@ mod tests {
         assert_eq!(third.bytes, 6);
         drop((second, third));
         assert_eq!(backlog.bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    /// An answer counts whole until its last byte is written: it is held whole until
+    /// then, so a peer that reads all but the tail of each answer is held to the bound
+    /// by the answers, not by their tails.
+    #[test]
+    fn an_answer_counts_whole_until_its_last_byte_is_written() {
+        let backlog = Arc::new(Backlog::new(1 << 30));
+        let count = || backlog.bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let outbox = Outbox::new(1 << 20, 16, backlog.clone());
+        outbox.respond(1000, None);
+        outbox.push(500);
+        assert_eq!(count(), 1500);
+        outbox.wrote(990);
+        assert_eq!(count(), 1500, "the first answer's tail is not written yet");
+        outbox.wrote(10);
+        assert_eq!(count(), 500);
+        outbox.wrote(499);
+        assert_eq!(count(), 500);
+        drop(outbox);
+        assert_eq!(
+            count(),
+            0,
+            "a connection gone gives back what it still held"
+        );
+        let outbox = Outbox::new(1 << 20, 16, backlog.clone());
+        outbox.respond(700, None);
+        outbox.wrote(300);
+        outbox.fail();
+        assert_eq!(
+            count(),
+            0,
+            "a connection failed gives back what it still held"
+        );
+        outbox.respond(700, None);
+        assert_eq!(count(), 0, "a failed connection counts nothing more");
     }
 
     /// One `poll_write` of `data`, without waiting.
