@@ -18,8 +18,8 @@
 //! - at most `max_calls_in_flight` calls run at once, over all connections; methods that
 //!   mostly wait (listed in `unmetered_methods`) take no place. A place is held while a
 //!   call runs, not while its answer waits for its reader, so a peer that reads none of
-//!   its answers holds no one else's places. An HTTP request waits for its place before
-//!   its body is read and gives it back once its response is made (hyper reads no
+//!   its answers holds no one else's places. An HTTP request takes its place once its
+//!   body has been read and gives it back once its response is made (hyper reads no
 //!   further request of the connection until that response is written); a WebSocket
 //!   call first waits for one of its connection's `max_calls_per_connection` slots,
 //!   which it keeps until its response has been written;
@@ -40,11 +40,19 @@
 //!   the ones held back, not the others; but a call of a method that has answered with
 //!   [`SMALL_BACKLOG`] or more counts its largest answer before it runs, and waits for
 //!   room over all connections (holding no place), alone or in a batch, so many peers
-//!   each asking for one large answer are held to the bound too;
+//!   each asking for one large answer are held to the bound too; such calls run
+//!   [`LARGE_MAKING_AT_ONCE`] at a time, so answers larger than the largest so far pass
+//!   the bound by that many answers at most;
 //! - a connection whose peer takes nothing of what waits for it for
 //!   `write_stall_timeout`, or whose writes fail (the peer went away), fails, WebSocket
 //!   or not: its reads fail too, so it ends even while it is not being read, which frees
 //!   all of the above;
+//! - an HTTP request body is read before its call takes a place, so a peer that sends
+//!   its body slowly, or less of it than it declared, holds no place: a connection holds
+//!   at most [`SMALL_BODY`] of a body as it comes, larger bodies (or chunked ones) are
+//!   read [`LARGE_BODIES_AT_ONCE`] at a time over all connections, and a body that has
+//!   not come whole `request_body_timeout` after its read began is answered with 408
+//!   and its connection closed;
 //! - a request body over `max_request_body_size` is answered with a JSON-RPC error
 //!   (HTTP 413) and its rest read and dropped, so the client sees the answer rather
 //!   than a reset, whether the refusal came from the declared length or from reading:
@@ -92,6 +100,20 @@ pub const MAX_CONNECTIONS: u32 = 4096;
 /// server as a whole holds more than `max_queued_bytes_total`.
 pub const SMALL_BACKLOG: u64 = 1024 * 1024;
 
+/// A request body of at most this many bytes is read as it comes, before its request
+/// takes a place among the calls in flight: a connection holds at most this much of a
+/// body no call is running for yet.
+pub const SMALL_BODY: u64 = 64 * 1024;
+
+/// Bodies larger than [`SMALL_BODY`], or of no declared length, read at once over all
+/// connections; each keeps its read until its response is made, so such bodies hold at
+/// most this many times `max_request_body_size`.
+pub const LARGE_BODIES_AT_ONCE: usize = 4;
+
+/// Calls of methods that have answered with [`SMALL_BACKLOG`] or more made at once, over
+/// all connections (those of methods that mostly wait aside).
+pub const LARGE_MAKING_AT_ONCE: usize = 2;
+
 /// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -126,9 +148,12 @@ pub struct ServeConfig {
     pub metrics: Option<MetricsPage>,
     /// A connection whose peer sends nothing for this long is closed.
     pub idle_timeout: Option<Duration>,
-    /// Calls running at once, over all connections (an HTTP request's from before its
-    /// body is read until its response is made).
+    /// Calls running at once, over all connections (an HTTP request's from once its body
+    /// has been read until its response is made).
     pub max_calls_in_flight: usize,
+    /// An HTTP request whose body has not arrived whole this long after its head (once
+    /// it may be read) is answered with 408 and its connection closed.
+    pub request_body_timeout: Option<Duration>,
     /// Methods that mostly wait (for a change, another process, a file) holding little
     /// memory: they do not count against `max_calls_in_flight`.
     pub unmetered_methods: Vec<String>,
@@ -162,6 +187,7 @@ impl Default for ServeConfig {
             metrics: None,
             idle_timeout: None,
             max_calls_in_flight: 32,
+            request_body_timeout: Some(Duration::from_secs(30)),
             unmetered_methods: Vec::new(),
             max_queued_bytes: 16 * 1024 * 1024,
             max_calls_per_connection: 16,
@@ -396,6 +422,62 @@ where
     });
 }
 
+/// Why a request body was not read whole.
+enum Unread {
+    /// It passed the limit after this many bytes; the rest is the caller's to drain.
+    TooBig(hyper::body::Incoming, u64),
+    /// The connection failed while it was read.
+    Failed(hyper::Error),
+}
+
+/// Reads a request body whole, up to `max_body` bytes, whether or not it declared its
+/// length; no more than [`SMALL_BODY`] is set aside before the bytes arrive. `got`
+/// counts the bytes read, for the caller that gives up waiting.
+async fn read_body(
+    mut body: hyper::body::Incoming,
+    declared: Option<u64>,
+    max_body: u32,
+    got: &mut usize,
+) -> Result<hyper::body::Bytes, Unread> {
+    let expected = declared.unwrap_or(0).min(SMALL_BODY) as usize;
+    let mut collected = Vec::with_capacity(expected);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(Unread::Failed)?;
+        if let Ok(data) = frame.into_data() {
+            let read = collected.len() + data.len();
+            if read > max_body as usize {
+                return Err(Unread::TooBig(body, read as u64));
+            }
+            collected.extend_from_slice(&data);
+            *got = read;
+        }
+    }
+    Ok(hyper::body::Bytes::from(collected))
+}
+
+/// The answer to a request whose body did not arrive in time; the connection is closed
+/// after it (the rest of the body is not read).
+fn body_late(timeout: Duration, got: usize, declared: Option<u64>) -> HttpResponse {
+    let expected = match declared {
+        Some(length) => format!("{got} of its {length} bytes came"),
+        None => format!("{got} bytes came, not its last chunk"),
+    };
+    let mut response = rpc_error(
+        hyper::StatusCode::REQUEST_TIMEOUT,
+        jsonrpsee::types::error::INVALID_REQUEST_CODE,
+        &format!(
+            "the request body did not arrive within {}s of its head ({expected}); \
+             send the whole body at once",
+            timeout.as_secs_f64()
+        ),
+    );
+    response.headers_mut().insert(
+        hyper::header::CONNECTION,
+        hyper::header::HeaderValue::from_static("close"),
+    );
+    response
+}
+
 /// Which transport a call came by; set on every request `serve` routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -403,7 +485,7 @@ pub enum Transport {
     WebSocket,
 }
 
-/// The place (in `max_calls_in_flight`) an HTTP request took before its body was read;
+/// The place (in `max_calls_in_flight`) an HTTP request took once its body was read;
 /// an unmetered method gives it back as soon as it is known.
 #[derive(Clone)]
 struct Place(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
@@ -419,12 +501,15 @@ struct Shared {
     page: Option<MetricsPage>,
     max_body: u32,
     places: Arc<Semaphore>,
+    /// Reads of bodies larger than [`SMALL_BODY`] (or of no declared length) at once.
+    large_bodies: Arc<Semaphore>,
+    body_timeout: Option<Duration>,
 }
 
 /// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
-/// A POST waits for its place among the calls in flight before its body is read; a body
-/// without a declared length (chunked) is read up to `max_body` here, so one past the
-/// limit gets 413 like a declared one, not an internal error.
+/// A POST's body is read here, up to `max_body` (a chunked one past it gets 413 like a
+/// declared one, not an internal error) and within `body_timeout`, before the request
+/// waits for its place among the calls in flight.
 async fn route<S>(
     request: hyper::Request<hyper::body::Incoming>,
     mut rpc: S,
@@ -487,29 +572,35 @@ where
         drain(body, &parts.headers, 0, drain_bound);
         return Ok(too_big(max_body));
     }
+    // The body is read before the request takes a place, so a peer that sends its body
+    // slowly (or less of it than it declared) holds no place. A large body first waits
+    // for one of the few reads of large bodies at once, which it keeps until its
+    // response is made: what bodies hold before their calls run is bounded.
+    let _large = match declared {
+        Some(length) if length <= SMALL_BODY => None,
+        _ => shared.large_bodies.clone().acquire_owned().await.ok(),
+    };
+    let mut got = 0;
+    let read = read_body(body, declared, max_body, &mut got);
+    let read = match shared.body_timeout {
+        Some(timeout) => match tokio::time::timeout(timeout, read).await {
+            Ok(read) => read,
+            Err(_) => return Ok(body_late(timeout, got, declared)),
+        },
+        None => read.await,
+    };
+    let body = match read {
+        Ok(bytes) => HttpBody::new(http_body_util::Full::new(bytes)),
+        Err(Unread::TooBig(body, read)) => {
+            drain(body, &parts.headers, read, drain_bound);
+            return Ok(too_big(max_body));
+        }
+        Err(Unread::Failed(e)) => return Err(e.into()),
+    };
     let place = Place(Arc::new(Mutex::new(
         shared.places.clone().acquire_owned().await.ok(),
     )));
     parts.extensions.insert(place.clone());
-    let body = if declared.is_none() {
-        let mut body = body;
-        let mut collected = Vec::new();
-        while let Some(frame) = body.frame().await {
-            if let Ok(data) = frame?.into_data() {
-                let read = collected.len() + data.len();
-                if read > max_body as usize {
-                    drain(body, &parts.headers, read as u64, drain_bound);
-                    return Ok(too_big(max_body));
-                }
-                collected.extend_from_slice(&data);
-            }
-        }
-        HttpBody::new(http_body_util::Full::new(hyper::body::Bytes::from(
-            collected,
-        )))
-    } else {
-        HttpBody::new(body)
-    };
     let mut response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
     if response.extensions().get::<Unanswered>().is_some() {
         // jsonrpsee's HTTP answer to a notification is the body `null`; JSON-RPC's is
@@ -575,10 +666,12 @@ impl Backlog {
     }
 }
 
-/// A batch answer in the making, counted in the [`Backlog`] until it is handed over.
+/// An answer in the making, counted in the [`Backlog`] until it is handed over; for a
+/// large one, with its turn among the [`LARGE_MAKING_AT_ONCE`].
 struct Making {
     backlog: Arc<Backlog>,
     bytes: u64,
+    turn: Option<OwnedSemaphorePermit>,
 }
 
 impl Making {
@@ -587,7 +680,13 @@ impl Making {
         Making {
             backlog: backlog.clone(),
             bytes,
+            turn: None,
         }
+    }
+
+    fn with_turn(mut self, turn: Option<OwnedSemaphorePermit>) -> Making {
+        self.turn = turn;
+        self
     }
 
     fn grow(&mut self, n: usize) {
@@ -740,10 +839,15 @@ impl Outbox {
         self.until(|| !self.backlog.over()).await
     }
 
-    /// Counts `n` bytes about to be made against the server's backlog, waiting until it
-    /// holds less than `max_queued_bytes_total` (holding nothing meanwhile); counts
+    /// Takes a turn among the large answers made at once (if `turns`), then counts `n`
+    /// bytes about to be made against the server's backlog, waiting until it holds
+    /// less than `max_queued_bytes_total` (holding nothing else meanwhile); counts
     /// nothing if the connection ends first.
-    async fn reserve_in_all(&self, n: u64) -> Making {
+    async fn reserve_in_all(&self, n: u64, turns: Option<&Arc<Semaphore>>) -> Making {
+        let turn = match turns {
+            Some(turns) => turns.clone().acquire_owned().await.ok(),
+            None => None,
+        };
         let reserved = std::sync::atomic::AtomicBool::new(false);
         self.until(|| {
             let now = self.backlog.try_reserve(n);
@@ -752,7 +856,7 @@ impl Outbox {
         })
         .await;
         let counted = reserved.load(std::sync::atomic::Ordering::Relaxed);
-        Making::counted(&self.backlog, if counted { n } else { 0 })
+        Making::counted(&self.backlog, if counted { n } else { 0 }).with_turn(turn)
     }
 
     /// Waits until `ready` holds or the connection has ended, looking again whenever
@@ -914,6 +1018,23 @@ impl Drop for Outbox {
 
 /// A batch's answer when it stopped before its call `at` of `calls` because the server
 /// holds more than `max_queued_bytes_total` (-32011).
+/// A later large call of a batch: its turn (waited for: turns are held while answers
+/// are made) and `n` bytes counted, if the server holds less than it should once the
+/// turn is there; `None` stops the batch.
+async fn later_reservation(
+    backlog: &Arc<Backlog>,
+    n: u64,
+    turns: Option<&Arc<Semaphore>>,
+) -> Option<Making> {
+    let turn = match turns {
+        Some(turns) => Some(turns.clone().acquire_owned().await.ok()?),
+        None => None,
+    };
+    backlog
+        .try_reserve(n)
+        .then(|| Making::counted(backlog, n).with_turn(turn))
+}
+
 fn over_bound(rules: &Rules, at: usize, calls: usize, made: u64) -> MethodResponse {
     too_big_batch(format!(
         "the server holds more than {} bytes of answers its clients have not read yet, so \
@@ -971,6 +1092,10 @@ struct Rules {
     large: Mutex<std::collections::HashMap<String, u64>>,
     /// Whether `large` has an entry: until then no call looks it up.
     any_large: std::sync::atomic::AtomicBool,
+    /// Turns among the [`LARGE_MAKING_AT_ONCE`] calls of such methods that run at once,
+    /// so a count that a larger answer outgrows is outgrown by that many answers at
+    /// most, not by as many as the count let in.
+    making: Arc<Semaphore>,
 }
 
 impl Rules {
@@ -984,6 +1109,23 @@ impl Rules {
             .unwrap_or_else(|p| p.into_inner())
             .get(method)
             .copied()
+    }
+
+    /// The turns a call of a large method takes: those that mostly wait take none (a
+    /// wait would keep the turn from everyone).
+    fn turns(&self, metered: bool) -> Option<&Arc<Semaphore>> {
+        metered.then_some(&self.making)
+    }
+
+    /// A turn and `n` bytes counted for a large answer, if both are free at once.
+    fn try_reserve(&self, n: u64, metered: bool) -> Option<Making> {
+        let turn = match self.turns(metered) {
+            Some(turns) => Some(turns.clone().try_acquire_owned().ok()?),
+            None => None,
+        };
+        self.backlog
+            .try_reserve(n)
+            .then(|| Making::counted(&self.backlog, n).with_turn(turn))
     }
 
     /// Records that `method` answered with `bytes`: results only, so that an error
@@ -1094,19 +1236,22 @@ where
                 request.extensions().get::<Arc<Outbox>>().cloned(),
             ) {
                 (Some(Transport::Http), outbox) => {
-                    // The request took its place before its body was read. It keeps it
+                    // The request took its place once its body was read. It keeps it
                     // unless the method mostly waits, or its answer must wait for the
                     // server to hold less: then it waits holding nothing.
-                    let reserved = large.is_some_and(|n| rules.backlog.try_reserve(n));
-                    let waits = large.is_some() && !reserved && outbox.is_some();
+                    let reserved = large.and_then(|n| rules.try_reserve(n, metered));
+                    let waits = large.is_some() && reserved.is_none() && outbox.is_some();
                     if !metered || waits {
                         if let Some(place) = request.extensions().get::<Place>() {
                             drop(place.take());
                         }
                     }
-                    let _making = match (large, &outbox) {
-                        (Some(n), _) if reserved => Some(Making::counted(&rules.backlog, n)),
-                        (Some(n), Some(outbox)) => Some(outbox.reserve_in_all(n).await),
+                    let turns = rules.turns(metered);
+                    let _making = match (reserved, large, &outbox) {
+                        (Some(making), _, _) => Some(making),
+                        (None, Some(n), Some(outbox)) => {
+                            Some(outbox.reserve_in_all(n, turns).await)
+                        }
                         _ => None,
                     };
                     if waits {
@@ -1124,7 +1269,7 @@ where
                     // in the making, not one answer per slot.
                     outbox.room().await;
                     let making = match large {
-                        Some(n) => Some(outbox.reserve_in_all(n).await),
+                        Some(n) => Some(outbox.reserve_in_all(n, rules.turns(metered)).await),
                         None => None,
                     };
                     let response = rules.placed(&inner, request, metered).await;
@@ -1190,7 +1335,7 @@ where
             // While the server holds more than `max_queued_bytes_total`, a batch would
             // only add to it: it starts once the server holds less, waiting with nothing.
             let crowded = metered && rules.backlog.over();
-            // Over HTTP the request took its place before its body was read. It serves
+            // Over HTTP the request took its place once its body was read. It serves
             // the batch's calls, unless one of them mostly waits (a batch must not hold
             // a place for as long as its waits run) or the batch must wait to start:
             // then its calls take places of their own, as over WebSocket.
@@ -1224,10 +1369,7 @@ where
                 _ => None,
             };
             let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
-            let mut making = Making {
-                backlog: rules.backlog.clone(),
-                bytes: 0,
-            };
+            let mut making = Making::counted(&rules.backlog, 0);
             let mut notified = false;
             let mut stopped = None;
             let mut run = 0;
@@ -1245,10 +1387,13 @@ where
                 let mut reserved = None;
                 if let (Ok(BatchEntry::Call(call)), Some(outbox)) = (&entry, &outbox) {
                     if let Some(n) = rules.large(call.method_name()) {
+                        let turns = rules.turns(!rules.unmetered.contains(call.method_name()));
                         if making.bytes == 0 {
-                            reserved = Some(outbox.reserve_in_all(n).await);
-                        } else if rules.backlog.try_reserve(n) {
-                            reserved = Some(Making::counted(&rules.backlog, n));
+                            reserved = Some(outbox.reserve_in_all(n, turns).await);
+                        } else if let Some(later) =
+                            later_reservation(&rules.backlog, n, turns).await
+                        {
+                            reserved = Some(later);
                         } else {
                             stopped = Some(over_bound(&rules, run + 1, answered, making.bytes));
                             break;
@@ -1564,6 +1709,7 @@ pub async fn serve<L>(
         backlog: Arc::new(Backlog::new(config.max_queued_bytes_total)),
         large: Mutex::new(std::collections::HashMap::new()),
         any_large: std::sync::atomic::AtomicBool::new(false),
+        making: Arc::new(Semaphore::new(LARGE_MAKING_AT_ONCE)),
     });
     let backlog = rules.backlog.clone();
     let guarded = rpc_middleware.layer_fn(move |inner| Guard {
@@ -1583,6 +1729,8 @@ pub async fn serve<L>(
         page: config.metrics.clone(),
         max_body: config.max_request_body_size,
         places,
+        large_bodies: Arc::new(Semaphore::new(LARGE_BODIES_AT_ONCE)),
+        body_timeout: config.request_body_timeout,
     });
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
@@ -1745,6 +1893,119 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWrite;
 
+    /// Sends `head` (with the body it declares, or part of it) on a new connection.
+    async fn send(path: &Path, head: &str) -> UnixStream {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = UnixStream::connect(path).await.expect("connecting");
+        stream.write_all(head.as_bytes()).await.expect("writing");
+        stream
+    }
+
+    /// Everything `stream` is sent until the server closes it.
+    async fn read_all(mut stream: UnixStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("reading");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    fn post(declared: usize, body: &str) -> String {
+        format!(
+            "POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{body}"
+        )
+    }
+
+    /// A server of one method, `ping`, on a socket in `dir`; it stops when the sender
+    /// is dropped.
+    async fn pinged(
+        dir: &Path,
+        config: ServeConfig,
+    ) -> (std::path::PathBuf, tokio::sync::oneshot::Sender<()>) {
+        let path = dir.join("server.sock");
+        let listener = bind(&path, 0o600).await.expect("binding");
+        let mut module = jsonrpsee::RpcModule::new(());
+        module
+            .register_method("ping", |_, _, _| "pong")
+            .expect("registering");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(
+            listener,
+            module,
+            config,
+            RpcServiceBuilder::new(),
+            AdmitAll,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        (path, stop)
+    }
+
+    /// Eight peers that send part of a small body and, past the reads of large bodies
+    /// at once, peers that send part of a large one; each with what its 408 says.
+    async fn slow_bodies(path: &Path) -> Vec<(UnixStream, String)> {
+        let mut slow = Vec::new();
+        for _ in 0..8 {
+            let stream = send(path, &post(200, "{")).await;
+            slow.push((stream, "1 of its 200 bytes came".to_string()));
+        }
+        let large = SMALL_BODY as usize + 1;
+        for _ in 0..LARGE_BODIES_AT_ONCE + 1 {
+            let stream = send(path, &post(large, "[")).await;
+            slow.push((stream, format!("1 of its {large} bytes came")));
+        }
+        slow
+    }
+
+    /// A request whose body has not arrived holds no place among the calls in flight:
+    /// with two places and no time limit on bodies, the peers of [`slow_bodies`] stop no
+    /// one's call (before, each took a place before its body was read and held it until
+    /// the idle timeout, 15 minutes in the agent).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_whose_bodies_do_not_arrive_hold_no_place() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = ServeConfig {
+            max_calls_in_flight: 2,
+            request_body_timeout: None,
+            ..ServeConfig::default()
+        };
+        let (path, _stop) = pinged(dir.path(), config).await;
+        let slow = slow_bodies(&path).await;
+        let ping = r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#;
+        for _ in 0..3 {
+            let answer = read_all(send(&path, &post(ping.len(), ping)).await);
+            let answer = tokio::time::timeout(Duration::from_secs(60), answer)
+                .await
+                .expect("ping was answered while the slow bodies held on");
+            assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        }
+        for (stream, _) in &slow {
+            let mut byte = [0; 1];
+            assert!(
+                matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+                "a slow body was answered or closed"
+            );
+        }
+    }
+
+    /// A request whose body has not arrived whole within the time limit is answered
+    /// with 408, saying how much of its body came, and its connection closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_whose_bodies_do_not_arrive_in_time_are_answered_408() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = ServeConfig {
+            request_body_timeout: Some(Duration::from_millis(500)),
+            ..ServeConfig::default()
+        };
+        let (path, _stop) = pinged(dir.path(), config).await;
+        for (stream, said) in slow_bodies(&path).await {
+            let answer = read_all(stream).await;
+            assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+            assert!(answer.contains(&said), "{said} in {answer}");
+        }
+    }
+
     /// Reservations are let in while the count is under the bound, one step each: of
     /// callers let in together, those after the one that passed the bound wait, and
     /// one waiting is let in once a reservation is given back.
@@ -1752,11 +2013,11 @@ mod tests {
     async fn reservations_wait_once_the_count_passes_the_bound() {
         let backlog = Arc::new(Backlog::new(10));
         let outbox = Outbox::new(1 << 20, 16, backlog.clone());
-        let first = outbox.reserve_in_all(6).await;
-        let second = outbox.reserve_in_all(6).await;
+        let first = outbox.reserve_in_all(6, None).await;
+        let second = outbox.reserve_in_all(6, None).await;
         assert_eq!(backlog.bytes.load(std::sync::atomic::Ordering::Relaxed), 12);
         assert!(!backlog.try_reserve(1), "a third was let in past the bound");
-        let third = outbox.reserve_in_all(6);
+        let third = outbox.reserve_in_all(6, None);
         tokio::pin!(third);
         assert!(futures::poll!(third.as_mut()).is_pending());
         drop(first);

@@ -1163,6 +1163,51 @@ fn http_peers_that_read_none_of_their_answers_hold_no_places() {
     drop(held);
 }
 
+/// A request holds its place among the calls in flight only once its body has come:
+/// 40 connections that each declare a 200-byte body and send one byte of it, and 8 that
+/// do the same with a 1 MB body, stop no one else's calls while they are still open
+/// (before, each took a place before its body was read: 32 of them left `agent.status`
+/// unanswered until the idle timeout closed them, 15 minutes later).
+#[test]
+fn requests_whose_bodies_do_not_come_hold_no_places() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let pid = agent_pid(&agent);
+    quiescent(pid, Duration::from_secs(30));
+    let baseline = open_sockets(pid);
+    let mut held = Vec::new();
+    for declared in [200; 40].into_iter().chain([1_000_000; 8]) {
+        let mut s = UnixStream::connect(&agent.socket).unwrap();
+        let head = format!(
+            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {declared}\r\n\r\n{{"
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        held.push(s);
+    }
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b1", "uid": "u1"})));
+    for _ in 0..3 {
+        let status = http.call(&request("agent.status", json!({})));
+        assert!(status["result"]["version"].is_string(), "{status}");
+        let got = http.call(&request("backup.get", json!({"name": "b1"})));
+        assert_eq!(got["result"]["phase"], "InProgress", "{got}");
+    }
+    assert_eq!(
+        open_sockets(pid),
+        baseline + 49,
+        "the 48 slow bodies were still open when the calls were answered"
+    );
+    for mut s in held {
+        s.set_nonblocking(true).unwrap();
+        let mut byte = [0; 1];
+        assert!(
+            matches!(s.read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "a request whose body had not come was answered"
+        );
+    }
+}
+
 /// A WebSocket client may send several large batches before it reads: the agent keeps
 /// reading while it answers them (before, a batch held all of its connection's slots, so
 /// the agent stopped reading while the client, its frames unsent, read nothing, and the
@@ -1283,36 +1328,34 @@ fn calls_already_read_wait_for_room_before_they_run() {
     }
 }
 
-/// One call's answer can be large too (`backup.operations` of a backup of thousands of
-/// operations): once a method has answered with 1 MiB or more, each call of it counts
-/// that much against the bound over all connections before it runs, and waits, holding
-/// no place, while the server holds more. 80 HTTP clients that each ask for a 5.3 MB
-/// list and read nothing make the agent hold about 64 MiB of answers, not 80 lists (its
-/// peak about 212 MiB with the lists being made; 582 MiB before, and some clients then
-/// got a list cut short); a small call still answers meanwhile, and every client gets
-/// its whole list once it reads.
-#[test]
-fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
-    const CLIENTS: usize = 80;
-    const OPS: usize = 3600;
+/// The agent's peak RSS while `clients` HTTP clients each ask for `backup.operations`
+/// of a backup of `ops` operations with 1,000-byte IDs and read nothing, after the
+/// method's largest answer so far was the list of its first `first` operations; with
+/// the list's size. `agent.status` answers meanwhile, and every client gets its whole
+/// list once it reads.
+fn peak_with_unread_lists(first: usize, ops: usize, clients: usize) -> (u64, usize) {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);
     let pid = agent_pid(&agent);
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
-    let ops: Vec<_> = (0..OPS)
-        .map(|i| operation(PLUGIN, &format!("{i:04}-{}", "x".repeat(1000)), "data", &[]))
-        .collect();
-    let added = http.call(&request(
-        "backup.addOperations",
-        json!({"name": "big", "operations": ops}),
-    ));
-    assert_eq!(added["result"]["added"], OPS, "{added:.300}");
     let list = request("backup.operations", json!({"name": "big"}));
-    let whole = http.call(&list);
-    assert_eq!(whole["result"].as_array().map(Vec::len), Some(OPS));
-    let bytes = whole.to_string().len();
-    assert!(bytes > 4_000_000, "the list is {bytes} bytes");
+    let mut whole = Value::Null;
+    for (from, to) in [(0, first), (first, ops)] {
+        let added: Vec<_> = (from..to)
+            .map(|i| operation(PLUGIN, &format!("{i:05}-{}", "x".repeat(1000)), "data", &[]))
+            .collect();
+        let added = http.call(&request(
+            "backup.addOperations",
+            json!({"name": "big", "operations": added}),
+        ));
+        assert_eq!(added["result"]["added"], to - from, "{added:.300}");
+        if to == first {
+            whole = http.call(&list);
+            assert_eq!(whole["result"].as_array().map(Vec::len), Some(first));
+        }
+    }
+    let bytes = whole.to_string().len() / first * ops;
     drop(http);
 
     let post = format!(
@@ -1320,16 +1363,16 @@ fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
          Content-Length: {}\r\nConnection: close\r\n\r\n{list}",
         list.len()
     );
-    let mut clients: Vec<UnixStream> = (0..CLIENTS)
+    let mut held: Vec<UnixStream> = (0..clients)
         .map(|_| UnixStream::connect(&agent.socket).unwrap())
         .collect();
-    for c in &mut clients {
+    for c in &mut held {
         c.write_all(post.as_bytes()).unwrap();
     }
     quiescent(pid, Duration::from_secs(120));
     let peak = status_bytes(pid, "VmHWM:");
     println!(
-        "peak RSS {} MiB with {CLIENTS} unread lists of {bytes} bytes",
+        "peak RSS {} MiB with {clients} unread lists of {bytes} bytes",
         peak >> 20
     );
     let mut probe = RawHttp::connect(&agent.socket);
@@ -1337,7 +1380,7 @@ fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
     assert!(status["result"]["version"].is_string(), "{status}");
     // Read at once, each client on a thread of its own: a connection left unread for
     // 30 s would be closed as stalled.
-    let readers: Vec<_> = clients
+    let readers: Vec<_> = held
         .into_iter()
         .map(|mut c| {
             std::thread::spawn(move || {
@@ -1356,13 +1399,43 @@ fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
             serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {:.300}", text.as_ref()));
         assert_eq!(
             value["result"].as_array().map(Vec::len),
-            Some(OPS),
+            Some(ops),
             "{value:.300}"
         );
     }
+    (peak, bytes)
+}
+
+/// One call's answer can be large too (`backup.operations` of a backup of thousands of
+/// operations): once a method has answered with 1 MiB or more, each call of it counts
+/// that much against the bound over all connections before it runs, and waits, holding
+/// no place, while the server holds more. 80 HTTP clients that each ask for a 5.3 MB
+/// list and read nothing make the agent hold about 64 MiB of answers, not 80 lists (its
+/// peak about 212 MiB with the lists being made; 582 MiB before, and some clients then
+/// got a list cut short).
+#[test]
+fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
+    let (peak, bytes) = peak_with_unread_lists(3600, 3600, 80);
     assert!(
         peak < 320 << 20,
-        "the agent's peak RSS reached {} MiB for {CLIENTS} unread lists of {} KB",
+        "the agent's peak RSS reached {} MiB for 80 unread lists of {} KB",
+        peak >> 20,
+        bytes / 1000
+    );
+}
+
+/// A call of a large method counts the method's largest answer so far, which a larger
+/// answer outgrows (the listing of a backup that grew): at most 2 such calls run at
+/// once, so the count is outgrown by two answers at most. 40 clients each asking for a
+/// 10 MB list when the largest so far was 1.1 MB, reading nothing: the count let in 58
+/// calls at once, and a release build reached 893 MiB with 60 clients of 19 MB lists
+/// (237 MiB with the turns).
+#[test]
+fn answers_larger_than_the_largest_so_far_are_made_two_at_a_time() {
+    let (peak, bytes) = peak_with_unread_lists(800, 7200, 40);
+    assert!(
+        peak < 320 << 20,
+        "the agent's peak RSS reached {} MiB for 40 unread lists of {} KB",
         peak >> 20,
         bytes / 1000
     );

@@ -185,6 +185,18 @@ fn the_limits_are_the_codes_constants() {
         ),
         ("request", format!("{} bytes", serve.max_request_body_size)),
         ("oversized drain", format!("{} bytes", server::MIN_DRAIN)),
+        ("small body", format!("{} bytes", server::SMALL_BODY)),
+        (
+            "large bodies at once",
+            format!("{}", server::LARGE_BODIES_AT_ONCE),
+        ),
+        (
+            "body deadline",
+            format!(
+                "{} seconds",
+                serve.request_body_timeout.map_or(0, |t| t.as_secs())
+            ),
+        ),
         (
             "response",
             format!("{} bytes", serve.max_response_body_size),
@@ -216,6 +228,10 @@ fn the_limits_are_the_codes_constants() {
             format!("{} bytes", serve.max_queued_bytes_total),
         ),
         ("small backlog", format!("{} bytes", server::SMALL_BACKLOG)),
+        (
+            "large answers made at once",
+            format!("{}", server::LARGE_MAKING_AT_ONCE),
+        ),
         (
             "write stall",
             format!(
