@@ -121,6 +121,8 @@ fn the_feature_table_lists_exactly_the_status_features() {
 
 #[test]
 fn the_limits_are_the_codes_constants() {
+    let seconds =
+        |t: Option<std::time::Duration>| format!("{} seconds", t.map_or(0, |t| t.as_secs()));
     let serve = ServeConfig::default();
     let expected: Vec<(&str, String)> = vec![
         (
@@ -190,13 +192,7 @@ fn the_limits_are_the_codes_constants() {
             "large bodies at once",
             format!("{}", server::LARGE_BODIES_AT_ONCE),
         ),
-        (
-            "body deadline",
-            format!(
-                "{} seconds",
-                serve.request_body_timeout.map_or(0, |t| t.as_secs())
-            ),
-        ),
+        ("body deadline", seconds(serve.request_body_timeout)),
         (
             "response",
             format!("{} bytes", serve.max_response_body_size),
@@ -232,13 +228,7 @@ fn the_limits_are_the_codes_constants() {
             "large answers made at once",
             format!("{}", server::LARGE_MAKING_AT_ONCE),
         ),
-        (
-            "write stall",
-            format!(
-                "{} seconds",
-                serve.write_stall_timeout.map_or(0, |t| t.as_secs())
-            ),
-        ),
+        ("write stall", seconds(serve.write_stall_timeout)),
         (
             "progress notifications",
             format!("{} seconds", changes::PROGRESS_EVERY.as_secs()),
