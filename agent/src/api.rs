@@ -612,6 +612,25 @@ pub fn waiting_methods() -> Vec<String> {
         .collect()
 }
 
+/// The methods whose answers grow with what is stored (an owner's operations, a page
+/// of owners or events): their calls count as large from the first
+/// (`opmon_client::server::ServeConfig::listing_methods`), so many clients asking at once
+/// for a listing that has grown large are made a few at a time.
+pub fn listing_methods() -> Vec<String> {
+    OwnerKind::ALL
+        .iter()
+        .flat_map(|&kind| {
+            [
+                OwnerMethod::List,
+                OwnerMethod::Operations,
+                OwnerMethod::ItemOperations,
+                OwnerMethod::Events,
+            ]
+            .map(|m| m.name(kind).to_string())
+        })
+        .collect()
+}
+
 /// No parameters expected (absent, `{}` or `[]` are all fine).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]

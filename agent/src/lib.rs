@@ -179,6 +179,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         idle_timeout: Some(settings.idle_timeout),
         metrics: Some(page),
         unmetered_methods: api::waiting_methods(),
+        listing_methods: api::listing_methods(),
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(

@@ -38,7 +38,8 @@
 //!   batch already running stops with an error before its next call. Single calls of
 //!   connections holding little go on as before, so the peers that read nothing are
 //!   the ones held back, not the others; but a call of a method that has answered with
-//!   [`SMALL_BACKLOG`] or more counts its largest answer before it runs, and waits for
+//!   [`SMALL_BACKLOG`] or more (or of one of `listing_methods`, from its first call)
+//!   counts its largest answer (at least that) before it runs, and waits for
 //!   room over all connections (holding no place), alone or in a batch, so many peers
 //!   each asking for one large answer are held to the bound too; such calls run
 //!   [`LARGE_MAKING_AT_ONCE`] at a time, so answers larger than the largest so far pass
@@ -50,9 +51,18 @@
 //! - an HTTP request body is read before its call takes a place, so a peer that sends
 //!   its body slowly, or less of it than it declared, holds no place: a connection holds
 //!   at most [`SMALL_BODY`] of a body as it comes, larger bodies (or chunked ones) are
-//!   read [`LARGE_BODIES_AT_ONCE`] at a time over all connections, and a body that has
-//!   not come whole `request_body_timeout` after its read began is answered with 408
-//!   and its connection closed;
+//!   read [`LARGE_BODIES_AT_ONCE`] at a time over all connections (each keeps its read
+//!   with its place, and gives both back if its call mostly waits), and a body that has
+//!   not come whole `request_body_timeout` after its read began, or a large one that
+//!   comes slower than [`LARGE_BODY_RATE`] past [`LARGE_BODY_GRACE`], is answered with
+//!   408 and its connection closed;
+//! - a WebSocket message larger than [`SMALL_BODY`] takes one of the same reads of
+//!   large bodies (see [`Frames`]) before the frame header that makes it large is
+//!   handed to jsonrpsee, whose frame reader sets the frame's whole payload aside on the
+//!   header, and keeps it until its last frame has come, at the same pace or its
+//!   connection fails; a WebSocket is opened only by a connection's first request with
+//!   nothing sent after it before the 101, so that every frame is seen from its first
+//!   byte;
 //! - a request body over `max_request_body_size` is answered with a JSON-RPC error
 //!   (HTTP 413) and its rest read and dropped, so the client sees the answer rather
 //!   than a reset, whether the refusal came from the declared length or from reading:
@@ -106,9 +116,19 @@ pub const SMALL_BACKLOG: u64 = 1024 * 1024;
 pub const SMALL_BODY: u64 = 64 * 1024;
 
 /// Bodies larger than [`SMALL_BODY`], or of no declared length, read at once over all
-/// connections; each keeps its read until its response is made, so such bodies hold at
-/// most this many times `max_request_body_size`.
+/// connections; each keeps its read with its place among the calls in flight, so such
+/// bodies not yet running hold at most this many times `max_request_body_size`. A call
+/// that gives its place back (a method that mostly waits) gives its read back with it.
 pub const LARGE_BODIES_AT_ONCE: usize = 4;
+
+/// How fast a body larger than [`SMALL_BODY`] must come once its read has begun (and
+/// [`LARGE_BODY_GRACE`] has passed), with a `request_body_timeout`: it holds one of the
+/// [`LARGE_BODIES_AT_ONCE`] reads, so a peer that trickles it holds that read for
+/// seconds, not for the whole timeout. A body sent at once comes far faster.
+pub const LARGE_BODY_RATE: u64 = 1024 * 1024;
+
+/// How long a large body may take to start coming before [`LARGE_BODY_RATE`] applies.
+pub const LARGE_BODY_GRACE: Duration = Duration::from_secs(2);
 
 /// Calls of methods that have answered with [`SMALL_BACKLOG`] or more made at once, over
 /// all connections (those of methods that mostly wait aside).
@@ -152,11 +172,18 @@ pub struct ServeConfig {
     /// has been read until its response is made).
     pub max_calls_in_flight: usize,
     /// An HTTP request whose body has not arrived whole this long after its head (once
-    /// it may be read) is answered with 408 and its connection closed.
+    /// it may be read) is answered with 408 and its connection closed; so is a body
+    /// larger than [`SMALL_BODY`] that comes slower than [`LARGE_BODY_RATE`] after
+    /// [`LARGE_BODY_GRACE`]. `None`: bodies may take any time.
     pub request_body_timeout: Option<Duration>,
     /// Methods that mostly wait (for a change, another process, a file) holding little
     /// memory: they do not count against `max_calls_in_flight`.
     pub unmetered_methods: Vec<String>,
+    /// Methods whose answers grow with what is stored (listings): their calls count as
+    /// large from the first, before any has answered with [`SMALL_BACKLOG`] or more, so
+    /// many peers asking at once for a listing that has grown large since it was last
+    /// given are made [`LARGE_MAKING_AT_ONCE`] at a time too.
+    pub listing_methods: Vec<String>,
     /// Bytes a connection may have waiting to be written before its subscriptions wait
     /// and (WebSocket) its requests are no longer read and those already read wait to
     /// run.
@@ -174,7 +201,7 @@ pub struct ServeConfig {
     /// Bytes waiting to be written over all connections, with batch answers in the
     /// making, past which batches wait to start or stop before their next call, only
     /// connections holding less than [`SMALL_BACKLOG`] run calls, and calls of a method
-    /// that has answered with [`SMALL_BACKLOG`] or more wait.
+    /// that has answered with [`SMALL_BACKLOG`] or more (or of `listing_methods`) wait.
     pub max_queued_bytes_total: u64,
 }
 
@@ -189,6 +216,7 @@ impl Default for ServeConfig {
             max_calls_in_flight: 32,
             request_body_timeout: Some(Duration::from_secs(30)),
             unmetered_methods: Vec::new(),
+            listing_methods: Vec::new(),
             max_queued_bytes: 16 * 1024 * 1024,
             max_calls_per_connection: 16,
             write_stall_timeout: Some(Duration::from_secs(30)),
@@ -428,20 +456,55 @@ enum Unread {
     TooBig(hyper::body::Incoming, u64),
     /// The connection failed while it was read.
     Failed(hyper::Error),
+    /// It had not come whole in time: this many bytes had, and it was too slow by the
+    /// rule named.
+    Late(usize, Lateness),
+}
+
+/// Which deadline a request body missed.
+#[derive(Clone, Copy)]
+enum Lateness {
+    /// It was not whole within `request_body_timeout`.
+    Whole(Duration),
+    /// A large body came slower than [`LARGE_BODY_RATE`], past [`LARGE_BODY_GRACE`].
+    Pace,
 }
 
 /// Reads a request body whole, up to `max_body` bytes, whether or not it declared its
-/// length; no more than [`SMALL_BODY`] is set aside before the bytes arrive. `got`
-/// counts the bytes read, for the caller that gives up waiting.
+/// length; no more than [`SMALL_BODY`] is set aside before the bytes arrive. With a
+/// `timeout`, the body must come whole within it and, if `paced` (a large body, holding
+/// one of the reads of large bodies at once), keep up with [`LARGE_BODY_RATE`] after
+/// [`LARGE_BODY_GRACE`].
 async fn read_body(
     mut body: hyper::body::Incoming,
     declared: Option<u64>,
     max_body: u32,
-    got: &mut usize,
+    timeout: Option<Duration>,
+    paced: bool,
 ) -> Result<hyper::body::Bytes, Unread> {
     let expected = declared.unwrap_or(0).min(SMALL_BODY) as usize;
     let mut collected = Vec::with_capacity(expected);
-    while let Some(frame) = body.frame().await {
+    let start = tokio::time::Instant::now();
+    loop {
+        let deadline = timeout.map(|timeout| {
+            let whole = (start + timeout, Lateness::Whole(timeout));
+            let kept_up = start
+                + LARGE_BODY_GRACE
+                + Duration::from_secs_f64(collected.len() as f64 / LARGE_BODY_RATE as f64);
+            if paced && kept_up < whole.0 {
+                (kept_up, Lateness::Pace)
+            } else {
+                whole
+            }
+        });
+        let frame = match deadline {
+            Some((at, lateness)) => match tokio::time::timeout_at(at, body.frame()).await {
+                Ok(frame) => frame,
+                Err(_) => return Err(Unread::Late(collected.len(), lateness)),
+            },
+            None => body.frame().await,
+        };
+        let Some(frame) = frame else { break };
         let frame = frame.map_err(Unread::Failed)?;
         if let Ok(data) = frame.into_data() {
             let read = collected.len() + data.len();
@@ -449,7 +512,6 @@ async fn read_body(
                 return Err(Unread::TooBig(body, read as u64));
             }
             collected.extend_from_slice(&data);
-            *got = read;
         }
     }
     Ok(hyper::body::Bytes::from(collected))
@@ -457,25 +519,44 @@ async fn read_body(
 
 /// The answer to a request whose body did not arrive in time; the connection is closed
 /// after it (the rest of the body is not read).
-fn body_late(timeout: Duration, got: usize, declared: Option<u64>) -> HttpResponse {
+fn body_late(lateness: Lateness, got: usize, declared: Option<u64>) -> HttpResponse {
     let expected = match declared {
         Some(length) => format!("{got} of its {length} bytes came"),
         None => format!("{got} bytes came, not its last chunk"),
     };
+    let late = match lateness {
+        Lateness::Whole(timeout) => format!(
+            "the request body did not arrive within {}s of its head",
+            timeout.as_secs_f64()
+        ),
+        Lateness::Pace => format!(
+            "the request body, larger than {} KiB, came slower than {} KiB/s after its \
+             first {}s",
+            SMALL_BODY / 1024,
+            LARGE_BODY_RATE / 1024,
+            LARGE_BODY_GRACE.as_secs_f64()
+        ),
+    };
     let mut response = rpc_error(
         hyper::StatusCode::REQUEST_TIMEOUT,
         jsonrpsee::types::error::INVALID_REQUEST_CODE,
-        &format!(
-            "the request body did not arrive within {}s of its head ({expected}); \
-             send the whole body at once",
-            timeout.as_secs_f64()
-        ),
+        &format!("{late} ({expected}); send the whole body at once"),
     );
     response.headers_mut().insert(
         hyper::header::CONNECTION,
         hyper::header::HeaderValue::from_static("close"),
     );
     response
+}
+
+/// Whether a request opens a WebSocket.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Upgrade {
+    No,
+    Yes,
+    /// It asks to, but not as its connection's first request, or with more sent after
+    /// its head: the frames would not be seen from their first byte.
+    Refused,
 }
 
 /// Which transport a call came by; set on every request `serve` routes.
@@ -485,14 +566,21 @@ pub enum Transport {
     WebSocket,
 }
 
-/// The place (in `max_calls_in_flight`) an HTTP request took once its body was read;
-/// an unmetered method gives it back as soon as it is known.
+/// The place (in `max_calls_in_flight`) an HTTP request took once its body was read,
+/// with its read of a large body (one of [`LARGE_BODIES_AT_ONCE`]) if it had one; an
+/// unmetered method gives both back as soon as it is known, a call that must wait for
+/// room before it runs gives both back while it waits.
 #[derive(Clone)]
-struct Place(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
 
 impl Place {
-    fn take(&self) -> Option<OwnedSemaphorePermit> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    fn new(place: Option<OwnedSemaphorePermit>, large_body: Option<OwnedSemaphorePermit>) -> Place {
+        Place(Arc::new(Mutex::new([place, large_body])))
+    }
+
+    fn give_back(&self) {
+        let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(taken);
     }
 }
 
@@ -512,6 +600,7 @@ struct Shared {
 /// waits for its place among the calls in flight.
 async fn route<S>(
     request: hyper::Request<hyper::body::Incoming>,
+    upgrade: Upgrade,
     mut rpc: S,
     shared: Arc<Shared>,
     outbox: Arc<Outbox>,
@@ -525,14 +614,27 @@ where
             return Ok(metrics_response(page).await);
         }
     }
-    let upgrade = jsonrpsee::server::ws::is_upgrade_request(&request);
     let (mut parts, body) = request.into_parts();
     parts.extensions.insert(outbox.clone());
     // Who is calling, for the handlers that record it (the agent's history).
     if let Some(caller) = caller {
         parts.extensions.insert(caller);
     }
-    if upgrade {
+    if upgrade == Upgrade::Refused {
+        let mut response = rpc_error(
+            hyper::StatusCode::BAD_REQUEST,
+            jsonrpsee::types::error::INVALID_REQUEST_CODE,
+            "a WebSocket is opened by the first request of a connection, and its client \
+             sends nothing more until the 101 answer (RFC 6455, 4.1); open a new connection \
+             and wait for the 101",
+        );
+        response.headers_mut().insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("close"),
+        );
+        return Ok(response);
+    }
+    if upgrade == Upgrade::Yes {
         parts.extensions.insert(Transport::WebSocket);
         return rpc
             .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
@@ -574,32 +676,31 @@ where
     }
     // The body is read before the request takes a place, so a peer that sends its body
     // slowly (or less of it than it declared) holds no place. A large body first waits
-    // for one of the few reads of large bodies at once, which it keeps until its
-    // response is made: what bodies hold before their calls run is bounded.
-    let _large = match declared {
+    // for one of the few reads of large bodies at once, which it keeps with its place
+    // (until its response is made, or until its call gives the place back because it
+    // waits): what bodies hold before their calls run is bounded.
+    let large = match declared {
         Some(length) if length <= SMALL_BODY => None,
         _ => shared.large_bodies.clone().acquire_owned().await.ok(),
     };
-    let mut got = 0;
-    let read = read_body(body, declared, max_body, &mut got);
-    let read = match shared.body_timeout {
-        Some(timeout) => match tokio::time::timeout(timeout, read).await {
-            Ok(read) => read,
-            Err(_) => return Ok(body_late(timeout, got, declared)),
-        },
-        None => read.await,
-    };
+    let read = read_body(
+        body,
+        declared,
+        max_body,
+        shared.body_timeout,
+        large.is_some(),
+    )
+    .await;
     let body = match read {
         Ok(bytes) => HttpBody::new(http_body_util::Full::new(bytes)),
         Err(Unread::TooBig(body, read)) => {
             drain(body, &parts.headers, read, drain_bound);
             return Ok(too_big(max_body));
         }
+        Err(Unread::Late(got, lateness)) => return Ok(body_late(lateness, got, declared)),
         Err(Unread::Failed(e)) => return Err(e.into()),
     };
-    let place = Place(Arc::new(Mutex::new(
-        shared.places.clone().acquire_owned().await.ok(),
-    )));
+    let place = Place::new(shared.places.clone().acquire_owned().await.ok(), large);
     parts.extensions.insert(place.clone());
     let mut response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
     if response.extensions().get::<Unanswered>().is_some() {
@@ -610,7 +711,7 @@ where
     }
     // The place bounds work, not answers waiting for their reader: hyper reads no
     // further request of this connection until this response has been written.
-    drop(place.take());
+    place.give_back();
     let length = response.body().size_hint().exact().unwrap_or(0) as usize;
     outbox.respond(length, None);
     Ok(response)
@@ -1082,6 +1183,8 @@ struct Rules {
     methods: Methods,
     places: Arc<Semaphore>,
     unmetered: HashSet<String>,
+    /// Methods counted as large from their first call (`listing_methods`).
+    listings: HashSet<String>,
     /// The most bytes of a batch's answer (`max_batch_response_bytes`).
     max_batch_response: usize,
     backlog: Arc<Backlog>,
@@ -1099,16 +1202,20 @@ struct Rules {
 }
 
 impl Rules {
-    /// The largest answer `method` has given, if that was [`SMALL_BACKLOG`] or more.
+    /// The largest answer `method` has given, if that was [`SMALL_BACKLOG`] or more; for
+    /// a listing, at least [`SMALL_BACKLOG`].
     fn large(&self, method: &str) -> Option<u64> {
-        if !self.any_large.load(std::sync::atomic::Ordering::Relaxed) {
+        let listing = self.listings.contains(method);
+        if !listing && !self.any_large.load(std::sync::atomic::Ordering::Relaxed) {
             return None;
         }
-        self.large
+        let most = self
+            .large
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(method)
-            .copied()
+            .copied();
+        most.or(listing.then_some(SMALL_BACKLOG))
     }
 
     /// The turns a call of a large method takes: those that mostly wait take none (a
@@ -1243,7 +1350,7 @@ where
                     let waits = large.is_some() && reserved.is_none() && outbox.is_some();
                     if !metered || waits {
                         if let Some(place) = request.extensions().get::<Place>() {
-                            drop(place.take());
+                            place.give_back();
                         }
                     }
                     let turns = rules.turns(metered);
@@ -1343,7 +1450,7 @@ where
                 Some(Transport::Http) => {
                     if !metered || waits || crowded || large {
                         if let Some(place) = requests.extensions().get::<Place>() {
-                            drop(place.take());
+                            place.give_back();
                         }
                     }
                     waits || crowded || large
@@ -1497,6 +1604,277 @@ impl Activity {
     }
 }
 
+/// Where a WebSocket connection's reader is among the frames its client sends, counted
+/// from the first byte after the upgrade request's head. soketto sets aside a data
+/// frame's whole payload (up to the message limit) as soon as it has the frame's header,
+/// before a byte of the payload has come, so the reader hands on the last part of a
+/// header (its mask) that makes a message larger than [`SMALL_BODY`] only once the
+/// connection holds one of the [`LARGE_BODIES_AT_ONCE`] reads of large bodies: 14 bytes
+/// of a client no longer make the agent set aside 16 MiB.
+#[derive(Default)]
+struct Frames {
+    /// The current frame's header up to its payload length (at most 10 bytes: the
+    /// first two and an extended length), as far as it has come.
+    head: [u8; 10],
+    /// Bytes of `head` come; 0 at a frame's start.
+    seen: usize,
+    /// Bytes of the current frame still to come after `head`: its mask and payload.
+    rest: u64,
+    /// Payload of the message being received: of its data frames so far.
+    message: u64,
+    /// Whether the current frame ends its message (a final data frame).
+    ends_message: bool,
+    /// Whether it stopped at a header that needs a read of a large body.
+    stopped: bool,
+}
+
+/// What [`Frames::pass`] found in the bytes it was given.
+#[derive(Debug, PartialEq, Eq)]
+struct Passed {
+    /// Bytes that may be handed on.
+    bytes: usize,
+    /// Whether it stopped at a header that makes its message large, which may be
+    /// handed on further only with a read of a large body.
+    needs_read: bool,
+    /// Whether a message ended within the bytes passed (a read held for it may go).
+    message_ended: bool,
+}
+
+impl Frames {
+    /// The header's length up to its payload length, once its second byte has come.
+    fn head_len(&self) -> Option<usize> {
+        (self.seen >= 2).then(|| match self.head[1] & 0x7f {
+            126 => 4,
+            127 => 10,
+            _ => 2,
+        })
+    }
+
+    /// Whether the message being received is larger than [`SMALL_BODY`].
+    fn large(&self) -> bool {
+        self.message > SMALL_BODY
+    }
+
+    /// How many of `bytes` (next in the stream) may be handed on, `holding` a read of
+    /// a large body or not: all of them, unless a header among them makes its message
+    /// large, then up to that header's payload length.
+    /// It stops where a message ends too, so that a read held for that message is given
+    /// back before the next one is looked at.
+    fn pass(&mut self, bytes: &[u8], holding: bool) -> Passed {
+        let stop = |bytes, needs_read, message_ended| Passed {
+            bytes,
+            needs_read,
+            message_ended,
+        };
+        if self.stopped {
+            if !holding {
+                return stop(0, true, false);
+            }
+            self.stopped = false;
+            if self.rest == 0 && self.frame_ended() {
+                return stop(0, false, true);
+            }
+        }
+        let mut i = 0;
+        while i < bytes.len() {
+            if self.rest > 0 {
+                let take = (bytes.len() - i).min(usize::try_from(self.rest).unwrap_or(usize::MAX));
+                i += take;
+                self.rest -= take as u64;
+                if self.rest == 0 && self.frame_ended() {
+                    return stop(i, false, true);
+                }
+                continue;
+            }
+            if self.seen < self.head.len() {
+                self.head[self.seen] = bytes[i];
+            }
+            self.seen += 1;
+            i += 1;
+            if self.head_len() != Some(self.seen) {
+                continue;
+            }
+            // The header is whole up to its payload length: the mask (if any) follows.
+            let payload = match self.seen {
+                4 => u64::from(u16::from_be_bytes([self.head[2], self.head[3]])),
+                10 => {
+                    let mut length = [0; 8];
+                    length.copy_from_slice(&self.head[2..10]);
+                    u64::from_be_bytes(length)
+                }
+                _ => u64::from(self.head[1] & 0x7f),
+            };
+            let masked = self.head[1] & 0x80 != 0;
+            let data = self.head[0] & 0x08 == 0;
+            if data {
+                self.message = self.message.saturating_add(payload);
+                self.ends_message = self.head[0] & 0x80 != 0;
+            } else {
+                self.ends_message = false;
+            }
+            self.seen = 0;
+            self.rest = payload.saturating_add(if masked { 4 } else { 0 });
+            if data && self.large() && !holding {
+                self.stopped = true;
+                return stop(i, true, false);
+            }
+            if self.rest == 0 && self.frame_ended() {
+                return stop(i, false, true);
+            }
+        }
+        stop(i, false, false)
+    }
+
+    /// The current frame has come whole; whether that ended its message.
+    fn frame_ended(&mut self) -> bool {
+        if self.ends_message {
+            self.ends_message = false;
+            self.message = 0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Bytes read ahead from a WebSocket connection's stream, so that the [`Frames`] in
+/// them can be looked at before they are handed on.
+const GATE_STASH: usize = 16 * 1024;
+
+/// A WebSocket connection's reads, through its [`Frames`]: a message larger than
+/// [`SMALL_BODY`] is handed on only while the connection holds one of the
+/// [`LARGE_BODIES_AT_ONCE`] reads of large bodies (shared with HTTP bodies), taken at
+/// the header that makes it large and given back where it ends; while it is held the
+/// message must come at [`LARGE_BODY_RATE`] or faster after [`LARGE_BODY_GRACE`], or the
+/// connection fails.
+struct Gate {
+    frames: Frames,
+    stash: Box<[u8]>,
+    /// Bytes of `stash` read from the stream, and of them handed on.
+    stashed: usize,
+    handed: usize,
+    reads: tokio_util::sync::PollSemaphore,
+    read: Option<OwnedSemaphorePermit>,
+    /// While `read` is held: when it was taken, bytes handed on since, and the
+    /// deadline by which more must have come.
+    taken: tokio::time::Instant,
+    since: u64,
+    pace: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Gate {
+    fn new(reads: Arc<Semaphore>) -> Gate {
+        Gate {
+            frames: Frames::default(),
+            stash: vec![0; GATE_STASH].into_boxed_slice(),
+            stashed: 0,
+            handed: 0,
+            reads: tokio_util::sync::PollSemaphore::new(reads),
+            read: None,
+            taken: tokio::time::Instant::now(),
+            since: 0,
+            pace: None,
+        }
+    }
+
+    /// When the message being read must have come as far as it has by: the pace of
+    /// large bodies from when the read was taken.
+    fn deadline(&self) -> tokio::time::Instant {
+        self.taken
+            + LARGE_BODY_GRACE
+            + Duration::from_secs_f64(self.since as f64 / LARGE_BODY_RATE as f64)
+    }
+
+    /// Hands on what may go of the stash into `buf`: `Ready` once something went (or
+    /// `buf` has no room), `Pending` while it waits for a read of a large body, `None`
+    /// once the stash is all handed on.
+    fn hand_on(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Option<Poll<io::Result<()>>> {
+        loop {
+            if self.handed == self.stashed {
+                return None;
+            }
+            if buf.remaining() == 0 {
+                return Some(Poll::Ready(Ok(())));
+            }
+            let room = (self.stashed - self.handed).min(buf.remaining());
+            let bytes = &self.stash[self.handed..self.handed + room];
+            let passed = self.frames.pass(bytes, self.read.is_some());
+            buf.put_slice(&bytes[..passed.bytes]);
+            self.handed += passed.bytes;
+            if self.read.is_some() {
+                self.since += passed.bytes as u64;
+                let deadline = self.deadline();
+                if let Some(pace) = &mut self.pace {
+                    pace.as_mut().reset(deadline);
+                }
+            }
+            if passed.message_ended {
+                self.read = None;
+                self.pace = None;
+            }
+            if passed.bytes > 0 {
+                return Some(Poll::Ready(Ok(())));
+            }
+            if passed.needs_read {
+                match self.reads.poll_acquire(cx) {
+                    Poll::Ready(Some(read)) => {
+                        self.read = Some(read);
+                        self.taken = tokio::time::Instant::now();
+                        self.since = 0;
+                        self.pace = Some(Box::pin(tokio::time::sleep_until(self.deadline())));
+                    }
+                    Poll::Ready(None) => {
+                        return Some(Poll::Ready(Err(io::Error::other("the server is stopping"))))
+                    }
+                    Poll::Pending => return Some(Poll::Pending),
+                }
+            }
+        }
+    }
+
+    /// With nothing come from the stream: the error that fails the connection if the
+    /// message being read has fallen behind the pace of large bodies.
+    fn late(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
+        let pace = self.pace.as_mut()?;
+        pace.as_mut().poll(cx).is_ready().then(|| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "a WebSocket message larger than {} KiB came slower than {} KiB/s after \
+                     its first {}s ({} bytes since); closed",
+                    SMALL_BODY / 1024,
+                    LARGE_BODY_RATE / 1024,
+                    LARGE_BODY_GRACE.as_secs_f64(),
+                    self.since
+                ),
+            )
+        })
+    }
+}
+
+/// How far a connection's stream has been read as HTTP, and where the head of its first
+/// request ended (0 until then): a WebSocket may be opened only by a connection's first
+/// request with nothing read past its head, so that its [`Frames`] are seen from their
+/// first byte (RFC 6455, 4.1: a client sends no frame before the server's 101).
+#[derive(Default)]
+struct HeadMark {
+    read: std::sync::atomic::AtomicU64,
+    end: std::sync::atomic::AtomicU64,
+}
+
+impl HeadMark {
+    /// Whether the stream has been read up to the end of the first request's head and
+    /// no further.
+    fn at_first_head_end(&self) -> bool {
+        let end = self.end.load(std::sync::atomic::Ordering::Relaxed);
+        end != 0 && self.read.load(std::sync::atomic::Ordering::Relaxed) == end
+    }
+}
+
 /// A connection's stream, watched: reads and writes feed its [`Activity`] and
 /// [`Outbox`], a WebSocket connection whose outbox is full is not read, and a write
 /// the peer leaves waiting for `stall_timeout` fails the connection. The stream does
@@ -1513,6 +1891,14 @@ struct Watched<S> {
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes in the socket that the peer had not read when `stall` was last set.
     unread_at_stall: Option<u32>,
+    /// Where the first request's head ended, for the WebSocket upgrade: the last four
+    /// bytes read until then, and the bytes read.
+    mark: Arc<HeadMark>,
+    last_four: u32,
+    read: u64,
+    /// The reads of large bodies, and the connection's [`Gate`] once it is a WebSocket.
+    large_reads: Arc<Semaphore>,
+    gate: Option<Gate>,
 }
 
 impl<S> Watched<S> {
@@ -1520,6 +1906,7 @@ impl<S> Watched<S> {
         inner: S,
         outbox: Arc<Outbox>,
         stall_timeout: Option<Duration>,
+        large_reads: Arc<Semaphore>,
     ) -> (Watched<S>, Activity) {
         let activity = Activity {
             start: tokio::time::Instant::now(),
@@ -1534,6 +1921,11 @@ impl<S> Watched<S> {
                 stall_timeout,
                 stall: None,
                 unread_at_stall: None,
+                mark: Arc::new(HeadMark::default()),
+                last_four: 0,
+                read: 0,
+                large_reads,
+                gate: None,
             },
             activity,
         )
@@ -1552,14 +1944,19 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
                 "the connection's writes failed or stalled",
             )));
         }
-        if self.websocket.load(std::sync::atomic::Ordering::Relaxed) && self.outbox.full(cx.waker())
-        {
+        let websocket = self.websocket.load(std::sync::atomic::Ordering::Relaxed);
+        if websocket && self.outbox.full(cx.waker()) {
             return Poll::Pending;
+        }
+        if websocket {
+            return self.poll_gated(cx, buf);
         }
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
             self.activity.touch();
+            let this = &mut *self;
+            this.saw(&buf.filled()[before..]);
         } else if matches!(polled, Poll::Ready(_)) && buf.remaining() > 0 {
             // The end of the stream (or an error): the peer is gone or half-closed.
             self.outbox.peer_closed();
@@ -1568,6 +1965,68 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
             self.outbox.reading(cx.waker());
         }
         polled
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> Watched<S> {
+    /// Notes where the first request's head ends among bytes read as HTTP.
+    fn saw(&mut self, bytes: &[u8]) {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        if self.mark.end.load(relaxed) == 0 {
+            for (i, &byte) in bytes.iter().enumerate() {
+                self.last_four = self.last_four << 8 | u32::from(byte);
+                if self.last_four == u32::from_be_bytes(*b"\r\n\r\n") {
+                    self.mark.end.store(self.read + i as u64 + 1, relaxed);
+                    break;
+                }
+            }
+        }
+        self.read += bytes.len() as u64;
+        self.mark.read.store(self.read, relaxed);
+    }
+
+    /// Reads a WebSocket connection through its [`Gate`].
+    fn poll_gated(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let reads = &self.large_reads;
+        let gate = self.gate.get_or_insert_with(|| Gate::new(reads.clone()));
+        loop {
+            if let Some(handed) = gate.hand_on(cx, buf) {
+                if handed.is_pending() {
+                    // Waiting for a read of a large body: a failed connection wakes it.
+                    self.outbox.reading(cx.waker());
+                }
+                return handed;
+            }
+            let mut stash = tokio::io::ReadBuf::new(&mut gate.stash);
+            let polled = Pin::new(&mut self.inner).poll_read(cx, &mut stash);
+            let read = stash.filled().len();
+            match polled {
+                Poll::Ready(Ok(())) if read > 0 => {
+                    self.activity.touch();
+                    gate.stashed = read;
+                    gate.handed = 0;
+                }
+                Poll::Ready(ended) => {
+                    // The end of the stream (or an error): the peer is gone or half-closed.
+                    self.outbox.peer_closed();
+                    return Poll::Ready(ended);
+                }
+                Poll::Pending => {
+                    self.outbox.reading(cx.waker());
+                    return match gate.late(cx) {
+                        Some(e) => Poll::Ready(Err(e)),
+                        None => Poll::Pending,
+                    };
+                }
+            }
+        }
     }
 }
 
@@ -1705,6 +2164,7 @@ pub async fn serve<L>(
         methods: methods.clone(),
         places: places.clone(),
         unmetered: config.unmetered_methods.iter().cloned().collect(),
+        listings: config.listing_methods.iter().cloned().collect(),
         max_batch_response: config.max_batch_response_bytes as usize,
         backlog: Arc::new(Backlog::new(config.max_queued_bytes_total)),
         large: Mutex::new(std::collections::HashMap::new()),
@@ -1767,15 +2227,36 @@ pub async fn serve<L>(
             config.max_calls_per_connection,
             backlog.clone(),
         ));
-        let (stream, activity) = Watched::new(stream, outbox.clone(), config.write_stall_timeout);
+        let (stream, activity) = Watched::new(
+            stream,
+            outbox.clone(),
+            config.write_stall_timeout,
+            shared.large_bodies.clone(),
+        );
         let websocket = stream.websocket.clone();
+        let mark = stream.mark.clone();
+        let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let rpc = builder.clone().build(methods.clone(), stop_handle.clone());
         let shared = shared.clone();
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            let first = first.swap(false, std::sync::atomic::Ordering::Relaxed);
+            let mut upgrade = Upgrade::No;
             if jsonrpsee::server::ws::is_upgrade_request(&request) {
-                websocket.store(true, std::sync::atomic::Ordering::Relaxed);
+                upgrade = if first && mark.at_first_head_end() {
+                    websocket.store(true, std::sync::atomic::Ordering::Relaxed);
+                    Upgrade::Yes
+                } else {
+                    Upgrade::Refused
+                };
             }
-            route(request, rpc.clone(), shared.clone(), outbox.clone(), caller)
+            route(
+                request,
+                upgrade,
+                rpc.clone(),
+                shared.clone(),
+                outbox.clone(),
+                caller,
+            )
         });
         let stopped = stop_handle.clone().shutdown();
         let idle_timeout = config.idle_timeout;
@@ -1916,8 +2397,8 @@ mod tests {
         )
     }
 
-    /// A server of one method, `ping`, on a socket in `dir`; it stops when the sender
-    /// is dropped.
+    /// A server of two methods on a socket in `dir`: `ping`, and `wait`, which never
+    /// answers (unmetered: it mostly waits); it stops when the sender is dropped.
     async fn pinged(
         dir: &Path,
         config: ServeConfig,
@@ -1928,6 +2409,13 @@ mod tests {
         module
             .register_method("ping", |_, _, _| "pong")
             .expect("registering");
+        module
+            .register_async_method("wait", |_, _, _| std::future::pending::<&str>())
+            .expect("registering");
+        let config = ServeConfig {
+            unmetered_methods: vec!["wait".to_string()],
+            ..config
+        };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(serve(
             listener,
@@ -2003,6 +2491,303 @@ mod tests {
             let answer = read_all(stream).await;
             assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
             assert!(answer.contains(&said), "{said} in {answer}");
+        }
+    }
+
+    /// A client's final text frame of `payload`, masked.
+    fn text(payload: &[u8]) -> Vec<u8> {
+        let mask = [1, 2, 3, 4];
+        let mut frame = frame(true, 1, payload.len());
+        frame.truncate(frame.len() - payload.len());
+        frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        frame
+    }
+
+    /// Opens a WebSocket on a new connection, sending `after` with the request head.
+    async fn websocket(path: &Path, after: &[u8]) -> (UnixStream, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = UnixStream::connect(path).await.expect("connecting");
+        let head = "GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                    Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
+        stream
+            .write_all(&[head.as_bytes(), after].concat())
+            .await
+            .expect("writing");
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"\r\n\r\n") {
+            let mut byte = [0; 1];
+            if stream.read(&mut byte).await.expect("reading") == 0 {
+                break;
+            }
+            answer.push(byte[0]);
+        }
+        (stream, String::from_utf8_lossy(&answer).into_owned())
+    }
+
+    /// A call of `ping` larger than [`SMALL_BODY`].
+    fn large_ping() -> String {
+        let pad = " ".repeat(SMALL_BODY as usize);
+        format!(r#"{{"jsonrpc":"2.0","id":7,"method":"ping","params":[{pad}]}}"#)
+    }
+
+    /// A client's WebSocket frame: header, mask and `len` bytes of payload.
+    fn frame(fin: bool, opcode: u8, len: usize) -> Vec<u8> {
+        let mut frame = vec![if fin { 0x80 } else { 0 } | opcode];
+        match len {
+            0..=125 => frame.push(0x80 | len as u8),
+            126..=65535 => {
+                frame.push(0x80 | 126);
+                frame.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            _ => {
+                frame.push(0x80 | 127);
+                frame.extend_from_slice(&(len as u64).to_be_bytes());
+            }
+        }
+        frame.extend_from_slice(&[1, 2, 3, 4]);
+        frame.resize(frame.len() + len, b'x');
+        frame
+    }
+
+    fn passed(bytes: usize, needs_read: bool, message_ended: bool) -> Passed {
+        Passed {
+            bytes,
+            needs_read,
+            message_ended,
+        }
+    }
+
+    /// Small messages pass whole, one message at a time, without a read of a large body;
+    /// a frame whose header makes its message large stops where its mask begins until a
+    /// read is held, and the message's end is where the read may go.
+    #[test]
+    fn frames_stop_at_the_header_that_makes_a_message_large() {
+        let mut frames = Frames::default();
+        let small = frame(true, 1, 100);
+        let stream = [small.clone(), small.clone()].concat();
+        assert_eq!(
+            frames.pass(&stream, false),
+            passed(small.len(), false, true)
+        );
+        assert_eq!(
+            frames.pass(&stream[small.len()..], false),
+            passed(small.len(), false, true)
+        );
+
+        let large = frame(true, 2, SMALL_BODY as usize + 1);
+        assert_eq!(frames.pass(&large, false), passed(10, true, false));
+        assert_eq!(frames.pass(&large[10..], false), passed(0, true, false));
+        assert_eq!(
+            frames.pass(&large[10..1000], true),
+            passed(990, false, false)
+        );
+        assert_eq!(
+            frames.pass(&large[1000..], true),
+            passed(large.len() - 1000, false, true)
+        );
+        // Header bytes one at a time: the stop is at the same byte.
+        let mut at = 0;
+        while at < 10 {
+            let got = frames.pass(&large[at..at + 1], false);
+            at += got.bytes;
+            assert_eq!(got.needs_read, at == 10, "{at}");
+        }
+        assert_eq!(
+            frames.pass(&large[10..], true),
+            passed(large.len() - 10, false, true)
+        );
+        assert_eq!(frames.pass(&small, false), passed(small.len(), false, true));
+    }
+
+    /// A message's data frames add up, control frames between them do not, and a
+    /// message of fragments that each are small is large once they add up past
+    /// [`SMALL_BODY`]: the stop is at the fragment's header that does it.
+    #[test]
+    fn fragments_add_up_and_control_frames_do_not() {
+        let mut frames = Frames::default();
+        let first = frame(false, 1, 40_000);
+        let ping = frame(true, 9, 125);
+        let second = frame(false, 0, 20_000);
+        let last = frame(true, 0, 10_000);
+        assert_eq!(
+            frames.pass(&first, false),
+            passed(first.len(), false, false)
+        );
+        assert_eq!(frames.pass(&ping, false), passed(ping.len(), false, false));
+        assert_eq!(
+            frames.pass(&second, false),
+            passed(second.len(), false, false)
+        );
+        assert_eq!(frames.pass(&last, false), passed(4, true, false));
+        assert_eq!(
+            frames.pass(&last[4..], true),
+            passed(last.len() - 4, false, true)
+        );
+        let again = frame(true, 1, 60_000);
+        assert_eq!(frames.pass(&again, false), passed(again.len(), false, true));
+    }
+
+    /// Reads a server's unmasked frame (of at most 64 KiB): its opcode and payload, or
+    /// `None` at the end.
+    async fn read_frame(stream: &mut UnixStream) -> Option<(u8, String)> {
+        use tokio::io::AsyncReadExt;
+        let mut head = [0; 2];
+        stream.read_exact(&mut head).await.ok()?;
+        let len = match head[1] & 0x7f {
+            126 => {
+                let mut len = [0; 2];
+                stream.read_exact(&mut len).await.ok()?;
+                usize::from(u16::from_be_bytes(len))
+            }
+            len => usize::from(len),
+        };
+        let mut payload = vec![0; len];
+        stream.read_exact(&mut payload).await.ok()?;
+        Some((
+            head[0] & 0x0f,
+            String::from_utf8_lossy(&payload).into_owned(),
+        ))
+    }
+
+    /// The text of the next frame that is not a ping.
+    async fn read_text(stream: &mut UnixStream) -> String {
+        loop {
+            match read_frame(stream).await {
+                Some((9, _)) => continue,
+                Some((_, text)) => return text,
+                None => return String::new(),
+            }
+        }
+    }
+
+    /// Sends `call` as one text frame on `stream`; the answer's text.
+    async fn ws_call(stream: &mut UnixStream, call: &str) -> String {
+        use tokio::io::AsyncWriteExt;
+        stream
+            .write_all(&text(call.as_bytes()))
+            .await
+            .expect("writing");
+        read_text(stream).await
+    }
+
+    /// WebSocket clients that each send the header of a frame declaring a large
+    /// message, and nothing more, wait for a read of a large body before that header is
+    /// handed on (soketto sets the whole payload aside once it has it), and lose it
+    /// seconds later, their connection closed, when the message does not come at the
+    /// pace of large bodies; then a large message sent whole, over HTTP or WebSocket, is
+    /// read and answered.
+    #[tokio::test(start_paused = true)]
+    async fn websocket_messages_wait_for_a_read_of_a_large_body() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let began = tokio::time::Instant::now();
+        let large = frame(true, 1, 1024 * 1024);
+        let mut stalled = Vec::new();
+        for _ in 0..2 * LARGE_BODIES_AT_ONCE {
+            let (mut stream, answer) = websocket(&path, b"").await;
+            assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
+            use tokio::io::AsyncWriteExt;
+            stream.write_all(&large[..14]).await.expect("writing");
+            stalled.push(stream);
+        }
+        let ping = large_ping();
+        let answer = read_all(send(&path, &post(ping.len(), &ping)).await).await;
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        let (mut stream, _) = websocket(&path, b"").await;
+        let answer = ws_call(&mut stream, &ping).await;
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        for mut stream in stalled {
+            // A close frame, then the end; no answer.
+            let closed = async {
+                while let Some((opcode, text)) = read_frame(&mut stream).await {
+                    assert_eq!(opcode, 8, "a stalled message was answered: {text}");
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), closed)
+                .await
+                .expect("a stalled message's connection was closed");
+        }
+        let waited = began.elapsed();
+        assert!(waited < 3 * LARGE_BODY_GRACE, "{waited:?}");
+    }
+
+    /// A WebSocket is opened only by a connection's first request, with nothing sent
+    /// after its head before the 101: otherwise its frames would not all be seen.
+    #[tokio::test]
+    async fn a_websocket_with_frames_sent_before_its_101_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let (_, answer) = websocket(&path, &frame(true, 1, 10)).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        let (mut stream, answer) = websocket(&path, b"").await;
+        assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
+        let answer = ws_call(&mut stream, r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#).await;
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+    }
+
+    /// A large body that trickles is answered 408 once it falls behind the pace of
+    /// large bodies, seconds after its read began rather than at the body timeout, so
+    /// peers trickling large bodies hold the reads of large bodies for seconds each; a
+    /// large body sent at once is read and answered.
+    #[tokio::test(start_paused = true)]
+    async fn large_bodies_that_trickle_give_their_read_back_within_seconds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Bodies have the default 30 s to come whole.
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let large = SMALL_BODY as usize + 1;
+        let began = tokio::time::Instant::now();
+        let mut slow = Vec::new();
+        for _ in 0..2 * LARGE_BODIES_AT_ONCE {
+            slow.push(send(&path, &post(large, "[")).await);
+        }
+        let ping = large_ping();
+        let answer = read_all(send(&path, &post(ping.len(), &ping)).await).await;
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        for stream in slow {
+            let answer = read_all(stream).await;
+            assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+            assert!(
+                answer.contains(
+                    "came slower than 1024 KiB/s after its first 2s (1 of its 65537 bytes came)"
+                ),
+                "{answer}"
+            );
+        }
+        // Two rounds of reads given back after the grace, then the ping's.
+        let waited = began.elapsed();
+        assert!(waited < 3 * LARGE_BODY_GRACE, "{waited:?}");
+    }
+
+    /// A call with a large body that mostly waits gives back its read of a large body
+    /// with its place: more such calls than there are reads of large bodies at once
+    /// stop no one's large body (before, each kept its read until its answer, so four
+    /// calls waiting ten minutes held every large body back as long).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_that_wait_hold_no_read_of_a_large_body() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let large = |method: &str| {
+            let pad = "x".repeat(SMALL_BODY as usize);
+            let body = format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"{method}","params":{{"pad":"{pad}"}}}}"#
+            );
+            post(body.len(), &body)
+        };
+        let mut waiting = Vec::new();
+        for _ in 0..LARGE_BODIES_AT_ONCE + 1 {
+            waiting.push(send(&path, &large("wait")).await);
+        }
+        let answer = read_all(send(&path, &large("ping")).await);
+        let answer = tokio::time::timeout(Duration::from_secs(60), answer)
+            .await
+            .expect("a large ping was answered while calls with large bodies waited");
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        for stream in &waiting {
+            let mut byte = [0; 1];
+            assert!(
+                matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+                "a waiting call was answered or closed"
+            );
         }
     }
 
@@ -2102,7 +2887,8 @@ mod tests {
         peer.set_nonblocking(true).expect("O_NONBLOCK");
         let ours = UnixStream::from_std(ours).expect("a tokio stream");
         let outbox = Arc::new(Outbox::new(1 << 20, 16, Arc::new(Backlog::new(1 << 30))));
-        let (mut watched, _) = Watched::new(ours, outbox.clone(), Some(stall));
+        let reads = Arc::new(Semaphore::new(1));
+        let (mut watched, _) = Watched::new(ours, outbox.clone(), Some(stall), reads);
         let written = fill(&mut watched).await;
         // What the socket charges for them: their buffers' sizes, not only the data.
         let waiting = unread_bytes(&watched.inner).expect("SIOCOUTQ on a Unix socket");

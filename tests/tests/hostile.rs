@@ -1328,7 +1328,8 @@ fn calls_already_read_wait_for_room_before_they_run() {
 
 /// `clients` HTTP clients each ask for `backup.operations` of a backup of `ops`
 /// operations with 1,000-byte IDs and read nothing, after the method's largest answer
-/// so far was the list of its first `first` operations: the agent's peak RSS stays
+/// so far was the list of its first `first` operations (0: the list was never asked
+/// for before): the agent's peak RSS stays
 /// under 320 MiB, `agent.status` answers meanwhile, and every client gets its whole
 /// list once it reads.
 fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) {
@@ -1338,8 +1339,12 @@ fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) 
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
     let list = request("backup.operations", json!({"name": "big"}));
-    let mut whole = Value::Null;
-    for (from, to) in [(0, first), (first, ops)] {
+    let steps = if first == 0 {
+        vec![(0, ops)]
+    } else {
+        vec![(0, first), (first, ops)]
+    };
+    for (from, to) in steps {
         let added: Vec<_> = (from..to)
             .map(|i| operation(PLUGIN, &format!("{i:05}-{}", "x".repeat(1000)), "data", &[]))
             .collect();
@@ -1349,11 +1354,10 @@ fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) 
         ));
         assert_eq!(added["result"]["added"], to - from, "{added:.300}");
         if to == first {
-            whole = http.call(&list);
+            let whole = http.call(&list);
             assert_eq!(whole["result"].as_array().map(Vec::len), Some(first));
         }
     }
-    let bytes = whole.to_string().len() / first * ops;
     drop(http);
 
     let post = format!(
@@ -1369,10 +1373,7 @@ fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) 
     }
     quiescent(pid, Duration::from_secs(120));
     let peak = status_bytes(pid, "VmHWM:");
-    println!(
-        "peak RSS {} MiB with {clients} unread lists of {bytes} bytes",
-        peak >> 20
-    );
+    println!("peak RSS {} MiB with {clients} unread lists", peak >> 20);
     let mut probe = RawHttp::connect(&agent.socket);
     let status = probe.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");
@@ -1389,8 +1390,10 @@ fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) 
             })
         })
         .collect();
+    let mut bytes = 0;
     for reader in readers {
         let answer = reader.join().unwrap();
+        bytes = answer.len();
         let text = String::from_utf8_lossy(&answer);
         let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
         let value: Value =
@@ -1430,4 +1433,57 @@ fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
 #[test]
 fn answers_larger_than_the_largest_so_far_are_made_two_at_a_time() {
     unread_lists_are_held_to_the_bound(800, 7200, 40);
+}
+
+/// A listing counts as large from its first call, before it has answered with 1 MiB
+/// or more: 40 clients each asking at once for a 10 MB list no one had asked for
+/// before, reading nothing, were all made at once (nothing was counted until the first
+/// was given).
+#[test]
+fn listings_asked_for_the_first_time_are_made_two_at_a_time() {
+    unread_lists_are_held_to_the_bound(0, 7200, 40);
+}
+
+/// WebSocket clients that each send the header of a frame declaring a 16 MB message, and
+/// nothing more: soketto sets a frame's whole payload aside once it has the header, so
+/// 40 such clients, 14 bytes each, took the agent to 639 MiB. Now a header that makes
+/// a message larger than 64 KiB is handed on only with one of the 4 reads of large
+/// bodies, and the connection holding it is closed once the message falls behind 1 MiB/s
+/// past its first 2 s: 4 payloads set aside at a time, each for seconds.
+#[test]
+fn websocket_headers_of_large_messages_set_aside_four_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let (agent, pid, baseline) = at_rest(dir.path());
+    let before = status_bytes(pid, "VmHWM:");
+    let mut header = vec![0x81u8, 0x80 | 127];
+    header.extend_from_slice(&16_000_000u64.to_be_bytes());
+    header.extend_from_slice(&[0; 4]);
+    let held: Vec<UnixStream> = (0..40)
+        .map(|_| {
+            let mut ws = websocket(&agent.socket);
+            ws.write_all(&header).unwrap();
+            ws
+        })
+        .collect();
+    let mut http = RawHttp::connect(&agent.socket);
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    for mut ws in held {
+        ws.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let mut rest = Vec::new();
+        ws.read_to_end(&mut rest)
+            .expect("a stalled message's connection was closed");
+    }
+    let grown = status_bytes(pid, "VmHWM:") - before;
+    println!("peak RSS grew by {} MiB", grown >> 20);
+    assert!(
+        grown < 160 << 20,
+        "40 stalled 16 MB messages grew the agent's peak RSS by {} MiB",
+        grown >> 20
+    );
+    drop(http);
+    assert!(
+        eventually(Duration::from_secs(30), || open_sockets(pid) == baseline),
+        "the stalled connections' sockets were not all closed"
+    );
 }

@@ -194,6 +194,11 @@ fn the_limits_are_the_codes_constants() {
         ),
         ("body deadline", seconds(serve.request_body_timeout)),
         (
+            "large body pace",
+            format!("{} bytes/s", server::LARGE_BODY_RATE),
+        ),
+        ("large body grace", seconds(Some(server::LARGE_BODY_GRACE))),
+        (
             "response",
             format!("{} bytes", serve.max_response_body_size),
         ),
