@@ -59,10 +59,11 @@
 //! - a WebSocket message larger than [`SMALL_BODY`] takes one of the same reads of
 //!   large bodies (see [`Frames`]) before the frame header that makes it large is
 //!   handed to jsonrpsee, whose frame reader sets the frame's whole payload aside on the
-//!   header, and keeps it until its last frame has come, at the same pace or its
-//!   connection fails; a WebSocket is opened only by a connection's first request with
-//!   nothing sent after it before the 101, so that every frame is seen from its first
-//!   byte;
+//!   header, and keeps it until its last frame has come, at the same pace (the time the
+//!   connection is full does not count) and for [`LARGE_READ_HOLD`] at most, or its
+//!   connection fails; a WebSocket is opened only by a connection's first request,
+//!   without a body and with nothing sent after it before the 101, and a frame without
+//!   a mask fails the connection, so that every frame is seen from its first byte;
 //! - a request body over `max_request_body_size` is answered with a JSON-RPC error
 //!   (HTTP 413) and its rest read and dropped, so the client sees the answer rather
 //!   than a reset, whether the refusal came from the declared length or from reading:
@@ -554,9 +555,110 @@ fn body_late(lateness: Lateness, got: usize, declared: Option<u64>) -> HttpRespo
 enum Upgrade {
     No,
     Yes,
-    /// It asks to, but not as its connection's first request, or with more sent after
-    /// its head: the frames would not be seen from their first byte.
+    /// It asks to, but not as its connection's first request, with a body, or with more
+    /// sent after its head: the frames would not be seen from their first byte.
     Refused,
+}
+
+/// The longest JSON-RPC id of a request over [`SMALL_BODY`] that calls a method that
+/// mostly waits, in bytes (as sent): an id is echoed, not compacted.
+pub const MAX_ID: usize = 1024;
+
+/// Set on an HTTP request over [`SMALL_BODY`] that calls a method that mostly waits and
+/// stays large without its whitespace: it keeps its place and read while it runs.
+#[derive(Clone, Copy)]
+struct LargeWait;
+
+/// What a large request body is, as to methods that mostly wait.
+enum Waiting {
+    /// It calls none (or is not JSON-RPC: jsonrpsee answers that).
+    No,
+    /// It calls one, and is at most [`SMALL_BODY`] without its whitespace: this.
+    Small(Vec<u8>),
+    /// It calls one and is larger all the same.
+    Large,
+    /// One of its ids is this long, over [`MAX_ID`].
+    LongId(usize),
+}
+
+/// A JSON-RPC call or notification, as sent, but for its whitespace.
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Envelope<'a> {
+    #[serde(borrow)]
+    jsonrpc: &'a serde_json::value::RawValue,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    id: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    method: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    params: Option<&'a serde_json::value::RawValue>,
+}
+
+impl Envelope<'_> {
+    /// The call without the whitespace of its params.
+    fn compact(&self) -> Result<Compact<'_>, serde_json::Error> {
+        Ok(Compact {
+            jsonrpc: self.jsonrpc,
+            id: self.id,
+            method: &self.method,
+            params: self
+                .params
+                .map(|params| serde_json::from_str(params.get()))
+                .transpose()?,
+        })
+    }
+}
+
+/// An [`Envelope`] with its params parsed, to be written without whitespace.
+#[derive(serde::Serialize)]
+struct Compact<'a> {
+    jsonrpc: &'a serde_json::value::RawValue,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a serde_json::value::RawValue>,
+    method: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    params: Option<serde_json::Value>,
+}
+
+/// Whether a large body calls a method that mostly waits, and how large it is without
+/// its whitespace: such a call waits holding its request, so one padded with spaces
+/// (or with a long id) must not hold much while it waits, nor keep a read of a large
+/// body from everyone for as long.
+fn waiting(body: &[u8], unmetered: &HashSet<String>) -> Waiting {
+    let batch = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
+    let calls: Vec<Envelope<'_>> = if batch {
+        match serde_json::from_slice(body) {
+            Ok(calls) => calls,
+            Err(_) => return Waiting::No,
+        }
+    } else {
+        match serde_json::from_slice(body) {
+            Ok(call) => vec![call],
+            Err(_) => return Waiting::No,
+        }
+    };
+    if !calls
+        .iter()
+        .any(|call| unmetered.contains(call.method.as_ref()))
+    {
+        return Waiting::No;
+    }
+    if let Some(id) = calls
+        .iter()
+        .filter_map(|call| call.id)
+        .find(|id| id.get().len() > MAX_ID)
+    {
+        return Waiting::LongId(id.get().len());
+    }
+    let compact: Result<Vec<Compact<'_>>, _> = calls.iter().map(Envelope::compact).collect();
+    let compact = compact.and_then(|compact| match compact.as_slice() {
+        [call] if !batch => serde_json::to_vec(call),
+        calls => serde_json::to_vec(calls),
+    });
+    match compact {
+        Ok(compact) if compact.len() as u64 <= SMALL_BODY => Waiting::Small(compact),
+        _ => Waiting::Large,
+    }
 }
 
 /// Which transport a call came by; set on every request `serve` routes.
@@ -592,6 +694,8 @@ struct Shared {
     /// Reads of bodies larger than [`SMALL_BODY`] (or of no declared length) at once.
     large_bodies: Arc<Semaphore>,
     body_timeout: Option<Duration>,
+    /// Methods that mostly wait (`unmetered_methods`).
+    unmetered: HashSet<String>,
 }
 
 /// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
@@ -624,9 +728,9 @@ where
         let mut response = rpc_error(
             hyper::StatusCode::BAD_REQUEST,
             jsonrpsee::types::error::INVALID_REQUEST_CODE,
-            "a WebSocket is opened by the first request of a connection, and its client \
-             sends nothing more until the 101 answer (RFC 6455, 4.1); open a new connection \
-             and wait for the 101",
+            "a WebSocket is opened by the first request of a connection, without a body, \
+             and its client sends nothing more until the 101 answer (RFC 6455, 4.1); open \
+             a new connection and wait for the 101",
         );
         response.headers_mut().insert(
             hyper::header::CONNECTION,
@@ -691,7 +795,29 @@ where
         large.is_some(),
     )
     .await;
+    let mut large = large;
     let body = match read {
+        Ok(bytes) if large.is_some() => match waiting(&bytes, &shared.unmetered) {
+            Waiting::No => HttpBody::new(http_body_util::Full::new(bytes)),
+            Waiting::Small(compact) => {
+                // A call that waits, small once its whitespace is gone: it holds
+                // neither its read nor its bytes while it waits.
+                large = None;
+                HttpBody::new(http_body_util::Full::new(hyper::body::Bytes::from(compact)))
+            }
+            Waiting::Large => {
+                // It keeps its read and place while it runs.
+                parts.extensions.insert(LargeWait);
+                HttpBody::new(http_body_util::Full::new(bytes))
+            }
+            Waiting::LongId(length) => {
+                return Ok(rpc_error(
+                    hyper::StatusCode::BAD_REQUEST,
+                    jsonrpsee::types::error::INVALID_REQUEST_CODE,
+                    &format!("an id of {length} bytes; an id may have at most {MAX_ID} bytes"),
+                ))
+            }
+        },
         Ok(bytes) => HttpBody::new(http_body_util::Full::new(bytes)),
         Err(Unread::TooBig(body, read)) => {
             drain(body, &parts.headers, read, drain_bound);
@@ -1348,7 +1474,8 @@ where
                     // server to hold less: then it waits holding nothing.
                     let reserved = large.and_then(|n| rules.try_reserve(n, metered));
                     let waits = large.is_some() && reserved.is_none() && outbox.is_some();
-                    if !metered || waits {
+                    let holds = request.extensions().get::<LargeWait>().is_some();
+                    if (!metered && !holds) || waits {
                         if let Some(place) = request.extensions().get::<Place>() {
                             place.give_back();
                         }
@@ -1446,9 +1573,10 @@ where
             // the batch's calls, unless one of them mostly waits (a batch must not hold
             // a place for as long as its waits run) or the batch must wait to start:
             // then its calls take places of their own, as over WebSocket.
+            let holds = requests.extensions().get::<LargeWait>().is_some();
             let own_places = match transport {
                 Some(Transport::Http) => {
-                    if !metered || waits || crowded || large {
+                    if (!metered || waits || crowded || large) && !holds {
                         if let Some(place) = requests.extensions().get::<Place>() {
                             place.give_back();
                         }
@@ -1626,18 +1754,26 @@ struct Frames {
     ends_message: bool,
     /// Whether it stopped at a header that needs a read of a large body.
     stopped: bool,
+    /// Whether the current frame is a data frame (not a ping, pong or close).
+    data_frame: bool,
 }
 
 /// What [`Frames::pass`] found in the bytes it was given.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 struct Passed {
     /// Bytes that may be handed on.
     bytes: usize,
+    /// Of them, bytes of data frames after their headers (with their masks).
+    data: u64,
     /// Whether it stopped at a header that makes its message large, which may be
     /// handed on further only with a read of a large body.
     needs_read: bool,
     /// Whether a message ended within the bytes passed (a read held for it may go).
     message_ended: bool,
+    /// Whether it stopped at the header of a frame without a mask, which a client must
+    /// not send (RFC 6455, 5.1) and whose payload soketto would set aside at once: the
+    /// connection fails.
+    unmasked: bool,
 }
 
 impl Frames {
@@ -1657,44 +1793,57 @@ impl Frames {
 
     /// How many of `bytes` (next in the stream) may be handed on, `holding` a read of
     /// a large body or not: all of them, unless a header among them makes its message
-    /// large, then up to that header's payload length.
+    /// large, then up to that header's payload length (its mask, and the payload, wait).
     /// It stops where a message ends too, so that a read held for that message is given
     /// back before the next one is looked at.
     fn pass(&mut self, bytes: &[u8], holding: bool) -> Passed {
-        let stop = |bytes, needs_read, message_ended| Passed {
-            bytes,
-            needs_read,
-            message_ended,
-        };
         if self.stopped {
             if !holding {
-                return stop(0, true, false);
+                return Passed {
+                    needs_read: true,
+                    ..Passed::default()
+                };
             }
             self.stopped = false;
             if self.rest == 0 && self.frame_ended() {
-                return stop(0, false, true);
+                return Passed {
+                    message_ended: true,
+                    ..Passed::default()
+                };
             }
         }
-        let mut i = 0;
-        while i < bytes.len() {
+        let mut passed = Passed::default();
+        while passed.bytes < bytes.len() {
             if self.rest > 0 {
-                let take = (bytes.len() - i).min(usize::try_from(self.rest).unwrap_or(usize::MAX));
-                i += take;
+                let left = bytes.len() - passed.bytes;
+                let take = left.min(usize::try_from(self.rest).unwrap_or(usize::MAX));
+                passed.bytes += take;
+                if self.data_frame {
+                    passed.data += take as u64;
+                }
                 self.rest -= take as u64;
                 if self.rest == 0 && self.frame_ended() {
-                    return stop(i, false, true);
+                    passed.message_ended = true;
+                    return passed;
                 }
                 continue;
             }
             if self.seen < self.head.len() {
-                self.head[self.seen] = bytes[i];
+                self.head[self.seen] = bytes[passed.bytes];
             }
             self.seen += 1;
-            i += 1;
+            passed.bytes += 1;
             if self.head_len() != Some(self.seen) {
                 continue;
             }
-            // The header is whole up to its payload length: the mask (if any) follows.
+            // The header is whole up to its payload length: the mask follows.
+            if self.head[1] & 0x80 == 0 {
+                // Without a mask the header is whole already: none of it goes on.
+                return Passed {
+                    unmasked: true,
+                    ..Passed::default()
+                };
+            }
             let payload = match self.seen {
                 4 => u64::from(u16::from_be_bytes([self.head[2], self.head[3]])),
                 10 => {
@@ -1704,25 +1853,22 @@ impl Frames {
                 }
                 _ => u64::from(self.head[1] & 0x7f),
             };
-            let masked = self.head[1] & 0x80 != 0;
-            let data = self.head[0] & 0x08 == 0;
-            if data {
+            self.data_frame = self.head[0] & 0x08 == 0;
+            if self.data_frame {
                 self.message = self.message.saturating_add(payload);
                 self.ends_message = self.head[0] & 0x80 != 0;
             } else {
                 self.ends_message = false;
             }
             self.seen = 0;
-            self.rest = payload.saturating_add(if masked { 4 } else { 0 });
-            if data && self.large() && !holding {
+            self.rest = payload.saturating_add(4);
+            if self.data_frame && self.large() && !holding {
                 self.stopped = true;
-                return stop(i, true, false);
-            }
-            if self.rest == 0 && self.frame_ended() {
-                return stop(i, false, true);
+                passed.needs_read = true;
+                return passed;
             }
         }
-        stop(i, false, false)
+        passed
     }
 
     /// The current frame has come whole; whether that ended its message.
@@ -1744,9 +1890,10 @@ const GATE_STASH: usize = 16 * 1024;
 /// A WebSocket connection's reads, through its [`Frames`]: a message larger than
 /// [`SMALL_BODY`] is handed on only while the connection holds one of the
 /// [`LARGE_BODIES_AT_ONCE`] reads of large bodies (shared with HTTP bodies), taken at
-/// the header that makes it large and given back where it ends; while it is held the
-/// message must come at [`LARGE_BODY_RATE`] or faster after [`LARGE_BODY_GRACE`], or the
-/// connection fails.
+/// the header that makes it large and given back where it ends. While it is held, the
+/// message's data must come at [`LARGE_BODY_RATE`] or faster after [`LARGE_BODY_GRACE`]
+/// (the time the connection is not read because its calls fill it does not count), and
+/// it is held [`LARGE_READ_HOLD`] at most; else the connection fails.
 struct Gate {
     frames: Frames,
     stash: Box<[u8]>,
@@ -1755,15 +1902,22 @@ struct Gate {
     handed: usize,
     reads: tokio_util::sync::PollSemaphore,
     read: Option<OwnedSemaphorePermit>,
-    /// While `read` is held: when it was taken, bytes handed on since, and the
-    /// deadline by which more must have come.
+    /// While `read` is held: when it was taken, when its pace began (later by the time
+    /// the connection was full), the message's data handed on since, since when the
+    /// connection is full, and the deadline by which more must have come.
     taken: tokio::time::Instant,
+    paced_from: tokio::time::Instant,
     since: u64,
+    full_since: Option<tokio::time::Instant>,
     pace: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
+/// The longest a WebSocket connection holds a read of a large body for one message.
+pub const LARGE_READ_HOLD: Duration = Duration::from_secs(30);
+
 impl Gate {
     fn new(reads: Arc<Semaphore>) -> Gate {
+        let now = tokio::time::Instant::now();
         Gate {
             frames: Frames::default(),
             stash: vec![0; GATE_STASH].into_boxed_slice(),
@@ -1771,18 +1925,47 @@ impl Gate {
             handed: 0,
             reads: tokio_util::sync::PollSemaphore::new(reads),
             read: None,
-            taken: tokio::time::Instant::now(),
+            taken: now,
+            paced_from: now,
             since: 0,
+            full_since: None,
             pace: None,
         }
     }
 
     /// When the message being read must have come as far as it has by: the pace of
-    /// large bodies from when the read was taken.
+    /// large bodies from when its read was taken (while the connection is full, only
+    /// the bound on holding a read).
     fn deadline(&self) -> tokio::time::Instant {
-        self.taken
+        let held = self.taken + LARGE_READ_HOLD;
+        if self.full_since.is_some() {
+            return held;
+        }
+        let paced = self.paced_from
             + LARGE_BODY_GRACE
-            + Duration::from_secs_f64(self.since as f64 / LARGE_BODY_RATE as f64)
+            + Duration::from_secs_f64(self.since as f64 / LARGE_BODY_RATE as f64);
+        paced.min(held)
+    }
+
+    fn reset_pace(&mut self) {
+        let deadline = self.deadline();
+        if let Some(pace) = &mut self.pace {
+            pace.as_mut().reset(deadline);
+        }
+    }
+
+    /// Whether the connection is full (its calls fill it, so it is not read): the pace
+    /// waits meanwhile, holding the read no longer than [`LARGE_READ_HOLD`].
+    fn full(&mut self, full: bool) {
+        if self.read.is_none() || full == self.full_since.is_some() {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        match self.full_since.take() {
+            Some(since) => self.paced_from += now - since,
+            None => self.full_since = Some(now),
+        }
+        self.reset_pace();
     }
 
     /// Hands on what may go of the stash into `buf`: `Ready` once something went (or
@@ -1803,14 +1986,17 @@ impl Gate {
             let room = (self.stashed - self.handed).min(buf.remaining());
             let bytes = &self.stash[self.handed..self.handed + room];
             let passed = self.frames.pass(bytes, self.read.is_some());
+            if passed.unmasked {
+                return Some(Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a client sent a WebSocket frame without a mask (RFC 6455, 5.1); closed",
+                ))));
+            }
             buf.put_slice(&bytes[..passed.bytes]);
             self.handed += passed.bytes;
-            if self.read.is_some() {
-                self.since += passed.bytes as u64;
-                let deadline = self.deadline();
-                if let Some(pace) = &mut self.pace {
-                    pace.as_mut().reset(deadline);
-                }
+            if self.read.is_some() && passed.data > 0 {
+                self.since += passed.data;
+                self.reset_pace();
             }
             if passed.message_ended {
                 self.read = None;
@@ -1824,7 +2010,9 @@ impl Gate {
                     Poll::Ready(Some(read)) => {
                         self.read = Some(read);
                         self.taken = tokio::time::Instant::now();
+                        self.paced_from = self.taken;
                         self.since = 0;
+                        self.full_since = None;
                         self.pace = Some(Box::pin(tokio::time::sleep_until(self.deadline())));
                     }
                     Poll::Ready(None) => {
@@ -1837,7 +2025,8 @@ impl Gate {
     }
 
     /// With nothing come from the stream: the error that fails the connection if the
-    /// message being read has fallen behind the pace of large bodies.
+    /// message being read has fallen behind the pace of large bodies, or held its read
+    /// for [`LARGE_READ_HOLD`].
     fn late(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
         let pace = self.pace.as_mut()?;
         pace.as_mut().poll(cx).is_ready().then(|| {
@@ -1845,10 +2034,12 @@ impl Gate {
                 io::ErrorKind::TimedOut,
                 format!(
                     "a WebSocket message larger than {} KiB came slower than {} KiB/s after \
-                     its first {}s ({} bytes since); closed",
+                     its first {}s, or held its read of a large body for {}s ({} bytes of it \
+                     came); closed",
                     SMALL_BODY / 1024,
                     LARGE_BODY_RATE / 1024,
                     LARGE_BODY_GRACE.as_secs_f64(),
+                    LARGE_READ_HOLD.as_secs(),
                     self.since
                 ),
             )
@@ -1945,10 +2136,20 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Watched<S> {
             )));
         }
         let websocket = self.websocket.load(std::sync::atomic::Ordering::Relaxed);
-        if websocket && self.outbox.full(cx.waker()) {
-            return Poll::Pending;
-        }
         if websocket {
+            let full = self.outbox.full(cx.waker());
+            if let Some(gate) = &mut self.gate {
+                gate.full(full);
+            }
+            if full {
+                // A message that holds a read of a large body holds it no longer than
+                // its bound: a connection that keeps itself full (16 calls that wait)
+                // does not keep it.
+                if let Some(e) = self.gate.as_mut().and_then(|gate| gate.late(cx)) {
+                    return Poll::Ready(Err(e));
+                }
+                return Poll::Pending;
+            }
             return self.poll_gated(cx, buf);
         }
         let before = buf.filled().len();
@@ -1975,7 +2176,9 @@ impl<S: tokio::io::AsyncRead + Unpin> Watched<S> {
         if self.mark.end.load(relaxed) == 0 {
             for (i, &byte) in bytes.iter().enumerate() {
                 self.last_four = self.last_four << 8 | u32::from(byte);
-                if self.last_four == u32::from_be_bytes(*b"\r\n\r\n") {
+                // An empty line ends the head; hyper takes a bare `\n` as a line's end
+                // too (`\n\n`, `\r\n\n`, `\n\r\n`, `\r\n\r\n`).
+                if self.last_four & 0xffff == 0x0a0a || self.last_four & 0xff_ffff == 0x0a_0d0a {
                     self.mark.end.store(self.read + i as u64 + 1, relaxed);
                     break;
                 }
@@ -2191,6 +2394,7 @@ pub async fn serve<L>(
         places,
         large_bodies: Arc::new(Semaphore::new(LARGE_BODIES_AT_ONCE)),
         body_timeout: config.request_body_timeout,
+        unmetered: config.unmetered_methods.iter().cloned().collect(),
     });
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
@@ -2242,7 +2446,10 @@ pub async fn serve<L>(
             let first = first.swap(false, std::sync::atomic::Ordering::Relaxed);
             let mut upgrade = Upgrade::No;
             if jsonrpsee::server::ws::is_upgrade_request(&request) {
-                upgrade = if first && mark.at_first_head_end() {
+                let headers = request.headers();
+                let body = headers.contains_key(hyper::header::TRANSFER_ENCODING)
+                    || declared_length(headers).is_some_and(|length| length > 0);
+                upgrade = if first && !body && mark.at_first_head_end() {
                     websocket.store(true, std::sync::atomic::Ordering::Relaxed);
                     Upgrade::Yes
                 } else {
@@ -2397,23 +2604,47 @@ mod tests {
         )
     }
 
-    /// A server of two methods on a socket in `dir`: `ping`, and `wait`, which never
-    /// answers (unmetered: it mostly waits); it stops when the sender is dropped.
+    /// A server of three methods on a socket in `dir`: `ping`; `wait`, which never
+    /// answers; and `nap`, which answers after 5 s (both unmetered: they mostly wait).
+    /// It stops when the sender is dropped.
     async fn pinged(
         dir: &Path,
         config: ServeConfig,
     ) -> (std::path::PathBuf, tokio::sync::oneshot::Sender<()>) {
+        let (path, stop, _) = pinged_counting(dir, config).await;
+        (path, stop)
+    }
+
+    /// [`pinged`], with a permit added for every `wait` that has begun.
+    async fn pinged_counting(
+        dir: &Path,
+        config: ServeConfig,
+    ) -> (
+        std::path::PathBuf,
+        tokio::sync::oneshot::Sender<()>,
+        Arc<Semaphore>,
+    ) {
         let path = dir.join("server.sock");
         let listener = bind(&path, 0o600).await.expect("binding");
-        let mut module = jsonrpsee::RpcModule::new(());
+        let begun = Arc::new(Semaphore::new(0));
+        let mut module = jsonrpsee::RpcModule::new(begun.clone());
         module
             .register_method("ping", |_, _, _| "pong")
             .expect("registering");
         module
-            .register_async_method("wait", |_, _, _| std::future::pending::<&str>())
+            .register_async_method("wait", |_, begun, _| async move {
+                begun.add_permits(1);
+                std::future::pending::<&str>().await
+            })
+            .expect("registering");
+        module
+            .register_async_method("nap", |_, _, _| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                "awake"
+            })
             .expect("registering");
         let config = ServeConfig {
-            unmetered_methods: vec!["wait".to_string()],
+            unmetered_methods: vec!["wait".to_string(), "nap".to_string()],
             ..config
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -2427,7 +2658,7 @@ mod tests {
                 let _ = stopped.await;
             },
         ));
-        (path, stop)
+        (path, stop, begun)
     }
 
     /// Eight peers that send part of a small body and, past the reads of large bodies
@@ -2549,12 +2780,12 @@ mod tests {
         frame
     }
 
-    fn passed(bytes: usize, needs_read: bool, message_ended: bool) -> Passed {
-        Passed {
-            bytes,
-            needs_read,
-            message_ended,
-        }
+    /// What [`Frames::pass`] passed: bytes, whether it needs a read, whether a message
+    /// ended.
+    fn pass(frames: &mut Frames, bytes: &[u8], holding: bool) -> (usize, bool, bool) {
+        let passed = frames.pass(bytes, holding);
+        assert!(!passed.unmasked);
+        (passed.bytes, passed.needs_read, passed.message_ended)
     }
 
     /// Small messages pass whole, one message at a time, without a read of a large body;
@@ -2566,37 +2797,53 @@ mod tests {
         let small = frame(true, 1, 100);
         let stream = [small.clone(), small.clone()].concat();
         assert_eq!(
-            frames.pass(&stream, false),
-            passed(small.len(), false, true)
+            pass(&mut frames, &stream, false),
+            (small.len(), false, true)
         );
         assert_eq!(
-            frames.pass(&stream[small.len()..], false),
-            passed(small.len(), false, true)
+            pass(&mut frames, &stream[small.len()..], false),
+            (small.len(), false, true)
         );
 
         let large = frame(true, 2, SMALL_BODY as usize + 1);
-        assert_eq!(frames.pass(&large, false), passed(10, true, false));
-        assert_eq!(frames.pass(&large[10..], false), passed(0, true, false));
+        assert_eq!(pass(&mut frames, &large, false), (10, true, false));
+        assert_eq!(pass(&mut frames, &large[10..], false), (0, true, false));
         assert_eq!(
-            frames.pass(&large[10..1000], true),
-            passed(990, false, false)
+            pass(&mut frames, &large[10..1000], true),
+            (990, false, false)
         );
         assert_eq!(
-            frames.pass(&large[1000..], true),
-            passed(large.len() - 1000, false, true)
+            pass(&mut frames, &large[1000..], true),
+            (large.len() - 1000, false, true)
         );
         // Header bytes one at a time: the stop is at the same byte.
         let mut at = 0;
         while at < 10 {
-            let got = frames.pass(&large[at..at + 1], false);
-            at += got.bytes;
-            assert_eq!(got.needs_read, at == 10, "{at}");
+            let (bytes, needs_read, _) = pass(&mut frames, &large[at..at + 1], false);
+            at += bytes;
+            assert_eq!(needs_read, at == 10, "{at}");
         }
         assert_eq!(
-            frames.pass(&large[10..], true),
-            passed(large.len() - 10, false, true)
+            pass(&mut frames, &large[10..], true),
+            (large.len() - 10, false, true)
         );
-        assert_eq!(frames.pass(&small, false), passed(small.len(), false, true));
+        assert_eq!(pass(&mut frames, &small, false), (small.len(), false, true));
+    }
+
+    /// A frame without a mask is refused before the last byte of its header goes on;
+    /// only data frames' bytes count as the message coming.
+    #[test]
+    fn unmasked_frames_are_refused_and_only_data_counts() {
+        let mut frames = Frames::default();
+        let mut unmasked = frame(true, 1, 10);
+        unmasked[1] &= 0x7f;
+        let refused = frames.pass(&unmasked, false);
+        assert!(refused.unmasked && refused.bytes == 0, "{refused:?}");
+        let mut frames = Frames::default();
+        let first = frame(false, 1, 100);
+        let ping = frame(true, 9, 100);
+        assert_eq!(frames.pass(&first, false).data, 104);
+        assert_eq!(frames.pass(&ping, false).data, 0);
     }
 
     /// A message's data frames add up, control frames between them do not, and a
@@ -2610,21 +2857,21 @@ mod tests {
         let second = frame(false, 0, 20_000);
         let last = frame(true, 0, 10_000);
         assert_eq!(
-            frames.pass(&first, false),
-            passed(first.len(), false, false)
+            pass(&mut frames, &first, false),
+            (first.len(), false, false)
         );
-        assert_eq!(frames.pass(&ping, false), passed(ping.len(), false, false));
+        assert_eq!(pass(&mut frames, &ping, false), (ping.len(), false, false));
         assert_eq!(
-            frames.pass(&second, false),
-            passed(second.len(), false, false)
+            pass(&mut frames, &second, false),
+            (second.len(), false, false)
         );
-        assert_eq!(frames.pass(&last, false), passed(4, true, false));
+        assert_eq!(pass(&mut frames, &last, false), (4, true, false));
         assert_eq!(
-            frames.pass(&last[4..], true),
-            passed(last.len() - 4, false, true)
+            pass(&mut frames, &last[4..], true),
+            (last.len() - 4, false, true)
         );
         let again = frame(true, 1, 60_000);
-        assert_eq!(frames.pass(&again, false), passed(again.len(), false, true));
+        assert_eq!(pass(&mut frames, &again, false), (again.len(), false, true));
     }
 
     /// Reads a server's unmasked frame (of at most 64 KiB): its opcode and payload, or
@@ -2711,6 +2958,128 @@ mod tests {
         assert!(waited < 3 * LARGE_BODY_GRACE, "{waited:?}");
     }
 
+    /// A WebSocket connection that fills its calls with ones that wait, then sends the
+    /// header of a large message, is not read further while full and holds the read it
+    /// took for the message 30 s at most: it is closed then, not when its waits end, and
+    /// a large body sent whole is read then (before, four such connections held every
+    /// read of a large body for as long as their waits).
+    #[tokio::test(start_paused = true)]
+    async fn a_full_websocket_keeps_no_read_of_a_large_body() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let began = tokio::time::Instant::now();
+        let waits: Vec<u8> = (0..ServeConfig::default().max_calls_per_connection)
+            .flat_map(|id| {
+                text(format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"wait"}}"#).as_bytes())
+            })
+            .collect();
+        let mut full = Vec::new();
+        for _ in 0..LARGE_BODIES_AT_ONCE {
+            let (mut stream, answer) = websocket(&path, b"").await;
+            assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
+            use tokio::io::AsyncWriteExt;
+            let header = &frame(true, 1, 1024 * 1024)[..14];
+            stream
+                .write_all(&[&waits[..], header].concat())
+                .await
+                .expect("writing");
+            full.push(stream);
+        }
+        let ping = large_ping();
+        let answer = read_all(send(&path, &post(ping.len(), &ping)).await).await;
+        assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        for mut stream in full {
+            let closed = async { while read_frame(&mut stream).await.is_some() {} };
+            tokio::time::timeout(Duration::from_secs(60), closed)
+                .await
+                .expect("a full connection holding a read was closed");
+        }
+        let waited = began.elapsed();
+        assert!(waited >= LARGE_READ_HOLD, "{waited:?}");
+        assert!(waited < LARGE_READ_HOLD + LARGE_BODY_GRACE, "{waited:?}");
+    }
+
+    /// A client that sends a large message after calls that fill its connection gets
+    /// every answer: the time its connection is not read because it is full does not
+    /// count against the message's pace.
+    #[tokio::test(start_paused = true)]
+    async fn a_large_message_after_calls_that_fill_the_connection_is_answered() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
+        let calls = ServeConfig::default().max_calls_per_connection;
+        let mut sent: Vec<u8> = (0..calls)
+            .flat_map(|id| {
+                text(format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"nap"}}"#).as_bytes())
+            })
+            .collect();
+        sent.extend(text(large_ping().as_bytes()));
+        let (mut stream, answer) = websocket(&path, b"").await;
+        assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
+        use tokio::io::AsyncWriteExt;
+        stream.write_all(&sent).await.expect("writing");
+        let mut answers = Vec::new();
+        for _ in 0..=calls {
+            answers.push(read_text(&mut stream).await);
+        }
+        let awake = answers
+            .iter()
+            .filter(|a| a.contains(r#""result":"awake""#))
+            .count();
+        let pong = answers
+            .iter()
+            .filter(|a| a.contains(r#""result":"pong""#))
+            .count();
+        assert_eq!((awake, pong), (calls, 1), "{answers:?}");
+    }
+
+    /// The pace of a large message waits while its connection is full (not read
+    /// because its calls fill it), and the read is held 30 s at most all the same.
+    #[tokio::test(start_paused = true)]
+    async fn the_pace_of_a_large_message_waits_while_its_connection_is_full() {
+        let mut gate = Gate::new(Arc::new(Semaphore::new(1)));
+        let header = &frame(true, 1, 1024 * 1024)[..14];
+        gate.stash[..header.len()].copy_from_slice(header);
+        gate.stashed = header.len();
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut space = [0; 64];
+        let mut buf = tokio::io::ReadBuf::new(&mut space);
+        while gate.hand_on(&mut cx, &mut buf).is_some() {}
+        assert_eq!(
+            buf.filled(),
+            header,
+            "the header went on with the read taken"
+        );
+        assert!(gate.read.is_some());
+        gate.full(true);
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(
+            gate.late(&mut cx).is_none(),
+            "late after 20 s of a full connection"
+        );
+        gate.full(false);
+        assert!(
+            gate.late(&mut cx).is_none(),
+            "late as soon as it was read again"
+        );
+        tokio::time::advance(LARGE_BODY_GRACE + Duration::from_millis(1)).await;
+        assert!(
+            gate.late(&mut cx).is_some(),
+            "not late past the grace, nothing come"
+        );
+
+        let mut gate = Gate::new(Arc::new(Semaphore::new(1)));
+        gate.stash[..header.len()].copy_from_slice(header);
+        gate.stashed = header.len();
+        let mut buf = tokio::io::ReadBuf::new(&mut space);
+        while gate.hand_on(&mut cx, &mut buf).is_some() {}
+        gate.full(true);
+        tokio::time::advance(LARGE_READ_HOLD + Duration::from_millis(1)).await;
+        assert!(
+            gate.late(&mut cx).is_some(),
+            "a full connection held its read 30 s"
+        );
+    }
+
     /// A WebSocket is opened only by a connection's first request, with nothing sent
     /// after its head before the 101: otherwise its frames would not all be seen.
     #[tokio::test]
@@ -2718,6 +3087,18 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
         let (_, answer) = websocket(&path, &frame(true, 1, 10)).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        // A head whose lines end in a bare LF ends at its first empty line too.
+        let bare = "GET / HTTP/1.1\nHost: x\nUpgrade: websocket\nConnection: Upgrade\n\
+                    Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\nSec-WebSocket-Version: 13\n\n";
+        let hidden = [bare.as_bytes(), &frame(true, 1, 10), b"\r\n\r\n"].concat();
+        let answer = read_all(send(&path, &String::from_utf8_lossy(&hidden)).await).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        let with_body =
+            "GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+                    Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+                    Content-Length: 2\r\n\r\n";
+        let answer = read_all(send(&path, with_body).await).await;
         assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
         let (mut stream, answer) = websocket(&path, b"").await;
         assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
@@ -2758,26 +3139,31 @@ mod tests {
         assert!(waited < 3 * LARGE_BODY_GRACE, "{waited:?}");
     }
 
-    /// A call with a large body that mostly waits gives back its read of a large body
-    /// with its place: more such calls than there are reads of large bodies at once
-    /// stop no one's large body (before, each kept its read until its answer, so four
-    /// calls waiting ten minutes held every large body back as long).
+    /// A call with a large body that mostly waits, padded with whitespace, is passed on
+    /// without it and gives back its read of a large body with its place: more such
+    /// calls than there are reads of large bodies at once stop no one's large body
+    /// (before, each kept its read until its answer, so four calls waiting ten minutes
+    /// held every large body back as long; without the read, each held its padding as
+    /// long: 30 `backup.wait` calls of 16 MB, 540 MiB). One that is large all the same
+    /// keeps its read while it waits, and one whose id is over 1 KiB is refused.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_that_wait_hold_no_read_of_a_large_body() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (path, _stop) = pinged(dir.path(), ServeConfig::default()).await;
-        let large = |method: &str| {
-            let pad = "x".repeat(SMALL_BODY as usize);
-            let body = format!(
-                r#"{{"jsonrpc":"2.0","id":1,"method":"{method}","params":{{"pad":"{pad}"}}}}"#
-            );
+        let (path, _stop, begun) = pinged_counting(dir.path(), ServeConfig::default()).await;
+        let padded = |id: &str, params: &str| {
+            let pad = " ".repeat(SMALL_BODY as usize);
+            let body =
+                format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"wait","params":{params}{pad}}}"#);
             post(body.len(), &body)
         };
         let mut waiting = Vec::new();
-        for _ in 0..LARGE_BODIES_AT_ONCE + 1 {
-            waiting.push(send(&path, &large("wait")).await);
+        for _ in 0..2 * LARGE_BODIES_AT_ONCE {
+            waiting.push(send(&path, &padded("1", "{}")).await);
         }
-        let answer = read_all(send(&path, &large("ping")).await);
+        let all = 2 * LARGE_BODIES_AT_ONCE as u32;
+        begun.acquire_many(all).await.expect("waits begun").forget();
+        let ping = large_ping();
+        let answer = read_all(send(&path, &post(ping.len(), &ping)).await);
         let answer = tokio::time::timeout(Duration::from_secs(60), answer)
             .await
             .expect("a large ping was answered while calls with large bodies waited");
@@ -2789,6 +3175,27 @@ mod tests {
                 "a waiting call was answered or closed"
             );
         }
+        let id = format!(r#""{}""#, "i".repeat(MAX_ID));
+        let answer = read_all(send(&path, &padded(&id, "{}")).await).await;
+        assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        assert!(
+            answer.contains("an id of 1026 bytes; an id may have at most 1024"),
+            "{answer}"
+        );
+
+        // Large without its whitespace: each keeps its read while it waits.
+        let params = format!(r#"{{"pad":"{}"}}"#, "x".repeat(SMALL_BODY as usize));
+        for _ in 0..LARGE_BODIES_AT_ONCE {
+            waiting.push(send(&path, &padded("1", &params)).await);
+        }
+        let all = LARGE_BODIES_AT_ONCE as u32;
+        begun.acquire_many(all).await.expect("waits begun").forget();
+        let answer = read_all(send(&path, &post(ping.len(), &ping)).await);
+        let held = tokio::time::timeout(Duration::from_secs(5), answer).await;
+        assert!(
+            held.is_err(),
+            "a large body was read while large waits held every read"
+        );
     }
 
     /// Reservations are let in while the count is under the bound, one step each: of

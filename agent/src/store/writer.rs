@@ -156,13 +156,18 @@ impl Writer {
     {
         let (reply, answer) = oneshot::channel();
         let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
-        self.queued.fetch_add(1, Ordering::SeqCst);
+        // Counted and sent under the queue's lock, which `queued` takes too: a count
+        // read there is of requests the writer can take.
         let sent = match lock(&self.queue).as_ref() {
-            Some(q) => q.send(job).map_err(|_| ()),
+            Some(q) => {
+                self.queued.fetch_add(1, Ordering::SeqCst);
+                q.send(job).map_err(|_| {
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                })
+            }
             None => Err(()),
         };
         if sent.is_err() {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(E::from(StorageFailure::closed()));
         }
         answer
@@ -172,6 +177,7 @@ impl Writer {
 
     /// Requests waiting for the next transaction.
     pub fn queued(&self) -> usize {
+        let _queue = lock(&self.queue);
         self.queued.load(Ordering::SeqCst)
     }
 
