@@ -198,6 +198,8 @@ fn the_limits_are_the_codes_constants() {
             format!("{} bytes/s", server::LARGE_BODY_RATE),
         ),
         ("large body grace", seconds(Some(server::LARGE_BODY_GRACE))),
+        ("long id", format!("{} bytes", server::MAX_ID)),
+        ("large message hold", seconds(Some(server::LARGE_READ_HOLD))),
         (
             "response",
             format!("{} bytes", serve.max_response_body_size),
