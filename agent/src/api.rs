@@ -596,19 +596,21 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
 /// (`opmon_client::server::ServeConfig::unmetered_methods`), so a few long `wait`s do not
 /// hold up everyone else.
 pub fn waiting_methods() -> Vec<String> {
+    for_both_kinds(&[
+        OwnerMethod::Wait,
+        OwnerMethod::EndInProgress,
+        OwnerMethod::Finalize,
+        OwnerMethod::Delete,
+        OwnerMethod::Cancel,
+        OwnerMethod::Subscribe,
+    ])
+}
+
+/// The full names of `methods` for backups and restores.
+fn for_both_kinds(methods: &[OwnerMethod]) -> Vec<String> {
     OwnerKind::ALL
         .iter()
-        .flat_map(|&kind| {
-            [
-                OwnerMethod::Wait,
-                OwnerMethod::EndInProgress,
-                OwnerMethod::Finalize,
-                OwnerMethod::Delete,
-                OwnerMethod::Cancel,
-                OwnerMethod::Subscribe,
-            ]
-            .map(|m| m.name(kind).to_string())
-        })
+        .flat_map(|&kind| methods.iter().map(move |m| m.name(kind).to_string()))
         .collect()
 }
 
@@ -617,18 +619,12 @@ pub fn waiting_methods() -> Vec<String> {
 /// (`opmon_client::server::ServeConfig::listing_methods`), so many clients asking at once
 /// for a listing that has grown large are made a few at a time.
 pub fn listing_methods() -> Vec<String> {
-    OwnerKind::ALL
-        .iter()
-        .flat_map(|&kind| {
-            [
-                OwnerMethod::List,
-                OwnerMethod::Operations,
-                OwnerMethod::ItemOperations,
-                OwnerMethod::Events,
-            ]
-            .map(|m| m.name(kind).to_string())
-        })
-        .collect()
+    for_both_kinds(&[
+        OwnerMethod::List,
+        OwnerMethod::Operations,
+        OwnerMethod::ItemOperations,
+        OwnerMethod::Events,
+    ])
 }
 
 /// No parameters expected (absent, `{}` or `[]` are all fine).

@@ -538,11 +538,15 @@ fn body_late(lateness: Lateness, got: usize, declared: Option<u64>) -> HttpRespo
             LARGE_BODY_GRACE.as_secs_f64()
         ),
     };
-    let mut response = rpc_error(
+    closing(rpc_error(
         hyper::StatusCode::REQUEST_TIMEOUT,
         jsonrpsee::types::error::INVALID_REQUEST_CODE,
         &format!("{late} ({expected}); send the whole body at once"),
-    );
+    ))
+}
+
+/// `response`, after which the connection is closed.
+fn closing(mut response: HttpResponse) -> HttpResponse {
     response.headers_mut().insert(
         hyper::header::CONNECTION,
         hyper::header::HeaderValue::from_static("close"),
@@ -581,16 +585,16 @@ enum Waiting {
     LongId(usize),
 }
 
-/// A JSON-RPC call or notification, as sent, but for its whitespace.
-#[derive(serde::Deserialize, serde::Serialize)]
+/// A JSON-RPC call or notification as sent, its params unparsed.
+#[derive(serde::Deserialize)]
 struct Envelope<'a> {
     #[serde(borrow)]
     jsonrpc: &'a serde_json::value::RawValue,
-    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    #[serde(borrow, default)]
     id: Option<&'a serde_json::value::RawValue>,
     #[serde(borrow)]
     method: std::borrow::Cow<'a, str>,
-    #[serde(borrow, default, skip_serializing_if = "Option::is_none")]
+    #[serde(borrow, default)]
     params: Option<&'a serde_json::value::RawValue>,
 }
 
@@ -626,16 +630,13 @@ struct Compact<'a> {
 /// body from everyone for as long.
 fn waiting(body: &[u8], unmetered: &HashSet<String>) -> Waiting {
     let batch = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
-    let calls: Vec<Envelope<'_>> = if batch {
-        match serde_json::from_slice(body) {
-            Ok(calls) => calls,
-            Err(_) => return Waiting::No,
-        }
+    let calls = if batch {
+        serde_json::from_slice::<Vec<Envelope<'_>>>(body)
     } else {
-        match serde_json::from_slice(body) {
-            Ok(call) => vec![call],
-            Err(_) => return Waiting::No,
-        }
+        serde_json::from_slice(body).map(|call| vec![call])
+    };
+    let Ok(calls) = calls else {
+        return Waiting::No;
     };
     if !calls
         .iter()
@@ -681,8 +682,7 @@ impl Place {
     }
 
     fn give_back(&self) {
-        let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
-        drop(taken);
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = [None, None];
     }
 }
 
@@ -725,18 +725,13 @@ where
         parts.extensions.insert(caller);
     }
     if upgrade == Upgrade::Refused {
-        let mut response = rpc_error(
+        return Ok(closing(rpc_error(
             hyper::StatusCode::BAD_REQUEST,
             jsonrpsee::types::error::INVALID_REQUEST_CODE,
             "a WebSocket is opened by the first request of a connection, without a body, \
              and its client sends nothing more until the 101 answer (RFC 6455, 4.1); open \
              a new connection and wait for the 101",
-        );
-        response.headers_mut().insert(
-            hyper::header::CONNECTION,
-            hyper::header::HeaderValue::from_static("close"),
-        );
-        return Ok(response);
+        )));
     }
     if upgrade == Upgrade::Yes {
         parts.extensions.insert(Transport::WebSocket);
@@ -783,7 +778,7 @@ where
     // for one of the few reads of large bodies at once, which it keeps with its place
     // (until its response is made, or until its call gives the place back because it
     // waits): what bodies hold before their calls run is bounded.
-    let large = match declared {
+    let mut large = match declared {
         Some(length) if length <= SMALL_BODY => None,
         _ => shared.large_bodies.clone().acquire_owned().await.ok(),
     };
@@ -795,7 +790,6 @@ where
         large.is_some(),
     )
     .await;
-    let mut large = large;
     let body = match read {
         Ok(bytes) if large.is_some() => match waiting(&bytes, &shared.unmetered) {
             Waiting::No => HttpBody::new(http_body_util::Full::new(bytes)),
@@ -1805,12 +1799,6 @@ impl Frames {
                 };
             }
             self.stopped = false;
-            if self.rest == 0 && self.frame_ended() {
-                return Passed {
-                    message_ended: true,
-                    ..Passed::default()
-                };
-            }
         }
         let mut passed = Passed::default();
         while passed.bytes < bytes.len() {
@@ -2082,11 +2070,10 @@ struct Watched<S> {
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Bytes in the socket that the peer had not read when `stall` was last set.
     unread_at_stall: Option<u32>,
-    /// Where the first request's head ended, for the WebSocket upgrade: the last four
-    /// bytes read until then, and the bytes read.
+    /// Where the first request's head ended, for the WebSocket upgrade, and the last
+    /// four bytes read until then.
     mark: Arc<HeadMark>,
     last_four: u32,
-    read: u64,
     /// The reads of large bodies, and the connection's [`Gate`] once it is a WebSocket.
     large_reads: Arc<Semaphore>,
     gate: Option<Gate>,
@@ -2114,7 +2101,6 @@ impl<S> Watched<S> {
                 unread_at_stall: None,
                 mark: Arc::new(HeadMark::default()),
                 last_four: 0,
-                read: 0,
                 large_reads,
                 gate: None,
             },
@@ -2173,19 +2159,19 @@ impl<S: tokio::io::AsyncRead + Unpin> Watched<S> {
     /// Notes where the first request's head ends among bytes read as HTTP.
     fn saw(&mut self, bytes: &[u8]) {
         let relaxed = std::sync::atomic::Ordering::Relaxed;
+        // Only this stream reads and writes the count: the other side only loads it.
+        let before = self.mark.read.fetch_add(bytes.len() as u64, relaxed);
         if self.mark.end.load(relaxed) == 0 {
             for (i, &byte) in bytes.iter().enumerate() {
                 self.last_four = self.last_four << 8 | u32::from(byte);
                 // An empty line ends the head; hyper takes a bare `\n` as a line's end
                 // too (`\n\n`, `\r\n\n`, `\n\r\n`, `\r\n\r\n`).
                 if self.last_four & 0xffff == 0x0a0a || self.last_four & 0xff_ffff == 0x0a_0d0a {
-                    self.mark.end.store(self.read + i as u64 + 1, relaxed);
+                    self.mark.end.store(before + i as u64 + 1, relaxed);
                     break;
                 }
             }
         }
-        self.read += bytes.len() as u64;
-        self.mark.read.store(self.read, relaxed);
     }
 
     /// Reads a WebSocket connection through its [`Gate`].
