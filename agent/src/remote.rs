@@ -118,9 +118,38 @@ impl Remote {
     }
 }
 
+/// What a call about one operation names: its plugin, its ID and its owner. The
+/// sweep's targets name them themselves, so a call copies none of them.
+pub trait Call: Sync {
+    fn plugin(&self) -> &PluginRef;
+    fn operation_id(&self) -> &str;
+    fn owner(&self) -> &Arc<OwnerRef>;
+
+    /// The call's params as the protocol names them, copied.
+    fn to_ref(&self) -> OperationRef {
+        OperationRef {
+            plugin: self.plugin().clone(),
+            operation_id: self.operation_id().to_string(),
+            owner: self.owner().clone(),
+        }
+    }
+}
+
+impl Call for OperationRef {
+    fn plugin(&self) -> &PluginRef {
+        &self.plugin
+    }
+    fn operation_id(&self) -> &str {
+        &self.operation_id
+    }
+    fn owner(&self) -> &Arc<OwnerRef> {
+        &self.owner
+    }
+}
+
 impl Caller {
     /// Progress of each operation, in order.
-    pub async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
+    pub async fn progress<C: Call>(&self, ops: &[C]) -> Vec<Answer<OperationProgress>> {
         match self {
             Caller::Socket(s) => s.progress(ops).await,
             Caller::Refused(why) => ops
@@ -131,7 +160,7 @@ impl Caller {
                 // Indices rather than references keep the stream's closure free of
                 // higher-ranked lifetimes, so the future stays Send.
                 stream::iter(0..ops.len())
-                    .map(|i| c.progress(&ops[i]))
+                    .map(|i| c.progress(ops[i].to_ref()))
                     .buffered(c.settings.command_concurrency.max(1))
                     .collect()
                     .await
@@ -142,9 +171,9 @@ impl Caller {
     /// Asks the snapshotter to cancel each of `ops`, as Progress is asked (batches to a
     /// socket, a bounded number of processes at once), until `deadline`. One answer per
     /// op, in order; `None` for a call abandoned unanswered at the deadline.
-    pub async fn cancel(
+    pub async fn cancel<C: Call>(
         &self,
-        ops: &[OperationRef],
+        ops: &[C],
         deadline: tokio::time::Instant,
     ) -> Vec<Option<Answer<()>>> {
         let mut answers: Vec<Option<Answer<()>>> = ops.iter().map(|_| None).collect();
@@ -172,7 +201,7 @@ impl Caller {
             }
             Caller::Command(c) => stream::iter(0..ops.len())
                 .map(move |i| async move {
-                    let answer = c.run("cancel", &ops[i]).await.map(|_| ());
+                    let answer = c.run("cancel", &ops[i].to_ref()).await.map(|_| ());
                     (i, vec![answer])
                 })
                 .buffer_unordered(c.settings.command_concurrency.max(1))
@@ -267,6 +296,36 @@ impl<'r, T> Answers<'r, T> {
     }
 }
 
+/// A batch response read as typed entries into a list made for the `count` expected
+/// (serde's own grows it by doubling and copying, entries of a few hundred bytes).
+fn typed_entries<T: DeserializeOwned>(
+    text: &str,
+    count: usize,
+) -> serde_json::Result<Vec<TypedEntry<T>>> {
+    struct Entries<T>(usize, std::marker::PhantomData<T>);
+    impl<'de, T: DeserializeOwned> serde::de::Visitor<'de> for Entries<T> {
+        type Value = Vec<TypedEntry<T>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON-RPC batch response")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut entries = Vec::with_capacity(self.0);
+            while let Some(entry) = seq.next_element()? {
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    // A batch has at most one entry per call sent: the count is ours, not the peer's.
+    let entries = de.deserialize_seq(Entries::<T>(count, std::marker::PhantomData))?;
+    de.end()?;
+    Ok(entries)
+}
+
 /// A response entry whose result is parsed as `T` at once (`null` or absent: `None`).
 #[derive(Deserialize)]
 struct TypedEntry<T> {
@@ -299,7 +358,7 @@ impl ErrorEntry {
 }
 
 impl SocketRemote {
-    async fn progress(&self, ops: &[OperationRef]) -> Vec<Answer<OperationProgress>> {
+    async fn progress<C: Call>(&self, ops: &[C]) -> Vec<Answer<OperationProgress>> {
         let size = self.settings.batch_size.max(1);
         let parse = |raw: &RawValue| {
             serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
@@ -325,10 +384,10 @@ impl SocketRemote {
     }
 
     /// Sends one JSON-RPC batch of `method` for `ops`; one answer per op, in order.
-    async fn batch<T: DeserializeOwned>(
+    async fn batch<T: DeserializeOwned, C: Call>(
         &self,
         method: &str,
-        ops: &[OperationRef],
+        ops: &[C],
         parse: impl Fn(&RawValue) -> Answer<T>,
     ) -> Vec<Answer<T>> {
         let _permit = self.in_flight.acquire().await;
@@ -377,7 +436,7 @@ impl SocketRemote {
             Ok(text) => std::borrow::Cow::Borrowed(text),
             Err(_) => String::from_utf8_lossy(response),
         };
-        if let Ok(entries) = serde_json::from_str::<Vec<TypedEntry<T>>>(&text) {
+        if let Ok(entries) = typed_entries::<T>(&text, count) {
             if entries
                 .iter()
                 .all(|e| e.result.is_some() || e.error.is_some())
@@ -591,7 +650,7 @@ impl SocketRemote {
 /// The JSON-RPC batch of `method` for `ops`, ids 0.. in order: what serializing each
 /// [`OperationRef`] as `params` gives, but each owner (shared by its operations, its
 /// `object` up to 64 KiB) and each plugin encoded once per batch and copied after.
-fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
+fn encode_batch<C: Call>(method: &str, ops: &[C]) -> Result<Vec<u8>, String> {
     use std::io::Write as _;
     fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, String> {
         serde_json::to_vec(value).map_err(|e| format!("encoding a request: {e}"))
@@ -603,6 +662,11 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
     out.push(b'[');
     for (id, op) in ops.iter().enumerate() {
         if id > 0 {
+            if id == 1 {
+                // The rest are about the size of the first: one allocation, not a
+                // doubling and copy after every few.
+                out.reserve((out.len() + 8) * (ops.len() - 1));
+            }
             out.push(b',');
         }
         out.extend_from_slice(b"{\"jsonrpc\":\"2.0\",\"id\":");
@@ -611,24 +675,24 @@ fn encode_batch(method: &str, ops: &[OperationRef]) -> Result<Vec<u8>, String> {
         out.extend_from_slice(b",\"method\":");
         out.extend_from_slice(&method);
         out.extend_from_slice(b",\"params\":{\"plugin\":");
-        let plugin = match plugins.iter().position(|(p, _)| **p == op.plugin) {
+        let plugin = match plugins.iter().position(|(p, _)| *p == op.plugin()) {
             Some(i) => i,
             None => {
-                plugins.push((&op.plugin, encode(&op.plugin)?));
+                plugins.push((op.plugin(), encode(op.plugin())?));
                 plugins.len() - 1
             }
         };
         out.extend_from_slice(&plugins[plugin].1);
         out.extend_from_slice(b",\"operationId\":");
-        serde_json::to_writer(&mut out, &op.operation_id)
+        serde_json::to_writer(&mut out, op.operation_id())
             .map_err(|e| format!("encoding a request: {e}"))?;
         out.extend_from_slice(b",\"owner\":");
-        let key = Arc::as_ptr(&op.owner);
+        let key = Arc::as_ptr(op.owner());
         // Operations come grouped by owner: the last one encoded is the usual match.
         let owner = match owners.iter().rposition(|(k, _)| *k == key) {
             Some(i) => i,
             None => {
-                owners.push((key, encode(&*op.owner)?));
+                owners.push((key, encode(&**op.owner())?));
                 owners.len() - 1
             }
         };
@@ -821,7 +885,7 @@ mod tests {
             String::from_utf8(encoded).unwrap(),
             serde_json::to_string(&by_serde).unwrap()
         );
-        assert_eq!(encode_batch("m", &[]).unwrap(), b"[]");
+        assert_eq!(encode_batch::<OperationRef>("m", &[]).unwrap(), b"[]");
     }
 
     #[test]

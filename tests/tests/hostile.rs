@@ -5,6 +5,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use opmon_tests::{operation, Agent, RawHttp};
@@ -1365,31 +1366,51 @@ fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) 
          Content-Length: {}\r\nConnection: close\r\n\r\n{list}",
         list.len()
     );
-    let mut held: Vec<UnixStream> = (0..clients)
+    let held: Vec<UnixStream> = (0..clients)
         .map(|_| UnixStream::connect(&agent.socket).unwrap())
         .collect();
-    for c in &mut held {
-        c.write_all(post.as_bytes()).unwrap();
-    }
+    // Each client reads a little every 5 s until told to read everything: a connection
+    // whose peer reads nothing for 30 s is closed as stalled, and the lists take longer
+    // than that to be made, 2 at a time, on a slow or busy machine. 64 KiB of a 10 MB
+    // list per 5 s holds the answer all the same.
+    let go = Arc::new((Mutex::new(false), Condvar::new()));
+    let readers: Vec<_> = held
+        .into_iter()
+        .map(|mut c| {
+            c.write_all(post.as_bytes()).unwrap();
+            let go = go.clone();
+            std::thread::spawn(move || {
+                c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+                let mut answer = Vec::new();
+                let mut chunk = vec![0; 64 << 10];
+                loop {
+                    let (told, wake) = &*go;
+                    let told = told.lock().unwrap();
+                    let (told, _) = wake
+                        .wait_timeout_while(told, Duration::from_secs(5), |told| !*told)
+                        .unwrap();
+                    if *told {
+                        break;
+                    }
+                    drop(told);
+                    match c.read(&mut chunk).unwrap() {
+                        0 => return answer,
+                        n => answer.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                c.read_to_end(&mut answer).unwrap();
+                answer
+            })
+        })
+        .collect();
     quiescent(pid, Duration::from_secs(120));
     let peak = status_bytes(pid, "VmHWM:");
     println!("peak RSS {} MiB with {clients} unread lists", peak >> 20);
     let mut probe = RawHttp::connect(&agent.socket);
     let status = probe.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");
-    // Read at once, each client on a thread of its own: a connection left unread for
-    // 30 s would be closed as stalled.
-    let readers: Vec<_> = held
-        .into_iter()
-        .map(|mut c| {
-            std::thread::spawn(move || {
-                c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-                let mut answer = Vec::new();
-                c.read_to_end(&mut answer).unwrap();
-                answer
-            })
-        })
-        .collect();
+    *go.0.lock().unwrap() = true;
+    go.1.notify_all();
     let mut bytes = 0;
     for reader in readers {
         let answer = reader.join().unwrap();

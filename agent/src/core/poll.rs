@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
 use std::sync::{Arc, Mutex};
 
-use opmon_client::{EventReason, OperationPhase, OperationRef, OwnerRef};
+use opmon_client::{EventReason, OperationPhase, OwnerRef};
 use rusqlite::Connection;
 
 use super::Core;
@@ -63,13 +63,16 @@ pub struct Cancels {
     pub not_sent: HashMap<i64, String>,
 }
 
-/// The params of a Progress or Cancel call. The owner (with its object) is shared with
-/// the target, not copied: a sweep holds each owner's object once.
-fn operation_ref(t: &PollTarget) -> OperationRef {
-    OperationRef {
-        plugin: t.plugin.clone(),
-        operation_id: t.operation_id.clone(),
-        owner: t.owner.clone(),
+/// A Progress or Cancel call names the target's own plugin, ID and owner.
+impl crate::remote::Call for PollTarget {
+    fn plugin(&self) -> &opmon_client::PluginRef {
+        &self.plugin
+    }
+    fn operation_id(&self) -> &str {
+        &self.operation_id
+    }
+    fn owner(&self) -> &Arc<OwnerRef> {
+        &self.owner
     }
 }
 
@@ -108,6 +111,8 @@ pub(super) fn apply_changes(
     now: UnixMs,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
+    // Changes come in runs of one owner: its count is kept here until the run ends.
+    let mut run: Option<(i64, u32)> = None;
     let mut updates = queries::OperationUpdates::new(conn);
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
@@ -115,7 +120,16 @@ pub(super) fn apply_changes(
             if let Some(why) = c.why {
                 log_limit(c, why);
             }
-            let failed = touched.entry(c.target.owner_row).or_default();
+            let owner = c.target.owner_row;
+            let failed = match &mut run {
+                Some((row, failed)) if *row == owner => failed,
+                _ => {
+                    if let Some((row, failed)) = run.take() {
+                        *touched.entry(row).or_default() += failed;
+                    }
+                    &mut run.insert((owner, 0)).1
+                }
+            };
             if c.next.phase == OperationPhase::Failed {
                 *failed += 1;
             }
@@ -125,6 +139,9 @@ pub(super) fn apply_changes(
                 record_operation_change(conn, c, now)?;
             }
         }
+    }
+    if let Some((row, failed)) = run {
+        *touched.entry(row).or_default() += failed;
     }
     Ok(touched)
 }
@@ -451,12 +468,11 @@ impl Poller {
             }
             Some(Remote::V1) => targets.iter().map(|_| Observation::V1Adapter).collect(),
             Some(Remote::Called(remote)) => {
-                let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
                 let began = std::time::Instant::now();
                 // The remote bounds its own calls in flight; the runs only bound sizes.
                 let runs = by_object_bytes(&targets);
                 let answers: Vec<_> = futures::future::join_all(
-                    runs.into_iter().map(|run| remote.progress(&refs[run])),
+                    runs.into_iter().map(|run| remote.progress(&targets[run])),
                 )
                 .await
                 .into_iter()
@@ -606,11 +622,10 @@ impl Poller {
             }
             return None;
         };
-        let refs: Vec<OperationRef> = targets.iter().map(operation_ref).collect();
         let answers = match &*remote {
             // Nothing to call: a v1 operation has nothing running to stop.
-            Remote::V1 => refs.iter().map(|_| Some(Ok(()))).collect(),
-            Remote::Called(caller) => caller.cancel(&refs, deadline).await,
+            Remote::V1 => targets.iter().map(|_| Some(Ok(()))).collect(),
+            Remote::Called(caller) => caller.cancel(&targets, deadline).await,
         };
         let mut abandoned = 0;
         let mut errors = 0;
@@ -729,15 +744,15 @@ impl Core {
                         after,
                         limit: SWEEP_CHUNK as i64,
                     };
-                    queries::poll_targets(conn, which).map_err(Error::from)
+                    queries::poll_page(conn, which).map_err(Error::from)
                 })
                 .await?;
-            let Some(last) = page.last() else {
+            let Some(last) = page.last_row else {
                 return Ok(());
             };
-            after = last.row;
-            let full = page.len() == SWEEP_CHUNK;
-            let changes = self.poller.poll_group(plugin, page).await;
+            after = last;
+            let full = page.scanned == SWEEP_CHUNK;
+            let changes = self.poller.poll_group(plugin, page.targets).await;
             if !changes.is_empty() {
                 self.commit_sweep(changes).await?;
             }
@@ -782,10 +797,10 @@ mod tests {
             timeout_ms: 1,
             stall_timeout_ms: None,
             start_timeout_ms: None,
-            plugin: PluginRef {
+            plugin: Arc::new(PluginRef {
                 kind: PluginKind::BackupItemAction,
                 name: "a.io/b".into(),
-            },
+            }),
             operation_id: "op".into(),
             state: OperationState::default(),
             rate: Rate::default(),

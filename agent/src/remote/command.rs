@@ -112,9 +112,9 @@ impl CommandRemote {
     /// Progress of `op`: one `OperationProgress` object on stdout.
     pub(super) async fn progress(
         &self,
-        op: &OperationRef,
+        op: OperationRef,
     ) -> Answer<opmon_client::OperationProgress> {
-        let stdout = self.run("progress", op).await?;
+        let stdout = self.run("progress", &op).await?;
         serde_json::from_slice(&stdout).map_err(|e| {
             self.failed(format!(
                 "printed an invalid progress for {}: {e}",

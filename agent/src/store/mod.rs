@@ -8,6 +8,7 @@
 //! agent can say who has it.
 
 pub mod events;
+pub mod packed;
 pub mod queries;
 pub mod schema;
 mod tally;

@@ -263,7 +263,94 @@ pub const MIGRATIONS: &[&str] = &[
     BEGIN
         UPDATE operation_progress SET phase = NEW.phase WHERE op = NEW.id;
     END;",
+    // 12: an operation's mutable state packed into one column (issue 17.2; the layout
+    // is `store::packed`'s). A sweep read 24 columns per operation and wrote 12; each
+    // column cost a read, a bound parameter and a rebuild on every write. The table
+    // `operation_state` replaces `operation_progress` (phase copied as there, so a
+    // write still guards on it without reading the wide row). SQL cannot pack: after
+    // this, `pack_states` fills the table from the old columns and drops them
+    // (`PACKED_COLUMNS_DROPPED`). `operations` keeps identity, phase and
+    // `cancel_requested`, which SQL selects and counts by.
+    "CREATE TABLE operation_state (
+        op INTEGER PRIMARY KEY REFERENCES operations (id) ON DELETE CASCADE,
+        phase TEXT NOT NULL,
+        state BLOB NOT NULL
+    );",
 ];
+
+/// What runs after a migration's SQL, by the version it reaches: what SQL cannot do.
+fn after_sql(to: u32) -> Option<fn(&Connection) -> rusqlite::Result<()>> {
+    match to {
+        12 => Some(pack_states),
+        _ => None,
+    }
+}
+
+/// The end of migration 12, once the states are packed.
+const PACKED_COLUMNS_DROPPED: &str = "DROP TRIGGER operation_progress_phase;
+    DROP TABLE operation_progress;
+    ALTER TABLE operations DROP COLUMN error;
+    ALTER TABLE operations DROP COLUMN operation_units;
+    ALTER TABLE operations DROP COLUMN started_ms;
+    ALTER TABLE operations DROP COLUMN attempts;
+    ALTER TABLE operations DROP COLUMN last_error;
+    ALTER TABLE operations DROP COLUMN next_attempt_ms;
+    ALTER TABLE operations DROP COLUMN retrying_since_ms;
+    CREATE TRIGGER operation_state_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE operation_state SET phase = NEW.phase WHERE op = NEW.id;
+    END;";
+
+/// Migration 12: each operation's state, read from the columns of migrations 1 to 11,
+/// packed into `operation_state`; then the old columns go.
+fn pack_states(conn: &Connection) -> rusqlite::Result<()> {
+    use super::packed;
+    use crate::phase::OperationState;
+    use crate::rate::Rate;
+    let mut read = conn.prepare(
+        "SELECT o.id, o.phase, o.error, p.n_completed, p.n_total, o.operation_units, \
+         p.description, o.started_ms, p.updated_ms, p.plugin_updated_ms, p.progressed_ms, \
+         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, p.rate, p.rate_n, \
+         p.rate_at_ms, p.rate_seen_ms \
+         FROM operations o JOIN operation_progress p ON p.op = o.id",
+    )?;
+    let mut write =
+        conn.prepare("INSERT INTO operation_state (op, phase, state) VALUES (?1, ?2, ?3)")?;
+    let mut rows = read.query([])?;
+    while let Some(r) = rows.next()? {
+        let state = OperationState {
+            error: r.get(2)?,
+            n_completed: r.get(3)?,
+            n_total: r.get(4)?,
+            operation_units: r.get(5)?,
+            description: r.get(6)?,
+            started_ms: r.get(7)?,
+            updated_ms: r.get(8)?,
+            plugin_updated_ms: r.get(9)?,
+            progressed_ms: r.get(10)?,
+            attempts: r.get::<_, i64>(11)?.clamp(0, i64::from(u32::MAX)) as u32,
+            last_error: r.get(12)?,
+            next_attempt_ms: r.get(13)?,
+            retrying_since_ms: r.get(14)?,
+            ..OperationState::default()
+        };
+        let rate = Rate {
+            per_second: r.get(15)?,
+            anchor_n: r.get(16)?,
+            anchor_ms: r.get(17)?,
+            seen_ms: r.get(18)?,
+        };
+        let phase: String = r.get(1)?;
+        write.execute(rusqlite::params![
+            r.get::<_, i64>(0)?,
+            phase,
+            packed::pack(&state, &rate)?
+        ])?;
+    }
+    drop(rows);
+    conn.execute_batch(PACKED_COLUMNS_DROPPED)
+}
 
 /// The schema version this agent writes.
 pub const CURRENT_VERSION: u32 = MIGRATIONS.len() as u32;
@@ -306,6 +393,9 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateErro
     {
         let to = index as u32 + 1;
         tx.execute_batch(step).map_err(sql_err(to))?;
+        if let Some(code) = after_sql(to) {
+            code(&tx).map_err(sql_err(to))?;
+        }
         tx.pragma_update(None, "user_version", to)
             .map_err(sql_err(to))?;
     }

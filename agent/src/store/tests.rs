@@ -3,7 +3,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 
-use opmon_client::{GoDuration, OwnerKind, OwnerPhase};
+use opmon_client::{GoDuration, OperationPhase, OwnerKind, OwnerPhase};
 use rusqlite::Connection;
 
 use super::schema::{self, CURRENT_VERSION};
@@ -72,13 +72,40 @@ fn fill_old_database(conn: &Connection, version: u32) {
         )
         .unwrap();
     }
+    if version >= 11 {
+        // From version 11 on, each operation has its progress row, added with it.
+        conn.execute_batch(
+            "INSERT INTO operation_progress (op, phase) SELECT id, phase FROM operations;",
+        )
+        .unwrap();
+    }
+    // Where progress is: in `operations` before version 11, in its own row from then on.
+    let (progress, op_1) = if version >= 11 {
+        ("operation_progress", "op = 1")
+    } else {
+        ("operations", "id = 1")
+    };
     if version >= 1 {
         // Progress recorded by a poll: the plugin's started and updated.
-        conn.execute_batch(
-            "UPDATE operations SET phase = 'InProgress', started_ms = 1500, updated_ms = 2000,
-                 n_completed = 5, n_total = 10
-             WHERE operation_id = 'op-1';",
-        )
+        conn.execute_batch(&format!(
+            "UPDATE operations SET phase = 'InProgress', started_ms = 1500
+             WHERE operation_id = 'op-1';
+             UPDATE {progress} SET updated_ms = 2000, n_completed = 5, n_total = 10
+             WHERE {op_1};"
+        ))
+        .unwrap();
+    }
+    if version >= 1 {
+        // A failure recorded by a poll.
+        conn.execute_batch("UPDATE operations SET error = 'boom: é' WHERE operation_id = 'op-3';")
+            .unwrap();
+    }
+    if version >= 10 {
+        // From version 10 on, a poll that moves the counts samples the rate.
+        conn.execute_batch(&format!(
+            "UPDATE {progress} SET rate = 2.5, rate_n = 4, rate_at_ms = 1900,
+                 rate_seen_ms = 1950 WHERE {op_1};"
+        ))
         .unwrap();
     }
     if version >= 6 {
@@ -96,13 +123,17 @@ fn fill_old_database(conn: &Connection, version: u32) {
     }
     if version >= 8 {
         // From version 8 on, a poll records the plugin's own updated as well.
-        conn.execute_batch("UPDATE operations SET plugin_updated_ms = 2000 WHERE id = 1;")
-            .unwrap();
+        conn.execute_batch(&format!(
+            "UPDATE {progress} SET plugin_updated_ms = 2000 WHERE {op_1};"
+        ))
+        .unwrap();
     }
     if version >= 9 {
         // From version 9 on, a poll that moves the progress records when it saw it.
-        conn.execute_batch("UPDATE operations SET progressed_ms = updated_ms;")
-            .unwrap();
+        conn.execute_batch(&format!(
+            "UPDATE {progress} SET progressed_ms = updated_ms;"
+        ))
+        .unwrap();
     }
 }
 
@@ -111,44 +142,47 @@ fn fill_old_database(conn: &Connection, version: u32) {
 /// trigger, the partial index and the owner index in place.
 fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     /// id, operation ID, phase, started, updated, the plugin's updated.
-    type Row = (i64, String, String, Option<i64>, Option<i64>, Option<i64>);
-    let rows: Vec<Row> = conn
-        .prepare(
-            "SELECT o.id, o.operation_id, o.phase, o.started_ms, p.updated_ms, p.plugin_updated_ms
-             FROM operations o JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
-        )
-        .unwrap()
-        .query_map([], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-            ))
+    type Row = (
+        i64,
+        String,
+        OperationPhase,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+    );
+    let rows: Vec<Row> = packed_states(conn)
+        .into_iter()
+        .map(|(id, operation_id, s)| {
+            let times = (s.started_ms, s.updated_ms, s.plugin_updated_ms);
+            (id, operation_id, s.phase, times.0, times.1, times.2)
         })
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap();
+        .collect();
     assert_eq!(
         rows,
         vec![
             (
                 1,
                 "op-1".into(),
-                "InProgress".into(),
+                OperationPhase::InProgress,
                 Some(1500),
                 Some(2000),
                 Some(2000)
             ),
-            (2, "op-2".into(), "Completed".into(), None, None, None),
-            (3, "op-3".into(), "Failed".into(), None, None, None),
+            (
+                2,
+                "op-2".into(),
+                OperationPhase::Completed,
+                None,
+                None,
+                None
+            ),
+            (3, "op-3".into(), OperationPhase::Failed, None, None, None),
         ],
         "operations from version {from}"
     );
     let ops = queries::operations(conn, 1, None).unwrap();
     assert_eq!(ops[0].plugin_updated, Some(UnixMs(2000).time()));
+    assert_eq!((ops[0].n_completed, ops[0].n_total), (5, 10));
     let mut names: Vec<String> = conn
         .prepare(
             "SELECT name FROM sqlite_master WHERE tbl_name = 'operations'
@@ -163,7 +197,7 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
     assert_eq!(
         names,
         [
-            "operation_progress_phase",
+            "operation_state_phase",
             "operations_by_owner_phase",
             "operations_cancel_requested",
             "operations_counted_on_phase",
@@ -210,7 +244,7 @@ fn check_operations_after_identity_migration(conn: &Connection, from: u32) {
         (before.0 + 1, before.1),
         "from version {from}"
     );
-    check_progress_after_migration_11(conn, from);
+    check_state_after_migration_12(conn, from);
 }
 
 /// An operation of `example.io/copier` on pod `ns/item`, with operation ID `id`.
@@ -233,10 +267,33 @@ fn copier_op(item: &str, id: &str) -> opmon_client::NewOperation {
     }
 }
 
-/// What migration 11 must leave: the progress columns moved to `operation_progress`,
+/// Every operation's id, operation ID and state (its phase and creation from their
+/// columns, the rest unpacked), in row order.
+fn packed_states(conn: &Connection) -> Vec<(i64, String, crate::phase::OperationState)> {
+    conn.prepare(
+        "SELECT o.id, o.operation_id, o.phase, o.created_ms, s.state
+         FROM operations o JOIN operation_state s ON s.op = o.id ORDER BY o.id",
+    )
+    .unwrap()
+    .query_map([], |r| {
+        let mut state = crate::phase::OperationState {
+            phase: r.get::<_, String>(2)?.parse().unwrap(),
+            created_ms: r.get(3)?,
+            ..Default::default()
+        };
+        super::packed::from_column(r, 4, &mut state)?;
+        Ok((r.get(0)?, r.get(1)?, state))
+    })
+    .unwrap()
+    .collect::<rusqlite::Result<_>>()
+    .unwrap()
+}
+
+/// What migration 12 must leave: the mutable columns (those migration 11 moved to
+/// `operation_progress`, and the errors and retries) packed into `operation_state`,
 /// one row per operation with its phase (a new operation gets its row, a phase change
-/// is copied by the trigger).
-fn check_progress_after_migration_11(conn: &Connection, from: u32) {
+/// is copied by the trigger), and the old table and columns gone.
+fn check_state_after_migration_12(conn: &Connection, from: u32) {
     let columns: Vec<String> = conn
         .prepare("SELECT name FROM pragma_table_info('operations')")
         .unwrap()
@@ -250,16 +307,31 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
         "description",
         "updated_ms",
         "rate",
+        "error",
+        "operation_units",
+        "started_ms",
+        "attempts",
+        "last_error",
+        "next_attempt_ms",
+        "retrying_since_ms",
     ] {
         assert!(
             !columns.iter().any(|c| c == moved),
             "{moved} from version {from}"
         );
     }
+    let old_table: bool = conn
+        .query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'operation_progress')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(!old_table, "operation_progress from version {from}");
     let pairs = |conn: &Connection| -> Vec<(i64, String, String)> {
         conn.prepare(
-            "SELECT o.id, o.phase, p.phase FROM operations o \
-             LEFT JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
+            "SELECT o.id, o.phase, s.phase FROM operations o \
+             LEFT JOIN operation_state s ON s.op = o.id ORDER BY o.id",
         )
         .unwrap()
         .query_map([], |r| {
@@ -279,14 +351,6 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
         all.iter().all(|(_, o, p)| o == p),
         "{all:?} from version {from}"
     );
-    let progress: (i64, i64) = conn
-        .query_row(
-            "SELECT n_completed, n_total FROM operation_progress WHERE op = 1",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
-    assert_eq!(progress, (5, 10), "from version {from}");
     conn.execute("UPDATE operations SET phase = 'Failed' WHERE id = 2", [])
         .unwrap();
     let op = copier_op("q", "op-4");
@@ -302,11 +366,17 @@ fn check_progress_after_migration_11(conn: &Connection, from: u32) {
         all.iter().all(|(_, o, p)| o == p),
         "{all:?} from version {from}"
     );
+    let new = &packed_states(conn)[3].2;
+    assert_eq!(
+        (new.n_completed, new.updated_ms),
+        (0, None),
+        "from version {from}"
+    );
     // As it was, for the checks that follow (this connection has no foreign keys).
     conn.execute_batch(
         "UPDATE operations SET phase = 'Completed' WHERE id = 2;
          DELETE FROM operations WHERE operation_id = 'op-4';
-         DELETE FROM operation_progress WHERE op NOT IN (SELECT id FROM operations);
+         DELETE FROM operation_state WHERE op NOT IN (SELECT id FROM operations);
          UPDATE owners SET n_operations = n_operations - 1 WHERE id = 1;",
     )
     .unwrap();
@@ -371,13 +441,20 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         if version >= 1 {
             check_operations_after_identity_migration(&conn, version);
             check_control_after_migration_9(&conn, version);
-            // Migration 10: no history before it, and no rate yet.
+            // Migration 10: no history before it, and no rate yet; a rate sampled
+            // from then on is kept (migration 12 packs it).
             let backup = queries::owner_by_name(&conn, OwnerKind::Backup, "old-backup")
                 .unwrap()
                 .expect("backup kept");
             assert_eq!(super::events::count(&conn, backup.id).unwrap(), 0);
             let ops = queries::operations(&conn, backup.id, None).unwrap();
-            assert!(ops.iter().all(|o| o.rate.is_none() && o.eta.is_none()));
+            let rate = (version >= 10).then_some(2.5);
+            assert_eq!(ops[0].rate, rate, "from version {version}");
+            assert!(ops[1..].iter().all(|o| o.rate.is_none() && o.eta.is_none()));
+            let (_, _, first) = packed_states(&conn).remove(0);
+            let anchor = (first.n_completed, first.progressed_ms);
+            assert_eq!(anchor, (5, Some(2000)), "from version {version}");
+            assert_eq!(ops[2].error, "boom: é", "from version {version}");
         }
         if version >= 2 {
             let s = &queries::snapshotters(&conn).unwrap()[0];
@@ -395,29 +472,25 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
 /// operation last changed (so a stall deadline set later counts from there), owners
 /// without deadlines, and a Canceled operation counted with the failed ones.
 fn check_control_after_migration_9(conn: &Connection, from: u32) {
-    type Row = (i64, bool, Option<i64>, i64, String, Option<i64>);
-    let rows: Vec<Row> = conn
-        .prepare(
-            "SELECT o.id, o.cancel_requested, p.progressed_ms, o.attempts, o.last_error,
-                 o.next_attempt_ms
-             FROM operations o JOIN operation_progress p ON p.op = o.id ORDER BY o.id",
+    type Row = (i64, bool, Option<i64>, u32, String, Option<i64>);
+    let cancel_requested: bool = conn
+        .query_row(
+            "SELECT cancel_requested FROM operations WHERE id = 1",
+            [],
+            |r| r.get(0),
         )
-        .unwrap()
-        .query_map([], |r| {
-            Ok((
-                r.get(0)?,
-                r.get(1)?,
-                r.get(2)?,
-                r.get(3)?,
-                r.get(4)?,
-                r.get(5)?,
-            ))
-        })
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
         .unwrap();
+    let (id, _, s) = packed_states(conn).remove(0);
+    let row: Row = (
+        id,
+        cancel_requested,
+        s.progressed_ms,
+        s.attempts,
+        s.last_error,
+        s.next_attempt_ms,
+    );
     assert_eq!(
-        rows[0],
+        row,
         (1, false, Some(2000), 0, String::new(), None),
         "from version {from}"
     );
@@ -976,11 +1049,8 @@ async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts(
     // Progress touches no owner: the counts stay in memory.
     store
         .write(|conn| {
-            conn.execute(
-                "UPDATE operation_progress SET n_completed = 5, description = 'x'",
-                [],
-            )
-            .map_err(StorageFailure::from)
+            conn.execute("UPDATE operation_state SET state = x'00'", [])
+                .map_err(StorageFailure::from)
         })
         .await
         .unwrap();
@@ -1118,6 +1188,91 @@ fn every_field_of_a_polled_change_is_stored_by_whichever_statement_writes_it() {
         assert_eq!(stored_rate, rate, "after a change of {what}");
         old = new;
     }
+    // A cancel wins over a poll that read the state before it: the poll's write finds
+    // another phase and changes nothing; what the cancel wrote stays.
+    queries::cancel_operations(&conn, owner, &[row], "canceled: by test", UnixMs(9_500)).unwrap();
+    // No longer a target: read as stored.
+    let stored = |conn: &Connection| packed_states(conn).remove(0).2;
+    let canceled = stored(&conn);
+    assert_eq!(canceled.phase, OperationPhase::Canceled);
+    assert_eq!(
+        (
+            canceled.error.as_str(),
+            canceled.updated_ms,
+            canceled.next_attempt_ms
+        ),
+        ("canceled: by test", Some(9_500), None)
+    );
+    let mut late = old.clone();
+    late.n_completed += 1;
+    let mut updates = queries::OperationUpdates::new(&conn);
+    assert!(!updates.write(row, &old, &late, &rate).unwrap());
+    drop(updates);
+    assert_eq!(stored(&conn), canceled);
+}
+
+#[test]
+fn a_sweep_page_counts_every_row_it_read_and_keeps_those_of_waiting_owners() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    let running = queries::insert_owner(
+        &conn,
+        &backup("running", GoDuration::from_secs(60)),
+        UnixMs(1),
+    )
+    .unwrap();
+    let waiting = queries::insert_owner(
+        &conn,
+        &backup("waiting", GoDuration::from_secs(60)),
+        UnixMs(1),
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE owners SET phase = 'WaitingForPluginOperations' WHERE id = ?1",
+        [waiting],
+    )
+    .unwrap();
+    // Rows alternate between the owners: r0 w1 r2 w3 r4 w5.
+    let mut rows = Vec::new();
+    for i in 0..6 {
+        let owner = if i % 2 == 0 { running } else { waiting };
+        let op = copier_op(&format!("item-{i}"), &format!("op-{i}"));
+        rows.extend(queries::insert_operations(&conn, owner, &[op], UnixMs(1)).unwrap());
+    }
+    let page = |after: i64| {
+        let which = queries::Targets::WaitingPage {
+            plugin: "example.io/copier",
+            after,
+            limit: 3,
+        };
+        queries::poll_page(&conn, which).unwrap()
+    };
+    let first = page(0);
+    assert_eq!((first.scanned, first.last_row), (3, Some(rows[2])));
+    let ids: Vec<&str> = first
+        .targets
+        .iter()
+        .map(|t| t.operation_id.as_str())
+        .collect();
+    assert_eq!(ids, ["op-1"]);
+    let second = page(rows[2]);
+    assert_eq!((second.scanned, second.last_row), (3, Some(rows[5])));
+    let ids: Vec<&str> = second
+        .targets
+        .iter()
+        .map(|t| t.operation_id.as_str())
+        .collect();
+    assert_eq!(ids, ["op-3", "op-5"]);
+    assert!(std::sync::Arc::ptr_eq(
+        &second.targets[0].plugin,
+        &second.targets[1].plugin
+    ));
+    let last = page(rows[5]);
+    assert_eq!(
+        (last.scanned, last.last_row, last.targets.len()),
+        (0, None, 0)
+    );
 }
 
 /// Reads beyond [`super::MAX_READERS`] wait for a place: a burst of calls cannot open a

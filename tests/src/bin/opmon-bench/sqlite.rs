@@ -71,7 +71,7 @@ fn values(owner: i64, op: &NewOperation) -> Values {
     }
 }
 
-/// An operation's row and, as the agent adds it, its progress row (schema 11).
+/// An operation's row and, as the agent adds it, its state row (schema 12).
 fn insert(conn: &Connection, v: &Values, now: i64) -> rusqlite::Result<usize> {
     let inserted = conn.prepare_cached(INSERT)?.execute(params![
         v.owner,
@@ -86,8 +86,13 @@ fn insert(conn: &Connection, v: &Values, now: i64) -> rusqlite::Result<usize> {
         now
     ])?;
     if inserted > 0 {
-        conn.prepare_cached("INSERT INTO operation_progress (op, phase) VALUES (?1, 'New')")?
-            .execute([conn.last_insert_rowid()])?;
+        conn.prepare_cached(
+            "INSERT INTO operation_state (op, phase, state) VALUES (?1, 'New', ?2)",
+        )?
+        .execute(params![
+            conn.last_insert_rowid(),
+            opmon_agent::store::packed::initial()?
+        ])?;
     }
     Ok(inserted)
 }

@@ -75,15 +75,20 @@ pub(crate) async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), Stri
     }
 }
 
-/// The committed `nCompleted` of the marked operation: in `operation_progress` from
-/// schema 11 on, in `operations` before (an older agent given with `--agent`).
+/// The committed `nCompleted` of the marked operation: packed in `operation_state`
+/// from schema 12 on, in `operation_progress` in 11, in `operations` before (an older
+/// agent given with `--agent`).
 fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option<i64>> {
-    let narrow: bool = conn.query_row(
-        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'operation_progress')",
-        [],
-        |r| r.get(0),
-    )?;
-    let (column, join) = if narrow {
+    let has = |table: &str| -> rusqlite::Result<bool> {
+        conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = ?1)",
+            [table],
+            |r| r.get(0),
+        )
+    };
+    let (column, join) = if has("operation_state")? {
+        ("s.state", "JOIN operation_state s ON s.op = o.id")
+    } else if has("operation_progress")? {
         ("p.n_completed", "JOIN operation_progress p ON p.op = o.id")
     } else {
         ("o.n_completed", "")
@@ -95,7 +100,14 @@ fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option
              AND o.plugin_name = ?3 AND o.operation_id = ?4"
         ),
         rusqlite::params![m.owner, m.plugin_kind, m.plugin, m.operation_id],
-        |r| r.get(0),
+        |r| match r.get_ref(0)? {
+            rusqlite::types::ValueRef::Blob(_) => {
+                let mut state = opmon_agent::phase::OperationState::default();
+                opmon_agent::store::packed::from_column(r, 0, &mut state)?;
+                Ok(state.n_completed)
+            }
+            _ => r.get(0),
+        },
     )
     .optional()
 }

@@ -1,0 +1,322 @@
+//! An operation's mutable state as one column (migration 12): its errors, retries,
+//! counts, texts, times and rate, in a fixed little-endian layout of its own.
+//!
+//! A sweep reads and writes this state for every operation it polls. As one value it
+//! costs one column read and one bound parameter, where its 17 columns cost 17 of each
+//! and a rebuild of every one of them on each write (issue 17.2). What stays in columns
+//! is what SQL selects or counts by: identity, phase (with its indexes and count
+//! trigger) and `cancel_requested`.
+//!
+//! The layout is written out here rather than by a serialization crate: postcard, tried
+//! first, spent about 1,200 instructions packing and 1,200 unpacking each state (its
+//! generic per-field path), a tenth of all the agent does per polled operation; this
+//! layout spends about 150 on each. It is:
+//!
+//! - byte 0: the layout's version, [`LAYOUT`];
+//! - bytes 1–2: which of the optional times (and the rate) are present, a bit each in
+//!   [`Optional`]'s order;
+//! - `nCompleted`, `nTotal` and the rate's anchor count (i64), the attempts (u32);
+//! - each present optional value (i64; the rate as f64 bits), in the same order;
+//! - four texts, each its length (u32) then its UTF-8 bytes: the error, the units, the
+//!   description, the last transient error.
+//!
+//! All integers are little-endian. A change to the layout is a new [`LAYOUT`] and a
+//! migration that rewrites every row; a blob that does not decode is reported as its
+//! column's conversion error, and the operation's row is left as it is.
+
+use crate::phase::OperationState;
+use crate::rate::Rate;
+
+/// The layout's version: byte 0 of every packed state.
+const LAYOUT: u8 = 1;
+
+/// The optional values, in the order of their presence bits and of their bytes.
+#[derive(Clone, Copy)]
+enum Optional {
+    Started,
+    Updated,
+    PluginUpdated,
+    Progressed,
+    NextAttempt,
+    RetryingSince,
+    Rate,
+    RateAt,
+    RateSeen,
+}
+
+/// The optional values of `state` and `rate`, in [`Optional`]'s order.
+fn optionals(state: &OperationState, rate: &Rate) -> [Option<i64>; 9] {
+    let mut values = [None; 9];
+    values[Optional::Started as usize] = state.started_ms;
+    values[Optional::Updated as usize] = state.updated_ms;
+    values[Optional::PluginUpdated as usize] = state.plugin_updated_ms;
+    values[Optional::Progressed as usize] = state.progressed_ms;
+    values[Optional::NextAttempt as usize] = state.next_attempt_ms;
+    values[Optional::RetryingSince as usize] = state.retrying_since_ms;
+    values[Optional::Rate as usize] = rate.per_second.map(|r| r.to_bits() as i64);
+    values[Optional::RateAt as usize] = rate.anchor_ms;
+    values[Optional::RateSeen as usize] = rate.seen_ms;
+    values
+}
+
+/// `state` (but its phase and creation time, which are columns) and `rate`, packed.
+pub fn pack(state: &OperationState, rate: &Rate) -> rusqlite::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    pack_into(&mut out, state, rate)?;
+    Ok(out)
+}
+
+/// [`pack`] into `out`, cleared first: a sweep packs thousands into one buffer.
+pub fn pack_into(out: &mut Vec<u8>, state: &OperationState, rate: &Rate) -> rusqlite::Result<()> {
+    let texts = [
+        &state.error,
+        &state.operation_units,
+        &state.description,
+        &state.last_error,
+    ];
+    let text_len: usize = texts.iter().map(|t| t.len()).sum();
+    out.clear();
+    out.reserve(3 + 3 * 8 + 4 + 9 * 8 + 4 * 4 + text_len);
+    let optionals = optionals(state, rate);
+    let present = optionals
+        .iter()
+        .enumerate()
+        .fold(0u16, |bits, (i, v)| bits | (u16::from(v.is_some()) << i));
+    out.push(LAYOUT);
+    out.extend_from_slice(&present.to_le_bytes());
+    for n in [state.n_completed, state.n_total, rate.anchor_n] {
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+    out.extend_from_slice(&state.attempts.to_le_bytes());
+    for v in optionals.into_iter().flatten() {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    for text in texts {
+        let len = u32::try_from(text.len()).map_err(|_| {
+            rusqlite::Error::ToSqlConversionFailure(
+                format!("an operation's text of {} bytes is too long", text.len()).into(),
+            )
+        })?;
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(text.as_bytes());
+    }
+    Ok(())
+}
+
+/// What a new operation starts with: nothing reported, no rate.
+pub fn initial() -> rusqlite::Result<Vec<u8>> {
+    pack(&OperationState::default(), &Rate::default())
+}
+
+/// Why a stored state did not decode.
+#[derive(Debug, thiserror::Error)]
+#[error("an operation's packed state ({len} bytes) does not decode: {why}")]
+pub struct UnpackError {
+    len: usize,
+    why: String,
+}
+
+/// The bytes of a packed state, read from the front.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let end = self.at + N;
+        let taken = self
+            .bytes
+            .get(self.at..end)
+            .and_then(|b| <[u8; N]>::try_from(b).ok())
+            .ok_or_else(|| format!("cut short at byte {}", self.at))?;
+        self.at = end;
+        Ok(taken)
+    }
+
+    fn i64(&mut self) -> Result<i64, String> {
+        self.take::<8>().map(i64::from_le_bytes)
+    }
+
+    fn text(&mut self, what: &str) -> Result<String, String> {
+        let len = u32::from_le_bytes(self.take::<4>()?) as usize;
+        let start = self.at;
+        let bytes = self
+            .bytes
+            .get(start..start.saturating_add(len))
+            .ok_or_else(|| format!("cut short in the {what} at byte {start}"))?;
+        self.at = start + len;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|e| format!("the {what} is not UTF-8: {e}"))
+    }
+}
+
+/// Fills `state`'s packed fields (not its phase or creation time) from `bytes`;
+/// returns the rate. Read through [`from_column`] where a query gives the bytes.
+pub fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, UnpackError> {
+    let error = |why: String| UnpackError {
+        len: bytes.len(),
+        why,
+    };
+    let mut r = Reader { bytes, at: 0 };
+    let [layout] = r.take::<1>().map_err(error)?;
+    if layout != LAYOUT {
+        return Err(error(format!("layout {layout}, not {LAYOUT}")));
+    }
+    let present = u16::from_le_bytes(r.take::<2>().map_err(error)?);
+    if present >> 9 != 0 {
+        return Err(error(format!("unknown presence bits {present:#x}")));
+    }
+    let mut read = || -> Result<Rate, String> {
+        state.n_completed = r.i64()?;
+        state.n_total = r.i64()?;
+        let anchor_n = r.i64()?;
+        state.attempts = u32::from_le_bytes(r.take::<4>()?);
+        let mut optional = |o: Optional| -> Result<Option<i64>, String> {
+            if present & (1 << o as u16) == 0 {
+                return Ok(None);
+            }
+            r.i64().map(Some)
+        };
+        state.started_ms = optional(Optional::Started)?;
+        state.updated_ms = optional(Optional::Updated)?;
+        state.plugin_updated_ms = optional(Optional::PluginUpdated)?;
+        state.progressed_ms = optional(Optional::Progressed)?;
+        state.next_attempt_ms = optional(Optional::NextAttempt)?;
+        state.retrying_since_ms = optional(Optional::RetryingSince)?;
+        let per_second = optional(Optional::Rate)?.map(|bits| f64::from_bits(bits as u64));
+        let anchor_ms = optional(Optional::RateAt)?;
+        let seen_ms = optional(Optional::RateSeen)?;
+        state.error = r.text("error")?;
+        state.operation_units = r.text("units")?;
+        state.description = r.text("description")?;
+        state.last_error = r.text("last error")?;
+        if r.at != bytes.len() {
+            return Err(format!("{} bytes left over", bytes.len() - r.at));
+        }
+        Ok(Rate {
+            per_second,
+            anchor_n,
+            anchor_ms,
+            seen_ms,
+        })
+    };
+    read().map_err(error)
+}
+
+/// Column `index` of `row` unpacked into `state`; a blob that does not decode is the
+/// column's conversion error.
+pub fn from_column(
+    row: &rusqlite::Row<'_>,
+    index: usize,
+    state: &mut OperationState,
+) -> rusqlite::Result<Rate> {
+    let bytes = row.get_ref(index)?.as_blob()?;
+    unpack_into(bytes, state).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Blob, Box::new(e))
+    })
+}
+
+/// `bytes` unpacked into a state of phase New created at 0, and its rate.
+pub fn unpack(bytes: &[u8]) -> Result<(OperationState, Rate), UnpackError> {
+    let mut state = OperationState::default();
+    let rate = unpack_into(bytes, &mut state)?;
+    Ok((state, rate))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opmon_client::OperationPhase;
+
+    #[test]
+    fn every_field_comes_back_and_phase_and_creation_are_not_packed() {
+        let state = OperationState {
+            phase: OperationPhase::InProgress,
+            error: "é error".into(),
+            n_completed: -3,
+            n_total: i64::MAX,
+            operation_units: "bytes".into(),
+            description: "copying \u{0}".into(),
+            created_ms: 77,
+            started_ms: Some(0),
+            updated_ms: Some(i64::MIN),
+            plugin_updated_ms: None,
+            progressed_ms: Some(5),
+            attempts: u32::MAX,
+            last_error: "transient".into(),
+            next_attempt_ms: Some(9),
+            retrying_since_ms: Some(8),
+        };
+        let rate = Rate {
+            per_second: Some(1.5),
+            anchor_n: 4,
+            anchor_ms: Some(6),
+            seen_ms: None,
+        };
+        let (back, back_rate) = unpack(&pack(&state, &rate).expect("packs")).expect("decodes");
+        assert_eq!(back_rate, rate);
+        assert_eq!(back.phase, OperationPhase::New);
+        assert_eq!(back.created_ms, 0);
+        let mut expected = state;
+        expected.phase = OperationPhase::New;
+        expected.created_ms = 0;
+        assert_eq!(back, expected);
+        let (fresh, fresh_rate) = unpack(&initial().expect("packs")).expect("decodes");
+        assert_eq!(
+            (fresh, fresh_rate),
+            (OperationState::default(), Rate::default())
+        );
+    }
+
+    #[test]
+    fn a_blob_that_is_cut_short_or_not_utf8_is_an_error_not_a_state() {
+        let state = OperationState {
+            description: "copying".into(),
+            ..OperationState::default()
+        };
+        let bytes = pack(&state, &Rate::default()).expect("packs");
+        for len in 0..bytes.len() {
+            let e = unpack(&bytes[..len]).expect_err("a prefix does not decode");
+            assert!(e.to_string().contains(&format!("({len} bytes)")), "{e}");
+        }
+        let mut bad = bytes.clone();
+        let at = bad
+            .iter()
+            .position(|&b| b == b'c')
+            .expect("the text is there");
+        bad[at] = 0xff;
+        let e = unpack(&bad).expect_err("not UTF-8");
+        assert!(e.to_string().contains("description is not UTF-8"), "{e}");
+        let mut longer = bytes.clone();
+        longer.push(0);
+        let e = unpack(&longer).expect_err("a byte too many");
+        assert!(e.to_string().contains("1 bytes left over"), "{e}");
+        let mut other = bytes.clone();
+        other[0] = 2;
+        let e = unpack(&other).expect_err("another layout");
+        assert!(e.to_string().contains("layout 2, not 1"), "{e}");
+        let mut bits = bytes;
+        bits[2] = 0x80;
+        let e = unpack(&bits).expect_err("a bit no field has");
+        assert!(
+            e.to_string().contains("unknown presence bits 0x8000"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn absent_times_take_no_bytes_and_a_rate_keeps_its_bits() {
+        let fresh = initial().expect("packs");
+        // Layout, presence, three counts, attempts, four empty texts.
+        assert_eq!(fresh.len(), 1 + 2 + 3 * 8 + 4 + 4 * 4);
+        let rate = Rate {
+            per_second: Some(f64::MIN_POSITIVE),
+            ..Rate::default()
+        };
+        let packed = pack(&OperationState::default(), &rate).expect("packs");
+        assert_eq!(packed.len(), fresh.len() + 8);
+        assert_eq!(unpack(&packed).expect("decodes").1, rate);
+    }
+}
