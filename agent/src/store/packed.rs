@@ -110,11 +110,8 @@ pub fn initial() -> rusqlite::Result<Vec<u8>> {
 
 /// Why a stored state did not decode.
 #[derive(Debug, thiserror::Error)]
-#[error("an operation's packed state ({len} bytes) does not decode: {why}")]
-pub struct UnpackError {
-    len: usize,
-    why: String,
-}
+#[error("{0}")]
+pub struct UnpackError(String);
 
 /// The bytes of a packed state, read from the front.
 struct Reader<'a> {
@@ -155,9 +152,11 @@ impl<'a> Reader<'a> {
 /// Fills `state`'s packed fields (not its phase or creation time) from `bytes`;
 /// returns the rate. Read through [`from_column`] where a query gives the bytes.
 pub fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, UnpackError> {
-    let error = |why: String| UnpackError {
-        len: bytes.len(),
-        why,
+    let error = |why: String| {
+        UnpackError(format!(
+            "an operation's packed state ({} bytes) does not decode: {why}",
+            bytes.len()
+        ))
     };
     let mut r = Reader { bytes, at: 0 };
     let [layout] = r.take::<1>().map_err(error)?;
@@ -205,16 +204,45 @@ pub fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, Unp
     read().map_err(error)
 }
 
-/// Column `index` of `row` unpacked into `state`; a blob that does not decode is the
-/// column's conversion error.
+/// Column `index` of `row` unpacked into `state`; a value that is not a packed state is
+/// the column's conversion error.
 pub fn from_column(
     row: &rusqlite::Row<'_>,
     index: usize,
     state: &mut OperationState,
 ) -> rusqlite::Result<Rate> {
-    let bytes = row.get_ref(index)?.as_blob()?;
-    unpack_into(bytes, state).map_err(|e| {
+    read_column(row, index, state).map_err(|e| {
         rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Blob, Box::new(e))
+    })
+}
+
+/// Column `index` of `row` unpacked into `state`. If it is not a packed state (a row
+/// damaged outside the agent), `state`'s packed fields are left as a new operation's
+/// and the error says why: the callers go on with the other operations, and a poll
+/// writes the state afresh from the snapshotter's answer.
+pub fn read_column(
+    row: &rusqlite::Row<'_>,
+    index: usize,
+    state: &mut OperationState,
+) -> Result<Rate, UnpackError> {
+    use rusqlite::types::ValueRef;
+    let read = match row.get_ref(index) {
+        Ok(ValueRef::Blob(bytes)) => unpack_into(bytes, state),
+        Ok(other) => Err(UnpackError(format!(
+            "an operation's state is stored as {}, not as a packed state",
+            other.data_type()
+        ))),
+        Err(e) => Err(UnpackError(format!(
+            "an operation's state cannot be read: {e}"
+        ))),
+    };
+    read.inspect_err(|_| {
+        let (phase, created_ms) = (state.phase, state.created_ms);
+        *state = OperationState {
+            phase,
+            created_ms,
+            ..OperationState::default()
+        };
     })
 }
 

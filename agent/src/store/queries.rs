@@ -481,7 +481,11 @@ macro_rules! operations_with_state {
 fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
     let phase: OperationPhase = parse_column(row, 8)?;
     let mut state = OperationState::default();
-    let rate = packed::from_column(row, 11, &mut state)?;
+    // A damaged state shows as such; the operation is listed all the same.
+    let rate = packed::read_column(row, 11, &mut state).unwrap_or_else(|e| {
+        state.error = format!("the agent cannot read what it stored of this operation: {e}");
+        Rate::default()
+    });
     let eta = if phase.is_unfinished() {
         rate.eta_ms(state.n_total).map(|ms| UnixMs(ms).time())
     } else {
@@ -582,7 +586,10 @@ pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<Owne
     let mut every_eta = true;
     let mut state = OperationState::default();
     while let Some(row) = rows.next()? {
-        let rate = packed::from_column(row, 0, &mut state)?;
+        // A damaged state counts nothing (its operation is listed with why).
+        let Ok(rate) = packed::read_column(row, 0, &mut state) else {
+            continue;
+        };
         let n_total = state.n_total;
         let name = std::mem::take(&mut state.operation_units);
         let entry = units.entry(name.clone()).or_insert_with(|| UnitsProgress {
@@ -858,7 +865,13 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             created_ms: row.get(6)?,
             ..OperationState::default()
         };
-        let rate = packed::from_column(row, 7, &mut state)?;
+        let operation_id: String = row.get(4)?;
+        let rate = packed::read_column(row, 7, &mut state).unwrap_or_else(|e| {
+            tracing::warn!(owner = %part.owner.name, plugin = %plugin.name,
+                operation = %operation_id, row = id, error = %e,
+                "the stored state of an operation is unreadable; it is polled afresh");
+            Rate::default()
+        });
         targets.push(PollTarget {
             row: id,
             owner_row,
@@ -868,7 +881,7 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             stall_timeout_ms: part.stall_timeout_ms,
             start_timeout_ms: part.start_timeout_ms,
             plugin,
-            operation_id: row.get(4)?,
+            operation_id,
             state,
             rate,
         });
@@ -971,7 +984,12 @@ fn change_state(
         .prepare_cached("SELECT state FROM operation_state WHERE op = ?1")?
         .query_row([row], |r| {
             let mut state = OperationState::default();
-            let rate = packed::from_column(r, 0, &mut state)?;
+            // A damaged state is replaced by what the change makes of a new one's.
+            let rate = packed::read_column(r, 0, &mut state).unwrap_or_else(|e| {
+                tracing::warn!(row, error = %e,
+                    "the stored state of an operation is unreadable; written afresh");
+                Rate::default()
+            });
             Ok((state, rate))
         })
         .optional()?;

@@ -308,29 +308,42 @@ fn pack_states(conn: &Connection) -> rusqlite::Result<()> {
     use super::packed;
     use crate::phase::OperationState;
     use crate::rate::Rate;
+    // Every operation gets its state, with nothing reported if it had no progress row
+    // (an agent of version 11 always made one; a row lost some other way costs its
+    // progress, not its operation).
     let mut read = conn.prepare(
-        "SELECT o.id, o.phase, o.error, p.n_completed, p.n_total, o.operation_units, \
-         p.description, o.started_ms, p.updated_ms, p.plugin_updated_ms, p.progressed_ms, \
-         o.attempts, o.last_error, o.next_attempt_ms, o.retrying_since_ms, p.rate, p.rate_n, \
-         p.rate_at_ms, p.rate_seen_ms \
-         FROM operations o JOIN operation_progress p ON p.op = o.id",
+        "SELECT o.id, o.phase, o.error, COALESCE(p.n_completed, 0), COALESCE(p.n_total, 0), \
+         o.operation_units, COALESCE(p.description, ''), o.started_ms, p.updated_ms, \
+         p.plugin_updated_ms, p.progressed_ms, o.attempts, o.last_error, o.next_attempt_ms, \
+         o.retrying_since_ms, p.rate, COALESCE(p.rate_n, 0), p.rate_at_ms, p.rate_seen_ms \
+         FROM operations o LEFT JOIN operation_progress p ON p.op = o.id",
     )?;
     let mut write =
         conn.prepare("INSERT INTO operation_state (op, phase, state) VALUES (?1, ?2, ?3)")?;
+    // A text that is not UTF-8 (written by hand: the agent writes none) is kept with
+    // U+FFFD for what is not, rather than stopping the migration and so the agent.
+    let text = |r: &rusqlite::Row<'_>, i: usize| -> rusqlite::Result<String> {
+        Ok(match r.get_ref(i)? {
+            rusqlite::types::ValueRef::Text(t) | rusqlite::types::ValueRef::Blob(t) => {
+                String::from_utf8_lossy(t).into_owned()
+            }
+            _ => String::new(),
+        })
+    };
     let mut rows = read.query([])?;
     while let Some(r) = rows.next()? {
         let state = OperationState {
-            error: r.get(2)?,
+            error: text(r, 2)?,
             n_completed: r.get(3)?,
             n_total: r.get(4)?,
-            operation_units: r.get(5)?,
-            description: r.get(6)?,
+            operation_units: text(r, 5)?,
+            description: text(r, 6)?,
             started_ms: r.get(7)?,
             updated_ms: r.get(8)?,
             plugin_updated_ms: r.get(9)?,
             progressed_ms: r.get(10)?,
             attempts: r.get::<_, i64>(11)?.clamp(0, i64::from(u32::MAX)) as u32,
-            last_error: r.get(12)?,
+            last_error: text(r, 12)?,
             next_attempt_ms: r.get(13)?,
             retrying_since_ms: r.get(14)?,
             ..OperationState::default()
@@ -384,6 +397,7 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateErro
     if found >= target {
         return Ok(found);
     }
+    let began = std::time::Instant::now();
     let tx = conn.transaction().map_err(sql_err(found + 1))?;
     for (index, step) in MIGRATIONS
         .iter()
@@ -400,5 +414,10 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateErro
             .map_err(sql_err(to))?;
     }
     tx.commit().map_err(sql_err(target))?;
+    if found > 0 {
+        // An upgrade: say so, and what it took (migration 12 packs every operation).
+        tracing::info!(from = found, to = target, took = ?began.elapsed(),
+            "database schema upgraded");
+    }
     Ok(target)
 }

@@ -108,6 +108,15 @@ fn fill_old_database(conn: &Connection, version: u32) {
         ))
         .unwrap();
     }
+    if version == 11 {
+        // A progress row lost, and a text that is not UTF-8 (no agent wrote either):
+        // migration 12 keeps the operations and the rest of the text.
+        conn.execute_batch(
+            "DELETE FROM operation_progress WHERE op = 2;
+             UPDATE operation_progress SET description = CAST(x'6f6bff' AS TEXT) WHERE op = 3;",
+        )
+        .unwrap();
+    }
     if version >= 6 {
         // From version 6 on, agents count each owner's operations as they add them (the
         // trigger counts phase changes, which the rows above were inserted with).
@@ -455,6 +464,8 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             let anchor = (first.n_completed, first.progressed_ms);
             assert_eq!(anchor, (5, Some(2000)), "from version {version}");
             assert_eq!(ops[2].error, "boom: é", "from version {version}");
+            let text = if version == 11 { "ok\u{fffd}" } else { "" };
+            assert_eq!(ops[2].description, text, "from version {version}");
         }
         if version >= 2 {
             let s = &queries::snapshotters(&conn).unwrap()[0];
@@ -1209,6 +1220,93 @@ fn every_field_of_a_polled_change_is_stored_by_whichever_statement_writes_it() {
     assert!(!updates.write(row, &old, &late, &rate).unwrap());
     drop(updates);
     assert_eq!(stored(&conn), canceled);
+}
+
+/// A state damaged outside the agent (cut short, of another type) stops nothing: the
+/// sweep polls its operation afresh and the write repairs it, listings show the
+/// operation with why, a cancel rewrites it, and the other operations are untouched.
+#[test]
+fn a_damaged_state_is_polled_afresh_listed_with_why_and_repaired_by_a_write() {
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    let owner =
+        queries::insert_owner(&conn, &backup("b", GoDuration::from_secs(60)), UnixMs(1)).unwrap();
+    conn.execute(
+        "UPDATE owners SET phase = 'WaitingForPluginOperations' WHERE id = ?1",
+        [owner],
+    )
+    .unwrap();
+    let ops: Vec<_> = (0..3)
+        .map(|i| copier_op(&format!("i{i}"), &format!("op-{i}")))
+        .collect();
+    let rows = queries::insert_operations(&conn, owner, &ops, UnixMs(1)).unwrap();
+    let mut updates = queries::OperationUpdates::new(&conn);
+    let mut states = Vec::new();
+    for (i, &row) in rows.iter().enumerate() {
+        let old = crate::phase::OperationState {
+            created_ms: 1,
+            ..Default::default()
+        };
+        let new = crate::phase::OperationState {
+            phase: OperationPhase::InProgress,
+            n_completed: 10 + i as i64,
+            description: "copying".into(),
+            ..old.clone()
+        };
+        assert!(updates.write(row, &old, &new, &Rate::default()).unwrap());
+        states.push(new);
+    }
+    drop(updates);
+    for damage in ["substr(state, 1, 5)", "'text'", "x''"] {
+        conn.execute(
+            &format!("UPDATE operation_state SET state = {damage} WHERE op = ?1"),
+            [rows[1]],
+        )
+        .unwrap();
+        let which = queries::Targets::WaitingPage {
+            plugin: "example.io/copier",
+            after: 0,
+            limit: 10,
+        };
+        let page = queries::poll_page(&conn, which).unwrap();
+        let found: Vec<i64> = page.targets.iter().map(|t| t.state.n_completed).collect();
+        assert_eq!(found, [10, 0, 12], "{damage}");
+        assert_eq!(page.targets[1].state.phase, OperationPhase::InProgress);
+        let listed = queries::operations(&conn, owner, None).unwrap();
+        assert_eq!(listed.len(), 3, "{damage}");
+        assert!(
+            listed[1]
+                .error
+                .starts_with("the agent cannot read what it stored"),
+            "{damage}: {}",
+            listed[1].error
+        );
+        assert_eq!((listed[0].n_completed, listed[2].n_completed), (10, 12));
+        let progress = queries::owner_progress(&conn, owner).unwrap();
+        assert_eq!(progress.units.iter().map(|u| u.operations).sum::<u64>(), 2);
+        // The next poll's write repairs it.
+        let damaged = &page.targets[1];
+        let mut repaired = states[1].clone();
+        repaired.n_completed = 99;
+        let mut updates = queries::OperationUpdates::new(&conn);
+        assert!(updates
+            .write(damaged.row, &damaged.state, &repaired, &Rate::default())
+            .unwrap());
+        drop(updates);
+        assert_eq!(packed_states(&conn)[1].2.n_completed, 99, "{damage}");
+    }
+    conn.execute(
+        "UPDATE operation_state SET state = 'text' WHERE op = ?1",
+        [rows[2]],
+    )
+    .unwrap();
+    let canceled =
+        queries::cancel_operations(&conn, owner, &[rows[2]], "canceled: test", UnixMs(7)).unwrap();
+    assert_eq!(canceled, [rows[2]]);
+    let after = packed_states(&conn);
+    assert_eq!(after[2].2.error, "canceled: test");
+    assert_eq!((after[0].2.n_completed, after[1].2.n_completed), (10, 99));
 }
 
 #[test]
