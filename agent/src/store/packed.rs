@@ -30,6 +30,10 @@ use crate::rate::Rate;
 /// The layout's version: byte 0 of every packed state.
 const LAYOUT: u8 = 1;
 
+/// The most bytes before the texts: version, presence, three counts, attempts and
+/// every optional value.
+const FIXED_MAX: usize = 1 + 2 + 3 * 8 + 4 + 9 * 8;
+
 /// The optional values, in the order of their presence bits and of their bytes.
 #[derive(Clone, Copy)]
 enum Optional {
@@ -75,22 +79,31 @@ pub fn pack_into(out: &mut Vec<u8>, state: &OperationState, rate: &Rate) -> rusq
         &state.last_error,
     ];
     let text_len: usize = texts.iter().map(|t| t.len()).sum();
-    out.clear();
-    out.reserve(3 + 3 * 8 + 4 + 9 * 8 + 4 * 4 + text_len);
+    // The fixed part is laid out on the stack and copied once: a copy per value into
+    // the list cost three times as much.
+    let mut fixed = [0u8; FIXED_MAX];
+    let mut at = 0;
+    let mut put = |bytes: &[u8]| {
+        fixed[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+    };
     let optionals = optionals(state, rate);
     let present = optionals
         .iter()
         .enumerate()
         .fold(0u16, |bits, (i, v)| bits | (u16::from(v.is_some()) << i));
-    out.push(LAYOUT);
-    out.extend_from_slice(&present.to_le_bytes());
+    put(&[LAYOUT]);
+    put(&present.to_le_bytes());
     for n in [state.n_completed, state.n_total, rate.anchor_n] {
-        out.extend_from_slice(&n.to_le_bytes());
+        put(&n.to_le_bytes());
     }
-    out.extend_from_slice(&state.attempts.to_le_bytes());
+    put(&state.attempts.to_le_bytes());
     for v in optionals.into_iter().flatten() {
-        out.extend_from_slice(&v.to_le_bytes());
+        put(&v.to_le_bytes());
     }
+    out.clear();
+    out.reserve(at + 4 * 4 + text_len);
+    out.extend_from_slice(&fixed[..at]);
     for text in texts {
         let len = u32::try_from(text.len()).map_err(|_| {
             rusqlite::Error::ToSqlConversionFailure(

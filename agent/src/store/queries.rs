@@ -849,14 +849,14 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
         if only_waiting && !part.waiting {
             continue;
         }
-        let kind = parse_column::<PluginKind>(row, 2)?;
-        let name = row.get_ref(3)?.as_str()?;
+        // Rows of a page mostly name one plugin: compared as stored, parsed when new.
+        let (kind, name) = (row.get_ref(2)?.as_bytes()?, row.get_ref(3)?.as_bytes()?);
         let plugin = match &plugin {
-            Some(p) if p.kind == kind && p.name == name => p.clone(),
+            Some(p) if p.kind.as_str().as_bytes() == kind && p.name.as_bytes() == name => p.clone(),
             _ => plugin
                 .insert(Arc::new(PluginRef {
-                    kind,
-                    name: name.to_string(),
+                    kind: parse_column(row, 2)?,
+                    name: row.get(3)?,
                 }))
                 .clone(),
         };
