@@ -28,13 +28,22 @@ pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 pub const DEFAULT_PAGE: u32 = 100;
 
 fn require_in_progress(row: &OwnerRow, verb: &'static str) -> Result<(), Error> {
-    if row.owner.phase == OwnerPhase::InProgress {
+    require_phase_in_progress(row.owner.kind, &row.owner.name, row.owner.phase, verb)
+}
+
+fn require_phase_in_progress(
+    kind: OwnerKind,
+    name: &str,
+    phase: OwnerPhase,
+    verb: &'static str,
+) -> Result<(), Error> {
+    if phase == OwnerPhase::InProgress {
         Ok(())
     } else {
         Err(Error::WrongPhase(WrongPhase::NotInProgress {
-            kind: row.owner.kind,
-            name: row.owner.name.clone(),
-            phase: row.owner.phase,
+            kind,
+            name: name.to_string(),
+            phase,
             request: verb,
         }))
     }
@@ -169,17 +178,18 @@ impl Core {
         let added = self
             .store
             .write(move |conn| {
-                let row = require(conn, kind, &p.name)?;
-                require_in_progress(&row, "addOperations")?;
-                queries::touch_owner(conn, row.id, now)?;
-                let added = queries::insert_operations(conn, row.id, &p.operations, now)?;
+                let (id, phase, attempted) = queries::owner_phase_by_name(conn, kind, &p.name)?
+                    .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, p.name.clone())))?;
+                require_phase_in_progress(kind, &p.name, phase, "addOperations")?;
+                // Touches the owner too: one write of its row.
+                let added = queries::insert_operations(conn, id, &p.operations, now)?;
                 // A repeat that adds nothing changes nothing worth a line of history.
                 if !added.is_empty() {
                     let message = format!(
                         "{} added ({} already known); {} in all",
                         super::counted(added.len() as u64, "operation"),
                         p.operations.len() - added.len(),
-                        row.owner.operations_attempted + added.len() as u64
+                        attempted + added.len() as u64
                     );
                     let event = NewEvent {
                         reason: EventReason::OperationsAdded,
@@ -187,7 +197,7 @@ impl Core {
                         caller,
                         message: &message,
                     };
-                    events::record(conn, row.id, &event, now)?;
+                    events::record(conn, id, &event, now)?;
                 }
                 Ok::<_, Error>(added)
             })

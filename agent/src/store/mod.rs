@@ -108,12 +108,18 @@ struct Lock {
 /// more. Reads beyond it wait for a place, holding neither.
 pub const MAX_READERS: usize = 8;
 
+/// Prepared statements each connection keeps.
+const STATEMENTS_KEPT: usize = 128;
+
 /// Connection settings every connection shares. `busy_timeout` covers the moments a
 /// checkpoint holds the file briefly. The query planner's stability guarantee keeps a
 /// cached statement's plan when new values are bound: the bundled SQLite is built with
 /// STAT4, which otherwise re-prepares (parses and plans again) a statement such as
 /// `… FROM events WHERE owner_id = ?1` each time `?1` changes, on every write.
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    // The writer uses more statements than rusqlite's default 16: with 16, each
+    // `addOperations` prepared one again (and finalized another).
+    conn.set_prepared_statement_cache_capacity(STATEMENTS_KEPT);
     conn.set_db_config(
         rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
         true,

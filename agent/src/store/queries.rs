@@ -172,6 +172,21 @@ pub fn owner_by_name(
         .optional()
 }
 
+/// What a call that adds to an owner needs of it: its row, phase and operations so
+/// far; `None` if there is no such owner. Three columns, not the whole owner
+/// ([`owner_by_name`]): it is read on every `addOperations`.
+pub fn owner_phase_by_name(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+) -> rusqlite::Result<Option<(i64, OwnerPhase, u64)>> {
+    conn.prepare_cached("SELECT id, phase, n_operations FROM owners WHERE kind = ?1 AND name = ?2")?
+        .query_row(params![kind.as_str(), name], |row| {
+            Ok((row.get(0)?, parse_column(row, 1)?, row.get::<_, i64>(2)?.max(0) as u64))
+        })
+        .optional()
+}
+
 /// The owner with row id `id`, with its counts.
 pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerRow>> {
     let mut stmt =
@@ -419,7 +434,8 @@ pub fn records_due(
 }
 
 /// Adds operations (New) with their state rows (migration 12), ignoring ones already
-/// known, and counts them on the owner.
+/// known, counts them on the owner and records the call as its server's last
+/// ([`touch_owner`]'s work).
 /// An operation is known by its plugin (kind and name), its operation ID and its item
 /// (migration 8): the same ID on another item is another operation, as in Velero, and
 /// a retried call adds nothing twice. Returns the rows of the added ones. Each is
@@ -459,11 +475,12 @@ pub fn insert_operations(
             added.push(row);
         }
     }
-    // New operations count as attempted and unfinished (migration 6).
-    if !added.is_empty() {
-        conn.prepare_cached("UPDATE owners SET n_operations = n_operations + ?2 WHERE id = ?1")?
-            .execute(params![owner_id, added.len() as i64])?;
-    }
+    // New operations count as attempted and unfinished (migration 6); the call is the
+    // server's last (the idle timeout), in the same row write.
+    conn.prepare_cached(
+        "UPDATE owners SET n_operations = n_operations + ?2, last_call_ms = ?3 WHERE id = ?1",
+    )?
+    .execute(params![owner_id, added.len() as i64, now])?;
     Ok(added)
 }
 
