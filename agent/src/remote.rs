@@ -121,8 +121,12 @@ impl Remote {
 /// What a call about one operation names: its plugin, its ID and its owner. The
 /// sweep's targets name them themselves, so a call copies none of them.
 pub trait Call: Sync {
+    /// The plugin whose operation it is (its snapshotter's).
     fn plugin(&self) -> &PluginRef;
+    /// The operation's ID, as the plugin gave it.
     fn operation_id(&self) -> &str;
+    /// The owner, shared by its operations: a batch encodes each owner (with its
+    /// object, up to 64 KiB) once and copies it, recognising it by this `Arc`.
     fn owner(&self) -> &Arc<OwnerRef>;
 
     /// The call's params as the protocol names them, copied.
@@ -664,8 +668,10 @@ fn encode_batch<C: Call>(method: &str, ops: &[C]) -> Result<Vec<u8>, String> {
         if id > 0 {
             if id == 1 {
                 // The rest are about the size of the first: one allocation, not a
-                // doubling and copy after every few.
-                out.reserve((out.len() + 8) * (ops.len() - 1));
+                // doubling and copy after every few. At most 1 MiB is guessed: a first
+                // entry with a 64 KiB owner object says little of the others.
+                let guess = (out.len() + 8).saturating_mul(ops.len() - 1);
+                out.reserve(guess.min(1 << 20));
             }
             out.push(b',');
         }

@@ -1328,9 +1328,10 @@ fn calls_already_read_wait_for_room_before_they_run() {
 }
 
 /// `clients` HTTP clients each ask for `backup.operations` of a backup of `ops`
-/// operations with 1,000-byte IDs and read nothing, after the method's largest answer
-/// so far was the list of its first `first` operations (0: the list was never asked
-/// for before): the agent's peak RSS stays
+/// operations with 1,000-byte IDs and read next to nothing (64 KiB every 5 s, so the
+/// agent does not close them as stalled however long the lists take to make), after
+/// the method's largest answer so far was the list of its first `first` operations (0:
+/// the list was never asked for before): the agent's peak RSS stays
 /// under 320 MiB, `agent.status` answers meanwhile, and every client gets its whole
 /// list once it reads.
 fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) {

@@ -744,15 +744,15 @@ impl Core {
                         after,
                         limit: SWEEP_CHUNK as i64,
                     };
-                    queries::poll_page(conn, which).map_err(Error::from)
+                    queries::poll_targets(conn, which).map_err(Error::from)
                 })
                 .await?;
-            let Some(last) = page.last_row else {
+            let Some(last) = page.last() else {
                 return Ok(());
             };
-            after = last;
-            let full = page.scanned == SWEEP_CHUNK;
-            let changes = self.poller.poll_group(plugin, page.targets).await;
+            after = last.row;
+            let full = page.len() == SWEEP_CHUNK;
+            let changes = self.poller.poll_group(plugin, page).await;
             if !changes.is_empty() {
                 self.commit_sweep(changes).await?;
             }

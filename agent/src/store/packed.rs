@@ -21,8 +21,11 @@
 //!   description, the last transient error.
 //!
 //! All integers are little-endian. A change to the layout is a new [`LAYOUT`] and a
-//! migration that rewrites every row; a blob that does not decode is reported as its
-//! column's conversion error, and the operation's row is left as it is.
+//! migration that rewrites every row; migration 12 packs with this module, so a later
+//! layout must still read this one (which that migration then rewrites). A value that
+//! does not decode (a row damaged outside the agent) is read as a new operation's
+//! state with the reason ([`read_column`]): the agent goes on with the other
+//! operations and a poll writes the state afresh.
 
 use crate::phase::OperationState;
 use crate::rate::Rate;
@@ -32,7 +35,10 @@ const LAYOUT: u8 = 1;
 
 /// The most bytes before the texts: version, presence, three counts, attempts and
 /// every optional value.
-const FIXED_MAX: usize = 1 + 2 + 3 * 8 + 4 + 9 * 8;
+const FIXED_MAX: usize = 1 + 2 + 3 * 8 + 4 + OPTIONALS * 8;
+
+/// How many optional values there are: one presence bit each.
+const OPTIONALS: usize = Optional::RateSeen as usize + 1;
 
 /// The optional values, in the order of their presence bits and of their bytes.
 #[derive(Clone, Copy)]
@@ -49,8 +55,8 @@ enum Optional {
 }
 
 /// The optional values of `state` and `rate`, in [`Optional`]'s order.
-fn optionals(state: &OperationState, rate: &Rate) -> [Option<i64>; 9] {
-    let mut values = [None; 9];
+fn optionals(state: &OperationState, rate: &Rate) -> [Option<i64>; OPTIONALS] {
+    let mut values = [None; OPTIONALS];
     values[Optional::Started as usize] = state.started_ms;
     values[Optional::Updated as usize] = state.updated_ms;
     values[Optional::PluginUpdated as usize] = state.plugin_updated_ms;
@@ -163,7 +169,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Fills `state`'s packed fields (not its phase or creation time) from `bytes`;
-/// returns the rate. Read through [`from_column`] where a query gives the bytes.
+/// returns the rate. Read through [`read_column`] where a query gives the bytes.
 pub fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, UnpackError> {
     let error = |why: String| {
         UnpackError(format!(
@@ -177,7 +183,7 @@ pub fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, Unp
         return Err(error(format!("layout {layout}, not {LAYOUT}")));
     }
     let present = u16::from_le_bytes(r.take::<2>().map_err(error)?);
-    if present >> 9 != 0 {
+    if present >> OPTIONALS != 0 {
         return Err(error(format!("unknown presence bits {present:#x}")));
     }
     let mut read = || -> Result<Rate, String> {
@@ -260,6 +266,7 @@ pub fn read_column(
 }
 
 /// `bytes` unpacked into a state of phase New created at 0, and its rate.
+#[cfg(test)]
 pub fn unpack(bytes: &[u8]) -> Result<(OperationState, Rate), UnpackError> {
     let mut state = OperationState::default();
     let rate = unpack_into(bytes, &mut state)?;

@@ -182,7 +182,11 @@ pub fn owner_phase_by_name(
 ) -> rusqlite::Result<Option<(i64, OwnerPhase, u64)>> {
     conn.prepare_cached("SELECT id, phase, n_operations FROM owners WHERE kind = ?1 AND name = ?2")?
         .query_row(params![kind.as_str(), name], |row| {
-            Ok((row.get(0)?, parse_column(row, 1)?, row.get::<_, i64>(2)?.max(0) as u64))
+            Ok((
+                row.get(0)?,
+                parse_column(row, 1)?,
+                row.get::<_, i64>(2)?.max(0) as u64,
+            ))
         })
         .optional()
 }
@@ -603,8 +607,10 @@ pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<Owne
     let mut every_eta = true;
     let mut state = OperationState::default();
     while let Some(row) = rows.next()? {
-        // A damaged state counts nothing (its operation is listed with why).
+        // A damaged state counts nothing (its operation is listed with why), and
+        // leaves the owner without an ETA: not every one has one.
         let Ok(rate) = packed::read_column(row, 0, &mut state) else {
+            every_eta = false;
             continue;
         };
         let n_total = state.n_total;
@@ -678,9 +684,8 @@ pub struct PollTarget {
 pub enum Targets<'a> {
     /// Those of one owner, whatever its phase.
     Owner(i64),
-    /// A page of those of `plugin` whose owner is waiting: of the unfinished rows after
-    /// `after`, at most `limit` scanned, in row order (the periodic sweep; see
-    /// [`Page`]).
+    /// A page of those of `plugin` whose owner is waiting: rows after `after`, at most
+    /// `limit` of them, in row order (the periodic sweep).
     WaitingPage {
         plugin: &'a str,
         after: i64,
@@ -711,8 +716,6 @@ pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String
 /// What the targets of one owner share: the owner as the snapshotter protocol names
 /// it (its `object` parsed), the object's size, and the owner's deadlines.
 struct OwnerPart {
-    /// Whether it is waiting for its operations (the periodic sweep polls only those).
-    waiting: bool,
     owner: Arc<OwnerRef>,
     object_bytes: usize,
     timeout_ms: i64,
@@ -725,7 +728,7 @@ struct OwnerPart {
 fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> {
     conn.prepare_cached(
         "SELECT kind, name, uid, object, item_operation_timeout_ms, stall_timeout_ms, \
-         start_timeout_ms, phase FROM owners WHERE id = ?1",
+         start_timeout_ms FROM owners WHERE id = ?1",
     )?
     .query_row([owner_row], |row| {
         let object = row.get_ref(3)?.as_str_or_null()?;
@@ -737,7 +740,6 @@ fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> 
             None => None,
         };
         Ok(OwnerPart {
-            waiting: parse_column::<OwnerPhase>(row, 7)?.is_waiting(),
             owner: Arc::new(OwnerRef {
                 kind: parse_column(row, 0)?,
                 name: row.get(1)?,
@@ -752,27 +754,13 @@ fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> 
     })
 }
 
-/// What one read of targets found.
-pub struct Page {
-    pub targets: Vec<PollTarget>,
-    /// Rows read, targets or not: a [`Targets::WaitingPage`] that read its `limit` may
-    /// have more after `last_row`.
-    pub scanned: usize,
-    pub last_row: Option<i64>,
-}
-
 /// The unfinished operations selected by `which`. Targets of one owner share one
-/// [`OwnerRef`].
+/// [`OwnerRef`], and consecutive targets of one plugin one [`PluginRef`].
 pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Vec<PollTarget>> {
-    poll_page(conn, which).map(|page| page.targets)
-}
-
-/// [`poll_targets`], saying how far it read.
-pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page> {
     // The operation's columns only: what the owner adds is read once per owner.
     const COLUMNS: &str = "o.id, o.owner_id, o.plugin_kind, o.plugin_name, o.operation_id, \
          o.phase, o.created_ms, s.state";
-    const PROGRESS: &str = "JOIN operation_state s ON s.op = o.id";
+    const STATE: &str = "JOIN operation_state s ON s.op = o.id";
     let (mut stmt, mut rows);
     // A page is usually full: its rows are large, so growing the list costs copies.
     let expected = match which {
@@ -784,7 +772,7 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
     match which {
         Targets::Owner(id) => {
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id {PROGRESS} \
+                "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id {STATE} \
                  WHERE w.id = ?1 AND o.phase IN {} ORDER BY o.id",
                 unfinished_operation!()
             ))?;
@@ -795,19 +783,23 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             after,
             limit,
         } => {
-            // Driven by the partial index on unfinished operations by plugin. Whether
-            // the owner waits is read once per owner below, not joined on every row.
+            // Driven by the partial index on unfinished operations by plugin. The
+            // waiting owners are listed once per page (by their phase index), not
+            // joined on every row: rows of owners still InProgress are passed over
+            // without their state or owner being read.
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM operations o {PROGRESS} \
+                "SELECT {COLUMNS} FROM operations o {STATE} \
                  WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN {} \
+                 AND o.owner_id IN (SELECT id FROM owners WHERE phase IN {}) \
                  ORDER BY o.id LIMIT ?3",
-                unfinished_operation!()
+                unfinished_operation!(),
+                waiting_owner!()
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
         Targets::CancelRequested { limit } => {
             stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id {PROGRESS} \
+                "SELECT {COLUMNS} FROM operations o JOIN owners w ON w.id = o.owner_id {STATE} \
                  WHERE o.cancel_requested = 1 ORDER BY o.id LIMIT ?1"
             ))?;
             rows = stmt.query([limit])?;
@@ -826,7 +818,7 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
                 .join(", ");
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM owners w CROSS JOIN operations o ON o.owner_id = w.id \
-                 {PROGRESS} WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
+                 {STATE} WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
                  AND o.operation_id IN (SELECT value FROM json_each(?2)) \
                  AND o.phase IN {} ORDER BY o.owner_id, o.id",
                 waiting_owner!(),
@@ -835,9 +827,7 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             rows = stmt.query(params![plugin, operation_ids])?;
         }
     }
-    let only_waiting = matches!(which, Targets::WaitingPage { .. });
     let mut targets = Vec::with_capacity(expected);
-    let (mut scanned, mut last_row) = (0, None);
     let mut plugin: Option<Arc<PluginRef>> = None;
     // Each owner's part, found by its row; rows come in runs of one owner, so the last
     // one found is looked at first.
@@ -846,7 +836,6 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
     let mut last: Option<(i64, usize)> = None;
     while let Some(row) = rows.next()? {
         let id: i64 = row.get(0)?;
-        (scanned, last_row) = (scanned + 1, Some(id));
         let owner_row: i64 = row.get(1)?;
         let index = match last {
             Some((r, i)) if r == owner_row => i,
@@ -863,9 +852,6 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             }
         };
         let part = &parts[index];
-        if only_waiting && !part.waiting {
-            continue;
-        }
         // Rows of a page mostly name one plugin: compared as stored, parsed when new.
         let (kind, name) = (row.get_ref(2)?.as_bytes()?, row.get_ref(3)?.as_bytes()?);
         let plugin = match &plugin {
@@ -903,11 +889,7 @@ pub fn poll_page(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<Page
             rate,
         });
     }
-    Ok(Page {
-        targets,
-        scanned,
-        last_row,
-    })
+    Ok(targets)
 }
 
 /// Writes polled operations' new states, each only if the operation is still
@@ -1114,7 +1096,8 @@ pub fn fail_unfinished(
     error: &str,
     now: UnixMs,
 ) -> rusqlite::Result<u64> {
-    // The states first, while the unfinished ones are still known by phase.
+    // Which they are, before their phase changes; each state is then read and written
+    // whole (a failure of a large owner's operations is rare: one row at a time).
     let unfinished: Vec<i64> = conn
         .prepare_cached(concat!(
             "SELECT id FROM operations WHERE owner_id = ?1 AND phase IN ",

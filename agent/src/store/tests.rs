@@ -96,9 +96,12 @@ fn fill_old_database(conn: &Connection, version: u32) {
         .unwrap();
     }
     if version >= 1 {
-        // A failure recorded by a poll.
-        conn.execute_batch("UPDATE operations SET error = 'boom: é' WHERE operation_id = 'op-3';")
-            .unwrap();
+        // A failure recorded by a poll, and the units of a progress.
+        conn.execute_batch(
+            "UPDATE operations SET error = 'boom: é' WHERE operation_id = 'op-3';
+             UPDATE operations SET operation_units = 'bytes' WHERE operation_id = 'op-1';",
+        )
+        .unwrap();
     }
     if version >= 10 {
         // From version 10 on, a poll that moves the counts samples the rate.
@@ -138,9 +141,13 @@ fn fill_old_database(conn: &Connection, version: u32) {
         .unwrap();
     }
     if version >= 9 {
-        // From version 9 on, a poll that moves the progress records when it saw it.
+        // From version 9 on, a poll that moves the progress records when it saw it, and
+        // transient errors are retried (on op-2, finished: the checks of migration 9
+        // cancel op-1).
         conn.execute_batch(&format!(
-            "UPDATE {progress} SET progressed_ms = updated_ms;"
+            "UPDATE {progress} SET progressed_ms = updated_ms;
+             UPDATE operations SET attempts = 3, last_error = 'busy', next_attempt_ms = 2100,
+                 retrying_since_ms = 1800 WHERE id = 2;"
         ))
         .unwrap();
     }
@@ -460,9 +467,37 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             let rate = (version >= 10).then_some(2.5);
             assert_eq!(ops[0].rate, rate, "from version {version}");
             assert!(ops[1..].iter().all(|o| o.rate.is_none() && o.eta.is_none()));
-            let (_, _, first) = packed_states(&conn).remove(0);
+            let states = packed_states(&conn);
+            let first = &states[0].2;
             let anchor = (first.n_completed, first.progressed_ms);
             assert_eq!(anchor, (5, Some(2000)), "from version {version}");
+            assert_eq!(first.operation_units, "bytes", "from version {version}");
+            let retried = &states[1].2;
+            let retries = (
+                retried.attempts,
+                retried.last_error.as_str(),
+                retried.next_attempt_ms,
+                retried.retrying_since_ms,
+            );
+            let expected = if version >= 9 {
+                (3, "busy", Some(2100), Some(1800))
+            } else {
+                (0, "", None, None)
+            };
+            assert_eq!(retries, expected, "from version {version}");
+            let rate: Rate = conn
+                .query_row("SELECT state FROM operation_state WHERE op = 1", [], |r| {
+                    let mut state = crate::phase::OperationState::default();
+                    super::packed::from_column(r, 0, &mut state)
+                })
+                .unwrap();
+            let expected = if version >= 10 {
+                (4, Some(1900), Some(1950))
+            } else {
+                (0, None, None)
+            };
+            let anchor = (rate.anchor_n, rate.anchor_ms, rate.seen_ms);
+            assert_eq!(anchor, expected, "from version {version}");
             assert_eq!(ops[2].error, "boom: é", "from version {version}");
             let text = if version == 11 { "ok\u{fffd}" } else { "" };
             assert_eq!(ops[2].description, text, "from version {version}");
@@ -1060,7 +1095,13 @@ async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts(
     // Progress touches no owner: the counts stay in memory.
     store
         .write(|conn| {
-            conn.execute("UPDATE operation_state SET state = x'00'", [])
+            let progressed = crate::phase::OperationState {
+                n_completed: 5,
+                description: "x".into(),
+                ..Default::default()
+            };
+            let state = super::packed::pack(&progressed, &Rate::default())?;
+            conn.execute("UPDATE operation_state SET state = ?1", [state])
                 .map_err(StorageFailure::from)
         })
         .await
@@ -1130,9 +1171,9 @@ fn events_are_numbered_per_owner_bounded_and_removed_with_their_owner() {
     assert_eq!(events::count(&conn, b).unwrap(), 1);
 }
 
-/// Whichever statement a change is written with (the narrow progress one for most of a
-/// sweep), every field of the new state is stored: one field changed at a time, then
-/// read back as the poller reads it.
+/// Whichever statements a change is written with (the packed state alone for most of a
+/// sweep, the phase too when it changes), every field of the new state is stored: one
+/// field changed at a time, then read back as the poller reads it.
 #[test]
 fn every_field_of_a_polled_change_is_stored_by_whichever_statement_writes_it() {
     use crate::phase::OperationState;
@@ -1269,10 +1310,10 @@ fn a_damaged_state_is_polled_afresh_listed_with_why_and_repaired_by_a_write() {
             after: 0,
             limit: 10,
         };
-        let page = queries::poll_page(&conn, which).unwrap();
-        let found: Vec<i64> = page.targets.iter().map(|t| t.state.n_completed).collect();
+        let page = queries::poll_targets(&conn, which).unwrap();
+        let found: Vec<i64> = page.iter().map(|t| t.state.n_completed).collect();
         assert_eq!(found, [10, 0, 12], "{damage}");
-        assert_eq!(page.targets[1].state.phase, OperationPhase::InProgress);
+        assert_eq!(page[1].state.phase, OperationPhase::InProgress);
         let listed = queries::operations(&conn, owner, None).unwrap();
         assert_eq!(listed.len(), 3, "{damage}");
         assert!(
@@ -1286,7 +1327,7 @@ fn a_damaged_state_is_polled_afresh_listed_with_why_and_repaired_by_a_write() {
         let progress = queries::owner_progress(&conn, owner).unwrap();
         assert_eq!(progress.units.iter().map(|u| u.operations).sum::<u64>(), 2);
         // The next poll's write repairs it.
-        let damaged = &page.targets[1];
+        let damaged = &page[1];
         let mut repaired = states[1].clone();
         repaired.n_completed = 99;
         let mut updates = queries::OperationUpdates::new(&conn);
@@ -1309,8 +1350,10 @@ fn a_damaged_state_is_polled_afresh_listed_with_why_and_repaired_by_a_write() {
     assert_eq!((after[0].2.n_completed, after[1].2.n_completed), (10, 99));
 }
 
+/// A sweep's page holds the operations of waiting owners only, `limit` of them: the
+/// rows of an owner still InProgress, in between, neither fill it nor end the sweep.
 #[test]
-fn a_sweep_page_counts_every_row_it_read_and_keeps_those_of_waiting_owners() {
+fn a_sweep_page_holds_limit_operations_of_waiting_owners_only() {
     let (_dir, db) = temp_db();
     drop(Store::open(&db, |_, _| {}).unwrap());
     let conn = Connection::open(&db).unwrap();
@@ -1331,9 +1374,9 @@ fn a_sweep_page_counts_every_row_it_read_and_keeps_those_of_waiting_owners() {
         [waiting],
     )
     .unwrap();
-    // Rows alternate between the owners: r0 w1 r2 w3 r4 w5.
+    // Rows alternate between the owners: r0 w1 r2 w3 r4 w5 r6 w7.
     let mut rows = Vec::new();
-    for i in 0..6 {
+    for i in 0..8 {
         let owner = if i % 2 == 0 { running } else { waiting };
         let op = copier_op(&format!("item-{i}"), &format!("op-{i}"));
         rows.extend(queries::insert_operations(&conn, owner, &[op], UnixMs(1)).unwrap());
@@ -1344,33 +1387,17 @@ fn a_sweep_page_counts_every_row_it_read_and_keeps_those_of_waiting_owners() {
             after,
             limit: 3,
         };
-        queries::poll_page(&conn, which).unwrap()
+        queries::poll_targets(&conn, which).unwrap()
+    };
+    let ids = |page: &[queries::PollTarget]| -> Vec<String> {
+        page.iter().map(|t| t.operation_id.clone()).collect()
     };
     let first = page(0);
-    assert_eq!((first.scanned, first.last_row), (3, Some(rows[2])));
-    let ids: Vec<&str> = first
-        .targets
-        .iter()
-        .map(|t| t.operation_id.as_str())
-        .collect();
-    assert_eq!(ids, ["op-1"]);
-    let second = page(rows[2]);
-    assert_eq!((second.scanned, second.last_row), (3, Some(rows[5])));
-    let ids: Vec<&str> = second
-        .targets
-        .iter()
-        .map(|t| t.operation_id.as_str())
-        .collect();
-    assert_eq!(ids, ["op-3", "op-5"]);
-    assert!(std::sync::Arc::ptr_eq(
-        &second.targets[0].plugin,
-        &second.targets[1].plugin
-    ));
-    let last = page(rows[5]);
-    assert_eq!(
-        (last.scanned, last.last_row, last.targets.len()),
-        (0, None, 0)
-    );
+    assert_eq!(ids(&first), ["op-1", "op-3", "op-5"]);
+    assert!(std::sync::Arc::ptr_eq(&first[0].plugin, &first[2].plugin));
+    let second = page(first[2].row);
+    assert_eq!(ids(&second), ["op-7"]);
+    assert!(page(rows[7]).is_empty());
 }
 
 /// Reads beyond [`super::MAX_READERS`] wait for a place: a burst of calls cannot open a
