@@ -108,8 +108,10 @@ struct Lock {
 /// more. Reads beyond it wait for a place, holding neither.
 pub const MAX_READERS: usize = 8;
 
-/// Prepared statements each connection keeps.
-const STATEMENTS_KEPT: usize = 128;
+/// Prepared statements the writer's connection keeps: it runs more than rusqlite's
+/// default 16 (with 16, each `addOperations` prepared one again and finalized another).
+/// The readers, each with a few, keep the default.
+const WRITER_STATEMENTS_KEPT: usize = 128;
 
 /// Connection settings every connection shares. `busy_timeout` covers the moments a
 /// checkpoint holds the file briefly. The query planner's stability guarantee keeps a
@@ -117,9 +119,6 @@ const STATEMENTS_KEPT: usize = 128;
 /// STAT4, which otherwise re-prepares (parses and plans again) a statement such as
 /// `… FROM events WHERE owner_id = ?1` each time `?1` changes, on every write.
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
-    // The writer uses more statements than rusqlite's default 16: with 16, each
-    // `addOperations` prepared one again (and finalized another).
-    conn.set_prepared_statement_cache_capacity(STATEMENTS_KEPT);
     conn.set_db_config(
         rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
         true,
@@ -165,6 +164,7 @@ impl Store {
             });
         }
         configure(&conn).map_err(sqlite)?;
+        conn.set_prepared_statement_cache_capacity(WRITER_STATEMENTS_KEPT);
         schema::migrate(&mut conn).map_err(|source| OpenError::Migrate {
             db: path.to_path_buf(),
             source,
