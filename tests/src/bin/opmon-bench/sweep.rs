@@ -75,10 +75,10 @@ pub(crate) async fn wait_idle(agent: &Agent, quiet: Duration) -> Result<(), Stri
     }
 }
 
-/// The committed `nCompleted` of the marked operation: packed in `operation_state`
-/// from schema 12 on, in `operation_progress` in 11, in `operations` before (an older
-/// agent given with `--agent`).
-fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option<i64>> {
+/// The query of a marked operation's committed `nCompleted`: packed in
+/// `operation_state` from schema 12 on, in `operation_progress` in 11, in `operations`
+/// before (an older agent given with `--agent`). Asked once per wait, not per look.
+fn committed_query(conn: &rusqlite::Connection) -> rusqlite::Result<String> {
     let has = |table: &str| -> rusqlite::Result<bool> {
         conn.query_row(
             "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = ?1)",
@@ -93,23 +93,32 @@ fn committed(conn: &rusqlite::Connection, m: &Marked) -> rusqlite::Result<Option
     } else {
         ("o.n_completed", "")
     };
-    conn.query_row(
-        &format!(
-            "SELECT {column} FROM operations o JOIN owners w ON w.id = o.owner_id {join} \
-             WHERE w.kind = 'backup' AND w.name = ?1 AND o.plugin_kind = ?2 \
-             AND o.plugin_name = ?3 AND o.operation_id = ?4"
-        ),
-        rusqlite::params![m.owner, m.plugin_kind, m.plugin, m.operation_id],
-        |r| match r.get_ref(0)? {
-            rusqlite::types::ValueRef::Blob(_) => {
-                let mut state = opmon_agent::phase::OperationState::default();
-                opmon_agent::store::packed::from_column(r, 0, &mut state)?;
-                Ok(state.n_completed)
-            }
-            _ => r.get(0),
-        },
-    )
-    .optional()
+    Ok(format!(
+        "SELECT {column} FROM operations o JOIN owners w ON w.id = o.owner_id {join} \
+         WHERE w.kind = 'backup' AND w.name = ?1 AND o.plugin_kind = ?2 \
+         AND o.plugin_name = ?3 AND o.operation_id = ?4"
+    ))
+}
+
+/// The committed `nCompleted` of the marked operation, by `query` ([`committed_query`]).
+fn committed(
+    conn: &rusqlite::Connection,
+    query: &str,
+    m: &Marked,
+) -> rusqlite::Result<Option<i64>> {
+    conn.prepare_cached(query)?
+        .query_row(
+            rusqlite::params![m.owner, m.plugin_kind, m.plugin, m.operation_id],
+            |r| match r.get_ref(0)? {
+                rusqlite::types::ValueRef::Blob(_) => {
+                    let mut state = opmon_agent::phase::OperationState::default();
+                    opmon_agent::store::packed::from_column(r, 0, &mut state)?;
+                    Ok(state.n_completed)
+                }
+                _ => r.get(0),
+            },
+        )
+        .optional()
 }
 
 /// Waits until the marked call's change is committed; returns when that was seen.
@@ -122,9 +131,10 @@ pub(crate) async fn wait_committed(db: &Path, m: &Marked) -> Result<Instant, Str
     .map_err(sql)?;
     conn.execute_batch("PRAGMA query_only = ON; PRAGMA busy_timeout = 10000;")
         .map_err(sql)?;
+    let query = committed_query(&conn).map_err(sql)?;
     let began = Instant::now();
     loop {
-        let value = tokio::task::block_in_place(|| committed(&conn, m)).map_err(sql)?;
+        let value = tokio::task::block_in_place(|| committed(&conn, &query, m)).map_err(sql)?;
         if value.is_some_and(|v| v >= m.value) {
             return Ok(Instant::now());
         }
