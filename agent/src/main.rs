@@ -27,6 +27,41 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 
     .delimited(" ")
 }
 
+/// mimalloc rather than glibc's malloc: the poll path allocates on one thread (a page
+/// read, an answer decoded) and frees on another (the writer), which glibc serves from
+/// locked arena bins at about 200 instructions an allocation. With mimalloc a sweep costs
+/// about 1,100 fewer instructions per operation (the bench's `instructions` row).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// mimalloc's options, by their place in `mi_option_t` (mimalloc.h of libmimalloc-sys
+/// 0.1.49, mimalloc 3.3), which the crate names only in part.
+const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Memory freed goes back to the system at once and arenas are committed as used, as
+/// glibc does: with mimalloc's defaults (commit whole arenas on overcommitting systems,
+/// purge after 10 ms) the agent's RSS after the bench's 100,000-operation sweep was 41–57
+/// MiB and its peak while finalizing 72 MiB, against 25–26 and 24 with these (glibc:
+/// 37–48 and 24). An arena's commit is decided when it is made, at Rust's first
+/// allocation, which comes before `main`: so this runs from `.init_array`, as the
+/// executable is loaded (not in the unit tests, which read the options as mimalloc
+/// found them).
+#[cfg(all(target_os = "linux", not(test)))]
+extern "C" fn tune_allocator() {
+    // SAFETY: `mi_option_set` takes an option number and a value; both are valid
+    // members of the enum and values it documents (0: no eager commit, no delay).
+    unsafe {
+        libmimalloc_sys::mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0);
+        libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0);
+    }
+}
+
+#[cfg(all(target_os = "linux", not(test)))]
+#[used]
+#[link_section = ".init_array"]
+static TUNE_ALLOCATOR: extern "C" fn() = tune_allocator;
+
 fn main() -> std::process::ExitCode {
     let (settings, command_line) = match config::load() {
         Ok(loaded) => loaded,
@@ -72,6 +107,47 @@ fn main() -> std::process::ExitCode {
             tracing::error!("{e}");
             eprintln!("opmon-agent: {e}");
             std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Prints the two options as this process reads them; run by the test below in a
+    /// process of its own.
+    #[test]
+    #[ignore = "run by mimalloc_option_numbers_are_the_options_named"]
+    fn print_mimalloc_options() {
+        for number in [
+            super::MI_OPTION_ARENA_EAGER_COMMIT,
+            super::MI_OPTION_PURGE_DELAY,
+        ] {
+            // SAFETY: a valid option number; reading an option has no other effect.
+            let value = unsafe { libmimalloc_sys::mi_option_get(number) };
+            println!("mimalloc option {number} = {value}");
+        }
+    }
+
+    /// The option numbers name the options meant: mimalloc reads `MIMALLOC_<NAME>` when
+    /// it starts, so in a process started with those variables each number must read
+    /// back the value given its name.
+    #[test]
+    fn mimalloc_option_numbers_are_the_options_named() {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "tests::print_mimalloc_options", "--ignored"])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env("MIMALLOC_ARENA_EAGER_COMMIT", "3")
+            .env("MIMALLOC_PURGE_DELAY", "77")
+            .output()
+            .expect("running the test binary again");
+        let text = String::from_utf8_lossy(&out.stdout);
+        for (number, value) in [
+            (super::MI_OPTION_ARENA_EAGER_COMMIT, 3),
+            (super::MI_OPTION_PURGE_DELAY, 77),
+        ] {
+            let line = format!("mimalloc option {number} = {value}");
+            assert!(text.contains(&line), "wanted {line:?} in:\n{text}");
         }
     }
 }

@@ -471,13 +471,13 @@ impl Poller {
                 let began = std::time::Instant::now();
                 // The remote bounds its own calls in flight; the runs only bound sizes.
                 let runs = by_object_bytes(&targets);
-                let answers: Vec<_> = futures::future::join_all(
+                let mut answers = Vec::with_capacity(targets.len());
+                futures::future::join_all(
                     runs.into_iter().map(|run| remote.progress(&targets[run])),
                 )
                 .await
                 .into_iter()
-                .flatten()
-                .collect();
+                .for_each(|run| answers.extend(run));
                 let errors = answers.iter().filter(|a| a.is_err()).count();
                 self.metrics
                     .polled(plugin, answers.len(), errors, began.elapsed());

@@ -17,26 +17,32 @@
 //! - bytes 1–2: which of the optional times (and the rate) are present, a bit each in
 //!   [`Optional`]'s order;
 //! - `nCompleted`, `nTotal` and the rate's anchor count (i64), the attempts (u32);
-//! - each present optional value (i64; the rate as f64 bits), in the same order;
+//! - every optional value (i64; the rate as f64 bits), in the same order, an absent one
+//!   as 0;
 //! - four texts, each its length (u32) then its UTF-8 bytes: the error, the units, the
 //!   description, the last transient error.
 //!
-//! All integers are little-endian. A change to the layout is a new [`LAYOUT`] and a
-//! migration that rewrites every row; migration 12 packs with this module, so a later
-//! layout must still read this one (which that migration then rewrites). A value that
-//! does not decode (a row damaged outside the agent) is read as a new operation's
-//! state with the reason ([`read_column`]): the agent goes on with the other
-//! operations and a poll writes the state afresh.
+//! All integers are little-endian. The size of a state depends on its texts alone, so
+//! a poll that changes counts and times rewrites the row in place: SQLite overwrites a
+//! cell of the same size where it stands, and otherwise deletes and inserts it, which
+//! on a sweep's first pass (when the times and the rate first appear) cost 600 more
+//! instructions per operation. Layout 1, which migration 12 wrote before, left absent
+//! values out; it is still read, and a row moves to layout 2 at its next write.
+//! A value that does not decode (a row damaged outside the agent) is read as a new
+//! operation's state with the reason ([`read_column`]): the agent goes on with the
+//! other operations and a poll writes the state afresh.
 
 use crate::phase::OperationState;
 use crate::rate::Rate;
 
-/// The layout's version: byte 0 of every packed state.
-const LAYOUT: u8 = 1;
+/// The layout written: byte 0 of every packed state.
+const LAYOUT: u8 = 2;
+/// The layout that left absent optional values out; read, never written.
+const LAYOUT_SPARSE: u8 = 1;
 
-/// The most bytes before the texts: version, presence, three counts, attempts and
-/// every optional value.
-const FIXED_MAX: usize = 1 + 2 + 3 * 8 + 4 + OPTIONALS * 8;
+/// The bytes before the texts: version, presence, three counts, attempts and every
+/// optional value.
+const FIXED: usize = 1 + 2 + 3 * 8 + 4 + OPTIONALS * 8;
 
 /// How many optional values there are: one presence bit each.
 const OPTIONALS: usize = Optional::RateSeen as usize + 1;
@@ -88,7 +94,7 @@ pub fn pack_into(out: &mut Vec<u8>, state: &OperationState, rate: &Rate) -> rusq
     let text_len: usize = texts.iter().map(|t| t.len()).sum();
     // The fixed part is laid out on the stack and copied once: a copy per value into
     // the list cost three times as much.
-    let mut fixed = [0u8; FIXED_MAX];
+    let mut fixed = [0u8; FIXED];
     let mut at = 0;
     let mut put = |bytes: &[u8]| {
         fixed[at..at + bytes.len()].copy_from_slice(bytes);
@@ -105,8 +111,8 @@ pub fn pack_into(out: &mut Vec<u8>, state: &OperationState, rate: &Rate) -> rusq
         put(&n.to_le_bytes());
     }
     put(&state.attempts.to_le_bytes());
-    for v in optionals.into_iter().flatten() {
-        put(&v.to_le_bytes());
+    for v in optionals {
+        put(&v.unwrap_or(0).to_le_bytes());
     }
     out.clear();
     out.reserve(at + 4 * 4 + text_len);
@@ -180,8 +186,10 @@ fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, UnpackE
     };
     let mut r = Reader { bytes, at: 0 };
     let [layout] = r.take::<1>().map_err(error)?;
-    if layout != LAYOUT {
-        return Err(error(format!("layout {layout}, not {LAYOUT}")));
+    if layout != LAYOUT && layout != LAYOUT_SPARSE {
+        return Err(error(format!(
+            "layout {layout}, not {LAYOUT} (or {LAYOUT_SPARSE})"
+        )));
     }
     let present = u16::from_le_bytes(r.take::<2>().map_err(error)?);
     if present >> OPTIONALS != 0 {
@@ -193,10 +201,12 @@ fn unpack_into(bytes: &[u8], state: &mut OperationState) -> Result<Rate, UnpackE
         let anchor_n = r.i64()?;
         state.attempts = u32::from_le_bytes(r.take::<4>()?);
         let mut optional = |o: Optional| -> Result<Option<i64>, String> {
-            if present & (1 << o as u16) == 0 {
+            let is_present = present & (1 << o as u16) != 0;
+            if !is_present && layout == LAYOUT_SPARSE {
                 return Ok(None);
             }
-            r.i64().map(Some)
+            let value = r.i64()?;
+            Ok(is_present.then_some(value))
         };
         state.started_ms = optional(Optional::Started)?;
         state.updated_ms = optional(Optional::Updated)?;
@@ -264,6 +274,36 @@ pub fn read_column(
             ..OperationState::default()
         };
     })
+}
+
+/// `state` and `rate` in layout 1, as migration 12 packed them before layout 2: the
+/// test of migration 13 starts from it.
+#[cfg(test)]
+pub fn pack_sparse(state: &OperationState, rate: &Rate) -> Vec<u8> {
+    let optionals = optionals(state, rate);
+    let present = optionals
+        .iter()
+        .enumerate()
+        .fold(0u16, |bits, (i, v)| bits | (u16::from(v.is_some()) << i));
+    let mut out = vec![LAYOUT_SPARSE];
+    out.extend_from_slice(&present.to_le_bytes());
+    for n in [state.n_completed, state.n_total, rate.anchor_n] {
+        out.extend_from_slice(&n.to_le_bytes());
+    }
+    out.extend_from_slice(&state.attempts.to_le_bytes());
+    for v in optionals.into_iter().flatten() {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    for text in [
+        &state.error,
+        &state.operation_units,
+        &state.description,
+        &state.last_error,
+    ] {
+        out.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        out.extend_from_slice(text.as_bytes());
+    }
+    out
 }
 
 /// `bytes` unpacked into a state of phase New created at 0, and its rate.
@@ -343,9 +383,9 @@ mod tests {
         let e = unpack(&longer).expect_err("a byte too many");
         assert!(e.to_string().contains("1 bytes left over"), "{e}");
         let mut other = bytes.clone();
-        other[0] = 2;
+        other[0] = 3;
         let e = unpack(&other).expect_err("another layout");
-        assert!(e.to_string().contains("layout 2, not 1"), "{e}");
+        assert!(e.to_string().contains("layout 3, not 2 (or 1)"), "{e}");
         let mut bits = bytes;
         bits[2] = 0x80;
         let e = unpack(&bits).expect_err("a bit no field has");
@@ -356,16 +396,80 @@ mod tests {
     }
 
     #[test]
-    fn absent_times_take_no_bytes_and_a_rate_keeps_its_bits() {
+    fn a_state_is_as_long_whatever_times_it_has_and_a_rate_keeps_its_bits() {
         let fresh = initial().expect("packs");
-        // Layout, presence, three counts, attempts, four empty texts.
-        assert_eq!(fresh.len(), 1 + 2 + 3 * 8 + 4 + 4 * 4);
+        // Layout, presence, three counts, attempts, nine optional values, four empty
+        // texts: absent values take their place, so a write of new times and counts
+        // is a cell of the same size, which SQLite overwrites where it stands.
+        assert_eq!(fresh.len(), 1 + 2 + 3 * 8 + 4 + 9 * 8 + 4 * 4);
         let rate = Rate {
             per_second: Some(f64::MIN_POSITIVE),
-            ..Rate::default()
+            anchor_n: 3,
+            anchor_ms: Some(i64::MAX),
+            seen_ms: Some(-1),
         };
-        let packed = pack(&OperationState::default(), &rate).expect("packs");
-        assert_eq!(packed.len(), fresh.len() + 8);
-        assert_eq!(unpack(&packed).expect("decodes").1, rate);
+        let timed = OperationState {
+            started_ms: Some(1),
+            updated_ms: Some(2),
+            plugin_updated_ms: Some(3),
+            progressed_ms: Some(4),
+            next_attempt_ms: Some(5),
+            retrying_since_ms: Some(6),
+            ..OperationState::default()
+        };
+        let packed = pack(&timed, &rate).expect("packs");
+        assert_eq!(packed.len(), fresh.len());
+        assert_eq!(unpack(&packed).expect("decodes"), (timed, rate));
+    }
+
+    /// Layout 1, as migration 12 wrote it before layout 2: absent values left out.
+    #[test]
+    fn the_sparse_layout_of_before_is_still_read() {
+        let mut sparse = vec![1u8];
+        // Present: started (bit 0) and the rate (bit 6).
+        sparse.extend_from_slice(&(1u16 | 1 << 6).to_le_bytes());
+        for n in [7i64, 9, 2] {
+            sparse.extend_from_slice(&n.to_le_bytes());
+        }
+        sparse.extend_from_slice(&4u32.to_le_bytes());
+        sparse.extend_from_slice(&1_000i64.to_le_bytes());
+        sparse.extend_from_slice(&2.5f64.to_bits().to_le_bytes());
+        for text in ["", "bytes", "copying", "timeout"] {
+            sparse.extend_from_slice(&(text.len() as u32).to_le_bytes());
+            sparse.extend_from_slice(text.as_bytes());
+        }
+        let (state, rate) = unpack(&sparse).expect("layout 1 decodes");
+        assert_eq!(
+            state,
+            OperationState {
+                n_completed: 7,
+                n_total: 9,
+                attempts: 4,
+                started_ms: Some(1_000),
+                operation_units: "bytes".into(),
+                description: "copying".into(),
+                last_error: "timeout".into(),
+                ..OperationState::default()
+            }
+        );
+        assert_eq!(
+            rate,
+            Rate {
+                per_second: Some(2.5),
+                anchor_n: 2,
+                ..Rate::default()
+            }
+        );
+        // Read as layout 2, the same bytes are short of the absent values.
+        let mut as_fixed = sparse.clone();
+        as_fixed[0] = 2;
+        assert!(unpack(&as_fixed).is_err());
+        for len in 0..sparse.len() {
+            assert!(unpack(&sparse[..len]).is_err(), "a prefix of {len} bytes");
+        }
+        // Written again, it is layout 2, of the fixed size.
+        let again = pack(&state, &rate).expect("packs");
+        assert_eq!((again[0], again.len()), (2, FIXED + 4 * 4 + 19));
+        assert_eq!(unpack(&again).expect("decodes"), (state, rate));
     }
 }

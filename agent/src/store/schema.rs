@@ -276,12 +276,18 @@ pub const MIGRATIONS: &[&str] = &[
         phase TEXT NOT NULL,
         state BLOB NOT NULL
     );",
+    // 13: every packed state rewritten in layout 2 (`repack_states`), where absent values
+    // keep their place, so that a poll's write is a cell of the same size. No table
+    // changes; the version is what stops an agent of schema 12, which reads only layout
+    // 1, from taking every state for damaged.
+    "",
 ];
 
 /// What runs after a migration's SQL, by the version it reaches: what SQL cannot do.
 fn after_sql(to: u32) -> Option<fn(&Connection) -> rusqlite::Result<()>> {
     match to {
         12 => Some(pack_states),
+        13 => Some(repack_states),
         _ => None,
     }
 }
@@ -363,6 +369,25 @@ fn pack_states(conn: &Connection) -> rusqlite::Result<()> {
     }
     drop(rows);
     conn.execute_batch(PACKED_COLUMNS_DROPPED)
+}
+
+/// Migration 13: each state that decodes written again, now in the current layout. One
+/// that does not (damaged outside the agent) is left as it is: it is read as a new
+/// operation's, and a poll writes it afresh.
+fn repack_states(conn: &Connection) -> rusqlite::Result<()> {
+    use super::packed;
+    let mut read = conn.prepare("SELECT op, state FROM operation_state")?;
+    let mut write = conn.prepare("UPDATE operation_state SET state = ?2 WHERE op = ?1")?;
+    let mut rows = read.query([])?;
+    let mut bytes = Vec::new();
+    while let Some(r) = rows.next()? {
+        let mut state = crate::phase::OperationState::default();
+        if let Ok(rate) = packed::read_column(r, 1, &mut state) {
+            packed::pack_into(&mut bytes, &state, &rate)?;
+            write.execute(rusqlite::params![r.get::<_, i64>(0)?, bytes])?;
+        }
+    }
+    Ok(())
 }
 
 /// The schema version this agent writes.

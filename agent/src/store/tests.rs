@@ -285,6 +285,67 @@ fn copier_op(item: &str, id: &str) -> opmon_client::NewOperation {
 
 /// Every operation's id, operation ID and state (its phase and creation from their
 /// columns, the rest unpacked), in row order.
+/// Migration 13 rewrites the states that decode and leaves a damaged one as it was (it
+/// is read as new, and a poll writes it afresh).
+#[test]
+fn migration_13_leaves_a_damaged_state_as_it_was() {
+    let (_dir, db) = temp_db();
+    {
+        let mut conn = Connection::open(&db).unwrap();
+        schema::migrate_to(&mut conn, 11).unwrap();
+        fill_old_database(&conn, 11);
+        schema::migrate_to(&mut conn, 12).unwrap();
+        write_states_in_layout_1(&conn);
+        conn.execute(
+            "UPDATE operation_state SET state = x'01ff' WHERE op = 3",
+            [],
+        )
+        .unwrap();
+    }
+    let store = Store::open(&db, |_, _| {}).unwrap();
+    let conn = Connection::open(&db).unwrap();
+    let layouts: Vec<(i64, Vec<u8>)> = conn
+        .prepare("SELECT op, state FROM operation_state ORDER BY op")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    let firsts: Vec<(i64, u8, usize)> =
+        layouts.iter().map(|(op, b)| (*op, b[0], b.len())).collect();
+    assert_eq!(firsts[2], (3, 1, 2), "the damaged state is kept");
+    assert!(
+        firsts[..2].iter().all(|&(_, layout, _)| layout == 2),
+        "{firsts:?}"
+    );
+    store.close();
+}
+
+/// Rewrites every state of a schema-12 database in layout 1; returns what each holds.
+fn write_states_in_layout_1(conn: &Connection) -> Vec<(i64, (crate::phase::OperationState, Rate))> {
+    let states: Vec<(i64, Vec<u8>)> = conn
+        .prepare("SELECT op, state FROM operation_state ORDER BY op")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    let mut held = Vec::new();
+    for (op, bytes) in states {
+        let (state, rate) = super::packed::unpack(&bytes).unwrap();
+        let sparse = super::packed::pack_sparse(&state, &rate);
+        assert_eq!(sparse[0], 1);
+        conn.execute(
+            "UPDATE operation_state SET state = ?2 WHERE op = ?1",
+            rusqlite::params![op, sparse],
+        )
+        .unwrap();
+        held.push((op, (state, rate)));
+    }
+    assert!(!held.is_empty());
+    held
+}
+
 fn packed_states(conn: &Connection) -> Vec<(i64, String, crate::phase::OperationState)> {
     conn.prepare(
         "SELECT o.id, o.operation_id, o.phase, o.created_ms, s.state
@@ -402,11 +463,21 @@ fn check_state_after_migration_12(conn: &Connection, from: u32) {
 fn every_older_schema_version_opens_and_keeps_its_data() {
     for version in 0..CURRENT_VERSION {
         let (_dir, db) = temp_db();
-        {
+        let sparse = {
             let mut conn = Connection::open(&db).unwrap();
-            assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
-            fill_old_database(&conn, version);
-        }
+            if version == 12 {
+                // What migration 12 wrote before layout 2: the data of version 11 packed
+                // in layout 1.
+                schema::migrate_to(&mut conn, 11).unwrap();
+                fill_old_database(&conn, 11);
+                assert_eq!(schema::migrate_to(&mut conn, 12).unwrap(), 12);
+                write_states_in_layout_1(&conn)
+            } else {
+                assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
+                fill_old_database(&conn, version);
+                Vec::new()
+            }
+        };
         let store =
             Store::open(&db, |_, _| {}).unwrap_or_else(|e| panic!("version {version}: {e}"));
         let conn = Connection::open(&db).unwrap();
@@ -414,6 +485,24 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(found, CURRENT_VERSION, "from version {version}");
+        // Migration 13: every state that decodes is in layout 2 now, holding what it held
+        // in layout 1; a damaged one is left as it was.
+        let stored: Vec<(i64, Vec<u8>)> = conn
+            .prepare("SELECT op, state FROM operation_state ORDER BY op")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(!stored.is_empty() || version == 0, "from version {version}");
+        for (op, bytes) in &stored {
+            assert_eq!(bytes[0], 2, "op {op} from version {version}");
+        }
+        for (op, before) in &sparse {
+            let after = super::packed::unpack(&stored.iter().find(|(o, _)| o == op).unwrap().1)
+                .expect("decodes");
+            assert_eq!(&after, before, "op {op} from version 12");
+        }
         if version >= 1 {
             let backup = queries::owner_by_name(&conn, OwnerKind::Backup, "old-backup")
                 .unwrap()
@@ -499,7 +588,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             let anchor = (rate.anchor_n, rate.anchor_ms, rate.seen_ms);
             assert_eq!(anchor, expected, "from version {version}");
             assert_eq!(ops[2].error, "boom: é", "from version {version}");
-            let text = if version == 11 { "ok\u{fffd}" } else { "" };
+            let text = if version >= 11 { "ok\u{fffd}" } else { "" };
             assert_eq!(ops[2].description, text, "from version {version}");
         }
         if version >= 2 {
