@@ -304,13 +304,7 @@ fn migration_13_leaves_a_damaged_state_as_it_was() {
     }
     let store = Store::open(&db, |_, _| {}).unwrap();
     let conn = Connection::open(&db).unwrap();
-    let layouts: Vec<(i64, Vec<u8>)> = conn
-        .prepare("SELECT op, state FROM operation_state ORDER BY op")
-        .unwrap()
-        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap();
+    let layouts = stored_states(&conn);
     let firsts: Vec<(i64, u8, usize)> =
         layouts.iter().map(|(op, b)| (*op, b[0], b.len())).collect();
     assert_eq!(firsts[2], (3, 1, 2), "the damaged state is kept");
@@ -321,15 +315,19 @@ fn migration_13_leaves_a_damaged_state_as_it_was() {
     store.close();
 }
 
-/// Rewrites every state of a schema-12 database in layout 1; returns what each holds.
-fn write_states_in_layout_1(conn: &Connection) -> Vec<(i64, (crate::phase::OperationState, Rate))> {
-    let states: Vec<(i64, Vec<u8>)> = conn
-        .prepare("SELECT op, state FROM operation_state ORDER BY op")
+/// Every operation's stored state as bytes, by operation row.
+fn stored_states(conn: &Connection) -> Vec<(i64, Vec<u8>)> {
+    conn.prepare("SELECT op, state FROM operation_state ORDER BY op")
         .unwrap()
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
         .unwrap()
         .collect::<rusqlite::Result<_>>()
-        .unwrap();
+        .unwrap()
+}
+
+/// Rewrites every state of a schema-12 database in layout 1; returns what each holds.
+fn write_states_in_layout_1(conn: &Connection) -> Vec<(i64, (crate::phase::OperationState, Rate))> {
+    let states = stored_states(conn);
     let mut held = Vec::new();
     for (op, bytes) in states {
         let (state, rate) = super::packed::unpack(&bytes).unwrap();
@@ -487,13 +485,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         assert_eq!(found, CURRENT_VERSION, "from version {version}");
         // Migration 13: every state that decodes is in layout 2 now, holding what it held
         // in layout 1; a damaged one is left as it was.
-        let stored: Vec<(i64, Vec<u8>)> = conn
-            .prepare("SELECT op, state FROM operation_state ORDER BY op")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        let stored = stored_states(&conn);
         assert!(!stored.is_empty() || version == 0, "from version {version}");
         for (op, bytes) in &stored {
             assert_eq!(bytes[0], 2, "op {op} from version {version}");
