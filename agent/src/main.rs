@@ -46,14 +46,23 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// 37–48 and 24). An arena's commit is decided when it is made, at Rust's first
 /// allocation, which comes before `main`: so this runs from `.init_array`, as the
 /// executable is loaded (not in the unit tests, which read the options as mimalloc
-/// found them).
+/// found them). An option the operator sets (`MIMALLOC_PURGE_DELAY`,
+/// `MIMALLOC_ARENA_EAGER_COMMIT`) is left to mimalloc, which reads it; the variables are
+/// looked up with `getenv`, which allocates nothing.
 #[cfg(all(target_os = "linux", not(test)))]
 extern "C" fn tune_allocator() {
-    // SAFETY: `mi_option_set` takes an option number and a value; both are valid
-    // members of the enum and values it documents (0: no eager commit, no delay).
-    unsafe {
-        libmimalloc_sys::mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0);
-        libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0);
+    for (option, variable) in [
+        (MI_OPTION_ARENA_EAGER_COMMIT, c"MIMALLOC_ARENA_EAGER_COMMIT"),
+        (MI_OPTION_PURGE_DELAY, c"MIMALLOC_PURGE_DELAY"),
+    ] {
+        // SAFETY: `getenv` reads the environment the process started with (no thread
+        // runs yet to change it); `mi_option_set` takes a valid member of the enum and
+        // a value it documents (0: no eager commit, no delay).
+        unsafe {
+            if nix::libc::getenv(variable.as_ptr()).is_null() {
+                libmimalloc_sys::mi_option_set(option, 0);
+            }
+        }
     }
 }
 
