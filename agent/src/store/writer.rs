@@ -205,10 +205,12 @@ fn begin(conn: &Connection) -> Result<(), StorageFailure> {
         .map_err(StorageFailure::from)
 }
 
-/// Has SQLite set `flag` whenever a row of `owners` changes on `conn`. The hook is SQLite's own, registered directly: rusqlite's wrapper makes text of
-/// the database and table names on every row change and calls a boxed closure, about
-/// 280 instructions per operation a sweep writes; this compares the table's name in
-/// place, about 30. `flag` must stay alive until the hook is removed.
+/// Has SQLite set `flag` whenever a row of `owners` changes on `conn`. The hook is
+/// SQLite's own, registered directly: rusqlite's wrapper makes text of the database and
+/// table names on every row change and calls a boxed closure, about 280 instructions per
+/// operation a sweep writes; this compares the table's name in place, about 30. `flag`
+/// must stay alive until the hook is removed. (A rollback calls no update hook, so a
+/// connection dropped while unwinding cannot reach a `flag` already dropped.)
 fn watch_owners(conn: &Connection, flag: &std::sync::atomic::AtomicBool) {
     use std::ffi::{c_char, c_int, c_void, CStr};
     unsafe extern "C" fn changed(
