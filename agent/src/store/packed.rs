@@ -27,8 +27,7 @@
 //! cell of the same size where it stands, and otherwise deletes and inserts it, which
 //! on a sweep's first pass (when the times and the rate first appear) cost 600 more
 //! instructions per operation. Layout 1, which migration 12 wrote before, left absent
-//! values out; migration 13 rewrites every state in layout 2, and layout 1 is still
-//! read (by that migration, and for a row it could not decode).
+//! values out; migration 13 reads it and rewrites every state in layout 2.
 //! A value that does not decode (a row damaged outside the agent) is read as a new
 //! operation's state with the reason ([`read_column`]): the agent goes on with the
 //! other operations and a poll writes the state afresh.
