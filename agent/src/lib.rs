@@ -137,9 +137,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         Store::open(&db, move |size, took| committed.committed(size, took))
             .map_err(|e| e.to_string())?,
     );
-    replica::apply(&store, settings.checkpoint)
-        .await
-        .map_err(|e| e.to_string())?;
+    replica::apply(&store, settings.checkpoint);
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
@@ -206,9 +204,17 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         tracing::debug!(error = %e, "notifying systemd failed");
     }
     // Finalize's file work stops at the signal, not after the requests waiting on it.
+    // A commit that could not be made durable stops the agent too: nothing after it
+    // can be acknowledged.
     let stopper = core.clone();
+    let failing = store.clone();
     let shutdown = async move {
-        terminated.await;
+        tokio::select! {
+            () = terminated => {}
+            lost = failing.durability_lost() => {
+                tracing::error!(error = %lost, "stopping: the database cannot be made durable");
+            }
+        }
         stopper.stop_file_work();
     };
     server::serve(
@@ -231,9 +237,13 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         let _ = std::fs::remove_file(&settings.socket);
     }
     drop(core);
+    let failure = store.durability_failure();
     tokio::task::spawn_blocking(move || store.close())
         .await
         .map_err(|e| format!("closing the database: {e}"))?;
+    if let Some(failure) = failure {
+        return Err(failure.to_string());
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -43,7 +43,7 @@ pub fn record(
     event: &NewEvent<'_>,
     now: UnixMs,
 ) -> rusqlite::Result<()> {
-    // The primary key's order: the owner's last event is one index step away.
+    // The owner's last event is one step away in its index.
     let last: i64 = conn
         .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE owner_id = ?1")?
         .query_row([owner_id], |r| r.get(0))?;

@@ -1,19 +1,23 @@
-//! Durable state: one SQLite file in WAL mode with `synchronous=FULL`.
+//! Durable state: one SQLite file in WAL mode; every change is on disk before anyone
+//! hears of it.
 //!
-//! Writes go through the group-commit [`writer`]; reads use a small pool of their own
-//! connections and, thanks to WAL, never wait for the writer. The database file is
+//! Writes go through the group-commit [`writer`], whose commits the [`durable`] syncer
+//! makes durable (an fsync of the WAL) before their replies; reads use a small pool of
+//! their own connections and, thanks to WAL, never wait for the writer, only (once done)
+//! for the fsync of any commit they may have seen. The database file is
 //! created 0600 and guarded by an exclusive `flock` on its directory (the state
 //! directory), which nobody without write access to *its* parent can replace; the pid
 //! is written to `<db>.lock` (also locked, for agents of older versions) so a second
 //! agent can say who has it.
 
+mod durable;
 pub mod events;
 pub mod packed;
 pub mod queries;
 pub mod schema;
 mod tally;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 pub mod writer;
 
 use std::fs::{File, OpenOptions};
@@ -25,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use nix::fcntl::{Flock, FlockArg};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
 pub use self::writer::StorageCause;
@@ -92,6 +97,8 @@ pub struct Store {
     read_slots: Arc<tokio::sync::Semaphore>,
     /// `agent.status`'s counts between commits; the writer forgets them.
     tally: Arc<Tally>,
+    /// Which commits are on disk: reads wait for those they may have seen.
+    durability: Arc<Durability>,
     _lock: Lock,
 }
 
@@ -113,8 +120,9 @@ pub const MAX_READERS: usize = 8;
 /// The readers, each with a few, keep the default.
 const WRITER_STATEMENTS_KEPT: usize = 128;
 
-/// Connection settings every connection shares. `busy_timeout` covers the moments a
-/// checkpoint holds the file briefly. The query planner's stability guarantee keeps a
+/// Connection settings every connection shares (the writer's then commits with
+/// `synchronous=NORMAL`, its syncer making each commit durable). `busy_timeout` covers
+/// the moments a checkpoint holds the file briefly. The query planner's stability guarantee keeps a
 /// cached statement's plan when new values are bound: the bundled SQLite is built with
 /// STAT4, which otherwise re-prepares (parses and plans again) a statement such as
 /// `… FROM events WHERE owner_id = ?1` each time `?1` changes, on every write.
@@ -169,13 +177,18 @@ impl Store {
             db: path.to_path_buf(),
             source,
         })?;
+        // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
+        conn.execute_batch("PRAGMA synchronous = NORMAL")
+            .map_err(sqlite)?;
         let tally = Arc::new(Tally::default());
+        let durability = Arc::new(Durability::default());
         Ok(Store {
             path: path.to_path_buf(),
-            writer: Writer::start(conn, tally.clone(), on_commit),
+            writer: Writer::start(path, conn, tally.clone(), durability.clone(), on_commit),
             readers: Mutex::new(Vec::new()),
             read_slots: Arc::new(tokio::sync::Semaphore::new(MAX_READERS)),
             tally,
+            durability,
             _lock: lock,
         })
     }
@@ -224,12 +237,38 @@ impl Store {
             result
         })
         .await;
-        joined.unwrap_or_else(|e| {
+        let result = joined.unwrap_or_else(|e| {
             Err(E::from(StorageFailure {
                 message: format!("a database read failed: {e}"),
                 disk_full: false,
             }))
-        })
+        });
+        // What the read saw is shown or acted on only once it is on disk.
+        self.durability.settle().await.map_err(E::from)?;
+        result
+    }
+
+    /// Resolves when a commit could not be made durable: the agent must stop.
+    pub async fn durability_lost(&self) -> StorageFailure {
+        self.durability.lost().await
+    }
+
+    /// Why commits stopped being acknowledged, if they did.
+    pub fn durability_failure(&self) -> Option<StorageFailure> {
+        self.durability.failure()
+    }
+
+    /// Leaves checkpoints to a replicator from now on (`replica`).
+    pub fn leave_checkpoints(&self) {
+        self.durability.stop_checkpoints();
+    }
+
+    /// The WAL's frames after the last commit.
+    #[cfg(test)]
+    pub(crate) fn wal_frames(&self) -> u32 {
+        self.durability
+            .wal_frames()
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `agent.status`'s counts: from memory when no commit has happened since they were

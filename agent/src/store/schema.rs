@@ -281,6 +281,30 @@ pub const MIGRATIONS: &[&str] = &[
     // changes; the version is what stops an agent of schema 12, which reads only layout
     // 1, from taking every state for damaged.
     "",
+    // 14: events stored in the order they are recorded (issue 17.3). Keyed by owner
+    // (migration 10), each event went into its owner's own page, so a group commit of
+    // calls from many owners wrote one more page per call; now the rows of a commit
+    // share the table's last page, and only the small index entries are the owners'.
+    // `seq` stays each owner's numbering and paging cursor; ids, and so order within
+    // an owner, follow it.
+    "CREATE TABLE events_v14 (
+        id INTEGER PRIMARY KEY,
+        owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        at_ms INTEGER NOT NULL,
+        reason TEXT NOT NULL,
+        operation_row INTEGER,
+        caller_uid INTEGER,
+        caller_pid INTEGER,
+        message TEXT NOT NULL
+    );
+    INSERT INTO events_v14 (owner_id, seq, at_ms, reason, operation_row, caller_uid,
+        caller_pid, message)
+    SELECT owner_id, seq, at_ms, reason, operation_row, caller_uid, caller_pid, message
+    FROM events ORDER BY at_ms, owner_id, seq;
+    DROP TABLE events;
+    ALTER TABLE events_v14 RENAME TO events;
+    CREATE UNIQUE INDEX events_by_owner ON events (owner_id, seq);",
 ];
 
 /// What runs after a migration's SQL, by the version it reaches: what SQL cannot do.

@@ -32,6 +32,53 @@ fn temp_db() -> (tempfile::TempDir, std::path::PathBuf) {
     (dir, db)
 }
 
+/// Migration 14 keeps each owner's events, numbers, order and paging; the next event
+/// recorded follows the owner's last.
+fn check_events_after_migration_14(conn: &Connection, backup: i64, version: u32) {
+    use super::events::{self, NewEvent};
+    use opmon_client::EventReason;
+    if version < 10 {
+        // No history before migration 10.
+        assert_eq!(events::count(conn, backup).unwrap(), 0);
+        return;
+    }
+    let said = |owner, after| -> Vec<(u64, String, Option<u32>, Option<String>)> {
+        events::page(conn, owner, after, 10)
+            .unwrap()
+            .into_iter()
+            .map(|e| {
+                let op = e.operation.map(|o| o.operation_id);
+                (e.seq, e.message, e.caller.map(|c| c.uid), op)
+            })
+            .collect()
+    };
+    let backup_events = vec![
+        (1, "backup started".to_string(), Some(1000), None),
+        (
+            2,
+            "added: é".to_string(),
+            Some(1000),
+            Some("op-1".to_string()),
+        ),
+    ];
+    assert_eq!(said(backup, 0), backup_events, "from version {version}");
+    assert_eq!(
+        said(backup, 1),
+        backup_events[1..],
+        "from version {version}"
+    );
+    let restore: Vec<u64> = said(2, 0).into_iter().map(|e| e.0).collect();
+    assert_eq!(restore, vec![1, 2], "from version {version}");
+    let event = NewEvent {
+        reason: EventReason::PhaseChanged,
+        operation: None,
+        caller: None,
+        message: "next",
+    };
+    events::record(conn, backup, &event, UnixMs(5000)).unwrap();
+    assert_eq!(said(backup, 2)[0].0, 3, "from version {version}");
+}
+
 /// Writes rows the way an agent at schema `version` would have.
 fn fill_old_database(conn: &Connection, version: u32) {
     if version >= 1 {
@@ -109,6 +156,19 @@ fn fill_old_database(conn: &Connection, version: u32) {
             "UPDATE {progress} SET rate = 2.5, rate_n = 4, rate_at_ms = 1900,
                  rate_seen_ms = 1950 WHERE {op_1};"
         ))
+        .unwrap();
+    }
+    if version >= 10 {
+        // From version 10 on, each owner's history, stored by owner (until migration 14),
+        // recorded in an order that is not the owners'.
+        conn.execute_batch(
+            "INSERT INTO events (owner_id, seq, at_ms, reason, operation_row, caller_uid,
+                 caller_pid, message)
+             VALUES (2, 1, 900, 'Started', NULL, 1000, 42, 'restore started'),
+                    (1, 1, 1000, 'Started', NULL, 1000, 42, 'backup started'),
+                    (2, 2, 1050, 'Failed', NULL, NULL, NULL, 'restore failed'),
+                    (1, 2, 1100, 'OperationsAdded', 1, 1000, 43, 'added: é');",
+        )
         .unwrap();
     }
     if version == 11 {
@@ -463,13 +523,15 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
         let (_dir, db) = temp_db();
         let sparse = {
             let mut conn = Connection::open(&db).unwrap();
-            if version == 12 {
+            if version >= 12 {
                 // What migration 12 wrote before layout 2: the data of version 11 packed
-                // in layout 1.
+                // in layout 1; then, for later versions, their migrations.
                 schema::migrate_to(&mut conn, 11).unwrap();
                 fill_old_database(&conn, 11);
                 assert_eq!(schema::migrate_to(&mut conn, 12).unwrap(), 12);
-                write_states_in_layout_1(&conn)
+                let sparse = write_states_in_layout_1(&conn);
+                assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
+                sparse
             } else {
                 assert_eq!(schema::migrate_to(&mut conn, version).unwrap(), version);
                 fill_old_database(&conn, version);
@@ -543,7 +605,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
             let backup = queries::owner_by_name(&conn, OwnerKind::Backup, "old-backup")
                 .unwrap()
                 .expect("backup kept");
-            assert_eq!(super::events::count(&conn, backup.id).unwrap(), 0);
+            check_events_after_migration_14(&conn, backup.id, version);
             let ops = queries::operations(&conn, backup.id, None).unwrap();
             let rate = (version >= 10).then_some(2.5);
             assert_eq!(ops[0].rate, rate, "from version {version}");
@@ -1201,6 +1263,105 @@ async fn counts_stay_cached_across_progress_and_follow_a_phase_a_trigger_counts(
         .await
         .unwrap();
     assert_eq!(store.counts().await.unwrap(), (in_progress, 0));
+}
+
+/// Makes `commits` commits of about three WAL frames each; returns the most frames the
+/// WAL held after one of them.
+pub(crate) async fn fill_wal(store: &Store, commits: usize) -> u32 {
+    let mut most = 0;
+    for _ in 0..commits {
+        store
+            .write(|conn| {
+                conn.execute_batch(
+                    "CREATE TABLE IF NOT EXISTS filler (b BLOB);
+                     INSERT INTO filler VALUES (randomblob(6000));",
+                )
+                .map_err(StorageFailure::from)
+            })
+            .await
+            .unwrap();
+        most = most.max(store.wal_frames());
+    }
+    most
+}
+
+/// The WAL's checkpoint count (from its header: how many times it was restarted after a
+/// checkpoint) and size in bytes.
+pub(crate) fn wal_header(db: &std::path::Path) -> (u32, u64) {
+    let bytes = std::fs::read(db.with_extension("db-wal")).unwrap();
+    let count = u32::from_be_bytes(bytes[12..16].try_into().unwrap());
+    (count, bytes.len() as u64)
+}
+
+/// The agent checkpoints a WAL that passes 1,000 frames (from its syncer, before the
+/// replies of the commit that passed them), so the writer's next commit restarts it:
+/// the WAL never grows much past the threshold.
+#[tokio::test]
+async fn the_syncer_checkpoints_the_wal_past_its_threshold() {
+    let (_dir, db) = temp_db();
+    let store = Store::open(&db, |_, _| {}).unwrap();
+    let most = fill_wal(&store, 600).await;
+    let (checkpoints, _) = wal_header(&db);
+    assert!(checkpoints >= 1, "the WAL was never restarted");
+    let threshold = super::durable::CHECKPOINT_FRAMES;
+    assert!(
+        (threshold..threshold + 10).contains(&most),
+        "the WAL held up to {most} frames"
+    );
+    store.close();
+}
+
+/// Events of many owners recorded in one transaction (a group commit of their calls)
+/// share the table's last page: the commit writes a few pages, not one per owner, as
+/// it did while events were stored by owner (before migration 14).
+#[test]
+fn one_commit_of_many_owners_events_writes_a_few_pages() {
+    use super::events::{self, NewEvent};
+    use opmon_client::EventReason;
+
+    let (_dir, db) = temp_db();
+    drop(Store::open(&db, |_, _| {}).unwrap());
+    let conn = Connection::open(&db).unwrap();
+    conn.execute_batch("PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 0")
+        .unwrap();
+    let record = |owner: i64, i: i64| {
+        let message = format!("2 operations added (0 already known); {i} in all");
+        let event = NewEvent {
+            reason: EventReason::OperationsAdded,
+            operation: None,
+            caller: None,
+            message: &message,
+        };
+        events::record(&conn, owner, &event, UnixMs(1000 + i)).unwrap();
+    };
+    let owners: Vec<i64> = (0..40)
+        .map(|i| {
+            let name = format!("b{i}");
+            let b = backup(&name, GoDuration::from_secs(60));
+            queries::insert_owner(&conn, &b, UnixMs(1)).unwrap()
+        })
+        .collect();
+    // Each owner with a history of its own, recorded as calls come, owners interleaved.
+    conn.execute_batch("BEGIN").unwrap();
+    for i in 0..30 {
+        for &owner in &owners {
+            record(owner, i);
+        }
+    }
+    conn.execute_batch("COMMIT").unwrap();
+    let wal = db.with_extension("db-wal");
+    let before = std::fs::metadata(&wal).unwrap().len();
+    conn.execute_batch("BEGIN").unwrap();
+    for &owner in &owners {
+        record(owner, 30);
+    }
+    conn.execute_batch("COMMIT").unwrap();
+    let frames = (std::fs::metadata(&wal).unwrap().len() - before) / (4096 + 24);
+    assert!(frames >= 1, "the commit wrote its events");
+    assert!(
+        frames <= 10,
+        "one event for each of 40 owners wrote {frames} pages"
+    );
 }
 
 #[test]

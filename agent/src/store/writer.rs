@@ -1,21 +1,24 @@
 //! The single writer, with group commit.
 //!
-//! One thread owns the only read-write connection. Requests queue up while a commit is
-//! being made durable (fsync under `synchronous=FULL`); the next transaction takes all of
-//! them at once, so concurrent requests share one fsync. Each request runs in its own
-//! savepoint: one that fails is rolled back alone and does not spoil the others.
-//! Invariant: a request's reply is sent only after the transaction holding its changes
-//! has committed, so anything acknowledged survives a crash. The writer also tells the
-//! [`Tally`] of every transaction it opens and ends, so `agent.status`'s cached counts
-//! never outlive a commit.
+//! One thread owns the only read-write connection. Requests queue up while a
+//! transaction runs; the next transaction takes all of them at once, so concurrent
+//! requests share one commit and one fsync. Each request runs in its own savepoint: one
+//! that fails is rolled back alone and does not spoil the others. The writer commits
+//! with `synchronous=NORMAL` and hands the replies to the [`durable`](super::durable)
+//! syncer, which fsyncs the WAL and only then sends them, while the writer goes on
+//! with the next group. Invariant: a request's reply is sent only after the transaction
+//! holding its changes is on disk, so anything acknowledged survives a crash. The
+//! writer also tells the [`Tally`] of every transaction it opens and ends, so
+//! `agent.status`'s cached counts never outlive a commit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
+use super::durable::{self, Batch, Durability};
 use super::tally::Tally;
 use super::StorageFailure;
 use crate::sync::lock;
@@ -24,7 +27,7 @@ use crate::sync::lock;
 const MAX_GROUP: usize = 4096;
 
 /// A request that has run inside the transaction and waits for its commit.
-trait Pending: Send {
+pub(super) trait Pending: Send {
     fn finish(self: Box<Self>, commit: Result<(), StorageFailure>);
 }
 
@@ -127,18 +130,30 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts the writer thread on `conn`, which must be the database's only writer.
+    /// Starts the writer thread on `conn`, which must be the only writer of the
+    /// database at `db`, and its syncer. `on_commit` is told the size of every group
+    /// made durable and how long it took from its start.
     pub fn start(
+        db: &std::path::Path,
         conn: Connection,
         tally: Arc<Tally>,
+        durability: Arc<Durability>,
         on_commit: impl Fn(usize, std::time::Duration) + Send + 'static,
     ) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let taken = queued.clone();
+        let (syncer, sync_thread) = durable::start(db, durability.clone(), on_commit);
         let thread = std::thread::Builder::new()
             .name("opmon-store-writer".into())
-            .spawn(move || run(conn, rx, &taken, &tally, on_commit))
+            .spawn(move || {
+                let conn = run(conn, rx, &taken, &tally, &durability, syncer);
+                // Every reply is sent before the connection closes.
+                let _ = sync_thread.join();
+                if let Err((_, e)) = conn.close() {
+                    tracing::error!(error = %e, "closing the database");
+                }
+            })
             .expect("spawning the store writer thread");
         Writer {
             queue: Mutex::new(Some(tx)),
@@ -244,70 +259,147 @@ fn watch_owners(conn: &Connection, flag: &std::sync::atomic::AtomicBool) {
     }
 }
 
+/// The writer's group transaction: the requests run in it so far and their replies.
+struct Group {
+    open: Result<(), StorageFailure>,
+    began: std::time::Instant,
+    /// Requests run in the open transaction, waiting for its commit.
+    pending: Vec<Box<dyn Pending>>,
+    /// Replies already decided: of requests whose transaction was lost.
+    replies: Vec<(Box<dyn Pending>, Result<(), StorageFailure>)>,
+}
+
+impl Group {
+    fn begin(conn: &Connection, size: usize) -> Group {
+        Group {
+            open: begin(conn),
+            began: std::time::Instant::now(),
+            pending: Vec::with_capacity(size),
+            replies: Vec::new(),
+        }
+    }
+
+    /// Runs `job` in the open transaction. If its failure lost the transaction, the
+    /// requests run in it so far are answered with that failure, and a fresh one opens.
+    fn run(&mut self, conn: &Connection, job: Box<dyn Job>) {
+        if let Err(e) = &self.open {
+            return job.abort(e.clone());
+        }
+        let (done, lost) = job.run(conn);
+        self.pending.push(done);
+        if let Some(cause) = lost {
+            self.replies
+                .extend(self.pending.drain(..).map(|p| (p, Err(cause.clone()))));
+            self.open = begin(conn);
+        }
+    }
+}
+
+/// Has SQLite keep in `frames` the WAL's frame count after each commit on `conn`. The
+/// hook replaces SQLite's automatic checkpoints, which the syncer makes instead
+/// (`durable`). `frames` must stay alive until the hook is removed.
+fn count_wal_frames(conn: &Connection, frames: &std::sync::atomic::AtomicU32) {
+    use std::ffi::{c_char, c_int, c_void};
+    unsafe extern "C" fn committed(
+        frames: *mut c_void,
+        _db: *mut rusqlite::ffi::sqlite3,
+        _name: *const c_char,
+        n: c_int,
+    ) -> c_int {
+        // SAFETY: `frames` is the `AtomicU32` registered with the hook, alive while the
+        // hook is.
+        let frames = unsafe { &*(frames as *const std::sync::atomic::AtomicU32) };
+        frames.store(u32::try_from(n).unwrap_or(0), Ordering::SeqCst);
+        rusqlite::ffi::SQLITE_OK
+    }
+    // SAFETY: a valid connection, used on this thread only; `committed` matches the
+    // hook's signature and its argument is `frames`, which the writer keeps (in its
+    // `Durability`) until it removes the hook before closing.
+    unsafe {
+        rusqlite::ffi::sqlite3_wal_hook(
+            conn.handle(),
+            Some(committed),
+            frames as *const std::sync::atomic::AtomicU32 as *mut c_void,
+        );
+    }
+}
+
+/// The writer's loop. A group transaction takes every request queued and commits; the
+/// syncer makes it durable and replies while the next group runs, so every fsync
+/// covers all the groups committed during the one before.
 fn run(
     conn: Connection,
     mut rx: mpsc::UnboundedReceiver<Box<dyn Job>>,
     queued: &AtomicUsize,
     tally: &Tally,
-    on_commit: impl Fn(usize, std::time::Duration),
-) {
+    durability: &Durability,
+    syncer: std_mpsc::Sender<Batch>,
+) -> Connection {
     // Whether the open transaction changed an `owners` row: the counts are sums over
     // that table alone. SQLite calls the hook for every row a statement or a trigger
     // changes, on this thread.
     let owners_changed = std::sync::atomic::AtomicBool::new(false);
     watch_owners(&conn, &owners_changed);
+    count_wal_frames(&conn, durability.wal_frames());
     while let Some(first) = rx.blocking_recv() {
-        let mut group = vec![first];
-        while group.len() < MAX_GROUP {
+        // The group is what is queued now: requests that come while it runs wait for
+        // the next one, so a steady stream does not hold a commit back.
+        let mut jobs = vec![first];
+        while jobs.len() < MAX_GROUP {
             match rx.try_recv() {
-                Ok(job) => group.push(job),
+                Ok(job) => jobs.push(job),
                 Err(_) => break,
             }
         }
-        let size = group.len();
-        queued.fetch_sub(size, Ordering::SeqCst);
-        let mut jobs = group.into_iter();
-        let mut pending: Vec<Box<dyn Pending>> = Vec::with_capacity(size);
-        let began = std::time::Instant::now();
+        queued.fetch_sub(jobs.len(), Ordering::SeqCst);
         owners_changed.store(false, Ordering::Relaxed);
-        let mut open = begin(&conn);
-        while let Some(job) = jobs.next() {
-            if let Err(e) = &open {
-                job.abort(e.clone());
-                jobs.by_ref().for_each(|j| j.abort(e.clone()));
-                break;
-            }
-            let (done, lost) = job.run(&conn);
-            pending.push(done);
-            if let Some(cause) = lost {
-                // Everything run in this transaction is gone: say so to those requests
-                // and go on with the rest in a fresh transaction.
-                for p in pending.drain(..) {
-                    p.finish(Err(cause.clone()));
-                }
-                open = begin(&conn);
-            }
+        let mut group = Group::begin(&conn, jobs.len());
+        for job in jobs {
+            group.run(&conn, job);
         }
-        if open.is_err() {
-            tally.end(owners_changed.load(Ordering::Relaxed));
-            continue;
-        }
-        let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
-        if commit.is_err() && !conn.is_autocommit() {
-            let _ = conn.execute_batch("ROLLBACK");
+        let Group {
+            open: opened,
+            began,
+            pending,
+            mut replies,
+            ..
+        } = group;
+        let mut wrote = false;
+        if opened.is_ok() {
+            // Counted before SQLite makes the commit visible: see `durable`.
+            durability.begin_commit();
+            let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
+            if commit.is_err() && !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            wrote = commit.is_ok();
+            replies.extend(pending.into_iter().map(|p| (p, commit.clone())));
         }
         tally.end(owners_changed.load(Ordering::Relaxed));
-        if commit.is_ok() {
-            on_commit(pending.len(), began.elapsed());
-        }
-        for p in pending {
-            p.finish(commit.clone());
+        let committed = if wrote {
+            replies.iter().filter(|(_, c)| c.is_ok()).count()
+        } else {
+            0
+        };
+        let batch = Batch {
+            seq: durability.begun(),
+            wrote,
+            began,
+            committed,
+            replies,
+        };
+        if let Err(std_mpsc::SendError(batch)) = syncer.send(batch) {
+            // The syncer is gone only if it panicked: nothing can be made durable.
+            for (p, _) in batch.replies {
+                p.finish(Err(StorageFailure::closed()));
+            }
         }
     }
-    // SAFETY: a valid connection; the hook goes before `owners_changed`, which it
-    // points to, can be dropped.
-    unsafe { rusqlite::ffi::sqlite3_update_hook(conn.handle(), None, std::ptr::null_mut()) };
-    if let Err((_, e)) = conn.close() {
-        tracing::error!(error = %e, "closing the database");
+    // SAFETY: a valid connection; the hooks go before what they point to can be
+    // dropped (`owners_changed` here, the `Durability` with the writer thread).
+    unsafe {
+        rusqlite::ffi::sqlite3_update_hook(conn.handle(), None, std::ptr::null_mut());
+        rusqlite::ffi::sqlite3_wal_hook(conn.handle(), None, std::ptr::null_mut());
     }
+    conn
 }

@@ -1,0 +1,430 @@
+//! Commits made durable off the writer's thread, and the WAL checkpointed there too.
+//!
+//! The writer commits with `synchronous=NORMAL`: SQLite appends the transaction's frames
+//! to the WAL and makes them visible, without an fsync. The syncer, a thread of its own,
+//! then fsyncs the WAL once for every commit made since its last fsync and only then
+//! sends those commits' replies, while the writer already runs the next group. Under
+//! `synchronous=FULL` the writer itself waited for each fsync and ran nothing meanwhile.
+//!
+//! Invariants, the same as `synchronous=FULL` gave:
+//! - a write's reply is sent only once the WAL holding its commit is on disk;
+//! - a read returns only once every commit it may have seen is on disk
+//!   ([`Durability::settle`], the read gate), so nothing acts on or shows a state that a
+//!   crash could take back. Commits are numbered, and the writer counts one as begun
+//!   before it asks SQLite to make it, so a reader that saw a commit finds it counted;
+//! - after a failed fsync nothing more is acknowledged. The kernel may have dropped the
+//!   pages it could not write, so what SQLite shows may not be on disk: every waiting
+//!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
+//!   on what the disk holds.
+//!
+//! The writer's connection does not checkpoint (its WAL hook, which replaces SQLite's
+//! automatic checkpoints, only counts the WAL's frames). Once a commit leaves the WAL
+//! past [`CHECKPOINT_FRAMES`], the syncer checkpoints it from a connection of its own
+//! (`PASSIVE`: copying what no reader still needs) before it sends that round's replies,
+//! as the writer did before; the writer meanwhile goes on, where it used to wait for
+//! the copy and two more fsyncs. Not when a replicator checkpoints instead (`replica`).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::writer::Pending;
+use super::StorageFailure;
+
+/// WAL frames past which the syncer checkpoints: SQLite's own automatic threshold.
+pub const CHECKPOINT_FRAMES: u32 = 1000;
+
+/// Which commits are on disk.
+#[derive(Clone, Default)]
+struct Synced {
+    /// Every commit up to this number is on disk.
+    durable: u64,
+    /// Set by a failed fsync, for good.
+    failed: Option<StorageFailure>,
+}
+
+/// The commits the writer has begun and those the syncer has made durable.
+pub struct Durability {
+    /// The number of the last commit the writer has begun.
+    begun: AtomicU64,
+    synced: watch::Sender<Synced>,
+    /// Frames in the WAL after the writer's last commit (its WAL hook sets it).
+    wal_frames: AtomicU32,
+    /// Whether the agent checkpoints; not when a replicator does.
+    checkpoints: AtomicBool,
+}
+
+impl Default for Durability {
+    fn default() -> Self {
+        Durability {
+            begun: AtomicU64::new(0),
+            synced: watch::Sender::new(Synced::default()),
+            wal_frames: AtomicU32::new(0),
+            checkpoints: AtomicBool::new(true),
+        }
+    }
+}
+
+impl Durability {
+    /// Counts a commit as begun, before SQLite is asked to make it.
+    pub(super) fn begin_commit(&self) {
+        self.begun.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The number of the last commit begun.
+    pub(super) fn begun(&self) -> u64 {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// Where the writer's WAL hook keeps the WAL's frame count.
+    pub(super) fn wal_frames(&self) -> &AtomicU32 {
+        &self.wal_frames
+    }
+
+    /// Leaves checkpoints to someone else from now on.
+    pub(super) fn stop_checkpoints(&self) {
+        self.checkpoints.store(false, Ordering::SeqCst);
+    }
+
+    /// Waits until every commit begun so far is on disk: all that a read that has just
+    /// ended may have seen. Fails once an fsync has failed.
+    pub async fn settle(&self) -> Result<(), StorageFailure> {
+        let need = self.begun();
+        let done = |s: &Synced| s.durable >= need || s.failed.is_some();
+        let outcome = |s: &Synced| match &s.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        };
+        {
+            let now = self.synced.borrow();
+            if done(&now) {
+                return outcome(&now);
+            }
+        }
+        let mut rx = self.synced.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        let settled = match rx.wait_for(done).await {
+            Ok(s) => outcome(&s),
+            Err(_) => Err(StorageFailure::closed()),
+        };
+        settled
+    }
+
+    /// Resolves when an fsync has failed, with why.
+    pub async fn lost(&self) -> StorageFailure {
+        let mut rx = self.synced.subscribe();
+        let failed = match rx.wait_for(|s| s.failed.is_some()).await {
+            Ok(s) => s.failed.clone(),
+            Err(_) => None,
+        };
+        match failed {
+            Some(e) => e,
+            // The sender lives as long as `self`: never reached.
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The failure that stopped acknowledgements, if one did.
+    pub fn failure(&self) -> Option<StorageFailure> {
+        self.synced.borrow().failed.clone()
+    }
+}
+
+/// What one group transaction hands the syncer.
+pub(super) struct Batch {
+    /// The number of the last commit begun when the group ended (its own, if it made
+    /// one): its replies may tell of any commit up to it.
+    pub seq: u64,
+    /// The group committed changes, which must reach the disk before its replies.
+    pub wrote: bool,
+    /// When the group's transaction began, and how many requests it committed.
+    pub began: Instant,
+    pub committed: usize,
+    /// Each request's reply, with what became of the transaction that held it.
+    pub replies: Vec<(Box<dyn Pending>, Result<(), StorageFailure>)>,
+}
+
+/// What the syncer does to the disk: the real one is [`Disk`]; tests fail it.
+pub(super) trait Syncing {
+    /// Makes everything written to the WAL so far durable.
+    fn sync(&mut self) -> Result<(), StorageFailure>;
+    /// Copies the WAL into the database file, as far as readers allow.
+    fn checkpoint(&mut self);
+}
+
+/// The database's files: `fdatasync` of the `-wal` file (opened once; the writer's
+/// connection keeps the WAL while it lives), and checkpoints on a connection of the
+/// syncer's own.
+pub(super) struct Disk {
+    db: PathBuf,
+    wal: PathBuf,
+    file: Option<File>,
+    checkpointer: Option<rusqlite::Connection>,
+    /// The last checkpoint failed, and said so: the next failure is not logged again.
+    checkpoint_failing: bool,
+}
+
+impl Disk {
+    pub fn new(db: &Path) -> Disk {
+        let mut wal = db.as_os_str().to_owned();
+        wal.push("-wal");
+        Disk {
+            db: db.to_path_buf(),
+            wal: PathBuf::from(wal),
+            file: None,
+            checkpointer: None,
+            checkpoint_failing: false,
+        }
+    }
+
+    fn try_checkpoint(&mut self) -> rusqlite::Result<()> {
+        if self.checkpointer.is_none() {
+            let conn = rusqlite::Connection::open(&self.db)?;
+            super::configure(&conn)?;
+            self.checkpointer = Some(conn);
+        }
+        match &self.checkpointer {
+            Some(conn) => conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Syncing for Disk {
+    fn sync(&mut self) -> Result<(), StorageFailure> {
+        let wal = &self.wal;
+        let failed = |what: &str, e: std::io::Error| StorageFailure {
+            message: format!(
+                "{what} {} failed ({e}): what was committed since the last sync may not \
+                 be on disk, so the agent acknowledges nothing more and stops; restarted, \
+                 it goes on from what the disk holds",
+                wal.display()
+            ),
+            disk_full: e.raw_os_error() == Some(nix::libc::ENOSPC),
+        };
+        if self.file.is_none() {
+            self.file = Some(File::open(wal).map_err(|e| failed("opening", e))?);
+        }
+        match &self.file {
+            Some(file) => file.sync_data().map_err(|e| failed("fsync of", e)),
+            None => Ok(()),
+        }
+    }
+
+    fn checkpoint(&mut self) {
+        match self.try_checkpoint() {
+            Ok(()) => self.checkpoint_failing = false,
+            Err(e) => {
+                if !self.checkpoint_failing {
+                    tracing::warn!(error = %e, wal = %self.wal.display(),
+                        "checkpointing the WAL failed; retried after the next commits");
+                }
+                self.checkpoint_failing = true;
+            }
+        }
+    }
+}
+
+/// The syncer's loop: takes every batch sent since its last round, makes them durable
+/// with one `sync` when any wrote, marks them durable, checkpoints if the WAL has grown
+/// past [`CHECKPOINT_FRAMES`], then sends their replies. Ends when the writer drops its
+/// sender.
+pub(super) fn run(
+    batches: mpsc::Receiver<Batch>,
+    durability: &Durability,
+    disk: &mut impl Syncing,
+    on_commit: impl Fn(usize, Duration),
+) {
+    while let Ok(first) = batches.recv() {
+        let mut round = vec![first];
+        round.extend(batches.try_iter());
+        let last = round.last().map_or(0, |b| b.seq);
+        let wrote = round.iter().any(|b| b.wrote);
+        let mut failed = durability.failure();
+        if failed.is_none() && wrote {
+            if let Err(e) = disk.sync() {
+                tracing::error!(error = %e, "the database could not be made durable");
+                failed = Some(e);
+            }
+        }
+        match &failed {
+            None => durability
+                .synced
+                .send_modify(|s| s.durable = s.durable.max(last)),
+            Some(e) => durability.synced.send_modify(|s| {
+                s.failed.get_or_insert_with(|| e.clone());
+            }),
+        }
+        if failed.is_none()
+            && wrote
+            && durability.checkpoints.load(Ordering::SeqCst)
+            && durability.wal_frames.load(Ordering::SeqCst) >= CHECKPOINT_FRAMES
+        {
+            disk.checkpoint();
+        }
+        for batch in round {
+            if failed.is_none() && batch.wrote {
+                on_commit(batch.committed, batch.began.elapsed());
+            }
+            for (pending, commit) in batch.replies {
+                pending.finish(match &failed {
+                    None => commit,
+                    Some(e) => Err(e.clone()),
+                });
+            }
+        }
+    }
+}
+
+/// Starts the syncer of the database at `db`.
+pub(super) fn start(
+    db: &Path,
+    durability: std::sync::Arc<Durability>,
+    on_commit: impl Fn(usize, Duration) + Send + 'static,
+) -> (mpsc::Sender<Batch>, std::thread::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel();
+    let mut disk = Disk::new(db);
+    let thread = std::thread::Builder::new()
+        .name("opmon-store-sync".into())
+        .spawn(move || run(rx, &durability, &mut disk, on_commit))
+        .expect("spawning the store syncer thread");
+    (tx, thread)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A disk whose syncs succeed or fail as told, counting them.
+    struct TestDisk {
+        fail: bool,
+        syncs: usize,
+        checkpoints: usize,
+    }
+
+    impl Syncing for TestDisk {
+        fn sync(&mut self) -> Result<(), StorageFailure> {
+            self.syncs += 1;
+            if self.fail {
+                return Err(StorageFailure {
+                    message: "fsync of agent.db-wal failed (Input/output error)".into(),
+                    disk_full: false,
+                });
+            }
+            Ok(())
+        }
+
+        fn checkpoint(&mut self) {
+            self.checkpoints += 1;
+        }
+    }
+
+    /// A request's reply, sent to the test.
+    struct Reply(mpsc::Sender<Result<(), StorageFailure>>);
+
+    impl Pending for Reply {
+        fn finish(self: Box<Self>, commit: Result<(), StorageFailure>) {
+            let _ = self.0.send(commit);
+        }
+    }
+
+    fn batch(
+        seq: u64,
+        wrote: bool,
+        replies: usize,
+    ) -> (Batch, mpsc::Receiver<Result<(), StorageFailure>>) {
+        let (tx, rx) = mpsc::channel();
+        let replies = (0..replies)
+            .map(|_| (Box::new(Reply(tx.clone())) as Box<dyn Pending>, Ok(())))
+            .collect();
+        let batch = Batch {
+            seq,
+            wrote,
+            began: Instant::now(),
+            committed: 1,
+            replies,
+        };
+        (batch, rx)
+    }
+
+    /// Runs the syncer over `batches` until they are all taken.
+    fn sync_all(durability: &Durability, disk: &mut TestDisk, batches: Vec<Batch>) {
+        let (tx, rx) = mpsc::channel();
+        for b in batches {
+            tx.send(b).unwrap();
+        }
+        drop(tx);
+        run(rx, durability, disk, |_, _| {});
+    }
+
+    #[tokio::test]
+    async fn a_read_waits_for_the_sync_of_every_commit_it_may_have_seen() {
+        let durability = Arc::new(Durability::default());
+        durability
+            .settle()
+            .await
+            .expect("nothing begun: nothing to wait for");
+        durability.begin_commit();
+        durability.begin_commit();
+        let mut settle = std::pin::pin!(durability.settle());
+        assert!(futures::poll!(settle.as_mut()).is_pending());
+        let mut disk = TestDisk {
+            fail: false,
+            syncs: 0,
+            checkpoints: 0,
+        };
+        // Commit 1 on disk: a read that may have seen commit 2 still waits.
+        let (first, replies) = batch(1, true, 1);
+        sync_all(&durability, &mut disk, vec![first]);
+        assert!(replies.try_recv().unwrap().is_ok());
+        assert!(futures::poll!(settle.as_mut()).is_pending());
+        // A group that wrote nothing needs no sync; commit 2's batch does.
+        let (nothing, _) = batch(1, false, 0);
+        let (second, _) = batch(2, true, 1);
+        sync_all(&durability, &mut disk, vec![nothing, second]);
+        settle.await.expect("every commit begun is on disk");
+        assert_eq!(disk.syncs, 2);
+        assert_eq!(disk.checkpoints, 0, "a WAL under the threshold");
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_sync_nothing_more_is_acknowledged() {
+        let durability = Durability::default();
+        let mut disk = TestDisk {
+            fail: true,
+            syncs: 0,
+            checkpoints: 0,
+        };
+        durability.begin_commit();
+        durability
+            .wal_frames()
+            .store(CHECKPOINT_FRAMES * 2, Ordering::SeqCst);
+        let (first, replies) = batch(1, true, 2);
+        sync_all(&durability, &mut disk, vec![first]);
+        for _ in 0..2 {
+            let e = replies.try_recv().unwrap().unwrap_err();
+            assert!(e.message.contains("fsync"), "{}", e.message);
+        }
+        assert_eq!(
+            disk.checkpoints, 0,
+            "nothing checkpointed after a failed sync"
+        );
+        assert!(durability.settle().await.is_err());
+        assert!(durability.lost().await.message.contains("fsync"));
+        // Later commits are not synced, and are answered with the first failure even
+        // once the disk would take them.
+        disk.fail = false;
+        durability.begin_commit();
+        let (second, replies) = batch(2, true, 1);
+        sync_all(&durability, &mut disk, vec![second]);
+        assert_eq!(disk.syncs, 1);
+        assert!(replies.try_recv().unwrap().is_err());
+        assert!(durability.settle().await.is_err());
+    }
+}
