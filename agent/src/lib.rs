@@ -137,7 +137,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         Store::open(&db, move |size, took| committed.committed(size, took))
             .map_err(|e| e.to_string())?,
     );
-    replica::apply(&store, settings.checkpoint);
+    replica::apply(&store, settings.checkpoint)
+        .await
+        .map_err(|e| e.to_string())?;
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());

@@ -3,8 +3,8 @@
 //! Litestream copies the WAL to a replica (a file path or S3) as it grows, and restores a
 //! database from it on another node. Two things are the agent's part:
 //!
-//! - **Checkpoints.** With `checkpoint = "external"` the agent never checkpoints while
-//!   it runs (its syncer, which otherwise does, see `store::durable`): Litestream holds a read
+//! - **Checkpoints.** With `checkpoint = "external"` the writer's connection never
+//!   checkpoints by itself (`wal_autocheckpoint = 0`): Litestream holds a read
 //!   transaction, copies the WAL and then checkpoints, so no frame is checkpointed
 //!   before it has been copied (which would force a full snapshot) and the WAL stays
 //!   bounded by Litestream's own checkpoint thresholds. Without a replicator running,
@@ -22,14 +22,13 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::store::Store;
+use crate::store::{StorageFailure, Store};
 
 /// Who checkpoints the WAL into the database file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpoint {
-    /// The agent (its syncer), whenever the WAL passes 1,000 pages (SQLite's own
-    /// threshold).
+    /// SQLite, automatically, whenever the WAL passes 1,000 pages (its default).
     Sqlite,
     /// Someone else (Litestream): the agent never checkpoints while it runs.
     External,
@@ -105,16 +104,30 @@ pub fn repair_modes(db: &Path) -> Result<Vec<Repaired>, String> {
     Ok(repaired)
 }
 
-/// Applies `checkpoint`: with `External`, the agent's syncer, the only one that
-/// checkpoints (`store::durable`), stops doing so.
-pub fn apply(store: &Store, checkpoint: Checkpoint) {
+/// Applies `checkpoint` to the writer's connection, the only one that commits (readers
+/// are `query_only` and never checkpoint).
+pub async fn apply(store: &Store, checkpoint: Checkpoint) -> Result<(), StorageFailure> {
     if checkpoint == Checkpoint::Sqlite {
-        return;
+        return Ok(());
     }
-    store.leave_checkpoints();
+    store
+        .write(|conn| {
+            // The pragma's setting belongs to the connection, not the transaction, so
+            // the group transaction it runs in does not undo it.
+            let pages: i64 = conn.query_row("PRAGMA wal_autocheckpoint = 0", [], |r| r.get(0))?;
+            if pages != 0 {
+                return Err(StorageFailure {
+                    message: format!("disabling automatic checkpoints left them at {pages} pages"),
+                    disk_full: false,
+                });
+            }
+            Ok(())
+        })
+        .await?;
     tracing::info!(
         "checkpoint = \"external\": the agent does not checkpoint the WAL; the replicator (Litestream) does"
     );
+    Ok(())
 }
 
 #[cfg(test)]
@@ -176,20 +189,20 @@ mod tests {
         );
     }
 
-    /// With `external`, the agent leaves a WAL well past the 1,000 frames after which
-    /// it checkpoints otherwise (`store::tests::the_syncer_checkpoints_…`) as it was:
-    /// never restarted (the header's checkpoint count stays 0), every frame kept.
     #[tokio::test]
-    async fn external_checkpoint_leaves_the_wal_to_the_replicator() {
+    async fn external_checkpoint_turns_automatic_checkpoints_off() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("agent.db");
         let store = Store::open(&db, |_, _| {}).unwrap();
-        apply(&store, Checkpoint::External);
-        let frames = crate::store::tests::fill_wal(&store, 1500).await;
-        assert!(frames > 1500, "{frames} frames");
-        let (checkpoints, size) = crate::store::tests::wal_header(&db);
-        assert_eq!(checkpoints, 0);
-        assert!(size > 1500 * (4096 + 24), "{size} bytes");
+        apply(&store, Checkpoint::External).await.unwrap();
+        let pages: i64 = store
+            .write(|conn| {
+                conn.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0))
+                    .map_err(StorageFailure::from)
+            })
+            .await
+            .unwrap();
+        assert_eq!(pages, 0);
         store.close();
     }
 }

@@ -672,17 +672,27 @@ pub enum Transport {
 /// The place (in `max_calls_in_flight`) an HTTP request took once its body was read,
 /// with its read of a large body (one of [`LARGE_BODIES_AT_ONCE`]) if it had one; an
 /// unmetered method gives both back as soon as it is known, a call that must wait for
-/// room before it runs gives both back while it waits.
+/// room before it runs gives both back while it waits. A method finds it in its call's
+/// extensions (HTTP calls only) and may give it back itself once it holds nothing
+/// more than its answer and only waits, as a write waits for the disk.
 #[derive(Clone)]
-struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
+pub struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
 
 impl Place {
     fn new(place: Option<OwnedSemaphorePermit>, large_body: Option<OwnedSemaphorePermit>) -> Place {
         Place(Arc::new(Mutex::new([place, large_body])))
     }
 
-    fn give_back(&self) {
+    /// Gives the place back (once; later calls do nothing): another call may run.
+    pub fn give_back(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = [None, None];
+    }
+}
+
+impl std::fmt::Debug for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.0.lock().unwrap_or_else(|p| p.into_inner())[0].is_some();
+        f.debug_struct("Place").field("held", &held).finish()
     }
 }
 
@@ -2661,6 +2671,67 @@ mod tests {
             slow.push((stream, format!("1 of its {large} bytes came")));
         }
         slow
+    }
+
+    /// A method may give back its call's place (from the call's extensions) once it
+    /// only waits: with one place, a call that gave it back and waits for good stops
+    /// no one's `ping`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_method_that_gives_back_its_place_lets_others_run_while_it_waits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("server.sock");
+        let listener = bind(&path, 0o600).await.expect("binding");
+        let begun = Arc::new(Semaphore::new(0));
+        let mut module = jsonrpsee::RpcModule::new(begun.clone());
+        module
+            .register_method("ping", |_, _, _| "pong")
+            .expect("registering");
+        module
+            .register_async_method("write", |_, begun, extensions| async move {
+                let place = extensions.get::<Place>().cloned();
+                let gave_back = place.is_some();
+                if let Some(place) = place {
+                    place.give_back();
+                    place.give_back();
+                }
+                begun.add_permits(1);
+                if gave_back {
+                    std::future::pending::<()>().await;
+                }
+                "no place in the call's extensions"
+            })
+            .expect("registering");
+        let config = ServeConfig {
+            max_calls_in_flight: 1,
+            ..ServeConfig::default()
+        };
+        let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(
+            listener,
+            module,
+            config,
+            RpcServiceBuilder::new(),
+            AdmitAll,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let write = r#"{"jsonrpc":"2.0","id":1,"method":"write"}"#;
+        let writing = send(&path, &post(write.len(), write)).await;
+        begun.acquire().await.expect("the write began").forget();
+        let ping = r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#;
+        for _ in 0..3 {
+            let answer = read_all(send(&path, &post(ping.len(), ping)).await);
+            let answer = tokio::time::timeout(Duration::from_secs(60), answer)
+                .await
+                .expect("ping was answered while the write waited");
+            assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        }
+        let mut byte = [0; 1];
+        assert!(
+            matches!(writing.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "the write was answered: it found no place to give back"
+        );
     }
 
     /// A request whose body has not arrived holds no place among the calls in flight:

@@ -1,4 +1,4 @@
-//! Commits made durable off the writer's thread, and the WAL checkpointed there too.
+//! Commits made durable off the writer's thread.
 //!
 //! The writer commits with `synchronous=NORMAL`: SQLite appends the transaction's frames
 //! to the WAL and makes them visible, without an fsync. The syncer, a thread of its own,
@@ -17,16 +17,14 @@
 //!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
 //!   on what the disk holds.
 //!
-//! The writer's connection does not checkpoint (its WAL hook, which replaces SQLite's
-//! automatic checkpoints, only counts the WAL's frames). Once a commit leaves the WAL
-//! past [`CHECKPOINT_FRAMES`], the syncer checkpoints it from a connection of its own
-//! (`PASSIVE`: copying what no reader still needs) before it sends that round's replies,
-//! as the writer did before; the writer meanwhile goes on, where it used to wait for
-//! the copy and two more fsyncs. Not when a replicator checkpoints instead (`replica`).
+//! Checkpoints stay SQLite's own, on the writer's connection (every 1,000 pages): made
+//! there, each completes before the writer appends again, so the WAL restarts from its
+//! start; a checkpoint made beside a writer that keeps appending rarely catches up, and
+//! the WAL grew to 25 MB under 32 writers when the syncer made them.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -34,9 +32,6 @@ use tokio::sync::watch;
 
 use super::writer::Pending;
 use super::StorageFailure;
-
-/// WAL frames past which the syncer checkpoints: SQLite's own automatic threshold.
-pub const CHECKPOINT_FRAMES: u32 = 1000;
 
 /// Which commits are on disk.
 #[derive(Clone, Default)]
@@ -52,10 +47,6 @@ pub struct Durability {
     /// The number of the last commit the writer has begun.
     begun: AtomicU64,
     synced: watch::Sender<Synced>,
-    /// Frames in the WAL after the writer's last commit (its WAL hook sets it).
-    wal_frames: AtomicU32,
-    /// Whether the agent checkpoints; not when a replicator does.
-    checkpoints: AtomicBool,
 }
 
 impl Default for Durability {
@@ -63,8 +54,6 @@ impl Default for Durability {
         Durability {
             begun: AtomicU64::new(0),
             synced: watch::Sender::new(Synced::default()),
-            wal_frames: AtomicU32::new(0),
-            checkpoints: AtomicBool::new(true),
         }
     }
 }
@@ -78,16 +67,6 @@ impl Durability {
     /// The number of the last commit begun.
     pub(super) fn begun(&self) -> u64 {
         self.begun.load(Ordering::SeqCst)
-    }
-
-    /// Where the writer's WAL hook keeps the WAL's frame count.
-    pub(super) fn wal_frames(&self) -> &AtomicU32 {
-        &self.wal_frames
-    }
-
-    /// Leaves checkpoints to someone else from now on.
-    pub(super) fn stop_checkpoints(&self) {
-        self.checkpoints.store(false, Ordering::SeqCst);
     }
 
     /// Waits until every commit begun so far is on disk: all that a read that has just
@@ -152,20 +131,13 @@ pub(super) struct Batch {
 pub(super) trait Syncing {
     /// Makes everything written to the WAL so far durable.
     fn sync(&mut self) -> Result<(), StorageFailure>;
-    /// Copies the WAL into the database file, as far as readers allow.
-    fn checkpoint(&mut self);
 }
 
-/// The database's files: `fdatasync` of the `-wal` file (opened once; the writer's
-/// connection keeps the WAL while it lives), and checkpoints on a connection of the
-/// syncer's own.
+/// The database's WAL: `fdatasync` of the `-wal` file, opened once (the writer's
+/// connection keeps the WAL while it lives).
 pub(super) struct Disk {
-    db: PathBuf,
     wal: PathBuf,
     file: Option<File>,
-    checkpointer: Option<rusqlite::Connection>,
-    /// The last checkpoint failed, and said so: the next failure is not logged again.
-    checkpoint_failing: bool,
 }
 
 impl Disk {
@@ -173,23 +145,8 @@ impl Disk {
         let mut wal = db.as_os_str().to_owned();
         wal.push("-wal");
         Disk {
-            db: db.to_path_buf(),
             wal: PathBuf::from(wal),
             file: None,
-            checkpointer: None,
-            checkpoint_failing: false,
-        }
-    }
-
-    fn try_checkpoint(&mut self) -> rusqlite::Result<()> {
-        if self.checkpointer.is_none() {
-            let conn = rusqlite::Connection::open(&self.db)?;
-            super::configure(&conn)?;
-            self.checkpointer = Some(conn);
-        }
-        match &self.checkpointer {
-            Some(conn) => conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())),
-            None => Ok(()),
         }
     }
 }
@@ -214,25 +171,11 @@ impl Syncing for Disk {
             None => Ok(()),
         }
     }
-
-    fn checkpoint(&mut self) {
-        match self.try_checkpoint() {
-            Ok(()) => self.checkpoint_failing = false,
-            Err(e) => {
-                if !self.checkpoint_failing {
-                    tracing::warn!(error = %e, wal = %self.wal.display(),
-                        "checkpointing the WAL failed; retried after the next commits");
-                }
-                self.checkpoint_failing = true;
-            }
-        }
-    }
 }
 
 /// The syncer's loop: takes every batch sent since its last round, makes them durable
-/// with one `sync` when any wrote, marks them durable, checkpoints if the WAL has grown
-/// past [`CHECKPOINT_FRAMES`], then sends their replies. Ends when the writer drops its
-/// sender.
+/// with one `sync` when any wrote, marks them durable, then sends their replies. Ends
+/// when the writer drops its sender.
 pub(super) fn run(
     batches: mpsc::Receiver<Batch>,
     durability: &Durability,
@@ -258,13 +201,6 @@ pub(super) fn run(
             Some(e) => durability.synced.send_modify(|s| {
                 s.failed.get_or_insert_with(|| e.clone());
             }),
-        }
-        if failed.is_none()
-            && wrote
-            && durability.checkpoints.load(Ordering::SeqCst)
-            && durability.wal_frames.load(Ordering::SeqCst) >= CHECKPOINT_FRAMES
-        {
-            disk.checkpoint();
         }
         for batch in round {
             if failed.is_none() && batch.wrote {
@@ -305,7 +241,6 @@ mod tests {
     struct TestDisk {
         fail: bool,
         syncs: usize,
-        checkpoints: usize,
     }
 
     impl Syncing for TestDisk {
@@ -318,10 +253,6 @@ mod tests {
                 });
             }
             Ok(())
-        }
-
-        fn checkpoint(&mut self) {
-            self.checkpoints += 1;
         }
     }
 
@@ -377,7 +308,6 @@ mod tests {
         let mut disk = TestDisk {
             fail: false,
             syncs: 0,
-            checkpoints: 0,
         };
         // Commit 1 on disk: a read that may have seen commit 2 still waits.
         let (first, replies) = batch(1, true, 1);
@@ -390,7 +320,6 @@ mod tests {
         sync_all(&durability, &mut disk, vec![nothing, second]);
         settle.await.expect("every commit begun is on disk");
         assert_eq!(disk.syncs, 2);
-        assert_eq!(disk.checkpoints, 0, "a WAL under the threshold");
     }
 
     #[tokio::test]
@@ -399,22 +328,14 @@ mod tests {
         let mut disk = TestDisk {
             fail: true,
             syncs: 0,
-            checkpoints: 0,
         };
         durability.begin_commit();
-        durability
-            .wal_frames()
-            .store(CHECKPOINT_FRAMES * 2, Ordering::SeqCst);
         let (first, replies) = batch(1, true, 2);
         sync_all(&durability, &mut disk, vec![first]);
         for _ in 0..2 {
             let e = replies.try_recv().unwrap().unwrap_err();
             assert!(e.message.contains("fsync"), "{}", e.message);
         }
-        assert_eq!(
-            disk.checkpoints, 0,
-            "nothing checkpointed after a failed sync"
-        );
         assert!(durability.settle().await.is_err());
         assert!(durability.lost().await.message.contains("fsync"));
         // Later commits are not synced, and are answered with the first failure even

@@ -17,7 +17,7 @@ pub mod queries;
 pub mod schema;
 mod tally;
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests;
 pub mod writer;
 
 use std::fs::{File, OpenOptions};
@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
+use opmon_client::server::Place;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
 use self::durable::Durability;
@@ -88,6 +89,14 @@ pub enum OpenError {
     },
 }
 
+tokio::task_local! {
+    /// The place among the calls in flight of the API call whose work ends with the
+    /// write it makes now (`addOperations`): the writer gives it back once the write
+    /// has run, its parameters with it, so that a call waiting only for the disk holds
+    /// no place, as a method that mostly waits holds none (see `opmon_client::server`).
+    pub static CALL_PLACE: Place;
+}
+
 /// The open database.
 pub struct Store {
     path: PathBuf,
@@ -122,10 +131,11 @@ const WRITER_STATEMENTS_KEPT: usize = 128;
 
 /// Connection settings every connection shares (the writer's then commits with
 /// `synchronous=NORMAL`, its syncer making each commit durable). `busy_timeout` covers
-/// the moments a checkpoint holds the file briefly. The query planner's stability guarantee keeps a
-/// cached statement's plan when new values are bound: the bundled SQLite is built with
-/// STAT4, which otherwise re-prepares (parses and plans again) a statement such as
-/// `… FROM events WHERE owner_id = ?1` each time `?1` changes, on every write.
+/// the moments a checkpoint holds the file briefly. The query planner's stability
+/// guarantee keeps a cached statement's plan when new values are bound: the bundled
+/// SQLite is built with STAT4, which otherwise re-prepares (parses and plans again) a
+/// statement such as `… FROM events WHERE owner_id = ?1` each time `?1` changes, on
+/// every write.
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.set_db_config(
         rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
@@ -202,14 +212,16 @@ impl Store {
         &self.path
     }
 
-    /// Runs `work` in the group transaction; see [`Writer::write`].
+    /// Runs `work` in the group transaction; see [`Writer::write`]. Called within
+    /// [`CALL_PLACE`]'s scope, it gives that place back once `work` has run.
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
-        self.writer.write(work).await
+        let place = CALL_PLACE.try_with(Place::clone).ok();
+        self.writer.write(work, place).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool, once one of the
@@ -256,19 +268,6 @@ impl Store {
     /// Why commits stopped being acknowledged, if they did.
     pub fn durability_failure(&self) -> Option<StorageFailure> {
         self.durability.failure()
-    }
-
-    /// Leaves checkpoints to a replicator from now on (`replica`).
-    pub fn leave_checkpoints(&self) {
-        self.durability.stop_checkpoints();
-    }
-
-    /// The WAL's frames after the last commit.
-    #[cfg(test)]
-    pub(crate) fn wal_frames(&self) -> u32 {
-        self.durability
-            .wal_frames()
-            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `agent.status`'s counts: from memory when no commit has happened since they were

@@ -285,8 +285,10 @@ pub const MIGRATIONS: &[&str] = &[
     // (migration 10), each event went into its owner's own page, so a group commit of
     // calls from many owners wrote one more page per call; now the rows of a commit
     // share the table's last page, and only the small index entries are the owners'.
-    // `seq` stays each owner's numbering and paging cursor; ids, and so order within
-    // an owner, follow it.
+    // `seq` stays each owner's numbering and paging cursor, found through the index on
+    // (owner_id, seq); nothing reads by `id`, which numbers the events kept here in the
+    // order of their times. Events of an owner that is gone (no agent leaves any: they
+    // go with it) could not be listed, and are not kept.
     "CREATE TABLE events_v14 (
         id INTEGER PRIMARY KEY,
         owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
@@ -301,7 +303,7 @@ pub const MIGRATIONS: &[&str] = &[
     INSERT INTO events_v14 (owner_id, seq, at_ms, reason, operation_row, caller_uid,
         caller_pid, message)
     SELECT owner_id, seq, at_ms, reason, operation_row, caller_uid, caller_pid, message
-    FROM events ORDER BY at_ms, owner_id, seq;
+    FROM events WHERE owner_id IN (SELECT id FROM owners) ORDER BY at_ms, owner_id, seq;
     DROP TABLE events;
     ALTER TABLE events_v14 RENAME TO events;
     CREATE UNIQUE INDEX events_by_owner ON events (owner_id, seq);",

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
+use opmon_client::server::Place;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
@@ -54,6 +55,8 @@ impl StorageCause for StorageFailure {
 struct TypedJob<T, E, F> {
     work: F,
     reply: oneshot::Sender<Result<T, E>>,
+    /// Given back once `work` has run (see `store::CALL_PLACE`).
+    place: Option<Place>,
 }
 
 struct TypedPending<T, E> {
@@ -68,10 +71,15 @@ where
     F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
 {
     fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StorageFailure>) {
+        let TypedJob { work, reply, place } = *self;
         let result = match savepoint(conn, "SAVEPOINT request") {
             Err(e) => Err(E::from(StorageFailure::from(e))),
             Ok(()) => {
-                let result = (self.work)(conn);
+                let result = work(conn);
+                // The call now only waits for the commit and the disk.
+                if let Some(place) = place {
+                    place.give_back();
+                }
                 if conn.is_autocommit() {
                     let cause = match &result {
                         Err(e) => e.storage_cause(),
@@ -82,7 +90,7 @@ where
                     };
                     let pending = Box::new(TypedPending {
                         result: Err(E::from(cause.clone())),
-                        reply: self.reply,
+                        reply,
                     });
                     return (pending, Some(cause));
                 }
@@ -98,10 +106,7 @@ where
                 }
             }
         };
-        let pending = Box::new(TypedPending {
-            result,
-            reply: self.reply,
-        });
+        let pending = Box::new(TypedPending { result, reply });
         (pending, None)
     }
 
@@ -162,16 +167,17 @@ impl Writer {
         }
     }
 
-    /// Runs `work` in the next group transaction; resolves after that transaction has
-    /// committed (with `work`'s result) or failed (with the commit's error).
-    pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
+    /// Runs `work` in the next group transaction; resolves once that transaction is on
+    /// disk (with `work`'s result) or has failed (with the commit's error). `place` is
+    /// given back as soon as `work` has run.
+    pub async fn write<T, E, F>(&self, work: F, place: Option<Place>) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
+        let job: Box<dyn Job> = Box::new(TypedJob { work, reply, place });
         // Counted and sent under the queue's lock, which `queued` takes too: a count
         // read there is of requests the writer can take.
         let sent = match lock(&self.queue).as_ref() {
@@ -295,35 +301,6 @@ impl Group {
     }
 }
 
-/// Has SQLite keep in `frames` the WAL's frame count after each commit on `conn`. The
-/// hook replaces SQLite's automatic checkpoints, which the syncer makes instead
-/// (`durable`). `frames` must stay alive until the hook is removed.
-fn count_wal_frames(conn: &Connection, frames: &std::sync::atomic::AtomicU32) {
-    use std::ffi::{c_char, c_int, c_void};
-    unsafe extern "C" fn committed(
-        frames: *mut c_void,
-        _db: *mut rusqlite::ffi::sqlite3,
-        _name: *const c_char,
-        n: c_int,
-    ) -> c_int {
-        // SAFETY: `frames` is the `AtomicU32` registered with the hook, alive while the
-        // hook is.
-        let frames = unsafe { &*(frames as *const std::sync::atomic::AtomicU32) };
-        frames.store(u32::try_from(n).unwrap_or(0), Ordering::SeqCst);
-        rusqlite::ffi::SQLITE_OK
-    }
-    // SAFETY: a valid connection, used on this thread only; `committed` matches the
-    // hook's signature and its argument is `frames`, which the writer keeps (in its
-    // `Durability`) until it removes the hook before closing.
-    unsafe {
-        rusqlite::ffi::sqlite3_wal_hook(
-            conn.handle(),
-            Some(committed),
-            frames as *const std::sync::atomic::AtomicU32 as *mut c_void,
-        );
-    }
-}
-
 /// The writer's loop. A group transaction takes every request queued and commits; the
 /// syncer makes it durable and replies while the next group runs, so every fsync
 /// covers all the groups committed during the one before.
@@ -340,7 +317,6 @@ fn run(
     // changes, on this thread.
     let owners_changed = std::sync::atomic::AtomicBool::new(false);
     watch_owners(&conn, &owners_changed);
-    count_wal_frames(&conn, durability.wal_frames());
     while let Some(first) = rx.blocking_recv() {
         // The group is what is queued now: requests that come while it runs wait for
         // the next one, so a steady stream does not hold a commit back.
@@ -358,23 +334,26 @@ fn run(
             group.run(&conn, job);
         }
         let Group {
-            open: opened,
+            open,
             began,
             pending,
             mut replies,
-            ..
         } = group;
-        let mut wrote = false;
-        if opened.is_ok() {
-            // Counted before SQLite makes the commit visible: see `durable`.
-            durability.begin_commit();
-            let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
-            if commit.is_err() && !conn.is_autocommit() {
-                let _ = conn.execute_batch("ROLLBACK");
+        let commit = match open {
+            Ok(()) => {
+                // Counted before SQLite makes the commit visible: see `durable`.
+                durability.begin_commit();
+                let commit = conn.execute_batch("COMMIT").map_err(StorageFailure::from);
+                if commit.is_err() && !conn.is_autocommit() {
+                    let _ = conn.execute_batch("ROLLBACK");
+                }
+                commit
             }
-            wrote = commit.is_ok();
-            replies.extend(pending.into_iter().map(|p| (p, commit.clone())));
-        }
+            // No transaction is open: nothing ran since the last one was lost.
+            Err(e) => Err(e),
+        };
+        let wrote = commit.is_ok();
+        replies.extend(pending.into_iter().map(|p| (p, commit.clone())));
         tally.end(owners_changed.load(Ordering::Relaxed));
         let committed = if wrote {
             replies.iter().filter(|(_, c)| c.is_ok()).count()
@@ -395,11 +374,8 @@ fn run(
             }
         }
     }
-    // SAFETY: a valid connection; the hooks go before what they point to can be
-    // dropped (`owners_changed` here, the `Durability` with the writer thread).
-    unsafe {
-        rusqlite::ffi::sqlite3_update_hook(conn.handle(), None, std::ptr::null_mut());
-        rusqlite::ffi::sqlite3_wal_hook(conn.handle(), None, std::ptr::null_mut());
-    }
+    // SAFETY: a valid connection; the hook goes before `owners_changed`, which it
+    // points to, can be dropped.
+    unsafe { rusqlite::ffi::sqlite3_update_hook(conn.handle(), None, std::ptr::null_mut()) };
     conn
 }
