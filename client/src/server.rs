@@ -2600,9 +2600,10 @@ mod tests {
         )
     }
 
-    /// A server of three methods on a socket in `dir`: `ping`; `wait`, which never
-    /// answers; and `nap`, which answers after 5 s (both unmetered: they mostly wait).
-    /// It stops when the sender is dropped.
+    /// A server of four methods on a socket in `dir`: `ping`; `wait`, which never
+    /// answers; `nap`, which answers after 5 s (both unmetered: they mostly wait); and
+    /// `write`, which gives back its call's place, then never answers (see
+    /// [`Place`]). It stops when the sender is dropped.
     async fn pinged(
         dir: &Path,
         config: ServeConfig,
@@ -2611,7 +2612,7 @@ mod tests {
         (path, stop)
     }
 
-    /// [`pinged`], with a permit added for every `wait` that has begun.
+    /// [`pinged`], with a permit added for every `wait` or `write` that has begun.
     async fn pinged_counting(
         dir: &Path,
         config: ServeConfig,
@@ -2637,6 +2638,21 @@ mod tests {
             .register_async_method("nap", |_, _, _| async {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 "awake"
+            })
+            .expect("registering");
+        module
+            .register_async_method("write", |_, begun, extensions| async move {
+                let place = extensions.get::<Place>().cloned();
+                let gave_back = place.is_some();
+                if let Some(place) = place {
+                    place.give_back();
+                    place.give_back();
+                }
+                begun.add_permits(1);
+                if gave_back {
+                    std::future::pending::<()>().await;
+                }
+                "no place in the call's extensions"
             })
             .expect("registering");
         let config = ServeConfig {
@@ -2673,60 +2689,33 @@ mod tests {
         slow
     }
 
+    /// Three `ping`s on `path` are answered (within 60 s each) while `meanwhile`.
+    async fn pings_answered(path: &Path, meanwhile: &str) {
+        let ping = r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#;
+        for _ in 0..3 {
+            let answer = read_all(send(path, &post(ping.len(), ping)).await);
+            let answer = tokio::time::timeout(Duration::from_secs(60), answer)
+                .await
+                .unwrap_or_else(|_| panic!("ping was not answered while {meanwhile}"));
+            assert!(answer.contains(r#""result":"pong""#), "{answer}");
+        }
+    }
+
     /// A method may give back its call's place (from the call's extensions) once it
     /// only waits: with one place, a call that gave it back and waits for good stops
     /// no one's `ping`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_method_that_gives_back_its_place_lets_others_run_while_it_waits() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("server.sock");
-        let listener = bind(&path, 0o600).await.expect("binding");
-        let begun = Arc::new(Semaphore::new(0));
-        let mut module = jsonrpsee::RpcModule::new(begun.clone());
-        module
-            .register_method("ping", |_, _, _| "pong")
-            .expect("registering");
-        module
-            .register_async_method("write", |_, begun, extensions| async move {
-                let place = extensions.get::<Place>().cloned();
-                let gave_back = place.is_some();
-                if let Some(place) = place {
-                    place.give_back();
-                    place.give_back();
-                }
-                begun.add_permits(1);
-                if gave_back {
-                    std::future::pending::<()>().await;
-                }
-                "no place in the call's extensions"
-            })
-            .expect("registering");
         let config = ServeConfig {
             max_calls_in_flight: 1,
             ..ServeConfig::default()
         };
-        let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve(
-            listener,
-            module,
-            config,
-            RpcServiceBuilder::new(),
-            AdmitAll,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        let (path, _stop, begun) = pinged_counting(dir.path(), config).await;
         let write = r#"{"jsonrpc":"2.0","id":1,"method":"write"}"#;
         let writing = send(&path, &post(write.len(), write)).await;
         begun.acquire().await.expect("the write began").forget();
-        let ping = r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#;
-        for _ in 0..3 {
-            let answer = read_all(send(&path, &post(ping.len(), ping)).await);
-            let answer = tokio::time::timeout(Duration::from_secs(60), answer)
-                .await
-                .expect("ping was answered while the write waited");
-            assert!(answer.contains(r#""result":"pong""#), "{answer}");
-        }
+        pings_answered(&path, "the write waited").await;
         let mut byte = [0; 1];
         assert!(
             matches!(writing.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
@@ -2748,14 +2737,7 @@ mod tests {
         };
         let (path, _stop) = pinged(dir.path(), config).await;
         let slow = slow_bodies(&path).await;
-        let ping = r#"{"jsonrpc":"2.0","id":7,"method":"ping"}"#;
-        for _ in 0..3 {
-            let answer = read_all(send(&path, &post(ping.len(), ping)).await);
-            let answer = tokio::time::timeout(Duration::from_secs(60), answer)
-                .await
-                .expect("ping was answered while the slow bodies held on");
-            assert!(answer.contains(r#""result":"pong""#), "{answer}");
-        }
+        pings_answered(&path, "the slow bodies held on").await;
         for (stream, _) in &slow {
             let mut byte = [0; 1];
             assert!(
