@@ -405,9 +405,11 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
 }
 
 /// Runs `opmon` with `args` in `cwd`, its standard output a pipe whose read end is
-/// already closed.
+/// already closed. Both ends close on exec: a process that another test's thread
+/// starts meanwhile must not inherit the read end, or the pipe would have a reader
+/// (`opmon` then wrote into it and exited 0, once in a CI run).
 fn opmon_into_closed_pipe(socket: &std::path::Path, args: &[&str]) -> Output {
-    let (read, write) = nix::unistd::pipe().unwrap();
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
     drop(read);
     Command::new(workspace_binary("opmon"))
         .arg("--socket")
