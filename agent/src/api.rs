@@ -441,6 +441,8 @@ fn register_writing<P, R, F, Fut>(
                 .cloned();
             async move {
                 let parsed: P = parse(&params)?;
+                // The call may wait long (for the disk, a snapshotter): without its text.
+                drop(params);
                 let call = handler(core, parsed, caller);
                 let result = match place {
                     Some(place) => CALL_PLACE.scope(place, call).await,

@@ -683,9 +683,17 @@ impl Place {
         Place(Arc::new(Mutex::new([place, large_body])))
     }
 
-    /// Gives the place back (once; later calls do nothing): another call may run.
+    /// Gives the place back, and the large body's read if the call had one (once;
+    /// later calls do nothing): another call may run.
     pub fn give_back(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = [None, None];
+    }
+
+    /// Gives back the place among the calls in flight alone, for a call that has done
+    /// its work and now only waits (as a write waits for the disk). A large body's
+    /// read stays counted among those at once: the body is kept until the answer.
+    pub fn leave_running(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())[0] = None;
     }
 }
 
@@ -2603,7 +2611,7 @@ mod tests {
     /// A server of four methods on a socket in `dir`: `ping`; `wait`, which never
     /// answers; `nap`, which answers after 5 s (both unmetered: they mostly wait); and
     /// `write`, which gives back its call's place, then never answers (see
-    /// [`Place`]). It stops when the sender is dropped.
+    /// [`Place::leave_running`]). It stops when the sender is dropped.
     async fn pinged(
         dir: &Path,
         config: ServeConfig,
@@ -2645,8 +2653,8 @@ mod tests {
                 let place = extensions.get::<Place>().cloned();
                 let gave_back = place.is_some();
                 if let Some(place) = place {
-                    place.give_back();
-                    place.give_back();
+                    place.leave_running();
+                    place.leave_running();
                 }
                 begun.add_permits(1);
                 if gave_back {
@@ -2687,6 +2695,23 @@ mod tests {
             slow.push((stream, format!("1 of its {large} bytes came")));
         }
         slow
+    }
+
+    /// A call that leaves the calls running gives back its place and keeps its large
+    /// body's read; giving everything back frees both.
+    #[tokio::test]
+    async fn leaving_the_running_calls_keeps_a_large_bodys_read() {
+        let places = Arc::new(Semaphore::new(1));
+        let large = Arc::new(Semaphore::new(1));
+        let place = Place::new(
+            places.clone().acquire_owned().await.ok(),
+            large.clone().acquire_owned().await.ok(),
+        );
+        place.clone().leave_running();
+        assert_eq!(places.available_permits(), 1);
+        assert_eq!(large.available_permits(), 0, "the large body still counts");
+        place.give_back();
+        assert_eq!(large.available_permits(), 1);
     }
 
     /// Three `ping`s on `path` are answered (within 60 s each) while `meanwhile`.

@@ -120,9 +120,8 @@ pub(super) struct Batch {
     pub seq: u64,
     /// The group committed changes, which must reach the disk before its replies.
     pub wrote: bool,
-    /// When the group's transaction began, and how many requests it committed.
+    /// When the group's transaction began.
     pub began: Instant,
-    pub committed: usize,
     /// Each request's reply, with what became of the transaction that held it.
     pub replies: Vec<(Box<dyn Pending>, Result<(), StorageFailure>)>,
 }
@@ -204,7 +203,8 @@ pub(super) fn run(
         }
         for batch in round {
             if failed.is_none() && batch.wrote {
-                on_commit(batch.committed, batch.began.elapsed());
+                let committed = batch.replies.iter().filter(|(_, c)| c.is_ok()).count();
+                on_commit(committed, batch.began.elapsed());
             }
             for (pending, commit) in batch.replies {
                 pending.finish(match &failed {
@@ -278,7 +278,6 @@ mod tests {
             seq,
             wrote,
             began: Instant::now(),
-            committed: 1,
             replies,
         };
         (batch, rx)

@@ -92,8 +92,9 @@ pub enum OpenError {
 tokio::task_local! {
     /// The place among the calls in flight of the API call whose work ends with the
     /// write it makes now (`addOperations`): the writer gives it back once the write
-    /// has run, its parameters with it, so that a call waiting only for the disk holds
-    /// no place, as a method that mostly waits holds none (see `opmon_client::server`).
+    /// has run and its parsed parameters are gone, so that a call waiting only for the
+    /// disk holds no place, as a method that mostly waits holds none (a large body's
+    /// read stays counted until the answer: see `opmon_client::server::Place`).
     pub static CALL_PLACE: Place;
 }
 

@@ -55,7 +55,7 @@ impl StorageCause for StorageFailure {
 struct TypedJob<T, E, F> {
     work: F,
     reply: oneshot::Sender<Result<T, E>>,
-    /// Given back once `work` has run (see `store::CALL_PLACE`).
+    /// Leaves the running calls once `work` has run (see `store::CALL_PLACE`).
     place: Option<Place>,
 }
 
@@ -78,7 +78,7 @@ where
                 let result = work(conn);
                 // The call now only waits for the commit and the disk.
                 if let Some(place) = place {
-                    place.give_back();
+                    place.leave_running();
                 }
                 if conn.is_autocommit() {
                     let cause = match &result {
@@ -168,8 +168,8 @@ impl Writer {
     }
 
     /// Runs `work` in the next group transaction; resolves once that transaction is on
-    /// disk (with `work`'s result) or has failed (with the commit's error). `place` is
-    /// given back as soon as `work` has run.
+    /// disk (with `work`'s result) or has failed (with the commit's error). `place`
+    /// leaves the running calls as soon as `work` has run.
     pub async fn write<T, E, F>(&self, work: F, place: Option<Place>) -> Result<T, E>
     where
         T: Send + 'static,
@@ -355,16 +355,10 @@ fn run(
         let wrote = commit.is_ok();
         replies.extend(pending.into_iter().map(|p| (p, commit.clone())));
         tally.end(owners_changed.load(Ordering::Relaxed));
-        let committed = if wrote {
-            replies.iter().filter(|(_, c)| c.is_ok()).count()
-        } else {
-            0
-        };
         let batch = Batch {
             seq: durability.begun(),
             wrote,
             began,
-            committed,
             replies,
         };
         if let Err(std_mpsc::SendError(batch)) = syncer.send(batch) {
