@@ -211,7 +211,7 @@ settings! {
     /// reason saying since when; time the agent was down does not count
     in_progress_idle_timeout: GoDuration = GoDuration::from_secs(0),
         shown Shown::ValueAnd("(off)"), check any;
-    /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 1,000
+    /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 4,000
     /// pages) or `"external"` (the agent never does; Litestream does, once it has copied
     /// the WAL: see *Surviving the loss of a node*). Without a replicator running,
     /// `"external"` lets the WAL grow until the agent stops

@@ -28,7 +28,8 @@ use crate::store::{StorageFailure, Store};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpoint {
-    /// SQLite, automatically, whenever the WAL passes 1,000 pages (its default).
+    /// SQLite, automatically, whenever the WAL passes
+    /// [`CHECKPOINT_PAGES`](crate::store::CHECKPOINT_PAGES) (4,000).
     Sqlite,
     /// Someone else (Litestream): the agent never checkpoints while it runs.
     External,

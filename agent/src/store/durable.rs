@@ -17,9 +17,9 @@
 //!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
 //!   on what the disk holds.
 //!
-//! Checkpoints stay SQLite's own, on the writer's connection (every 1,000 pages): made
-//! there, each completes before the writer appends again, so the WAL restarts from its
-//! start; a checkpoint made beside a writer that keeps appending rarely catches up, and
+//! Checkpoints stay SQLite's own, on the writer's connection (every
+//! [`CHECKPOINT_PAGES`](super::CHECKPOINT_PAGES)): made there, each completes before the
+//! writer appends again, so the WAL restarts from its start; a checkpoint made beside a writer that keeps appending rarely catches up, and
 //! the WAL grew to 25 MB under 32 writers when the syncer made them.
 
 use std::fs::File;

@@ -895,6 +895,61 @@ fn the_database_is_created_0600_in_wal_mode_and_locked_for_one_agent() {
     Store::open(&db, |_, _| {}).expect("the lock is released with the store");
 }
 
+/// The writer checkpoints once the WAL passes [`super::CHECKPOINT_PAGES`], not at
+/// SQLite's default 1,000 pages: past 1,000 the WAL keeps growing, and past 4,000 it is
+/// checkpointed and written again from its start, so it stays near that size.
+#[tokio::test]
+async fn the_wal_is_checkpointed_past_checkpoint_pages_and_not_before() {
+    let (_dir, db) = temp_db();
+    let store = Store::open(&db, |_, _| {}).unwrap();
+    let page: i64 = store
+        .write(|conn| {
+            conn.execute_batch("CREATE TABLE filler (x BLOB)")?;
+            conn.query_row("PRAGMA page_size", [], |r| r.get(0))
+                .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    let frame = page.unsigned_abs() + 24;
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    let wal_len = || std::fs::metadata(&wal).unwrap().len();
+    // Commits of about 100 pages each: a row of 3,000 bytes fills a page of its own.
+    let fill = |pages: u64| {
+        let store = &store;
+        async move {
+            for _ in 0..pages / 100 {
+                store
+                    .write(|conn| {
+                        conn.execute_batch(
+                            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
+                             WHERE i < 100) INSERT INTO filler SELECT randomblob(3000) FROM n",
+                        )
+                        .map_err(StorageFailure::from)
+                    })
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    fill(2_000).await;
+    assert!(
+        wal_len() >= 2_000 * frame,
+        "the WAL was checkpointed before {} pages: {} bytes after 2,000 pages",
+        super::CHECKPOINT_PAGES,
+        wal_len()
+    );
+    fill(8_000).await;
+    let limit = (u64::from(super::CHECKPOINT_PAGES) + 300) * frame;
+    assert!(
+        wal_len() <= limit,
+        "the WAL grew to {} bytes after 10,000 pages: past {limit}, so it was not \
+         checkpointed and restarted",
+        wal_len()
+    );
+    store.close();
+}
+
 /// Occupies the writer with a request that blocks inside its transaction until the
 /// returned sender is used. Returns once the writer is inside that request, so every
 /// request sent afterwards queues for the next transaction.
@@ -1003,6 +1058,98 @@ async fn a_failing_request_is_rolled_back_alone_within_its_group() {
     assert!(queries::owner_by_name(&conn, OwnerKind::Backup, "dropped")
         .unwrap()
         .is_none());
+}
+
+/// A request that checks everything first runs without a savepoint: failing before any
+/// change it spoils nothing; failing after one, it costs the requests run before it in
+/// the group their transaction (they are told why), and the next request runs in a new
+/// one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checks_first_request_that_fails_spoils_nothing_before_a_change_and_the_group_after_one()
+{
+    let (_dir, db) = temp_db();
+    let store = Arc::new(Store::open(&db, |_, _| {}).unwrap());
+    let refused = |message: &str| StorageFailure {
+        message: message.into(),
+        disk_full: false,
+    };
+    // Adds backup `name` (with savepoint or without); fails with `fail` before adding
+    // it, or after.
+    let insert = |name: &'static str, checks_first: bool, fail: Option<(bool, &'static str)>| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let work = move |conn: &Connection| {
+                if let Some((true, message)) = fail {
+                    return Err(refused(message));
+                }
+                queries::insert_owner(conn, &backup(name, GoDuration::from_secs(1)), UnixMs(0))
+                    .map_err(StorageFailure::from)?;
+                match fail {
+                    Some((false, message)) => Err(refused(message)),
+                    _ => Ok(()),
+                }
+            };
+            if checks_first {
+                store.write_checks_first(work).await
+            } else {
+                store.write(work).await
+            }
+        })
+    };
+    let exists = |name: &str| {
+        let conn = Connection::open(&db).unwrap();
+        queries::owner_by_name(&conn, OwnerKind::Backup, name)
+            .unwrap()
+            .is_some()
+    };
+
+    // One group: a failure before any change.
+    let (blocker, release) = hold_writer(&store).await;
+    let a = insert("a", false, None);
+    let early = insert("early", true, Some((true, "refused before a change")));
+    let b = insert("b", true, None);
+    while store.queued_writes() < 3 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    a.await.unwrap().unwrap();
+    b.await.unwrap().unwrap();
+    assert_eq!(
+        early.await.unwrap().unwrap_err().message,
+        "refused before a change"
+    );
+    assert!(exists("a") && exists("b") && !exists("early"));
+
+    // Another: a failure after a change.
+    let (blocker, release) = hold_writer(&store).await;
+    let c = insert("c", false, None);
+    let late = insert("late", true, Some((false, "refused after a change")));
+    let d = insert("d", true, None);
+    while store.queued_writes() < 3 {
+        tokio::task::yield_now().await;
+    }
+    release.send(()).unwrap();
+    blocker.await.unwrap().unwrap();
+    assert_eq!(
+        c.await.unwrap().unwrap_err().message,
+        "refused after a change"
+    );
+    assert_eq!(
+        late.await.unwrap().unwrap_err().message,
+        "refused after a change"
+    );
+    d.await.unwrap().unwrap();
+    assert!(!exists("c") && !exists("late"));
+    assert!(
+        exists("d"),
+        "the request after the lost transaction runs in a new one"
+    );
+    assert!(
+        exists("a") && exists("b"),
+        "what was committed before stays"
+    );
+    store.close();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
