@@ -212,7 +212,8 @@ settings! {
     in_progress_idle_timeout: GoDuration = GoDuration::from_secs(0),
         shown Shown::ValueAnd("(off)"), check any;
     /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 4,000
-    /// pages) or `"external"` (the agent never does; Litestream does, once it has copied
+    /// pages: the WAL file takes up to about 21 MB, cut back to that after a larger
+    /// transaction) or `"external"` (the agent never does; Litestream does, once it has copied
     /// the WAL: see *Surviving the loss of a node*). Without a replicator running,
     /// `"external"` lets the WAL grow until the agent stops
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;

@@ -140,6 +140,12 @@ const WRITER_STATEMENTS_KEPT: usize = 128;
 /// each checkpoint.
 pub const CHECKPOINT_PAGES: u32 = 4000;
 
+/// WAL pages past which the file is cut back once a checkpoint has let it restart: a
+/// group transaction larger than [`CHECKPOINT_PAGES`] (an `addOperations` of tens of
+/// thousands of operations), or a WAL left by `checkpoint = "external"`, would otherwise
+/// keep its disk space while the agent runs.
+pub const WAL_KEPT_PAGES: u32 = CHECKPOINT_PAGES + 1000;
+
 /// Connection settings every connection shares (the writer's then commits with
 /// `synchronous=NORMAL`, its syncer making each commit durable). `busy_timeout` covers
 /// the moments a checkpoint holds the file briefly. The query planner's stability
@@ -199,8 +205,14 @@ impl Store {
             source,
         })?;
         // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
+        let page: i64 = conn
+            .query_row("PRAGMA page_size", [], |r| r.get(0))
+            .map_err(sqlite)?;
+        // A WAL frame is a page and its 24-byte header.
+        let wal_kept = i64::from(WAL_KEPT_PAGES) * (page + 24);
         conn.execute_batch(&format!(
-            "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES};"
+            "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
+             PRAGMA journal_size_limit = {wal_kept};"
         ))
         .map_err(sqlite)?;
         let tally = Arc::new(Tally::default());

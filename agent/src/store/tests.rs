@@ -947,6 +947,29 @@ async fn the_wal_is_checkpointed_past_checkpoint_pages_and_not_before() {
          checkpointed and restarted",
         wal_len()
     );
+    // One transaction of 8,000 pages grows the file past what is kept; once a
+    // checkpoint lets the WAL restart, the next commit cuts the file back.
+    store
+        .write(|conn| {
+            conn.execute_batch(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
+                 WHERE i < 8000) INSERT INTO filler SELECT randomblob(3000) FROM n",
+            )
+            .map_err(StorageFailure::from)
+        })
+        .await
+        .unwrap();
+    assert!(
+        wal_len() >= 8_000 * frame,
+        "the big transaction is in the WAL"
+    );
+    fill(200).await;
+    let kept = u64::from(super::WAL_KEPT_PAGES) * frame;
+    assert!(
+        wal_len() <= kept,
+        "the WAL file kept {} bytes after a restart: past the {kept} it is cut back to",
+        wal_len()
+    );
     store.close();
 }
 
