@@ -245,8 +245,7 @@ impl Store {
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
-        let place = CALL_PLACE.try_with(Place::clone).ok();
-        self.writer.write(work, place, Isolation::Savepoint).await
+        self.write_as(work, Isolation::Savepoint).await
     }
 
     /// [`write`](Self::write) for `work` that makes every check before its first change
@@ -259,8 +258,17 @@ impl Store {
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
+        self.write_as(work, Isolation::ChecksFirst).await
+    }
+
+    async fn write_as<T, E, F>(&self, work: F, isolation: Isolation) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<StorageFailure> + StorageCause + Send + 'static,
+        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
+    {
         let place = CALL_PLACE.try_with(Place::clone).ok();
-        self.writer.write(work, place, Isolation::ChecksFirst).await
+        self.writer.write(work, place, isolation).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool, once one of the

@@ -914,21 +914,24 @@ async fn the_wal_is_checkpointed_past_checkpoint_pages_and_not_before() {
     let mut wal = db.as_os_str().to_owned();
     wal.push("-wal");
     let wal_len = || std::fs::metadata(&wal).unwrap().len();
-    // Commits of about 100 pages each: a row of 3,000 bytes fills a page of its own.
-    let fill = |pages: u64| {
-        let store = &store;
+    // One transaction of `pages` pages: a row of 3,000 bytes fills a page of its own.
+    let commit = |pages: u32| {
+        store.write(move |conn| {
+            conn.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
+                 WHERE i < ?1) INSERT INTO filler SELECT randomblob(3000) FROM n",
+                [pages],
+            )
+            .map(drop)
+            .map_err(StorageFailure::from)
+        })
+    };
+    // Commits of 100 pages each.
+    let fill = |pages: u32| {
+        let commit = &commit;
         async move {
             for _ in 0..pages / 100 {
-                store
-                    .write(|conn| {
-                        conn.execute_batch(
-                            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-                             WHERE i < 100) INSERT INTO filler SELECT randomblob(3000) FROM n",
-                        )
-                        .map_err(StorageFailure::from)
-                    })
-                    .await
-                    .unwrap();
+                commit(100).await.unwrap();
             }
         }
     };
@@ -949,16 +952,7 @@ async fn the_wal_is_checkpointed_past_checkpoint_pages_and_not_before() {
     );
     // One transaction of 8,000 pages grows the file past what is kept; once a
     // checkpoint lets the WAL restart, the next commit cuts the file back.
-    store
-        .write(|conn| {
-            conn.execute_batch(
-                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-                 WHERE i < 8000) INSERT INTO filler SELECT randomblob(3000) FROM n",
-            )
-            .map_err(StorageFailure::from)
-        })
-        .await
-        .unwrap();
+    commit(8_000).await.unwrap();
     assert!(
         wal_len() >= 8_000 * frame,
         "the big transaction is in the WAL"
