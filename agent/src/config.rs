@@ -213,8 +213,8 @@ settings! {
         shown Shown::ValueAnd("(off)"), check any;
     /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 4,000
     /// pages: the WAL file takes up to about 21 MB, cut back to that after a larger
-    /// transaction) or `"external"` (the agent never does; Litestream does, once it has copied
-    /// the WAL: see *Surviving the loss of a node*). Without a replicator running,
+    /// transaction) or `"external"` (the agent never does; Litestream does, once it has
+    /// copied the WAL: see *Surviving the loss of a node*). Without a replicator running,
     /// `"external"` lets the WAL grow until the agent stops
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
 }

@@ -19,8 +19,9 @@
 //!
 //! Checkpoints stay SQLite's own, on the writer's connection (every
 //! [`CHECKPOINT_PAGES`](super::CHECKPOINT_PAGES)): made there, each completes before the
-//! writer appends again, so the WAL restarts from its start; a checkpoint made beside a writer that keeps appending rarely catches up, and
-//! the WAL grew to 25 MB under 32 writers when the syncer made them.
+//! writer appends again, so the WAL restarts from its start; a checkpoint made beside a
+//! writer that keeps appending rarely catches up, and the WAL grew to 25 MB under 32
+//! writers when the syncer made them.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -204,12 +204,12 @@ impl Store {
             db: path.to_path_buf(),
             source,
         })?;
-        // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
         let page: i64 = conn
             .query_row("PRAGMA page_size", [], |r| r.get(0))
             .map_err(sqlite)?;
         // A WAL frame is a page and its 24-byte header.
         let wal_kept = i64::from(WAL_KEPT_PAGES) * (page + 24);
+        // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
         conn.execute_batch(&format!(
             "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
              PRAGMA journal_size_limit = {wal_kept};"
