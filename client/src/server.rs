@@ -673,8 +673,8 @@ pub enum Transport {
 /// with its read of a large body (one of [`LARGE_BODIES_AT_ONCE`]) if it had one; an
 /// unmetered method gives both back as soon as it is known, a call that must wait for
 /// room before it runs gives both back while it waits. A method finds it in its call's
-/// extensions (HTTP calls only) and may give it back itself once it holds nothing
-/// more than its answer and only waits, as a write waits for the disk.
+/// extensions (HTTP calls only) and may leave the running calls itself once it holds
+/// nothing more than its answer and only waits, as a write waits for the disk.
 #[derive(Clone)]
 pub struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
 
@@ -685,7 +685,7 @@ impl Place {
 
     /// Gives the place back, and the large body's read if the call had one (once;
     /// later calls do nothing): another call may run.
-    pub fn give_back(&self) {
+    fn give_back(&self) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = [None, None];
     }
 

@@ -95,17 +95,21 @@ where
             place,
             isolation,
         } = *self;
+        let work = |conn: &Connection| {
+            let result = work(conn);
+            // The call now only waits for the commit and the disk.
+            if let Some(place) = place {
+                place.leave_running();
+            }
+            result
+        };
         if isolation == Isolation::ChecksFirst {
-            return run_checks_first(conn, work, reply, place);
+            return run_checks_first(conn, work, reply);
         }
-        let result = match savepoint(conn, "SAVEPOINT request") {
+        let result = match execute_cached(conn, "SAVEPOINT request") {
             Err(e) => Err(E::from(StorageFailure::from(e))),
             Ok(()) => {
                 let result = work(conn);
-                // The call now only waits for the commit and the disk.
-                if let Some(place) = place {
-                    place.leave_running();
-                }
                 if conn.is_autocommit() {
                     let cause = match &result {
                         Err(e) => e.storage_cause(),
@@ -121,10 +125,10 @@ where
                     return (pending, Some(cause));
                 }
                 let end = if result.is_ok() {
-                    savepoint(conn, "RELEASE request")
+                    execute_cached(conn, "RELEASE request")
                 } else {
-                    savepoint(conn, "ROLLBACK TO request")
-                        .and_then(|()| savepoint(conn, "RELEASE request"))
+                    execute_cached(conn, "ROLLBACK TO request")
+                        .and_then(|()| execute_cached(conn, "RELEASE request"))
                 };
                 match end {
                     Ok(()) => result,
@@ -148,7 +152,6 @@ fn run_checks_first<T, E, F>(
     conn: &Connection,
     work: F,
     reply: oneshot::Sender<Result<T, E>>,
-    place: Option<Place>,
 ) -> (Box<dyn Pending>, Option<StorageFailure>)
 where
     T: Send + 'static,
@@ -157,9 +160,6 @@ where
 {
     let before = conn.total_changes();
     let result = work(conn);
-    if let Some(place) = place {
-        place.leave_running();
-    }
     let lost = match &result {
         Ok(_) if conn.is_autocommit() => Some(StorageFailure {
             message: "the transaction ended inside a request".into(),
@@ -293,17 +293,17 @@ impl Writer {
     }
 }
 
-/// Runs one of the transaction's or the request savepoint's statements, prepared once:
-/// parsed anew for every request (`execute_batch`), the savepoint's cost about 6,000
-/// instructions of a one-row `addOperations`, prepared once about 4,000.
-fn savepoint(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+/// Runs one of the group transaction's or the request savepoint's statements, prepared
+/// once: parsed anew for every request (`execute_batch`), the savepoint's statements
+/// cost about 6,000 instructions of a one-row `addOperations`, prepared once about 4,000.
+fn execute_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
     conn.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
 /// Opens the group transaction. It and `COMMIT` are prepared once, like the request
 /// savepoint's statements.
 fn begin(conn: &Connection) -> Result<(), StorageFailure> {
-    savepoint(conn, "BEGIN IMMEDIATE").map_err(StorageFailure::from)
+    execute_cached(conn, "BEGIN IMMEDIATE").map_err(StorageFailure::from)
 }
 
 /// Has SQLite set `flag` whenever a row of `owners` changes on `conn`. The hook is
@@ -423,7 +423,7 @@ fn run(
             Ok(()) => {
                 // Counted before SQLite makes the commit visible: see `durable`.
                 durability.begin_commit();
-                let commit = savepoint(&conn, "COMMIT").map_err(StorageFailure::from);
+                let commit = execute_cached(&conn, "COMMIT").map_err(StorageFailure::from);
                 if commit.is_err() && !conn.is_autocommit() {
                     let _ = conn.execute_batch("ROLLBACK");
                 }
