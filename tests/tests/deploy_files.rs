@@ -714,3 +714,360 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Build and install lines, as printed
+
+/// `cargo metadata --locked` of the workspace: it fails as `cargo build --locked` would
+/// when `Cargo.lock` is out of date.
+fn cargo_metadata() -> Value {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(&cargo)
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .current_dir(repo())
+        .output()
+        .unwrap_or_else(|e| panic!("running {cargo} metadata: {e}"));
+    assert!(
+        out.status.success(),
+        "cargo metadata --locked failed (so would a --locked build):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("cargo metadata JSON")
+}
+
+/// The binaries a `cargo build …` line builds, resolved with `cargo metadata` (which
+/// package provides which binary): running the release build itself would take minutes
+/// of two shared cores for what the metadata answers exactly. `--locked` is honoured:
+/// metadata fails as the build would when `Cargo.lock` is out of date.
+fn binaries_built_by(line: &str) -> Vec<String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        words[..2],
+        ["cargo", "build"],
+        "not a cargo build line: {line}"
+    );
+    let mut packages: Vec<&str> = Vec::new();
+    let mut bins: Vec<&str> = Vec::new();
+    let mut all_bins = false;
+    let mut release = false;
+    let mut locked = false;
+    let mut rest = words[2..].iter();
+    while let Some(word) = rest.next() {
+        match *word {
+            "-p" | "--package" => packages.push(rest.next().expect("a package after -p")),
+            "--bin" => bins.push(rest.next().expect("a binary after --bin")),
+            "--bins" => all_bins = true,
+            "--release" => release = true,
+            "--locked" => locked = true,
+            // Anything else could change what is built: the test must learn it first.
+            other => panic!("{line}: the test does not know what {other:?} builds"),
+        }
+    }
+    assert!(release, "{line}: the install lines take target/release/");
+    assert!(locked, "{line}: builds what Cargo.lock pins");
+    assert!(
+        !packages.is_empty(),
+        "{line}: name the packages (the workspace holds tests and benchmarks too)"
+    );
+    let metadata = cargo_metadata();
+    let members: Vec<&Value> = metadata["workspace_members"]
+        .as_array()
+        .expect("workspace_members")
+        .iter()
+        .collect();
+    let mut built = Vec::new();
+    for package in packages {
+        let found = metadata["packages"]
+            .as_array()
+            .expect("packages")
+            .iter()
+            .find(|p| p["name"] == package && members.contains(&&p["id"]))
+            .unwrap_or_else(|| panic!("{line}: no workspace package {package}"));
+        let targets: Vec<&Value> = found["targets"]
+            .as_array()
+            .expect("targets")
+            .iter()
+            .filter(|t| {
+                t["kind"]
+                    .as_array()
+                    .is_some_and(|k| k.iter().any(|k| k == "bin"))
+            })
+            .collect();
+        if all_bins {
+            for t in &targets {
+                // `--bins` skips a binary whose required features are off.
+                if t["required-features"].as_array().is_none_or(Vec::is_empty) {
+                    built.push(str_of(&t["name"], "binary name").to_string());
+                }
+            }
+        }
+        for bin in &bins {
+            if targets.iter().any(|t| t["name"] == *bin) {
+                built.push(bin.to_string());
+            }
+        }
+    }
+    for bin in bins {
+        assert!(
+            built.iter().any(|b| b == bin),
+            "{line}: no package named builds {bin}"
+        );
+    }
+    assert!(
+        !all_bins || !built.is_empty(),
+        "{line}: --bins builds nothing"
+    );
+    built
+}
+
+/// Shell lines with their continuations joined.
+fn joined_lines(text: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut current = String::new();
+    for raw in text.lines() {
+        let line = raw.trim();
+        if let Some(head) = line.strip_suffix('\\') {
+            current.push_str(head);
+            current.push(' ');
+            continue;
+        }
+        current.push_str(line);
+        lines.push(std::mem::take(&mut current));
+    }
+    lines
+}
+
+/// `(source, destination)` of every `install` of a file (not `install -d`) in `text`.
+fn installs(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for line in joined_lines(text) {
+        for command in line.split("&&") {
+            let words: Vec<&str> = command
+                .split_whitespace()
+                .skip_while(|w| *w == "RUN" || w.starts_with("--mount"))
+                .collect();
+            if words.first() != Some(&"install") {
+                continue;
+            }
+            let args = &words[1..];
+            if args.iter().any(|w| *w == "-d" || w.starts_with("-d")) {
+                continue;
+            }
+            let mut operands = Vec::new();
+            let mut it = args.iter();
+            while let Some(w) = it.next() {
+                if *w == "-m" || *w == "-o" || *w == "-g" {
+                    it.next();
+                } else if w.starts_with('#') {
+                    break;
+                } else if !w.starts_with('-') {
+                    operands.push(w.to_string());
+                }
+            }
+            assert_eq!(operands.len(), 2, "install with one source: {command}");
+            found.push((operands[0].clone(), operands[1].clone()));
+        }
+    }
+    found
+}
+
+/// The `cargo build` line of `text`: exactly one.
+fn cargo_build_line(text: &str, what: &str) -> String {
+    let lines: Vec<String> = joined_lines(text)
+        .into_iter()
+        .flat_map(|l| {
+            l.split("&&")
+                .map(|c| c.trim().to_string())
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|c| c.find("cargo build").map(|at| c[at..].trim().to_string()))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{what}: one cargo build line expected: {lines:?}"
+    );
+    lines[0].clone()
+}
+
+/// Every `target/release/NAME` an install line takes must be a binary the printed build
+/// line builds.
+fn check_installed_binaries(what: &str, build: &str, installs: &[(String, String)]) {
+    let built = binaries_built_by(build);
+    let mut checked = 0;
+    for (source, destination) in installs {
+        if let Some(name) = source.strip_prefix("target/release/") {
+            assert!(
+                built.iter().any(|b| b == name),
+                "{what}: installs {source} to {destination}, but `{build}` builds only {built:?}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "{what}: installs no binary");
+}
+
+/// The lines of the fenced code blocks of a Markdown text.
+fn code_blocks(markdown: &str) -> String {
+    let mut code = String::new();
+    let mut inside = false;
+    for line in markdown.lines() {
+        if line.trim_start().starts_with("```") {
+            inside = !inside;
+        } else if inside {
+            code.push_str(line);
+            code.push('\n');
+        }
+    }
+    code
+}
+
+#[test]
+fn the_systemd_install_lines_install_what_the_printed_build_builds() {
+    let text = code_blocks(&read("systemd/README.md"));
+    let build = cargo_build_line(&text, "systemd/README.md");
+    let installed = installs(&text);
+    check_installed_binaries("systemd/README.md", &build, &installed);
+    // The binaries go where the units and the README's commands run them.
+    for binary in ["/usr/bin/opmon-agent", "/usr/bin/opmon"] {
+        assert!(
+            installed.iter().any(|(_, d)| d == binary),
+            "systemd/README.md installs nothing at {binary}"
+        );
+    }
+    // Every repository file an install line takes exists.
+    for (source, _) in &installed {
+        if !source.starts_with("target/") {
+            assert!(
+                repo().join(source).is_file(),
+                "systemd/README.md installs missing {source}"
+            );
+        }
+    }
+
+    // The check means something: the line as it was before opmon moved to opmon-cli.
+    let old = build.replace("-p opmon-cli", "-p opmon-client");
+    let refused = std::panic::catch_unwind(|| check_installed_binaries("old", &old, &installed));
+    assert!(
+        refused.is_err(),
+        "`{old}` builds no opmon, yet the check passed"
+    );
+}
+
+/// The builder stage of the Dockerfile builds every binary the runtime stage copies,
+/// and the build context holds every workspace member `cargo build --locked` needs.
+#[test]
+fn the_dockerfile_builds_every_binary_it_copies() {
+    let text = read("container/Dockerfile");
+    let build = cargo_build_line(&text, "container/Dockerfile");
+    let installed = installs(&text);
+    check_installed_binaries("container/Dockerfile", &build, &installed);
+
+    // Directories the builder makes (`install -d`), and the files it installs.
+    let mut made: Vec<String> = installed.iter().map(|(_, d)| d.clone()).collect();
+    for line in joined_lines(&text) {
+        for command in line.split("&&") {
+            let words: Vec<&str> = command.split_whitespace().collect();
+            if words.contains(&"install") && words.contains(&"-d") {
+                made.extend(
+                    words
+                        .iter()
+                        .filter(|w| w.starts_with('/'))
+                        .map(|w| w.to_string()),
+                );
+            }
+        }
+    }
+    let image = deploy::image();
+    let mut copies_from_builder = 0;
+    for line in joined_lines(&text) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.first().map(|w| w.to_uppercase()) != Some("COPY".into()) {
+            continue;
+        }
+        let operands: Vec<&str> = words[1..]
+            .iter()
+            .copied()
+            .filter(|w| !w.starts_with("--"))
+            .collect();
+        let (sources, _) = operands.split_at(operands.len() - 1);
+        if words.iter().any(|w| *w == "--from=builder") {
+            for source in sources {
+                let dir = source.trim_end_matches('/');
+                assert!(
+                    made.iter()
+                        .any(|m| m == dir || m.starts_with(&format!("{dir}/"))),
+                    "COPY --from=builder {source}: the builder stage makes no such path ({made:?})"
+                );
+                copies_from_builder += 1;
+            }
+        } else {
+            for source in sources {
+                assert!(
+                    repo().join(source).exists(),
+                    "COPY {source}: not in the repository"
+                );
+            }
+        }
+    }
+    assert!(
+        copies_from_builder > 0,
+        "the runtime stage copies nothing from the builder"
+    );
+    // What the runtime stage runs and the manifests exec is copied in, from the builder's
+    // release binaries.
+    for (source, destination) in &installed {
+        if source.starts_with("target/release/") {
+            let in_image = destination.trim_start_matches("/out");
+            assert!(
+                image.copied.iter().any(|c| c == in_image),
+                "the runtime stage does not copy {in_image}"
+            );
+        }
+    }
+
+    // The context: .dockerignore must not drop a workspace member (cargo refuses a
+    // workspace whose member is missing) or Cargo.lock.
+    let ignore = read("container/Dockerfile.dockerignore");
+    let patterns: Vec<&str> = ignore
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let ignored = |path: &str| {
+        patterns.iter().any(|p| {
+            assert!(
+                !p.starts_with('!') && !p.trim_start_matches("**/").contains(['*', '?', '[']),
+                "the test reads only `dir/` and `**/dir/` patterns, not {p:?}"
+            );
+            let dir = p.trim_start_matches("**/").trim_end_matches('/');
+            let path = format!("{path}/");
+            if p.starts_with("**/") {
+                path.split('/').any(|component| component == dir)
+            } else {
+                path.starts_with(&format!("{dir}/"))
+            }
+        })
+    };
+    let metadata = cargo_metadata();
+    let root = repo();
+    let mut members = 0;
+    for package in metadata["packages"].as_array().expect("packages") {
+        let manifest = Path::new(str_of(&package["manifest_path"], "manifest_path"));
+        let Ok(member) = manifest.parent().expect("package dir").strip_prefix(&root) else {
+            continue; // a dependency
+        };
+        let member = member.to_str().expect("utf-8");
+        assert!(
+            !ignored(member),
+            "the Dockerfile's context leaves out member {member}"
+        );
+        members += 1;
+    }
+    assert!(members >= 4, "the workspace's members were not found");
+    assert!(!ignored("Cargo.lock"));
+    assert!(
+        ignored("target") && ignored("agent/target"),
+        "target/ stays out of the context"
+    );
+}
