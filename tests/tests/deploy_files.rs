@@ -514,8 +514,15 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
     let storage_dir = image.env["OPMON_STORAGE_DIR"].clone();
     let (agent_uid, agent_gid) = image.uid_gid();
 
-    for file in deploy::MANIFESTS {
-        let docs = deploy::manifest(file);
+    // Containers of the user's Velero Deployment: the examples patch them, and answer
+    // only for what the patch sets.
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let velero_input: Vec<&Value> = deploy::pod_templates(&input)
+        .into_iter()
+        .flat_map(|(_, pod)| deploy::containers(pod))
+        .collect();
+    for (file, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(file);
         let pods = deploy::pod_templates(&docs);
         let agents: Vec<(&String, &Value, &Value)> = pods
             .iter()
@@ -568,15 +575,29 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
             }
             Some("Deployment") => {
                 assert_eq!(socket_kind, "emptyDir", "{file}");
-                assert_eq!(state_kind, "persistentVolumeClaim", "{file}");
-                let claim = &deploy::volume_at(agent_pod, agent, &state_dir).expect("state")
-                    ["persistentVolumeClaim"]["claimName"];
-                assert!(
-                    docs.iter()
-                        .any(|d| d["kind"] == "PersistentVolumeClaim"
+                if state_kind == "emptyDir" {
+                    // Only with Litestream replicating it (litestream.rs checks how).
+                    let (_, state_volume) =
+                        volume_identity(agent_pod_name, agent_pod, agent, &state_dir);
+                    assert!(
+                        deploy::containers(agent_pod).into_iter().any(|c| {
+                            c["name"] == "litestream"
+                                && c["restartPolicy"] == "Always"
+                                && volume_identity(agent_pod_name, agent_pod, c, &state_dir).1
+                                    == state_volume
+                        }),
+                        "{file}: a database on an emptyDir with no Litestream sidecar"
+                    );
+                } else {
+                    assert_eq!(state_kind, "persistentVolumeClaim", "{file}");
+                    let claim = &deploy::volume_at(agent_pod, agent, &state_dir).expect("state")
+                        ["persistentVolumeClaim"]["claimName"];
+                    assert!(
+                        docs.iter().any(|d| d["kind"] == "PersistentVolumeClaim"
                             && &d["metadata"]["name"] == claim),
-                    "{file}: no PersistentVolumeClaim {claim}"
-                );
+                        "{file}: no PersistentVolumeClaim {claim}"
+                    );
+                }
                 assert_eq!(workload["spec"]["replicas"], 1, "{file}");
                 assert_eq!(workload["spec"]["strategy"]["type"], "Recreate", "{file}");
                 // A native sidecar.
@@ -614,11 +635,17 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
             .as_array()
             .map(|l| l.iter().filter_map(Value::as_u64).collect())
             .unwrap_or_default();
+        // The examples ship no snapshotter (yours owns your plugin's operations), but a
+        // volume where the ones you add serve.
+        assert!(
+            deploy::volume_at(agent_pod, agent, "/run/opmon-snapshotters").is_some(),
+            "{file}: the agent mounts no /run/opmon-snapshotters for snapshotters"
+        );
         let snapshotters = config["snapshotter"]
             .as_array()
-            .expect("[[snapshotter]] tables");
-        assert!(!snapshotters.is_empty(), "{file}: no [[snapshotter]]");
-        for s in snapshotters {
+            .cloned()
+            .unwrap_or_default();
+        for s in &snapshotters {
             let socket = Path::new(str_of(&s["socket"], "snapshotter socket"));
             let dir = socket.parent().expect("dir").to_str().expect("utf-8");
             let (_, theirs) = volume_identity(agent_pod_name, agent_pod, agent, dir);
@@ -676,10 +703,14 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
         }
         assert!(servers > 0, "{file}: no backup server is told OPMON_SOCKET");
 
-        // Non-root (but for the DaemonSet's chown step), read-only, least capabilities.
+        // Non-root (but for the DaemonSet's chown step), read-only, least capabilities:
+        // every container the examples add.
         for (_, pod) in &pods {
             for c in deploy::containers(pod) {
                 let cname = &c["name"];
+                if velero_input.iter().any(|v| v["name"] == *cname) {
+                    continue;
+                }
                 let sc = &c["securityContext"];
                 assert_eq!(sc["readOnlyRootFilesystem"], true, "{file}: {cname}");
                 assert_eq!(sc["allowPrivilegeEscalation"], false, "{file}: {cname}");
@@ -1070,4 +1101,189 @@ fn the_dockerfile_builds_every_binary_it_copies() {
         ignored("target") && ignored("agent/target"),
         "target/ stays out of the context"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// The Kubernetes examples as kustomize overlays
+
+/// Whether `inner` is found in `outer`: every key of an object with a value found in
+/// `outer`'s, every element of a list found in some element of `outer`'s.
+fn found_in(inner: &Value, outer: &Value) -> bool {
+    match (inner, outer) {
+        (Value::Object(i), Value::Object(o)) => i
+            .iter()
+            .all(|(k, v)| o.get(k).is_some_and(|w| found_in(v, w))),
+        (Value::Array(i), Value::Array(o)) => i.iter().all(|v| o.iter().any(|w| found_in(v, w))),
+        _ => inner == outer,
+    }
+}
+
+/// Every YAML file shipped under `container/kubernetes`, relative to the repository.
+fn shipped_yaml() -> Vec<String> {
+    let mut files = Vec::new();
+    let root = repo().join("container/kubernetes");
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("container/kubernetes") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                let relative = path.strip_prefix(repo()).expect("in the repository");
+                files.push(relative.to_str().expect("utf-8").to_string());
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// No example carries a Velero Deployment of its own (applying one would replace the
+/// cluster's): what they ship for Velero is a strategic-merge patch, and what they render
+/// over a Velero Deployment keeps all of it.
+#[test]
+fn the_examples_patch_an_existing_velero_and_ship_none() {
+    for file in shipped_yaml() {
+        for doc in deploy::manifest(&file) {
+            if doc["kind"] == "Deployment" || doc["kind"] == "StatefulSet" {
+                assert!(
+                    doc["spec"]["selector"].is_null(),
+                    "{file} holds a whole {} {} (it has a selector): ship a patch",
+                    doc["kind"],
+                    doc["metadata"]["name"]
+                );
+            }
+        }
+    }
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let mut velero_input = input
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the Velero input's Deployment")
+        .clone();
+    // The one thing the sidecar overlays replace: one agent per database.
+    velero_input["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("strategy");
+    for (example, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(example);
+        let deployments: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "Deployment").collect();
+        assert_eq!(deployments.len(), 1, "{example}: the one Velero Deployment");
+        assert!(
+            found_in(&velero_input, deployments[0]),
+            "{example}: the rendered Velero Deployment lost some of the input's:\n{}",
+            serde_json::to_string_pretty(deployments[0]).expect("JSON")
+        );
+        if deploy::pod_templates(&docs).iter().any(|(name, pod)| {
+            name == "Deployment/velero" && deploy::containers(pod).into_iter().any(is_agent)
+        }) {
+            assert_eq!(
+                deployments[0]["spec"]["strategy"]["type"], "Recreate",
+                "{example}"
+            );
+            assert!(
+                deployments[0]["spec"]["strategy"]["rollingUpdate"].is_null(),
+                "{example}: Recreate takes no rollingUpdate"
+            );
+        }
+    }
+}
+
+/// Velero 1.14 takes every restore through Finalizing: the agent must expect it.
+#[test]
+fn every_example_sets_restore_finalize_for_velero_1_14() {
+    for (example, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(example);
+        let (_, pod) = deploy::pod_templates(&docs)
+            .into_iter()
+            .find(|(_, pod)| deploy::containers(pod).into_iter().any(is_agent))
+            .expect("the agent's pod");
+        let agent = deploy::containers(pod)
+            .into_iter()
+            .find(|c| is_agent(c))
+            .expect("agent");
+        let config = deploy::agent_config(&docs, pod, agent);
+        assert_eq!(
+            config["restore_finalize"], true,
+            "{example}: agent.toml should set restore_finalize = true (Velero 1.14)"
+        );
+    }
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let image = input
+        .iter()
+        .flat_map(|d| deploy::containers(&d["spec"]["template"]["spec"]))
+        .find(|c| c["name"] == "velero")
+        .and_then(|c| c["image"].as_str())
+        .expect("the input's Velero image");
+    assert!(image.starts_with("velero/velero:v1.14."), "{image}");
+}
+
+/// The Litestream replica's settings are an input the example cannot render without,
+/// named in the error; nothing shipped pretends to be a credential.
+#[test]
+fn the_litestream_replica_is_a_required_input() {
+    let tree = deploy::kubernetes_tree(true);
+    let (ok, _, err) = deploy::kustomize(&tree.path().join("sidecar-litestream"));
+    assert!(!ok, "rendered with no replica.env");
+    assert!(
+        err.contains("replica.env"),
+        "the error should name replica.env: {err}"
+    );
+
+    let docs = deploy::rendered("sidecar-litestream");
+    let secret = docs
+        .iter()
+        .find(|d| d["kind"] == "Secret")
+        .expect("the generated Secret");
+    let name = str_of(&secret["metadata"]["name"], "secret name");
+    for line in deploy::TEST_REPLICA_ENV.lines() {
+        let (key, _) = line.split_once('=').expect("NAME=value");
+        assert!(!secret["data"][key].is_null(), "the Secret lacks {key}");
+    }
+    let (_, pod) = deploy::pod_templates(&docs)
+        .into_iter()
+        .find(|(n, _)| n == "Deployment/velero")
+        .expect("Velero's pod");
+    for c in deploy::containers(pod) {
+        for source in c["envFrom"].as_array().into_iter().flatten() {
+            assert_eq!(source["secretRef"]["name"], name, "{}", c["name"]);
+        }
+    }
+    for file in shipped_yaml() {
+        let text = read(&file);
+        for word in ["replace-me", "changeme", "my-velero-bucket"] {
+            assert!(
+                !text.contains(word),
+                "{file} ships the placeholder {word:?}"
+            );
+        }
+    }
+}
+
+/// Every image an example runs has its source here (the agent's, `container/Dockerfile`),
+/// is a published upstream image, or is the user's own (their Velero Deployment's).
+#[test]
+fn no_example_references_an_image_without_source_in_the_repository() {
+    const UPSTREAM: &[&str] = &["busybox:", "litestream/litestream:"];
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let theirs: Vec<&str> = input
+        .iter()
+        .flat_map(|d| deploy::containers(&d["spec"]["template"]["spec"]))
+        .filter_map(|c| c["image"].as_str())
+        .collect();
+    for (example, _) in deploy::EXAMPLES {
+        for (_, pod) in deploy::pod_templates(&deploy::rendered(example)) {
+            for c in deploy::containers(pod) {
+                let image = str_of(&c["image"], "image");
+                assert!(
+                    image.starts_with(deploy::AGENT_IMAGE_PREFIX)
+                        || UPSTREAM.iter().any(|u| image.starts_with(u))
+                        || theirs.contains(&image),
+                    "{example}: {} runs {image}, whose source is not in the repository",
+                    c["name"]
+                );
+            }
+        }
+    }
 }
