@@ -1287,3 +1287,83 @@ fn no_example_references_an_image_without_source_in_the_repository() {
         }
     }
 }
+
+/// The deployment pages' shell blocks: each parses (`bash -n`); every directory
+/// `kubectl apply -k` takes is an example; every file they write into an example is an
+/// input its kustomization reads; every Dockerfile they build exists. (Applying them
+/// needs a cluster; the examples' rendering is checked above.)
+#[test]
+fn the_printed_deployment_commands_name_what_the_repository_holds() {
+    let mut applied = Vec::new();
+    for page in ["container/README.md", "systemd/README.md"] {
+        let markdown = read(page);
+        let mut blocks: Vec<String> = Vec::new();
+        let mut current: Option<String> = None;
+        for line in markdown.lines() {
+            match (&mut current, line.trim_start()) {
+                (None, "```sh") => current = Some(String::new()),
+                (Some(block), "```") => {
+                    blocks.push(std::mem::take(block));
+                    current = None;
+                }
+                (Some(block), _) => {
+                    block.push_str(line);
+                    block.push('\n');
+                }
+                (None, _) => {}
+            }
+        }
+        assert!(!blocks.is_empty(), "{page} has no sh blocks");
+        for block in &blocks {
+            let out = Command::new("bash")
+                .args(["-n", "-c", block])
+                .output()
+                .expect("bash");
+            assert!(
+                out.status.success(),
+                "{page}: a block does not parse:\n{block}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for line in joined_lines(block) {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                if let Some(at) = words.windows(2).position(|w| w == ["apply", "-k"]) {
+                    let dir = words[at + 2];
+                    assert!(
+                        repo().join(dir).join("kustomization.yaml").is_file(),
+                        "{page}: kubectl apply -k {dir}: no kustomization there"
+                    );
+                    applied.push(dir.to_string());
+                }
+                if let Some(at) = words.iter().position(|w| *w == "-f") {
+                    if words.contains(&"build") {
+                        assert!(repo().join(words[at + 1]).is_file(), "{page}: {line}");
+                    }
+                }
+                for word in &words {
+                    let Some(target) = word.strip_prefix('>') else {
+                        continue;
+                    };
+                    if let Some(rest) = target.strip_prefix("container/kubernetes/") {
+                        let (dir, file) = rest.split_once('/').expect("dir/file");
+                        let kustomization =
+                            read(&format!("container/kubernetes/{dir}/kustomization.yaml"));
+                        assert!(
+                            kustomization.contains(file),
+                            "{page}: writes {target}, which {dir}/kustomization.yaml does not read"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Every example is shown being applied.
+    for (example, dirs) in deploy::EXAMPLES {
+        for dir in *dirs {
+            let path = format!("container/kubernetes/{dir}");
+            assert!(
+                applied.contains(&path),
+                "container/README.md never applies {path} (example {example})"
+            );
+        }
+    }
+}
