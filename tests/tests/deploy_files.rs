@@ -1022,7 +1022,7 @@ fn the_dockerfile_builds_every_binary_it_copies() {
             .filter(|w| !w.starts_with("--"))
             .collect();
         let (sources, _) = operands.split_at(operands.len() - 1);
-        if words.iter().any(|w| *w == "--from=builder") {
+        if words.contains(&"--from=builder") {
             for source in sources {
                 let dir = source.trim_end_matches('/');
                 assert!(
