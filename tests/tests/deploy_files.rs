@@ -752,10 +752,15 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
 /// `cargo metadata --locked` of the workspace: it fails as `cargo build --locked` would
 /// when `Cargo.lock` is out of date.
 fn cargo_metadata() -> Value {
+    cargo_metadata_in(&repo())
+}
+
+/// [`cargo_metadata`] of the workspace at `root`.
+fn cargo_metadata_in(root: &Path) -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(&cargo)
         .args(["metadata", "--format-version", "1", "--locked", "--offline"])
-        .current_dir(repo())
+        .current_dir(root)
         .output()
         .unwrap_or_else(|e| panic!("running {cargo} metadata: {e}"));
     assert!(
@@ -1096,6 +1101,38 @@ fn the_dockerfile_builds_every_binary_it_copies() {
         members += 1;
     }
     assert!(members >= 4, "the workspace's members were not found");
+    // The context as Docker sends it (the repository less what is ignored) is a
+    // workspace cargo loads, with the packages the build line names.
+    let context = tempfile::tempdir().expect("context directory");
+    let mut stack = vec![PathBuf::new()];
+    while let Some(relative) = stack.pop() {
+        for entry in std::fs::read_dir(root.join(&relative)).expect("read_dir") {
+            let entry = entry.expect("entry");
+            let path = relative.join(entry.file_name());
+            let text = path.to_str().expect("utf-8");
+            if ignored(text) {
+                continue;
+            }
+            if entry.file_type().expect("file type").is_dir() {
+                std::fs::create_dir(context.path().join(&path)).expect("mkdir");
+                stack.push(path);
+            } else if entry.file_type().expect("file type").is_file() {
+                std::fs::copy(entry.path(), context.path().join(&path)).expect("copy");
+            }
+        }
+    }
+    let in_context = cargo_metadata_in(context.path());
+    let words: Vec<&str> = build.split_whitespace().collect();
+    for package in words.windows(2).filter(|w| w[0] == "-p").map(|w| w[1]) {
+        assert!(
+            in_context["packages"]
+                .as_array()
+                .expect("packages")
+                .iter()
+                .any(|p| p["name"] == package),
+            "the build context has no {package}"
+        );
+    }
     assert!(!ignored("Cargo.lock"));
     assert!(
         ignored("target") && ignored("agent/target"),
