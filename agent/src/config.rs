@@ -54,6 +54,7 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
     ("OPMON_OWNER_KIND", "command snapshotters"),
     ("OPMON_OWNER_NAME", "command snapshotters"),
     ("OPMON_OWNER_UID", "command snapshotters"),
+    ("OPMON_AGENT_UID", "the opmon CLI"),
 ];
 
 /// The variable of `--config`, the one flag with a variable that is not a setting.
