@@ -218,6 +218,10 @@ settings! {
     /// copied the WAL: see *Surviving the loss of a node*). Without a replicator running,
     /// `"external"` lets the WAL grow until the agent stops
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
+    /// start with an empty database although an agent has run with this storage
+    /// directory before (`agent.db` missing or empty), forgetting its backups and
+    /// restores; without it such a start is refused, to restore the database instead
+    start_anew: bool = false, shown Shown::Value, check any;
 }
 
 /// How the README shows a setting's default.
@@ -670,6 +674,8 @@ pub struct Settings {
     /// canonical form.
     pub snapshotters: Vec<Snapshotter>,
     pub checkpoint: Checkpoint,
+    /// Start on a missing or empty database where an agent has run before.
+    pub start_anew: bool,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
 }
@@ -854,6 +860,7 @@ impl Values {
             idle_timeout: self.idle_timeout.value.0,
             snapshotters,
             checkpoint: self.checkpoint.value,
+            start_anew: self.start_anew.value,
             provenance,
             core: CoreSettings {
                 poll_interval: self.poll_interval.value.0,

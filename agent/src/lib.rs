@@ -170,6 +170,8 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
+    let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
+    storage.check_database(&db, settings.start_anew)?;
     replica::repair_modes(&db)?;
     let metrics = Metrics::new();
     let committed = metrics.clone();
@@ -182,7 +184,10 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         .map_err(|e| e.to_string())?;
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
-    let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
+    // Without the mark the database is only unguarded, which is no reason not to serve.
+    if let Err(e) = storage.mark_ran() {
+        tracing::warn!(error = %e, "could not mark the storage directory as used");
+    }
     let core = Core::new(
         store.clone(),
         storage,
