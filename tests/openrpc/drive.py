@@ -11,7 +11,7 @@ Run by tests/tests/openrpc.rs. Two modes:
       validator: nothing here comes from the Rust code), drives a backup and a restore
       to Completed, and prints one summary line of JSON.
 
-  drive.py snapshotter DOCUMENT STATE_DIR (progress|cancel) OPERATION_ID
+  drive.py snapshotter DOCUMENT STATE_DIR (progress|cancel) -- OPERATION_ID
       A command snapshotter: reads the call's params on stdin, validates them and its
       own answer against the snapshotter document, prints the answer. An operation whose
       ID starts with "done-" is complete at once; any other completes once the file
@@ -277,7 +277,9 @@ class WebSocket:
 # ---------------------------------------------------------------- the snapshotter
 
 
-def snapshotter(document_path, state, verb, operation_id):
+def snapshotter(document_path, state, verb, separator, operation_id):
+    if separator != "--":
+        raise AssertionError(f"expected -- before the operation ID, got {separator!r}")
     doc = Document(document_path)
     method = {"progress": "operation.progress", "cancel": "operation.cancel"}[verb]
     params = json.load(sys.stdin)
@@ -530,7 +532,7 @@ def drive(args):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "snapshotter":
         try:
-            snapshotter(*sys.argv[2:6])
+            snapshotter(*sys.argv[2:7])
         except Exception as e:  # the agent shows stderr's last line as the error
             print(f"python snapshotter: {e}".replace("\n", " "), file=sys.stderr)
             sys.exit(1)

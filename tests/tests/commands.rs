@@ -305,8 +305,8 @@ fn a_command_sees_exactly_the_documented_environment_and_its_params_on_stdin() {
     let env = script(
         dir.path(),
         "env.sh",
-        r#"tr '\0' '\n' < /proc/$$/environ > "$1/env-$3"
-cat > "$1/stdin-$3"
+        r#"tr '\0' '\n' < /proc/$$/environ > "$1/env-$4"
+cat > "$1/stdin-$4"
 echo '{"completed":true}'
 "#,
     );
@@ -374,7 +374,7 @@ fn what_a_command_prints_is_bounded() {
     let flood = script(
         dir.path(),
         "flood.sh",
-        r#"case "$2" in
+        r#"case "$3" in
 flood-*) head -c 1073741824 /dev/zero ;;
 loud-*) head -c 268435456 /dev/zero >&2; printf "\nthe last line\n\n" >&2; exit 3 ;;
 esac
@@ -462,4 +462,28 @@ fn only_the_operator_lets_clients_register_command_snapshotters() {
         "snapshotter example.io/api runs a command, which only the config file may register \
          (allow_api_command_snapshotters is false)"
     );
+}
+
+#[test]
+fn an_operation_id_reaches_a_command_after_double_dash_never_as_an_option() {
+    let dir = tempfile::tempdir().unwrap();
+    // Records its arguments, one per line, then answers.
+    let args = script(
+        dir.path(),
+        "args.sh",
+        r#"out=$1; shift
+printf '%s\n' "$@" >> "$out/args"
+echo '{"completed":true}'
+"#,
+    );
+    let agent = agent_with_command(
+        dir.path(),
+        &[args.to_str().unwrap(), dir.path().to_str().unwrap()],
+        &[],
+    );
+    let mut http = RawHttp::connect(&agent.socket);
+    let owner = run_backup(&mut http, "b", &["--kubeconfig=/tmp/attacker/config"]);
+    assert_eq!(owner["phase"], "Finalizing", "{owner}");
+    let seen = std::fs::read_to_string(dir.path().join("args")).unwrap();
+    assert_eq!(seen, "progress\n--\n--kubeconfig=/tmp/attacker/config\n");
 }
