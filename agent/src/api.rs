@@ -227,13 +227,47 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
 }
 
 /// Maps legacy plugin names (as Velero's `sanitizeName` does), then checks every
-/// operation against the agent's clock `now`.
-fn check_add(p: &mut AddOperationsParams, now: OffsetDateTime) -> Result<(), Error> {
+/// operation against the agent's clock `now` and against what Velero keeps for an owner
+/// of `kind`.
+fn check_add(
+    kind: OwnerKind,
+    p: &mut AddOperationsParams,
+    now: OffsetDateTime,
+) -> Result<(), Error> {
     owner_name(&p.name)?;
     for (i, op) in p.operations.iter_mut().enumerate() {
         validate::legacy_plugin_name(&mut op.plugin.name);
         validate::new_operation(op, now)
+            .and_then(|()| fits_owner(kind, op))
             .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+    }
+    Ok(())
+}
+
+/// Velero's backups hold the operations of BackupItemActions (and volume snapshotters);
+/// its restores only RestoreItemActions', and a restore operation has no
+/// `postOperationItems` (Velero's `RestoreOperationSpec` has no such field).
+fn fits_owner(kind: OwnerKind, op: &opmon_client::NewOperation) -> Result<(), (String, String)> {
+    use opmon_client::PluginKind::*;
+    let fits = match kind {
+        OwnerKind::Backup => matches!(op.plugin.kind, BackupItemAction | VolumeSnapshotter),
+        OwnerKind::Restore => op.plugin.kind == RestoreItemAction,
+    };
+    if !fits {
+        let takes = match kind {
+            OwnerKind::Backup => "BackupItemAction or VolumeSnapshotter",
+            OwnerKind::Restore => "RestoreItemAction",
+        };
+        return Err((
+            "plugin.kind".into(),
+            format!("a {kind} takes {takes} operations, not {}", op.plugin.kind),
+        ));
+    }
+    if kind == OwnerKind::Restore && !op.post_operation_items.is_empty() {
+        return Err((
+            "postOperationItems".into(),
+            "a restore operation has none (Velero backs items up again only for backups)".into(),
+        ));
     }
     Ok(())
 }
@@ -470,7 +504,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         name(OwnerMethod::AddOperations),
         true,
         move |core, mut p: AddOperationsParams, caller| async move {
-            check_add(&mut p, OffsetDateTime::now_utc())?;
+            check_add(kind, &mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await
         },
     );

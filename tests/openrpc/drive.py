@@ -311,8 +311,8 @@ def snapshotter(document_path, state, verb, separator, operation_id):
 PLUGIN = "example.io/python"
 
 
-def op(operation_id, item):
-    return {"plugin": {"kind": "BackupItemAction", "name": PLUGIN},
+def op(operation_id, item, kind="BackupItemAction"):
+    return {"plugin": {"kind": kind, "name": PLUGIN},
             "resource": {"group": "", "resource": "persistentvolumeclaims",
                          "namespace": "app", "name": item},
             "operationId": operation_id}
@@ -425,7 +425,7 @@ def drive(args):
 
     # A restore that finalizes, then is deleted.
     agent.call("restore.start", {"name": "r1", "uid": "ru1", "finalize": True})
-    agent.call("restore.addOperations", {"name": "r1", "operations": [op("done-2", "data")]})
+    agent.call("restore.addOperations", {"name": "r1", "operations": [op("done-2", "data", "RestoreItemAction")]})
     expect(agent.call("restore.endInProgress", {"name": "r1"})["phase"] == "Finalizing",
            "a finished restore with finalize goes to Finalizing")
     agent.call("restore.wait", {"name": "r1", "until": "terminal", "timeout": "10ms"})
@@ -487,7 +487,7 @@ def drive(args):
     agent.error("backup.cancel", {"name": "b5", "operations": ["slow-5"]}, 1003)
     agent.error("backup.cancel", {"name": "b5", "operations": ["nope"]}, 1001)
     agent.call("restore.start", {"name": "r3", "uid": "ru3"})
-    agent.call("restore.addOperations", {"name": "r3", "operations": [op("slow-7", "data")]})
+    agent.call("restore.addOperations", {"name": "r3", "operations": [op("slow-7", "data", "RestoreItemAction")]})
     canceled = agent.call("restore.cancel", {"name": "r3"})
     expect(canceled["owner"]["phase"] == "Failed"
            and canceled["owner"]["failureReason"] == "canceled: canceled by request",

@@ -10,7 +10,7 @@ use opmon_client::{
     codes, Contents, FinalizeParams, OwnerPhase, ResourceIdentifier, StartParams, UpdatedItem,
     WaitUntil,
 };
-use opmon_tests::{operation, pvc, Fixture, PLUGIN};
+use opmon_tests::{restore_operation, operation, pvc, Fixture, PLUGIN};
 use serde_json::{json, Value};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -585,7 +585,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .await
         .unwrap();
     restores
-        .add_operations("r", vec![operation(PLUGIN, "fail-1", "a", &[])])
+        .add_operations("r", vec![restore_operation(PLUGIN, "fail-1", "a")])
         .await
         .unwrap();
     let owner = restores.end_in_progress("r").await.unwrap();
