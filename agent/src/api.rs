@@ -821,7 +821,9 @@ mod tests {
                {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[1].resource.name: must not contain '/' (a Kubernetes name is a path \
              segment: no '/', '%' or control characters)"
         );
@@ -833,13 +835,15 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"csi-pvc"},"resource":{"group":"rbac.authorization.k8s.io","resource":"clusterroles","name":"system:aggregate-to-admin"},"operationId":"x",
                 "postOperationItems":[{"resource":"configmaps","namespace":"app","name":"system:config"}]}"#,
         );
-        check_add(&mut p, NOW).unwrap();
+        check_add(OwnerKind::Backup, &mut p, NOW).unwrap();
         assert_eq!(p.operations[0].plugin.name, "velero.io/csi-pvc");
         let mut p = add_params(
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b"},"resource":{"resource":"pods","namespace":"App","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].resource.namespace: must be a DNS label (lowercase letters, digits \
              and '-', starting and ending with a letter or digit, at most 63 characters)"
         );
@@ -847,7 +851,9 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b/c"},"resource":{"resource":"pods","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].plugin.name: must have exactly two parts separated by '/' \
              (<DNS subdomain>/<non-empty name>)"
         );
@@ -860,11 +866,20 @@ mod tests {
                 r#"{{"plugin":{{"kind":"BackupItemAction","name":"a.io/b"}},"resource":{{"resource":"pods","name":"p"}},"operationId":"x","created":"{created}"}}"#
             )
         };
-        check_add(&mut add_params(&op("2026-11-22T10:02:45Z")), NOW).unwrap();
+        check_add(
+            OwnerKind::Backup,
+            &mut add_params(&op("2026-11-22T10:02:45Z")),
+            NOW,
+        )
+        .unwrap();
         assert_eq!(
-            check_add(&mut add_params(&op("2026-11-22T10:02:46Z")), NOW)
-                .unwrap_err()
-                .to_string(),
+            check_add(
+                OwnerKind::Backup,
+                &mut add_params(&op("2026-11-22T10:02:46Z")),
+                NOW
+            )
+            .unwrap_err()
+            .to_string(),
             "operations[0].created: must not be more than 5m0s ahead of the agent's clock"
         );
     }

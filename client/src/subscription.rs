@@ -118,7 +118,8 @@ impl State {
         let config = self.client.config();
         let timeout = config.connect_timeout;
         let subscribe = async {
-            let mut ws = match WebSocket::open(&path, config.max_response, &config.agent_uids).await {
+            let mut ws = match WebSocket::open(&path, config.max_response, &config.agent_uids).await
+            {
                 Ok(ws) => ws,
                 // Another user's socket in the agent's place does not go away by itself.
                 Err(OpenError::Connect(source))

@@ -382,7 +382,10 @@ async fn an_operation_whose_plugin_kind_or_post_items_do_not_fit_the_owner_is_re
         let mut params = with(plugin_kind, post);
         params["operations"][0]["operationId"] = json!(format!("op-{plugin_kind}"));
         let answer = http.call(&request(method, params));
-        assert_eq!(answer["result"]["added"], 1, "{method} {plugin_kind}: {answer}");
+        assert_eq!(
+            answer["result"]["added"], 1,
+            "{method} {plugin_kind}: {answer}"
+        );
     }
     let ops = http.call(&request("restore.operations", json!({"name": "o"})));
     assert_eq!(ops["result"].as_array().map(Vec::len), Some(1), "{ops}");

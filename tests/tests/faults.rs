@@ -705,8 +705,11 @@ async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served
             [],
         )
         .unwrap();
-        db.execute("UPDATE owners SET phase = 'In\u{1}Prog' WHERE name = 'b3'", [])
-            .unwrap();
+        db.execute(
+            "UPDATE owners SET phase = 'In\u{1}Prog' WHERE name = 'b3'",
+            [],
+        )
+        .unwrap();
     }
     agent.restart();
     let client = agent.client().await;
@@ -728,7 +731,9 @@ async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served
     // Asked for by name, the damaged one is an error that says so; the others answer.
     let error = client.backups().get("b2").await.unwrap_err().to_string();
     assert!(
-        error.contains("backup b2 is damaged in the database (created_ms: 253402300800000 is not a time)"),
+        error.contains(
+            "backup b2 is damaged in the database (created_ms: 253402300800000 is not a time)"
+        ),
         "{error}"
     );
     assert_eq!(

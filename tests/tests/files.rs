@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use opmon_agent::storage_dir::StorageDir;
 use opmon_client::{OwnerKind, OwnerPhase, WaitUntil};
-use opmon_tests::{restore_operation, operation, Agent, Fixture, PLUGIN};
+use opmon_tests::{operation, restore_operation, Agent, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
 

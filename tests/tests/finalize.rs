@@ -10,7 +10,7 @@ use opmon_client::{
     codes, Contents, FinalizeParams, OwnerPhase, ResourceIdentifier, StartParams, UpdatedItem,
     WaitUntil,
 };
-use opmon_tests::{restore_operation, operation, pvc, Fixture, PLUGIN};
+use opmon_tests::{operation, pvc, restore_operation, Fixture, PLUGIN};
 use serde_json::{json, Value};
 
 const LONG: Duration = Duration::from_secs(120);

@@ -443,9 +443,8 @@ fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
     // is refused by the agent, with the rule.
     c.ok("opmon status");
     c.ok("runuser -u opmon -- opmon --socket /run/opmon/agent.sock status");
-    let refused = c.sh(
-        "runuser -u intruder -- opmon --socket /run/opmon/agent.sock --agent-uid opmon status",
-    );
+    let refused = c
+        .sh("runuser -u intruder -- opmon --socket /run/opmon/agent.sock --agent-uid opmon status");
     assert!(!refused.status.success());
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(

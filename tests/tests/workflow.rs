@@ -6,7 +6,7 @@ use std::time::Duration;
 use opmon_client::{
     codes, ApiVersion, ListParams, OperationPhase, OwnerPhase, Snapshotter, StartParams, WaitUntil,
 };
-use opmon_tests::{restore_operation, command_snapshotter_script, operation, pvc, Fixture, PLUGIN};
+use opmon_tests::{command_snapshotter_script, operation, pvc, restore_operation, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
 

@@ -135,7 +135,11 @@ impl Columns<'_, '_> {
     }
 
     fn time(&mut self, index: usize) -> opmon_client::Timestamp {
-        self.take(index, |row, i| stored_time(row.get(i)?, i), UnixMs(0).time())
+        self.take(
+            index,
+            |row, i| stored_time(row.get(i)?, i),
+            UnixMs(0).time(),
+        )
     }
 }
 
