@@ -487,3 +487,38 @@ echo '{"completed":true}'
     let seen = std::fs::read_to_string(dir.path().join("args")).unwrap();
     assert_eq!(seen, "progress\n--\n--kubeconfig=/tmp/attacker/config\n");
 }
+
+#[test]
+fn impossible_counts_from_a_snapshotter_are_clamped_and_said_on_the_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    let liar = script(
+        dir.path(),
+        "liar.sh",
+        r#"case "$3" in
+over-*) echo '{"completed":false,"nCompleted":12,"nTotal":10,"started":"2026-01-01T00:00:00Z"}' ;;
+neg-*) echo '{"completed":false,"nCompleted":-5,"nTotal":-1,"started":"2026-01-01T00:00:00Z"}' ;;
+esac
+"#,
+    );
+    let agent = agent_with_command(dir.path(), &[liar.to_str().unwrap()], &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    let owner = run_backup(&mut http, "b", &["over-1", "neg-2"]);
+    assert_eq!(owner["phase"], "WaitingForPluginOperations", "{owner}");
+    let ops = operations(&mut http, "b");
+    assert_eq!(
+        (&ops[0]["nCompleted"], &ops[0]["nTotal"]),
+        (&json!(10), &json!(10))
+    );
+    assert_eq!(
+        ops[0]["lastError"],
+        "the snapshotter reported an impossible progress (nCompleted 12, nTotal 10): shown as 10 of 10"
+    );
+    assert_eq!(
+        (&ops[1]["nCompleted"], &ops[1]["nTotal"]),
+        (&json!(0), &json!(0))
+    );
+    assert_eq!(
+        ops[1]["lastError"],
+        "the snapshotter reported an impossible progress (nCompleted -5, nTotal -1): shown as 0 of 0"
+    );
+}
