@@ -168,6 +168,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let terminated = opmon_client::snapshotter::termination();
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
