@@ -1025,6 +1025,23 @@ impl CommandLine {
     }
 }
 
+/// The largest config file read: far beyond any real one, and a bound on what a wrong
+/// path (`/dev/zero`) can cost.
+const MAX_CONFIG_FILE: u64 = 1024 * 1024;
+
+fn read_config_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let failed = |e: &dyn fmt::Display| format!("reading config file {}: {e}", path.display());
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_CONFIG_FILE + 1).read_to_string(&mut text))
+        .map_err(|e| failed(&e))?;
+    if text.len() as u64 > MAX_CONFIG_FILE {
+        return Err(failed(&format!("larger than {MAX_CONFIG_FILE} bytes")));
+    }
+    Ok(text)
+}
+
 /// Parses the command line (and environment) into settings, reading the config file.
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
@@ -1044,8 +1061,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         None => None,
     };
     let file_text = match &config_file {
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("reading config file {}: {e}", path.display()))?,
+        Some(path) => read_config_file(path)?,
         None => String::new(),
     };
     let mut file: FileConfig = toml::from_str(&file_text).map_err(|e| {

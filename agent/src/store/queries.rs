@@ -827,6 +827,32 @@ pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String
     rows.collect()
 }
 
+/// The owners with unfinished operations of `plugin`, as `kind name (count)`, at most
+/// `limit` of them, and how many owners there are in all.
+pub fn owners_waiting_on(
+    conn: &Connection,
+    plugin: &str,
+    limit: i64,
+) -> rusqlite::Result<(Vec<String>, i64)> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT o.kind, o.name, COUNT(*) FROM operations p JOIN owners o ON o.id = p.owner_id \
+         WHERE p.plugin_name = ?1 AND p.phase IN ",
+        unfinished_operation!(),
+        " GROUP BY o.id ORDER BY o.kind, o.name"
+    ))?;
+    let mut named = Vec::new();
+    let mut all = 0;
+    let mut rows = stmt.query([plugin])?;
+    while let Some(row) = rows.next()? {
+        all += 1;
+        if all <= limit {
+            let (kind, name, n): (String, String, i64) = (row.get(0)?, row.get(1)?, row.get(2)?);
+            named.push(format!("{kind} {name} ({n})"));
+        }
+    }
+    Ok((named, all))
+}
+
 /// What the targets of one owner share: the owner as the snapshotter protocol names
 /// it (its `object` parsed), the object's size, and the owner's deadlines.
 struct OwnerPart {
