@@ -158,8 +158,8 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 	}
 }
 
-// The agent's error answers keep their code, message and data.
-func TestErrorsCarryTheCodeMessageAndData(t *testing.T) {
+// The agent's error answers keep their code and message; the HTTP status comes along.
+func TestErrorsCarryTheCodeAndMessage(t *testing.T) {
 	f := newFixture(t)
 	_, err := f.client.Backups().Get(ctx(t), "missing")
 	var rpc *opmon.RPCError
