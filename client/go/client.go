@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -182,6 +183,10 @@ func (c *Client) post(ctx context.Context, body []byte) attempt {
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := c.http.Do(req)
 	if err != nil {
+		var u *url.Error // "Post \"http://localhost/\": " says nothing here
+		if errors.As(err, &u) {
+			err = u.Err
+		}
 		return attempt{sent: wasSent(), err: err}
 	}
 	defer resp.Body.Close()
@@ -236,22 +241,23 @@ func (c *Client) call(ctx context.Context, method string, params func() any, res
 		case a.err == nil && (a.status == http.StatusTooManyRequests || a.status == http.StatusServiceUnavailable):
 			// Too many connections: refused before the request was read.
 			last = c.decode(method, a, nil)
+			a.sent = false
 		case a.err == nil:
 			return c.decode(method, a, result)
 		case a.sent && retry == RetryIfNotSent:
 			return &InterruptedError{Method: method, Err: causeOf(ctx, a.err)}
 		case ctx.Err() != nil:
-			return &TransportError{Method: method, Socket: c.socket, Sent: a.sent, Err: causeOf(ctx, a.err)}
+			return &TransportError{Method: method, Socket: c.socket, Sent: a.sent, Err: ctx.Err(), Last: last}
 		case !a.sent && !transientDialError(a.err):
 			return &TransportError{Method: method, Socket: c.socket, Err: a.err}
 		default:
-			last = &TransportError{Method: method, Socket: c.socket, Sent: a.sent, Err: a.err}
+			last = a.err
 		}
 		timer := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return fmt.Errorf("%w (%v)", last, ctx.Err())
+			return &TransportError{Method: method, Socket: c.socket, Sent: a.sent, Err: ctx.Err(), Last: last}
 		case <-timer.C:
 		}
 		if pause *= 2; pause > time.Second {

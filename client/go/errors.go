@@ -83,14 +83,22 @@ type TransportError struct {
 	Socket string
 	// Whether the request was sent (on the last attempt).
 	Sent bool
-	Err  error
+	// Why the call ended: the I/O error, or the context's when the call's time ran out
+	// or its context was cancelled while it was tried again.
+	Err error
+	// The failure of the last attempt before the context ended, if there was one.
+	Last error
 }
 
 func (e *TransportError) Error() string {
+	what := "cannot reach the opmon agent"
 	if e.Sent {
-		return fmt.Sprintf("%s: talking to the opmon agent at %s: %v", e.Method, e.Socket, e.Err)
+		what = "talking to the opmon agent"
 	}
-	return fmt.Sprintf("%s: cannot reach the opmon agent at %s: %v", e.Method, e.Socket, e.Err)
+	if e.Last != nil {
+		return fmt.Sprintf("%s: %s at %s: %v; the last attempt: %v", e.Method, what, e.Socket, e.Err, e.Last)
+	}
+	return fmt.Sprintf("%s: %s at %s: %v", e.Method, what, e.Socket, e.Err)
 }
 
 func (e *TransportError) Unwrap() error { return e.Err }
