@@ -113,15 +113,33 @@ func Connect(ctx context.Context, socket string, opts ...Option) (*Client, error
 	c := New(socket, opts...)
 	ctx, cancel := context.WithTimeout(ctx, c.connectTimeout)
 	defer cancel()
-	var status AgentStatus
-	err := c.exchangeOnce(ctx, "agent.status", struct{}{}, &status)
-	var rpc *RPCError
-	// Any JSON-RPC answer proves the peer serves, except a refusal of this peer.
-	if err != nil && !(errors.As(err, &rpc) && rpc.HTTPStatus == http.StatusOK) {
-		c.Close()
-		return nil, err
+	pause := 20 * time.Millisecond
+	for {
+		var status AgentStatus
+		err := c.exchangeOnce(ctx, "agent.status", struct{}{}, &status)
+		var rpc *RPCError
+		switch {
+		case err == nil:
+			return c, nil
+		case errors.As(err, &rpc) && rpc.HTTPStatus == http.StatusOK:
+			// Any JSON-RPC answer proves the peer serves.
+			return c, nil
+		case errors.As(err, &rpc) && (rpc.HTTPStatus == http.StatusTooManyRequests || rpc.HTTPStatus == http.StatusServiceUnavailable):
+			// Over a connection limit, refused before reading: one may come free.
+		default:
+			c.Close()
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			c.Close()
+			return nil, err
+		case <-time.After(pause):
+		}
+		if pause *= 2; pause > time.Second {
+			pause = time.Second
+		}
 	}
-	return c, nil
 }
 
 // Socket is the agent's socket path.

@@ -1,10 +1,13 @@
 package opmon_test
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
+	"net/http"
 	"net/http/httptrace"
 	"os"
 	"strings"
@@ -328,10 +331,27 @@ func TestTheContextEndsACall(t *testing.T) {
 func TestARefusedConnectionIsTriedAgain(t *testing.T) {
 	f := newFixture(t, "--max-connections-per-uid", "1")
 	f.client.Close()
-	held, err := net.Dial("unix", f.agent.Socket)
-	if err != nil {
-		t.Fatal(err)
+	// Answered, the held connection surely has the uid's one slot (the fixture's
+	// connections give theirs back as the agent sees them closed).
+	var held net.Conn
+	if !agenttest.Eventually(time.Minute, func() bool {
+		conn, err := net.Dial("unix", f.agent.Socket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := `{"jsonrpc":"2.0","id":1,"method":"agent.status"}`
+		fmt.Fprintf(conn, "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		answer, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil || answer.StatusCode != 200 {
+			conn.Close()
+			return false
+		}
+		held = conn
+		return true
+	}) {
+		t.Fatal("no connection was admitted")
 	}
+	defer held.Close()
 	refused := make(chan struct{})
 	released := false
 	c := httptrace.WithClientTrace(ctx(t), &httptrace.ClientTrace{

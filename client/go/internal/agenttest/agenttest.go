@@ -64,8 +64,10 @@ type Agent struct {
 	StateDir string
 	Log      string
 	args     []string
-	cmd      *exec.Cmd
-	exited   chan struct{}
+
+	mu     sync.Mutex // guards cmd and exited: a test may kill from a callback
+	cmd    *exec.Cmd
+	exited chan struct{}
 }
 
 // Start runs the agent (socket Dir/run/agent.sock, state Dir/state, polling every
@@ -111,17 +113,19 @@ func (a *Agent) launch() {
 	if err := cmd.Start(); err != nil {
 		a.t.Fatalf("starting %s: %v", a.bin, err)
 	}
-	a.cmd = cmd
-	a.exited = make(chan struct{})
-	go func() { _ = cmd.Wait(); close(a.exited) }()
-	a.waitForSocket()
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	a.mu.Lock()
+	a.cmd, a.exited = cmd, exited
+	a.mu.Unlock()
+	a.waitForSocket(exited)
 }
 
-func (a *Agent) waitForSocket() {
+func (a *Agent) waitForSocket(exited chan struct{}) {
 	a.t.Helper()
 	ok := Eventually(readyWithin, func() bool {
 		select {
-		case <-a.exited:
+		case <-exited:
 			a.t.Fatalf("the agent exited before serving %s:\n%s", a.Socket, a.LogText())
 		default:
 		}
@@ -145,6 +149,8 @@ func (a *Agent) LogText() string {
 
 // Kill sends SIGKILL and waits for the process to be gone.
 func (a *Agent) Kill() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
 	if a.cmd == nil {
 		return
 	}
@@ -156,6 +162,8 @@ func (a *Agent) Kill() {
 // Stop sends SIGSTOP: the agent keeps its socket but answers nothing.
 func (a *Agent) Stop() {
 	a.t.Helper()
+	a.mu.Lock()
+	defer a.mu.Unlock()
 	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		a.t.Fatal(err)
 	}
