@@ -12,12 +12,13 @@ import (
 	"time"
 
 	opmon "opmon/client"
+	"opmon/client/internal/agenttest"
 )
 
-// The Go client against the agent's OpenRPC document (client/openrpc/opmon.json, which
-// the agent serves and a Rust test keeps equal to the code): every method has a Go
-// function, every param and result property a struct field of a compatible type by its
-// JSON name, and no Go field or function is left that the document lacks.
+// The Go client against the OpenRPC document the real agent serves (rpc.discover; the
+// same as client/openrpc/opmon.json): every method has a Go function, every param and
+// result property a struct field of a compatible type by its JSON name, and no Go field
+// or function is left that the document lacks.
 
 // Methods the Go client does not offer, and why.
 var notOffered = map[string]string{
@@ -45,14 +46,30 @@ type document struct {
 	} `json:"components"`
 }
 
+// loadDocument is the document the real agent serves (rpc.discover), which must be
+// the checked-in one.
 func loadDocument(t *testing.T) *document {
 	t.Helper()
-	raw, err := os.ReadFile("../openrpc/opmon.json")
+	agent := agenttest.Start(t)
+	client, err := opmon.Connect(context.Background(), agent.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer client.Close()
+	var served json.RawMessage
+	if err := client.Call(context.Background(), "rpc.discover", nil, &served); err != nil {
+		t.Fatal(err)
+	}
+	file, err := os.ReadFile("../openrpc/opmon.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a, b any
+	if json.Unmarshal(served, &a) != nil || json.Unmarshal(file, &b) != nil || !reflect.DeepEqual(a, b) {
+		t.Errorf("the agent %s serves another document than client/openrpc/opmon.json", agenttest.AgentBinary(t))
+	}
 	var doc document
-	if err := json.Unmarshal(raw, &doc); err != nil {
+	if err := json.Unmarshal(served, &doc); err != nil {
 		t.Fatal(err)
 	}
 	return &doc
