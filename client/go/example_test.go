@@ -68,3 +68,22 @@ func ExampleRPCError() {
 		fmt.Println("the agent could not be reached:", err)
 	}
 }
+
+// startABackup is the snippet of the repository's README.md.
+func startABackup(ctx context.Context, uid string, ops []opmon.NewOperation) error {
+	client, err := opmon.Connect(ctx, opmon.DefaultSocketPath())
+	if err != nil {
+		return err
+	}
+	backups := client.Backups()
+	if _, err := backups.Start(ctx, opmon.StartParams{Name: "nightly-1", UID: uid}); err != nil {
+		return err
+	}
+	if _, err := backups.AddOperations(ctx, opmon.AddOperationsParams{Name: "nightly-1", Operations: ops}); err != nil {
+		return err
+	}
+	_, err = backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: "nightly-1"})
+	return err
+}
+
+var _ = startABackup

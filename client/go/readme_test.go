@@ -7,10 +7,14 @@ import (
 	"testing"
 )
 
-// Every Go snippet of README.md is the body of a function of example_test.go, which
-// the compiler checks: the README cannot show code that does not build.
+// Every Go snippet of this README.md and of the repository's is the body of a function
+// of example_test.go, which the compiler checks: no README shows Go that does not build.
 func TestTheReadmesSnippetsAreCompiledExamples(t *testing.T) {
 	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	top, err := os.ReadFile("../../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -28,11 +32,12 @@ func TestTheReadmesSnippetsAreCompiledExamples(t *testing.T) {
 		return strings.Join(lines, "\n")
 	}
 	compiled := flat(string(examples))
-	snippets := regexp.MustCompile("(?s)```go\n(.*?)```").FindAllStringSubmatch(string(readme), -1)
+	snippet := regexp.MustCompile("(?s)```go\n(.*?)```")
+	snippets := snippet.FindAllStringSubmatch(string(readme), -1)
 	if len(snippets) == 0 {
 		t.Fatal("README.md has no Go snippet")
 	}
-	for _, s := range snippets {
+	for _, s := range append(snippets, snippet.FindAllStringSubmatch(string(top), -1)...) {
 		if !strings.Contains(compiled, flat(s[1])) {
 			t.Errorf("this README snippet is not in example_test.go:\n%s", s[1])
 		}
