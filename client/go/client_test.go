@@ -151,6 +151,24 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 	if err != nil || whole.Owner.Phase != opmon.PhaseFailed || !whole.Owner.Phase.Terminal() {
 		t.Fatalf("cancel the restore: %+v, %v", whole, err)
 	}
+	// Pages: owners by name, events by seq.
+	one := uint32(1)
+	first, err := restores.List(ctx(t), opmon.ListParams{Limit: &one})
+	if err != nil || len(first.Items) != 1 || first.Items[0].Name != "r" || first.Next == nil {
+		t.Fatalf("list, first page: %+v, %v", first, err)
+	}
+	second, err := restores.List(ctx(t), opmon.ListParams{Limit: &one, After: first.Next})
+	if err != nil || len(second.Items) != 1 || second.Items[0].Name != "r2" {
+		t.Fatalf("list, second page: %+v, %v", second, err)
+	}
+	events, err := restores.Events(ctx(t), opmon.EventsParams{Name: "r2", Limit: &one})
+	if err != nil || len(events.Items) != 1 || events.Next == nil {
+		t.Fatalf("events, first page: %+v, %v", events, err)
+	}
+	more, err := restores.Events(ctx(t), opmon.EventsParams{Name: "r2", After: events.Next})
+	if err != nil || len(more.Items) == 0 || more.Items[0].Seq <= events.Items[0].Seq {
+		t.Fatalf("events, next page: %+v, %v", more, err)
+	}
 	removed, err := f.client.SnapshotterUnregister(ctx(t), agenttest.Plugin)
 	if err != nil || removed.Name != agenttest.Plugin {
 		t.Fatalf("snapshotter.unregister: %+v, %v", removed, err)
