@@ -221,7 +221,7 @@ func (grpcPlugin) GRPCClient(context.Context, *plugin.GRPCBroker, *grpc.ClientCo
 
 func main() {
 	// Velero passes its server flags; a plugin accepts what it does not know.
-	record("started %s", strings.Join(os.Args[1:], " "))
+	record("started %d %s", os.Getpid(), strings.Join(os.Args[1:], " "))
 	if v := os.Getenv("OPMON_TEST_EXPECT"); v != "" {
 		record("env OPMON_TEST_EXPECT=%s", v)
 	}
