@@ -356,9 +356,13 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
                 "a Velero plugin is a v2 snapshotter without socket or command",
             ));
         }
-        if let Some(key) = s.env.iter().flatten().map(|(k, _)| k).find(|k| {
-            k.is_empty() || k.contains('=') || k.contains('\0')
-        }) {
+        if let Some(key) = s
+            .env
+            .iter()
+            .flatten()
+            .map(|(k, _)| k)
+            .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        {
             return Err(invalid("env", format!("{key:?} is not a variable name")));
         }
         return Ok(());

@@ -225,7 +225,11 @@ fn is_final(op: &Value) -> bool {
 }
 
 /// The owner's operations once all of them have finished, by ID.
-fn finished(http: &mut RawHttp, kind: &str, name: &str) -> std::collections::BTreeMap<String, Value> {
+fn finished(
+    http: &mut RawHttp,
+    kind: &str,
+    name: &str,
+) -> std::collections::BTreeMap<String, Value> {
     let ops = eventually(format!("{kind} {name}'s operations finish"), LONG, || {
         let ops = operations(http, kind, name);
         ops.iter().all(is_final).then_some(ops)
@@ -307,7 +311,10 @@ fn go_plugin_operations_progress_complete_and_fail_as_the_plugin_says() {
     assert_eq!(restored["steps-2-r"]["phase"], "Completed");
 
     let journal = setup.journal();
-    let starts: Vec<&String> = journal.iter().filter(|l| l.starts_with("started ")).collect();
+    let starts: Vec<&String> = journal
+        .iter()
+        .filter(|l| l.starts_with("started "))
+        .collect();
     assert_eq!(starts.len(), 1, "one process for three tables: {journal:?}");
     assert!(
         starts[0].ends_with("--log-level info --features= --no-such-flag"),
@@ -381,7 +388,7 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
 
     let allowed = setup.path().join("allowed");
     std::fs::create_dir_all(&allowed).unwrap();
-    let agent = Agent::start(&allowed, &["--allow-api-command-snapshotters"]);
+    let agent = Agent::start(&allowed, &["--allow-api-command-snapshotters", "true"]);
     let mut http = RawHttp::connect(&agent.socket);
     let unknown = http.call(&register("example.io/nope"));
     assert!(
@@ -394,7 +401,10 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
     let ok = http.call(&register(BACKUP_A));
     assert_eq!(ok["result"]["veleroPlugin"], json!(plugin), "{ok}");
     start_owner(&mut http, "backup", "b2", &[(BACKUP_A, "done-api")]);
-    assert_eq!(finished(&mut http, "backup", "b2")["done-api"]["phase"], "Completed");
+    assert_eq!(
+        finished(&mut http, "backup", "b2")["done-api"]["phase"],
+        "Completed"
+    );
 }
 
 /// An operation that stops changing is failed at its stall timeout and Cancel reaches
@@ -452,10 +462,18 @@ fn a_crashed_plugin_is_restarted_and_an_agent_restart_keeps_the_operations() {
     let mut agent = setup.agent(&tables, "");
     let mut http = RawHttp::connect(&agent.socket);
     start_owner(&mut http, "backup", "b4", &[(BACKUP_A, "crash-1")]);
-    assert_eq!(finished(&mut http, "backup", "b4")["crash-1"]["phase"], "Completed");
+    assert_eq!(
+        finished(&mut http, "backup", "b4")["crash-1"]["phase"],
+        "Completed"
+    );
     assert!(setup.journal().contains(&"crashing crash-1".to_string()));
     let pids = setup.started();
-    assert_eq!(pids.len(), 2, "started again after the crash: {:?}", setup.journal());
+    assert_eq!(
+        pids.len(),
+        2,
+        "started again after the crash: {:?}",
+        setup.journal()
+    );
     assert!(agent.log_text().contains("velero plugin exited"));
 
     start_owner(&mut http, "backup", "b5", &[(BACKUP_A, "steps-40-1")]);
@@ -472,14 +490,20 @@ fn a_crashed_plugin_is_restarted_and_an_agent_restart_keeps_the_operations() {
     agent.restart();
     let mut http = RawHttp::connect(&agent.socket);
     let ops = finished(&mut http, "backup", "b5");
-    assert_eq!(ops["steps-40-1"]["phase"], "Completed", "{:?}", ops["steps-40-1"]);
+    assert_eq!(
+        ops["steps-40-1"]["phase"], "Completed",
+        "{:?}",
+        ops["steps-40-1"]
+    );
     assert_eq!(ops["steps-40-1"]["nCompleted"], 40);
     assert_eq!(setup.started().len(), 3);
 
     // SIGKILL gives the agent no chance to clean up: the kernel stops the plugin.
     let running = *setup.started().last().unwrap();
     agent.kill9();
-    eventually("the plugin dies with a killed agent", LONG, || !alive(running));
+    eventually("the plugin dies with a killed agent", LONG, || {
+        !alive(running)
+    });
 }
 
 /// Much output on stdout and stderr does not block the plugin: the host drains both
@@ -525,12 +549,10 @@ fn much_output_does_not_block_a_plugin() {
 fn a_go_plugin_17_plugin_runs_its_operations() {
     let setup = Setup::new();
     let agent = setup.agent(
-        &[setup.table(
-            RESTORE_A,
-            &plugin_17(),
-            "",
-        )
-        .replace("OPMON_TEST_EXPECT", "PLUGIN_MULTIPLEX_GRPC = \"true\", OPMON_TEST_X")],
+        &[setup.table(RESTORE_A, &plugin_17(), "").replace(
+            "OPMON_TEST_EXPECT",
+            "PLUGIN_MULTIPLEX_GRPC = \"true\", OPMON_TEST_X",
+        )],
         "",
     );
     let mut http = RawHttp::connect(&agent.socket);

@@ -1273,11 +1273,13 @@ pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Resul
         s.retry_attempts,
         optional_ms(s.retry_backoff),
         optional_ms(s.retry_within),
-        s.velero_plugin.as_ref().map(|path| to_json(&VeleroPluginColumn {
-            path: path.clone(),
-            args: s.args.clone(),
-            env: s.env.clone(),
-        }))
+        s.velero_plugin
+            .as_ref()
+            .map(|path| to_json(&VeleroPluginColumn {
+                path: path.clone(),
+                args: s.args.clone(),
+                env: s.env.clone(),
+            }))
     ])?;
     Ok(())
 }

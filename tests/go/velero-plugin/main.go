@@ -45,6 +45,12 @@ var served = []*generated.PluginIdentifier{
 
 var journalLock sync.Mutex
 
+// The process's own stdout and stderr, kept before plugin.Serve swaps os.Stdout and
+// os.Stderr for pipes: a logger made before serving (as Velero's framework makes its
+// logrus logger) writes here. go-plugin 1.0.1 never reads the pipes it swaps in, in any
+// host, so the noise goes where a plugin's logger writes.
+var stdout, stderr = os.Stdout, os.Stderr
+
 func state(name string) string { return filepath.Join(os.Getenv("OPMON_TEST_STATE"), name) }
 
 // record appends one line to the journal.
@@ -157,8 +163,8 @@ func progress(ctx context.Context, kind, name, id string, owner []byte) (*genera
 		n, _ := strconv.Atoi(words[1])
 		line := strings.Repeat("x", 1023) + "\n"
 		for i := 0; i < n; i++ {
-			fmt.Fprint(os.Stdout, line)
-			fmt.Fprint(os.Stderr, line)
+			fmt.Fprint(stdout, line)
+			fmt.Fprint(stderr, line)
 		}
 		return &generated.OperationProgress{Completed: true, Started: now()}, nil
 	}

@@ -319,7 +319,9 @@ async fn route(
                     Ok::<_, Status>(Response::new(Empty {}))
                 }
             });
-            grpc::<Empty, ProgressRequest>().unary(service, request).await
+            grpc::<Empty, ProgressRequest>()
+                .unary(service, request)
+                .await
         }
         "/plugin.GRPCStdio/StreamStdio" => {
             let mut reader = plugin
@@ -379,7 +381,11 @@ async fn main() {
         journal: Mutex::new(()),
     });
     let args: Vec<String> = std::env::args().skip(1).collect();
-    plugin.record(&format!("started {} {}", std::process::id(), args.join(" ")));
+    plugin.record(&format!(
+        "started {} {}",
+        std::process::id(),
+        args.join(" ")
+    ));
 
     let dir = std::env::temp_dir().join(format!("plugin-17-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -16,10 +16,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::codegen::http::uri::PathAndQuery;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::time::Instant;
+use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 use super::wire;
@@ -208,9 +208,7 @@ impl Host {
         let mut child = command
             .spawn()
             .map_err(|e| format!("cannot start it: {e}"))?;
-        let pid = child
-            .id()
-            .ok_or_else(|| "it exited at once".to_string())?;
+        let pid = child.id().ok_or_else(|| "it exited at once".to_string())?;
         let group = Group(nix::unistd::Pid::from_raw(pid as i32));
         if let Some(stderr) = child.stderr.take() {
             tokio::spawn(log_lines(self.label.clone(), "stderr", stderr));
@@ -224,7 +222,11 @@ impl Host {
             .await
             .map_err(|e| format!("reading its handshake: {e}"))?;
         if line.is_empty() {
-            let status = child.wait().await.map(|s| s.to_string()).unwrap_or_default();
+            let status = child
+                .wait()
+                .await
+                .map(|s| s.to_string())
+                .unwrap_or_default();
             return Err(format!(
                 "it exited before its handshake ({status}); its stderr is in the agent's log"
             ));

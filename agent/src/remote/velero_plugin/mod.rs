@@ -135,7 +135,9 @@ impl VeleroRemote {
             PluginKind::RestoreItemAction => wire::RESTORE_CANCEL,
             PluginKind::VolumeSnapshotter => return Err(self.no_volume_snapshotters()),
         };
-        self.unary::<wire::Empty>(path, request(op)).await.map(|_| ())
+        self.unary::<wire::Empty>(path, request(op))
+            .await
+            .map(|_| ())
     }
 
     fn no_volume_snapshotters(&self) -> CallError {
@@ -152,15 +154,14 @@ impl VeleroRemote {
         request: wire::OperationRequest,
     ) -> Answer<T> {
         let call = async {
-            let connection = self
-                .host
-                .connection()
+            let connection =
+                self.host.connection().await.map_err(|e| {
+                    CallError::Unreachable(format!("snapshotter {}: {e}", self.name))
+                })?;
+            let mut grpc = tonic::client::Grpc::new(connection.channel.clone());
+            grpc.ready()
                 .await
                 .map_err(|e| CallError::Unreachable(format!("snapshotter {}: {e}", self.name)))?;
-            let mut grpc = tonic::client::Grpc::new(connection.channel.clone());
-            grpc.ready().await.map_err(|e| {
-                CallError::Unreachable(format!("snapshotter {}: {e}", self.name))
-            })?;
             grpc.unary(
                 tonic::Request::new(request),
                 PathAndQuery::from_static(path),
@@ -168,9 +169,7 @@ impl VeleroRemote {
             )
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| {
-                self.status_error(&s, connection.exited.load(Ordering::Acquire))
-            })
+            .map_err(|s| self.status_error(&s, connection.exited.load(Ordering::Acquire)))
         };
         match tokio::time::timeout(self.settings.deadline, call).await {
             Ok(answer) => answer,
@@ -211,10 +210,7 @@ impl VeleroRemote {
                 s.message(),
                 s.code()
             )),
-            code => CallError::Answered(format!(
-                "snapshotter {name}: {} ({code:?})",
-                s.message()
-            )),
+            code => CallError::Answered(format!("snapshotter {name}: {} ({code:?})", s.message())),
         }
     }
 }
