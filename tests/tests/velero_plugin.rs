@@ -581,3 +581,54 @@ fn a_go_plugin_17_plugin_runs_its_operations() {
         .iter()
         .any(|l| l.starts_with("handshake 7 fields")));
 }
+
+/// The tables of docs/velero-plugins.md are accepted as printed, and what
+/// `--print-config` prints of them is accepted again and prints the same.
+#[test]
+fn the_documented_tables_are_accepted_and_printed_back() {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/velero-plugins.md"),
+    )
+    .unwrap();
+    let mut tables = String::new();
+    let mut inside = false;
+    for line in doc.lines() {
+        match (inside, line) {
+            (false, "```toml") => inside = true,
+            (true, "```") => inside = false,
+            (true, line) => {
+                tables.push_str(line);
+                tables.push('\n');
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(tables.matches("[[snapshotter]]").count(), 3, "{tables}");
+    let dir = tempfile::tempdir().unwrap();
+    let print = |text: &str| {
+        let config = dir.path().join("agent.toml");
+        std::fs::write(&config, text).unwrap();
+        let out = agent_command()
+            .arg("--config")
+            .arg(&config)
+            .arg("--print-config")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let printed = print(&tables);
+    assert!(
+        printed.contains(
+            "velero_plugin = \"/opt/velero/velero\"\nargs = [\"run-plugins\", \"--log-level\", \
+         \"info\", \"--features\", \"EnableCSI\"]\n"
+        ),
+        "{printed}"
+    );
+    let tables_only = &printed[printed.find("[[snapshotter]]").unwrap()..];
+    assert_eq!(print(tables_only), printed);
+}
