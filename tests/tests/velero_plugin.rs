@@ -174,6 +174,14 @@ fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
+/// The process group of `pid`.
+fn group(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // pid (comm) state ppid pgrp …; comm may hold spaces but not ") ".
+    let rest = &stat[stat.rfind(") ")? + 2..];
+    rest.split(' ').nth(2)?.parse().ok()
+}
+
 /// Starts `kind` owner `name` (with its object, as Velero sends it) with `ops` as
 /// (plugin, id) and ends its InProgress phase.
 fn start_owner(http: &mut RawHttp, kind: &str, name: &str, ops: &[(&str, &str)]) {
@@ -484,6 +492,7 @@ fn a_crashed_plugin_is_restarted_and_an_agent_restart_keeps_the_operations() {
     drop(http);
     let running = *setup.started().last().unwrap();
     assert!(alive(running));
+    assert_eq!(group(running), Some(running), "a process group of its own");
     assert!(agent.terminate().success());
     eventually("the plugin stops with the agent", LONG, || !alive(running));
 
@@ -631,4 +640,31 @@ fn the_documented_tables_are_accepted_and_printed_back() {
     );
     let tables_only = &printed[printed.find("[[snapshotter]]").unwrap()..];
     assert_eq!(print(tables_only), printed);
+}
+
+/// At a reload, a table naming a plugin its binary does not serve is not applied, saying
+/// what the binary serves; once no table names a binary, its process stops.
+#[test]
+fn a_reload_refuses_an_unserved_name_and_a_binary_no_table_names_stops() {
+    let plugin = go_plugin();
+    let setup = Setup::new();
+    let agent = setup.agent(&[setup.table(BACKUP_A, &plugin, "")], "");
+    let pid = eventually("the plugin starts", LONG, || {
+        setup.started().first().copied()
+    });
+    assert!(alive(pid));
+    setup.config(&[setup.table("example.io/nope", &plugin, "")], "");
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    eventually("the reload refuses the table", LONG, || {
+        agent.log_text().contains(
+            "does not serve example.io/nope as a BackupItemActionV2 or RestoreItemActionV2 \
+             (it serves: BackupItemActionV2 example.io/backup-a",
+        )
+    });
+    eventually("the binary no table names stops", LONG, || !alive(pid));
+    assert_eq!(
+        setup.started(),
+        [pid],
+        "the refused table used the running process"
+    );
 }
