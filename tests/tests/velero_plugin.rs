@@ -417,13 +417,18 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
 
 /// An operation that stops changing is failed at its stall timeout and Cancel reaches
 /// the plugin; a call the plugin never answers ends at the deadline, which the plugin
-/// sees as its context's end.
+/// sees as its context's end, and the operation, still New at its start timeout, is
+/// cancelled in the plugin too.
 #[test]
 fn a_stalled_operation_is_cancelled_in_the_plugin_and_a_hung_call_ends_at_the_deadline() {
     let plugin = go_plugin();
     let setup = Setup::new();
     let agent = setup.agent(
-        &[setup.table(BACKUP_A, &plugin, "stall_timeout = \"1s\"")],
+        &[setup.table(
+            BACKUP_A,
+            &plugin,
+            "stall_timeout = \"1s\"\nstart_timeout = \"3s\"",
+        )],
         "call_deadline = \"1s\"",
     );
     let mut http = RawHttp::connect(&agent.socket);
@@ -441,22 +446,26 @@ fn a_stalled_operation_is_cancelled_in_the_plugin_and_a_hung_call_ends_at_the_de
     eventually("the hung call's deadline reaches the plugin", LONG, || {
         setup.journal().contains(&"deadline block-1".to_string())
     });
-    let ops = eventually("stall-1 fails", LONG, || {
-        let ops = operations(&mut http, "backup", "b3");
-        ops.iter()
-            .any(|o| o["operationId"] == "stall-1" && is_final(o))
-            .then_some(ops)
-    });
-    let stalled = ops.iter().find(|o| o["operationId"] == "stall-1").unwrap();
-    assert_eq!(stalled["phase"], "Failed", "{stalled}");
-    let blocked = ops.iter().find(|o| o["operationId"] == "block-1").unwrap();
+    // Never answered, it is still New at its start timeout: Cancel reaches the plugin.
+    eventually(
+        "Cancel of the hung operation reaches the plugin",
+        LONG,
+        || {
+            setup
+                .journal()
+                .contains(&"cancel BackupItemActionV2 example.io/backup-a block-1".to_string())
+        },
+    );
+    let ops = finished(&mut http, "backup", "b3");
+    assert_eq!(ops["stall-1"]["phase"], "Failed", "{:?}", ops["stall-1"]);
+    assert_eq!(ops["block-1"]["phase"], "Failed", "{:?}", ops["block-1"]);
     assert!(
-        blocked["lastError"]
+        ops["block-1"]["lastError"]
             .as_str()
             .unwrap_or("")
-            .contains("did not answer within 1000 ms")
-            || is_final(blocked),
-        "{blocked}"
+            .contains("did not answer within 1000 ms"),
+        "{:?}",
+        ops["block-1"]
     );
 }
 
