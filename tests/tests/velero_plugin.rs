@@ -132,9 +132,10 @@ impl Setup {
         format!(
             "[[snapshotter]]\nname = \"{name}\"\nvelero_plugin = \"{}\"\n\
              args = [\"--log-level\", \"info\", \"--features=\", \"--no-such-flag\"]\n\
-             env = {{ OPMON_TEST_STATE = \"{}\", OPMON_TEST_EXPECT = \"kubeconfig\" }}\n{extra}\n",
+             env = {{ OPMON_TEST_STATE = \"{}\", TMPDIR = \"{}\", OPMON_TEST_EXPECT = \"kubeconfig\" }}\n{extra}\n",
             binary.display(),
-            self.state().display()
+            self.state().display(),
+            self.path().display()
         )
     }
 
@@ -504,6 +505,18 @@ fn a_crashed_plugin_is_restarted_and_an_agent_restart_keeps_the_operations() {
     assert_eq!(group(running), Some(running), "a process group of its own");
     assert!(agent.terminate().success());
     eventually("the plugin stops with the agent", LONG, || !alive(running));
+    let sockets = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("plugin") && n != "plugin-state")
+            .collect()
+    };
+    assert_eq!(
+        sockets(setup.path()),
+        Vec::<String>::new(),
+        "its socket is removed"
+    );
 
     agent.restart();
     let mut http = RawHttp::connect(&agent.socket);
