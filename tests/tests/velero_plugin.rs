@@ -86,6 +86,7 @@ fn go_plugin() -> PathBuf {
                     .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
                     .env("GOFLAGS", "")
                     .env("GOPROXY", "off")
+                    .env("GOTOOLCHAIN", "local")
                     .env("GOCACHE", gopath.join("cache")),
                 "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
                  golang-google-grpc-dev golang-goprotobuf-dev)",
