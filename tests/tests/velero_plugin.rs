@@ -415,6 +415,49 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
         finished(&mut http, "backup", "b2")["done-api"]["phase"],
         "Completed"
     );
+
+    // The CLI registers one too: the words after -- are the binary's arguments.
+    let opmon = |args: &[&str]| {
+        let out = Command::new(opmon_tests::workspace_binary("opmon"))
+            .arg("--socket")
+            .arg(&agent.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let state = format!("OPMON_TEST_STATE={}", setup.state().display());
+    let plugin = plugin.to_str().unwrap();
+    opmon(&[
+        "snapshotter",
+        "register",
+        BACKUP_B,
+        "--velero-plugin",
+        plugin,
+        "--env",
+        &state,
+        "--",
+        "--from-the-cli",
+    ]);
+    let listed = opmon(&["snapshotter", "list"]);
+    assert!(
+        listed.contains(&format!("velero_plugin {plugin} --from-the-cli")),
+        "{listed}"
+    );
+    start_owner(&mut http, "backup", "b2b", &[(BACKUP_B, "done-cli")]);
+    assert_eq!(
+        finished(&mut http, "backup", "b2b")["done-cli"]["phase"],
+        "Completed"
+    );
+    assert!(setup
+        .journal()
+        .iter()
+        .any(|l| l.ends_with(" --from-the-cli")));
 }
 
 /// An operation that stops changing is failed at its stall timeout and Cancel reaches
