@@ -1307,7 +1307,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             e,
-            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket and command"
+            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and veleroPlugin"
         );
         let s = settings(
             &[],

@@ -534,6 +534,9 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
                     .map(|s| absolute("--snapshotter-socket", s))
                     .transpose()?,
                 command: (!command.is_empty()).then_some(command),
+                velero_plugin: None,
+                args: None,
+                env: None,
                 stall_timeout,
                 start_timeout,
                 retry_attempts,

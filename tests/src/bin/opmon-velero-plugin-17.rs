@@ -136,12 +136,15 @@ const GO_ZERO: Time = Time {
     nanos: 0,
 };
 
+/// A write to stdout (1) or stderr (2).
+type Output = (i32, Vec<u8>);
+
 struct Plugin {
     state: PathBuf,
     /// The "pipe" of stdout and stderr: (channel, bytes).
-    output: mpsc::Sender<(i32, Vec<u8>)>,
+    output: mpsc::Sender<Output>,
     /// Its reading end, taken by the first stdio stream.
-    reader: Mutex<Option<mpsc::Receiver<(i32, Vec<u8>)>>>,
+    reader: Mutex<Option<mpsc::Receiver<Output>>>,
     journal: Mutex<()>,
 }
 
