@@ -359,9 +359,15 @@ fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
 
     // The agent has the Backup as Velero sent it, and the operation as it ended.
-    let owner = world.call("backup.get", json!({"name": "b1"}));
+    // It left InProgress when Velero began asking Progress, and ended with its
+    // operations, with no finalize (Velero writes its own files).
+    let owner = eventually("the backup completes", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b1"}));
+        (owner["phase"] == "Completed").then_some(owner)
+    });
     assert_eq!(owner["uid"], "uid-b1");
-    assert_ne!(owner["phase"], "InProgress", "{owner}");
+    assert_eq!(owner["finalize"], false);
+    assert_eq!(owner["itemOperationTimeout"], "1m0s", "{owner}");
     let op = world.operation("backup", "b1", "steps-3-a");
     assert_eq!(op["phase"], "Completed");
     assert_eq!(
@@ -476,6 +482,11 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
         journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-s".to_string()),
         "{journal:?}"
     );
+    let owner = eventually("the backup ends", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b4"}));
+        (owner["phase"] == "PartiallyFailed").then_some(owner)
+    });
+    assert_eq!(owner["operationsFailed"], 1);
 }
 
 /// `opmon backup cancel NAME --operation ID` while Velero waits: Velero's next Progress

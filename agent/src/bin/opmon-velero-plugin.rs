@@ -290,10 +290,8 @@ impl StandIn {
         {
             start["itemOperationTimeout"] = json!(timeout);
         }
-        if kind == Kind::Restore {
-            // Velero writes a restore's files itself.
-            start["finalize"] = json!(false);
-        }
+        // Velero writes its own files: the owner ends when its operations have.
+        start["finalize"] = json!(false);
         let method = format!("{}.start", kind.owner());
         self.call(&method, start)
             .await
