@@ -439,6 +439,12 @@ fn is_agent(container: &Value) -> bool {
     container["image"]
         .as_str()
         .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX))
+        && !is_plugin_installer(container)
+}
+
+/// The init container that installs opmon's Velero plugin, from the agent's image.
+fn is_plugin_installer(container: &Value) -> bool {
+    container["command"][0] == "/usr/local/bin/opmon-velero-plugin"
 }
 
 /// The image: socket, state and storage are volumes; it runs the agent as 65532 from a

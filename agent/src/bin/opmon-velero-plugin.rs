@@ -720,13 +720,89 @@ async fn run() -> Result<(), String> {
     }
 }
 
+/// `install PATH`: puts the stand-in in the original plugin's place, as an init
+/// container of Velero's pod does after the original's own has copied it into the
+/// plugins volume: the original moves to `opmon/<name>` beside it (where Velero's
+/// plugin discovery does not look), and this binary takes its name. Run again, it
+/// changes nothing, or moves a freshly copied original again.
+fn install(target: &Path) -> Result<String, String> {
+    let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+    let me = std::fs::read(&own).map_err(|e| format!("reading {}: {e}", own.display()))?;
+    let dir = target.parent().unwrap_or(Path::new("."));
+    let name = target
+        .file_name()
+        .ok_or_else(|| format!("{} names no file", target.display()))?;
+    let original = dir.join("opmon").join(name);
+    let there = match std::fs::read(target) {
+        Ok(bytes) => Some(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("reading {}: {e}", target.display())),
+    };
+    match there {
+        Some(bytes) if bytes == me => {
+            if !original.is_file() {
+                return Err(format!(
+                    "{} is already the stand-in, but the original {} is missing",
+                    target.display(),
+                    original.display()
+                ));
+            }
+            return Ok(format!("{} is already the stand-in", target.display()));
+        }
+        Some(_) => {
+            std::fs::create_dir_all(original.parent().unwrap_or(dir))
+                .map_err(|e| format!("creating {}: {e}", dir.join("opmon").display()))?;
+            std::fs::rename(target, &original).map_err(|e| {
+                format!("moving {} to {}: {e}", target.display(), original.display())
+            })?;
+        }
+        None if original.is_file() => {}
+        None => {
+            return Err(format!(
+            "no plugin {} to stand in for: the original's init container must copy it there first",
+            target.display()
+        ))
+        }
+    }
+    let temporary = dir.join(format!(".{}.opmon-tmp", name.to_string_lossy()));
+    std::fs::write(&temporary, &me)
+        .and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755))
+        })
+        .and_then(|()| std::fs::rename(&temporary, target))
+        .map_err(|e| format!("writing {}: {e}", target.display()))?;
+    Ok(format!(
+        "{} stands in for the original, now {}",
+        target.display(),
+        original.display()
+    ))
+}
+
 #[tokio::main]
 async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("install") {
+        let [_, target] = args.as_slice() else {
+            eprintln!(
+                "usage: opmon-velero-plugin install /target/<the original plugin's file name>"
+            );
+            std::process::exit(2);
+        };
+        match install(Path::new(target)) {
+            Ok(done) => println!("{done}"),
+            Err(e) => {
+                eprintln!("opmon-velero-plugin install: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     // What go-plugin's Serve checks first: run by hand, a plugin says what it is.
     if std::env::var("VELERO_PLUGIN").as_deref() != Ok("hello") {
         eprintln!(
-            "opmon-velero-plugin is a Velero plugin: Velero runs it (velero plugin add), \
-             with the original plugin beside it"
+            "opmon-velero-plugin is a Velero plugin: Velero runs it, with the original \
+             plugin beside it (opmon-velero-plugin install /target/<plugin> puts it there)"
         );
         std::process::exit(1);
     }
