@@ -434,11 +434,12 @@ fn usable_socket_mode(text: &str) -> Result<u32, String> {
     Ok(mode)
 }
 
-/// Why `dir` cannot hold the agent's files, if it is in a kernel file system.
+/// Why `dir` cannot hold the agent's files, if it is in a kernel file system
+/// (`/dev/shm` is the tmpfs for shared memory, and holds files).
 fn kernel_file_system(dir: &Path) -> Option<String> {
     ["/proc", "/sys", "/dev"]
         .into_iter()
-        .find(|k| dir.starts_with(k))
+        .find(|k| dir.starts_with(k) && !dir.starts_with("/dev/shm"))
         .map(|k| {
             format!(
                 "{} is in {k}, a kernel file system, which cannot hold its files",

@@ -86,6 +86,7 @@ fn go_plugin() -> PathBuf {
                     .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
                     .env("GOFLAGS", "")
                     .env("GOPROXY", "off")
+                    .env("GOTOOLCHAIN", "local")
                     .env("GOCACHE", gopath.join("cache")),
                 "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
                  golang-google-grpc-dev golang-goprotobuf-dev)",
@@ -132,9 +133,10 @@ impl Setup {
         format!(
             "[[snapshotter]]\nname = \"{name}\"\nvelero_plugin = \"{}\"\n\
              args = [\"--log-level\", \"info\", \"--features=\", \"--no-such-flag\"]\n\
-             env = {{ OPMON_TEST_STATE = \"{}\", OPMON_TEST_EXPECT = \"kubeconfig\" }}\n{extra}\n",
+             env = {{ OPMON_TEST_STATE = \"{}\", TMPDIR = \"{}\", OPMON_TEST_EXPECT = \"kubeconfig\" }}\n{extra}\n",
             binary.display(),
-            self.state().display()
+            self.state().display(),
+            self.path().display()
         )
     }
 
@@ -413,6 +415,49 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
         finished(&mut http, "backup", "b2")["done-api"]["phase"],
         "Completed"
     );
+
+    // The CLI registers one too: the words after -- are the binary's arguments.
+    let opmon = |args: &[&str]| {
+        let out = Command::new(opmon_tests::workspace_binary("opmon"))
+            .arg("--socket")
+            .arg(&agent.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let state = format!("OPMON_TEST_STATE={}", setup.state().display());
+    let plugin = plugin.to_str().unwrap();
+    opmon(&[
+        "snapshotter",
+        "register",
+        BACKUP_B,
+        "--velero-plugin",
+        plugin,
+        "--env",
+        &state,
+        "--",
+        "--from-the-cli",
+    ]);
+    let listed = opmon(&["snapshotter", "list"]);
+    assert!(
+        listed.contains(&format!("velero_plugin {plugin} --from-the-cli")),
+        "{listed}"
+    );
+    start_owner(&mut http, "backup", "b2b", &[(BACKUP_B, "done-cli")]);
+    assert_eq!(
+        finished(&mut http, "backup", "b2b")["done-cli"]["phase"],
+        "Completed"
+    );
+    assert!(setup
+        .journal()
+        .iter()
+        .any(|l| l.ends_with(" --from-the-cli")));
 }
 
 /// An operation that stops changing is failed at its stall timeout and Cancel reaches
@@ -504,6 +549,18 @@ fn a_crashed_plugin_is_restarted_and_an_agent_restart_keeps_the_operations() {
     assert_eq!(group(running), Some(running), "a process group of its own");
     assert!(agent.terminate().success());
     eventually("the plugin stops with the agent", LONG, || !alive(running));
+    let sockets = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("plugin") && n != "plugin-state")
+            .collect()
+    };
+    assert_eq!(
+        sockets(setup.path()),
+        Vec::<String>::new(),
+        "its socket is removed"
+    );
 
     agent.restart();
     let mut http = RawHttp::connect(&agent.socket);

@@ -73,6 +73,19 @@ struct Running {
     exited: Arc<AtomicBool>,
     started: Instant,
     _group: Group,
+    _socket: SocketFile,
+}
+
+/// The plugin's Unix socket, removed once its process is gone (a plugin killed by
+/// signal leaves it behind).
+struct SocketFile(Option<PathBuf>);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if let Some(path) = &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// Kills a process group when dropped.
@@ -235,6 +248,10 @@ impl Host {
         // pipe (go-plugin 1.0 plugins write there directly).
         tokio::spawn(log_lines(self.label.clone(), "stdout", stdout));
         let address = handshake(&String::from_utf8_lossy(&line))?;
+        let socket = SocketFile(match &address {
+            Address::Unix(path) => Some(path.clone()),
+            Address::Tcp(_) => None,
+        });
         let channel = connect(address).await?;
         tokio::spawn(stream_stdio(self.label.clone(), channel.clone()));
         let served = list_plugins(channel.clone()).await?;
@@ -267,6 +284,7 @@ impl Host {
             exited,
             started: Instant::now(),
             _group: group,
+            _socket: socket,
         })
     }
 }
