@@ -154,6 +154,20 @@ impl World {
         self.dir.path().join("plugin-state")
     }
 
+    fn tmp(&self) -> PathBuf {
+        let tmp = self.dir.path().join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        tmp
+    }
+
+    /// What plugin processes left in their TMPDIR.
+    fn left_in_tmp(&self) -> Vec<String> {
+        std::fs::read_dir(self.tmp())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect()
+    }
+
     fn journal(&self) -> Vec<String> {
         std::fs::read_to_string(self.state().join("journal"))
             .unwrap_or_default()
@@ -175,6 +189,9 @@ impl World {
             .env("OPMON_SOCKET", &self.agent.socket)
             .env("OPMON_VELERO_ORIGINAL", &go.plugin)
             .env("OPMON_TEST_STATE", self.state())
+            // Where go-plugin's plugins make their sockets: the stand-in's, and the
+            // original's it runs.
+            .env("TMPDIR", self.tmp())
             .stdin(Stdio::null())
             .stderr(Stdio::from(
                 std::fs::File::options()
@@ -382,6 +399,9 @@ fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
         .filter(|l| l.starts_with("execute BackupItemActionV2 example.io/backup-a steps-3-a"))
         .count();
     assert_eq!(executes, 1, "{journal:?}");
+    // Velero's Kill (go-plugin's Shutdown) stopped the stand-in and its original, and
+    // their sockets went with them.
+    assert_eq!(world.left_in_tmp(), Vec::<String>::new());
 }
 
 /// A restore goes through RestoreItemAction v2 the same way, and ends without waiting

@@ -125,6 +125,8 @@ struct StandIn {
     served: Vec<wire::PluginIdentifier>,
     command: String,
     socket: PathBuf,
+    /// The directory of the socket Velero dials, removed at go-plugin's Shutdown.
+    socket_dir: PathBuf,
     agent: tokio::sync::Mutex<Option<Client>>,
     /// How long a call may wait for the agent before Velero hears it is unreachable.
     timeout: Duration,
@@ -519,13 +521,19 @@ async fn route(
                 .await
         }
         (wire::CONTROLLER_SHUTDOWN, _, _) => {
-            let service = tower::service_fn(|_: Request<wire::Empty>| async {
-                // Answer first; the original dies with this process (its death signal).
-                tokio::spawn(async {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    std::process::exit(0);
-                });
-                Ok::<_, Status>(Response::new(wire::Empty {}))
+            let s = standin.clone();
+            let service = tower::service_fn(move |_: Request<wire::Empty>| {
+                let s = s.clone();
+                async move {
+                    // Answer first, then go, leaving no process or socket behind.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        s.original.stop().await;
+                        let _ = std::fs::remove_dir_all(&s.socket_dir);
+                        std::process::exit(0);
+                    });
+                    Ok::<_, Status>(Response::new(wire::Empty {}))
+                }
             });
             grpc::<wire::Empty, wire::Empty>()
                 .unary(service, request)
@@ -673,19 +681,20 @@ async fn run() -> Result<(), String> {
         }
         Err(_) => AGENT_TIMEOUT,
     };
+
+    let dir = tempfile::Builder::new()
+        .prefix("opmon-velero-plugin")
+        .tempdir()
+        .map_err(|e| format!("creating the socket's directory: {e}"))?;
     let standin = Arc::new(StandIn {
         timeout,
         original: host,
         served,
         command: own.display().to_string(),
         socket,
+        socket_dir: dir.path().to_path_buf(),
         agent: tokio::sync::Mutex::new(None),
     });
-
-    let dir = tempfile::Builder::new()
-        .prefix("opmon-velero-plugin")
-        .tempdir()
-        .map_err(|e| format!("creating the socket's directory: {e}"))?;
     let address = dir.path().join("plugin.sock");
     let listener = tokio::net::UnixListener::bind(&address)
         .map_err(|e| format!("binding {}: {e}", address.display()))?;

@@ -569,9 +569,6 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
                 retry_attempts,
                 retry_backoff,
                 retry_within,
-                velero_plugin: None,
-                args: None,
-                env: None,
             };
             let value = call(client, methods::SNAPSHOTTER_REGISTER, s).await?;
             print(out, &value, |s: &Snapshotter| {

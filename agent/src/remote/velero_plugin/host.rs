@@ -517,3 +517,11 @@ mod tests {
             .contains("not a go-plugin handshake"));
     }
 }
+
+impl Host {
+    /// Stops the binary if it runs (its process group killed, its socket removed), as
+    /// when the host is dropped; a later call starts it again.
+    pub async fn stop(&self) {
+        self.state.lock().await.running = None;
+    }
+}
