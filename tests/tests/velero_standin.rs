@@ -641,6 +641,55 @@ fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
     assert_eq!(events(&all, "progress").last().unwrap()["nCompleted"], 20);
 }
 
+/// Velero restarts while its backup is InProgress: Velero fails that backup (its own
+/// rule), and the agent fails the owner with Velero's reason once the new Velero's
+/// plugin process starts, cancelling the original's operation.
+#[test]
+fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
+    let world = World::new("");
+    let first = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b10",
+        "-uid",
+        "uid-b10",
+        "-item",
+        "stall-i",
+        "-execute-only",
+    ]);
+    assert_eq!(last(&first)["event"], "stopped", "{first:?}");
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b10"}))["phase"],
+        "InProgress"
+    );
+    // The new Velero lists its plugins (it starts the stand-in) and backs up another.
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b11", "-uid", "uid-b11", "-item", "done-1",
+    ]);
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    let owner = eventually("the old backup fails", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b10"}));
+        (owner["phase"] == "Failed").then_some(owner)
+    });
+    assert!(
+        owner["failureReason"]
+            .as_str()
+            .unwrap()
+            .contains("during the server starting"),
+        "{owner}"
+    );
+    eventually("the original gets Cancel", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-i".to_string())
+    });
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b11"}))["phase"],
+        "Completed"
+    );
+}
+
 /// With no agent to answer, Velero is told so on the operation, never silence.
 #[test]
 fn an_unreachable_agent_is_an_error_velero_shows() {

@@ -46,6 +46,26 @@ use tonic::{Request, Response, Status};
 /// timeouts, and longer than an agent's restart.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Plugin kinds whose calls are all unary, and so can be passed on as they are.
+/// The backup server the owners belong to, for `server.started`.
+const SERVER: &str = "velero";
+
+/// The Velero process this stand-in serves, its parent: the boot, its pid and its start
+/// time (a pid alone is reused). Velero starts plugin processes at its own start (to
+/// list them) and as it needs them; all of one Velero's life share this.
+fn velero_instance() -> String {
+    let parent = nix::unistd::getppid();
+    let started = std::fs::read_to_string(format!("/proc/{parent}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // Field 22, counted after the command's closing parenthesis (field 2).
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().nth(19).map(str::to_string)
+        })
+        .unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{parent}/{started}", boot.trim())
+}
+
 const PASSED_KINDS: &[&str] = &[
     "BackupItemAction",
     "BackupItemActionV2",
@@ -130,6 +150,8 @@ struct StandIn {
     agent: tokio::sync::Mutex<Option<Client>>,
     /// How long a call may wait for the agent before Velero hears it is unreachable.
     timeout: Duration,
+    /// The Velero process that started this one (see [`velero_instance`]).
+    instance: String,
 }
 
 /// A failure the stand-in reports to Velero, as Velero's own plugins report theirs
@@ -285,7 +307,8 @@ impl StandIn {
         let owner = object(&request.owner, "Backup or Restore")?;
         let item = object(&request.item, "item")?;
         let (name, uid) = name_and_uid(&owner)?;
-        let mut start = json!({"name": name, "uid": uid, "object": owner});
+        let mut start = json!({"name": name, "uid": uid, "object": owner,
+                               "server": {"name": SERVER, "instance": self.instance}});
         if let Some(timeout) = owner
             .pointer("/spec/itemOperationTimeout")
             .and_then(Value::as_str)
@@ -688,6 +711,7 @@ async fn run() -> Result<(), String> {
         .map_err(|e| format!("creating the socket's directory: {e}"))?;
     let standin = Arc::new(StandIn {
         timeout,
+        instance: velero_instance(),
         original: host,
         served,
         command: own.display().to_string(),
@@ -706,6 +730,27 @@ async fn run() -> Result<(), String> {
             .and_then(|()| stdout.flush())
             .map_err(|e| format!("writing the handshake: {e}"))?;
     }
+    // A Velero that (re)starts fails the backups it finds InProgress; the agent fails
+    // the owners an earlier Velero left InProgress the same way. Not before the
+    // handshake: Velero waits for it, and the agent may be slow or away.
+    tokio::spawn({
+        let standin = standin.clone();
+        async move {
+            let params = json!({"name": SERVER, "instance": standin.instance});
+            match standin.call("server.started", params).await {
+                Ok(answer) => {
+                    for owner in answer["failed"].as_array().into_iter().flatten() {
+                        tracing::info!(
+                            "{} {} failed: Velero restarted while it was InProgress",
+                            owner["kind"].as_str().unwrap_or("?"),
+                            owner["name"].as_str().unwrap_or("?")
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!("telling the agent that Velero started: {e}"),
+            }
+        }
+    });
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(accepted) => accepted,

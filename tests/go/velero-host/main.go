@@ -84,6 +84,7 @@ func main() {
 	timeout := flag.Duration("timeout", time.Minute, "the Backup's itemOperationTimeout")
 	created := flag.String("created", "", "when the operation was created (RFC 3339), with -resume")
 	polls := flag.Int("polls", 0, "stop after this many Progress calls, as a Velero that restarts (0: never)")
+	executeOnly := flag.Bool("execute-only", false, "stop after Execute, as a Velero that restarts while the backup is InProgress")
 	flag.Parse()
 
 	kind, ownerKind := "BackupItemActionV2", "Backup"
@@ -210,6 +211,10 @@ func main() {
 			}
 			emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item), "postOperationItems": post})
 		}
+	}
+	if *executeOnly {
+		emit("stopped", map[string]interface{}{"operationID": operationID})
+		return
 	}
 	if *resume != "" {
 		operationID = *resume
