@@ -1477,7 +1477,14 @@ fn the_velero_plugin_installer_runs_after_the_plugins_it_stands_in_for() {
             "plugins",
             "{example}"
         );
-        let agent = init.iter().find(|c| is_agent(c)).expect("the agent");
+        // The agent checks its [[snapshotter]] tables' binaries when it starts: after
+        // the installer has moved the original into place.
+        let agent_at = init.iter().position(|c| is_agent(c)).expect("the agent");
+        assert!(
+            at < agent_at,
+            "{example}: the agent starts before the installer"
+        );
+        let agent = init[agent_at];
         let plugins = mount(agent, "/plugins").expect("the agent mounts /plugins");
         assert_eq!(
             (&plugins["name"], &plugins["readOnly"]),
