@@ -238,6 +238,7 @@ impl Core {
         let changes = self.poller.poll(targets).await;
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
         let now = UnixMs::now();
+        let metrics = self.metrics.clone();
         let owner = self
             .store
             .write(move |conn| {
@@ -249,7 +250,7 @@ impl Core {
                     }));
                 }
                 require_in_progress(&current, "endInProgress")?;
-                let newly_failed = apply_changes(conn, &changes, now)?
+                let newly_failed = apply_changes(conn, &changes, now, &metrics)?
                     .get(&current.id)
                     .copied()
                     .unwrap_or(0);

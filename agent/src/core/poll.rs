@@ -109,6 +109,7 @@ pub(super) fn apply_changes(
     conn: &Connection,
     changes: &[OperationChange],
     now: UnixMs,
+    metrics: &Metrics,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     // Changes come in runs of one owner: its count is kept here until the run ends.
@@ -119,6 +120,9 @@ pub(super) fn apply_changes(
         if updates.write(c.target.row, &c.target.state, &c.next, &c.rate)? {
             if let Some(why) = c.why {
                 log_limit(c, why);
+            }
+            if phase_changed && !c.next.phase.is_unfinished() {
+                ended(c, metrics);
             }
             let owner = c.target.owner_row;
             let failed = match &mut run {
@@ -146,27 +150,64 @@ pub(super) fn apply_changes(
     Ok(touched)
 }
 
-/// Logs a change a limit decided (a deadline, a retry), once it is written.
+/// Logs a retry a limit decided, once it is written (an ending is [`ended`]'s).
 fn log_limit(c: &OperationChange, why: phase::Why) {
     use phase::Why;
     let (t, next) = (&c.target, &c.next);
     match why {
-        Why::TimedOut | Why::Stalled | Why::NotStarted | Why::Unreachable => {
-            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                error = %next.error, ?why, "operation failed by a limit");
-        }
-        Why::RetriesSpent => {
-            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                attempts = next.attempts, error = %next.error, "retries spent");
-        }
         Why::RetryScheduled => {
-            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
-                attempt = next.attempts, error = %next.last_error,
-                next_attempt_ms = next.next_attempt_ms, "transient error; retrying");
+            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                operation = %t.operation_id, attempt = next.attempts,
+                reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
+                "transient error; retrying");
         }
         Why::Recovered => {
-            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
-                attempts = next.attempts, "answered again after transient errors");
+            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                operation = %t.operation_id, attempts = next.attempts,
+                "answered again after transient errors");
+        }
+        _ => {}
+    }
+}
+
+/// Counts and logs a polled operation that just ended, once its change is written: one
+/// line per operation, a WARN for each that did not complete.
+fn ended(c: &OperationChange, metrics: &Metrics) {
+    use crate::metrics::Outcome;
+    use phase::Why;
+    let (t, next) = (&c.target, &c.next);
+    let outcome = match (next.phase, c.why) {
+        (OperationPhase::Completed, _) => Outcome::Completed,
+        (OperationPhase::Canceled, _) => Outcome::Canceled,
+        (_, Some(Why::Stalled)) => Outcome::Stalled,
+        (_, Some(Why::TimedOut)) => Outcome::TimedOut,
+        _ if next.error == phase::TIMED_OUT => Outcome::TimedOut,
+        _ => Outcome::Failed,
+    };
+    metrics.ended(&t.plugin.name, outcome);
+    let (owner, plugin, operation, reason) =
+        (&t.owner.name, &t.plugin.name, &t.operation_id, &next.error);
+    match outcome {
+        Outcome::Completed => {
+            tracing::debug!(%owner, %plugin, %operation, "operation completed");
+        }
+        Outcome::Stalled => {
+            tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+        }
+        Outcome::TimedOut => {
+            tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+        }
+        Outcome::Canceled => {
+            tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+        }
+        Outcome::Failed => {
+            let limit = match c.why {
+                Some(Why::NotStarted) => "not started",
+                Some(Why::Unreachable) => "snapshotter unreachable",
+                Some(Why::RetriesSpent) => "retries spent",
+                _ => "snapshotter's report",
+            };
+            tracing::warn!(%owner, %plugin, %operation, %reason, by = limit, "operation failed");
         }
     }
 }
@@ -553,6 +594,9 @@ impl Poller {
         let reached = answers
             .iter()
             .any(|a| !matches!(a, Err(CallError::Unreachable(_))));
+        if !answers.is_empty() {
+            self.metrics.reached(plugin, reached);
+        }
         let mut unreachable = lock(&self.unreachable);
         if reached || answers.is_empty() {
             if unreachable.remove(plugin).is_some() {
@@ -680,9 +724,10 @@ impl Core {
             }
         }
         let now = UnixMs::now();
+        let metrics = self.metrics.clone();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
-            for (owner_row, failed) in apply_changes(conn, &changes, now)? {
+            for (owner_row, failed) in apply_changes(conn, &changes, now, &metrics)? {
                 if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
                 {
                     due.push((row.owner.kind, row.owner.name));
