@@ -198,6 +198,8 @@ pub fn file_sizes(database: &Path, scraped: &mut Scraped) {
     wal.push("-wal");
     scraped.wal_bytes = size(Path::new(&wal));
     let dir = database.parent().unwrap_or(Path::new("."));
+    // The statvfs field types differ between platforms (u32 on some 32-bit ones).
+    #[allow(clippy::unnecessary_cast)]
     if let Ok(fs) = nix::sys::statvfs::statvfs(dir) {
         let fragment = fs.fragment_size() as u64;
         scraped.filesystem_bytes = (fs.blocks() as u64).saturating_mul(fragment);

@@ -411,7 +411,6 @@ async fn failed_canceled_and_stalled_operations_each_leave_one_warn_line() {
             name: "b".into(),
             operations: selector("gate-1"),
             reason: Some("the operator asked".into()),
-            ..Default::default()
         })
         .await
         .unwrap();
