@@ -109,7 +109,7 @@ pub(super) fn apply_changes(
     conn: &Connection,
     changes: &[OperationChange],
     now: UnixMs,
-    metrics: &Metrics,
+    ended: &mut Vec<Ended>,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     // Changes come in runs of one owner: its count is kept here until the run ends.
@@ -122,7 +122,7 @@ pub(super) fn apply_changes(
                 log_limit(c, why);
             }
             if phase_changed && !c.next.phase.is_unfinished() {
-                ended(c, metrics);
+                ended.push(Ended::of(c));
             }
             let owner = c.target.owner_row;
             let failed = match &mut run {
@@ -170,44 +170,72 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
     }
 }
 
-/// Counts and logs a polled operation that just ended, once its change is written: one
-/// line per operation, a WARN for each that did not complete.
-fn ended(c: &OperationChange, metrics: &Metrics) {
-    use crate::metrics::Outcome;
-    use phase::Why;
-    let (t, next) = (&c.target, &c.next);
-    let outcome = match (next.phase, c.why) {
-        (OperationPhase::Completed, _) => Outcome::Completed,
-        (OperationPhase::Canceled, _) => Outcome::Canceled,
-        (_, Some(Why::Stalled)) => Outcome::Stalled,
-        (_, Some(Why::TimedOut)) => Outcome::TimedOut,
-        _ if next.error == phase::TIMED_OUT => Outcome::TimedOut,
-        _ => Outcome::Failed,
-    };
-    metrics.ended(&t.plugin.name, outcome);
-    let (owner, plugin, operation, reason) =
-        (&t.owner.name, &t.plugin.name, &t.operation_id, &next.error);
-    match outcome {
-        Outcome::Completed => {
-            tracing::debug!(%owner, %plugin, %operation, "operation completed");
+/// A polled operation that ended in a transaction: logged and counted once the
+/// transaction has committed ([`Ended::report`]).
+pub(super) struct Ended {
+    owner: String,
+    plugin: String,
+    operation: String,
+    reason: String,
+    outcome: crate::metrics::Outcome,
+    /// What failed it, for an outcome of `failed`.
+    by: &'static str,
+}
+
+impl Ended {
+    fn of(c: &OperationChange) -> Ended {
+        use crate::metrics::Outcome;
+        use phase::Why;
+        let (t, next) = (&c.target, &c.next);
+        let outcome = match (next.phase, c.why) {
+            (OperationPhase::Completed, _) => Outcome::Completed,
+            (OperationPhase::Canceled, _) => Outcome::Canceled,
+            (_, Some(Why::Stalled)) => Outcome::Stalled,
+            (_, Some(Why::TimedOut)) => Outcome::TimedOut,
+            _ if next.error == phase::TIMED_OUT => Outcome::TimedOut,
+            _ => Outcome::Failed,
+        };
+        let by = match c.why {
+            Some(Why::NotStarted) => "not started",
+            Some(Why::Unreachable) => "snapshotter unreachable",
+            Some(Why::RetriesSpent) => "retries spent",
+            _ => "snapshotter's report",
+        };
+        Ended {
+            owner: t.owner.name.clone(),
+            plugin: t.plugin.name.clone(),
+            operation: t.operation_id.clone(),
+            reason: next.error.clone(),
+            outcome,
+            by,
         }
-        Outcome::Stalled => {
-            tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
-        }
-        Outcome::TimedOut => {
-            tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
-        }
-        Outcome::Canceled => {
-            tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
-        }
-        Outcome::Failed => {
-            let limit = match c.why {
-                Some(Why::NotStarted) => "not started",
-                Some(Why::Unreachable) => "snapshotter unreachable",
-                Some(Why::RetriesSpent) => "retries spent",
-                _ => "snapshotter's report",
-            };
-            tracing::warn!(%owner, %plugin, %operation, %reason, by = limit, "operation failed");
+    }
+
+    /// Counts and logs the operations that ended: one line each, a WARN for each that
+    /// did not complete.
+    pub(super) fn report(ended: &[Ended], metrics: &Metrics) {
+        use crate::metrics::Outcome;
+        for e in ended {
+            metrics.ended(&e.plugin, e.outcome);
+            let (owner, plugin, operation, reason) = (&e.owner, &e.plugin, &e.operation, &e.reason);
+            match e.outcome {
+                Outcome::Completed => {
+                    tracing::debug!(%owner, %plugin, %operation, "operation completed");
+                }
+                Outcome::Stalled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+                }
+                Outcome::TimedOut => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+                }
+                Outcome::Canceled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+                }
+                Outcome::Failed => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
+                        "operation failed");
+                }
+            }
         }
     }
 }
@@ -724,18 +752,19 @@ impl Core {
             }
         }
         let now = UnixMs::now();
-        let metrics = self.metrics.clone();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
-            for (owner_row, failed) in apply_changes(conn, &changes, now, &metrics)? {
+            let mut ended = Vec::new();
+            for (owner_row, failed) in apply_changes(conn, &changes, now, &mut ended)? {
                 if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
                 {
                     due.push((row.owner.kind, row.owner.name));
                 }
             }
-            Ok::<_, Error>(due)
+            Ok::<_, Error>((due, ended))
         };
-        let due = self.store.write(commit).await?;
+        let (due, ended) = self.store.write(commit).await?;
+        Ended::report(&ended, &self.metrics);
         self.refresh_records(due).await;
         for (owner, rows, urgency) in changed {
             self.changes.notify(owner.kind, &owner.name, rows, urgency);
