@@ -241,7 +241,6 @@ fn the_limits_are_the_codes_constants() {
             format!("{} seconds", changes::PROGRESS_EVERY.as_secs()),
         ),
         ("finalizes", format!("{}", filework::MAX_ADMITTED)),
-        ("file work threads", format!("{}", filework::WORKERS)),
     ];
     let rows = section(&reference(), "limits");
     for (key, value) in expected {
