@@ -251,3 +251,16 @@ fn the_limits_are_the_codes_constants() {
         );
     }
 }
+
+#[test]
+fn durability_is_stated_as_the_code_sets_it() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/trust.md"),
+    )
+    .expect("docs/trust.md");
+    let stated = format!(
+        "The writer commits with `synchronous={}`",
+        opmon_agent::store::WRITER_SYNCHRONOUS
+    );
+    assert!(doc.contains(&stated), "docs/trust.md must say: {stated}");
+}

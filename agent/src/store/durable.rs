@@ -17,6 +17,12 @@
 //!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
 //!   on what the disk holds.
 //!
+//! A failed fsync during a checkpoint loses nothing acknowledged, so it is not fatal:
+//! the WAL (fsynced by the syncer before any reply) is restarted only after a complete
+//! checkpoint, whose database fsync must succeed first (`walCheckpoint` stores the
+//! backfill mark only then); until one does, every frame stays in the WAL, the next
+//! checkpoint copies them again, and a restart's recovery replays them all.
+//!
 //! Checkpoints stay SQLite's own, on the writer's connection (every
 //! [`CHECKPOINT_PAGES`](super::CHECKPOINT_PAGES)): made there, each completes before the
 //! writer appends again, so the WAL restarts from its start; a checkpoint made beside a
