@@ -280,9 +280,10 @@ async fn sigterm_ends_the_agent_while_a_rewrite_runs_and_removes_its_temporary_f
 
 #[tokio::test]
 async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
-    let s = setup(&[]);
-    // Two zero-bombs of 8 GiB (8 MB on disk each): seconds of rewriting each.
-    write_zeros_tarball(&s.storage.join("big.tar.gz"), 8192);
+    // Two zero-bombs of 64 GiB (64 MB on disk): tens of seconds of rewriting each, far
+    // more than the small one needs however loaded the machine is.
+    let s = setup(&["--max-decompressed-size", "100000000000"]);
+    write_zeros_tarball(&s.storage.join("big.tar.gz"), 65536);
     write_zeros_tarball(&s.storage.join("small.tar.gz"), 16);
     let client = s.agent.client().await;
     for name in ["big-1", "big-2", "small"] {
