@@ -30,6 +30,7 @@ use nix::fcntl::{Flock, FlockArg};
 use opmon_client::server::Place;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::durable::log_sqlite_errors;
 use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
