@@ -170,6 +170,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         tracing::warn!("{warning}");
     }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
+    store::log_sqlite_errors();
     let db = settings.database();
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
     storage.check_database(&db, settings.start_anew)?;

@@ -277,3 +277,49 @@ async fn sigterm_ends_the_agent_while_a_rewrite_runs_and_removes_its_temporary_f
     );
     assert!(!s.storage.join("out/b.tar.gz").exists());
 }
+
+#[tokio::test]
+async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
+    // Two zero-bombs of 64 GiB (64 MB on disk): tens of seconds of rewriting each, far
+    // more than the small one needs however loaded the machine is.
+    let s = setup(&["--max-decompressed-size", "100000000000"]);
+    write_zeros_tarball(&s.storage.join("big.tar.gz"), 65536);
+    write_zeros_tarball(&s.storage.join("small.tar.gz"), 16);
+    let client = s.agent.client().await;
+    for name in ["big-1", "big-2", "small"] {
+        finalizing(&client, name, "u").await;
+    }
+    let bombs: Vec<_> = ["big-1", "big-2"]
+        .into_iter()
+        .map(|name| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .backups()
+                    .finalize(params(name, "big.tar.gz", &format!("big/{name}.tar.gz")))
+                    .await
+            })
+        })
+        .collect();
+    let both = opmon_tests::try_eventually_async(opmon_tests::LONG, || {
+        temporaries(&s.storage.join("big")).len() == 2
+    })
+    .await;
+    assert!(
+        both.is_some(),
+        "the two rewrites did not start:\n{}",
+        s.agent.log_text()
+    );
+    let small = client
+        .backups()
+        .finalize(params("small", "small.tar.gz", "small/out.tar.gz"))
+        .await
+        .unwrap();
+    assert_eq!(small.owner.phase, OwnerPhase::Completed);
+    // The large ones were still being written when the small one was done.
+    assert!(bombs.iter().all(|b| !b.is_finished()));
+    assert_eq!(temporaries(&s.storage.join("big")).len(), 2);
+    for bomb in bombs {
+        bomb.abort();
+    }
+}
