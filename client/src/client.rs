@@ -67,7 +67,7 @@ use tokio::time::Instant;
 use crate::connection::{Answer, Conn, Failure, Pool};
 use crate::duration::GoDuration;
 use crate::error::Error;
-use crate::methods::{self, OwnerMethod, Retry};
+use crate::methods::{self, Method, Retry};
 use crate::subscription::Subscription;
 use crate::types::*;
 
@@ -191,10 +191,6 @@ impl ClientBuilder {
         }
     }
 }
-
-/// `{}`: the params of methods that take none.
-#[derive(Serialize)]
-struct NoParams {}
 
 struct Inner {
     path: PathBuf,
@@ -454,6 +450,25 @@ impl Client {
             .await
     }
 
+    /// Calls the declared method `M` (named for `kind` if it is an owner method), with
+    /// its retry rule and `timeout`.
+    async fn send<M: Method>(
+        &self,
+        kind: OwnerKind,
+        params: &M::Params,
+        timeout: Duration,
+    ) -> Result<M::Result, Error> {
+        let decl = &M::DECL;
+        self.call_with(decl.name(kind), params, decl.retry, timeout)
+            .await
+    }
+
+    /// [`send`](Self::send) for an agent-wide method, within the call timeout.
+    async fn agent<M: Method>(&self, params: M::Params) -> Result<M::Result, Error> {
+        let timeout = self.inner.config.call_timeout;
+        self.send::<M>(OwnerKind::Backup, &params, timeout).await
+    }
+
     async fn call_with<P: Serialize, R: DeserializeOwned>(
         &self,
         method: &str,
@@ -467,22 +482,25 @@ impl Client {
 
     /// `agent.status`.
     pub async fn status(&self) -> Result<AgentStatus, Error> {
-        self.call(methods::AGENT_STATUS, NoParams {}).await
+        self.agent::<methods::Status>(NoParams {}).await
     }
 
     /// The backup methods (`backup.*`).
-    pub fn backups(&self) -> Owners<'_> {
+    pub fn backups(&self) -> Owners {
         self.owners(OwnerKind::Backup)
     }
 
     /// The restore methods (`restore.*`).
-    pub fn restores(&self) -> Owners<'_> {
+    pub fn restores(&self) -> Owners {
         self.owners(OwnerKind::Restore)
     }
 
     /// The methods of owners of `kind`.
-    pub fn owners(&self, kind: OwnerKind) -> Owners<'_> {
-        Owners { client: self, kind }
+    pub fn owners(&self, kind: OwnerKind) -> Owners {
+        Owners {
+            client: self.clone(),
+            kind,
+        }
     }
 
     /// `server.started`: the backup server `name` now runs as `instance`. The agent
@@ -494,33 +512,27 @@ impl Client {
         name: &str,
         instance: &str,
     ) -> Result<ServerStartedResult, Error> {
-        self.call(
-            methods::SERVER_STARTED,
-            ServerStartedParams {
-                name: name.into(),
-                instance: instance.into(),
-            },
-        )
+        self.agent::<methods::ServerStarted>(ServerStartedParams {
+            name: name.into(),
+            instance: instance.into(),
+        })
         .await
     }
 
     /// `snapshotter.register`: persisted, replaces an earlier registration of the name.
     pub async fn register_snapshotter(&self, s: &Snapshotter) -> Result<Snapshotter, Error> {
-        self.call(methods::SNAPSHOTTER_REGISTER, s).await
+        self.agent::<methods::RegisterSnapshotter>(s.clone()).await
     }
 
     /// `snapshotter.list`.
     pub async fn snapshotters(&self) -> Result<Vec<Snapshotter>, Error> {
-        self.call(methods::SNAPSHOTTER_LIST, NoParams {}).await
+        self.agent::<methods::ListSnapshotters>(NoParams {}).await
     }
 
     /// `snapshotter.unregister`.
     pub async fn unregister_snapshotter(&self, name: &str) -> Result<Snapshotter, Error> {
-        self.call(
-            methods::SNAPSHOTTER_UNREGISTER,
-            NameParams { name: name.into() },
-        )
-        .await
+        self.agent::<methods::UnregisterSnapshotter>(NameParams { name: name.into() })
+            .await
     }
 
     /// `snapshotter.changed`: tells the agent that `operations` of `plugin` (all of its
@@ -531,34 +543,32 @@ impl Client {
         plugin: &str,
         operations: Option<Vec<String>>,
     ) -> Result<(), Error> {
-        self.call(
-            methods::SNAPSHOTTER_CHANGED,
-            SnapshotterChangedParams {
-                plugin: plugin.into(),
-                operations,
-            },
-        )
+        self.agent::<methods::SnapshotterChanged>(SnapshotterChangedParams {
+            plugin: plugin.into(),
+            operations,
+        })
         .await
     }
 }
 
-/// The `backup.*` or `restore.*` methods; one implementation for both kinds.
-#[derive(Clone, Copy, Debug)]
-pub struct Owners<'a> {
-    client: &'a Client,
+/// The `backup.*` or `restore.*` methods; one implementation for both kinds. An owned
+/// handle: cheap to clone, and it can move into a spawned task.
+#[derive(Clone, Debug)]
+pub struct Owners {
+    client: Client,
     kind: OwnerKind,
 }
 
-impl<'a> Owners<'a> {
-    async fn call<P: Serialize, R: DeserializeOwned>(
-        &self,
-        method: OwnerMethod,
-        params: P,
-    ) -> Result<R, Error> {
+impl Owners {
+    /// Calls the owner method `M` within the call timeout.
+    async fn call<M: Method>(&self, params: M::Params) -> Result<M::Result, Error> {
         let timeout = self.client.inner.config.call_timeout;
-        self.client
-            .call_with(method.name(self.kind), &params, method.retry(), timeout)
-            .await
+        self.client.send::<M>(self.kind, &params, timeout).await
+    }
+
+    /// The kind of owners these methods are of.
+    pub fn kind(&self) -> OwnerKind {
+        self.kind
     }
 
     /// `start`: creates the owner in InProgress; the same name and uid again returns it.
@@ -579,7 +589,7 @@ impl<'a> Owners<'a> {
 
     /// `start` with every parameter.
     pub async fn start_with(&self, params: StartParams) -> Result<Owner, Error> {
-        self.call(OwnerMethod::Start, params).await
+        self.call::<methods::Start>(params).await
     }
 
     /// `addOperations`: idempotent on (plugin, operationId, item).
@@ -588,24 +598,18 @@ impl<'a> Owners<'a> {
         name: &str,
         operations: Vec<NewOperation>,
     ) -> Result<AddOperationsResult, Error> {
-        self.call(
-            OwnerMethod::AddOperations,
-            AddOperationsParams {
-                name: name.into(),
-                operations,
-            },
-        )
+        self.call::<methods::AddOperations>(AddOperationsParams {
+            name: name.into(),
+            operations,
+        })
         .await
     }
 
     /// `endInProgress`, as a builder: `.errors(n)`, `.warnings(n)`, `.failed()`, then
     /// `.await` for the owner in its new phase.
-    pub fn end_in_progress(&self, name: &str) -> EndInProgress<'a> {
+    pub fn end_in_progress(&self, name: &str) -> EndInProgress {
         EndInProgress {
-            owners: Owners {
-                client: self.client,
-                kind: self.kind,
-            },
+            owners: self.clone(),
             params: EndInProgressParams {
                 name: name.into(),
                 ..Default::default()
@@ -615,23 +619,23 @@ impl<'a> Owners<'a> {
 
     /// `endInProgress` with its params struct.
     pub async fn end_in_progress_with(&self, params: EndInProgressParams) -> Result<Owner, Error> {
-        self.call(OwnerMethod::EndInProgress, params).await
+        self.call::<methods::EndInProgress>(params).await
     }
 
     /// `get`.
     pub async fn get(&self, name: &str) -> Result<Owner, Error> {
-        self.call(OwnerMethod::Get, NameParams { name: name.into() })
+        self.call::<methods::Get>(NameParams { name: name.into() })
             .await
     }
 
     /// `list`: one page.
     pub async fn list(&self, params: ListParams) -> Result<OwnerList, Error> {
-        self.call(OwnerMethod::List, params).await
+        self.call::<methods::List>(params).await
     }
 
     /// `events`: one page of the owner's history, oldest first (`next` continues it).
     pub async fn events(&self, params: EventsParams) -> Result<EventList, Error> {
-        self.call(OwnerMethod::Events, params).await
+        self.call::<methods::Events>(params).await
     }
 
     /// `operations`: all of the owner's operations, or those in `phases`.
@@ -640,13 +644,10 @@ impl<'a> Owners<'a> {
         name: &str,
         phases: Option<Vec<OperationPhase>>,
     ) -> Result<Vec<Operation>, Error> {
-        self.call(
-            OwnerMethod::Operations,
-            OperationsParams {
-                name: name.into(),
-                phases,
-            },
-        )
+        self.call::<methods::Operations>(OperationsParams {
+            name: name.into(),
+            phases,
+        })
         .await
     }
 
@@ -661,7 +662,6 @@ impl<'a> Owners<'a> {
         timeout: Duration,
     ) -> Result<WaitResult, Error> {
         let deadline = Instant::now() + timeout;
-        let method = OwnerMethod::Wait;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let slice = left.min(WAIT_SLICE);
@@ -670,14 +670,10 @@ impl<'a> Owners<'a> {
                 until,
                 timeout: Some(GoDuration(slice)),
             };
-            let result: WaitResult = self
+            let call_timeout = slice + self.client.inner.config.call_timeout;
+            let result = self
                 .client
-                .call_with(
-                    method.name(self.kind),
-                    &params,
-                    method.retry(),
-                    slice + self.client.inner.config.call_timeout,
-                )
+                .send::<methods::Wait>(self.kind, &params, call_timeout)
                 .await?;
             if !result.timed_out || slice == left {
                 return Ok(result);
@@ -687,11 +683,8 @@ impl<'a> Owners<'a> {
 
     /// `itemOperations`: the `-itemoperations.json.gz` records.
     pub async fn item_operations(&self, name: &str) -> Result<Vec<ItemOperation>, Error> {
-        self.call(
-            OwnerMethod::ItemOperations,
-            NameParams { name: name.into() },
-        )
-        .await
+        self.call::<methods::ItemOperations>(NameParams { name: name.into() })
+            .await
     }
 
     /// `finalize`: for owners in a Finalizing phase; rewrites the tarball if `contents`
@@ -699,10 +692,9 @@ impl<'a> Owners<'a> {
     /// phase. Idempotent: a finalized owner returns the same result. Bounded by the
     /// finalize timeout, not the call timeout.
     pub async fn finalize(&self, params: FinalizeParams) -> Result<FinalizeResult, Error> {
-        let method = OwnerMethod::Finalize;
         let timeout = self.client.inner.config.finalize_timeout;
         self.client
-            .call_with(method.name(self.kind), &params, method.retry(), timeout)
+            .send::<methods::Finalize>(self.kind, &params, timeout)
             .await
     }
 
@@ -718,14 +710,14 @@ impl<'a> Owners<'a> {
 
     /// `delete`: removes the owner, cancelling its unfinished operations.
     pub async fn delete(&self, name: &str) -> Result<DeleteResult, Error> {
-        self.call(OwnerMethod::Delete, NameParams { name: name.into() })
+        self.call::<methods::Delete>(NameParams { name: name.into() })
             .await
     }
 
     /// `cancel`: the whole owner (`operations: None`; it ends Failed) or the chosen
     /// operations (they end Canceled). Not repeated after a lost answer: read back.
     pub async fn cancel(&self, params: CancelParams) -> Result<CancelResult, Error> {
-        self.call(OwnerMethod::Cancel, params).await
+        self.call::<methods::Cancel>(params).await
     }
 }
 
@@ -749,12 +741,12 @@ impl std::ops::Deref for Update {
 
 /// An `endInProgress` call being built; `.await` sends it.
 #[must_use = "an endInProgress call does nothing until awaited"]
-pub struct EndInProgress<'a> {
-    owners: Owners<'a>,
+pub struct EndInProgress {
+    owners: Owners,
     params: EndInProgressParams,
 }
 
-impl<'a> EndInProgress<'a> {
+impl EndInProgress {
     /// Errors the server counted while the owner was InProgress.
     pub fn errors(mut self, errors: u32) -> Self {
         self.params.errors = errors;
@@ -774,9 +766,9 @@ impl<'a> EndInProgress<'a> {
     }
 }
 
-impl<'a> IntoFuture for EndInProgress<'a> {
+impl IntoFuture for EndInProgress {
     type Output = Result<Owner, Error>;
-    type IntoFuture = Pin<Box<dyn Future<Output = Result<Owner, Error>> + Send + 'a>>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<Owner, Error>> + Send>>;
 
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move { self.owners.end_in_progress_with(self.params).await })

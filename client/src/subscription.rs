@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use crate::client::{Backoff, Client, Update};
 use crate::error::Error;
-use crate::methods::OwnerMethod;
+use crate::methods::{Method, Subscribe};
 use crate::types::{NameParams, OwnerKind, OwnerUpdate};
 use crate::websocket::{Message, OpenError, WebSocket, WsError};
 
@@ -140,7 +140,7 @@ impl State {
                     return Err(Attempt::Fatal(self.path_error(what, None)))
                 }
             };
-            let method = OwnerMethod::Subscribe.name(self.kind);
+            let method = Subscribe::DECL.name(self.kind);
             let request = serde_json::json!({
                 "jsonrpc": "2.0",
                 "id": 1,

@@ -567,6 +567,22 @@ pub struct EndInProgressParams {
     pub failed: bool,
 }
 
+/// Params of the methods that take none (`{}`; the agent also takes them absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+/// What `*.subscribe` answers: the subscription's id, which each notification's
+/// `params.subscription` repeats.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(untagged)]
+pub enum SubscriptionId {
+    Number(u64),
+    Text(String),
+}
+
 /// Params of the methods that only name an owner or snapshotter.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

@@ -453,11 +453,11 @@ pub fn open_gate(gates: &Path, id: &str) {
 /// backup server does; returns the owner in the phase that left it. (Kept for the tests
 /// that call it; [`Steps`] reads better in new ones.)
 pub async fn start_and_end_in_progress(
-    owners: &opmon_client::Owners<'_>,
+    owners: &opmon_client::Owners,
     name: &str,
     operations: Vec<NewOperation>,
 ) -> opmon_client::Owner {
-    Steps::of(*owners, name)
+    Steps::of(owners.clone(), name)
         .operations(operations)
         .end_in_progress()
         .await
@@ -607,12 +607,12 @@ impl Fixture {
     }
 
     /// The steps of backup `name` (see [`workflow`]).
-    pub fn backup(&self, name: &str) -> Steps<'_> {
+    pub fn backup(&self, name: &str) -> Steps {
         Steps::new(&self.client, OwnerKind::Backup, name)
     }
 
     /// The steps of restore `name`.
-    pub fn restore(&self, name: &str) -> Steps<'_> {
+    pub fn restore(&self, name: &str) -> Steps {
         Steps::new(&self.client, OwnerKind::Restore, name)
     }
 

@@ -153,7 +153,7 @@ impl Load {
         format!("load-{n}")
     }
 
-    async fn one(&mut self, backups: &opmon_client::Owners<'_>) {
+    async fn one(&mut self, backups: &opmon_client::Owners) {
         let name = Load::name(self.acked.len());
         backups.start(&name, "u", None).await.expect("backup.start");
         self.acked.push(Instant::now());
