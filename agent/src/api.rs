@@ -15,8 +15,9 @@ use opmon_client::methods::{self, Method};
 use opmon_client::server::{Outbox, Place};
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
-    EventsParams, FinalizeParams, ListParams, NameParams, OperationsParams, OwnerKind, Snapshotter,
-    SnapshotterChangedParams, StartParams, WaitParams, MAX_CHANGED_OPERATIONS,
+    EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
+    OwnerKind, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
+    MAX_CHANGED_OPERATIONS,
 };
 use serde::de::DeserializeOwned;
 use time::OffsetDateTime;
@@ -260,7 +261,19 @@ fn check_finalize(kind: OwnerKind, p: &FinalizeParams) -> Result<(), Error> {
     Ok(())
 }
 
+/// Refuses phases this version does not know (a newer client's), naming the index.
+fn check_phases<T: Copy + PartialEq + std::fmt::Display>(
+    phases: &Option<Vec<T>>,
+    all: &[T],
+) -> Result<(), Error> {
+    for (i, phase) in phases.iter().flatten().enumerate() {
+        validate::known(*phase, all).map_err(|e| invalid(&format!("phases[{i}]"), e))?;
+    }
+    Ok(())
+}
+
 fn check_list(p: &ListParams) -> Result<(), Error> {
+    check_phases(&p.phases, OwnerPhase::ALL)?;
     if p.limit.is_some_and(|l| l == 0 || l > MAX_PAGE) {
         return Err(invalid(
             "limit",
@@ -491,6 +504,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         kind,
         move |core, p: OperationsParams| async move {
             owner_name(&p.name)?;
+            check_phases(&p.phases, OperationPhase::ALL)?;
             core.operations(kind, p).await
         },
     );

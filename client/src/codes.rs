@@ -106,7 +106,7 @@ error_table! {
         /// The name is taken by another owner (different uid).
         ALREADY_EXISTS = 1002, AlreadyExists, "already exists", "the name is taken by an owner with another uid";
         /// The owner is not in a phase that allows the request.
-        WRONG_PHASE = 1003, WrongPhase, "wrong phase", "the owner is not in a phase that allows the request";
+        WRONG_PHASE = 1003, WrongPhase, "wrong phase", "the owner is not in a phase that allows the request; the error's data says the phase: {\"phase\": ...} for the owner's, {\"operation\": {\"index\", \"operationId\", \"phase\"}} for a chosen operation that is finished";
         /// The database or the storage directory failed (disk full, I/O); the message says which.
         STORAGE_FAILURE = 1004, StorageFailure, "storage failure", "the database or the storage directory failed (disk full, I/O); the message says which";
         /// `finalize` could not produce its results.

@@ -27,7 +27,7 @@ pub mod types;
 pub mod validate;
 mod websocket;
 
-pub use client::{Client, ClientBuilder, EndInProgress, Owners, Update};
+pub use client::{Call, Client, ClientBuilder, Owners, Update};
 pub use duration::GoDuration;
 pub use error::Error;
 pub use paths::default_socket_path;

@@ -154,7 +154,13 @@ impl<T> Schema for T {}
 /// [`Decl`].
 pub trait Method: 'static {
     /// What the call takes.
-    type Params: serde::Serialize + serde::de::DeserializeOwned + Send + Sync + Schema + 'static;
+    type Params: serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + Unpin
+        + Schema
+        + 'static;
     /// What it answers.
     type Result: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Schema + 'static;
     /// Its name, retry rule, errors and doc.

@@ -282,7 +282,11 @@ async fn send_hints(
             tracing::debug!(socket = %socket.display(), "hint dropped: cannot connect to the agent");
             continue;
         };
-        if let Err(e) = c.snapshotter_changed(&plugin, ids).await {
+        let mut call = c.snapshotter_changed(&plugin);
+        if let Some(ids) = ids {
+            call = call.operations(ids);
+        }
+        if let Err(e) = call.await {
             // Polling finds the change anyway; a broken connection is made afresh.
             tracing::debug!(error = %e, "hint not taken by the agent");
             client = None;

@@ -82,13 +82,7 @@ struct Incoming<'a> {
     #[serde(borrow, default)]
     result: Option<&'a RawValue>,
     #[serde(default)]
-    error: Option<RpcError>,
-}
-
-#[derive(Deserialize)]
-struct RpcError {
-    code: i32,
-    message: String,
+    error: Option<crate::client::RpcErrorObject>,
 }
 
 /// Why one attempt at (re)subscribing failed.
@@ -186,11 +180,7 @@ impl State {
                     continue;
                 }
                 if let Some(e) = incoming.error {
-                    let error = Error::Rpc {
-                        code: e.code,
-                        message: e.message,
-                    };
-                    return Err(Attempt::Fatal(error));
+                    return Err(Attempt::Fatal(e.into()));
                 }
                 let id = incoming
                     .result
@@ -226,9 +216,11 @@ impl State {
                     self.lost_at = None;
                     return Ok(());
                 }
-                Err(Attempt::Fatal(Error::Rpc { code, message }))
-                    if code == crate::codes::NOT_FOUND =>
-                {
+                Err(Attempt::Fatal(Error::Rpc {
+                    code: crate::codes::Code::NotFound,
+                    message,
+                    ..
+                })) => {
                     return Err(Error::SubscriptionEnded {
                         kind: self.kind,
                         name: self.name.clone(),

@@ -583,7 +583,7 @@ impl Fixture {
         let agent = Agent::start(dir.path(), extra);
         let client = agent.client().await;
         client
-            .register_snapshotter(&opmon_client::Snapshotter {
+            .register_snapshotter(opmon_client::Snapshotter {
                 name: PLUGIN.into(),
                 api_version: opmon_client::ApiVersion::V2,
                 socket: Some(snapshotter.socket.clone()),

@@ -89,9 +89,11 @@ impl Steps {
 
     /// `start`, then `addOperations` if there are any: the owner, InProgress.
     pub async fn start(&self) -> Owner {
-        let owner = self
-            .owners
-            .start(&self.name, &self.uid, self.item_operation_timeout)
+        let mut start = self.owners.start(&self.name, &self.uid);
+        if let Some(timeout) = self.item_operation_timeout {
+            start = start.item_operation_timeout(timeout);
+        }
+        let owner = start
             .await
             .unwrap_or_else(|e| panic!("start {}: {e}", self.name));
         if self.operations.is_empty() {

@@ -353,7 +353,7 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     // The operations as Velero's `backup describe --details` prints them (times as
     // Go's Time.String() of a second-precision UTC time), then the agent's rate.
     let client = f.agent.client().await;
-    let ops = client.backups().operations("lines", None).await.unwrap();
+    let ops = client.backups().operations("lines").await.unwrap();
     let go_time = |t: time::OffsetDateTime| {
         let t = t.to_offset(time::UtcOffset::UTC);
         format!(
@@ -427,11 +427,7 @@ async fn output_into_a_closed_pipe_ends_as_by_sigpipe_without_a_word() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     for i in 0..50 {
-        client
-            .backups()
-            .start(&format!("b{i}"), "u", None)
-            .await
-            .unwrap();
+        client.backups().start(&format!("b{i}"), "u").await.unwrap();
     }
     for args in [
         &["backup", "list"][..],
@@ -534,7 +530,7 @@ async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
     let backups = client.backups();
     opmon_tests::start_and_end_in_progress(&backups, "b", vec![]).await;
     let result = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             ..Default::default()
         })
@@ -658,7 +654,7 @@ async fn get_and_describe_exit_with_the_code_of_the_owners_phase() {
             .await
             .unwrap();
     }
-    backups.start("doomed", "u", None).await.unwrap();
+    backups.start("doomed", "u").await.unwrap();
     backups.end_in_progress("doomed").failed().await.unwrap();
     for (name, code) in [("fine", 0), ("partial", 1), ("doomed", 2)] {
         for args in [

@@ -418,10 +418,10 @@ async fn owner_command(
                 updated_items,
                 ..Default::default()
             };
-            // Through the typed method: it has the finalize timeout, not the call one.
+            // Through the typed call: it has the finalize timeout, not the call one.
             let result = client
                 .owners(kind)
-                .finalize(params)
+                .request::<methods::Finalize>(params)
                 .await
                 .map_err(|e| e.chain())?;
             let value = serde_json::to_value(&result).map_err(|e| e.to_string())?;
