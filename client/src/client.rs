@@ -2,14 +2,13 @@
 //!
 //! Calls are HTTP/1.1 `POST /` on pooled keep-alive connections (hyper's), each driven
 //! by the calling task; subscriptions are WebSocket connections of their own
-//! ([`crate::subscription`]). The client is built to outlive agent restarts:
+//! ([`Subscription`]). The client is built to outlive agent restarts:
 //!
 //! - A call whose connection cannot be made (the agent is restarting) is tried again
 //!   with backoff until the call timeout. A call that was sent and whose answer was lost
-//!   is sent again only if its method is safe to repeat ([`crate::methods::Retry`]):
-//!   reads, `start`, `addOperations`, `finalize`, `wait`, `snapshotter.register`.
-//!   `endInProgress`, `delete` and `snapshotter.unregister` then fail with
-//!   [`Error::Interrupted`].
+//!   is sent again only if its method is safe to repeat (its declaration's
+//!   [`crate::methods::Retry`]); `endInProgress`, `delete`, `cancel` and
+//!   `snapshotter.unregister` then fail with [`Error::Interrupted`].
 //! - Every call has a deadline ([`ClientBuilder::call_timeout`], default 2 minutes;
 //!   `finalize`, which may rewrite a tarball of many gigabytes, has
 //!   [`ClientBuilder::finalize_timeout`], default 1 hour; `wait` adds its own timeout).
@@ -17,38 +16,8 @@
 //!   5 s), so an agent that is not running fails at once and one that does not answer
 //!   (stopped, hung) fails with [`Error::Timeout`] instead of hanging.
 //!
-//! ```no_run
-//! # async fn demo() -> Result<(), opmon_client::Error> {
-//! use std::time::Duration;
-//! use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
-//!
-//! let client = Client::builder(opmon_client::default_socket_path())
-//!     .call_timeout(Duration::from_secs(30))
-//!     .connect()
-//!     .await?;
-//! let backups = client.backups();
-//! backups.start("nightly-1", "3f5c…", None).await?;
-//! backups
-//!     .add_operations(
-//!         "nightly-1",
-//!         vec![NewOperation {
-//!             plugin: PluginRef { kind: PluginKind::BackupItemAction, name: "example.io/copier".into() },
-//!             resource: ResourceIdentifier {
-//!                 group: String::new(),
-//!                 resource: "persistentvolumeclaims".into(),
-//!                 namespace: "app".into(),
-//!                 name: "data".into(),
-//!             },
-//!             operation_id: "copy-42".into(),
-//!             post_operation_items: vec![],
-//!             created: None,
-//!         }],
-//!     )
-//!     .await?;
-//! let owner = backups.end_in_progress("nightly-1").errors(2).await?;
-//! println!("{} is {}", owner.name, owner.phase);
-//! # Ok(()) }
-//! ```
+//! Every method returns a [`Call`]: required arguments in the call, optional ones as
+//! its builder methods, sent when awaited.
 
 use std::fmt;
 use std::future::Future;
@@ -107,6 +76,8 @@ pub(crate) struct Config {
     pub finalize_timeout: Duration,
     pub max_connections: usize,
     pub max_response: usize,
+    /// Who serves the socket, as errors name it.
+    pub peer: String,
 }
 
 /// Builds a [`Client`]: `Client::builder(socket).connect_timeout(..).call_timeout(..).connect()`.
@@ -144,6 +115,22 @@ impl ClientBuilder {
         self
     }
 
+    /// Who serves the socket, as errors name it (default "the opmon agent"): for a
+    /// client of a snapshotter's own methods, say which.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), opmon_client::Error> {
+    /// let copier = opmon_client::Client::builder("/run/copier/copier.sock")
+    ///     .peer("snapshotter example.io/copier")
+    ///     .connect()
+    ///     .await?; // "cannot connect to snapshotter example.io/copier at /run/copier/copier.sock"
+    /// # Ok(()) }
+    /// ```
+    pub fn peer(mut self, peer: impl Into<String>) -> Self {
+        self.config.peer = peer.into();
+        self
+    }
+
     /// Connects and makes one round trip (`agent.status`; a JSON-RPC error answer, as
     /// a snapshotter gives, counts as an answer too). Fails at once if nothing listens
     /// on the socket, and with [`Error::Timeout`] if nothing answers within the connect
@@ -175,6 +162,7 @@ impl ClientBuilder {
                 },
                 Err(Failure::NotSent(source)) => Err(Error::Connect {
                     path: client.inner.path.clone(),
+                    peer: client.inner.config.peer.clone(),
                     source,
                 }),
                 Err(f) => Err(client.inner.failure_error(methods::AGENT_STATUS, f)),
@@ -185,7 +173,7 @@ impl ClientBuilder {
             Ok(Err(e)) => Err(e),
             Err(_) => Err(Error::Timeout {
                 path: client.inner.path.clone(),
-                what: "connecting to the opmon agent".into(),
+                what: format!("connecting to {}", client.inner.config.peer),
                 after: timeout,
             }),
         }
@@ -277,7 +265,11 @@ impl Inner {
     fn failure_error(&self, method: &str, failure: Failure) -> Error {
         let path = self.path.clone();
         match failure {
-            Failure::NotSent(source) => Error::Connect { path, source },
+            Failure::NotSent(source) => Error::Connect {
+                path,
+                peer: self.config.peer.clone(),
+                source,
+            },
             Failure::Lost(source) => Error::Io { path, source },
             Failure::Protocol(what) => Error::Protocol {
                 path,
@@ -440,6 +432,7 @@ impl Client {
                 finalize_timeout: FINALIZE_TIMEOUT,
                 max_connections: MAX_CONNECTIONS,
                 max_response: MAX_RESPONSE,
+                peer: "the opmon agent".into(),
             },
         }
     }
@@ -670,7 +663,7 @@ impl Client {
 
     /// `snapshotter.changed`: tells the agent that operations of `plugin` changed, so
     /// it polls them now; all of its operations unless [`Call::operations`] names some.
-    /// The SDK's [`crate::snapshotter::Hints`] sends these for a snapshotter.
+    /// The SDK's `snapshotter::Hints` sends these for a snapshotter.
     ///
     /// # Errors
     /// [`Error::is_not_found`] if no snapshotter is registered for `plugin`;
@@ -905,7 +898,7 @@ impl Owners {
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
     /// let owner = client.backups().get("nightly-1").await?;
-    /// println!("{}: {} of {} operations done", owner.phase, owner.operations_completed, owner.operations_total);
+    /// println!("{}: {} of {} operations done", owner.phase, owner.operations_completed, owner.operations_attempted);
     /// # Ok(()) }
     /// ```
     pub fn get(&self, name: &str) -> Call<methods::Get> {

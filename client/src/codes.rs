@@ -43,7 +43,7 @@ macro_rules! error_table {
             code: INTERNAL_ERROR,
             name: "Other",
             message: "Internal error",
-            meaning: "any other failure (the SDK's SnapshotterError::Other); the operation \
+            meaning: "any other failure (the SDK's SnapshotterError::other); the operation \
                       fails with the message. The agent takes any code it does not know \
                       the same way",
         }];

@@ -20,9 +20,12 @@ use crate::OwnerPhase;
 pub enum Error {
     /// Nothing answers on the socket: no such file, connection refused, permission
     /// denied. The agent is not running (or not reachable by this user).
-    #[error("cannot connect to the opmon agent at {}", path.display())]
+    #[error("cannot connect to {peer} at {}", path.display())]
     Connect {
         path: PathBuf,
+        /// Who was expected there: "the opmon agent", or what
+        /// [`crate::ClientBuilder::peer`] said (a snapshotter's name).
+        peer: String,
         #[source]
         source: std::io::Error,
     },

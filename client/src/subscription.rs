@@ -31,7 +31,7 @@ use crate::types::{NameParams, OwnerKind, OwnerUpdate};
 use crate::websocket::{Message, OpenError, WebSocket, WsError};
 
 /// How often a waiting subscription pings the agent.
-pub const PING_EVERY: Duration = Duration::from_secs(30);
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(30);
 
 /// The updates of one owner; see the module's documentation. Implements
 /// [`futures_core::Stream`]; [`Subscription::next`] needs no extension trait.
@@ -115,7 +115,11 @@ impl State {
             let mut ws = match WebSocket::open(&path, config.max_response).await {
                 Ok(ws) => ws,
                 Err(OpenError::Connect(source)) => {
-                    return Err(Attempt::Again(Error::Connect { path, source }))
+                    return Err(Attempt::Again(Error::Connect {
+                        path,
+                        peer: self.client.config().peer.clone(),
+                        source,
+                    }))
                 }
                 Err(OpenError::Io(source)) => {
                     return Err(Attempt::Again(Error::Io { path, source }))

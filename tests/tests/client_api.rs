@@ -171,3 +171,34 @@ async fn the_agent_refuses_values_it_does_not_know_in_params() {
     // What the client sends itself cannot be the catch-all: it is not in `ALL`.
     assert!(!OwnerPhase::ALL.contains(&OwnerPhase::Unknown));
 }
+
+/// The README's flow (start, add, end, follow the updates, finalize) ends: a backup
+/// stops at Finalizing, which is not terminal, so following it must stop there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_flow_ends_finalized() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let agent = Agent::start(dir.path(), &[]);
+    let client = agent.client().await;
+    let backups = client.backups();
+    backups.start("nightly-1", "3f5c9a").await.expect("start");
+    backups
+        .end_in_progress("nightly-1")
+        .errors(2)
+        .await
+        .expect("endInProgress");
+    let mut updates = backups.subscribe("nightly-1").await.expect("subscribe");
+    let followed = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(update) = updates.next().await {
+            let update = update.expect("an update");
+            if update.owner.phase.is_finalizing() || update.owner.phase.is_terminal() {
+                return Some(update.owner.phase);
+            }
+        }
+        None
+    })
+    .await
+    .expect("the updates stop at Finalizing");
+    assert_eq!(followed, Some(OwnerPhase::FinalizingPartiallyFailed));
+    let done = backups.finalize("nightly-1").await.expect("finalize");
+    assert_eq!(done.owner.phase, OwnerPhase::PartiallyFailed);
+}
