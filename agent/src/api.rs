@@ -226,13 +226,47 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
 }
 
 /// Maps legacy plugin names (as Velero's `sanitizeName` does), then checks every
-/// operation against the agent's clock `now`.
-fn check_add(p: &mut AddOperationsParams, now: OffsetDateTime) -> Result<(), Error> {
+/// operation against the agent's clock `now` and against what Velero keeps for an owner
+/// of `kind`.
+fn check_add(
+    kind: OwnerKind,
+    p: &mut AddOperationsParams,
+    now: OffsetDateTime,
+) -> Result<(), Error> {
     owner_name(&p.name)?;
     for (i, op) in p.operations.iter_mut().enumerate() {
         validate::legacy_plugin_name(&mut op.plugin.name);
         validate::new_operation(op, now)
+            .and_then(|()| fits_owner(kind, op))
             .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+    }
+    Ok(())
+}
+
+/// Velero's backups hold the operations of BackupItemActions (and volume snapshotters);
+/// its restores only RestoreItemActions', and a restore operation has no
+/// `postOperationItems` (Velero's `RestoreOperationSpec` has no such field).
+fn fits_owner(kind: OwnerKind, op: &opmon_client::NewOperation) -> Result<(), (String, String)> {
+    use opmon_client::PluginKind::*;
+    let fits = match kind {
+        OwnerKind::Backup => matches!(op.plugin.kind, BackupItemAction | VolumeSnapshotter),
+        OwnerKind::Restore => op.plugin.kind == RestoreItemAction,
+    };
+    if !fits {
+        let takes = match kind {
+            OwnerKind::Backup => "BackupItemAction or VolumeSnapshotter",
+            OwnerKind::Restore => "RestoreItemAction",
+        };
+        return Err((
+            "plugin.kind".into(),
+            format!("a {kind} takes {takes} operations, not {}", op.plugin.kind),
+        ));
+    }
+    if kind == OwnerKind::Restore && !op.post_operation_items.is_empty() {
+        return Err((
+            "postOperationItems".into(),
+            "a restore operation has none (Velero backs items up again only for backups)".into(),
+        ));
     }
     Ok(())
 }
@@ -354,6 +388,30 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
     if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
         return Err(invalid("retryBackoff", "must be greater than zero"));
     }
+    if s.velero_plugin.is_none() && (s.args.is_some() || s.env.is_some()) {
+        return Err(invalid("args", "args and env are a veleroPlugin's"));
+    }
+    if let Some(path) = &s.velero_plugin {
+        if !path.is_absolute() {
+            return Err(invalid("veleroPlugin", "must be an absolute path"));
+        }
+        if s.api_version == ApiVersion::V1 || s.socket.is_some() || s.command.is_some() {
+            return Err(invalid(
+                "veleroPlugin",
+                "a Velero plugin is a v2 snapshotter without socket or command",
+            ));
+        }
+        if let Some(key) = s
+            .env
+            .iter()
+            .flatten()
+            .map(|(k, _)| k)
+            .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        {
+            return Err(invalid("env", format!("{key:?} is not a variable name")));
+        }
+        return Ok(());
+    }
     match (s.api_version, &s.socket, &s.command) {
         (ApiVersion::V1, None, None) => Ok(()),
         (ApiVersion::V1, _, _) => Err(invalid(
@@ -362,7 +420,7 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
         )),
         (ApiVersion::V2, Some(_), Some(_)) | (ApiVersion::V2, None, None) => Err(invalid(
             "socket",
-            "a v2 snapshotter needs exactly one of socket and command",
+            "a v2 snapshotter needs exactly one of socket, command and veleroPlugin",
         )),
         (ApiVersion::V2, Some(socket), None) if !socket.is_absolute() => {
             Err(invalid("socket", "must be an absolute path"))
@@ -402,6 +460,11 @@ fn check_changed(p: &mut SnapshotterChangedParams) -> Result<(), Error> {
 pub const COMMAND_REFUSED: &str = "only the config file may register a command snapshotter \
     (it runs a program as the agent's user); set allow_api_command_snapshotters = true in the \
     agent's configuration to allow it over the API";
+
+/// Why `snapshotter.register` refuses a Velero plugin: it runs a program, as a command does.
+pub const VELERO_PLUGIN_REFUSED: &str = "only the config file may register a veleroPlugin \
+    snapshotter (it runs a program as the agent's user); set allow_api_command_snapshotters = \
+    true in the agent's configuration to allow it over the API";
 
 /// Registers the declared method `M` (named for `kind` if it is an owner method): parse
 /// its params, run `handler`, map its error to a code.
@@ -479,7 +542,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         kind,
         true,
         move |core, mut p: AddOperationsParams, caller| async move {
-            check_add(&mut p, OffsetDateTime::now_utc())?;
+            check_add(kind, &mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await
         },
     );
@@ -671,6 +734,9 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
         if s.command.is_some() && !core.allows_api_command_snapshotters() {
             return Err(invalid("command", COMMAND_REFUSED));
         }
+        if s.velero_plugin.is_some() && !core.allows_api_command_snapshotters() {
+            return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
+        }
         core.register_snapshotter(s).await
     });
     register::<methods::SnapshotterChanged, _, _>(&mut module, AGENT, |core, mut p| async move {
@@ -782,7 +848,9 @@ mod tests {
                {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[1].resource.name: must not contain '/' (a Kubernetes name is a path \
              segment: no '/', '%' or control characters)"
         );
@@ -794,13 +862,15 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"csi-pvc"},"resource":{"group":"rbac.authorization.k8s.io","resource":"clusterroles","name":"system:aggregate-to-admin"},"operationId":"x",
                 "postOperationItems":[{"resource":"configmaps","namespace":"app","name":"system:config"}]}"#,
         );
-        check_add(&mut p, NOW).unwrap();
+        check_add(OwnerKind::Backup, &mut p, NOW).unwrap();
         assert_eq!(p.operations[0].plugin.name, "velero.io/csi-pvc");
         let mut p = add_params(
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b"},"resource":{"resource":"pods","namespace":"App","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].resource.namespace: must be a DNS label (lowercase letters, digits \
              and '-', starting and ending with a letter or digit, at most 63 characters)"
         );
@@ -808,7 +878,9 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b/c"},"resource":{"resource":"pods","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].plugin.name: must have exactly two parts separated by '/' \
              (<DNS subdomain>/<non-empty name>)"
         );
@@ -821,11 +893,20 @@ mod tests {
                 r#"{{"plugin":{{"kind":"BackupItemAction","name":"a.io/b"}},"resource":{{"resource":"pods","name":"p"}},"operationId":"x","created":"{created}"}}"#
             )
         };
-        check_add(&mut add_params(&op("2026-11-22T10:02:45Z")), NOW).unwrap();
+        check_add(
+            OwnerKind::Backup,
+            &mut add_params(&op("2026-11-22T10:02:45Z")),
+            NOW,
+        )
+        .unwrap();
         assert_eq!(
-            check_add(&mut add_params(&op("2026-11-22T10:02:46Z")), NOW)
-                .unwrap_err()
-                .to_string(),
+            check_add(
+                OwnerKind::Backup,
+                &mut add_params(&op("2026-11-22T10:02:46Z")),
+                NOW
+            )
+            .unwrap_err()
+            .to_string(),
             "operations[0].created: must not be more than 5m0s ahead of the agent's clock"
         );
     }

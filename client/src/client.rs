@@ -78,6 +78,8 @@ pub(crate) struct Config {
     pub max_response: usize,
     /// Who serves the socket, as errors name it.
     pub peer: String,
+    /// Uids besides root and this process's own that may serve the agent's socket.
+    pub agent_uids: Vec<u32>,
 }
 
 /// Builds a [`Client`]: `Client::builder(socket).connect_timeout(..).call_timeout(..).connect()`.
@@ -128,6 +130,14 @@ impl ClientBuilder {
     /// ```
     pub fn peer(mut self, peer: impl Into<String>) -> Self {
         self.config.peer = peer.into();
+        self
+    }
+
+    /// Trusts `uid` to serve the agent's socket, besides root and this process's own
+    /// uid (the agent runs as another user, e.g. 65532 in the container). A socket served
+    /// by any other uid is refused with a [`Error::Connect`] saying so.
+    pub fn agent_uid(mut self, uid: u32) -> Self {
+        self.config.agent_uids.push(uid);
         self
     }
 
@@ -253,7 +263,9 @@ impl Inner {
             .map_err(|_| Failure::Protocol("the client was closed".into()))?;
         let conn = match self.pool.take() {
             Some(conn) => conn,
-            None => Conn::open(&self.path).await.map_err(Failure::NotSent)?,
+            None => Conn::open(&self.path, &self.config.agent_uids)
+                .await
+                .map_err(Failure::NotSent)?,
         };
         let (answer, reusable) = conn.post(body, self.config.max_response).await?;
         if let Some(conn) = reusable {
@@ -433,6 +445,7 @@ impl Client {
                 max_connections: MAX_CONNECTIONS,
                 max_response: MAX_RESPONSE,
                 peer: "the opmon agent".into(),
+                agent_uids: Vec::new(),
             },
         }
     }

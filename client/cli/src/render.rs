@@ -406,19 +406,40 @@ pub fn tabwrite(text: &str) -> String {
     out
 }
 
-/// A time as Velero's describers print a `metav1.Time` (Go's `Time.String()` of a
-/// second-precision UTC time): `2026-11-22 09:57:45 +0000 UTC`.
+/// A time as Velero's describers print a `metav1.Time`: Go's `Time.String()` of a
+/// second-precision time in the local zone (`TZ`, else `/etc/localtime`), e.g.
+/// `2026-11-22 10:57:45 +0100 CET`.
 fn velero_time(t: Timestamp) -> String {
-    let t = t.to_offset(time::UtcOffset::UTC);
-    format!(
-        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second()
-    )
+    let second = t.unix_timestamp();
+    match jiff::Timestamp::from_second(second) {
+        Ok(ts) => ts
+            .to_zoned_datetime(local_zone())
+            .strftime("%Y-%m-%d %H:%M:%S %z %Z")
+            .to_string(),
+        // Outside jiff's range (not a time the agent stores): UTC, as before.
+        Err(_) => {
+            let t = t.to_offset(time::UtcOffset::UTC);
+            format!(
+                "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+                t.year(),
+                u8::from(t.month()),
+                t.day(),
+                t.hour(),
+                t.minute(),
+                t.second()
+            )
+        }
+    }
+}
+
+/// The zone times are printed in: the system's; UTC in the unit tests, whose expected
+/// texts must not depend on the machine.
+fn local_zone() -> jiff::tz::TimeZone {
+    if cfg!(test) {
+        jiff::tz::TimeZone::UTC
+    } else {
+        jiff::tz::TimeZone::system()
+    }
 }
 
 /// One operation as `velero backup|restore describe --details` prints it, then the
@@ -578,10 +599,17 @@ pub fn snapshotters(list: &[Snapshotter]) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|s| {
-            let target = match (&s.socket, &s.command) {
-                (Some(socket), _) => socket.display().to_string(),
-                (None, Some(command)) => command.join(" "),
-                (None, None) => "-".into(),
+            let target = match (&s.socket, &s.command, &s.velero_plugin) {
+                (Some(socket), _, _) => socket.display().to_string(),
+                (None, Some(command), _) => command.join(" "),
+                // A Velero plugin binary, marked as such, with its arguments.
+                (None, None, Some(plugin)) => {
+                    std::iter::once(format!("velero_plugin {}", plugin.display()))
+                        .chain(s.args.iter().flatten().cloned())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                }
+                (None, None, None) => "-".into(),
             };
             vec![
                 clean(&s.name).into_owned(),
