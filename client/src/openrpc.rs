@@ -309,7 +309,7 @@ mod generate {
                 description: Some("A command snapshotter runs as `COMMAND... cancel -- OPERATION_ID`; what it prints is ignored."),
                 errors: CODES,
             },
-            "cancelled",
+            "canceled",
             &all,
         );
         json!({

@@ -824,12 +824,34 @@ pub struct EventList {
     pub next: Option<u64>,
 }
 
-/// `*.delete` result: how many unfinished operations were cancelled.
+/// `*.delete` result: how many unfinished operations were canceled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DeleteResult {
+    /// Unfinished operations canceled with the owner (older agents send only
+    /// `cancelled`).
+    #[serde(default)]
+    pub canceled: u64,
+    /// Deprecated: the same number as `canceled`, under its old spelling; sent until
+    /// the API's next major version (docs/compatibility.md).
+    #[serde(default)]
     pub cancelled: u64,
+}
+
+impl DeleteResult {
+    /// The result for `canceled` operations, in both spellings.
+    pub fn new(canceled: u64) -> Self {
+        DeleteResult {
+            canceled,
+            cancelled: canceled,
+        }
+    }
+
+    /// How many operations were canceled, from an agent of any version.
+    pub fn count(&self) -> u64 {
+        self.canceled.max(self.cancelled)
+    }
 }
 
 /// Which operation of an owner `*.cancel` means: its operation ID, or, when two items'

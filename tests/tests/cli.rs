@@ -169,7 +169,7 @@ async fn every_subcommand_prints_exactly_the_api_result_as_json() {
     ));
     assert_eq!(unregistered, registered);
     let deleted = json_of(&opmon(&f, &["-o", "json", "backup", "delete", "b1"]));
-    assert_eq!(deleted, json!({"cancelled": 0}));
+    assert_eq!(deleted, json!({"canceled": 0, "cancelled": 0}));
     assert_eq!(
         client
             .owners(OwnerKind::Backup)

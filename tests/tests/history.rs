@@ -613,7 +613,7 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
                 "Failed",
                 Some(me()),
                 "InProgress → Failed: the backup server ended InProgress with failed: true \
-                 (1 unfinished operation failed and cancelled)"
+                 (1 unfinished operation failed and canceled)"
             ),
             (
                 "CancelSent",

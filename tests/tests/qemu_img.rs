@@ -451,7 +451,7 @@ async fn deleting_the_backup_cancels_the_copy_and_leaves_no_file_behind() {
     assert_eq!(processes_with_argument(&s.partial_file(&id)).len(), 1);
 
     let deleted = client.backups().delete("doomed").await.unwrap();
-    assert_eq!(deleted.cancelled, 1);
+    assert_eq!(deleted.canceled, 1);
 
     // Cancel returns once the copy is torn down: nothing left, nothing still writing.
     assert_eq!(files_in(&s.backup_dir), Vec::<String>::new());

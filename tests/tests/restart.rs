@@ -207,7 +207,7 @@ async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_wor
     let ops = backups.operations("a1").await.unwrap();
     assert_eq!(
         (ops[0].phase, ops[0].error.as_str()),
-        (OperationPhase::Failed, "cancelled: the backup failed")
+        (OperationPhase::Failed, "canceled: the backup failed")
     );
     let late = backups
         .add_operations("a1", vec![operation(PLUGIN, "done-9", "b", &[])])

@@ -208,7 +208,7 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
     let ops = backups.operations("doomed").await.unwrap();
     assert!(ops
         .iter()
-        .all(|o| o.phase == OperationPhase::Failed && o.error == "cancelled: the backup failed"));
+        .all(|o| o.phase == OperationPhase::Failed && o.error == "canceled: the backup failed"));
 }
 
 #[tokio::test]
@@ -483,7 +483,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     assert_eq!(waiting.items[0].name, "b3");
 
     let deleted = backups.delete("b3").await.unwrap();
-    assert_eq!(deleted.cancelled, 1);
+    assert_eq!((deleted.canceled, deleted.cancelled), (1, 1));
     assert!(f.journal().contains(&"cancel never-3 b3".to_string()));
     assert_eq!(
         backups.get("b3").await.unwrap_err().code(),

@@ -492,9 +492,9 @@ async fn owner_command(
             let value = call::<methods::Delete>(client, kind, params).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(
-                    "{kind} {} deleted, {} cancelled\n",
+                    "{kind} {} deleted, {} canceled\n",
                     escape_controls(&name),
-                    render::counted(r.cancelled, "operation")
+                    render::counted(r.count(), "operation")
                 )
             })
         }
