@@ -105,7 +105,9 @@ impl Core {
             .item_operation_timeout
             .unwrap_or(self.settings.default_item_operation_timeout);
         let finalize = match kind {
-            OwnerKind::Backup => true,
+            // A backup server that writes its own files (Velero, through
+            // opmon-velero-plugin) starts its backups with `finalize: false`.
+            OwnerKind::Backup => p.finalize.unwrap_or(true),
             OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
         let now = UnixMs::now();
