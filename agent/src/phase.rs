@@ -60,7 +60,7 @@ pub fn idle_reason(last_call: &str, timeout: GoDuration) -> String {
 
 /// The error of the unfinished operations of an owner that failed (Cancel is called).
 pub fn cancelled_with(kind: OwnerKind) -> String {
-    format!("cancelled: the {kind} failed")
+    format!("canceled: the {kind} failed")
 }
 
 /// The reason `*.cancel` uses when the caller gives none.
