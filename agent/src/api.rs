@@ -567,6 +567,18 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             OwnerMethod::Changed.name(kind),
             OwnerMethod::Unsubscribe.name(kind),
             move |params, pending, core, extensions| async move {
+                // Held for as long as the subscription lasts.
+                let charge = match extensions.get::<Caller>() {
+                    Some(caller) => core.charge_subscription(caller.uid).map(Some),
+                    None => Ok(None),
+                };
+                let _charge = match charge {
+                    Ok(charge) => charge,
+                    Err(e) => {
+                        pending.reject(ErrorObjectOwned::from(e)).await;
+                        return Ok(());
+                    }
+                };
                 let started = match parse::<NameParams>(&params) {
                     Ok(p) => match owner_name(&p.name) {
                         Ok(()) => core.subscribe(kind, p.name).await,
@@ -686,15 +698,18 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.server_started(p, caller).await
         },
     );
-    register(
+    register_called(
         &mut module,
         methods::SNAPSHOTTER_REGISTER,
-        |core, mut s: Snapshotter| async move {
+        |core, mut s: Snapshotter, caller| async move {
             check_snapshotter(&mut s)?;
             if s.command.is_some() && !core.allows_api_command_snapshotters() {
                 return Err(invalid("command", COMMAND_REFUSED));
             }
-            core.register_snapshotter(s).await
+            match caller {
+                Some(caller) => core.register_snapshotter_for(s, caller.uid).await,
+                None => core.register_snapshotter(s).await,
+            }
         },
     );
     register(
@@ -911,7 +926,9 @@ mod tests {
         });
         assert_eq!(
             check_start(OwnerKind::Backup, &p).unwrap_err().to_string(),
-            "server.name: must be printable text of at most 253 bytes"
+            "server.name: must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, \
+             digits, '-' and '.' beginning and ending with a letter or digit, at most 253 \
+             bytes (got \"bad\\nname\")"
         );
     }
 

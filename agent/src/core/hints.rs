@@ -11,6 +11,8 @@
 //!   [`REST_FACTOR`] times as long as it took (and at least [`MIN_GAP`]): hints can take
 //!   at most 1 / (1 + [`REST_FACTOR`]) of the agent's time however fast they come.
 //!   Hints that arrive meanwhile are merged into the next poll.
+//! - A plugin is hint-polled at most once per [`PER_PLUGIN_GAP`]: its hints coalesce,
+//!   so however fast they come an operation is polled about once a second by them.
 //! - A hinted poll takes the plugin's sweep turn, like the periodic sweep, so the same
 //!   operation is never polled by two tasks that could commit out of order; a hint
 //!   for a plugin whose sweep runs waits for the next round.
@@ -33,6 +35,9 @@ pub const MAX_PENDING_IDS: usize = 4096;
 pub const MIN_GAP: Duration = Duration::from_millis(5);
 /// After a hinted poll that took `t`, the next starts no sooner than `REST_FACTOR × t`.
 pub const REST_FACTOR: u32 = 4;
+/// The shortest wait between two hinted polls of one plugin: hints for its operations
+/// coalesce, so a flood of them polls each operation about once per gap at most.
+pub const PER_PLUGIN_GAP: Duration = Duration::from_secs(1);
 
 /// What to poll for one plugin.
 #[derive(Debug, PartialEq, Eq)]
@@ -110,19 +115,38 @@ impl Core {
 
     /// The hinted-poll task: runs until [`Core::stop`].
     pub(super) async fn poll_hinted(self: Arc<Self>) {
+        // When each plugin's last hinted poll began; a plugin polled less than
+        // [`PER_PLUGIN_GAP`] ago keeps its hints waiting (merged) until then.
+        let mut last: HashMap<String, Instant> = HashMap::new();
+        let mut again: Option<Instant> = None;
         loop {
+            let timer = async {
+                match again {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = self.stopping.cancelled() => return,
                 _ = self.hints.wake.notified() => {}
+                _ = timer => {}
             }
             let began = Instant::now();
-            let mut busy = false;
+            last.retain(|_, at| began.duration_since(*at) < PER_PLUGIN_GAP);
+            again = None;
+            let mut later = |at: Instant| again = Some(again.map_or(at, |a: Instant| a.min(at)));
             for (plugin, hinted) in self.hints.take() {
+                if let Some(at) = last.get(&plugin) {
+                    later(*at + PER_PLUGIN_GAP);
+                    self.hints.put_back(plugin, hinted);
+                    continue;
+                }
                 let Some(_turn) = self.poller.start_sweep(&plugin) else {
                     self.hints.put_back(plugin, hinted);
-                    busy = true;
+                    later(began + MIN_GAP);
                     continue;
                 };
+                last.insert(plugin.clone(), Instant::now());
                 let poll = async {
                     match hinted {
                         Hinted::All => self.sweep_plugin(&plugin).await,
@@ -140,9 +164,6 @@ impl Core {
             tokio::select! {
                 _ = self.stopping.cancelled() => return,
                 _ = tokio::time::sleep(rest) => {}
-            }
-            if busy {
-                self.hints.wake.notify_one();
             }
         }
     }
