@@ -210,8 +210,7 @@ pub fn server_name(value: &str) -> Result<(), String> {
     }
     Err(format!(
         "must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, digits, '-' and \
-         '.' beginning and ending with a letter or digit, at most {MAX_SERVER_FIELD_LEN} bytes \
-         (got {value:?})"
+         '.' beginning and ending with a letter or digit, at most {MAX_SERVER_FIELD_LEN} bytes"
     ))
 }
 
