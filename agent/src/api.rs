@@ -12,7 +12,7 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, OwnerMethod};
-use opmon_client::server::{Outbox, Place};
+use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationsParams, OwnerKind,
@@ -26,7 +26,7 @@ use time::OffsetDateTime;
 use crate::core::Core;
 use crate::error::Error;
 use crate::storage_dir;
-use crate::store::{events, CALL_PLACE};
+use crate::store::events;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -413,42 +413,17 @@ where
     F: Fn(Arc<Core>, P, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<R, Error>> + Send + 'static,
 {
-    register_writing(module, name, false, handler);
-}
-
-/// [`register_called`]; with `ends_with_write`, for a method whose work ends with one
-/// write (`addOperations`), the call's place among the calls in flight goes with that
-/// write, which gives it back once it has run (`store::CALL_PLACE`): what is left is a
-/// wait for the disk.
-fn register_writing<P, R, F, Fut>(
-    module: &mut RpcModule<Core>,
-    name: &'static str,
-    ends_with_write: bool,
-    handler: F,
-) where
-    P: DeserializeOwned + Send + 'static,
-    R: Serialize + Clone + Send + 'static,
-    F: Fn(Arc<Core>, P, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, Error>> + Send + 'static,
-{
     module
         .register_async_method(name, move |params, core, extensions| {
             let handler = handler.clone();
             let caller = extensions.get::<Caller>().copied();
-            let place = extensions
-                .get::<Place>()
-                .filter(|_| ends_with_write)
-                .cloned();
             async move {
                 let parsed: P = parse(&params)?;
                 // The call may wait long (for the disk, a snapshotter): without its text.
                 drop(params);
-                let call = handler(core, parsed, caller);
-                let result = match place {
-                    Some(place) => CALL_PLACE.scope(place, call).await,
-                    None => call.await,
-                };
-                result.map_err(ErrorObjectOwned::from)
+                handler(core, parsed, caller)
+                    .await
+                    .map_err(ErrorObjectOwned::from)
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
@@ -465,10 +440,9 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.start(kind, p, caller).await
         },
     );
-    register_writing(
+    register_called(
         module,
         name(OwnerMethod::AddOperations),
-        true,
         move |core, mut p: AddOperationsParams, caller| async move {
             check_add(&mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await

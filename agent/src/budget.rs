@@ -48,7 +48,7 @@ pub struct Totals {
     /// Connections served at once, over all peers.
     pub connections: u32,
     /// Snapshotters registered over the API at once, over all peers (each may hold
-    /// `socket_concurrency` connections, or as many processes' pipes, while polled).
+    /// `per_snapshotter` descriptors while polled).
     pub snapshotters: usize,
 }
 
@@ -58,7 +58,7 @@ impl Totals {
     pub fn of(descriptors: u64, per_snapshotter: usize, max_connections: u32) -> Totals {
         let free = descriptors.saturating_sub(OWN_DESCRIPTORS).max(8);
         let for_snapshotters = free / 4;
-        let per = (per_snapshotter.max(1) as u64) * 2;
+        let per = per_snapshotter.max(1) as u64;
         Totals {
             connections: (free - for_snapshotters).min(u64::from(max_connections)) as u32,
             snapshotters: (for_snapshotters / per).max(1) as usize,
@@ -158,8 +158,8 @@ mod tests {
     fn totals_leave_the_agents_own_descriptors() {
         let t = Totals::of(1024, 4, 4096);
         assert_eq!(t.connections, 672);
-        assert_eq!(t.snapshotters, 28);
-        assert!(u64::from(t.connections) + t.snapshotters as u64 * 8 + OWN_DESCRIPTORS <= 1024);
+        assert_eq!(t.snapshotters, 56);
+        assert!(u64::from(t.connections) + t.snapshotters as u64 * 4 + OWN_DESCRIPTORS <= 1024);
         assert_eq!(Totals::of(1 << 20, 4, 4096).connections, 4096);
     }
 }

@@ -133,11 +133,14 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let descriptors = budget::raise_open_files();
     let totals = budget::Totals::of(
         descriptors,
-        settings
-            .core
-            .calls
-            .socket_concurrency
-            .max(settings.core.calls.command_concurrency * 3),
+        // A socket snapshotter holds a connection per batch in flight; a command one
+        // three pipes per process.
+        if settings.core.allow_api_command_snapshotters {
+            (settings.core.calls.command_concurrency * 3)
+                .max(settings.core.calls.socket_concurrency)
+        } else {
+            settings.core.calls.socket_concurrency
+        },
         server::MAX_CONNECTIONS,
     );
     let mut settings = settings;
