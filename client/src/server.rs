@@ -656,8 +656,16 @@ fn waiting(body: &[u8], unmetered: &HashSet<String>) -> Waiting {
         [call] if !batch => serde_json::to_vec(call),
         calls => serde_json::to_vec(calls),
     });
+    // A batch is charged as the calls it holds: one of waits that is large only because
+    // it holds many (up to [`WAITS_PER_BATCH`] of about [`WAIT_BYTES`] each) holds no read
+    // while it waits either.
+    let allowed = if calls.len() <= WAITS_PER_BATCH {
+        SMALL_BODY.max(calls.len() as u64 * WAIT_BYTES)
+    } else {
+        SMALL_BODY
+    };
     match compact {
-        Ok(compact) if compact.len() as u64 <= SMALL_BODY => Waiting::Small(compact),
+        Ok(compact) if compact.len() as u64 <= allowed => Waiting::Small(compact),
         _ => Waiting::Large,
     }
 }
@@ -689,6 +697,12 @@ fn has_invalid_id(body: &[u8]) -> bool {
         serde_json::from_slice::<Probe<'_>>(body).is_ok_and(|call| bad(&call))
     }
 }
+
+/// Most calls of a batch of waits that holds no read of a large body while it waits.
+const WAITS_PER_BATCH: usize = 1000;
+/// What one call of such a batch may take without whitespace, in bytes (an id of up to
+/// [`MAX_ID`] and a wait's params).
+const WAIT_BYTES: u64 = 1280;
 
 /// Which transport a call came by; set on every request `serve` routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -400,7 +400,6 @@ fn a_flood_of_hints_polls_an_operation_about_once_a_second_at_most() {
 /// (before, four such batches took every read of a large body for as long as their
 /// waits ran).
 #[test]
-#[ignore = "not fixed yet (#33 item 3): a large batch of waits keeps its read of a large body"]
 fn batches_of_waits_leave_large_requests_answered() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);

@@ -11,8 +11,9 @@
 //!   [`REST_FACTOR`] times as long as it took (and at least [`MIN_GAP`]): hints can take
 //!   at most 1 / (1 + [`REST_FACTOR`]) of the agent's time however fast they come.
 //!   Hints that arrive meanwhile are merged into the next poll.
-//! - A plugin is hint-polled at most once per [`PER_PLUGIN_GAP`]: its hints coalesce,
-//!   so however fast they come an operation is polled about once a second by them.
+//! - An operation is hint-polled at most once per [`POLL_GAP`] (a hint for all of a
+//!   plugin's operations, the plugin as a whole): its hints coalesce, so however fast
+//!   they come an operation is polled about once a second by them.
 //! - A hinted poll takes the plugin's sweep turn, like the periodic sweep, so the same
 //!   operation is never polled by two tasks that could commit out of order; a hint
 //!   for a plugin whose sweep runs waits for the next round.
@@ -35,9 +36,11 @@ pub const MAX_PENDING_IDS: usize = 4096;
 pub const MIN_GAP: Duration = Duration::from_millis(5);
 /// After a hinted poll that took `t`, the next starts no sooner than `REST_FACTOR × t`.
 pub const REST_FACTOR: u32 = 4;
-/// The shortest wait between two hinted polls of one plugin: hints for its operations
-/// coalesce, so a flood of them polls each operation about once per gap at most.
-pub const PER_PLUGIN_GAP: Duration = Duration::from_secs(1);
+/// The shortest wait between two hinted polls of one operation (or of all of one
+/// plugin's): hints for it coalesce, so a flood of them polls it about once per gap.
+pub const POLL_GAP: Duration = Duration::from_secs(1);
+/// Most operations remembered as recently polled by a hint; past that, hints wait.
+const MAX_REMEMBERED: usize = 65_536;
 
 /// What to poll for one plugin.
 #[derive(Debug, PartialEq, Eq)]
@@ -64,6 +67,74 @@ impl Hinted {
         match other {
             Hinted::All => *self = Hinted::All,
             Hinted::Some(ids) => self.add(Some(ids.into_iter().collect())),
+        }
+    }
+}
+
+/// When hinted polls last covered each plugin (all of its operations) and each named
+/// operation, for [`POLL_GAP`]: what was polled since is held back until then.
+#[derive(Default)]
+struct Recent {
+    plugins: HashMap<String, Instant>,
+    operations: HashMap<(String, String), Instant>,
+}
+
+impl Recent {
+    /// Forgets polls before `cutoff`.
+    fn forget_before(&mut self, cutoff: Instant) {
+        self.plugins.retain(|_, at| *at > cutoff);
+        self.operations.retain(|_, at| *at > cutoff);
+    }
+
+    /// Splits `hinted` of `plugin` into what may be polled at `now` and what waits
+    /// (with when it may be polled).
+    fn split(
+        &self,
+        plugin: &str,
+        hinted: Hinted,
+        now: Instant,
+    ) -> (Option<Hinted>, Option<(Hinted, Instant)>) {
+        if let Some(at) = self.plugins.get(plugin) {
+            return (None, Some((hinted, *at + POLL_GAP)));
+        }
+        let Hinted::Some(ids) = hinted else {
+            return (Some(Hinted::All), None);
+        };
+        // Too many remembered: the plugin waits as a whole (what is kept stays bounded).
+        if self.operations.len() >= MAX_REMEMBERED {
+            return (None, Some((Hinted::Some(ids), now + POLL_GAP)));
+        }
+        let mut due = HashSet::new();
+        let mut held = HashSet::new();
+        let mut until: Option<Instant> = None;
+        for id in ids {
+            match self.operations.get(&(plugin.to_string(), id.clone())) {
+                Some(at) => {
+                    until = Some(until.map_or(*at, |u| u.min(*at)));
+                    held.insert(id);
+                }
+                None => {
+                    due.insert(id);
+                }
+            }
+        }
+        let now_part = (!due.is_empty()).then_some(Hinted::Some(due));
+        let held_part = until.map(|at| (Hinted::Some(held), at + POLL_GAP));
+        (now_part, held_part)
+    }
+
+    /// Notes that `hinted` of `plugin` is polled at `now`.
+    fn polled(&mut self, plugin: &str, hinted: &Hinted, now: Instant) {
+        match hinted {
+            Hinted::All => {
+                self.plugins.insert(plugin.to_string(), now);
+            }
+            Hinted::Some(ids) => {
+                for id in ids {
+                    self.operations
+                        .insert((plugin.to_string(), id.clone()), now);
+                }
+            }
         }
     }
 }
@@ -115,9 +186,7 @@ impl Core {
 
     /// The hinted-poll task: runs until [`Core::stop`].
     pub(super) async fn poll_hinted(self: Arc<Self>) {
-        // When each plugin's last hinted poll began; a plugin polled less than
-        // [`PER_PLUGIN_GAP`] ago keeps its hints waiting (merged) until then.
-        let mut last: HashMap<String, Instant> = HashMap::new();
+        let mut recent = Recent::default();
         let mut again: Option<Instant> = None;
         loop {
             let timer = async {
@@ -132,23 +201,26 @@ impl Core {
                 _ = timer => {}
             }
             let began = Instant::now();
-            last.retain(|_, at| began.duration_since(*at) < PER_PLUGIN_GAP);
+            if let Some(cutoff) = began.checked_sub(POLL_GAP) {
+                recent.forget_before(cutoff);
+            }
             again = None;
             let mut later = |at: Instant| again = Some(again.map_or(at, |a: Instant| a.min(at)));
             for (plugin, hinted) in self.hints.take() {
-                if let Some(at) = last.get(&plugin) {
-                    later(*at + PER_PLUGIN_GAP);
-                    self.hints.put_back(plugin, hinted);
-                    continue;
+                let (now, wait) = recent.split(&plugin, hinted, began);
+                if let Some((hinted, at)) = wait {
+                    self.hints.put_back(plugin.clone(), hinted);
+                    later(at);
                 }
+                let Some(now) = now else { continue };
                 let Some(_turn) = self.poller.start_sweep(&plugin) else {
-                    self.hints.put_back(plugin, hinted);
+                    self.hints.put_back(plugin, now);
                     later(began + MIN_GAP);
                     continue;
                 };
-                last.insert(plugin.clone(), Instant::now());
+                recent.polled(&plugin, &now, began);
                 let poll = async {
-                    match hinted {
+                    match now {
                         Hinted::All => self.sweep_plugin(&plugin).await,
                         Hinted::Some(ids) => self.poll_named(&plugin, ids).await,
                     }
