@@ -271,6 +271,25 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_operation_hint_polled_within_the_gap_waits_and_others_go_at_once() {
+        let start = std::time::Instant::now();
+        let mut recent = super::Recent::default();
+        let ids = |l: &[&str]| Hinted::Some(l.iter().map(|s| s.to_string()).collect());
+        recent.polled("p", &ids(&["a"]), start);
+        let (now, wait) = recent.split("p", ids(&["a", "b"]), start);
+        assert_eq!(now, Some(ids(&["b"])));
+        assert_eq!(wait, Some((ids(&["a"]), start + super::POLL_GAP)));
+        recent.forget_before(start + super::POLL_GAP);
+        assert_eq!(recent.split("p", ids(&["a"]), start).0, Some(ids(&["a"])));
+        recent.polled("p", &Hinted::All, start);
+        assert_eq!(
+            recent.split("p", ids(&["c"]), start).0,
+            None,
+            "the plugin as a whole waits"
+        );
+    }
+
     use super::*;
 
     fn ids(n: std::ops::Range<usize>) -> Vec<String> {
