@@ -850,8 +850,13 @@ where
         large.is_some(),
     )
     .await;
-    // Kept (a reference, not a copy) for a request jsonrpsee takes for a notification.
-    let sent = read.as_ref().ok().cloned();
+    // Kept (a reference, not a copy) for a request jsonrpsee takes for a notification;
+    // a small one only, so a large body is not held past its parsing.
+    let sent = read
+        .as_ref()
+        .ok()
+        .filter(|bytes| bytes.len() as u64 <= SMALL_BODY)
+        .cloned();
     let body = match read {
         Ok(bytes) if large.is_some() => match waiting(&bytes, &shared.unmetered) {
             Waiting::No => HttpBody::new(http_body_util::Full::new(bytes)),
