@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use nix::fcntl::{Flock, FlockArg};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::durable::log_sqlite_errors;
 use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
@@ -130,6 +131,11 @@ const WRITER_STATEMENTS_KEPT: usize = 128;
 /// each checkpoint.
 pub const CHECKPOINT_PAGES: u32 = 4000;
 
+/// The writer's `synchronous` level once the database is open: commits are made
+/// durable by the syncer's fsync of the WAL before any reply (see [`durable`]), not by
+/// SQLite. docs/trust.md states it; a test keeps the two in step.
+pub const WRITER_SYNCHRONOUS: &str = "NORMAL";
+
 /// WAL pages past which the file is cut back once a checkpoint has let it restart: a
 /// group transaction larger than [`CHECKPOINT_PAGES`] (an `addOperations` of tens of
 /// thousands of operations), or a WAL left by `checkpoint = "external"`, would otherwise
@@ -201,7 +207,7 @@ impl Store {
         let wal_kept = i64::from(WAL_KEPT_PAGES) * (page + 24);
         // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
         conn.execute_batch(&format!(
-            "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
+            "PRAGMA synchronous = {WRITER_SYNCHRONOUS}; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
              PRAGMA journal_size_limit = {wal_kept};"
         ))
         .map_err(sqlite)?;
