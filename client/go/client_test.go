@@ -95,7 +95,7 @@ func TestABackupFromStartToFinalize(t *testing.T) {
 		t.Fatalf("agent.status: %+v, %v", status, err)
 	}
 	deleted, err := backups.Delete(ctx(t), "nightly")
-	if err != nil || deleted.Cancelled != 0 {
+	if err != nil || deleted.Count() != 0 {
 		t.Fatalf("delete: %+v, %v", deleted, err)
 	}
 }
@@ -218,6 +218,17 @@ func TestANewerAgentsAnswerDecodes(t *testing.T) {
 	}
 	if op.Plugin.Kind != "ItemBlockAction" || op.Phase != "Cancelled" || !op.Phase.Finished() {
 		t.Fatalf("%+v", op)
+	}
+}
+
+// delete's count reads from this agent (both spellings) and from an older one (only
+// the deprecated cancelled).
+func TestDeleteCountReadsEitherSpelling(t *testing.T) {
+	for _, raw := range []string{`{"canceled":3,"cancelled":3}`, `{"cancelled":3}`, `{"canceled":3}`} {
+		var r opmon.DeleteResult
+		if err := json.Unmarshal([]byte(raw), &r); err != nil || r.Count() != 3 {
+			t.Errorf("%s: %+v, %v", raw, r, err)
+		}
 	}
 }
 

@@ -3,50 +3,34 @@ package opmon_test
 import (
 	"os"
 	"regexp"
-	"strings"
 	"testing"
 
 	opmon "opmon/client"
 )
 
 // The Go client repeats exactly what the Rust client repeats: its table is read from
-// client/src/methods.rs (the owner_methods! list and retry_of's Always arm).
+// client/src/methods.rs (each method's declaration in the declare! list and its retry).
 func TestTheRetryTableIsTheRustClients(t *testing.T) {
 	raw, err := os.ReadFile("../src/methods.rs")
 	if err != nil {
 		t.Fatal(err)
 	}
-	src := string(raw)
 	want := map[string]opmon.Retry{}
-	verbs := regexp.MustCompile(`(?m)^\s*\w+ => "(\w+)", (Always|IfNotSent);`).FindAllStringSubmatch(src, -1)
-	if len(verbs) < 10 {
-		t.Fatalf("found %d owner methods in methods.rs: has its owner_methods! list changed shape?", len(verbs))
+	decls := regexp.MustCompile(`(?m)^\s*(agent|owner) \w+ = "([\w.]+)",[^{]*\{\s*(?://[^\n]*\n\s*)*retry: (Always|IfNotSent),`).FindAllStringSubmatch(string(raw), -1)
+	if len(decls) < 20 {
+		t.Fatalf("found %d method declarations in methods.rs: has its declare! list changed shape?", len(decls))
 	}
-	for _, v := range verbs {
+	for _, d := range decls {
 		rule := opmon.RetryAlways
-		if v[2] == "IfNotSent" {
+		if d[3] == "IfNotSent" {
 			rule = opmon.RetryIfNotSent
 		}
-		want["backup."+v[1]] = rule
-		want["restore."+v[1]] = rule
-	}
-	consts := map[string]string{}
-	for _, c := range regexp.MustCompile(`pub const (\w+): &str = "([\w.]+)";`).FindAllStringSubmatch(src, -1) {
-		if strings.Contains(c[2], ".") {
-			consts[c[1]] = c[2]
-			want[c[2]] = opmon.RetryIfNotSent
+		if d[1] == "owner" {
+			want["backup."+d[2]] = rule
+			want["restore."+d[2]] = rule
+		} else {
+			want[d[2]] = rule
 		}
-	}
-	arm := regexp.MustCompile(`match method \{\s*(?://[^\n]*\n\s*)*([\w\s|]+)=> Retry::Always`).FindStringSubmatch(src)
-	if arm == nil {
-		t.Fatal("retry_of's Always arm not found in methods.rs")
-	}
-	for _, name := range strings.Split(arm[1], "|") {
-		method, ok := consts[strings.TrimSpace(name)]
-		if !ok {
-			t.Fatalf("retry_of names %q, no method constant", name)
-		}
-		want[method] = opmon.RetryAlways
 	}
 	for method, rule := range want {
 		if got := opmon.RetryOf(method); got != rule {

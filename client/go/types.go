@@ -321,9 +321,22 @@ type FinalizeResult struct {
 	Added              uint64  `json:"added"`
 }
 
-// DeleteResult says how many unfinished operations delete cancelled.
+// DeleteResult says how many unfinished operations delete canceled. Read it with Count.
 type DeleteResult struct {
+	// Canceled is the number of unfinished operations canceled with the owner (older
+	// agents send only Cancelled).
+	Canceled uint64 `json:"canceled"`
+	// Deprecated: the same number as Canceled, under its old spelling; sent until the
+	// API's next major version (docs/compatibility.md).
 	Cancelled uint64 `json:"cancelled"`
+}
+
+// Count is how many operations delete canceled, from an agent of any version.
+func (r DeleteResult) Count() uint64 {
+	if r.Canceled > r.Cancelled {
+		return r.Canceled
+	}
+	return r.Cancelled
 }
 
 // OperationSelector picks an operation to cancel: by ID alone, or by ID and item when
