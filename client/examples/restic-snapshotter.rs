@@ -24,7 +24,8 @@
 //! - Operations are recorded in `<state dir>/operations.json` (replaced atomically)
 //!   before their ID is handed out and whenever they end; one running when the
 //!   snapshotter stopped is run again from the start at its next start (restic's
-//!   deduplication makes a repeated backup cheap), so no operation is lost.
+//!   deduplication makes a repeated backup cheap), so no operation is lost; then
+//!   `restic unlock` removes the lock the killed restic left.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
@@ -339,7 +340,7 @@ impl Mover {
             self.lock().records.remove(&id);
             return Err(internal(e));
         }
-        self.launch(&id);
+        self.launch(&id, false);
         Ok(Started { operation_id: id })
     }
 
@@ -354,20 +355,22 @@ impl Mover {
             .collect();
         for id in interrupted {
             eprintln!("{id}: interrupted by a restart; running it again");
-            self.launch(&id);
+            self.launch(&id, true);
         }
     }
 
-    fn launch(self: &Arc<Self>, id: &str) {
+    /// `interrupted`: the operation's first restic was killed with this snapshotter and
+    /// left its lock.
+    fn launch(self: &Arc<Self>, id: &str, interrupted: bool) {
         let (stop, stopped) = oneshot::channel();
         let mut ops = self.lock();
         let mover = Arc::clone(self);
         let task_id = id.to_string();
-        let task = tokio::spawn(async move { mover.run(task_id, stopped).await });
+        let task = tokio::spawn(async move { mover.run(task_id, stopped, interrupted).await });
         ops.running.insert(id.to_string(), Running { stop, task });
     }
 
-    async fn run(self: Arc<Self>, id: String, stopped: oneshot::Receiver<()>) {
+    async fn run(self: Arc<Self>, id: String, stopped: oneshot::Receiver<()>, interrupted: bool) {
         let Some(job) = self.lock().records.get(&id).map(|r| r.job.clone()) else {
             return;
         };
@@ -383,6 +386,11 @@ impl Mover {
             }
         }
         let outcome = self.supervise(&id, command, stopped).await;
+        if interrupted {
+            // The killed restic's lock stays until `restic unlock`; by now its process
+            // is surely gone (a lock whose process still exists is not stale).
+            self.unlock(&id).await;
+        }
         match &outcome {
             Ok(()) => eprintln!("{id}: completed"),
             Err(e) => eprintln!("{id}: failed: {e}"),
@@ -435,20 +443,26 @@ impl Mover {
             // restic removes its lock on SIGINT, except when the signal lands while it is
             // still taking the lock; `restic unlock` removes only locks whose process
             // is gone, so it cannot disturb another restic.
-            match self.restic().arg("unlock").output().await {
-                Ok(out) if out.status.success() => {}
-                Ok(out) => eprintln!(
-                    "{id}: restic unlock: {}",
-                    last_line(&String::from_utf8_lossy(&out.stderr)).unwrap_or_default()
-                ),
-                Err(e) => eprintln!("{id}: cannot run {RESTIC} unlock: {e}"),
-            }
+            self.unlock(id).await;
             return Err("canceled".into());
         }
         match status {
             Ok(status) if status.success() => Ok(()),
             Ok(status) => Err(last.unwrap_or_else(|| format!("{RESTIC} exited with {status}"))),
             Err(e) => Err(format!("waiting for {RESTIC}: {e}")),
+        }
+    }
+
+    /// `restic unlock`: removes only locks whose process is gone, so it cannot disturb
+    /// another restic.
+    async fn unlock(&self, id: &str) {
+        match self.restic().arg("unlock").output().await {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => eprintln!(
+                "{id}: restic unlock: {}",
+                last_line(&String::from_utf8_lossy(&out.stderr)).unwrap_or_default()
+            ),
+            Err(e) => eprintln!("{id}: cannot run {RESTIC} unlock: {e}"),
         }
     }
 
