@@ -1,7 +1,7 @@
 //! Error codes of the opmon API beside the JSON-RPC 2.0 ones.
 //!
-//! The numbers are part of the contract in ARCHITECTURE.md: backup servers branch on
-//! them, so they never change meaning.
+//! The numbers are part of the contract (docs/architecture.md, "The API"): backup servers
+//! branch on them, so they never change meaning.
 
 /// JSON-RPC: the request body is not JSON.
 pub const PARSE_ERROR: i32 = -32700;

@@ -3,7 +3,7 @@
 //! survives agent restarts. With the `snapshotter` feature, the [`snapshotter`] SDK;
 //! with `server`, the socket server the agent and the SDK share.
 //!
-//! The API contract is ARCHITECTURE.md's "The API"; names here follow it one to one.
+//! The API contract is docs/architecture.md's "The API"; names here follow it one to one.
 //! Types that appear in this crate's signatures come from [`time`] and [`serde_json`],
 //! re-exported so a user needs no version of its own.
 

@@ -2,7 +2,7 @@
 //! [`serve`], and the agent can poll and cancel your operations over a Unix socket. (The
 //! registration record the agent keeps is the API type [`crate::Snapshotter`].)
 //!
-//! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
+//! The wire protocol is docs/architecture.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
 //! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
 //! allowed. Errors map to the protocol's codes: [`SnapshotterError::OperationsNotSupported`]
 //! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002, and
