@@ -146,6 +146,10 @@ pub const CHECKPOINT_PAGES: u32 = 4000;
 /// keep its disk space while the agent runs.
 pub const WAL_KEPT_PAGES: u32 = CHECKPOINT_PAGES + 1000;
 
+/// The writer's `synchronous` mode: SQLite commits without an fsync, and the [`durable`]
+/// syncer fsyncs the WAL before any reply. The docs name it (a test compares).
+pub const WRITER_SYNCHRONOUS: &str = "NORMAL";
+
 /// Connection settings every connection shares (the writer's then commits with
 /// `synchronous=NORMAL`, its syncer making each commit durable). `busy_timeout` covers
 /// the moments a checkpoint holds the file briefly. The query planner's stability
@@ -211,7 +215,7 @@ impl Store {
         let wal_kept = i64::from(WAL_KEPT_PAGES) * (page + 24);
         // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
         conn.execute_batch(&format!(
-            "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
+            "PRAGMA synchronous = {WRITER_SYNCHRONOUS}; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
              PRAGMA journal_size_limit = {wal_kept};"
         ))
         .map_err(sqlite)?;

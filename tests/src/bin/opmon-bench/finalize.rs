@@ -271,20 +271,14 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let mb = |b: u64| b as f64 / 1e6;
     let mut rows = vec![
         Row::ratio_at_most(
-            format!(
-                "finalize: backup.finalize seconds, {:.0} MB .tar.gz of {} entries, {} replaced \
-                 (baseline: gzip -dc IN | gzip -6 > OUT)",
-                mb(size),
-                entries + 1,
-                s.tar_updates
-            ),
+            "finalize vs gzip",
             dur(took),
             dur(gzip),
             0.5,
         ),
         match &pigz {
             Ok(pigz) => Row::ratio_at_most(
-                "finalize: the same against pigz -dc IN | pigz -6 -p 2 > OUT",
+                "finalize vs pigz",
                 dur(took),
                 dur(*pigz),
                 1.0,
@@ -292,14 +286,14 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
             Err(e) => Row::error("finalize", e),
         },
         Row::ratio_at_most(
-            "finalize: output size against gzip -6's",
+            "finalize output size",
             (out_size as f64, format!("{:.2} MB", mb(out_size))),
             (gzip_size as f64, format!("{:.2} MB", mb(gzip_size))),
             1.02,
         ),
         match peak_kib {
             Ok(kib) => Row::absolute(
-                "finalize: agent peak RSS (VmHWM) while it finalizes",
+                "finalize memory peak",
                 crate::table::mib(kib),
                 "≤ 64 MiB",
                 kib <= 64 * 1024,
@@ -309,12 +303,12 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     ];
     rows.extend([
         Row::info_vs(
-            "finalize: the same against the gzip pipeline plus an fsync of OUT (the agent syncs)",
+            "finalize vs gzip+fsync",
             dur(took),
             dur(gzip + gzip_sync),
         ),
         Row::info(
-            "finalize: input → output size, agent throughput",
+            "finalize throughput",
             format!(
                 "{:.0} MB → {:.0} MB, {:.1} MB/s of input",
                 mb(size),
