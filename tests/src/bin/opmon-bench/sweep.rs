@@ -361,7 +361,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
         }
     }
     rows.push(Row::info(
-        "end-in-progress calls/s",
+        "endInProgress calls/s",
         per_sec(n as f64 / ended.as_secs_f64(), "calls").1,
     ));
     drop(client);
