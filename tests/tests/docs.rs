@@ -155,7 +155,11 @@ fn every_relative_link_and_anchor_in_the_docs_resolves() {
             } else {
                 file.parent().expect("a directory").join(path)
             };
-            let shown = file.strip_prefix(repo()).unwrap_or(file).display().to_string();
+            let shown = file
+                .strip_prefix(repo())
+                .unwrap_or(file)
+                .display()
+                .to_string();
             if !resolved.exists() {
                 broken.push(format!("{shown}: ({target}): no such file"));
                 continue;
@@ -167,7 +171,10 @@ fn every_relative_link_and_anchor_in_the_docs_resolves() {
             }
         }
     }
-    assert!(checked > 50, "only {checked} links found: the parser lost them");
+    assert!(
+        checked > 50,
+        "only {checked} links found: the parser lost them"
+    );
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
@@ -188,7 +195,10 @@ fn the_anchor_of_a_heading_is_githubs() {
 fn the_readme_is_short_and_holds_no_benchmark_runs() {
     let readme = read(&repo().join("README.md"));
     let lines = readme.lines().count();
-    assert!(lines <= 300, "README.md has {lines} lines; details go to docs/");
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines; details go to docs/"
+    );
     for dated in ["UTC on 20", "Full mode", "Quick mode"] {
         assert!(
             !readme.contains(dated),
@@ -307,7 +317,10 @@ fn the_limits_on_the_operations_page_are_the_codes() {
             filework::MAX_ADMITTED
         ),
     ];
-    let wrong: Vec<&String> = claims.iter().filter(|c| !text.contains(c.as_str())).collect();
+    let wrong: Vec<&String> = claims
+        .iter()
+        .filter(|c| !text.contains(c.as_str()))
+        .collect();
     assert!(
         wrong.is_empty(),
         "docs/operations.md does not say, as the code has it: {wrong:#?}"

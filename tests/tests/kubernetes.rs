@@ -38,18 +38,6 @@ const LONG: Duration = Duration::from_secs(60);
 /// The namespace `valueFrom.fieldRef: metadata.namespace` resolves to.
 const NAMESPACE: &str = "velero";
 
-fn root_or_skip() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "the Kubernetes test runs containers as other uids and must run as root in CI"
-    );
-    eprintln!("skipped: needs root for mount namespaces and other uids");
-    false
-}
-
 fn chown(path: &Path, uid: u32, gid: u32) {
     nix::unistd::chown(
         path,
@@ -725,7 +713,7 @@ fn deploy_and_back_up(file: &str) {
 
 #[test]
 fn the_native_sidecar_example_runs_and_completes_a_backup() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
     deploy_and_back_up("container/kubernetes/velero-with-opmon.yaml");
@@ -733,7 +721,7 @@ fn the_native_sidecar_example_runs_and_completes_a_backup() {
 
 #[test]
 fn the_daemonset_example_runs_and_completes_a_backup() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
     deploy_and_back_up("container/kubernetes/opmon-daemonset.yaml");

@@ -270,19 +270,9 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let out_size = std::fs::metadata(&output).map(|m| m.len()).unwrap_or(0);
     let mb = |b: u64| b as f64 / 1e6;
     let mut rows = vec![
-        Row::ratio_at_most(
-            "finalize vs gzip",
-            dur(took),
-            dur(gzip),
-            0.5,
-        ),
+        Row::ratio_at_most("finalize vs gzip", dur(took), dur(gzip), 0.5),
         match &pigz {
-            Ok(pigz) => Row::ratio_at_most(
-                "finalize vs pigz",
-                dur(took),
-                dur(*pigz),
-                1.0,
-            ),
+            Ok(pigz) => Row::ratio_at_most("finalize vs pigz", dur(took), dur(*pigz), 1.0),
             Err(e) => Row::error("finalize", e),
         },
         Row::ratio_at_most(
@@ -302,11 +292,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         },
     ];
     rows.extend([
-        Row::info_vs(
-            "finalize vs gzip+fsync",
-            dur(took),
-            dur(gzip + gzip_sync),
-        ),
+        Row::info_vs("finalize vs gzip+fsync", dur(took), dur(gzip + gzip_sync)),
         Row::info(
             "finalize throughput",
             format!(

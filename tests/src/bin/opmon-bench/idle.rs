@@ -90,9 +90,6 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
                 crate::table::Verdict::Fail
             },
         },
-        Row::info(
-            "idle snapshotter CPU",
-            pct(snapshotter),
-        ),
+        Row::info("idle snapshotter CPU", pct(snapshotter)),
     ])
 }

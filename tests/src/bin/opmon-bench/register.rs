@@ -193,12 +193,13 @@ pub async fn batch(ctx: &Ctx) -> Result<Vec<Row>, String> {
         bases.push(base);
         disk.push(bytes_per_op);
     }
-    Ok(vec![Row::ratio_at_least(
-        "register-batch",
-        per_sec(median_f64(rates), "ops"),
-        per_sec(median_f64(bases), "ops"),
-        0.5,
-    ),
+    Ok(vec![
+        Row::ratio_at_least(
+            "register-batch",
+            per_sec(median_f64(rates), "ops"),
+            per_sec(median_f64(bases), "ops"),
+            0.5,
+        ),
         Row::info(
             "disk per 1k ops",
             format!("{:.0} KiB", median_f64(disk) * 1000.0 / 1024.0),

@@ -11,12 +11,7 @@ use crate::Ctx;
 
 /// The rows: `spec`'s agent (its database holding the sweep's operations) started again and
 /// again, and one in `dir/empty`.
-pub async fn rows(
-    ctx: &Ctx,
-    spec: &Spec,
-    snap: &Bench,
-    dir: &Path,
-) -> Result<Vec<Row>, String> {
+pub async fn rows(ctx: &Ctx, spec: &Spec, snap: &Bench, dir: &Path) -> Result<Vec<Row>, String> {
     let s = &ctx.sizes;
     let mut rows = Vec::new();
     snap.release();

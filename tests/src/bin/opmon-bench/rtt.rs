@@ -277,16 +277,8 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
 
     let p = |v: &[Duration], q| dur(quantile(v, q));
     Ok(vec![
-        Row::info_vs(
-            "rpc-rtt p50",
-            p(&agent_times, 0.5),
-            p(&echo_times, 0.5),
-        ),
-        Row::info_vs(
-            "rpc-rtt p99",
-            p(&agent_times, 0.99),
-            p(&echo_times, 0.99),
-        ),
+        Row::info_vs("rpc-rtt p50", p(&agent_times, 0.5), p(&echo_times, 0.5)),
+        Row::info_vs("rpc-rtt p99", p(&agent_times, 0.99), p(&echo_times, 0.99)),
         Row::info_vs(
             "rpc-rtt p50 vs thread",
             p(&agent_times, 0.5),
@@ -304,12 +296,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
             p(&bound[0].1, 0.5),
             2.5,
         ),
-        Row::ratio_at_most(
-            "client p50",
-            p(&typed, 0.5),
-            p(&raw_post, 0.5),
-            1.5,
-        ),
+        Row::ratio_at_most("client p50", p(&typed, 0.5), p(&raw_post, 0.5), 1.5),
         Row::info_vs(
             "client p50 multi-thread",
             p(&shared, 0.5),
