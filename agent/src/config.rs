@@ -937,11 +937,23 @@ impl CommandLine {
 /// Parses the command line (and environment) into settings, reading the config file.
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
+    drop_empty_variables();
     let matches = command().get_matches();
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     check_environment(std::env::vars_os())?;
     let command_line = CommandLine { args, matches };
     command_line.resolve().map(|s| (s, command_line))
+}
+
+/// Removes the `OPMON_*` variables that are set but empty: an empty variable means unset
+/// (`OPMON_SOCKET=` is the CLI's way to say "the default" too), not a value of "".
+/// Runs first in `main`, before any other thread could read the environment.
+fn drop_empty_variables() {
+    for (name, value) in std::env::vars_os() {
+        if value.is_empty() && name.to_string_lossy().starts_with("OPMON_") {
+            std::env::remove_var(&name);
+        }
+    }
 }
 
 /// Resolves the settings of `matches` (`args` parsed from them) against the config

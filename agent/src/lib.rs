@@ -82,7 +82,12 @@ async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool
             tokio::net::UnixListener::from_std(std_listener).map_err(|e| passed_error(&e))?;
         return Ok((listener, true));
     }
-    if let Some(parent) = settings.socket.parent() {
+    // `--socket s.sock` names a socket in the working directory: its parent is "".
+    if let Some(parent) = settings
+        .socket
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
         ensure_dir(parent, 0o750, "socket directory")?;
     }
     let listener = server::bind(&settings.socket, settings.socket_mode)

@@ -17,14 +17,14 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
 use opmon_client::methods::{self, OwnerMethod};
 use opmon_client::text::escape_controls;
 use opmon_client::{
-    AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
-    EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation,
-    OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef,
-    ServerStartedParams, ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    AddOperationsParams, ApiVersion, CancelParams, CancelResult, Client, Contents,
+    EndInProgressParams, EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams,
+    NameParams, NewOperation, OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind,
+    PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams,
+    UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -46,7 +46,8 @@ struct NoParams {}
 type Outcome = Result<u8, String>;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = args::parse();
+    let fields = args::Fields::of(&cli.command);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -60,6 +61,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
+            let e = fields.name_flags(&e);
             out::warn(&format!("opmon: {}", escape_controls(&e)));
             ExitCode::from(2)
         }
@@ -69,7 +71,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Outcome {
     if let Command::Completions { shell } = cli.command {
         let mut script = Vec::new();
-        clap_complete::generate(shell, &mut Cli::command(), "opmon", &mut script);
+        clap_complete::generate(shell, &mut args::command(), "opmon", &mut script);
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
@@ -518,6 +520,11 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             retry_backoff,
             retry_within,
         } => {
+            if api_version == ApiVersion::V2 && snapshotter_socket.is_none() && command.is_empty() {
+                return Err(
+                    "a v2 snapshotter needs --snapshotter-socket PATH or a command after --".into(),
+                );
+            }
             // A program named by a path runs from the agent's directory: resolve it
             // here. A bare name is looked up in the agent's PATH, as given.
             if let Some(program) = command.first_mut() {
