@@ -260,7 +260,7 @@ async fn owner_command(
         OwnerCommand::Get { name } => {
             let value = call(client, method(OwnerMethod::Get), NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
-                render::owners(std::slice::from_ref(o))
+                render::owners(std::slice::from_ref(o), time::OffsetDateTime::now_utc())
             })?;
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
@@ -277,7 +277,7 @@ async fn owner_command(
             };
             let value = call(client, method(OwnerMethod::List), params).await?;
             print(out, &value, |l: &opmon_client::OwnerList| {
-                let mut text = render::owners(&l.items);
+                let mut text = render::owners(&l.items, time::OffsetDateTime::now_utc());
                 if let Some(next) = &l.next {
                     text.push_str(&format!("(more: --after {})\n", escape_controls(next)));
                 }
