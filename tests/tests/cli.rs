@@ -790,7 +790,7 @@ async fn new_start_and_add_operation_flags_are_checked_and_sent() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr).trim(),
-        "opmon: object: must be a JSON object (the backup server's representation of the \
+        "opmon: --object: must be a JSON object (the backup server's representation of the \
          backup or restore) (code -32602)"
     );
     let missing = dir.path().join("absent.json");
@@ -912,6 +912,17 @@ async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
     );
 
     f.agent.kill9();
+    // While the agent is gone, wait says so (it looks after a quiet while).
+    let mut gone = String::new();
+    while !gone.ends_with("agent restarting, reconnecting…\n") {
+        let mut line = String::new();
+        let n = std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+        assert!(
+            n > 0,
+            "wait ended without a word of the agent: {first}{gone}"
+        );
+        gone.push_str(&line);
+    }
     f.agent.restart();
     f.open_gate("gate-k");
     let mut rest = String::new();
@@ -931,4 +942,196 @@ async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
         );
     }
     assert_eq!(lines.last(), Some(&"backup kept is Finalizing"), "{rest}");
+    assert_eq!(lines.first(), Some(&"agent back"), "{rest}");
+}
+
+/// `opmon` against `f`'s agent, with `env` set (and `OPMON_SOCKET` taken away unless
+/// `env` sets it).
+fn opmon_env(f: &Fixture, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let mut command = Command::new(workspace_binary("opmon"));
+    command.env_remove("OPMON_SOCKET");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(args)
+        .output()
+        .expect("running opmon")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn help_offers_finalize_to_restores_only_and_explains_every_argument() {
+    let help = |kind: &str| {
+        let out = Command::new(workspace_binary("opmon"))
+            .args([kind, "start", "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let backup = help("backup");
+    assert!(!backup.contains("--finalize"), "{backup}");
+    assert!(help("restore").contains("--finalize"));
+    // The name and the uid say what they are; the socket is not required.
+    assert!(backup.contains("Its name, a DNS subdomain"), "{backup}");
+    assert!(backup.contains("metadata.uid"), "{backup}");
+    assert!(
+        backup.contains("Usage: opmon backup start [OPTIONS] --uid <UID> <NAME>"),
+        "{backup}"
+    );
+    // Given anyway, --finalize is refused with the reason.
+    let f = Fixture::new(&[]).await;
+    let out = opmon(&f, &["backup", "start", "b", "--uid", "u", "--finalize"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).1.contains("--finalize is for restores"),
+        "{:?}",
+        text(&out)
+    );
+}
+
+#[tokio::test]
+async fn an_empty_opmon_socket_means_unset() {
+    let f = Fixture::new(&[]).await;
+    // The CLI: the flag's socket, as if the variable were not there.
+    let out = opmon_env(&f, &[("OPMON_SOCKET", "")], &["status"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // The agent: its default socket.
+    let out = opmon_tests::agent_command()
+        .env("OPMON_SOCKET", "")
+        .env("OPMON_POLL_INTERVAL", "")
+        .arg("--print-config")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("poll_interval = \"10s\""), "{stdout}");
+    assert!(!stdout.contains("socket = \"\""), "{stdout}");
+}
+
+#[tokio::test]
+async fn an_agent_socket_named_without_a_directory_is_in_the_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("agent.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut agent = opmon_tests::agent_command()
+        .current_dir(dir.path())
+        .args(["--socket", "s.sock", "--state-dir", "state"])
+        .env("OPMON_CONFIG", "/dev/null")
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("s.sock");
+    opmon_tests::wait_for_socket(&socket, &mut agent, &log_path);
+    let out = Command::new(workspace_binary("opmon"))
+        .current_dir(dir.path())
+        .env("OPMON_SOCKET", "s.sock")
+        .arg("status")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+#[tokio::test]
+async fn errors_name_the_flags_typed_not_the_apis_fields() {
+    let f = Fixture::new(&[]).await;
+    let out = opmon(&f, &["snapshotter", "register", "example.io/none"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out).1,
+        "opmon: a v2 snapshotter needs --snapshotter-socket PATH or a command after --\n"
+    );
+    let out = opmon(&f, &["backup", "start", "b", "--uid", ""]);
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: --uid: "), "{stderr}");
+    let out = opmon(&f, &["backup", "start", "Not_A_Name", "--uid", "u"]);
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: NAME: "), "{stderr}");
+    let out = opmon(&f, &["backup", "start", "b", "--uid", "u"]);
+    assert!(out.status.success());
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "add-operation",
+            "b",
+            "--plugin",
+            PLUGIN,
+            "--item",
+            "pods/app/a",
+            "--operation-id",
+            &"x".repeat(1025),
+        ],
+    );
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: --operation-id: "), "{stderr}");
+}
+
+#[tokio::test]
+async fn adding_an_operation_no_snapshotter_owns_warns_at_once() {
+    let f = Fixture::new(&[]).await;
+    assert!(opmon(&f, &["backup", "start", "b", "--uid", "u"])
+        .status
+        .success());
+    let add = |plugin: &str, id: &str| {
+        opmon(
+            &f,
+            &[
+                "backup",
+                "add-operation",
+                "b",
+                "--plugin",
+                plugin,
+                "--item",
+                "pods/app/a",
+                "--operation-id",
+                id,
+            ],
+        )
+    };
+    let out = add("foo", "op-1");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(stdout, "1 added, 0 already known\n");
+    assert!(
+        stderr.contains("no snapshotter is registered for plugin velero.io/foo"),
+        "{stderr}"
+    );
+    // A plugin a snapshotter owns: not a word.
+    let out = add(PLUGIN, "op-2");
+    assert_eq!(text(&out).1, "");
+}
+
+#[tokio::test]
+async fn list_shows_age_and_status_counts_in_words() {
+    let f = Fixture::new(&[]).await;
+    assert!(opmon(&f, &["backup", "start", "b", "--uid", "u"])
+        .status
+        .success());
+    let (stdout, _) = text(&opmon(&f, &["backup", "list"]));
+    let mut lines = stdout.lines();
+    let head = lines.next().unwrap_or_default();
+    assert!(head.ends_with(" AGE"), "{stdout}");
+    let row = lines.next().unwrap_or_default();
+    let age = row.split_whitespace().last().unwrap_or_default();
+    assert!(
+        age.ends_with('s') && age.trim_end_matches('s').parse::<u64>().is_ok(),
+        "{stdout}"
+    );
+    let (status, _) = text(&opmon(&f, &["status"]));
+    assert!(
+        status.contains("0 unfinished operations, 1 snapshotter\n"),
+        "{status}"
+    );
 }

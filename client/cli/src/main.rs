@@ -231,6 +231,10 @@ async fn owner_command(
                     }]
                 }
             };
+            let plugins: std::collections::BTreeSet<String> = operations
+                .iter()
+                .map(|o| plugin_name(&o.plugin.name))
+                .collect();
             let params = AddOperationsParams {
                 name: a.name,
                 operations,
@@ -238,7 +242,9 @@ async fn owner_command(
             let value = call(client, method(OwnerMethod::AddOperations), params).await?;
             print(out, &value, |r: &opmon_client::AddOperationsResult| {
                 format!("{} added, {} already known\n", r.added, r.already_known)
-            })
+            })?;
+            warn_unowned(client, kind, &plugins).await;
+            Ok(0)
         }
         OwnerCommand::EndInProgress {
             name,
@@ -503,6 +509,43 @@ async fn owner_command(
                     render::counted(r.cancelled, "operation")
                 )
             })
+        }
+    }
+}
+
+/// A plugin name as the agent keeps it: a legacy name without `/` is Velero's
+/// `velero.io/<name>`, as the agent maps it.
+fn plugin_name(name: &str) -> String {
+    if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("velero.io/{name}")
+    }
+}
+
+/// Says which of `plugins` no snapshotter owns: their operations would only fail later,
+/// when the owner leaves InProgress ("no snapshotter is registered for plugin …"). A
+/// warning, not an error: the snapshotter may be registered before then.
+async fn warn_unowned(
+    client: &Client,
+    kind: OwnerKind,
+    plugins: &std::collections::BTreeSet<String>,
+) {
+    let Ok(value) = call(client, methods::SNAPSHOTTER_LIST, NoParams {}).await else {
+        return;
+    };
+    let Ok(registered) = typed::<Vec<Snapshotter>>(&value) else {
+        return;
+    };
+    for plugin in plugins {
+        if !registered.iter().any(|s| &s.name == plugin) {
+            out::warn(&format!(
+                "opmon: warning: no snapshotter is registered for plugin {}: its operations \
+                 fail when the {kind} leaves InProgress unless one is registered by then \
+                 (opmon snapshotter register {})",
+                escape_controls(plugin),
+                escape_controls(plugin)
+            ));
         }
     }
 }
