@@ -1135,3 +1135,46 @@ async fn list_shows_age_and_status_counts_in_words() {
         "{status}"
     );
 }
+
+#[tokio::test]
+async fn names_complete_from_the_running_agent() {
+    let f = Fixture::new(&[]).await;
+    for args in [
+        ["backup", "start", "nightly-1", "--uid", "u1"],
+        ["backup", "start", "nightly-2", "--uid", "u2"],
+        ["restore", "start", "nightly-r", "--uid", "u3"],
+    ] {
+        assert!(opmon(&f, &args).status.success());
+    }
+    // What the script `opmon completions` prints makes the shell run at each tab.
+    let complete = |words: &[&str]| {
+        let socket = f.agent.socket.display().to_string();
+        let out = Command::new(workspace_binary("opmon"))
+            .env("COMPLETE", "fish")
+            .env("OPMON_SOCKET", &socket)
+            .arg("--")
+            .arg("opmon")
+            .args(words)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let (stdout, _) = text(&out);
+        // Names, not the flags offered beside them.
+        stdout
+            .lines()
+            .map(|l| l.split('\t').next().unwrap_or("").to_string())
+            .filter(|w| !w.starts_with('-'))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        complete(&["backup", "describe", "night"]),
+        ["nightly-1", "nightly-2"]
+    );
+    assert_eq!(complete(&["restore", "wait", ""]), ["nightly-r"]);
+    assert_eq!(complete(&["snapshotter", "unregister", ""]), [PLUGIN]);
+    let script = Command::new(workspace_binary("opmon"))
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&script.stdout).contains("COMPLETE=\"bash\""));
+}

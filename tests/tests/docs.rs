@@ -237,7 +237,7 @@ fn the_docs_name_the_durability_mode_the_store_uses() {
 
 /// `bytes` as the docs write a size: `16 MiB`, `64 KiB`.
 fn size(bytes: u64) -> String {
-    if bytes % (1024 * 1024) == 0 {
+    if bytes.is_multiple_of(1024 * 1024) {
         format!("{} MiB", bytes / (1024 * 1024))
     } else {
         format!("{} KiB", bytes / 1024)

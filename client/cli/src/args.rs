@@ -1,10 +1,14 @@
 //! The command line, as clap sees it. Every API method has a subcommand; `backup` and
 //! `restore` share one definition.
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use opmon_client::{ApiVersion, GoDuration, OperationPhase, OwnerPhase, PluginKind, Timestamp};
+use clap_complete::ArgValueCompleter;
+use opmon_client::{
+    ApiVersion, GoDuration, OperationPhase, OwnerKind, OwnerPhase, PluginKind, Timestamp,
+};
 
 fn go_duration(text: &str) -> Result<GoDuration, String> {
     text.parse::<GoDuration>().map_err(|e| e.to_string())
@@ -34,12 +38,114 @@ fn api_version(text: &str) -> Result<ApiVersion, String> {
 /// The command line as the user sees it: [`Cli`], with what differs between `backup`
 /// and `restore`, which share [`OwnerCommand`]: `--finalize` is a restore's alone, so a
 /// backup's help does not offer it (given anyway, it is refused with the reason).
+///
+/// Names complete from the running agent: a backup's or restore's NAME from its list, a
+/// snapshotter's and `--plugin` from the registered snapshotters.
 pub fn command() -> clap::Command {
-    Cli::command().mut_subcommand("backup", |backup| {
-        backup.mut_subcommand("start", |start| {
-            start.mut_arg("finalize", |finalize| finalize.hide(true))
+    let owners = |kind: OwnerKind| {
+        move |owner: clap::Command| {
+            let subcommands: Vec<String> = owner
+                .get_subcommands()
+                .filter(|c| c.get_name() != "start")
+                .filter(|c| c.get_arguments().any(|a| a.get_id() == "name"))
+                .map(|c| c.get_name().to_string())
+                .collect();
+            subcommands.iter().fold(owner, |owner, name| {
+                owner.mut_subcommand(name, |sub| {
+                    sub.mut_arg("name", |arg| {
+                        arg.add(ArgValueCompleter::new(move |current: &OsStr| {
+                            complete::owners(kind, current)
+                        }))
+                    })
+                })
+            })
+        }
+    };
+    let plugins = || ArgValueCompleter::new(complete::snapshotters);
+    Cli::command()
+        .mut_subcommand("backup", owners(OwnerKind::Backup))
+        .mut_subcommand("restore", owners(OwnerKind::Restore))
+        .mut_subcommand("backup", |backup| {
+            backup
+                .mut_subcommand("start", |start| {
+                    start.mut_arg("finalize", |finalize| finalize.hide(true))
+                })
+                .mut_subcommand("add-operation", |add| {
+                    add.mut_arg("plugin", |arg| arg.add(plugins()))
+                })
         })
-    })
+        .mut_subcommand("restore", |restore| {
+            restore.mut_subcommand("add-operation", |add| {
+                add.mut_arg("plugin", |arg| arg.add(plugins()))
+            })
+        })
+        .mut_subcommand("snapshotter", |snapshotter| {
+            snapshotter.mut_subcommand("unregister", |unregister| {
+                unregister.mut_arg("name", |arg| arg.add(plugins()))
+            })
+        })
+}
+
+/// Shell completion of names, asked of the agent at `OPMON_SOCKET` (or the default
+/// socket) while the user presses tab. An agent that cannot be reached within a second
+/// completes nothing.
+mod complete {
+    use std::ffi::OsStr;
+    use std::time::Duration;
+
+    use clap_complete::CompletionCandidate;
+    use opmon_client::{Client, ListParams, OwnerKind, Snapshotter};
+
+    fn ask<T, F: std::future::Future<Output = Option<T>>>(
+        call: impl FnOnce(Client) -> F,
+    ) -> Option<T> {
+        let socket = std::env::var_os(super::SOCKET_VARIABLE)
+            .filter(|s| !s.is_empty())
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(opmon_client::default_socket_path);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(async {
+            let client = Client::builder(socket)
+                .connect_timeout(Duration::from_secs(1))
+                .call_timeout(Duration::from_secs(1))
+                .connect()
+                .await
+                .ok()?;
+            call(client).await
+        })
+    }
+
+    fn candidates(names: Vec<String>, current: &OsStr) -> Vec<CompletionCandidate> {
+        let current = current.to_string_lossy();
+        names
+            .into_iter()
+            .filter(|n| n.starts_with(current.as_ref()))
+            .map(CompletionCandidate::new)
+            .collect()
+    }
+
+    pub fn owners(kind: OwnerKind, current: &OsStr) -> Vec<CompletionCandidate> {
+        let names = ask(|client: Client| async move {
+            let params = ListParams {
+                limit: Some(1000),
+                ..Default::default()
+            };
+            let list = client.owners(kind).list(params).await.ok()?;
+            Some(list.items.into_iter().map(|o| o.name).collect())
+        });
+        candidates(names.unwrap_or_default(), current)
+    }
+
+    pub fn snapshotters(current: &OsStr) -> Vec<CompletionCandidate> {
+        let names = ask(|client: Client| async move {
+            let list: Vec<Snapshotter> = client.snapshotters().await.ok()?;
+            Some(list.into_iter().map(|s| s.name).collect())
+        });
+        candidates(names.unwrap_or_default(), current)
+    }
 }
 
 /// Parses the command line and the environment. `OPMON_SOCKET=` (set but empty) means

@@ -46,6 +46,9 @@ struct NoParams {}
 type Outcome = Result<u8, String>;
 
 fn main() -> ExitCode {
+    // `COMPLETE=<shell> opmon -- <words>`: the shell asking for completions (see
+    // `opmon completions`); answered and exited here.
+    clap_complete::CompleteEnv::with_factory(args::command).complete();
     let cli = args::parse();
     let fields = args::Fields::of(&cli.command);
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -70,8 +73,17 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Outcome {
     if let Command::Completions { shell } = cli.command {
+        // The script calls `COMPLETE=<shell> opmon -- …` at each tab, so names complete
+        // from the running agent; see `main`.
+        let name = shell.to_string();
+        let shells = clap_complete::env::Shells::builtins();
+        let completer = shells
+            .completer(&name)
+            .ok_or_else(|| format!("no completion for {name}"))?;
         let mut script = Vec::new();
-        clap_complete::generate(shell, &mut args::command(), "opmon", &mut script);
+        completer
+            .write_registration("COMPLETE", "opmon", "opmon", "opmon", &mut script)
+            .map_err(|e| e.to_string())?;
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }

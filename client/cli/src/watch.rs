@@ -443,6 +443,32 @@ mod tests {
     }
 
     #[test]
+    fn the_owner_bar_sums_bytes_when_every_operation_counts_them() {
+        let mut ops = BTreeMap::new();
+        let u = update(
+            vec![op("pods/app/a", "c-1", 40), op("pods/app/b", "c-2", 10)],
+            false,
+        );
+        remember(&mut ops, &u);
+        assert_eq!(
+            owner_progress(&u.owner, &ops),
+            (50, 200, Some("byte".to_string()))
+        );
+        // One finished counts whole; one in another unit: back to operations.
+        let mut done = op("pods/app/a", "c-1", 90);
+        done.phase = OperationPhase::Completed;
+        remember(&mut ops, &update(vec![done], false));
+        assert_eq!(
+            owner_progress(&u.owner, &ops),
+            (110, 200, Some("byte".into()))
+        );
+        let mut files = op("pods/app/b", "c-2", 3);
+        files.operation_units = "files".into();
+        remember(&mut ops, &update(vec![files], false));
+        assert_eq!(owner_progress(&u.owner, &ops), (0, 2, None));
+    }
+
+    #[test]
     fn a_resumed_update_replaces_what_was_known() {
         let mut ops = BTreeMap::new();
         remember(
