@@ -1,6 +1,7 @@
-//! Reading the deployment files the tests check: the Kubernetes manifests (through
-//! python3 and PyYAML, the way a YAML 1.1 reader like kubectl's sees them, with the
-//! TOML of ConfigMaps parsed by Python's tomllib) and the container image's Dockerfile.
+//! Reading the deployment files the tests check: the Kubernetes examples (kustomize
+//! overlays rendered by `kubectl kustomize`, then read through python3 and PyYAML, the
+//! way a YAML 1.1 reader like kubectl's sees them, with the TOML of ConfigMaps parsed by
+//! Python's tomllib) and the container image's Dockerfile.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,34 +17,129 @@ pub fn repo() -> PathBuf {
         .to_path_buf()
 }
 
-/// The Kubernetes examples, relative to the repository root.
-pub const MANIFESTS: &[&str] = &[
-    "container/kubernetes/velero-with-opmon.yaml",
-    "container/kubernetes/opmon-daemonset.yaml",
+/// The Kubernetes examples: each a name and the kustomize directories (under
+/// `container/kubernetes/`) that together make it.
+pub const EXAMPLES: &[(&str, &[&str])] = &[
+    ("sidecar", &["sidecar"]),
+    ("sidecar-litestream", &["sidecar-litestream"]),
+    ("daemonset", &["daemonset", "daemonset-velero"]),
 ];
 
-/// The documents of the manifest at `relative`, as JSON. Each ConfigMap `data` entry
-/// whose key ends in `.toml` is also given parsed, under `"_toml": {key: table}`.
-pub fn manifest(relative: &str) -> Vec<Value> {
-    let path = repo().join(relative);
-    let out = Command::new("python3")
+/// The stand-in for the user's Velero Deployment that the overlays patch.
+pub const VELERO_INPUT: &str = "tests/kubernetes/velero.yaml";
+
+/// The replica settings the tests give the Litestream example (its `replica.env`).
+pub const TEST_REPLICA_ENV: &str = "REPLICA_BUCKET=opmon-test\n\
+REPLICA_ENDPOINT=http://127.0.0.1:9\n\
+LITESTREAM_ACCESS_KEY_ID=test\n\
+LITESTREAM_SECRET_ACCESS_KEY=test\n";
+
+/// The documents of YAML `text`, as JSON, the way a YAML 1.1 reader like kubectl's sees
+/// them. Each ConfigMap `data` entry whose key ends in `.toml` is also given parsed,
+/// under `"_toml": {key: table}`.
+pub fn parse_yaml(text: &str, what: &str) -> Vec<Value> {
+    use std::io::Write;
+    let mut child = Command::new("python3")
         .args([
             "-c",
             "import json, sys, tomllib, yaml\n\
-             with open(sys.argv[1]) as f:\n    docs = [d for d in yaml.safe_load_all(f) if d is not None]\n\
+             docs = [d for d in yaml.safe_load_all(sys.stdin) if d is not None]\n\
              for d in docs:\n    if d.get('kind') == 'ConfigMap':\n        d['_toml'] = {k: tomllib.loads(v) for k, v in d.get('data', {}).items() if k.endswith('.toml')}\n\
              json.dump(docs, sys.stdout)",
         ])
-        .arg(&path)
-        .output()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .expect("running python3 (needs PyYAML: Debian package python3-yaml)");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("writing to python3");
+    let out = child.wait_with_output().expect("python3");
     assert!(
         out.status.success(),
-        "python3 could not read {} (needs PyYAML: Debian package python3-yaml):\n{}",
-        path.display(),
+        "python3 could not read {what} (needs PyYAML: Debian package python3-yaml):\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("python3 printed JSON")
+}
+
+/// The documents of the YAML file at `relative` (see [`parse_yaml`]).
+pub fn manifest(relative: &str) -> Vec<Value> {
+    let path = repo().join(relative);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    parse_yaml(&text, relative)
+}
+
+/// A copy of `container/kubernetes` in a temporary directory with the inputs a user
+/// supplies: [`VELERO_INPUT`] as each overlay's `velero.yaml`, and, unless
+/// `without_replica_env`, [`TEST_REPLICA_ENV`] as `replica.env`.
+pub fn kubernetes_tree(without_replica_env: bool) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let source = repo().join("container/kubernetes");
+    let velero = std::fs::read_to_string(repo().join(VELERO_INPUT)).expect(VELERO_INPUT);
+    for entry in std::fs::read_dir(&source).expect("container/kubernetes") {
+        let entry = entry.expect("directory entry");
+        if !entry.file_type().expect("file type").is_dir() {
+            continue;
+        }
+        let to = dir.path().join(entry.file_name());
+        std::fs::create_dir(&to).expect("overlay directory");
+        for file in std::fs::read_dir(entry.path()).expect("overlay") {
+            let file = file.expect("overlay file");
+            std::fs::copy(file.path(), to.join(file.file_name())).expect("copying overlay");
+        }
+        let kustomization = std::fs::read_to_string(to.join("kustomization.yaml"))
+            .unwrap_or_else(|e| panic!("{}: no kustomization.yaml: {e}", entry.path().display()));
+        if kustomization.contains("- velero.yaml") {
+            std::fs::write(to.join("velero.yaml"), &velero).expect("velero.yaml");
+        }
+        if kustomization.contains("replica.env") && !without_replica_env {
+            std::fs::write(to.join("replica.env"), TEST_REPLICA_ENV).expect("replica.env");
+        }
+    }
+    dir
+}
+
+/// `kubectl kustomize DIR`: its exit status, standard output and standard error. Needs
+/// kubectl (Debian package kubernetes-client; kubectl 1.20's kustomize needs no
+/// cluster).
+pub fn kustomize(dir: &Path) -> (bool, String, String) {
+    let out = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .expect(
+        "running kubectl, which renders the kustomize overlays (Debian package kubernetes-client)",
+    );
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The documents of example `name` of [`EXAMPLES`], rendered by `kubectl kustomize`
+/// from its directories with the tests' inputs.
+pub fn rendered(name: &str) -> Vec<Value> {
+    let (_, dirs) = EXAMPLES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no example {name}"));
+    let tree = kubernetes_tree(false);
+    let mut docs = Vec::new();
+    for dir in *dirs {
+        let (ok, out, err) = kustomize(&tree.path().join(dir));
+        assert!(
+            ok,
+            "kubectl kustomize container/kubernetes/{dir} failed:\n{err}"
+        );
+        docs.extend(parse_yaml(&out, dir));
+    }
+    docs
 }
 
 /// What the runtime stage of `container/Dockerfile` sets up.

@@ -513,8 +513,15 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
     let storage_dir = image.env["OPMON_STORAGE_DIR"].clone();
     let (agent_uid, agent_gid) = image.uid_gid();
 
-    for file in deploy::MANIFESTS {
-        let docs = deploy::manifest(file);
+    // Containers of the user's Velero Deployment: the examples patch them, and answer
+    // only for what the patch sets.
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let velero_input: Vec<&Value> = deploy::pod_templates(&input)
+        .into_iter()
+        .flat_map(|(_, pod)| deploy::containers(pod))
+        .collect();
+    for (file, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(file);
         let pods = deploy::pod_templates(&docs);
         let agents: Vec<(&String, &Value, &Value)> = pods
             .iter()
@@ -567,15 +574,29 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
             }
             Some("Deployment") => {
                 assert_eq!(socket_kind, "emptyDir", "{file}");
-                assert_eq!(state_kind, "persistentVolumeClaim", "{file}");
-                let claim = &deploy::volume_at(agent_pod, agent, &state_dir).expect("state")
-                    ["persistentVolumeClaim"]["claimName"];
-                assert!(
-                    docs.iter()
-                        .any(|d| d["kind"] == "PersistentVolumeClaim"
+                if state_kind == "emptyDir" {
+                    // Only with Litestream replicating it (litestream.rs checks how).
+                    let (_, state_volume) =
+                        volume_identity(agent_pod_name, agent_pod, agent, &state_dir);
+                    assert!(
+                        deploy::containers(agent_pod).into_iter().any(|c| {
+                            c["name"] == "litestream"
+                                && c["restartPolicy"] == "Always"
+                                && volume_identity(agent_pod_name, agent_pod, c, &state_dir).1
+                                    == state_volume
+                        }),
+                        "{file}: a database on an emptyDir with no Litestream sidecar"
+                    );
+                } else {
+                    assert_eq!(state_kind, "persistentVolumeClaim", "{file}");
+                    let claim = &deploy::volume_at(agent_pod, agent, &state_dir).expect("state")
+                        ["persistentVolumeClaim"]["claimName"];
+                    assert!(
+                        docs.iter().any(|d| d["kind"] == "PersistentVolumeClaim"
                             && &d["metadata"]["name"] == claim),
-                    "{file}: no PersistentVolumeClaim {claim}"
-                );
+                        "{file}: no PersistentVolumeClaim {claim}"
+                    );
+                }
                 assert_eq!(workload["spec"]["replicas"], 1, "{file}");
                 assert_eq!(workload["spec"]["strategy"]["type"], "Recreate", "{file}");
                 // A native sidecar.
@@ -613,11 +634,17 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
             .as_array()
             .map(|l| l.iter().filter_map(Value::as_u64).collect())
             .unwrap_or_default();
+        // The examples ship no snapshotter (yours owns your plugin's operations), but a
+        // volume where the ones you add serve.
+        assert!(
+            deploy::volume_at(agent_pod, agent, "/run/opmon-snapshotters").is_some(),
+            "{file}: the agent mounts no /run/opmon-snapshotters for snapshotters"
+        );
         let snapshotters = config["snapshotter"]
             .as_array()
-            .expect("[[snapshotter]] tables");
-        assert!(!snapshotters.is_empty(), "{file}: no [[snapshotter]]");
-        for s in snapshotters {
+            .cloned()
+            .unwrap_or_default();
+        for s in &snapshotters {
             let socket = Path::new(str_of(&s["socket"], "snapshotter socket"));
             let dir = socket.parent().expect("dir").to_str().expect("utf-8");
             let (_, theirs) = volume_identity(agent_pod_name, agent_pod, agent, dir);
@@ -675,10 +702,14 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
         }
         assert!(servers > 0, "{file}: no backup server is told OPMON_SOCKET");
 
-        // Non-root (but for the DaemonSet's chown step), read-only, least capabilities.
+        // Non-root (but for the DaemonSet's chown step), read-only, least capabilities:
+        // every container the examples add.
         for (_, pod) in &pods {
             for c in deploy::containers(pod) {
                 let cname = &c["name"];
+                if velero_input.iter().any(|v| v["name"] == *cname) {
+                    continue;
+                }
                 let sc = &c["securityContext"];
                 assert_eq!(sc["readOnlyRootFilesystem"], true, "{file}: {cname}");
                 assert_eq!(sc["allowPrivilegeEscalation"], false, "{file}: {cname}");
@@ -711,5 +742,664 @@ fn the_kubernetes_manifests_match_the_image_and_each_other() {
             Some(u64::from(agent_uid)),
             "{file}: the agent runs as the image's user"
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Build and install lines, as printed
+
+/// `cargo metadata --locked` of the workspace: it fails as `cargo build --locked` would
+/// when `Cargo.lock` is out of date.
+fn cargo_metadata() -> Value {
+    cargo_metadata_in(&repo())
+}
+
+/// [`cargo_metadata`] of the workspace at `root`.
+fn cargo_metadata_in(root: &Path) -> Value {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(&cargo)
+        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .current_dir(root)
+        .output()
+        .unwrap_or_else(|e| panic!("running {cargo} metadata: {e}"));
+    assert!(
+        out.status.success(),
+        "cargo metadata --locked failed (so would a --locked build):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("cargo metadata JSON")
+}
+
+/// The binaries a `cargo build …` line builds, resolved with `cargo metadata` (which
+/// package provides which binary): running the release build itself would take minutes
+/// of two shared cores for what the metadata answers exactly. `--locked` is honoured:
+/// metadata fails as the build would when `Cargo.lock` is out of date.
+fn binaries_built_by(line: &str) -> Vec<String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        words[..2],
+        ["cargo", "build"],
+        "not a cargo build line: {line}"
+    );
+    let mut packages: Vec<&str> = Vec::new();
+    let mut bins: Vec<&str> = Vec::new();
+    let mut all_bins = false;
+    let mut release = false;
+    let mut locked = false;
+    let mut rest = words[2..].iter();
+    while let Some(word) = rest.next() {
+        match *word {
+            "-p" | "--package" => packages.push(rest.next().expect("a package after -p")),
+            "--bin" => bins.push(rest.next().expect("a binary after --bin")),
+            "--bins" => all_bins = true,
+            "--release" => release = true,
+            "--locked" => locked = true,
+            // Anything else could change what is built: the test must learn it first.
+            other => panic!("{line}: the test does not know what {other:?} builds"),
+        }
+    }
+    assert!(release, "{line}: the install lines take target/release/");
+    assert!(locked, "{line}: builds what Cargo.lock pins");
+    assert!(
+        !packages.is_empty(),
+        "{line}: name the packages (the workspace holds tests and benchmarks too)"
+    );
+    let metadata = cargo_metadata();
+    let members: Vec<&Value> = metadata["workspace_members"]
+        .as_array()
+        .expect("workspace_members")
+        .iter()
+        .collect();
+    let mut built = Vec::new();
+    for package in packages {
+        let found = metadata["packages"]
+            .as_array()
+            .expect("packages")
+            .iter()
+            .find(|p| p["name"] == package && members.contains(&&p["id"]))
+            .unwrap_or_else(|| panic!("{line}: no workspace package {package}"));
+        let targets: Vec<&Value> = found["targets"]
+            .as_array()
+            .expect("targets")
+            .iter()
+            .filter(|t| {
+                t["kind"]
+                    .as_array()
+                    .is_some_and(|k| k.iter().any(|k| k == "bin"))
+            })
+            .collect();
+        if all_bins {
+            for t in &targets {
+                // `--bins` skips a binary whose required features are off.
+                if t["required-features"].as_array().is_none_or(Vec::is_empty) {
+                    built.push(str_of(&t["name"], "binary name").to_string());
+                }
+            }
+        }
+        for bin in &bins {
+            if targets.iter().any(|t| t["name"] == *bin) {
+                built.push(bin.to_string());
+            }
+        }
+    }
+    for bin in bins {
+        assert!(
+            built.iter().any(|b| b == bin),
+            "{line}: no package named builds {bin}"
+        );
+    }
+    assert!(
+        !all_bins || !built.is_empty(),
+        "{line}: --bins builds nothing"
+    );
+    built
+}
+
+/// Shell lines with their continuations joined.
+fn joined_lines(text: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut current = String::new();
+    for raw in text.lines() {
+        let line = raw.trim();
+        if let Some(head) = line.strip_suffix('\\') {
+            current.push_str(head);
+            current.push(' ');
+            continue;
+        }
+        current.push_str(line);
+        lines.push(std::mem::take(&mut current));
+    }
+    lines
+}
+
+/// `(source, destination)` of every `install` of a file (not `install -d`) in `text`.
+fn installs(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for line in joined_lines(text) {
+        for command in line.split("&&") {
+            let words: Vec<&str> = command
+                .split_whitespace()
+                .skip_while(|w| *w == "RUN" || w.starts_with("--mount"))
+                .collect();
+            if words.first() != Some(&"install") {
+                continue;
+            }
+            let args = &words[1..];
+            if args.iter().any(|w| *w == "-d" || w.starts_with("-d")) {
+                continue;
+            }
+            let mut operands = Vec::new();
+            let mut it = args.iter();
+            while let Some(w) = it.next() {
+                if *w == "-m" || *w == "-o" || *w == "-g" {
+                    it.next();
+                } else if w.starts_with('#') {
+                    break;
+                } else if !w.starts_with('-') {
+                    operands.push(w.to_string());
+                }
+            }
+            assert_eq!(operands.len(), 2, "install with one source: {command}");
+            found.push((operands[0].clone(), operands[1].clone()));
+        }
+    }
+    found
+}
+
+/// The `cargo build` line of `text`: exactly one.
+fn cargo_build_line(text: &str, what: &str) -> String {
+    let lines: Vec<String> = joined_lines(text)
+        .into_iter()
+        .flat_map(|l| {
+            l.split("&&")
+                .map(|c| c.trim().to_string())
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|c| c.find("cargo build").map(|at| c[at..].trim().to_string()))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{what}: one cargo build line expected: {lines:?}"
+    );
+    lines[0].clone()
+}
+
+/// Every `target/release/NAME` an install line takes must be a binary the printed build
+/// line builds.
+fn check_installed_binaries(what: &str, build: &str, installs: &[(String, String)]) {
+    let built = binaries_built_by(build);
+    let mut checked = 0;
+    for (source, destination) in installs {
+        if let Some(name) = source.strip_prefix("target/release/") {
+            assert!(
+                built.iter().any(|b| b == name),
+                "{what}: installs {source} to {destination}, but `{build}` builds only {built:?}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "{what}: installs no binary");
+}
+
+/// The lines of the fenced code blocks of a Markdown text.
+fn code_blocks(markdown: &str) -> String {
+    let mut code = String::new();
+    let mut inside = false;
+    for line in markdown.lines() {
+        if line.trim_start().starts_with("```") {
+            inside = !inside;
+        } else if inside {
+            code.push_str(line);
+            code.push('\n');
+        }
+    }
+    code
+}
+
+#[test]
+fn the_systemd_install_lines_install_what_the_printed_build_builds() {
+    let text = code_blocks(&read("systemd/README.md"));
+    let build = cargo_build_line(&text, "systemd/README.md");
+    let installed = installs(&text);
+    check_installed_binaries("systemd/README.md", &build, &installed);
+    // The binaries go where the units and the README's commands run them.
+    for binary in ["/usr/bin/opmon-agent", "/usr/bin/opmon"] {
+        assert!(
+            installed.iter().any(|(_, d)| d == binary),
+            "systemd/README.md installs nothing at {binary}"
+        );
+    }
+    // Every repository file an install line takes exists.
+    for (source, _) in &installed {
+        if !source.starts_with("target/") {
+            assert!(
+                repo().join(source).is_file(),
+                "systemd/README.md installs missing {source}"
+            );
+        }
+    }
+
+    // The check means something: the line as it was before opmon moved to opmon-cli.
+    let old = build.replace("-p opmon-cli", "-p opmon-client");
+    let refused = std::panic::catch_unwind(|| check_installed_binaries("old", &old, &installed));
+    assert!(
+        refused.is_err(),
+        "`{old}` builds no opmon, yet the check passed"
+    );
+}
+
+/// The builder stage of the Dockerfile builds every binary the runtime stage copies,
+/// and the build context holds every workspace member `cargo build --locked` needs.
+#[test]
+fn the_dockerfile_builds_every_binary_it_copies() {
+    let text = read("container/Dockerfile");
+    let build = cargo_build_line(&text, "container/Dockerfile");
+    let installed = installs(&text);
+    check_installed_binaries("container/Dockerfile", &build, &installed);
+
+    // Directories the builder makes (`install -d`), and the files it installs.
+    let mut made: Vec<String> = installed.iter().map(|(_, d)| d.clone()).collect();
+    for line in joined_lines(&text) {
+        for command in line.split("&&") {
+            let words: Vec<&str> = command.split_whitespace().collect();
+            if words.contains(&"install") && words.contains(&"-d") {
+                made.extend(
+                    words
+                        .iter()
+                        .filter(|w| w.starts_with('/'))
+                        .map(|w| w.to_string()),
+                );
+            }
+        }
+    }
+    let image = deploy::image();
+    let mut copies_from_builder = 0;
+    for line in joined_lines(&text) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.first().map(|w| w.to_uppercase()) != Some("COPY".into()) {
+            continue;
+        }
+        let operands: Vec<&str> = words[1..]
+            .iter()
+            .copied()
+            .filter(|w| !w.starts_with("--"))
+            .collect();
+        let (sources, _) = operands.split_at(operands.len() - 1);
+        if words.contains(&"--from=builder") {
+            for source in sources {
+                let dir = source.trim_end_matches('/');
+                assert!(
+                    made.iter()
+                        .any(|m| m == dir || m.starts_with(&format!("{dir}/"))),
+                    "COPY --from=builder {source}: the builder stage makes no such path ({made:?})"
+                );
+                copies_from_builder += 1;
+            }
+        } else {
+            for source in sources {
+                assert!(
+                    repo().join(source).exists(),
+                    "COPY {source}: not in the repository"
+                );
+            }
+        }
+    }
+    assert!(
+        copies_from_builder > 0,
+        "the runtime stage copies nothing from the builder"
+    );
+    // What the runtime stage runs and the manifests exec is copied in, from the builder's
+    // release binaries.
+    for (source, destination) in &installed {
+        if source.starts_with("target/release/") {
+            let in_image = destination.trim_start_matches("/out");
+            assert!(
+                image.copied.iter().any(|c| c == in_image),
+                "the runtime stage does not copy {in_image}"
+            );
+        }
+    }
+
+    // The context: .dockerignore must not drop a workspace member (cargo refuses a
+    // workspace whose member is missing) or Cargo.lock.
+    let ignore = read("container/Dockerfile.dockerignore");
+    let patterns: Vec<&str> = ignore
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let ignored = |path: &str| {
+        patterns.iter().any(|p| {
+            assert!(
+                !p.starts_with('!') && !p.trim_start_matches("**/").contains(['*', '?', '[']),
+                "the test reads only `dir/` and `**/dir/` patterns, not {p:?}"
+            );
+            let dir = p.trim_start_matches("**/").trim_end_matches('/');
+            let path = format!("{path}/");
+            if p.starts_with("**/") {
+                path.split('/').any(|component| component == dir)
+            } else {
+                path.starts_with(&format!("{dir}/"))
+            }
+        })
+    };
+    let metadata = cargo_metadata();
+    let root = repo();
+    let mut members = 0;
+    for package in metadata["packages"].as_array().expect("packages") {
+        let manifest = Path::new(str_of(&package["manifest_path"], "manifest_path"));
+        let Ok(member) = manifest.parent().expect("package dir").strip_prefix(&root) else {
+            continue; // a dependency
+        };
+        let member = member.to_str().expect("utf-8");
+        assert!(
+            !ignored(member),
+            "the Dockerfile's context leaves out member {member}"
+        );
+        members += 1;
+    }
+    assert!(members >= 4, "the workspace's members were not found");
+    // The context as Docker sends it (the repository less what is ignored) is a
+    // workspace cargo loads, with the packages the build line names.
+    let context = tempfile::tempdir().expect("context directory");
+    let mut stack = vec![PathBuf::new()];
+    while let Some(relative) = stack.pop() {
+        for entry in std::fs::read_dir(root.join(&relative)).expect("read_dir") {
+            let entry = entry.expect("entry");
+            let path = relative.join(entry.file_name());
+            let text = path.to_str().expect("utf-8");
+            if ignored(text) {
+                continue;
+            }
+            if entry.file_type().expect("file type").is_dir() {
+                std::fs::create_dir(context.path().join(&path)).expect("mkdir");
+                stack.push(path);
+            } else if entry.file_type().expect("file type").is_file() {
+                std::fs::copy(entry.path(), context.path().join(&path)).expect("copy");
+            }
+        }
+    }
+    let in_context = cargo_metadata_in(context.path());
+    let words: Vec<&str> = build.split_whitespace().collect();
+    for package in words.windows(2).filter(|w| w[0] == "-p").map(|w| w[1]) {
+        assert!(
+            in_context["packages"]
+                .as_array()
+                .expect("packages")
+                .iter()
+                .any(|p| p["name"] == package),
+            "the build context has no {package}"
+        );
+    }
+    assert!(!ignored("Cargo.lock"));
+    assert!(
+        ignored("target") && ignored("agent/target"),
+        "target/ stays out of the context"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The Kubernetes examples as kustomize overlays
+
+/// Whether `inner` is found in `outer`: every key of an object with a value found in
+/// `outer`'s, every element of a list found in some element of `outer`'s.
+fn found_in(inner: &Value, outer: &Value) -> bool {
+    match (inner, outer) {
+        (Value::Object(i), Value::Object(o)) => i
+            .iter()
+            .all(|(k, v)| o.get(k).is_some_and(|w| found_in(v, w))),
+        (Value::Array(i), Value::Array(o)) => i.iter().all(|v| o.iter().any(|w| found_in(v, w))),
+        _ => inner == outer,
+    }
+}
+
+/// Every YAML file shipped under `container/kubernetes`, relative to the repository.
+fn shipped_yaml() -> Vec<String> {
+    let mut files = Vec::new();
+    let root = repo().join("container/kubernetes");
+    let mut dirs = vec![root];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("container/kubernetes") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                let relative = path.strip_prefix(repo()).expect("in the repository");
+                files.push(relative.to_str().expect("utf-8").to_string());
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// No example carries a Velero Deployment of its own (applying one would replace the
+/// cluster's): what they ship for Velero is a strategic-merge patch, and what they render
+/// over a Velero Deployment keeps all of it.
+#[test]
+fn the_examples_patch_an_existing_velero_and_ship_none() {
+    for file in shipped_yaml() {
+        for doc in deploy::manifest(&file) {
+            if doc["kind"] == "Deployment" || doc["kind"] == "StatefulSet" {
+                assert!(
+                    doc["spec"]["selector"].is_null(),
+                    "{file} holds a whole {} {} (it has a selector): ship a patch",
+                    doc["kind"],
+                    doc["metadata"]["name"]
+                );
+            }
+        }
+    }
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let mut velero_input = input
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the Velero input's Deployment")
+        .clone();
+    // The one thing the sidecar overlays replace: one agent per database.
+    velero_input["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("strategy");
+    for (example, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(example);
+        let deployments: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "Deployment").collect();
+        assert_eq!(deployments.len(), 1, "{example}: the one Velero Deployment");
+        assert!(
+            found_in(&velero_input, deployments[0]),
+            "{example}: the rendered Velero Deployment lost some of the input's:\n{}",
+            serde_json::to_string_pretty(deployments[0]).expect("JSON")
+        );
+        if deploy::pod_templates(&docs).iter().any(|(name, pod)| {
+            name == "Deployment/velero" && deploy::containers(pod).into_iter().any(is_agent)
+        }) {
+            assert_eq!(
+                deployments[0]["spec"]["strategy"]["type"], "Recreate",
+                "{example}"
+            );
+            assert!(
+                deployments[0]["spec"]["strategy"]["rollingUpdate"].is_null(),
+                "{example}: Recreate takes no rollingUpdate"
+            );
+        }
+    }
+}
+
+/// Velero 1.14 takes every restore through Finalizing: the agent must expect it.
+#[test]
+fn every_example_sets_restore_finalize_for_velero_1_14() {
+    for (example, _) in deploy::EXAMPLES {
+        let docs = deploy::rendered(example);
+        let (_, pod) = deploy::pod_templates(&docs)
+            .into_iter()
+            .find(|(_, pod)| deploy::containers(pod).into_iter().any(is_agent))
+            .expect("the agent's pod");
+        let agent = deploy::containers(pod)
+            .into_iter()
+            .find(|c| is_agent(c))
+            .expect("agent");
+        let config = deploy::agent_config(&docs, pod, agent);
+        assert_eq!(
+            config["restore_finalize"], true,
+            "{example}: agent.toml should set restore_finalize = true (Velero 1.14)"
+        );
+    }
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let image = input
+        .iter()
+        .flat_map(|d| deploy::containers(&d["spec"]["template"]["spec"]))
+        .find(|c| c["name"] == "velero")
+        .and_then(|c| c["image"].as_str())
+        .expect("the input's Velero image");
+    assert!(image.starts_with("velero/velero:v1.14."), "{image}");
+}
+
+/// The Litestream replica's settings are an input the example cannot render without,
+/// named in the error; nothing shipped pretends to be a credential.
+#[test]
+fn the_litestream_replica_is_a_required_input() {
+    let tree = deploy::kubernetes_tree(true);
+    let (ok, _, err) = deploy::kustomize(&tree.path().join("sidecar-litestream"));
+    assert!(!ok, "rendered with no replica.env");
+    assert!(
+        err.contains("replica.env"),
+        "the error should name replica.env: {err}"
+    );
+
+    let docs = deploy::rendered("sidecar-litestream");
+    let secret = docs
+        .iter()
+        .find(|d| d["kind"] == "Secret")
+        .expect("the generated Secret");
+    let name = str_of(&secret["metadata"]["name"], "secret name");
+    for line in deploy::TEST_REPLICA_ENV.lines() {
+        let (key, _) = line.split_once('=').expect("NAME=value");
+        assert!(!secret["data"][key].is_null(), "the Secret lacks {key}");
+    }
+    let (_, pod) = deploy::pod_templates(&docs)
+        .into_iter()
+        .find(|(n, _)| n == "Deployment/velero")
+        .expect("Velero's pod");
+    for c in deploy::containers(pod) {
+        for source in c["envFrom"].as_array().into_iter().flatten() {
+            assert_eq!(source["secretRef"]["name"], name, "{}", c["name"]);
+        }
+    }
+    for file in shipped_yaml() {
+        let text = read(&file);
+        for word in ["replace-me", "changeme", "my-velero-bucket"] {
+            assert!(
+                !text.contains(word),
+                "{file} ships the placeholder {word:?}"
+            );
+        }
+    }
+}
+
+/// Every image an example runs has its source here (the agent's, `container/Dockerfile`),
+/// is a published upstream image, or is the user's own (their Velero Deployment's).
+#[test]
+fn no_example_references_an_image_without_source_in_the_repository() {
+    const UPSTREAM: &[&str] = &["busybox:", "litestream/litestream:"];
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let theirs: Vec<&str> = input
+        .iter()
+        .flat_map(|d| deploy::containers(&d["spec"]["template"]["spec"]))
+        .filter_map(|c| c["image"].as_str())
+        .collect();
+    for (example, _) in deploy::EXAMPLES {
+        for (_, pod) in deploy::pod_templates(&deploy::rendered(example)) {
+            for c in deploy::containers(pod) {
+                let image = str_of(&c["image"], "image");
+                assert!(
+                    image.starts_with(deploy::AGENT_IMAGE_PREFIX)
+                        || UPSTREAM.iter().any(|u| image.starts_with(u))
+                        || theirs.contains(&image),
+                    "{example}: {} runs {image}, whose source is not in the repository",
+                    c["name"]
+                );
+            }
+        }
+    }
+}
+
+/// The deployment pages' shell blocks: each parses (`bash -n`); every directory
+/// `kubectl apply -k` takes is an example; every file they write into an example is an
+/// input its kustomization reads; every Dockerfile they build exists. (Applying them
+/// needs a cluster; the examples' rendering is checked above.)
+#[test]
+fn the_printed_deployment_commands_name_what_the_repository_holds() {
+    let mut applied = Vec::new();
+    for page in ["container/README.md", "systemd/README.md"] {
+        let markdown = read(page);
+        let mut blocks: Vec<String> = Vec::new();
+        let mut current: Option<String> = None;
+        for line in markdown.lines() {
+            match (&mut current, line.trim_start()) {
+                (None, "```sh") => current = Some(String::new()),
+                (Some(block), "```") => {
+                    blocks.push(std::mem::take(block));
+                    current = None;
+                }
+                (Some(block), _) => {
+                    block.push_str(line);
+                    block.push('\n');
+                }
+                (None, _) => {}
+            }
+        }
+        assert!(!blocks.is_empty(), "{page} has no sh blocks");
+        for block in &blocks {
+            let out = Command::new("bash")
+                .args(["-n", "-c", block])
+                .output()
+                .expect("bash");
+            assert!(
+                out.status.success(),
+                "{page}: a block does not parse:\n{block}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for line in joined_lines(block) {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                if let Some(at) = words.windows(2).position(|w| w == ["apply", "-k"]) {
+                    let dir = words[at + 2];
+                    assert!(
+                        repo().join(dir).join("kustomization.yaml").is_file(),
+                        "{page}: kubectl apply -k {dir}: no kustomization there"
+                    );
+                    applied.push(dir.to_string());
+                }
+                if let Some(at) = words.iter().position(|w| *w == "-f") {
+                    if words.contains(&"build") {
+                        assert!(repo().join(words[at + 1]).is_file(), "{page}: {line}");
+                    }
+                }
+                for word in &words {
+                    let Some(target) = word.strip_prefix('>') else {
+                        continue;
+                    };
+                    if let Some(rest) = target.strip_prefix("container/kubernetes/") {
+                        let (dir, file) = rest.split_once('/').expect("dir/file");
+                        let kustomization =
+                            read(&format!("container/kubernetes/{dir}/kustomization.yaml"));
+                        assert!(
+                            kustomization.contains(file),
+                            "{page}: writes {target}, which {dir}/kustomization.yaml does not read"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Every example is shown being applied.
+    for (example, dirs) in deploy::EXAMPLES {
+        for dir in *dirs {
+            let path = format!("container/kubernetes/{dir}");
+            assert!(
+                applied.contains(&path),
+                "container/README.md never applies {path} (example {example})"
+            );
+        }
     }
 }

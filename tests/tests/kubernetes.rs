@@ -1,10 +1,10 @@
 //! The Kubernetes examples, run as local processes (there is no cluster here): every
 //! container of ours with the command, environment, user, groups and capabilities its
 //! manifest gives it, in a mount namespace of its own whose root is read-only and holds
-//! only the host's `/usr` and the container's volume mounts at their `mountPath`s. Then
-//! the agent's probes must pass, and a backup must complete through the socket as the
-//! backup server's uid, with finalize reading and writing tarballs in the shared storage
-//! directory.
+//! only the host's `/usr`, an empty `/tmp` and the container's volume mounts at their
+//! `mountPath`s. Then the agent's probes must pass, and a backup must complete through
+//! the socket as the backup server's uid, with finalize reading and writing tarballs in
+//! the shared storage directory.
 //!
 //! Volumes are directories of the test, set up the way the kubelet sets them up:
 //! `emptyDir` mode 0777 (with `fsGroup`: group-owned, setgid), a PVC root 0755 (with
@@ -14,14 +14,16 @@
 //! supplementary groups; `setpriv` does the same here, drops the capabilities the
 //! manifest drops, and sets no-new-privileges.
 //!
-//! What runs: the agent (the image's entrypoint, `container/Dockerfile`), the
-//! DaemonSet's busybox init step (its `sh -c` with the host's shell), the snapshotter
-//! container (the tests' SDK snapshotter in place of the example image, on the socket
-//! `agent.toml` names), and the backup server's container (the `opmon` CLI and tar, in
-//! place of Velero, which does not call opmon by itself). Velero's plugin init container
-//! is not run.
+//! The examples are kustomize overlays, rendered with `kubectl kustomize` over the
+//! tests' stand-in for a Velero Deployment (`tests/kubernetes/velero.yaml`). What runs:
+//! the agent (the image's entrypoint, `container/Dockerfile`), the DaemonSet's busybox
+//! init step (its `sh -c` with the host's shell), a snapshotter container the test adds
+//! as a user would (the tests' SDK snapshotter, registered in `agent.toml`), and the
+//! backup server's container (the `opmon` CLI and tar, in place of Velero, which does
+//! not call opmon by itself). Velero's plugin init container is not run.
 //!
-//! Needs root, `unshare`, `nsenter`, `setpriv` (util-linux) and python3 with PyYAML.
+//! Needs root, `unshare`, `nsenter`, `setpriv` (util-linux), python3 with PyYAML and
+//! kubectl (Debian package kubernetes-client).
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -207,13 +209,10 @@ impl Spec {
         if let Some(list) = pod.spec["securityContext"]["supplementalGroups"].as_array() {
             groups.extend(list.iter().filter_map(Value::as_u64).map(|g| g as u32));
         }
+        // Every container runs with no capabilities but those it adds (stricter than a
+        // kubelet for Velero's container, which keeps the runtime's defaults: the CLI
+        // standing in for it needs none).
         let sc = &container["securityContext"];
-        assert!(
-            sc["capabilities"]["drop"]
-                .as_array()
-                .is_some_and(|l| l.iter().any(|c| c == "ALL")),
-            "{name}: the test runs containers that drop ALL capabilities"
-        );
         let caps_added = sc["capabilities"]["add"]
             .as_array()
             .map(|l| {
@@ -302,6 +301,7 @@ impl Spec {
         let mut script = format!(
             "set -eu\nR={r}\nmount -t tmpfs -o mode=0755 tmpfs \"$R\"\n\
              mkdir \"$R/usr\" \"$R/etc\" \"$R/proc\" \"$R/dev\"\n\
+             mkdir -m 1777 \"$R/tmp\"\n\
              mount --rbind /usr \"$R/usr\"\nmount -o remount,bind,ro \"$R/usr\"\n\
              for l in bin lib lib64 sbin; do ln -s usr/$l \"$R/$l\"; done\n\
              cp /etc/passwd /etc/group \"$R/etc/\"\n\
@@ -501,9 +501,59 @@ fn is_agent(container: &Value) -> bool {
         .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX))
 }
 
-/// Runs `file`'s pods on one node and a backup through them.
-fn deploy_and_back_up(file: &str) {
-    let docs = deploy::manifest(file);
+/// The socket the tests' snapshotter serves on, in the agent pod's snapshotter volume.
+const SNAPSHOTTER_SOCKET: &str = "/run/opmon-snapshotters/volume-copier.sock";
+
+/// What a user adds to an example for a plugin's operations: a `[[snapshotter]]` table
+/// in `agent.toml` and the snapshotter's container in the agent's pod, serving on the
+/// volume the agent mounts at `/run/opmon-snapshotters`. The examples ship neither
+/// (the snapshotter is yours); the tests' SDK snapshotter plays it.
+fn add_snapshotter(docs: &mut [Value]) {
+    let table = format!(
+        "\n[[snapshotter]]\nname = \"example.io/volume-copier\"\napi_version = \"v2\"\nsocket = \"{SNAPSHOTTER_SOCKET}\"\n"
+    );
+    let config = docs
+        .iter_mut()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "opmon-config")
+        .expect("the opmon-config ConfigMap");
+    let text = format!(
+        "{}{table}",
+        config["data"]["agent.toml"].as_str().expect("agent.toml")
+    );
+    config["data"]["agent.toml"] = Value::String(text);
+    config["_toml"]["agent.toml"]["snapshotter"] = serde_json::json!([{
+        "name": "example.io/volume-copier",
+        "api_version": "v2",
+        "socket": SNAPSHOTTER_SOCKET,
+    }]);
+    let pod = docs
+        .iter_mut()
+        .map(|d| &mut d["spec"]["template"]["spec"])
+        .find(|p| p.is_object() && deploy::containers(p).into_iter().any(is_agent))
+        .expect("the agent's pod");
+    pod["containers"]
+        .as_array_mut()
+        .expect("containers")
+        .push(serde_json::json!({
+            "name": "volume-copier",
+            "volumeMounts": [{"name": "opmon-snapshotters", "mountPath": "/run/opmon-snapshotters"}],
+            "securityContext": {
+                "runAsNonRoot": true,
+                "runAsUser": 65533,
+                "runAsGroup": 65533,
+                "readOnlyRootFilesystem": true,
+                "allowPrivilegeEscalation": false,
+                "capabilities": {"drop": ["ALL"]},
+            },
+        }));
+}
+
+/// Runs the example's pods (rendered by `kubectl kustomize`, a snapshotter added) on
+/// one node and a backup through them.
+fn deploy_and_back_up(example: &str) {
+    let file = example;
+    let mut docs = deploy::rendered(example);
+    add_snapshotter(&mut docs);
     let image = deploy::image();
     let templates = deploy::pod_templates(&docs);
     let mut node = Node::new();
@@ -716,7 +766,7 @@ fn the_native_sidecar_example_runs_and_completes_a_backup() {
     if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
-    deploy_and_back_up("container/kubernetes/velero-with-opmon.yaml");
+    deploy_and_back_up("sidecar");
 }
 
 #[test]
@@ -724,5 +774,5 @@ fn the_daemonset_example_runs_and_completes_a_backup() {
     if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
-    deploy_and_back_up("container/kubernetes/opmon-daemonset.yaml");
+    deploy_and_back_up("daemonset");
 }

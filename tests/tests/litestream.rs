@@ -441,8 +441,7 @@ fn the_shipped_configurations_order_litestream_around_the_agent() {
         "the agent must not run under litestream -exec"
     );
 
-    let docs =
-        opmon_tests::deploy::manifest("container/kubernetes/velero-with-opmon-litestream.yaml");
+    let docs = opmon_tests::deploy::rendered("sidecar-litestream");
     let config = docs
         .iter()
         .find(|d| d["kind"] == "ConfigMap")
