@@ -45,27 +45,31 @@ fn markdown_files() -> Vec<PathBuf> {
     out
 }
 
-/// The lines of `text` outside fenced code blocks, with inline code spans removed.
-fn prose_lines(text: &str) -> Vec<String> {
+/// The lines of `text` outside fenced code blocks.
+fn unfenced(text: &str) -> impl Iterator<Item = &str> {
     let mut fenced = false;
-    let mut out = Vec::new();
-    for line in text.lines() {
+    text.lines().filter(move |line| {
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
-            continue;
+            return false;
         }
-        if fenced || line.starts_with("    ") && !line.trim_start().starts_with(['-', '|']) {
-            continue;
-        }
-        let mut kept = String::new();
-        for (i, part) in line.split('`').enumerate() {
-            if i % 2 == 0 {
-                kept.push_str(part);
-            }
-        }
-        out.push(kept);
-    }
-    out
+        !fenced
+    })
+}
+
+/// The prose lines of `text` (indented code blocks left out too), with inline code
+/// spans removed.
+fn prose_lines(text: &str) -> Vec<String> {
+    unfenced(text)
+        .filter(|line| !line.starts_with("    ") || line.trim_start().starts_with(['-', '|']))
+        .map(|line| {
+            line.split('`')
+                .enumerate()
+                .filter(|(i, _)| i % 2 == 0)
+                .map(|(_, part)| part)
+                .collect()
+        })
+        .collect()
 }
 
 /// GitHub's anchor for a heading: lowercased, spaces as `-`, punctuation dropped.
@@ -84,16 +88,8 @@ fn slug(heading: &str) -> String {
 
 /// The anchors of a Markdown file's headings (repeated ones numbered as GitHub does).
 fn anchors(text: &str) -> BTreeSet<String> {
-    let mut fenced = false;
     let mut seen = BTreeSet::new();
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in unfenced(text) {
         let Some(heading) = line.strip_prefix('#') else {
             continue;
         };
