@@ -1178,3 +1178,89 @@ async fn names_complete_from_the_running_agent() {
         .unwrap();
     assert!(String::from_utf8_lossy(&script.stdout).contains("COMPLETE=\"bash\""));
 }
+
+#[tokio::test]
+async fn wait_on_a_terminal_keeps_every_line_within_its_width() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    // An item far wider than the terminal; its gate stays closed, so it goes on.
+    let long = "x".repeat(120);
+    opmon_tests::start_and_end_in_progress(
+        &client.backups(),
+        "wide",
+        vec![opmon_tests::operation(PLUGIN, "gate-wide", &long, &[])],
+    )
+    .await;
+    // A terminal of 80 columns (`script` gives the CLI a pty); wait gives up after 2 s.
+    let command = format!(
+        "stty cols 80 rows 24; {} --socket {} backup wait wide --timeout 2s",
+        workspace_binary("opmon").display(),
+        f.agent.socket.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .output()
+        .expect("script (util-linux) runs the CLI on a pty");
+    let screen = String::from_utf8_lossy(&out.stdout);
+    // Each drawn line is what stands between two cursor movements or line ends.
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    let mut chars = screen.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{1b}' => {
+                // CSI: ESC [ parameters final-byte. A colour leaves the line going on.
+                let mut seq = String::new();
+                for c in chars.by_ref() {
+                    seq.push(c);
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+                if !seq.ends_with('m') {
+                    lines.push(std::mem::take(&mut line));
+                }
+            }
+            '\r' | '\n' => lines.push(std::mem::take(&mut line)),
+            c => line.push(c),
+        }
+    }
+    lines.push(line);
+    // A line exactly as wide as the terminal ends without a line break (the terminal
+    // wraps): each bar's line is what runs from its start to the next one's.
+    let mut drawn: Vec<String> = Vec::new();
+    for segment in lines.iter().filter(|l| l.contains('[')) {
+        let starts: Vec<usize> = segment
+            .match_indices("backup wide ")
+            .chain(segment.match_indices("  persistentvolumeclaims "))
+            .map(|(i, _)| i)
+            .collect();
+        let mut starts = starts;
+        starts.sort_unstable();
+        starts.push(segment.len());
+        for pair in starts.windows(2) {
+            drawn.push(segment[pair[0]..pair[1]].to_string());
+        }
+    }
+    assert!(
+        drawn.iter().any(|l| l.starts_with("backup wide "))
+            && drawn
+                .iter()
+                .any(|l| l.starts_with("  persistentvolumeclaims ")),
+        "not every bar drawn: {screen:?}"
+    );
+    for l in &drawn {
+        assert!(
+            l.chars().count() <= 80,
+            "{} columns: {l:?}",
+            l.chars().count()
+        );
+    }
+    // The owner's bar counts the bytes of its operation.
+    assert!(
+        drawn
+            .iter()
+            .any(|l| l.starts_with("backup wide ") && l.contains(" B/100 B")),
+        "{drawn:#?}"
+    );
+}

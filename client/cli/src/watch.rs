@@ -175,7 +175,7 @@ fn overall_style(units: Option<&str>) -> ProgressStyle {
         None => "{pos}/{len} operations".to_string(),
     };
     ProgressStyle::with_template(&format!(
-        "{{prefix:28!.bold}} [{{bar:20.green/white}}] {count}  {{wide_msg}}"
+        "{{prefix:24!.bold}} [{{bar:20.green/white}}] {count}  {{wide_msg}}"
     ))
     .unwrap_or_else(|_| ProgressStyle::default_bar())
 }
@@ -203,9 +203,9 @@ impl Bars {
         // guess from what this process happened to see.
         let bar = self.multi.add(ProgressBar::new(op.n_total.max(0) as u64));
         let template = if render::is_bytes(&op.operation_units) {
-            "  {prefix:26!} [{bar:20.cyan/blue}] {bytes}/{total_bytes}  {wide_msg}"
+            "  {prefix:22!} [{bar:20.cyan/blue}] {bytes}/{total_bytes}  {wide_msg}"
         } else {
-            "  {prefix:26!} [{bar:20.cyan/blue}] {pos}/{len}  {wide_msg}"
+            "  {prefix:22!} [{bar:20.cyan/blue}] {pos}/{len}  {wide_msg}"
         };
         bar.set_style(
             ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
