@@ -245,7 +245,12 @@ async fn owner_command(
             };
             let plugins: std::collections::BTreeSet<String> = operations
                 .iter()
-                .map(|o| plugin_name(&o.plugin.name))
+                .map(|o| {
+                    // As the agent keeps it: a legacy name is `velero.io/<name>`.
+                    let mut name = o.plugin.name.clone();
+                    opmon_client::validate::legacy_plugin_name(&mut name);
+                    name
+                })
                 .collect();
             let params = AddOperationsParams {
                 name: a.name,
@@ -522,16 +527,6 @@ async fn owner_command(
                 )
             })
         }
-    }
-}
-
-/// A plugin name as the agent keeps it: a legacy name without `/` is Velero's
-/// `velero.io/<name>`, as the agent maps it.
-fn plugin_name(name: &str) -> String {
-    if name.contains('/') {
-        name.to_string()
-    } else {
-        format!("velero.io/{name}")
     }
 }
 
