@@ -1180,7 +1180,7 @@ async fn names_complete_from_the_running_agent() {
 }
 
 #[tokio::test]
-async fn wait_on_a_terminal_keeps_every_line_within_its_width() {
+async fn wait_on_a_narrow_terminal_keeps_every_line_within_its_width() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     // An item far wider than the terminal; its gate stays closed, so it goes on.
@@ -1191,9 +1191,9 @@ async fn wait_on_a_terminal_keeps_every_line_within_its_width() {
         vec![opmon_tests::operation(PLUGIN, "gate-wide", &long, &[])],
     )
     .await;
-    // A terminal of 80 columns (`script` gives the CLI a pty); wait gives up after 2 s.
+    // A terminal of 60 columns (`script` gives the CLI a pty); wait gives up after 2 s.
     let command = format!(
-        "stty cols 80 rows 24; {} --socket {} backup wait wide --timeout 2s",
+        "stty cols 60 rows 24; {} --socket {} backup wait wide --timeout 2s",
         workspace_binary("opmon").display(),
         f.agent.socket.display()
     );
@@ -1232,7 +1232,7 @@ async fn wait_on_a_terminal_keeps_every_line_within_its_width() {
     for segment in lines.iter().filter(|l| l.contains('[')) {
         let starts: Vec<usize> = segment
             .match_indices("backup wide ")
-            .chain(segment.match_indices("  persistentvolumeclaims "))
+            .chain(segment.match_indices("  persistentvo"))
             .map(|(i, _)| i)
             .collect();
         let mut starts = starts;
@@ -1244,9 +1244,7 @@ async fn wait_on_a_terminal_keeps_every_line_within_its_width() {
     }
     assert!(
         drawn.iter().any(|l| l.starts_with("backup wide "))
-            && drawn
-                .iter()
-                .any(|l| l.starts_with("  persistentvolumeclaims ")),
+            && drawn.iter().any(|l| l.starts_with("  persistentvo")),
         "not every bar drawn: {screen:?}"
     );
     for l in &drawn {

@@ -160,22 +160,43 @@ impl View for Lines {
 /// indicatif bars: one overall, one per operation while it runs.
 struct Bars {
     multi: MultiProgress,
+    widths: Widths,
     overall: ProgressBar,
     /// The unit the overall bar counts in (`None`: operations).
     overall_units: Option<String>,
     ops: BTreeMap<OpKey, ProgressBar>,
 }
 
+/// The widths of a bar line's label and bar, from the terminal's: what is left after
+/// them and the counts (`1023.99 MiB/1023.99 MiB`) goes to the message, which is cut to
+/// fit, so every line fits a terminal of 50 columns or more.
+#[derive(Clone, Copy)]
+struct Widths {
+    label: usize,
+    bar: usize,
+}
+
+impl Widths {
+    fn of_terminal() -> Widths {
+        let (_, columns) = console::Term::stdout().size();
+        let columns = usize::from(columns);
+        let bar = columns.saturating_sub(60).clamp(5, 20);
+        let label = columns.saturating_sub(bar + 38).clamp(8, 24);
+        Widths { label, bar }
+    }
+}
+
 /// The overall bar's style: in bytes or another unit the operations share, or in
 /// operations. The message is the line's wide part, cut to what the terminal has left.
-fn overall_style(units: Option<&str>) -> ProgressStyle {
+fn overall_style(widths: Widths, units: Option<&str>) -> ProgressStyle {
     let count = match units {
         Some(u) if render::is_bytes(u) => "{bytes}/{total_bytes}".to_string(),
         Some(u) => format!("{{pos}}/{{len}} {}", clean(u).replace(['{', '}'], "")),
         None => "{pos}/{len} operations".to_string(),
     };
+    let Widths { label, bar } = widths;
     ProgressStyle::with_template(&format!(
-        "{{prefix:24!.bold}} [{{bar:20.green/white}}] {count}  {{wide_msg}}"
+        "{{prefix:{label}!.bold}} [{{bar:{bar}.green/white}}] {count}  {{wide_msg}}"
     ))
     .unwrap_or_else(|_| ProgressStyle::default_bar())
 }
@@ -183,11 +204,13 @@ fn overall_style(units: Option<&str>) -> ProgressStyle {
 impl Bars {
     fn new() -> Bars {
         let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
+        let widths = Widths::of_terminal();
         let overall = multi.add(ProgressBar::new(0));
-        overall.set_style(overall_style(None));
+        overall.set_style(overall_style(widths, None));
         overall.enable_steady_tick(Duration::from_millis(200));
         Bars {
             multi,
+            widths,
             overall,
             overall_units: None,
             ops: BTreeMap::new(),
@@ -202,13 +225,18 @@ impl Bars {
         // The rate and the time left are the agent's (in the message), not indicatif's
         // guess from what this process happened to see.
         let bar = self.multi.add(ProgressBar::new(op.n_total.max(0) as u64));
-        let template = if render::is_bytes(&op.operation_units) {
-            "  {prefix:22!} [{bar:20.cyan/blue}] {bytes}/{total_bytes}  {wide_msg}"
+        let count = if render::is_bytes(&op.operation_units) {
+            "{bytes}/{total_bytes}"
         } else {
-            "  {prefix:22!} [{bar:20.cyan/blue}] {pos}/{len}  {wide_msg}"
+            "{pos}/{len}"
         };
+        // Indented under the owner's line, by two columns of the label's.
+        let (label, width) = (self.widths.label - 2, self.widths.bar);
+        let template =
+            format!("  {{prefix:{label}!}} [{{bar:{width}.cyan/blue}}] {count}  {{wide_msg}}");
         bar.set_style(
-            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(&template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar.set_prefix(bar_label(op));
         self.ops.insert(key, bar.clone());
@@ -233,7 +261,8 @@ impl View for Bars {
             .set_prefix(format!("{} {}", o.kind, clean(&o.name)));
         let (done, total, units) = owner_progress(o, ops);
         if units != self.overall_units {
-            self.overall.set_style(overall_style(units.as_deref()));
+            self.overall
+                .set_style(overall_style(self.widths, units.as_deref()));
             self.overall_units = units;
         }
         self.overall.set_length(total);
