@@ -227,13 +227,47 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
 }
 
 /// Maps legacy plugin names (as Velero's `sanitizeName` does), then checks every
-/// operation against the agent's clock `now`.
-fn check_add(p: &mut AddOperationsParams, now: OffsetDateTime) -> Result<(), Error> {
+/// operation against the agent's clock `now` and against what Velero keeps for an owner
+/// of `kind`.
+fn check_add(
+    kind: OwnerKind,
+    p: &mut AddOperationsParams,
+    now: OffsetDateTime,
+) -> Result<(), Error> {
     owner_name(&p.name)?;
     for (i, op) in p.operations.iter_mut().enumerate() {
         validate::legacy_plugin_name(&mut op.plugin.name);
         validate::new_operation(op, now)
+            .and_then(|()| fits_owner(kind, op))
             .map_err(|(field, e)| invalid(&format!("operations[{i}].{field}"), e))?;
+    }
+    Ok(())
+}
+
+/// Velero's backups hold the operations of BackupItemActions (and volume snapshotters);
+/// its restores only RestoreItemActions', and a restore operation has no
+/// `postOperationItems` (Velero's `RestoreOperationSpec` has no such field).
+fn fits_owner(kind: OwnerKind, op: &opmon_client::NewOperation) -> Result<(), (String, String)> {
+    use opmon_client::PluginKind::*;
+    let fits = match kind {
+        OwnerKind::Backup => matches!(op.plugin.kind, BackupItemAction | VolumeSnapshotter),
+        OwnerKind::Restore => op.plugin.kind == RestoreItemAction,
+    };
+    if !fits {
+        let takes = match kind {
+            OwnerKind::Backup => "BackupItemAction or VolumeSnapshotter",
+            OwnerKind::Restore => "RestoreItemAction",
+        };
+        return Err((
+            "plugin.kind".into(),
+            format!("a {kind} takes {takes} operations, not {}", op.plugin.kind),
+        ));
+    }
+    if kind == OwnerKind::Restore && !op.post_operation_items.is_empty() {
+        return Err((
+            "postOperationItems".into(),
+            "a restore operation has none (Velero backs items up again only for backups)".into(),
+        ));
     }
     Ok(())
 }
@@ -470,7 +504,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         name(OwnerMethod::AddOperations),
         true,
         move |core, mut p: AddOperationsParams, caller| async move {
-            check_add(&mut p, OffsetDateTime::now_utc())?;
+            check_add(kind, &mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await
         },
     );
@@ -787,7 +821,9 @@ mod tests {
                {"plugin":{"kind":"BackupItemAction","name":"a/b"},"resource":{"resource":"pods","name":"../etc"},"operationId":"y"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[1].resource.name: must not contain '/' (a Kubernetes name is a path \
              segment: no '/', '%' or control characters)"
         );
@@ -799,13 +835,15 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"csi-pvc"},"resource":{"group":"rbac.authorization.k8s.io","resource":"clusterroles","name":"system:aggregate-to-admin"},"operationId":"x",
                 "postOperationItems":[{"resource":"configmaps","namespace":"app","name":"system:config"}]}"#,
         );
-        check_add(&mut p, NOW).unwrap();
+        check_add(OwnerKind::Backup, &mut p, NOW).unwrap();
         assert_eq!(p.operations[0].plugin.name, "velero.io/csi-pvc");
         let mut p = add_params(
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b"},"resource":{"resource":"pods","namespace":"App","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].resource.namespace: must be a DNS label (lowercase letters, digits \
              and '-', starting and ending with a letter or digit, at most 63 characters)"
         );
@@ -813,7 +851,9 @@ mod tests {
             r#"{"plugin":{"kind":"BackupItemAction","name":"a.io/b/c"},"resource":{"resource":"pods","name":"p"},"operationId":"x"}"#,
         );
         assert_eq!(
-            check_add(&mut p, NOW).unwrap_err().to_string(),
+            check_add(OwnerKind::Backup, &mut p, NOW)
+                .unwrap_err()
+                .to_string(),
             "operations[0].plugin.name: must have exactly two parts separated by '/' \
              (<DNS subdomain>/<non-empty name>)"
         );
@@ -826,11 +866,20 @@ mod tests {
                 r#"{{"plugin":{{"kind":"BackupItemAction","name":"a.io/b"}},"resource":{{"resource":"pods","name":"p"}},"operationId":"x","created":"{created}"}}"#
             )
         };
-        check_add(&mut add_params(&op("2026-11-22T10:02:45Z")), NOW).unwrap();
+        check_add(
+            OwnerKind::Backup,
+            &mut add_params(&op("2026-11-22T10:02:45Z")),
+            NOW,
+        )
+        .unwrap();
         assert_eq!(
-            check_add(&mut add_params(&op("2026-11-22T10:02:46Z")), NOW)
-                .unwrap_err()
-                .to_string(),
+            check_add(
+                OwnerKind::Backup,
+                &mut add_params(&op("2026-11-22T10:02:46Z")),
+                NOW
+            )
+            .unwrap_err()
+            .to_string(),
             "operations[0].created: must not be more than 5m0s ahead of the agent's clock"
         );
     }

@@ -54,6 +54,7 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
     ("OPMON_OWNER_KIND", "command snapshotters"),
     ("OPMON_OWNER_NAME", "command snapshotters"),
     ("OPMON_OWNER_UID", "command snapshotters"),
+    ("OPMON_AGENT_UID", "the opmon CLI"),
 ];
 
 /// The variable of `--config`, the one flag with a variable that is not a setting.
@@ -132,7 +133,7 @@ settings! {
         check any;
     /// its file mode
     socket_mode: String = "0660".into(), shown Shown::Value,
-        check |m: &String| parse_mode(m).map(drop);
+        check |m: &String| usable_socket_mode(m).map(drop);
     /// its group, by name or number
     socket_group: String = String::new(), shown Shown::Text("the agent's group"), check any;
     /// holds `agent.db`; a relative path is taken against the working directory at start
@@ -217,6 +218,10 @@ settings! {
     /// copied the WAL: see docs/operations.md, "Surviving the loss of a node"). Without a
     /// replicator running, `"external"` lets the WAL grow until the agent stops
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
+    /// start with an empty database although an agent has run with this storage
+    /// directory before (`agent.db` missing or empty), forgetting its backups and
+    /// restores; without it such a start is refused, to restore the database instead
+    start_anew: bool = false, shown Shown::Value, check any;
 }
 
 /// How the configuration table shows a setting's default.
@@ -416,6 +421,30 @@ fn parse_mode(text: &str) -> Result<u32, String> {
         .ok()
         .filter(|m| *m <= 0o777)
         .ok_or_else(|| format!("{text:?} is not an octal file mode like \"0660\""))
+}
+
+/// A socket mode the agent's own user can connect with (connecting needs write).
+fn usable_socket_mode(text: &str) -> Result<u32, String> {
+    let mode = parse_mode(text)?;
+    if mode & 0o200 == 0 {
+        return Err(format!(
+            "{text:?} does not let the owner write the socket, which connecting needs"
+        ));
+    }
+    Ok(mode)
+}
+
+/// Why `dir` cannot hold the agent's files, if it is in a kernel file system.
+fn kernel_file_system(dir: &Path) -> Option<String> {
+    ["/proc", "/sys", "/dev"]
+        .into_iter()
+        .find(|k| dir.starts_with(k))
+        .map(|k| {
+            format!(
+                "{} is in {k}, a kernel file system, which cannot hold its files",
+                dir.display()
+            )
+        })
 }
 
 /// A group by name or number; none for `""`.
@@ -669,6 +698,10 @@ pub struct Settings {
     /// canonical form.
     pub snapshotters: Vec<Snapshotter>,
     pub checkpoint: Checkpoint,
+    /// Start on a missing or empty database where an agent has run before.
+    pub start_anew: bool,
+    /// Settings that work but are likely a mistake or a risk, each naming its key.
+    pub warnings: Vec<String>,
     pub core: CoreSettings,
     pub provenance: Vec<Provenance>,
 }
@@ -817,7 +850,53 @@ impl Values {
         };
         self.allowed_uids.value.sort_unstable();
         self.allowed_uids.value.dedup();
+        for (key, layered) in [
+            ("state_dir", &self.state_dir),
+            ("storage_dir", &self.storage_dir),
+        ] {
+            if let Some(why) = kernel_file_system(&layered.value) {
+                return Err(bad(key, &layered.source, why));
+            }
+        }
+        for dir in &self.finalize_dirs.value {
+            let source = &self.finalize_dirs.source;
+            if dir.parent().is_none() {
+                return Err(bad(
+                    "finalize_dirs",
+                    source,
+                    "/ would let finalize read and write any file the agent may: name the \
+                     directories tarballs are in",
+                ));
+            }
+            if let Some(why) = kernel_file_system(dir) {
+                return Err(bad("finalize_dirs", source, why));
+            }
+        }
         Ok(())
+    }
+
+    /// What works but is likely a mistake or a risk, each naming its key: logged at start.
+    fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let mode = parse_mode(&self.socket_mode.value).unwrap_or(0);
+        if mode & 0o002 != 0 {
+            warnings.push(format!(
+                "socket_mode (from {}): {} lets every local user connect; only allowed_uids \
+                 and allowed_gids then stand between them and the API",
+                self.socket_mode.source, self.socket_mode.value
+            ));
+        }
+        for dir in &self.finalize_dirs.value {
+            if self.state_dir.value.starts_with(dir) {
+                warnings.push(format!(
+                    "finalize_dirs (from {}): {} holds the state directory {}",
+                    self.finalize_dirs.source,
+                    dir.display(),
+                    self.state_dir.value.display()
+                ));
+            }
+        }
+        warnings
     }
 
     /// The typed settings the agent runs on.
@@ -827,7 +906,8 @@ impl Values {
         snapshotters: Vec<Snapshotter>,
     ) -> Result<Settings, String> {
         let provenance = self.provenance();
-        let socket_mode = parse_mode(&self.socket_mode.value)
+        let warnings = self.warnings();
+        let socket_mode = usable_socket_mode(&self.socket_mode.value)
             .map_err(|e| bad("socket_mode", &self.socket_mode.source, e))?;
         let socket_group = group_id(&self.socket_group.value)
             .map_err(|e| bad("socket_group", &self.socket_group.source, e))?;
@@ -853,6 +933,8 @@ impl Values {
             idle_timeout: self.idle_timeout.value.0,
             snapshotters,
             checkpoint: self.checkpoint.value,
+            start_anew: self.start_anew.value,
+            warnings,
             provenance,
             core: CoreSettings {
                 poll_interval: self.poll_interval.value.0,
@@ -886,7 +968,7 @@ impl Values {
 /// checks one (its name made canonical), so a bad table stops the agent (or refuses a
 /// reload) before anything is opened.
 fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>, String> {
-    tables
+    let snapshotters: Vec<Snapshotter> = tables
         .into_iter()
         .map(|table| {
             let mut s = Snapshotter {
@@ -911,7 +993,16 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                 .map_err(|e| format!("config snapshotter {given}: {e}"))?;
             Ok(s)
         })
-        .collect()
+        .collect::<Result<_, String>>()?;
+    // Two tables of one name (after legacy names are mapped): one would silently win.
+    let mut seen = std::collections::HashSet::new();
+    if let Some(twice) = snapshotters.iter().find(|s| !seen.insert(s.name.as_str())) {
+        return Err(format!(
+            "config snapshotter {}: two [[snapshotter]] tables have this name",
+            twice.name
+        ));
+    }
+    Ok(snapshotters)
 }
 
 /// The command line (and environment) as parsed at start: a reload resolves the
@@ -932,6 +1023,23 @@ impl CommandLine {
     pub fn print_config(&self) -> bool {
         self.args.print_config
     }
+}
+
+/// The largest config file read: far beyond any real one, and a bound on what a wrong
+/// path (`/dev/zero`) can cost.
+const MAX_CONFIG_FILE: u64 = 1024 * 1024;
+
+fn read_config_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let failed = |e: &dyn fmt::Display| format!("reading config file {}: {e}", path.display());
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_CONFIG_FILE + 1).read_to_string(&mut text))
+        .map_err(|e| failed(&e))?;
+    if text.len() as u64 > MAX_CONFIG_FILE {
+        return Err(failed(&format!("larger than {MAX_CONFIG_FILE} bytes")));
+    }
+    Ok(text)
 }
 
 /// Parses the command line (and environment) into settings, reading the config file.
@@ -965,8 +1073,7 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         None => None,
     };
     let file_text = match &config_file {
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("reading config file {}: {e}", path.display()))?,
+        Some(path) => read_config_file(path)?,
         None => String::new(),
     };
     let mut file: FileConfig = toml::from_str(&file_text).map_err(|e| {

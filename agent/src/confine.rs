@@ -323,13 +323,10 @@ impl Confinement {
     }
 
     /// Resolves where the output goes: its directory (created if missing, confined)
-    /// and name. An existing file there must be a regular file.
-    pub fn output(
-        &self,
-        field: &str,
-        given: &Path,
-        input: &FileStat,
-    ) -> Result<OutputTarget, Error> {
+    /// and name. An existing file there must be a regular file; it may be the input
+    /// itself, as Velero replaces `<backup>.tar.gz` at its key: the output is written
+    /// beside it and renamed over it, and the input stays open until the rewrite ends.
+    pub fn output(&self, field: &str, given: &Path) -> Result<OutputTarget, Error> {
         let r = self.resolve(field, given)?;
         let base = self.open_base(field, given, &r.base)?;
         let name = r
@@ -387,12 +384,6 @@ impl Confinement {
                         "{field} {}: is {}, not a regular file",
                         given.display(),
                         what_kind(&existing)
-                    )));
-                }
-                if (existing.st_dev, existing.st_ino) == (input.st_dev, input.st_ino) {
-                    return Err(Error::Finalize(format!(
-                        "{field} {}: must differ from contents.input",
-                        given.display()
                     )));
                 }
             }

@@ -52,6 +52,15 @@ impl Formatter for GoFormatter {
     }
 }
 
+/// `value` as Go's `json.Marshal(value)` returns it: compact, HTML-safe, no newline (how
+/// Velero writes each item of a backup tarball).
+pub fn marshal<T: Serialize + ?Sized>(value: &T) -> io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut serializer = Serializer::with_formatter(&mut out, GoFormatter);
+    value.serialize(&mut serializer).map_err(io::Error::from)?;
+    Ok(out)
+}
+
 /// Writes `value` as Go's `json.NewEncoder(writer).Encode(value)` does: compact,
 /// HTML-safe, followed by a newline.
 pub fn encode<W: io::Write, T: Serialize + ?Sized>(mut writer: W, value: &T) -> io::Result<()> {
@@ -81,6 +90,15 @@ mod tests {
         );
         // Other characters of the same lead byte (U+2026 …) pass as they are.
         assert_eq!(encoded("…€"), "\"…€\"\n");
+    }
+
+    #[test]
+    fn marshal_is_encode_without_the_newline() {
+        let value = serde_json::json!({"b": "<x>", "a": "&"});
+        assert_eq!(
+            String::from_utf8(marshal(&value).unwrap()).unwrap(),
+            "{\"a\":\"\\u0026\",\"b\":\"\\u003cx\\u003e\"}"
+        );
     }
 
     #[test]

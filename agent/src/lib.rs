@@ -55,6 +55,41 @@ fn ensure_dir(dir: &Path, mode: u32, what: &str) -> Result<(), String> {
         .map_err(|e| format!("setting mode of {what} {}: {e}", dir.display()))
 }
 
+/// Refuses a socket directory that another user could use to put their own socket in
+/// the agent's place: one owned by a uid other than the agent's or root, or one the
+/// agent owns that its group or others may write. A root-owned directory others may
+/// write (`/tmp`, a Kubernetes `emptyDir`) was shared on purpose by the administrator:
+/// it is served, with a warning, since no other user can have made it.
+fn check_socket_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| format!("reading the socket directory {}: {e}", dir.display()))?;
+    let own = nix::unistd::geteuid().as_raw();
+    let shared = meta.mode() & 0o022 != 0;
+    if meta.uid() != own && meta.uid() != 0 {
+        return Err(format!(
+            "the socket directory {} belongs to uid {}, not to the agent's uid {own}: \
+             another user could replace the socket; remove it or choose another `socket`",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    if shared && meta.uid() == own {
+        return Err(format!(
+            "the socket directory {} may be written by its group or others (mode {:04o}): \
+             another user could replace the socket; `chmod go-w` it or choose another `socket`",
+            dir.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    if shared {
+        tracing::warn!(dir = %dir.display(), mode = format!("{:04o}", meta.mode() & 0o7777),
+            "the socket directory is root's and others may write it: clients must check \
+             who serves the socket (the opmon client does)");
+    }
+    Ok(())
+}
+
 /// The listening socket: the one systemd passed (socket activation, `LISTEN_FDS`), or
 /// one bound here with the configured mode and group.
 async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool), String> {
@@ -82,13 +117,13 @@ async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool
             tokio::net::UnixListener::from_std(std_listener).map_err(|e| passed_error(&e))?;
         return Ok((listener, true));
     }
-    // `--socket s.sock` names a socket in the working directory: its parent is "".
-    if let Some(parent) = settings
-        .socket
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-    {
+    if let Some(parent) = settings.socket.parent() {
+        let parent = match parent.as_os_str().is_empty() {
+            true => Path::new("."),
+            false => parent,
+        };
         ensure_dir(parent, 0o750, "socket directory")?;
+        check_socket_dir(parent)?;
     }
     let listener = server::bind(&settings.socket, settings.socket_mode)
         .await
@@ -133,8 +168,13 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let terminated = opmon_client::snapshotter::termination();
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     let db = settings.database();
+    let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
+    storage.check_database(&db, settings.start_anew)?;
     replica::repair_modes(&db)?;
     let metrics = Metrics::new();
     let committed = metrics.clone();
@@ -147,7 +187,10 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         .map_err(|e| e.to_string())?;
     // A passed socket belongs to systemd's socket unit: it is never removed here.
     let (listener, activated) = listener(&settings).await?;
-    let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
+    // Without the mark the database is only unguarded, which is no reason not to serve.
+    if let Err(e) = storage.mark_ran() {
+        tracing::warn!(error = %e, "could not mark the storage directory as used");
+    }
     let core = Core::new(
         store.clone(),
         storage,

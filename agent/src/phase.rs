@@ -445,8 +445,12 @@ pub fn observe_within(
             next.updated_ms = Some(now_ms);
         }
         Observation::Progress(p) => {
-            next.n_completed = p.n_completed;
-            next.n_total = p.n_total;
+            let (n_completed, n_total, impossible) = possible_counts(p.n_completed, p.n_total);
+            next.n_completed = n_completed;
+            next.n_total = n_total;
+            if let Some(note) = impossible {
+                next.last_error = note;
+            }
             next.operation_units = bounded(p.operation_units, MAX_UNITS);
             next.description = bounded(p.description, MAX_DESCRIPTION);
             // As Velero's controller: only Go's zero time is "unknown"; the Unix epoch is a
@@ -503,6 +507,25 @@ pub fn observe_within(
         }
     }
     (next != *current).then_some(Decision { next, cancel, why })
+}
+
+/// Counts a user can be shown: none below zero, and no more completed than the total
+/// when one is known (0 means unknown). An answer that breaks this is the snapshotter's
+/// mistake: it is clamped, so rates, ETAs and bars stay sane, and the note saying what it
+/// sent becomes the operation's `lastError`.
+pub fn possible_counts(n_completed: i64, n_total: i64) -> (i64, i64, Option<String>) {
+    let total = n_total.max(0);
+    let mut completed = n_completed.max(0);
+    if total > 0 {
+        completed = completed.min(total);
+    }
+    let note = (completed != n_completed || total != n_total).then(|| {
+        format!(
+            "the snapshotter reported an impossible progress (nCompleted {n_completed}, \
+             nTotal {n_total}): shown as {completed} of {total}"
+        )
+    });
+    (completed, total, note)
 }
 
 fn ms(t: time::OffsetDateTime) -> i64 {
@@ -1216,5 +1239,22 @@ mod tests {
             observe(&done, Observation::Error("late".into()), HOUR, 5),
             None
         );
+    }
+
+    #[test]
+    fn impossible_counts_are_clamped_with_a_note_and_possible_ones_are_kept() {
+        assert_eq!(possible_counts(3, 7), (3, 7, None));
+        assert_eq!(possible_counts(7, 7), (7, 7, None));
+        // A total of 0 is unknown: any count of completed units stands.
+        assert_eq!(possible_counts(999, 0), (999, 0, None));
+        let (c, t, note) = possible_counts(12, 10);
+        assert_eq!((c, t), (10, 10));
+        assert_eq!(
+            note.as_deref(),
+            Some("the snapshotter reported an impossible progress (nCompleted 12, nTotal 10): shown as 10 of 10")
+        );
+        assert_eq!(possible_counts(-5, -1).0..possible_counts(-5, -1).1, 0..0);
+        assert!(possible_counts(-1, 5).2.is_some());
+        assert!(possible_counts(0, -1).2.is_some());
     }
 }

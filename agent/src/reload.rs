@@ -11,12 +11,23 @@
 //!   configuration and is gone from the file is unregistered. Snapshotters registered
 //!   through the API are not touched. Any other setting that differs is logged as taking
 //!   effect at the next start.
+//! - A reload that would unregister a `[[snapshotter]]` whose operations are unfinished
+//!   is refused, naming the snapshotter and the owners waiting on it: those operations
+//!   would fail at their next poll (an empty file removes every table).
+//! - The file is read on a blocking thread, within [`READ_DEADLINE`]: a FIFO or a hung
+//!   network file system holds up the reload, never the runtime that answers calls.
 //! - Every change is logged; systemd hears `RELOADING=1` and then `READY=1`.
+
+use std::time::Duration;
 
 use opmon_client::Snapshotter;
 
 use crate::config::{CommandLine, Provenance, Settings};
 use crate::core::Core;
+
+/// How long reading and resolving the config file may take before the reload is
+/// refused.
+pub const READ_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Applies a (validated) log filter to the running logger.
 pub type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
@@ -52,14 +63,66 @@ pub async fn reload(core: &Core, running: &mut Running, reload: &Reload) {
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
 }
 
-async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
-    let new = match reload.command_line.resolve() {
-        Ok(settings) => settings,
-        Err(e) => {
-            tracing::error!("reload refused, the running configuration is unchanged: {e}");
-            return;
+/// The settings the file says now, read off the runtime within [`READ_DEADLINE`].
+async fn read(reload: &Reload) -> Result<Settings, String> {
+    let command_line = reload.command_line.clone();
+    let reading = tokio::task::spawn_blocking(move || command_line.resolve());
+    match tokio::time::timeout(READ_DEADLINE, reading).await {
+        Ok(Ok(resolved)) => resolved,
+        Ok(Err(e)) => Err(format!("reading the configuration failed: {e}")),
+        Err(_) => Err(format!(
+            "reading the configuration took longer than {}s (a FIFO, or a file system \
+             that does not answer?)",
+            READ_DEADLINE.as_secs()
+        )),
+    }
+}
+
+/// Why unregistering `gone` would orphan unfinished operations, if it would.
+async fn orphans(core: &Core, gone: &[String]) -> Result<(), String> {
+    let mut orphaned = Vec::new();
+    for name in gone {
+        let (owners, all) = core
+            .owners_waiting_on(name)
+            .await
+            .map_err(|e| format!("reading the operations of snapshotter {name}: {e}"))?;
+        if all > 0 {
+            let more = all - owners.len() as i64;
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            orphaned.push(format!("{name} (waited on by {}{more})", owners.join(", ")));
         }
+    }
+    if orphaned.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "the file no longer has [[snapshotter]] tables with unfinished operations: {}; put \
+         them back, or remove them once their operations have finished",
+        orphaned.join("; ")
+    ))
+}
+
+async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
+    let refused = |e: String| {
+        tracing::error!("reload refused, the running configuration is unchanged: {e}");
     };
+    let new = match read(reload).await {
+        Ok(settings) => settings,
+        Err(e) => return refused(e),
+    };
+    let leaving: Vec<String> = running
+        .snapshotters
+        .iter()
+        .filter(|r| !new.snapshotters.iter().any(|s| s.name == r.name))
+        .map(|r| r.name.clone())
+        .collect();
+    if let Err(e) = orphans(core, &leaving).await {
+        return refused(e);
+    }
     let mut changes = 0usize;
     if new.log_level != running.log_level {
         match (reload.set_log_level)(&new.log_level) {

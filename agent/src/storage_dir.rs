@@ -22,6 +22,10 @@ pub const NAME_MAX: usize = 255;
 pub const TEMP_PREFIX: &str = ".opmon-";
 pub const TEMP_SUFFIX: &str = ".tmp";
 
+/// The file in the storage directory that says an agent has run with it: its database
+/// is then not to be found missing or empty (see [`StorageDir::check_database`]).
+pub const RAN_MARKER: &str = ".opmon-agent-ran";
+
 /// The directory of an owner's files, under the storage root, and their name there:
 /// `backups/<b>` and `<b>-itemoperations.json.gz`, or `restores/<r>` and
 /// `restore-<r>-itemoperations.json.gz`, as Velero names them.
@@ -50,6 +54,49 @@ impl StorageDir {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Refuses to start on `db` if it is missing or empty while the storage directory
+    /// says an agent has run with it: a lost or truncated database must not turn into a
+    /// silent fresh start that forgets every backup and restore. `start_anew` is the
+    /// operator saying that is what they want.
+    pub fn check_database(&self, db: &Path, start_anew: bool) -> Result<(), String> {
+        let state = match std::fs::metadata(db) {
+            Ok(meta) if meta.len() == 0 => "empty",
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => "missing",
+            Err(e) => return Err(format!("reading the database {}: {e}", db.display())),
+        };
+        let marker = self.root.join(RAN_MARKER);
+        if !marker.exists() {
+            return Ok(());
+        }
+        if start_anew {
+            tracing::warn!(database = %db.display(), state,
+                "starting anew (start_anew): the backups and restores of the last database are forgotten");
+            return Ok(());
+        }
+        Err(format!(
+            "the database {} is {state}, but an agent has run with the storage directory {} \
+             before ({} exists): starting would forget its backups and restores. Restore the \
+             database (`litestream restore -o {}` from its replica, or a copy), or set \
+             start_anew = true (OPMON_START_ANEW=true) to start with an empty one",
+            db.display(),
+            self.root.display(),
+            marker.display(),
+            db.display()
+        ))
+    }
+
+    /// Leaves [`RAN_MARKER`] in the storage directory, once a database is open.
+    pub fn mark_ran(&self) -> io::Result<()> {
+        let marker = self.root.join(RAN_MARKER);
+        if marker.exists() {
+            return Ok(());
+        }
+        write_atomically(&marker, |out| {
+            out.write_all(b"An opmon agent has run with this storage directory: see start_anew.\n")
+        })
     }
 
     /// `backups/<b>/<b>-itemoperations.json.gz` or

@@ -101,7 +101,8 @@ impl Updates {
                 .ok_or_else(|| {
                     format!("updatedItems[{i}].object.apiVersion: must be set, e.g. \"v1\"")
                 })?;
-            let content = serde_json::to_vec(&item.object)
+            // As Velero writes items: Go's json.Marshal, HTML-safe.
+            let content = crate::gojson::marshal(&item.object)
                 .map_err(|e| format!("updatedItems[{i}].object: {e}"))?;
             let index = contents.len();
             contents.push(content);

@@ -107,6 +107,8 @@ pub(crate) struct Config {
     pub finalize_timeout: Duration,
     pub max_connections: usize,
     pub max_response: usize,
+    /// Uids besides root and this process's own that may serve the agent's socket.
+    pub agent_uids: Vec<u32>,
 }
 
 /// Builds a [`Client`]: `Client::builder(socket).connect_timeout(..).call_timeout(..).connect()`.
@@ -141,6 +143,14 @@ impl ClientBuilder {
     /// parallel wait for one to be free (within their timeout).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.config.max_connections = n.max(1);
+        self
+    }
+
+    /// Trusts `uid` to serve the agent's socket, besides root and this process's own
+    /// uid (the agent runs as another user, e.g. 65532 in the container). A socket served
+    /// by any other uid is refused with a [`Error::Connect`] saying so.
+    pub fn agent_uid(mut self, uid: u32) -> Self {
+        self.config.agent_uids.push(uid);
         self
     }
 
@@ -257,7 +267,9 @@ impl Inner {
             .map_err(|_| Failure::Protocol("the client was closed".into()))?;
         let conn = match self.pool.take() {
             Some(conn) => conn,
-            None => Conn::open(&self.path).await.map_err(Failure::NotSent)?,
+            None => Conn::open(&self.path, &self.config.agent_uids)
+                .await
+                .map_err(Failure::NotSent)?,
         };
         let (answer, reusable) = conn.post(body, self.config.max_response).await?;
         if let Some(conn) = reusable {
@@ -424,6 +436,7 @@ impl Client {
                 finalize_timeout: FINALIZE_TIMEOUT,
                 max_connections: MAX_CONNECTIONS,
                 max_response: MAX_RESPONSE,
+                agent_uids: Vec::new(),
             },
         }
     }

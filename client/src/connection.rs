@@ -35,6 +35,27 @@ const MAX_IDLE: Duration = Duration::from_secs(30);
 /// Idle connections kept per client.
 const MAX_POOLED: usize = 16;
 
+/// Connects to the agent's socket at `path` and checks who serves it: the peer's
+/// SO_PEERCRED uid must be root, this process's own, or one of `agent_uids`. Whoever
+/// can write the socket's directory could otherwise put their own socket in its place,
+/// and the answers would be theirs; the kernel's word on the peer cannot be forged.
+pub(crate) async fn connect_trusted(path: &Path, agent_uids: &[u32]) -> io::Result<UnixStream> {
+    let stream = UnixStream::connect(path).await?;
+    let peer = stream.peer_cred()?.uid();
+    let own = nix::unistd::geteuid().as_raw();
+    if peer == 0 || peer == own || agent_uids.contains(&peer) {
+        return Ok(stream);
+    }
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "refusing the agent: the socket is served by uid {peer}, which is not root, \
+             this user (uid {own}) or a configured agent uid (--agent-uid, OPMON_AGENT_UID); \
+             another user may have put their socket in the agent's place"
+        ),
+    ))
+}
+
 /// One HTTP answer.
 pub(crate) struct Answer {
     pub status: u16,
@@ -62,8 +83,8 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub async fn open(path: &Path) -> io::Result<Conn> {
-        let stream = UnixStream::connect(path).await?;
+    pub async fn open(path: &Path, agent_uids: &[u32]) -> io::Result<Conn> {
+        let stream = connect_trusted(path, agent_uids).await?;
         // The handshake of an HTTP/1 client connection only builds the state machine.
         let (sender, driver) = http1::handshake(TokioIo::new(stream))
             .await
@@ -229,7 +250,7 @@ mod tests {
             )
             .await
         });
-        let conn = Conn::open(&path).await.unwrap();
+        let conn = Conn::open(&path, &[]).await.unwrap();
         match conn.post(b"{}", 10).await {
             Err(Failure::Protocol(what)) => {
                 assert_eq!(what, "a response over the limit of 10 bytes")
@@ -261,7 +282,7 @@ mod tests {
             let _ = closed.await;
             drop(stream);
         });
-        let conn = Conn::open(&path).await.unwrap();
+        let conn = Conn::open(&path, &[]).await.unwrap();
         let Ok((answer, Some(conn))) = conn.post(b"{}", 1024).await else {
             panic!("the exchange failed or left no connection to reuse");
         };

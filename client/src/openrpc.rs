@@ -539,7 +539,7 @@ mod generate {
             Meta {
                 name: methods::OPERATION_PROGRESS.into(),
                 summary: "The progress of one operation.".into(),
-                description: Some("A command snapshotter gets the same params on stdin, runs as `COMMAND... progress OPERATION_ID` and prints the result as one JSON object on stdout; a non-zero exit is an error whose message is stderr's last line."),
+                description: Some("A command snapshotter gets the same params on stdin, runs as `COMMAND... progress -- OPERATION_ID` and prints the result as one JSON object on stdout; a non-zero exit is an error whose message is stderr's last line."),
                 errors: CODES,
             },
             "progress",
@@ -550,7 +550,7 @@ mod generate {
             Meta {
                 name: methods::OPERATION_CANCEL.into(),
                 summary: "Cancels one operation; best effort, as Velero's Cancel.".into(),
-                description: Some("A command snapshotter runs as `COMMAND... cancel OPERATION_ID`; what it prints is ignored."),
+                description: Some("A command snapshotter runs as `COMMAND... cancel -- OPERATION_ID`; what it prints is ignored."),
                 errors: CODES,
             },
             "cancelled",

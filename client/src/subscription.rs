@@ -118,8 +118,15 @@ impl State {
         let config = self.client.config();
         let timeout = config.connect_timeout;
         let subscribe = async {
-            let mut ws = match WebSocket::open(&path, config.max_response).await {
+            let mut ws = match WebSocket::open(&path, config.max_response, &config.agent_uids).await
+            {
                 Ok(ws) => ws,
+                // Another user's socket in the agent's place does not go away by itself.
+                Err(OpenError::Connect(source))
+                    if source.kind() == std::io::ErrorKind::PermissionDenied =>
+                {
+                    return Err(Attempt::Fatal(Error::Connect { path, source }))
+                }
                 Err(OpenError::Connect(source)) => {
                     return Err(Attempt::Again(Error::Connect { path, source }))
                 }

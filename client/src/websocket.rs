@@ -54,8 +54,12 @@ pub(crate) struct WebSocket {
 
 impl WebSocket {
     /// Connects to `path` and performs the opening handshake.
-    pub async fn open(path: &Path, max_message: usize) -> Result<WebSocket, OpenError> {
-        let socket = UnixStream::connect(path)
+    pub async fn open(
+        path: &Path,
+        max_message: usize,
+        agent_uids: &[u32],
+    ) -> Result<WebSocket, OpenError> {
+        let socket = crate::connection::connect_trusted(path, agent_uids)
             .await
             .map_err(OpenError::Connect)?;
         let config = WebSocketConfig::default()

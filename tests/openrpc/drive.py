@@ -11,7 +11,7 @@ Run by tests/tests/openrpc.rs. Two modes:
       validator: nothing here comes from the Rust code), drives a backup and a restore
       to Completed, and prints one summary line of JSON.
 
-  drive.py snapshotter DOCUMENT STATE_DIR (progress|cancel) OPERATION_ID
+  drive.py snapshotter DOCUMENT STATE_DIR (progress|cancel) -- OPERATION_ID
       A command snapshotter: reads the call's params on stdin, validates them and its
       own answer against the snapshotter document, prints the answer. An operation whose
       ID starts with "done-" is complete at once; any other completes once the file
@@ -277,7 +277,9 @@ class WebSocket:
 # ---------------------------------------------------------------- the snapshotter
 
 
-def snapshotter(document_path, state, verb, operation_id):
+def snapshotter(document_path, state, verb, separator, operation_id):
+    if separator != "--":
+        raise AssertionError(f"expected -- before the operation ID, got {separator!r}")
     doc = Document(document_path)
     method = {"progress": "operation.progress", "cancel": "operation.cancel"}[verb]
     params = json.load(sys.stdin)
@@ -309,8 +311,8 @@ def snapshotter(document_path, state, verb, operation_id):
 PLUGIN = "example.io/python"
 
 
-def op(operation_id, item):
-    return {"plugin": {"kind": "BackupItemAction", "name": PLUGIN},
+def op(operation_id, item, kind="BackupItemAction"):
+    return {"plugin": {"kind": kind, "name": PLUGIN},
             "resource": {"group": "", "resource": "persistentvolumeclaims",
                          "namespace": "app", "name": item},
             "operationId": operation_id}
@@ -423,7 +425,7 @@ def drive(args):
 
     # A restore that finalizes, then is deleted.
     agent.call("restore.start", {"name": "r1", "uid": "ru1", "finalize": True})
-    agent.call("restore.addOperations", {"name": "r1", "operations": [op("done-2", "data")]})
+    agent.call("restore.addOperations", {"name": "r1", "operations": [op("done-2", "data", "RestoreItemAction")]})
     expect(agent.call("restore.endInProgress", {"name": "r1"})["phase"] == "Finalizing",
            "a finished restore with finalize goes to Finalizing")
     agent.call("restore.wait", {"name": "r1", "until": "terminal", "timeout": "10ms"})
@@ -485,7 +487,7 @@ def drive(args):
     agent.error("backup.cancel", {"name": "b5", "operations": ["slow-5"]}, 1003)
     agent.error("backup.cancel", {"name": "b5", "operations": ["nope"]}, 1001)
     agent.call("restore.start", {"name": "r3", "uid": "ru3"})
-    agent.call("restore.addOperations", {"name": "r3", "operations": [op("slow-7", "data")]})
+    agent.call("restore.addOperations", {"name": "r3", "operations": [op("slow-7", "data", "RestoreItemAction")]})
     canceled = agent.call("restore.cancel", {"name": "r3"})
     expect(canceled["owner"]["phase"] == "Failed"
            and canceled["owner"]["failureReason"] == "canceled: canceled by request",
@@ -530,7 +532,7 @@ def drive(args):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "snapshotter":
         try:
-            snapshotter(*sys.argv[2:6])
+            snapshotter(*sys.argv[2:7])
         except Exception as e:  # the agent shows stderr's last line as the error
             print(f"python snapshotter: {e}".replace("\n", " "), file=sys.stderr)
             sys.exit(1)

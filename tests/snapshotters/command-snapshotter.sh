@@ -1,12 +1,14 @@
 #!/bin/sh
 # A command snapshotter for the end-to-end tests, driven by the agent as
-#   command-snapshotter.sh JOURNAL GATES progress|cancel OPERATION_ID
+#   command-snapshotter.sh JOURNAL GATES progress|cancel -- OPERATION_ID
 # with OPMON_PLUGIN, OPMON_OWNER_KIND, OPMON_OWNER_NAME and OPMON_OWNER_UID set.
 # Operation IDs: done-* complete; gate-* complete once GATES/<id> exists;
 # broken-* exit non-zero with a message on stderr; garbage-* print non-JSON;
 # busy-* exit 75 (a transient failure) until GATES/<id> exists, then complete.
 set -eu
-journal=$1 gates=$2 verb=$3 id=$4
+journal=$1 gates=$2 verb=$3
+[ "$4" = "--" ] || { echo "expected -- before the operation ID, got $4" >&2; exit 2; }
+id=$5
 echo "$verb $id $OPMON_OWNER_KIND/$OPMON_OWNER_NAME $OPMON_OWNER_UID $OPMON_PLUGIN" >>"$journal"
 case "$verb" in
 cancel) exit 0 ;;

@@ -517,6 +517,17 @@ pub fn operation(plugin: &str, id: &str, item: &str, post: &[&str]) -> NewOperat
     }
 }
 
+/// [`operation`] for a restore: a RestoreItemAction's, which re-backs up nothing.
+pub fn restore_operation(plugin: &str, id: &str, item: &str) -> NewOperation {
+    NewOperation {
+        plugin: PluginRef {
+            kind: PluginKind::RestoreItemAction,
+            name: plugin.into(),
+        },
+        ..operation(plugin, id, item, &[])
+    }
+}
+
 /// One keep-alive HTTP/1.1 connection to a socket, for sending raw bytes and reading
 /// raw answers: what a misbehaving client does.
 pub struct RawHttp {

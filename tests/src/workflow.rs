@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use opmon_client::{Client, NewOperation, Owner, OwnerKind, Owners, WaitUntil};
+use opmon_client::{Client, NewOperation, Owner, OwnerKind, Owners, PluginKind, WaitUntil};
 
 /// How long a test waits for a phase the agent will reach.
 pub const LONG: Duration = Duration::from_secs(120);
@@ -97,8 +97,17 @@ impl<'c> Steps<'c> {
         if self.operations.is_empty() {
             return owner;
         }
+        // `operation()` makes a BackupItemAction's; a restore's are RestoreItemActions'.
+        let mut operations = self.operations.clone();
+        if owner.kind == OwnerKind::Restore {
+            for op in &mut operations {
+                if op.plugin.kind == PluginKind::BackupItemAction {
+                    op.plugin.kind = PluginKind::RestoreItemAction;
+                }
+            }
+        }
         self.owners
-            .add_operations(&self.name, self.operations.clone())
+            .add_operations(&self.name, operations)
             .await
             .unwrap_or_else(|e| panic!("addOperations {}: {e}", self.name));
         self.owners

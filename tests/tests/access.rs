@@ -32,6 +32,7 @@ fn as_user(uid: u32, gid: u32, groups: &[u32], program: &Path, args: &[&str]) ->
 /// An agent in a directory every uid may enter, with a socket every uid may open: the
 /// agent's own check is the only gate.
 struct Open {
+    uid: u32,
     dir: tempfile::TempDir,
     child: std::process::Child,
     socket: std::path::PathBuf,
@@ -82,7 +83,12 @@ impl Open {
             .stderr(log)
             .spawn()
             .expect("starting the agent");
-        let mut open = Open { dir, child, socket };
+        let mut open = Open {
+            uid: agent_uid,
+            dir,
+            child,
+            socket,
+        };
         let start = Instant::now();
         while std::os::unix::net::UnixStream::connect(&open.socket).is_err() {
             if let Ok(Some(status)) = open.child.try_wait() {
@@ -108,6 +114,7 @@ impl Open {
             &workspace_binary("opmon"),
             &["--socket", socket, "status"],
         )
+        .env("OPMON_AGENT_UID", self.uid.to_string())
         .output()
         .expect("running opmon")
     }
@@ -474,4 +481,100 @@ print(ended, flush=True)
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(agent.log().contains("refused a connection"));
+}
+
+/// The agent as `uid` with no socket setting and no runtime directory in its
+/// environment: it falls back to `/tmp/opmon-<uid>/agent.sock`. Its output.
+fn fallback_agent(uid: u32) -> Output {
+    let state = tempfile::tempdir().expect("temporary directory");
+    nix::unistd::chown(
+        state.path(),
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(uid)),
+    )
+    .unwrap();
+    let mut cmd = as_user(uid, uid, &[], &workspace_binary("opmon-agent"), &[]);
+    opmon_tests::without_opmon_env(&mut cmd);
+    cmd.env_remove("RUNTIME_DIRECTORY")
+        .env_remove("XDG_RUNTIME_DIR")
+        .arg("--state-dir")
+        .arg(state.path())
+        .env("OPMON_CONFIG", "/dev/null")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running the agent")
+}
+
+#[test]
+fn the_agent_refuses_a_socket_directory_another_user_made_or_may_write() {
+    if !root_or_skip() {
+        return;
+    }
+    // uid 4712 prepares the fallback directory of uid 4711 before its agent starts,
+    // as an attacker would: mode 0777, so they can rename the socket and bind theirs.
+    let dir = std::path::PathBuf::from("/tmp/opmon-4711");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    nix::unistd::chown(&dir, Some(nix::unistd::Uid::from_raw(4712)), None).unwrap();
+    let out = fallback_agent(4711);
+    assert!(!succeeded(&out));
+    assert!(
+        stderr(&out).contains(
+            "the socket directory /tmp/opmon-4711 belongs to uid 4712, not to the agent's uid 4711"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    // Its own directory, but others may write it: refused too.
+    nix::unistd::chown(&dir, Some(nix::unistd::Uid::from_raw(4711)), None).unwrap();
+    let out = fallback_agent(4711);
+    assert!(!succeeded(&out));
+    assert!(
+        stderr(&out).contains("the socket directory /tmp/opmon-4711 may be written by its group or others (mode 0777)"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_cli_refuses_a_socket_served_by_another_user_unless_told_to_trust_it() {
+    if !root_or_skip() {
+        return;
+    }
+    // uid 1002 serves a socket where uid 1001 looks for its agent.
+    let other = Open::start(1002, &["--allowed-uids", "1001"]);
+    let socket = other.socket.to_str().expect("utf-8");
+    let status = |uid: u32, trusted: Option<&str>| {
+        let mut cmd = as_user(
+            uid,
+            uid,
+            &[],
+            &workspace_binary("opmon"),
+            &["--socket", socket, "status"],
+        );
+        cmd.env_remove("OPMON_AGENT_UID");
+        if let Some(uids) = trusted {
+            cmd.env("OPMON_AGENT_UID", uids);
+        }
+        cmd.output().expect("running opmon")
+    };
+    for uid in [1001, 0] {
+        let out = status(uid, None);
+        assert!(!succeeded(&out), "uid {uid} trusted uid 1002's socket");
+        assert!(
+            stderr(&out).contains(&format!(
+                "refusing the agent: the socket is served by uid 1002, which is not root, this user (uid {uid})"
+            )),
+            "{}",
+            stderr(&out)
+        );
+    }
+    // Configured as the agent's uid, it is trusted.
+    let out = status(1001, Some("3000,1002"));
+    assert!(succeeded(&out), "{}", stderr(&out));
+    // The agent's own uid needs nothing configured.
+    let out = status(1002, None);
+    assert!(succeeded(&out), "{}", stderr(&out));
 }

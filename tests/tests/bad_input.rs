@@ -325,3 +325,68 @@ async fn a_websocket_message_over_the_size_limit_gets_an_error_and_the_connectio
         "the connection goes on"
     );
 }
+
+#[tokio::test]
+async fn an_operation_whose_plugin_kind_or_post_items_do_not_fit_the_owner_is_refused() {
+    let f = Fixture::new(&[]).await;
+    let mut http = RawHttp::connect(&f.agent.socket);
+    for kind in ["backup", "restore"] {
+        let started = http.call(&request(
+            &format!("{kind}.start"),
+            json!({"name": "o", "uid": "u"}),
+        ));
+        assert_eq!(started["result"]["phase"], "InProgress", "{started}");
+    }
+    let with = |plugin_kind: &str, post: &[&str]| {
+        let mut op = serde_json::to_value(operation(PLUGIN, "op-1", "a", post)).unwrap();
+        op["plugin"]["kind"] = json!(plugin_kind);
+        json!({"name": "o", "operations": [op]})
+    };
+    for (method, plugin_kind, post, message) in [
+        (
+            "restore.addOperations",
+            "BackupItemAction",
+            &[][..],
+            "operations[0].plugin.kind: a restore takes RestoreItemAction operations, not BackupItemAction",
+        ),
+        (
+            "restore.addOperations",
+            "VolumeSnapshotter",
+            &[],
+            "operations[0].plugin.kind: a restore takes RestoreItemAction operations, not VolumeSnapshotter",
+        ),
+        (
+            "backup.addOperations",
+            "RestoreItemAction",
+            &[],
+            "operations[0].plugin.kind: a backup takes BackupItemAction or VolumeSnapshotter operations, not RestoreItemAction",
+        ),
+        (
+            "restore.addOperations",
+            "RestoreItemAction",
+            &["b"],
+            "operations[0].postOperationItems: a restore operation has none (Velero backs items up again only for backups)",
+        ),
+    ] {
+        let answer = http.call(&request(method, with(plugin_kind, post)));
+        let (code, said) = error_of(&answer);
+        assert_eq!(code, -32602, "{method} {plugin_kind}: {answer}");
+        assert!(said.contains(message), "{method} {plugin_kind}: {said}");
+    }
+    // What fits is taken, and nothing refused was stored.
+    for (method, plugin_kind, post) in [
+        ("restore.addOperations", "RestoreItemAction", &[][..]),
+        ("backup.addOperations", "BackupItemAction", &["b"]),
+        ("backup.addOperations", "VolumeSnapshotter", &[]),
+    ] {
+        let mut params = with(plugin_kind, post);
+        params["operations"][0]["operationId"] = json!(format!("op-{plugin_kind}"));
+        let answer = http.call(&request(method, params));
+        assert_eq!(
+            answer["result"]["added"], 1,
+            "{method} {plugin_kind}: {answer}"
+        );
+    }
+    let ops = http.call(&request("restore.operations", json!({"name": "o"})));
+    assert_eq!(ops["result"].as_array().map(Vec::len), Some(1), "{ops}");
+}

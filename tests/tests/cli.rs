@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 fn opmon(f: &Fixture, args: &[&str]) -> Output {
     Command::new(workspace_binary("opmon"))
+        .env("TZ", "UTC")
         .arg("--socket")
         .arg(&f.agent.socket)
         .args(args)
@@ -351,7 +352,8 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     let describe = opmon(&f, &["backup", "describe", "lines", "--details"]);
     let text = String::from_utf8_lossy(&describe.stdout);
     // The operations as Velero's `backup describe --details` prints them (times as
-    // Go's Time.String() of a second-precision UTC time), then the agent's rate.
+    // Go's Time.String() of a second-precision local time, here TZ=UTC), then the
+    // agent's rate.
     let client = f.agent.client().await;
     let ops = client.backups().operations("lines", None).await.unwrap();
     let go_time = |t: time::OffsetDateTime| {
@@ -1261,4 +1263,55 @@ async fn wait_on_a_narrow_terminal_keeps_every_line_within_its_width() {
             .any(|l| l.starts_with("backup wide ") && l.contains(" B/100 B")),
         "{drawn:#?}"
     );
+}
+
+#[tokio::test]
+async fn describe_prints_times_in_the_local_zone_as_velero_does() {
+    let f = Fixture::new(&[]).await;
+    let owner = f.client.backups().start("b", "u", None).await.unwrap();
+    let described = |tz: &str| {
+        let out = Command::new(workspace_binary("opmon"))
+            .env("TZ", tz)
+            .arg("--socket")
+            .arg(&f.agent.socket)
+            .args(["backup", "describe", "b"])
+            .output()
+            .expect("running opmon");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let local = |offset: time::UtcOffset, zone: &str| {
+        let t = owner.created.to_offset(offset);
+        let (h, m) = (offset.whole_hours(), offset.minutes_past_hour());
+        format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} {}{:02}{:02} {zone}",
+            t.year(),
+            t.month() as u8,
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            if offset.is_negative() { '-' } else { '+' },
+            h.abs(),
+            m.abs()
+        )
+    };
+    // POSIX zones: no time zone database needed.
+    for (tz, offset, zone) in [
+        (
+            "IST-5:30",
+            time::UtcOffset::from_hms(5, 30, 0).unwrap(),
+            "IST",
+        ),
+        ("XST8", time::UtcOffset::from_hms(-8, 0, 0).unwrap(), "XST"),
+        ("UTC", time::UtcOffset::UTC, "UTC"),
+    ] {
+        let text = described(tz);
+        let want = local(offset, zone);
+        assert!(text.contains(&want), "TZ={tz}: no {want:?} in\n{text}");
+    }
 }

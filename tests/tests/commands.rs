@@ -305,8 +305,8 @@ fn a_command_sees_exactly_the_documented_environment_and_its_params_on_stdin() {
     let env = script(
         dir.path(),
         "env.sh",
-        r#"tr '\0' '\n' < /proc/$$/environ > "$1/env-$3"
-cat > "$1/stdin-$3"
+        r#"tr '\0' '\n' < /proc/$$/environ > "$1/env-$4"
+cat > "$1/stdin-$4"
 echo '{"completed":true}'
 "#,
     );
@@ -374,7 +374,7 @@ fn what_a_command_prints_is_bounded() {
     let flood = script(
         dir.path(),
         "flood.sh",
-        r#"case "$2" in
+        r#"case "$3" in
 flood-*) head -c 1073741824 /dev/zero ;;
 loud-*) head -c 268435456 /dev/zero >&2; printf "\nthe last line\n\n" >&2; exit 3 ;;
 esac
@@ -461,5 +461,64 @@ fn only_the_operator_lets_clients_register_command_snapshotters() {
         operations(&mut http, "b")[0]["error"],
         "snapshotter example.io/api runs a command, which only the config file may register \
          (allow_api_command_snapshotters is false)"
+    );
+}
+
+#[test]
+fn an_operation_id_reaches_a_command_after_double_dash_never_as_an_option() {
+    let dir = tempfile::tempdir().unwrap();
+    // Records its arguments, one per line, then answers.
+    let args = script(
+        dir.path(),
+        "args.sh",
+        r#"out=$1; shift
+printf '%s\n' "$@" >> "$out/args"
+echo '{"completed":true}'
+"#,
+    );
+    let agent = agent_with_command(
+        dir.path(),
+        &[args.to_str().unwrap(), dir.path().to_str().unwrap()],
+        &[],
+    );
+    let mut http = RawHttp::connect(&agent.socket);
+    let owner = run_backup(&mut http, "b", &["--kubeconfig=/tmp/attacker/config"]);
+    assert_eq!(owner["phase"], "Finalizing", "{owner}");
+    let seen = std::fs::read_to_string(dir.path().join("args")).unwrap();
+    assert_eq!(seen, "progress\n--\n--kubeconfig=/tmp/attacker/config\n");
+}
+
+#[test]
+fn impossible_counts_from_a_snapshotter_are_clamped_and_said_on_the_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    let liar = script(
+        dir.path(),
+        "liar.sh",
+        r#"case "$3" in
+over-*) echo '{"completed":false,"nCompleted":12,"nTotal":10,"started":"2026-01-01T00:00:00Z"}' ;;
+neg-*) echo '{"completed":false,"nCompleted":-5,"nTotal":-1,"started":"2026-01-01T00:00:00Z"}' ;;
+esac
+"#,
+    );
+    let agent = agent_with_command(dir.path(), &[liar.to_str().unwrap()], &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    let owner = run_backup(&mut http, "b", &["over-1", "neg-2"]);
+    assert_eq!(owner["phase"], "WaitingForPluginOperations", "{owner}");
+    let ops = operations(&mut http, "b");
+    assert_eq!(
+        (&ops[0]["nCompleted"], &ops[0]["nTotal"]),
+        (&json!(10), &json!(10))
+    );
+    assert_eq!(
+        ops[0]["lastError"],
+        "the snapshotter reported an impossible progress (nCompleted 12, nTotal 10): shown as 10 of 10"
+    );
+    assert_eq!(
+        (&ops[1]["nCompleted"], &ops[1]["nTotal"]),
+        (&json!(0), &json!(0))
+    );
+    assert_eq!(
+        ops[1]["lastError"],
+        "the snapshotter reported an impossible progress (nCompleted -5, nTotal -1): shown as 0 of 0"
     );
 }

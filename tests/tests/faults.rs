@@ -684,3 +684,64 @@ async fn a_huge_description_that_changes_every_poll_is_stored_cut() {
         "the state directory holds {stored} bytes after six polls"
     );
 }
+
+#[tokio::test]
+async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::start(dir.path(), &[]);
+    {
+        let client = agent.client().await;
+        for name in ["b1", "b2", "b3"] {
+            client.backups().start(name, "u", None).await.unwrap();
+        }
+    }
+    assert!(agent.terminate().success());
+    // What a corrupted page leaves: a time past year 9999, a phase that is no phase.
+    {
+        let db = rusqlite::Connection::open(agent.state_dir.join("agent.db")).unwrap();
+        db.execute(
+            "UPDATE owners SET created_ms = 253402300800000 WHERE name = 'b2'",
+            [],
+        )
+        .unwrap();
+        db.execute(
+            "UPDATE owners SET phase = 'In\u{1}Prog' WHERE name = 'b3'",
+            [],
+        )
+        .unwrap();
+    }
+    agent.restart();
+    let client = agent.client().await;
+    let listed = client.backups().list(Default::default()).await.unwrap();
+    let names: Vec<&str> = listed.items.iter().map(|o| o.name.as_str()).collect();
+    assert_eq!(names, ["b1", "b2", "b3"]);
+    assert_eq!(listed.items[0].failure_reason, "");
+    assert_eq!(
+        listed.items[1].failure_reason,
+        "damaged in the database: created_ms: 253402300800000 is not a time"
+    );
+    assert!(
+        listed.items[2]
+            .failure_reason
+            .starts_with("damaged in the database: phase: "),
+        "{}",
+        listed.items[2].failure_reason
+    );
+    // Asked for by name, the damaged one is an error that says so; the others answer.
+    let error = client.backups().get("b2").await.unwrap_err().to_string();
+    assert!(
+        error.contains(
+            "backup b2 is damaged in the database (created_ms: 253402300800000 is not a time)"
+        ),
+        "{error}"
+    );
+    assert_eq!(
+        client.backups().get("b1").await.unwrap().phase,
+        OwnerPhase::InProgress
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("an owner's row is damaged in the database") && log.contains("name=b2"),
+        "{log}"
+    );
+}

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use opmon_agent::storage_dir::StorageDir;
 use opmon_client::{OwnerKind, OwnerPhase, WaitUntil};
-use opmon_tests::{operation, Agent, Fixture, PLUGIN};
+use opmon_tests::{operation, restore_operation, Agent, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -277,7 +277,7 @@ async fn an_old_removal_never_takes_the_file_of_a_re_created_owner() {
     std::fs::remove_dir_all(&file).unwrap();
     restores.start("r", "new-uid", None).await.unwrap();
     restores
-        .add_operations("r", vec![operation(PLUGIN, "done-2", "b", &[])])
+        .add_operations("r", vec![restore_operation(PLUGIN, "done-2", "b")])
         .await
         .unwrap();
     restores.end_in_progress("r").await.unwrap();

@@ -10,7 +10,7 @@ use opmon_client::{
     codes, Contents, FinalizeParams, OwnerPhase, ResourceIdentifier, StartParams, UpdatedItem,
     WaitUntil,
 };
-use opmon_tests::{operation, pvc, Fixture, PLUGIN};
+use opmon_tests::{operation, pvc, restore_operation, Fixture, PLUGIN};
 use serde_json::{json, Value};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -585,7 +585,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
         .await
         .unwrap();
     restores
-        .add_operations("r", vec![operation(PLUGIN, "fail-1", "a", &[])])
+        .add_operations("r", vec![restore_operation(PLUGIN, "fail-1", "a")])
         .await
         .unwrap();
     let owner = restores.end_in_progress("r").await.unwrap();
@@ -964,4 +964,44 @@ async fn archives_that_extractors_read_differently_from_a_checker_are_refused() 
             OwnerPhase::Finalizing
         );
     }
+}
+
+#[tokio::test]
+async fn a_tarball_is_finalized_in_place_with_items_written_as_gos_json_marshal_writes_them() {
+    let f = Fixture::new(&[]).await;
+    let storage = ready_to_finalize(&f, &["b"]).await;
+    let tarball = storage.join("in.tar.gz");
+    let before = listing(&tarball);
+    let object = json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"annotations": {"note": "<a&b>"}}});
+    let result = f
+        .client
+        .backups()
+        .finalize(FinalizeParams {
+            name: "b".into(),
+            // Velero replaces <backup>.tar.gz at its own key: input and output are one.
+            contents: Some(Contents {
+                input: "in.tar.gz".into(),
+                output: "in.tar.gz".into(),
+            }),
+            updated_items: vec![UpdatedItem {
+                resource: pvc("data"),
+                object,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(result.owner.phase, OwnerPhase::Completed);
+    assert_eq!(result.contents_file.as_deref(), Some(tarball.as_path()));
+    assert_eq!(listing(&tarball), before, "one entry replaced, in place");
+    let item = run(Command::new("tar")
+        .arg("-xzOf")
+        .arg(&tarball)
+        .arg("resources/persistentvolumeclaims/namespaces/app/data.json"));
+    assert_eq!(
+        String::from_utf8(item).unwrap(),
+        r#"{"apiVersion":"v1","kind":"PersistentVolumeClaim","metadata":{"annotations":{"note":"\u003ca\u0026b\u003e"}}}"#
+    );
+    assert!(opmon_tests::tarballs::temporaries(&storage).is_empty());
 }

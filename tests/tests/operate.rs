@@ -318,3 +318,51 @@ async fn json_logs_carry_the_owner_on_lines_about_it() {
     assert_eq!(about["fields"]["owner"], "logged");
     assert_eq!(about["fields"]["phase"], "Finalizing");
 }
+
+#[test]
+fn settings_that_cannot_work_are_refused_and_risky_ones_warned_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.toml");
+    let state = dir.path().join("state");
+    for (toml, said) in [
+        (
+            "finalize_dirs = [\"/\"]\n",
+            "finalize_dirs (from FILE line 1): / would let finalize read and write any file the agent may",
+        ),
+        (
+            "storage_dir = \"/proc\"\n",
+            "storage_dir (from FILE line 1): /proc is in /proc, a kernel file system, which cannot hold its files",
+        ),
+        (
+            "socket_mode = \"0000\"\n",
+            "socket_mode (from FILE line 1): \"0000\" does not let the owner write the socket, which connecting needs",
+        ),
+        (
+            "[[snapshotter]]\nname = \"example.io/a\"\napi_version = \"v2\"\ncommand = [\"/bin/true\"]\n\
+             [[snapshotter]]\nname = \"example.io/a\"\napi_version = \"v2\"\ncommand = [\"/bin/false\"]\n",
+            "config snapshotter example.io/a: two [[snapshotter]] tables have this name",
+        ),
+    ] {
+        std::fs::write(&file, toml).unwrap();
+        let out = agent_command()
+            .arg("--config")
+            .arg(&file)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--print-config")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let expected = said.replace("FILE", &file.display().to_string());
+        assert!(!out.status.success(), "{toml} was accepted");
+        assert!(stderr.contains(&expected), "{toml}: {stderr}");
+    }
+    // Others may connect with 0666: it works, and the log says what it means.
+    let mut agent = Agent::start(dir.path(), &["--socket-mode", "0666"]);
+    assert!(agent.terminate().success());
+    let log = agent.log_text();
+    assert!(
+        log.contains("socket_mode (from flag --socket-mode): 0666 lets every local user connect"),
+        "{log}"
+    );
+}

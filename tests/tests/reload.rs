@@ -204,3 +204,61 @@ async fn sighup_reloads_snapshotter_tables_and_log_level_and_nothing_else() {
     agent.wait_for_lines("closed an idle connection", before + 1);
     assert_eq!(client.status().await.unwrap().snapshotters, 3);
 }
+
+#[tokio::test]
+async fn a_reload_that_would_orphan_unfinished_operations_is_refused_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("agent.toml");
+    let script = opmon_tests::command_snapshotter_script();
+    let table = format!(
+        "[[snapshotter]]\nname = \"example.io/busy\"\napi_version = \"v2\"\ncommand = [{:?}, {:?}, {:?}]\n",
+        script.display().to_string(),
+        dir.path().join("journal").display().to_string(),
+        dir.path().join("gates").display().to_string(),
+    );
+    std::fs::write(&config, &table).unwrap();
+    let agent = start(dir.path(), &config);
+    let client = Client::connect(&agent.socket).await.unwrap();
+    let owner = opmon_tests::start_and_end_in_progress(
+        &client.backups(),
+        "b",
+        vec![opmon_tests::operation(
+            "example.io/busy",
+            "gate-1",
+            "a",
+            &[],
+        )],
+    )
+    .await;
+    assert_eq!(
+        owner.phase,
+        opmon_client::OwnerPhase::WaitingForPluginOperations
+    );
+    // An emptied file would unregister the snapshotter its operation waits on.
+    std::fs::write(&config, "").unwrap();
+    agent.hangup();
+    agent.wait_for_lines("reload refused", 1);
+    assert!(
+        agent.log().contains(
+            "reload refused, the running configuration is unchanged: the file no longer has \
+             [[snapshotter]] tables with unfinished operations: example.io/busy (waited on by \
+             backup b (1))"
+        ),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(names(&client).await, ["example.io/busy"]);
+    // A config file that never answers (a FIFO nobody writes) holds up the reload only.
+    std::fs::remove_file(&config).unwrap();
+    nix::unistd::mkfifo(&config, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    agent.hangup();
+    agent.wait_for_lines("SIGHUP: reloading the configuration", 2);
+    client.status().await.unwrap();
+    assert!(
+        !agent.log().contains("took longer than"),
+        "the status call was answered only after the reload gave up:\n{}",
+        agent.log()
+    );
+    agent.wait_for_lines("reading the configuration took longer than 5s", 1);
+    assert_eq!(names(&client).await, ["example.io/busy"]);
+}

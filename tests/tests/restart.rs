@@ -484,3 +484,60 @@ async fn terminal_owners_are_removed_after_the_retention_period_and_others_kept(
         OwnerPhase::InProgress
     );
 }
+
+#[tokio::test]
+async fn an_emptied_or_missing_database_is_refused_where_an_agent_has_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::start(dir.path(), &[]);
+    {
+        let client = agent.client().await;
+        client.backups().start("kept", "u", None).await.unwrap();
+    }
+    assert!(agent.terminate().success());
+    let db = agent.state_dir.join("agent.db");
+    let storage = agent.state_dir.join("storage");
+    for (damage, state) in [("truncated", "empty"), ("removed", "missing")] {
+        match damage {
+            "truncated" => std::fs::File::create(&db).map(drop).unwrap(),
+            _ => std::fs::remove_file(&db).unwrap(),
+        }
+        let out = opmon_tests::agent_command()
+            .arg("--socket")
+            .arg(&agent.socket)
+            .arg("--state-dir")
+            .arg(&agent.state_dir)
+            .env("OPMON_CONFIG", "/dev/null")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{damage}: started on it: {said}");
+        assert!(
+            said.contains(&format!(
+                "the database {} is {state}, but an agent has run with the storage directory {} before",
+                db.display(),
+                storage.display()
+            )) && said.contains("litestream restore")
+                && said.contains("start_anew = true"),
+            "{damage}: {said}"
+        );
+    }
+    // Said explicitly, it starts with nothing.
+    let mut anew = Agent::start(dir.path(), &["--start-anew", "true"]);
+    let client = anew.client().await;
+    let listed = client.backups().list(Default::default()).await.unwrap();
+    assert!(listed.items.is_empty());
+    drop(client);
+    assert!(anew.terminate().success());
+    // And the new database is guarded again.
+    std::fs::File::create(&db).unwrap();
+    let out = opmon_tests::agent_command()
+        .arg("--socket")
+        .arg(&anew.socket)
+        .arg("--state-dir")
+        .arg(&anew.state_dir)
+        .env("OPMON_CONFIG", "/dev/null")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}

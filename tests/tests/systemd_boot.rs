@@ -341,7 +341,7 @@ fn readme_block(name: &str) -> String {
 /// The backup's phase, read as the backup server's uid.
 fn phase(c: &Container, name: &str) -> String {
     let json = c.ok(&format!(
-        "runuser -u velero -- opmon --socket /run/opmon/agent.sock -o json backup get {name}"
+        "runuser -u velero -- opmon --socket /run/opmon/agent.sock --agent-uid opmon -o json backup get {name}"
     ));
     let owner: serde_json::Value =
         serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
@@ -439,7 +439,8 @@ fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
     // is refused by the agent, with the rule.
     c.ok("opmon status");
     c.ok("runuser -u opmon -- opmon --socket /run/opmon/agent.sock status");
-    let refused = c.sh("runuser -u intruder -- opmon --socket /run/opmon/agent.sock status");
+    let refused = c
+        .sh("runuser -u intruder -- opmon --socket /run/opmon/agent.sock --agent-uid opmon status");
     assert!(!refused.status.success());
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(
@@ -453,7 +454,7 @@ fn the_units_work_under_a_real_systemd_as_the_readme_installs_them() {
     );
 
     // A backup as the server's uid, waiting for the command snapshotter's operation.
-    let velero = "runuser -u velero -- opmon --socket /run/opmon/agent.sock";
+    let velero = "runuser -u velero -- opmon --socket /run/opmon/agent.sock --agent-uid opmon";
     c.ok(&format!(
         "{velero} backup start b1 --uid 6c1f1d4e-0b39-4a4e-9a3c-1b3f5e0f2a11\n\
          {velero} backup add-operation b1 --plugin example.io/copier \

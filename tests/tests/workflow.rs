@@ -6,7 +6,7 @@ use std::time::Duration;
 use opmon_client::{
     codes, ApiVersion, ListParams, OperationPhase, OwnerPhase, Snapshotter, StartParams, WaitUntil,
 };
-use opmon_tests::{command_snapshotter_script, operation, pvc, Fixture, PLUGIN};
+use opmon_tests::{command_snapshotter_script, operation, pvc, restore_operation, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -509,7 +509,7 @@ async fn an_opted_in_restore_waits_in_finalizing() {
         .await
         .unwrap();
     restores
-        .add_operations("r", vec![operation(PLUGIN, "done-1", "a", &[])])
+        .add_operations("r", vec![restore_operation(PLUGIN, "done-1", "a")])
         .await
         .unwrap();
     let owner = restores.end_in_progress("r").await.unwrap();
@@ -626,8 +626,8 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
         .add_operations(
             "watched",
             vec![
-                operation(PLUGIN, "gate-w", "a", &[]),
-                operation(PLUGIN, "done-w", "b", &[]),
+                restore_operation(PLUGIN, "gate-w", "a"),
+                restore_operation(PLUGIN, "done-w", "b"),
             ],
         )
         .await

@@ -357,8 +357,8 @@ impl Core {
         self.finalizer
             .pool
             .run(&what, self.finalizer.deadline, move |_| {
-                let (source, stat) = confinement.open_input("contents.input", &input)?;
-                let target = confinement.output("contents.output", &output, &stat)?;
+                let (source, _) = confinement.open_input("contents.input", &input)?;
+                let target = confinement.output("contents.output", &output)?;
                 let named = target.path.file_name().map(|n| n.to_string_lossy());
                 if named.is_some_and(|n| crate::storage_dir::is_temp_name(&n)) {
                     return Err(Error::Finalize(format!(

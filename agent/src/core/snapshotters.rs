@@ -19,6 +19,15 @@ impl Core {
         Ok(s)
     }
 
+    /// The owners waiting on unfinished operations of snapshotter `name` (a few, named,
+    /// and how many in all): what unregistering it would leave with nobody to poll.
+    pub async fn owners_waiting_on(&self, name: &str) -> Result<(Vec<String>, i64), Error> {
+        let plugin = name.to_string();
+        self.store
+            .read(move |conn| queries::owners_waiting_on(conn, &plugin, 5).map_err(Error::from))
+            .await
+    }
+
     /// Whether `snapshotter.register` may register a command snapshotter.
     pub fn allows_api_command_snapshotters(&self) -> bool {
         self.settings.allow_api_command_snapshotters

@@ -1,6 +1,9 @@
-//! Command snapshotters: one process per call, `COMMAND… VERB OPERATION_ID`.
+//! Command snapshotters: one process per call, `COMMAND… VERB -- OPERATION_ID`.
 //!
-//! Invariants, each a defence against a command that misbehaves:
+//! Invariants, each a defence against a command that misbehaves or a peer's text:
+//! - nothing a peer wrote stands where a program reads options: the operation ID comes
+//!   after `--` (IDs may begin with `-`), and plugin and owner names are only in the
+//!   environment;
 //! - the command runs in a process group of its own, and the whole group is killed
 //!   (SIGKILL) when the call ends: at its deadline, when the call is abandoned (the
 //!   agent stops, a cancel runs out of time), and once the command has exited, so
@@ -127,7 +130,7 @@ impl CommandRemote {
         CallError::Answered(format!("snapshotter {} {message}", self.name))
     }
 
-    /// Runs `argv… VERB OPERATION_ID` for `op`; returns its stdout, or fails with
+    /// Runs `argv… VERB -- OPERATION_ID` for `op`; returns its stdout, or fails with
     /// stderr's last line when it exits non-zero.
     pub(super) async fn run(&self, verb: &str, op: &OperationRef) -> Answer<Vec<u8>> {
         let _permit = self.running.acquire().await;
@@ -154,6 +157,7 @@ impl CommandRemote {
         let mut child = command
             .args(args)
             .arg(verb)
+            .arg("--")
             .arg(&op.operation_id)
             .env_clear()
             .envs(environment(op))

@@ -105,47 +105,161 @@ const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_
      n_completed, n_failed, server_name, server_instance, failure_reason, stall_timeout_ms, \
      start_timeout_ms";
 
-fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
-    let post: Option<String> = row.get(9)?;
-    let post_operation_items = match post {
-        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
-            rusqlite::Error::FromSqlConversionFailure(9, rusqlite::types::Type::Text, e.into())
-        })?),
-        None => None,
+/// Reads the columns of one row, standing in a value for each that does not hold what
+/// the agent writes and noting which and why: one damaged row (a corrupted page) must
+/// not stop the answers about every other.
+struct Columns<'r, 's> {
+    row: &'r Row<'s>,
+    damage: Vec<String>,
+}
+
+impl Columns<'_, '_> {
+    fn take<T>(
+        &mut self,
+        index: usize,
+        read: impl FnOnce(&Row<'_>, usize) -> rusqlite::Result<T>,
+        stand_in: T,
+    ) -> T {
+        match read(self.row, index) {
+            Ok(value) => value,
+            Err(e) => {
+                let column = OWNER_COLUMNS.split(", ").nth(index).unwrap_or("?");
+                let reason = match e {
+                    rusqlite::Error::FromSqlConversionFailure(_, _, inner) => inner.to_string(),
+                    other => other.to_string(),
+                };
+                self.damage.push(format!("{column}: {reason}"));
+                stand_in
+            }
+        }
+    }
+
+    fn time(&mut self, index: usize) -> opmon_client::Timestamp {
+        self.take(
+            index,
+            |row, i| stored_time(row.get(i)?, i),
+            UnixMs(0).time(),
+        )
+    }
+}
+
+/// A stored time as a timestamp, if it is one the API can write (RFC 3339: years 0
+/// to 9999); the agent only stores times it read from its clock.
+fn stored_time(ms: UnixMs, index: usize) -> rusqlite::Result<opmon_client::Timestamp> {
+    let year = |ms: i64| {
+        time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+            .map(|t| t.year())
+            .ok()
     };
-    Ok(OwnerRow {
-        id: row.get(0)?,
-        owner: opmon_client::Owner {
-            kind: parse_column(row, 1)?,
-            name: row.get(2)?,
-            uid: row.get(3)?,
-            server: row
-                .get::<_, Option<String>>(17)?
+    match year(ms.ms()) {
+        Some(0..=9999) => Ok(ms.time()),
+        _ => Err(rusqlite::Error::FromSqlConversionFailure(
+            index,
+            rusqlite::types::Type::Integer,
+            format!("{} is not a time", ms.ms()).into(),
+        )),
+    }
+}
+
+fn count(row: &Row<'_>, index: usize) -> rusqlite::Result<u64> {
+    Ok(row.get::<_, i64>(index)?.max(0) as u64)
+}
+
+/// An owner from its row, and what of the row is damaged (empty if nothing is).
+fn read_owner(row: &Row<'_>) -> rusqlite::Result<(OwnerRow, Vec<String>)> {
+    let id = row.get(0)?;
+    let mut c = Columns {
+        row,
+        damage: Vec::new(),
+    };
+    let post_operation_items = c.take(
+        9,
+        |row, i| match row.get::<_, Option<String>>(i)? {
+            Some(text) => Ok(Some(serde_json::from_str(&text).map_err(|e| {
+                rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, e.into())
+            })?)),
+            None => Ok(None),
+        },
+        None,
+    );
+    let server = c.take(
+        17,
+        |row, i| {
+            row.get::<_, Option<String>>(i)?
                 .map(|instance| -> rusqlite::Result<ServerRef> {
                     Ok(ServerRef {
                         name: row.get(16)?,
                         instance,
                     })
                 })
-                .transpose()?,
-            phase: parse_column(row, 4)?,
-            failure_reason: row.get(18)?,
-            item_operation_timeout: GoDuration::from_millis(row.get::<_, i64>(5)?.max(0) as u64),
-            stall_timeout: optional_duration(row, 19)?,
-            start_timeout: optional_duration(row, 20)?,
-            finalize: row.get(6)?,
-            errors: row.get(7)?,
-            warnings: row.get(8)?,
-            operations_attempted: row.get::<_, i64>(13)?.max(0) as u64,
-            operations_completed: row.get::<_, i64>(14)?.max(0) as u64,
-            operations_failed: row.get::<_, i64>(15)?.max(0) as u64,
-            post_operation_items,
-            created: row.get::<_, UnixMs>(10)?.time(),
-            updated: row.get::<_, UnixMs>(11)?.time(),
-            completed: row.get::<_, Option<UnixMs>>(12)?.map(UnixMs::time),
-            progress: None,
+                .transpose()
         },
-    })
+        None,
+    );
+    let owner = opmon_client::Owner {
+        kind: c.take(1, parse_column, OwnerKind::Backup),
+        name: c.take(2, |r, i| r.get(i), format!("#{id}")),
+        uid: c.take(3, |r, i| r.get(i), String::new()),
+        server,
+        phase: c.take(4, parse_column, OwnerPhase::Failed),
+        failure_reason: c.take(18, |r, i| r.get(i), String::new()),
+        item_operation_timeout: GoDuration::from_millis(c.take(5, count, 0)),
+        stall_timeout: c.take(19, optional_duration, None),
+        start_timeout: c.take(20, optional_duration, None),
+        finalize: c.take(6, |r, i| r.get(i), false),
+        errors: c.take(7, |r, i| r.get(i), 0),
+        warnings: c.take(8, |r, i| r.get(i), 0),
+        operations_attempted: c.take(13, count, 0),
+        operations_completed: c.take(14, count, 0),
+        operations_failed: c.take(15, count, 0),
+        post_operation_items,
+        created: c.time(10),
+        updated: c.time(11),
+        completed: c.take(
+            12,
+            |row, i| {
+                row.get::<_, Option<UnixMs>>(i)?
+                    .map(|ms| stored_time(ms, i))
+                    .transpose()
+            },
+            None,
+        ),
+        progress: None,
+    };
+    Ok((OwnerRow { id, owner }, c.damage))
+}
+
+/// An owner from its row, or an error naming what of it is damaged: for the agent's
+/// own decisions, which must not act on stand-in values.
+fn owner_from_row(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
+    let (owner, damage) = read_owner(row)?;
+    if damage.is_empty() {
+        return Ok(owner);
+    }
+    Err(rusqlite::Error::FromSqlConversionFailure(
+        0,
+        rusqlite::types::Type::Null,
+        format!(
+            "{} {} is damaged in the database ({})",
+            owner.owner.kind,
+            owner.owner.name,
+            damage.join("; ")
+        )
+        .into(),
+    ))
+}
+
+/// An owner from its row for a listing: a damaged one is listed with what is damaged
+/// as its failure reason (and in the log), so the others are still served.
+fn owner_or_damaged(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
+    let (mut owner, damage) = read_owner(row)?;
+    if !damage.is_empty() {
+        let damage = damage.join("; ");
+        tracing::error!(kind = %owner.owner.kind, name = %owner.owner.name, %damage,
+            "an owner's row is damaged in the database");
+        owner.owner.failure_reason = format!("damaged in the database: {damage}");
+    }
+    Ok(owner)
 }
 
 /// A duration column in milliseconds, NULL when unset.
@@ -297,7 +411,7 @@ pub fn list_owners(
     let mut stmt = conn.prepare_cached(&sql)?;
     let rows = stmt.query_map(
         params![kind.as_str(), after.unwrap_or(""), limit],
-        owner_from_row,
+        owner_or_damaged,
     )?;
     rows.collect()
 }
@@ -711,6 +825,32 @@ pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String
     ))?;
     let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
+}
+
+/// The owners with unfinished operations of `plugin`, as `kind name (count)`, at most
+/// `limit` of them, and how many owners there are in all.
+pub fn owners_waiting_on(
+    conn: &Connection,
+    plugin: &str,
+    limit: i64,
+) -> rusqlite::Result<(Vec<String>, i64)> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT o.kind, o.name, COUNT(*) FROM operations p JOIN owners o ON o.id = p.owner_id \
+         WHERE p.plugin_name = ?1 AND p.phase IN ",
+        unfinished_operation!(),
+        " GROUP BY o.id ORDER BY o.kind, o.name"
+    ))?;
+    let mut named = Vec::new();
+    let mut all = 0;
+    let mut rows = stmt.query([plugin])?;
+    while let Some(row) = rows.next()? {
+        all += 1;
+        if all <= limit {
+            let (kind, name, n): (String, String, i64) = (row.get(0)?, row.get(1)?, row.get(2)?);
+            named.push(format!("{kind} {name} ({n})"));
+        }
+    }
+    Ok((named, all))
 }
 
 /// What the targets of one owner share: the owner as the snapshotter protocol names

@@ -31,6 +31,18 @@ fn rfc3339(text: &str) -> Result<Timestamp, String> {
         .map_err(|e| format!("not an RFC 3339 time such as 2026-01-02T15:04:05Z ({e})"))
 }
 
+/// A uid, or a user name looked up in the user database.
+fn user_id(text: &str) -> Result<u32, String> {
+    if let Ok(uid) = text.parse() {
+        return Ok(uid);
+    }
+    match nix::unistd::User::from_name(text) {
+        Ok(Some(user)) => Ok(user.uid.as_raw()),
+        Ok(None) => Err(format!("no user named {text:?}")),
+        Err(e) => Err(format!("looking up user {text:?}: {e}")),
+    }
+}
+
 fn api_version(text: &str) -> Result<ApiVersion, String> {
     text.parse()
 }
@@ -172,6 +184,11 @@ pub struct Cli {
     /// The agent's socket [default: as the agent resolves it].
     #[arg(long, env = "OPMON_SOCKET", global = true)]
     pub socket: Option<PathBuf>,
+
+    /// Users (names or uids) trusted to serve the socket besides root and yourself: the
+    /// agent's user when it is neither. A socket served by anyone else is refused.
+    #[arg(long, env = "OPMON_AGENT_UID", value_delimiter = ',', value_parser = user_id, global = true)]
+    pub agent_uid: Vec<u32>,
 
     /// How reads are printed; json is exactly the API's result.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table, global = true)]

@@ -91,7 +91,13 @@ async fn run(cli: Cli) -> Outcome {
         .socket
         .clone()
         .unwrap_or_else(opmon_client::default_socket_path);
-    let client = Client::connect(&socket).await.map_err(|e| e.chain())?;
+    let client = cli
+        .agent_uid
+        .iter()
+        .fold(Client::builder(&socket), |b, &uid| b.agent_uid(uid))
+        .connect()
+        .await
+        .map_err(|e| e.chain())?;
     let out = cli.output;
     match cli.command {
         Command::Status => {

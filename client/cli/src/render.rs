@@ -411,19 +411,40 @@ pub fn tabwrite(text: &str) -> String {
     out
 }
 
-/// A time as Velero's describers print a `metav1.Time` (Go's `Time.String()` of a
-/// second-precision UTC time): `2026-11-22 09:57:45 +0000 UTC`.
+/// A time as Velero's describers print a `metav1.Time`: Go's `Time.String()` of a
+/// second-precision time in the local zone (`TZ`, else `/etc/localtime`), e.g.
+/// `2026-11-22 10:57:45 +0100 CET`.
 fn velero_time(t: Timestamp) -> String {
-    let t = t.to_offset(time::UtcOffset::UTC);
-    format!(
-        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second()
-    )
+    let second = t.unix_timestamp();
+    match jiff::Timestamp::from_second(second) {
+        Ok(ts) => ts
+            .to_zoned_datetime(local_zone())
+            .strftime("%Y-%m-%d %H:%M:%S %z %Z")
+            .to_string(),
+        // Outside jiff's range (not a time the agent stores): UTC, as before.
+        Err(_) => {
+            let t = t.to_offset(time::UtcOffset::UTC);
+            format!(
+                "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
+                t.year(),
+                u8::from(t.month()),
+                t.day(),
+                t.hour(),
+                t.minute(),
+                t.second()
+            )
+        }
+    }
+}
+
+/// The zone times are printed in: the system's; UTC in the unit tests, whose expected
+/// texts must not depend on the machine.
+fn local_zone() -> jiff::tz::TimeZone {
+    if cfg!(test) {
+        jiff::tz::TimeZone::UTC
+    } else {
+        jiff::tz::TimeZone::system()
+    }
 }
 
 /// One operation as `velero backup|restore describe --details` prints it, then the

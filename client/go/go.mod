@@ -1,0 +1,3 @@
+module opmon/client
+
+go 1.19
