@@ -1052,7 +1052,8 @@ async fn errors_name_the_flags_typed_not_the_apis_fields() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         text(&out).1,
-        "opmon: a v2 snapshotter needs --snapshotter-socket PATH or a command after --\n"
+        "opmon: a v2 snapshotter needs --snapshotter-socket PATH, --velero-plugin PATH or a command \
+         after --\n"
     );
     let out = opmon(&f, &["backup", "start", "b", "--uid", ""]);
     let stderr = text(&out).1;
