@@ -507,7 +507,7 @@ fn fallback_agent(uid: u32) -> Output {
 
 #[test]
 fn the_agent_refuses_a_socket_directory_another_user_made_or_may_write() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     // uid 4712 prepares the fallback directory of uid 4711 before its agent starts,
@@ -540,7 +540,7 @@ fn the_agent_refuses_a_socket_directory_another_user_made_or_may_write() {
 
 #[test]
 fn the_cli_refuses_a_socket_served_by_another_user_unless_told_to_trust_it() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     // uid 1002 serves a socket where uid 1001 looks for its agent.
