@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, ValueEnum};
-use opmon_client::paths::first_path_of;
+use opmon_client::first_path_of;
 use opmon_client::{ApiVersion, GoDuration, Snapshotter};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -128,7 +128,7 @@ macro_rules! settings {
 // table shows the default, and the bound every layer's value must keep.
 settings! {
     /// the API socket (ignored when systemd passes one)
-    socket: PathBuf = opmon_client::default_socket_path(),
+    socket: PathBuf = opmon_client::standard_socket_path(),
         shown Shown::Text("`$RUNTIME_DIRECTORY/agent.sock`, else `/run/opmon/agent.sock` as root, else `$XDG_RUNTIME_DIR/opmon/agent.sock`, else `/tmp/opmon-<uid>/agent.sock`"),
         check any;
     /// its file mode

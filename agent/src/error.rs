@@ -130,9 +130,38 @@ impl From<rusqlite::Error> for Error {
     }
 }
 
+impl Error {
+    /// The error's `data`: what a client can act on without parsing the message. A
+    /// wrong-phase error says the owner's phase (`{"phase": "Completed"}`) and, for an
+    /// operation that is finished, the operation's (`{"operation": {"index": 2,
+    /// "operationId": "…", "phase": "Completed"}}`).
+    fn data(&self) -> Option<serde_json::Value> {
+        let Error::WrongPhase(wrong) = self else {
+            return None;
+        };
+        Some(match wrong {
+            WrongPhase::NotInProgress { phase, .. }
+            | WrongPhase::NotFinalizing { phase, .. }
+            | WrongPhase::NotCancelable { phase, .. }
+            | WrongPhase::ChangedDuringFinalize { phase, .. } => {
+                serde_json::json!({ "phase": phase })
+            }
+            WrongPhase::OperationFinished {
+                index,
+                operation_id,
+                phase,
+                ..
+            } => serde_json::json!({
+                "operation": {"index": index, "operationId": operation_id, "phase": phase}
+            }),
+            WrongPhase::ReplacedDuringEndInProgress { .. } => return None,
+        })
+    }
+}
+
 impl From<Error> for ErrorObjectOwned {
     fn from(e: Error) -> Self {
-        ErrorObjectOwned::owned(e.code(), e.to_string(), None::<()>)
+        ErrorObjectOwned::owned(e.code(), e.to_string(), e.data())
     }
 }
 

@@ -153,9 +153,7 @@ async fn serve_metrics_tcp(
         .await
         .map_err(|e| format!("binding the metrics listener {address}: {e}"))?;
     tracing::info!(%address, "serving metrics");
-    tokio::spawn(async move {
-        server::serve_metrics(listener, page, shutdown.cancelled_owned()).await;
-    });
+    tokio::spawn(metrics::serve_tcp(listener, page, shutdown));
     Ok(())
 }
 
@@ -172,6 +170,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         tracing::warn!("{warning}");
     }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
+    store::log_sqlite_errors();
     let db = settings.database();
     let storage = storage_dir::StorageDir::new(settings.storage_dir.clone());
     storage.check_database(&db, settings.start_anew)?;
@@ -209,9 +208,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     }
     core.recover().await.map_err(|e| e.to_string())?;
     let page_core = core.clone();
-    let page: server::MetricsPage = Arc::new(move || {
+    let page: server::MetricsPage = Arc::new(move |accept| {
         let core = page_core.clone();
-        Box::pin(async move { core.metrics_page().await })
+        Box::pin(async move { core.metrics_page(accept.as_deref()).await })
     });
     let stop_metrics = tokio_util::sync::CancellationToken::new();
     if let Some(address) = settings.metrics_listen {

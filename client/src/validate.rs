@@ -4,7 +4,7 @@
 //! Each check returns the reason as a phrase (`"must be a DNS subdomain"`); the caller
 //! prefixes the field path, so errors read `operations[3].resource.name: must be …`.
 
-use crate::types::{NewOperation, PluginRef, ResourceIdentifier, Timestamp};
+use crate::types::{NewOperation, PluginKind, PluginRef, ResourceIdentifier, Timestamp};
 
 /// Longest operation ID accepted, in bytes.
 pub const MAX_OPERATION_ID_LEN: usize = 1024;
@@ -256,8 +256,22 @@ pub fn created(value: Timestamp, now: Timestamp) -> Result<(), String> {
 /// Checks one operation of `addOperations` at time `now` (its plugin name already
 /// through [`legacy_plugin_name`]), returning the bad field's path below it
 /// (`resource.name`, `postOperationItems[2].namespace`) and the reason.
+/// Refuses the catch-all of a wire enum (a name this version does not know), naming
+/// the values it knows.
+pub fn known<T: Copy + PartialEq + std::fmt::Display>(value: T, all: &[T]) -> Result<(), String> {
+    if all.contains(&value) {
+        return Ok(());
+    }
+    let names: Vec<String> = all.iter().map(T::to_string).collect();
+    Err(format!(
+        "unknown value; expected one of {}",
+        names.join(", ")
+    ))
+}
+
 pub fn new_operation(op: &NewOperation, now: Timestamp) -> Result<(), (String, String)> {
-    let PluginRef { name, .. } = &op.plugin;
+    let PluginRef { name, kind } = &op.plugin;
+    known(*kind, PluginKind::ALL).map_err(|e| ("plugin.kind".to_string(), e))?;
     plugin_name(name).map_err(|e| ("plugin.name".to_string(), e))?;
     resource(&op.resource).map_err(|(f, e)| (format!("resource.{f}"), e))?;
     operation_id(&op.operation_id).map_err(|e| ("operationId".to_string(), e))?;

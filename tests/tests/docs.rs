@@ -138,7 +138,8 @@ fn every_relative_link_and_anchor_in_the_docs_resolves() {
     for file in &files {
         let text = read(file);
         for target in links(&text) {
-            if target.contains("://") || target.starts_with("mailto:") {
+            // Web addresses, and rustdoc's intra-doc links of a README the crate includes.
+            if target.contains("://") || target.starts_with("mailto:") || target.contains("::") {
                 continue;
             }
             checked += 1;

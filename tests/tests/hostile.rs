@@ -227,7 +227,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     // has allocated.
     let client = agent.client().await;
     let backups = client.backups();
-    backups.start("warm", "u", None).await.unwrap();
+    backups.start("warm", "u").await.unwrap();
     backups
         .add_operations(
             "warm",
@@ -295,7 +295,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     let served = Instant::now();
     let other = agent.client().await;
     let backups = other.backups();
-    backups.start("busy", "u", None).await.unwrap();
+    backups.start("busy", "u").await.unwrap();
     for batch in 0..10 {
         let ops = (0..100)
             .map(|i| operation(PLUGIN, &format!("busy-{batch}-{i}"), "data", &[]))

@@ -30,6 +30,7 @@ use nix::fcntl::{Flock, FlockArg};
 use opmon_client::server::Place;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::durable::log_sqlite_errors;
 use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
@@ -140,15 +141,16 @@ const WRITER_STATEMENTS_KEPT: usize = 128;
 /// each checkpoint.
 pub const CHECKPOINT_PAGES: u32 = 4000;
 
+/// The writer's `synchronous` level once the database is open: commits are made
+/// durable by the syncer's fsync of the WAL before any reply (see [`durable`]), not by
+/// SQLite. docs/trust.md states it; a test keeps the two in step.
+pub const WRITER_SYNCHRONOUS: &str = "NORMAL";
+
 /// WAL pages past which the file is cut back once a checkpoint has let it restart: a
 /// group transaction larger than [`CHECKPOINT_PAGES`] (an `addOperations` of tens of
 /// thousands of operations), or a WAL left by `checkpoint = "external"`, would otherwise
 /// keep its disk space while the agent runs.
 pub const WAL_KEPT_PAGES: u32 = CHECKPOINT_PAGES + 1000;
-
-/// The writer's `synchronous` mode: SQLite commits without an fsync, and the [`durable`]
-/// syncer fsyncs the WAL before any reply. The docs name it (a test compares).
-pub const WRITER_SYNCHRONOUS: &str = "NORMAL";
 
 /// Connection settings every connection shares (the writer's then commits with
 /// `synchronous=NORMAL`, its syncer making each commit durable). `busy_timeout` covers

@@ -106,7 +106,7 @@ mod complete {
     use std::time::Duration;
 
     use clap_complete::CompletionCandidate;
-    use opmon_client::{Client, ListParams, OwnerKind, Snapshotter};
+    use opmon_client::{Client, OwnerKind, Snapshotter};
 
     fn ask<T, F: std::future::Future<Output = Option<T>>>(
         call: impl FnOnce(Client) -> F,
@@ -141,11 +141,7 @@ mod complete {
 
     pub fn owners(kind: OwnerKind, current: &OsStr) -> Vec<CompletionCandidate> {
         let names = ask(|client: Client| async move {
-            let params = ListParams {
-                limit: Some(1000),
-                ..Default::default()
-            };
-            let list = client.owners(kind).list(params).await.ok()?;
+            let list = client.owners(kind).list().limit(1000).await.ok()?;
             Some(list.items.into_iter().map(|o| o.name).collect())
         });
         candidates(names.unwrap_or_default(), current)
