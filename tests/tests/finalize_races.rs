@@ -304,7 +304,11 @@ async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
             tokio::spawn(async move {
                 client
                     .backups()
-                    .finalize(params(name, "big.tar.gz", &format!("big/{name}.tar.gz")))
+                    .request::<opmon_client::methods::Finalize>(params(
+                        name,
+                        "big.tar.gz",
+                        &format!("big/{name}.tar.gz"),
+                    ))
                     .await
             })
         })
@@ -320,7 +324,11 @@ async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
     );
     let small = client
         .backups()
-        .finalize(params("small", "small.tar.gz", "small/out.tar.gz"))
+        .request::<opmon_client::methods::Finalize>(params(
+            "small",
+            "small.tar.gz",
+            "small/out.tar.gz",
+        ))
         .await
         .unwrap();
     assert_eq!(small.owner.phase, OwnerPhase::Completed);
