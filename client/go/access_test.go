@@ -68,7 +68,7 @@ func TestHelperRefusedPeer(t *testing.T) {
 	if socket == "" {
 		return
 	}
-	_, err := opmon.Connect(context.Background(), socket)
+	_, err := opmon.Connect(context.Background(), socket, opmon.WithConnectTimeout(agenttest.ConnectTimeout))
 	var rpc *opmon.RPCError
 	if !errors.As(err, &rpc) || rpc.Code != opmon.CodeRefused || rpc.HTTPStatus != 403 {
 		t.Fatalf("connect as uid %d: %#v", os.Geteuid(), err)
