@@ -377,6 +377,30 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
     if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
         return Err(invalid("retryBackoff", "must be greater than zero"));
     }
+    if s.velero_plugin.is_none() && (s.args.is_some() || s.env.is_some()) {
+        return Err(invalid("args", "args and env are a veleroPlugin's"));
+    }
+    if let Some(path) = &s.velero_plugin {
+        if !path.is_absolute() {
+            return Err(invalid("veleroPlugin", "must be an absolute path"));
+        }
+        if s.api_version == ApiVersion::V1 || s.socket.is_some() || s.command.is_some() {
+            return Err(invalid(
+                "veleroPlugin",
+                "a Velero plugin is a v2 snapshotter without socket or command",
+            ));
+        }
+        if let Some(key) = s
+            .env
+            .iter()
+            .flatten()
+            .map(|(k, _)| k)
+            .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        {
+            return Err(invalid("env", format!("{key:?} is not a variable name")));
+        }
+        return Ok(());
+    }
     match (s.api_version, &s.socket, &s.command) {
         (ApiVersion::V1, None, None) => Ok(()),
         (ApiVersion::V1, _, _) => Err(invalid(
@@ -385,7 +409,7 @@ pub(crate) fn check_snapshotter(s: &mut Snapshotter) -> Result<(), Error> {
         )),
         (ApiVersion::V2, Some(_), Some(_)) | (ApiVersion::V2, None, None) => Err(invalid(
             "socket",
-            "a v2 snapshotter needs exactly one of socket and command",
+            "a v2 snapshotter needs exactly one of socket, command and veleroPlugin",
         )),
         (ApiVersion::V2, Some(socket), None) if !socket.is_absolute() => {
             Err(invalid("socket", "must be an absolute path"))
@@ -425,6 +449,11 @@ fn check_changed(p: &mut SnapshotterChangedParams) -> Result<(), Error> {
 pub const COMMAND_REFUSED: &str = "only the config file may register a command snapshotter \
     (it runs a program as the agent's user); set allow_api_command_snapshotters = true in the \
     agent's configuration to allow it over the API";
+
+/// Why `snapshotter.register` refuses a Velero plugin: it runs a program, as a command does.
+pub const VELERO_PLUGIN_REFUSED: &str = "only the config file may register a veleroPlugin \
+    snapshotter (it runs a program as the agent's user); set allow_api_command_snapshotters = \
+    true in the agent's configuration to allow it over the API";
 
 /// Registers `name`: parse params into `P`, run `handler`, map its error to a code.
 fn register<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
@@ -727,6 +756,9 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             check_snapshotter(&mut s)?;
             if s.command.is_some() && !core.allows_api_command_snapshotters() {
                 return Err(invalid("command", COMMAND_REFUSED));
+            }
+            if s.velero_plugin.is_some() && !core.allows_api_command_snapshotters() {
+                return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
             }
             core.register_snapshotter(s).await
         },

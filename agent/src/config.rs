@@ -434,11 +434,12 @@ fn usable_socket_mode(text: &str) -> Result<u32, String> {
     Ok(mode)
 }
 
-/// Why `dir` cannot hold the agent's files, if it is in a kernel file system.
+/// Why `dir` cannot hold the agent's files, if it is in a kernel file system
+/// (`/dev/shm` is the tmpfs for shared memory, and holds files).
 fn kernel_file_system(dir: &Path) -> Option<String> {
     ["/proc", "/sys", "/dev"]
         .into_iter()
-        .find(|k| dir.starts_with(k))
+        .find(|k| dir.starts_with(k) && !dir.starts_with("/dev/shm"))
         .map(|k| {
             format!(
                 "{} is in {k}, a kernel file system, which cannot hold its files",
@@ -629,9 +630,14 @@ impl FromArgMatches for Args {
 #[serde(deny_unknown_fields)]
 struct FileSnapshotter {
     name: String,
-    api_version: ApiVersion,
+    /// Optional for a `velero_plugin` table, which is always v2.
+    api_version: Option<ApiVersion>,
     socket: Option<PathBuf>,
     command: Option<Vec<String>>,
+    /// A Velero plugin binary, with its arguments and environment.
+    velero_plugin: Option<PathBuf>,
+    args: Option<Vec<String>>,
+    env: Option<std::collections::BTreeMap<String, String>>,
     /// The snapshotter's deadlines and retry budget (see `Snapshotter`).
     stall_timeout: Option<GoDuration>,
     start_timeout: Option<GoDuration>,
@@ -740,6 +746,23 @@ impl Settings {
             if let Some(command) = &s.command {
                 let parts: Vec<String> = command.iter().map(|c| toml_string(c)).collect();
                 out.push_str(&format!("command = [{}]\n", parts.join(", ")));
+            }
+            if let Some(plugin) = &s.velero_plugin {
+                out.push_str(&format!(
+                    "velero_plugin = {}\n",
+                    toml_string(&plugin.to_string_lossy())
+                ));
+            }
+            if let Some(args) = &s.args {
+                let parts: Vec<String> = args.iter().map(|c| toml_string(c)).collect();
+                out.push_str(&format!("args = [{}]\n", parts.join(", ")));
+            }
+            if let Some(env) = &s.env {
+                let parts: Vec<String> = env
+                    .iter()
+                    .map(|(k, v)| format!("{} = {}", toml_string(k), toml_string(v)))
+                    .collect();
+                out.push_str(&format!("env = {{ {} }}\n", parts.join(", ")));
             }
             let durations = [
                 ("stall_timeout", s.stall_timeout),
@@ -971,11 +994,24 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
     let snapshotters: Vec<Snapshotter> = tables
         .into_iter()
         .map(|table| {
+            let api_version = match (table.api_version, &table.velero_plugin) {
+                (Some(v), _) => v,
+                (None, Some(_)) => ApiVersion::V2,
+                (None, None) => {
+                    return Err(format!(
+                        "config snapshotter {}: missing field `api_version`",
+                        table.name
+                    ))
+                }
+            };
             let mut s = Snapshotter {
                 name: table.name,
-                api_version: table.api_version,
+                api_version,
                 socket: table.socket,
                 command: table.command,
+                velero_plugin: table.velero_plugin,
+                args: table.args,
+                env: table.env,
                 stall_timeout: table.stall_timeout,
                 start_timeout: table.start_timeout,
                 retry_attempts: table.retry_attempts,
@@ -1379,7 +1415,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             e,
-            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket and command"
+            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and veleroPlugin"
         );
         let s = settings(
             &[],

@@ -4,7 +4,9 @@
 //! - socket: JSON-RPC batches over HTTP/1.1 on a Unix socket, on a small pool of
 //!   kept-alive connections;
 //! - command: one process per call, with a bounded number running at once
-//!   ([`command`] says how a command is confined).
+//!   ([`command`] says how a command is confined);
+//! - velero_plugin: a Velero plugin binary kept running, called over gRPC as Velero
+//!   calls it ([`velero_plugin`]).
 //!
 //! Every call has a deadline. A hung or dead snapshotter costs its own operations the
 //! deadline and nothing else: callers poll each snapshotter independently. Cancel goes
@@ -13,6 +15,7 @@
 //! abandoned.
 
 mod command;
+pub mod velero_plugin;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -92,6 +95,7 @@ pub enum Remote {
 pub enum Caller {
     Socket(SocketRemote),
     Command(CommandRemote),
+    VeleroPlugin(velero_plugin::VeleroRemote),
     /// Registered, but not to be called: every call fails with this message (a command
     /// snapshotter left in the database that the configuration no longer allows).
     Refused(String),
@@ -99,6 +103,21 @@ pub enum Caller {
 
 impl Remote {
     pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
+        Remote::with_hosts(s, settings, &velero_plugin::Hosts::default())
+    }
+
+    /// As [`Remote::new`], a Velero plugin sharing the process of `hosts` that runs its
+    /// binary.
+    pub fn with_hosts(
+        s: &Snapshotter,
+        settings: &CallSettings,
+        hosts: &velero_plugin::Hosts,
+    ) -> Remote {
+        if let (ApiVersion::V2, Some(host)) = (s.api_version, hosts.of(s)) {
+            return Remote::Called(Caller::VeleroPlugin(velero_plugin::VeleroRemote::new(
+                s, host, settings,
+            )));
+        }
         match (s.api_version, &s.socket, &s.command) {
             (ApiVersion::V1, _, _) => Remote::V1,
             (_, Some(socket), _) => Remote::Called(Caller::Socket(SocketRemote {
@@ -160,6 +179,7 @@ impl Caller {
                 .iter()
                 .map(|_| Err(CallError::Answered(why.clone())))
                 .collect(),
+            Caller::VeleroPlugin(v) => v.progress(ops).await,
             Caller::Command(c) => {
                 // Indices rather than references keep the stream's closure free of
                 // higher-ranked lifetimes, so the future stays Send.
@@ -209,6 +229,10 @@ impl Caller {
                     (i, vec![answer])
                 })
                 .buffer_unordered(c.settings.command_concurrency.max(1))
+                .boxed(),
+            Caller::VeleroPlugin(v) => stream::iter(0..ops.len())
+                .map(move |i| async move { (i, vec![v.cancel_one(&ops[i]).await]) })
+                .buffer_unordered(v.concurrency())
                 .boxed(),
         };
         while let Ok(Some((start, piece))) = tokio::time::timeout_at(deadline, pieces.next()).await
@@ -748,6 +772,8 @@ impl Policy {
 pub struct Registry {
     remotes: std::sync::RwLock<std::collections::HashMap<String, Arc<Remote>>>,
     policies: std::sync::RwLock<std::collections::HashMap<String, Policy>>,
+    /// Velero plugin binaries, one process each however many snapshotters name them.
+    hosts: velero_plugin::Hosts,
 }
 
 impl Registry {
@@ -764,7 +790,17 @@ impl Registry {
     }
 
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
-        write(&self.remotes).insert(s.name.clone(), Arc::new(Remote::new(s, settings)));
+        self.put(s, self.build(s, settings));
+    }
+
+    /// The remote `s` would be, its Velero plugin's process shared with the snapshotters
+    /// registered; [`Registry::put`] registers it.
+    pub fn build(&self, s: &Snapshotter, settings: &CallSettings) -> Arc<Remote> {
+        Arc::new(Remote::with_hosts(s, settings, &self.hosts))
+    }
+
+    pub fn put(&self, s: &Snapshotter, remote: Arc<Remote>) {
+        write(&self.remotes).insert(s.name.clone(), remote);
         write(&self.policies).insert(s.name.clone(), Policy::of(s));
     }
 

@@ -372,17 +372,22 @@ type ServerStartedResult struct {
 }
 
 // Snapshotter is a registration: the agent reaches it on Socket (JSON-RPC over HTTP)
-// or runs Command.
+// or runs Command or VeleroPlugin.
 type Snapshotter struct {
-	Name          string     `json:"name"`
-	APIVersion    APIVersion `json:"apiVersion"`
-	Socket        *string    `json:"socket,omitempty"`
-	Command       []string   `json:"command,omitempty"`
-	StallTimeout  *Duration  `json:"stallTimeout,omitempty"`
-	StartTimeout  *Duration  `json:"startTimeout,omitempty"`
-	RetryAttempts *uint32    `json:"retryAttempts,omitempty"`
-	RetryBackoff  *Duration  `json:"retryBackoff,omitempty"`
-	RetryWithin   *Duration  `json:"retryWithin,omitempty"`
+	Name       string     `json:"name"`
+	APIVersion APIVersion `json:"apiVersion"`
+	Socket     *string    `json:"socket,omitempty"`
+	Command    []string   `json:"command,omitempty"`
+	// VeleroPlugin is a Velero plugin binary the agent runs, with its Args and Env
+	// (docs/velero-plugins.md).
+	VeleroPlugin  *string           `json:"veleroPlugin,omitempty"`
+	Args          []string          `json:"args,omitempty"`
+	Env           map[string]string `json:"env,omitempty"`
+	StallTimeout  *Duration         `json:"stallTimeout,omitempty"`
+	StartTimeout  *Duration         `json:"startTimeout,omitempty"`
+	RetryAttempts *uint32           `json:"retryAttempts,omitempty"`
+	RetryBackoff  *Duration         `json:"retryBackoff,omitempty"`
+	RetryWithin   *Duration         `json:"retryWithin,omitempty"`
 }
 
 // VeleroResourceIdentifier is Velero's ResourceIdentifier, as the item-operations

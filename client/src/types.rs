@@ -959,8 +959,8 @@ impl FromStr for ApiVersion {
 }
 
 /// A registered snapshotter; `name` equals the plugin name (`domain/name`) whose
-/// operations it owns. Exactly one of `socket` and `command` is set for v2; a v1
-/// snapshotter needs neither.
+/// operations it owns. Exactly one of `socket`, `command` and `velero_plugin` is set for
+/// v2; a v1 snapshotter needs none.
 ///
 /// The deadlines and the retry budget are the snapshotter's defaults for its
 /// operations; absent means off (deadlines) or the agent's default (retries).
@@ -974,6 +974,16 @@ pub struct Snapshotter {
     pub socket: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<Vec<String>>,
+    /// A plugin binary built with Velero's plugin framework (hashicorp go-plugin over
+    /// gRPC), run by the agent and asked for Progress and Cancel as Velero asks it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub velero_plugin: Option<PathBuf>,
+    /// Arguments of the `velero_plugin` binary (Velero passes its server flags).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Vec<String>>,
+    /// Environment of the `velero_plugin` binary, besides go-plugin's handshake.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<std::collections::BTreeMap<String, String>>,
     /// Cancel and fail an operation whose progress has not changed for this long.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stall_timeout: Option<GoDuration>,

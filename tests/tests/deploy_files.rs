@@ -759,7 +759,7 @@ fn cargo_metadata() -> Value {
 fn cargo_metadata_in(root: &Path) -> Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(&cargo)
-        .args(["metadata", "--format-version", "1", "--locked", "--offline"])
+        .args(["metadata", "--format-version", "1", "--locked"])
         .current_dir(root)
         .output()
         .unwrap_or_else(|e| panic!("running {cargo} metadata: {e}"));

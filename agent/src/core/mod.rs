@@ -166,7 +166,9 @@ impl Core {
             .read(|conn| queries::snapshotters(conn).map_err(Error::from))
             .await?;
         for s in &registered {
-            if s.command.is_some() && !core.settings.allow_api_command_snapshotters {
+            if (s.command.is_some() || s.velero_plugin.is_some())
+                && !core.settings.allow_api_command_snapshotters
+            {
                 // Registered over the API before the setting was off, or by a config
                 // file that no longer has it: the config file registers its own again
                 // right after this.

@@ -10,11 +10,19 @@ use crate::store::queries;
 impl Core {
     /// Registers or replaces a snapshotter (already validated).
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
+        let remote = self.poller.remotes.build(&s, &self.settings.calls);
+        // A Velero plugin is started now, so that a binary that does not serve the name
+        // is refused here rather than failing every operation later.
+        if let crate::remote::Remote::Called(crate::remote::Caller::VeleroPlugin(v)) = &*remote {
+            v.check_served()
+                .await
+                .map_err(|e| Error::InvalidParams(format!("veleroPlugin: {e}")))?;
+        }
         let stored = s.clone();
         self.store
             .write(move |conn| queries::upsert_snapshotter(conn, &stored).map_err(Error::from))
             .await?;
-        self.poller.remotes.insert(&s, &self.settings.calls);
+        self.poller.remotes.put(&s, remote);
         tracing::info!(snapshotter = %s.name, "snapshotter registered");
         Ok(s)
     }

@@ -1349,7 +1349,20 @@ fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
     let api_version: ApiVersion = parse_column(row, 1)?;
     let command: Option<String> = row.get(3)?;
     let attempts: Option<i64> = row.get(6)?;
+    let plugin: Option<VeleroPluginColumn> = match row.get::<_, Option<String>>(9)? {
+        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(9, rusqlite::types::Type::Text, e.into())
+        })?),
+        None => None,
+    };
+    let (velero_plugin, args, env) = match plugin {
+        Some(p) => (Some(p.path), p.args, p.env),
+        None => (None, None, None),
+    };
     Ok(Snapshotter {
+        velero_plugin,
+        args,
+        env,
         stall_timeout: optional_duration(row, 4)?,
         start_timeout: optional_duration(row, 5)?,
         retry_attempts: attempts.map(|n| n.clamp(0, i64::from(u32::MAX)) as u32),
@@ -1367,18 +1380,28 @@ fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
     })
 }
 
+/// The `velero_plugin` column: the binary with its arguments and environment.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct VeleroPluginColumn {
+    path: std::path::PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    args: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    env: Option<std::collections::BTreeMap<String, String>>,
+}
+
 /// Registers (or replaces) a snapshotter.
 pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Result<()> {
     conn.prepare_cached(
         "INSERT INTO snapshotters (name, api_version, socket, command, stall_timeout_ms, \
-         start_timeout_ms, retry_attempts, retry_backoff_ms, retry_within_ms) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
+         start_timeout_ms, retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) \
          ON CONFLICT (name) DO UPDATE SET api_version = excluded.api_version, \
          socket = excluded.socket, command = excluded.command, \
          stall_timeout_ms = excluded.stall_timeout_ms, \
          start_timeout_ms = excluded.start_timeout_ms, \
          retry_attempts = excluded.retry_attempts, retry_backoff_ms = excluded.retry_backoff_ms, \
-         retry_within_ms = excluded.retry_within_ms",
+         retry_within_ms = excluded.retry_within_ms, velero_plugin = excluded.velero_plugin",
     )?
     .execute(params![
         s.name,
@@ -1389,7 +1412,14 @@ pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Resul
         optional_ms(s.start_timeout),
         s.retry_attempts,
         optional_ms(s.retry_backoff),
-        optional_ms(s.retry_within)
+        optional_ms(s.retry_within),
+        s.velero_plugin
+            .as_ref()
+            .map(|path| to_json(&VeleroPluginColumn {
+                path: path.clone(),
+                args: s.args.clone(),
+                env: s.env.clone(),
+            }))
     ])?;
     Ok(())
 }
@@ -1398,7 +1428,7 @@ pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Resul
 pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
     let mut stmt = conn.prepare_cached(
         "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
-         retry_attempts, retry_backoff_ms, retry_within_ms FROM snapshotters ORDER BY name",
+         retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin FROM snapshotters ORDER BY name",
     )?;
     let rows = stmt.query_map([], snapshotter_from_row)?;
     rows.collect()
@@ -1409,7 +1439,7 @@ pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Opt
     let found = conn
         .prepare_cached(
             "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
-             retry_attempts, retry_backoff_ms, retry_within_ms FROM snapshotters WHERE name = ?1",
+             retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin FROM snapshotters WHERE name = ?1",
         )?
         .query_row([name], snapshotter_from_row)
         .optional()?;

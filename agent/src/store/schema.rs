@@ -307,6 +307,8 @@ pub const MIGRATIONS: &[&str] = &[
     DROP TABLE events;
     ALTER TABLE events_v14 RENAME TO events;
     CREATE UNIQUE INDEX events_by_owner ON events (owner_id, seq);",
+    // 15: Velero plugin snapshotters: `{"path", "args", "env"}` as JSON.
+    "ALTER TABLE snapshotters ADD COLUMN velero_plugin TEXT;",
 ];
 
 /// What runs after a migration's SQL, by the version it reaches: what SQL cannot do.

@@ -279,6 +279,14 @@ pub enum SnapshotterCommand {
         /// against the current directory.
         #[arg(long, conflicts_with = "command")]
         snapshotter_socket: Option<PathBuf>,
+        /// A Velero plugin binary for the agent to run (docs/velero-plugins.md); the
+        /// words after -- are then its arguments. A relative path is resolved against
+        /// the current directory.
+        #[arg(long, conflicts_with = "snapshotter_socket")]
+        velero_plugin: Option<PathBuf>,
+        /// KEY=VALUE in the Velero plugin's environment (repeatable).
+        #[arg(long = "env", value_name = "KEY=VALUE", requires = "velero_plugin")]
+        env: Vec<String>,
         /// The command to run per call (after --, e.g. -- /usr/bin/snap --flag); a
         /// program given by a relative path is resolved against the current directory.
         #[arg(last = true)]

@@ -517,6 +517,8 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             name,
             api_version,
             snapshotter_socket,
+            velero_plugin,
+            env,
             mut command,
             stall_timeout,
             start_timeout,
@@ -524,6 +526,23 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             retry_backoff,
             retry_within,
         } => {
+            // With a Velero plugin, the words after -- are the binary's arguments.
+            let args = match velero_plugin {
+                Some(_) => Some(std::mem::take(&mut command)),
+                None => None,
+            };
+            let env = if env.is_empty() {
+                None
+            } else {
+                let mut vars = std::collections::BTreeMap::new();
+                for pair in env {
+                    let Some((key, value)) = pair.split_once('=') else {
+                        return Err(format!("--env {pair:?}: expected KEY=VALUE"));
+                    };
+                    vars.insert(key.to_string(), value.to_string());
+                }
+                Some(vars)
+            };
             // A program named by a path runs from the agent's directory: resolve it
             // here. A bare name is looked up in the agent's PATH, as given.
             if let Some(program) = command.first_mut() {
@@ -540,6 +559,11 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
                     .map(|s| absolute("--snapshotter-socket", s))
                     .transpose()?,
                 command: (!command.is_empty()).then_some(command),
+                velero_plugin: velero_plugin
+                    .map(|p| absolute("--velero-plugin", p))
+                    .transpose()?,
+                args,
+                env,
                 stall_timeout,
                 start_timeout,
                 retry_attempts,

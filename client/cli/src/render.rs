@@ -597,10 +597,17 @@ pub fn snapshotters(list: &[Snapshotter]) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|s| {
-            let target = match (&s.socket, &s.command) {
-                (Some(socket), _) => socket.display().to_string(),
-                (None, Some(command)) => command.join(" "),
-                (None, None) => "-".into(),
+            let target = match (&s.socket, &s.command, &s.velero_plugin) {
+                (Some(socket), _, _) => socket.display().to_string(),
+                (None, Some(command), _) => command.join(" "),
+                // A Velero plugin binary, marked as such, with its arguments.
+                (None, None, Some(plugin)) => {
+                    std::iter::once(format!("velero_plugin {}", plugin.display()))
+                        .chain(s.args.iter().flatten().cloned())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                }
+                (None, None, None) => "-".into(),
             };
             vec![
                 clean(&s.name).into_owned(),

@@ -1,0 +1,141 @@
+//! The gRPC messages and method paths the host uses, written for prost by hand from the
+//! field numbers of Velero's `pkg/plugin/proto` and hashicorp go-plugin's internal protos,
+//! so building the agent needs no `protoc`. Only the fields the host reads or sends are
+//! declared; prost skips the others.
+
+/// `generated.PluginLister/ListPlugins`: every (kind, name) a binary serves.
+pub const LIST_PLUGINS: &str = "/generated.PluginLister/ListPlugins";
+/// BackupItemAction v2 (proto package `v2`).
+pub const BACKUP_PROGRESS: &str = "/v2.BackupItemAction/Progress";
+pub const BACKUP_CANCEL: &str = "/v2.BackupItemAction/Cancel";
+/// RestoreItemAction v2 (proto package `v2`).
+pub const RESTORE_PROGRESS: &str = "/v2.RestoreItemAction/Progress";
+pub const RESTORE_CANCEL: &str = "/v2.RestoreItemAction/Cancel";
+/// go-plugin (1.2 on): the plugin's stdout and stderr, once it serves.
+pub const STREAM_STDIO: &str = "/plugin.GRPCStdio/StreamStdio";
+
+/// The plugin kinds of Velero's framework that have Progress and Cancel.
+pub const KIND_BACKUP_V2: &str = "BackupItemActionV2";
+pub const KIND_RESTORE_V2: &str = "RestoreItemActionV2";
+
+/// `generated.Empty` and `google.protobuf.Empty` alike: no fields.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Empty {}
+
+/// `generated.PluginIdentifier`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PluginIdentifier {
+    #[prost(string, tag = "1")]
+    pub command: String,
+    #[prost(string, tag = "2")]
+    pub kind: String,
+    #[prost(string, tag = "3")]
+    pub name: String,
+}
+
+/// `generated.ListPluginsResponse`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ListPluginsResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub plugins: Vec<PluginIdentifier>,
+}
+
+/// `v2.BackupItemActionProgressRequest`, `…CancelRequest` and the RestoreItemAction
+/// pair: the same three fields, the third the Backup or Restore as JSON.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct OperationRequest {
+    #[prost(string, tag = "1")]
+    pub plugin: String,
+    #[prost(string, tag = "2")]
+    pub operation_id: String,
+    #[prost(bytes = "vec", tag = "3")]
+    pub owner: Vec<u8>,
+}
+
+/// `v2.BackupItemActionProgressResponse` and `v2.RestoreItemActionProgressResponse`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ProgressResponse {
+    #[prost(message, optional, tag = "1")]
+    pub progress: Option<OperationProgress>,
+}
+
+/// `generated.OperationProgress`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct OperationProgress {
+    #[prost(bool, tag = "1")]
+    pub completed: bool,
+    #[prost(string, tag = "2")]
+    pub err: String,
+    #[prost(int64, tag = "3")]
+    pub n_completed: i64,
+    #[prost(int64, tag = "4")]
+    pub n_total: i64,
+    #[prost(string, tag = "5")]
+    pub operation_units: String,
+    #[prost(string, tag = "6")]
+    pub description: String,
+    #[prost(message, optional, tag = "7")]
+    pub started: Option<Timestamp>,
+    #[prost(message, optional, tag = "8")]
+    pub updated: Option<Timestamp>,
+}
+
+/// `google.protobuf.Timestamp`.
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Timestamp {
+    #[prost(int64, tag = "1")]
+    pub seconds: i64,
+    #[prost(int32, tag = "2")]
+    pub nanos: i32,
+}
+
+/// Seconds of Go's zero `time.Time` (0001-01-01T00:00:00Z) since the Unix epoch: what
+/// Velero's framework sends for a `started` or `updated` it does not know.
+pub const GO_ZERO_SECONDS: i64 = -62_135_596_800;
+
+/// `generated.Stack`: the detail of a plugin's error.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Stack {
+    #[prost(message, repeated, tag = "1")]
+    pub frames: Vec<StackFrame>,
+}
+
+/// `generated.StackFrame`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StackFrame {
+    #[prost(string, tag = "1")]
+    pub file: String,
+    #[prost(int32, tag = "2")]
+    pub line: i32,
+    #[prost(string, tag = "3")]
+    pub function: String,
+}
+
+/// `google.rpc.Status`, as `grpc-status-details-bin` carries it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RpcStatus {
+    #[prost(int32, tag = "1")]
+    pub code: i32,
+    #[prost(string, tag = "2")]
+    pub message: String,
+    #[prost(message, repeated, tag = "3")]
+    pub details: Vec<Any>,
+}
+
+/// `google.protobuf.Any`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Any {
+    #[prost(string, tag = "1")]
+    pub type_url: String,
+    #[prost(bytes = "vec", tag = "2")]
+    pub value: Vec<u8>,
+}
+
+/// `plugin.StdioData`: channel 1 is stdout, 2 stderr.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StdioData {
+    #[prost(int32, tag = "1")]
+    pub channel: i32,
+    #[prost(bytes = "vec", tag = "2")]
+    pub data: Vec<u8>,
+}
