@@ -61,7 +61,7 @@ async fn each_bad_request_gets_its_error_and_leaves_connection_and_state_intact(
         (
             request("snapshotter.register", json!(5)),
             -32602,
-            "params: invalid type: integer `5`, expected an object with name, apiVersion, socket, command, stallTimeout, startTimeout, retryAttempts, retryBackoff, retryWithin".into(),
+            "params: invalid type: integer `5`, expected an object with name, apiVersion, socket, command, veleroPlugin, args, env, stallTimeout, startTimeout, retryAttempts, retryBackoff, retryWithin".into(),
         ),
         (
             request("backup.addOperations", json!({"name": "b", "operations": [{"plugin": "x", "resource": {"resource": "pods", "name": "a"}, "operationId": "z"}]})),
