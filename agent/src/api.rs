@@ -217,12 +217,6 @@ fn check_start(kind: OwnerKind, p: &StartParams) -> Result<(), Error> {
     if p.item_operation_timeout.is_some_and(|t| t.0.is_zero()) {
         return Err(invalid("itemOperationTimeout", "must be greater than zero"));
     }
-    if kind == OwnerKind::Backup && p.finalize.is_some() {
-        return Err(invalid(
-            "finalize",
-            "backups always pass through Finalizing; only restores take this flag",
-        ));
-    }
     Ok(())
 }
 

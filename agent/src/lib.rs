@@ -153,9 +153,7 @@ async fn serve_metrics_tcp(
         .await
         .map_err(|e| format!("binding the metrics listener {address}: {e}"))?;
     tracing::info!(%address, "serving metrics");
-    tokio::spawn(async move {
-        server::serve_metrics(listener, page, shutdown.cancelled_owned()).await;
-    });
+    tokio::spawn(metrics::serve_tcp(listener, page, shutdown));
     Ok(())
 }
 
@@ -209,9 +207,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     }
     core.recover().await.map_err(|e| e.to_string())?;
     let page_core = core.clone();
-    let page: server::MetricsPage = Arc::new(move || {
+    let page: server::MetricsPage = Arc::new(move |accept| {
         let core = page_core.clone();
-        Box::pin(async move { core.metrics_page().await })
+        Box::pin(async move { core.metrics_page(accept.as_deref()).await })
     });
     let stop_metrics = tokio_util::sync::CancellationToken::new();
     if let Some(address) = settings.metrics_listen {

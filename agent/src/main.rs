@@ -92,9 +92,20 @@ fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let registry = tracing_subscriber::registry().with(filter);
+    let journal = stderr_is_journal();
     match settings.log_format {
-        LogFormat::Json => registry.with(logs.json()).init(),
-        LogFormat::Human => registry.with(logs.fmt_fields(escaped_fields())).init(),
+        LogFormat::Json => registry
+            .with(
+                logs.json()
+                    .map_event_format(|f| Prioritized::new(f, journal)),
+            )
+            .init(),
+        LogFormat::Human => registry
+            .with(
+                logs.fmt_fields(escaped_fields())
+                    .map_event_format(|f| Prioritized::new(f, journal)),
+            )
+            .init(),
     }
     let reload_with = Reload {
         command_line,
@@ -113,10 +124,71 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(opmon_agent::run(settings, reload_with)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("opmon-agent: {e}");
+            // Once: in the log when errors are logged, else on stderr as it stands.
+            if tracing::enabled!(tracing::Level::ERROR) {
+                tracing::error!("{e}");
+            } else {
+                eprintln!("opmon-agent: {e}");
+            }
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether stderr is connected to the journal: systemd sets `JOURNAL_STREAM` to the
+/// device and inode of the stream it gave (sd-daemon(3)); a child that inherited the
+/// variable with another stderr does not match.
+fn stderr_is_journal() -> bool {
+    let Ok(stream) = std::env::var("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = stream.split_once(':') else {
+        return false;
+    };
+    match nix::sys::stat::fstat(std::io::stderr()) {
+        Ok(st) => {
+            dev.parse::<u64>().ok() == Some(st.st_dev) && ino.parse::<u64>().ok() == Some(st.st_ino)
+        }
+        Err(_) => false,
+    }
+}
+
+/// An event format that, when the log goes to the journal, starts each line with its
+/// syslog priority as sd-daemon(3) defines (`<3>` error, `<4>` warning, `<6>` info,
+/// `<7>` debug and trace), so `journalctl -p warning` selects by level.
+struct Prioritized<F> {
+    inner: F,
+    journal: bool,
+}
+
+impl<F> Prioritized<F> {
+    fn new(inner: F, journal: bool) -> Prioritized<F> {
+        Prioritized { inner, journal }
+    }
+}
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for Prioritized<F>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static,
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        if self.journal {
+            let priority = match *event.metadata().level() {
+                tracing::Level::ERROR => 3,
+                tracing::Level::WARN => 4,
+                tracing::Level::INFO => 6,
+                _ => 7,
+            };
+            write!(writer, "<{priority}>")?;
+        }
+        self.inner.format_event(ctx, writer, event)
     }
 }
 

@@ -1122,7 +1122,16 @@ fn expected_updates(items: &[UpdatedItem]) -> BTreeMap<Vec<u8>, Vec<u8>> {
             .next()
             .unwrap()
             .to_string();
-        let content = serde_json::to_vec(&item.object).unwrap();
+        // Go's json.Marshal escapes HTML characters and line separators; outside strings
+        // JSON has none of them, so replacing them in serde_json's output is Go's bytes.
+        let content = serde_json::to_string(&item.object)
+            .unwrap()
+            .replace('<', "\\u003c")
+            .replace('>', "\\u003e")
+            .replace('&', "\\u0026")
+            .replace('\u{2028}', "\\u2028")
+            .replace('\u{2029}', "\\u2029")
+            .into_bytes();
         let key = item_of_resource(&item.resource);
         for dir in [None, Some(format!("{version}-preferredversion"))] {
             paths.insert(

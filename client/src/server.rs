@@ -101,8 +101,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
-/// Renders the page served at `GET /metrics`.
-pub type MetricsPage = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = String> + Send>> + Send + Sync>;
+/// Renders the page served at `GET /metrics`, given the request's `Accept` header:
+/// its content type and its text.
+pub type MetricsPage = Arc<
+    dyn Fn(Option<String>) -> Pin<Box<dyn Future<Output = (&'static str, String)> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
@@ -134,9 +139,6 @@ pub const LARGE_BODY_GRACE: Duration = Duration::from_secs(2);
 /// Calls of methods that have answered with [`SMALL_BACKLOG`] or more made at once, over
 /// all connections (those of methods that mostly wait aside).
 pub const LARGE_MAKING_AT_ONCE: usize = 2;
-
-/// The `Content-Type` of the metrics page (Prometheus text format 0.0.4).
-pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Least of an oversized request body read (and dropped) past the request size limit
 /// after its 413, so that a client still sending it reads the answer instead of a broken
@@ -279,67 +281,18 @@ pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// The `GET /metrics` answer: `page` with the Prometheus text format's content type.
-pub async fn metrics_response(page: &MetricsPage) -> HttpResponse {
-    let mut response = HttpResponse::new(HttpBody::from(page().await));
-    response.headers_mut().insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
-    );
-    response
-}
-
-/// Serves `GET /metrics` from `page` on a TCP listener until `shutdown` resolves:
-/// the same answer as on the socket, and 404 for anything else.
-pub async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    page: MetricsPage,
-    shutdown: impl Future<Output = ()>,
-) {
-    let connections = TaskTracker::new();
-    let (stop_handle, server_handle) = stop_channel();
-    tokio::pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a metrics connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let page = page.clone();
-        let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-            let page = page.clone();
-            async move {
-                if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
-                    return Ok::<_, std::convert::Infallible>(metrics_response(&page).await);
-                }
-                Ok(plain(
-                    hyper::StatusCode::NOT_FOUND,
-                    "only GET /metrics is served here\n",
-                ))
-            }
-        });
-        let stopped = stop_handle.clone().shutdown();
-        connections.spawn(async move {
-            let _ = serve_with_graceful_shutdown(stream, service, stopped).await;
-        });
-    }
-    let _ = server_handle.stop();
-    connections.close();
-    connections.wait().await;
-}
-
-fn plain(status: hyper::StatusCode, text: &'static str) -> HttpResponse {
+/// The `GET /metrics` answer to `request`: the page in the format its `Accept` asks for.
+pub async fn metrics_response<B>(page: &MetricsPage, request: &hyper::Request<B>) -> HttpResponse {
+    let accept = request
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let (content_type, text) = page(accept).await;
     let mut response = HttpResponse::new(HttpBody::from(text));
-    *response.status_mut() = status;
     response.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+        hyper::header::HeaderValue::from_static(content_type),
     );
     response
 }
@@ -733,7 +686,7 @@ where
 {
     if let Some(page) = &shared.page {
         if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
-            return Ok(metrics_response(page).await);
+            return Ok(metrics_response(page, &request).await);
         }
     }
     let (mut parts, body) = request.into_parts();

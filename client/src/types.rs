@@ -447,8 +447,9 @@ pub struct StartParams {
     /// Overrides the snapshotter's `startTimeout`; `0s` turns it off for this owner.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_timeout: Option<GoDuration>,
-    /// Restores only: pass through Finalizing and wait for `restore.finalize`. Absent:
-    /// the agent's `restore_finalize` setting decides.
+    /// Pass through Finalizing and wait for `finalize`. Absent: true for a backup, the
+    /// agent's `restore_finalize` setting for a restore. `false` for a backup server
+    /// that writes its own files (Velero through `opmon-velero-plugin`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finalize: Option<bool>,
     /// The backup server's own representation of the backup or restore (for Velero, the

@@ -44,7 +44,7 @@ pub fn parse_yaml(text: &str, what: &str) -> Vec<Value> {
             "-c",
             "import json, sys, tomllib, yaml\n\
              docs = [d for d in yaml.safe_load_all(sys.stdin) if d is not None]\n\
-             for d in docs:\n    if d.get('kind') == 'ConfigMap':\n        d['_toml'] = {k: tomllib.loads(v) for k, v in d.get('data', {}).items() if k.endswith('.toml')}\n\
+             for d in docs:\n    if isinstance(d, dict) and d.get('kind') == 'ConfigMap':\n        d['_toml'] = {k: tomllib.loads(v) for k, v in d.get('data', {}).items() if k.endswith('.toml')}\n\
              json.dump(docs, sys.stdout)",
         ])
         .stdin(std::process::Stdio::piped())

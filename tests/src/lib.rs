@@ -344,6 +344,11 @@ impl Agent {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// The running agent's process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("agent is running").id()
+    }
 }
 
 impl Drop for Agent {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use opmon_tests::deploy::{self, Image};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// The repository root.
 fn repo() -> PathBuf {
@@ -439,6 +439,12 @@ fn is_agent(container: &Value) -> bool {
     container["image"]
         .as_str()
         .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX))
+        && !is_plugin_installer(container)
+}
+
+/// The init container that installs opmon's Velero plugin, from the agent's image.
+fn is_plugin_installer(container: &Value) -> bool {
+    container["command"][0] == "/usr/local/bin/opmon-velero-plugin"
 }
 
 /// The image: socket, state and storage are volumes; it runs the agent as 65532 from a
@@ -1402,5 +1408,97 @@ fn the_printed_deployment_commands_name_what_the_repository_holds() {
                 "container/README.md never applies {path} (example {example})"
             );
         }
+    }
+}
+
+/// opmon's Velero plugin is installed after the plugin init containers the Deployment
+/// had (it takes the place of one of them, which must have copied its plugin first),
+/// from the agent's image, into the `plugins` volume that Velero reads and the agent
+/// mounts read-only at /plugins (where the original is polled from).
+#[test]
+fn the_velero_plugin_installer_runs_after_the_plugins_it_stands_in_for() {
+    let input = deploy::manifest(deploy::VELERO_INPUT);
+    let (_, input_pod) = deploy::pod_templates(&input)
+        .into_iter()
+        .find(|(n, _)| n == "Deployment/velero")
+        .expect("the input's Velero pod");
+    let input_init: Vec<String> = input_pod["initContainers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| str_of(&c["name"], "name").to_string())
+        .collect();
+    assert!(
+        !input_init.is_empty(),
+        "the input has a plugin init container"
+    );
+    for example in ["sidecar", "sidecar-litestream"] {
+        let docs = deploy::rendered(example);
+        let (_, pod) = deploy::pod_templates(&docs)
+            .into_iter()
+            .find(|(n, _)| n == "Deployment/velero")
+            .expect("Velero's pod");
+        let init: Vec<&Value> = pod["initContainers"]
+            .as_array()
+            .expect("init")
+            .iter()
+            .collect();
+        let at = init
+            .iter()
+            .position(|c| is_plugin_installer(c))
+            .unwrap_or_else(|| panic!("{example}: no opmon-velero-plugin init container"));
+        for name in &input_init {
+            let plugin = init
+                .iter()
+                .position(|c| c["name"] == name.as_str())
+                .unwrap_or_else(|| panic!("{example}: {name} is gone"));
+            assert!(plugin < at, "{example}: the installer runs before {name}");
+        }
+        let installer = init[at];
+        assert!(
+            installer["image"]
+                .as_str()
+                .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX)),
+            "{example}: {}",
+            installer["image"]
+        );
+        assert_eq!(installer["command"][1], "install", "{example}");
+        let target = str_of(&installer["command"][2], "the plugin's path");
+        assert!(target.starts_with("/target/"), "{example}: {target}");
+        let mount = |c: &Value, path: &str| -> Option<Value> {
+            c["volumeMounts"]
+                .as_array()?
+                .iter()
+                .find(|m| m["mountPath"] == path)
+                .cloned()
+        };
+        assert_eq!(
+            mount(installer, "/target").expect("the installer's /target")["name"],
+            "plugins",
+            "{example}"
+        );
+        // The agent checks its [[snapshotter]] tables' binaries when it starts: after
+        // the installer has moved the original into place.
+        let agent_at = init.iter().position(|c| is_agent(c)).expect("the agent");
+        assert!(
+            at < agent_at,
+            "{example}: the agent starts before the installer"
+        );
+        let agent = init[agent_at];
+        let plugins = mount(agent, "/plugins").expect("the agent mounts /plugins");
+        assert_eq!(
+            (&plugins["name"], &plugins["readOnly"]),
+            (&json!("plugins"), &json!(true)),
+            "{example}"
+        );
+        let velero = deploy::containers(pod)
+            .into_iter()
+            .find(|c| c["name"] == "velero")
+            .expect("velero");
+        assert_eq!(
+            mount(velero, "/plugins").map(|m| m["name"].clone()),
+            Some(json!("plugins")),
+            "{example}: Velero reads its plugins from the volume the installer writes"
+        );
     }
 }

@@ -511,6 +511,12 @@ fn is_agent(container: &Value) -> bool {
     container["image"]
         .as_str()
         .is_some_and(|i| i.starts_with(deploy::AGENT_IMAGE_PREFIX))
+        && !is_plugin_installer(container)
+}
+
+/// The init container that installs opmon's Velero plugin, from the agent's image.
+fn is_plugin_installer(container: &Value) -> bool {
+    container["command"][0] == "/usr/local/bin/opmon-velero-plugin"
 }
 
 /// The socket the tests' snapshotter serves on, in the agent pod's snapshotter volume.
@@ -621,6 +627,40 @@ fn deploy_and_back_up(example: &str) {
                 running.push(process);
                 agent = Some((spec, running.len() - 1, container, pod));
                 assert!(sidecar || !is_init, "{name}: an init container that exits?");
+            } else if is_plugin_installer(container) {
+                // opmon's Velero plugin takes the place of the plugin it stands in for,
+                // which that plugin's own init container (the user's image, not run
+                // here) copied into the volume first: a test binary plays it.
+                assert!(is_init && !sidecar, "{name}: an installer runs to its end");
+                let argv = argv_of(container, Some(&image));
+                let target = Path::new(argv.last().expect("the plugin's path"));
+                let file = target.file_name().expect("a file name");
+                let dir = target
+                    .parent()
+                    .expect("a directory")
+                    .to_str()
+                    .expect("utf-8");
+                let volume = pod.host_dir(container, dir);
+                let original = opmon_tests::test_snapshotter_binary();
+                std::fs::copy(&original, volume.join(file)).expect("the original plugin");
+                let mut spec = Spec::of(pod, container, Some(&image));
+                let standin = workspace_binary("opmon-velero-plugin");
+                spec.mounts.push((
+                    standin.clone(),
+                    "/usr/local/bin/opmon-velero-plugin".into(),
+                    true,
+                ));
+                run_to_end(&node, &spec, &argv);
+                let read =
+                    |p: &Path| std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert!(
+                    read(&volume.join(file)) == read(&standin),
+                    "{name}: the stand-in is not in the plugin's place"
+                );
+                assert!(
+                    read(&volume.join("opmon").join(file)) == read(&original),
+                    "{name}: the original is not in opmon/"
+                );
             } else if container["image"]
                 .as_str()
                 .is_some_and(|i| i.starts_with("busybox:"))

@@ -211,8 +211,14 @@ impl Core {
                 Ok::<_, Error>((row.id, targets, canceled))
             })
             .await?;
-        tracing::warn!(%kind, owner = %name, %reason, canceled = canceled.len(), whole,
+        tracing::info!(%kind, owner = %name, %reason, canceled = canceled.len(), whole,
             "cancel requested");
+        for t in &targets {
+            self.metrics
+                .ended(&t.plugin.name, crate::metrics::Outcome::Canceled);
+            tracing::warn!(owner = %name, plugin = %t.plugin.name, operation = %t.operation_id,
+                %reason, "operation canceled");
+        }
         self.changes
             .notify(kind, &name, canceled.clone(), Urgency::Now);
         // The file is marked due in the transaction; writing it need not hold up the

@@ -148,7 +148,9 @@ impl Core {
     ) -> Result<FinalizeResult, Error> {
         let name = p.name.clone();
         let mut bound = None;
+        let began = std::time::Instant::now();
         let result = self.finalize_once(kind, p, caller, &mut bound).await;
+        self.metrics.finalized(began.elapsed());
         if let Err(Error::Finalize(message)) = &result {
             // Only the caller hears the error: the log and the owner's history keep it
             // for whoever looks later.

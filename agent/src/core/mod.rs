@@ -196,11 +196,32 @@ impl Core {
         })
     }
 
-    /// The metrics page: counters plus gauges read now.
-    pub async fn metrics_page(&self) -> String {
-        match self.status().await {
-            Ok(status) => self.metrics.render(&status),
-            Err(e) => format!("# metrics unavailable: {e}\n"),
+    /// The metrics page in the format `accept` asks for: counters plus gauges read now.
+    pub async fn metrics_page(&self, accept: Option<&str>) -> (&'static str, String) {
+        let now = UnixMs::now();
+        let read = async {
+            let status = self.status().await?;
+            let unfinished = self
+                .store
+                .read(move |conn| {
+                    crate::metrics::unfinished_by_snapshotter(conn, now).map_err(Error::from)
+                })
+                .await?;
+            Ok::<_, Error>((status, unfinished))
+        };
+        match read.await {
+            Ok((status, snapshotters)) => {
+                let mut scraped = crate::metrics::Scraped {
+                    snapshotters,
+                    ..Default::default()
+                };
+                crate::metrics::file_sizes(self.store.path(), &mut scraped);
+                self.metrics.render(&status, &scraped, accept)
+            }
+            Err(e) => (
+                crate::metrics::TEXT_CONTENT_TYPE,
+                format!("# metrics unavailable: {e}\n"),
+            ),
         }
     }
 

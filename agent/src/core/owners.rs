@@ -13,7 +13,7 @@ use opmon_client::{
 use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
 
-use super::poll::{apply_changes, record_owner_phase, settle_owner, Settle};
+use super::poll::{apply_changes, record_owner_phase, settle_owner, Ended, Settle};
 use super::{require, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
@@ -105,7 +105,9 @@ impl Core {
             .item_operation_timeout
             .unwrap_or(self.settings.default_item_operation_timeout);
         let finalize = match kind {
-            OwnerKind::Backup => true,
+            // A backup server that writes its own files (Velero, through
+            // opmon-velero-plugin) starts its backups with `finalize: false`.
+            OwnerKind::Backup => p.finalize.unwrap_or(true),
             OwnerKind::Restore => p.finalize.unwrap_or(self.settings.restore_finalize),
         };
         let now = UnixMs::now();
@@ -238,7 +240,7 @@ impl Core {
         let changes = self.poller.poll(targets).await;
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
         let now = UnixMs::now();
-        let owner = self
+        let (owner, ended) = self
             .store
             .write(move |conn| {
                 let current = require(conn, kind, &p.name)?;
@@ -249,7 +251,8 @@ impl Core {
                     }));
                 }
                 require_in_progress(&current, "endInProgress")?;
-                let newly_failed = apply_changes(conn, &changes, now)?
+                let mut ended = Vec::new();
+                let newly_failed = apply_changes(conn, &changes, now, &mut ended)?
                     .get(&current.id)
                     .copied()
                     .unwrap_or(0);
@@ -259,9 +262,10 @@ impl Core {
                     caller,
                 };
                 settle_owner(conn, current.id, newly_failed, how, now)?;
-                reload(conn, current.id)
+                Ok::<_, Error>((reload(conn, current.id)?, ended))
             })
             .await?;
+        Ended::report(&ended, &self.metrics);
         tracing::info!(%kind, owner = %owner.name, phase = %owner.phase, "left InProgress");
         self.refresh_records([(kind, owner.name.clone())]).await;
         self.changes

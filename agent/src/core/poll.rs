@@ -109,6 +109,7 @@ pub(super) fn apply_changes(
     conn: &Connection,
     changes: &[OperationChange],
     now: UnixMs,
+    ended: &mut Vec<Ended>,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
     // Changes come in runs of one owner: its count is kept here until the run ends.
@@ -119,6 +120,9 @@ pub(super) fn apply_changes(
         if updates.write(c.target.row, &c.target.state, &c.next, &c.rate)? {
             if let Some(why) = c.why {
                 log_limit(c, why);
+            }
+            if phase_changed && !c.next.phase.is_unfinished() {
+                ended.push(Ended::of(c));
             }
             let owner = c.target.owner_row;
             let failed = match &mut run {
@@ -146,27 +150,92 @@ pub(super) fn apply_changes(
     Ok(touched)
 }
 
-/// Logs a change a limit decided (a deadline, a retry), once it is written.
+/// Logs a retry a limit decided, once it is written (an ending is [`ended`]'s).
 fn log_limit(c: &OperationChange, why: phase::Why) {
     use phase::Why;
     let (t, next) = (&c.target, &c.next);
     match why {
-        Why::TimedOut | Why::Stalled | Why::NotStarted | Why::Unreachable => {
-            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                error = %next.error, ?why, "operation failed by a limit");
-        }
-        Why::RetriesSpent => {
-            tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
-                attempts = next.attempts, error = %next.error, "retries spent");
-        }
         Why::RetryScheduled => {
-            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
-                attempt = next.attempts, error = %next.last_error,
-                next_attempt_ms = next.next_attempt_ms, "transient error; retrying");
+            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                operation = %t.operation_id, attempt = next.attempts,
+                reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
+                "transient error; retrying");
         }
         Why::Recovered => {
-            tracing::info!(owner = %t.owner.name, operation = %t.operation_id,
-                attempts = next.attempts, "answered again after transient errors");
+            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                operation = %t.operation_id, attempts = next.attempts,
+                "answered again after transient errors");
+        }
+        _ => {}
+    }
+}
+
+/// A polled operation that ended in a transaction: logged and counted once the
+/// transaction has committed ([`Ended::report`]).
+pub(super) struct Ended {
+    owner: String,
+    plugin: String,
+    operation: String,
+    reason: String,
+    outcome: crate::metrics::Outcome,
+    /// What failed it, for an outcome of `failed`.
+    by: &'static str,
+}
+
+impl Ended {
+    fn of(c: &OperationChange) -> Ended {
+        use crate::metrics::Outcome;
+        use phase::Why;
+        let (t, next) = (&c.target, &c.next);
+        let outcome = match (next.phase, c.why) {
+            (OperationPhase::Completed, _) => Outcome::Completed,
+            (OperationPhase::Canceled, _) => Outcome::Canceled,
+            (_, Some(Why::Stalled)) => Outcome::Stalled,
+            (_, Some(Why::TimedOut)) => Outcome::TimedOut,
+            _ if next.error == phase::TIMED_OUT => Outcome::TimedOut,
+            _ => Outcome::Failed,
+        };
+        let by = match c.why {
+            Some(Why::NotStarted) => "not started",
+            Some(Why::Unreachable) => "snapshotter unreachable",
+            Some(Why::RetriesSpent) => "retries spent",
+            _ => "snapshotter's report",
+        };
+        Ended {
+            owner: t.owner.name.clone(),
+            plugin: t.plugin.name.clone(),
+            operation: t.operation_id.clone(),
+            reason: next.error.clone(),
+            outcome,
+            by,
+        }
+    }
+
+    /// Counts and logs the operations that ended: one line each, a WARN for each that
+    /// did not complete.
+    pub(super) fn report(ended: &[Ended], metrics: &Metrics) {
+        use crate::metrics::Outcome;
+        for e in ended {
+            metrics.ended(&e.plugin, e.outcome);
+            let (owner, plugin, operation, reason) = (&e.owner, &e.plugin, &e.operation, &e.reason);
+            match e.outcome {
+                Outcome::Completed => {
+                    tracing::debug!(%owner, %plugin, %operation, "operation completed");
+                }
+                Outcome::Stalled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+                }
+                Outcome::TimedOut => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+                }
+                Outcome::Canceled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+                }
+                Outcome::Failed => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
+                        "operation failed");
+                }
+            }
         }
     }
 }
@@ -553,6 +622,9 @@ impl Poller {
         let reached = answers
             .iter()
             .any(|a| !matches!(a, Err(CallError::Unreachable(_))));
+        if !answers.is_empty() {
+            self.metrics.reached(plugin, reached);
+        }
         let mut unreachable = lock(&self.unreachable);
         if reached || answers.is_empty() {
             if unreachable.remove(plugin).is_some() {
@@ -682,15 +754,17 @@ impl Core {
         let now = UnixMs::now();
         let commit = move |conn: &Connection| {
             let mut due = Vec::new();
-            for (owner_row, failed) in apply_changes(conn, &changes, now)? {
+            let mut ended = Vec::new();
+            for (owner_row, failed) in apply_changes(conn, &changes, now, &mut ended)? {
                 if let Some((row, true)) = settle_owner(conn, owner_row, failed, Settle::Poll, now)?
                 {
                     due.push((row.owner.kind, row.owner.name));
                 }
             }
-            Ok::<_, Error>(due)
+            Ok::<_, Error>((due, ended))
         };
-        let due = self.store.write(commit).await?;
+        let (due, ended) = self.store.write(commit).await?;
+        Ended::report(&ended, &self.metrics);
         self.refresh_records(due).await;
         for (owner, rows, urgency) in changed {
             self.changes.notify(owner.kind, &owner.name, rows, urgency);

@@ -115,6 +115,7 @@ var goZero = &generated.Timestamp{Seconds: -62135596800}
 //	block-…      never answers (the call's deadline ends it)
 //	crash-…      the plugin exits at its first poll, completes after its restart
 //	noisy-N-…    N KiB written to stdout and stderr each poll, then complete
+//	flaky-N-…    gRPC Aborted (transient) for N polls, then complete
 func progress(ctx context.Context, kind, name, id string, owner []byte) (*generated.OperationProgress, error) {
 	var object struct {
 		Kind     string `json:"kind"`
@@ -147,6 +148,13 @@ func progress(ctx context.Context, kind, name, id string, owner []byte) (*genera
 		return nil, veleroError("no snapshot named " + id)
 	case "code":
 		return nil, status.Error(codes.FailedPrecondition, "not ready for "+id)
+	case "flaky":
+		// Aborted, a transient error, for the first N polls; then complete.
+		n, _ := strconv.Atoi(words[1])
+		if polls <= n {
+			return nil, status.Error(codes.Aborted, fmt.Sprintf("%s: snapshot busy, try again", id))
+		}
+		return &generated.OperationProgress{Completed: true, NCompleted: 5, NTotal: 5, OperationUnits: "GB", Started: now(), Updated: now()}, nil
 	case "stall":
 		return &generated.OperationProgress{NCompleted: 1, NTotal: 10, Started: &generated.Timestamp{Seconds: 1000}}, nil
 	case "block":
@@ -240,4 +248,74 @@ func main() {
 		},
 		GRPCServer: plugin.DefaultGRPCServer,
 	})
+}
+
+// AppliesTo and Execute, for the stand-in's tests: every plugin applies to PVCs, and
+// Execute starts the operation named by the item's name (see progress), or none when
+// the name begins with "sync-"; the item comes back with an annotation.
+func appliesTo(kind, name string) (*generated.ResourceSelector, error) {
+	record("appliesTo %s %s", kind, name)
+	if !servedAs(name, kind) {
+		return nil, veleroError(fmt.Sprintf("%s is not a %s plugin of this binary", name, kind))
+	}
+	return &generated.ResourceSelector{IncludedResources: []string{"persistentvolumeclaims"}}, nil
+}
+
+func execute(kind, name string, item, owner []byte) ([]byte, string, error) {
+	var object struct {
+		Metadata struct {
+			Name string `json:"name"`
+		} `json:"metadata"`
+	}
+	var parsed map[string]interface{}
+	if err := json.Unmarshal(item, &parsed); err != nil {
+		return nil, "", veleroError("decoding the item: " + err.Error())
+	}
+	_ = json.Unmarshal(item, &object)
+	record("execute %s %s %s", kind, name, object.Metadata.Name)
+	if !servedAs(name, kind) {
+		return nil, "", veleroError(fmt.Sprintf("%s is not a %s plugin of this binary", name, kind))
+	}
+	if meta, ok := parsed["metadata"].(map[string]interface{}); ok {
+		meta["annotations"] = map[string]interface{}{"example.io/executed": name}
+	}
+	out, _ := json.Marshal(parsed)
+	if strings.HasPrefix(object.Metadata.Name, "sync-") {
+		return out, "", nil
+	}
+	return out, object.Metadata.Name, nil
+}
+
+func (backupServer) AppliesTo(_ context.Context, r *v2.BackupItemActionAppliesToRequest) (*v2.BackupItemActionAppliesToResponse, error) {
+	s, err := appliesTo("BackupItemActionV2", r.Plugin)
+	if err != nil {
+		return nil, err
+	}
+	return &v2.BackupItemActionAppliesToResponse{ResourceSelector: s}, nil
+}
+
+func (backupServer) Execute(_ context.Context, r *v2.ExecuteRequest) (*v2.ExecuteResponse, error) {
+	item, id, err := execute("BackupItemActionV2", r.Plugin, r.Item, r.Backup)
+	if err != nil {
+		return nil, err
+	}
+	return &v2.ExecuteResponse{Item: item, OperationID: id, PostOperationItems: []*generated.ResourceIdentifier{
+		{Resource: "volumesnapshots", Namespace: "app", Name: "snap-" + id},
+	}}, nil
+}
+
+func (restoreServer) AppliesTo(_ context.Context, r *v2.RestoreItemActionAppliesToRequest) (*v2.RestoreItemActionAppliesToResponse, error) {
+	s, err := appliesTo("RestoreItemActionV2", r.Plugin)
+	if err != nil {
+		return nil, err
+	}
+	return &v2.RestoreItemActionAppliesToResponse{ResourceSelector: s}, nil
+}
+
+func (restoreServer) Execute(_ context.Context, r *v2.RestoreItemActionExecuteRequest) (*v2.RestoreItemActionExecuteResponse, error) {
+	item, id, err := execute("RestoreItemActionV2", r.Plugin, r.Item, r.Restore)
+	if err != nil {
+		return nil, err
+	}
+	return &v2.RestoreItemActionExecuteResponse{Item: item, OperationID: id}, nil
 }

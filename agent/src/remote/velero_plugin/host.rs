@@ -492,6 +492,14 @@ fn cut(s: &str, max: usize) -> &str {
     }
 }
 
+impl Host {
+    /// Stops the binary if it runs (its process group killed, its socket removed), as
+    /// when the host is dropped; a later call starts it again.
+    pub async fn stop(&self) {
+        self.state.lock().await.running = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

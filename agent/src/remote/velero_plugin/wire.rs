@@ -139,3 +139,62 @@ pub struct StdioData {
     #[prost(bytes = "vec", tag = "2")]
     pub data: Vec<u8>,
 }
+
+// The stand-in (`opmon-velero-plugin`) reads these from the calls it passes on; it
+// forwards the bytes themselves, so fields not declared here reach Velero unchanged.
+
+/// BackupItemAction v2 and RestoreItemAction v2 (proto package `v2`): the calls the
+/// stand-in passes to the original plugin and reads.
+pub const BACKUP_EXECUTE: &str = "/v2.BackupItemAction/Execute";
+pub const RESTORE_EXECUTE: &str = "/v2.RestoreItemAction/Execute";
+/// go-plugin's controller (the host's `Kill`) and gRPC health (its `Ping`).
+pub const CONTROLLER_SHUTDOWN: &str = "/plugin.GRPCController/Shutdown";
+pub const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
+
+/// `v2.ExecuteRequest` and `v2.RestoreItemActionExecuteRequest`: the plugin, the item and
+/// the Backup or Restore, each as JSON.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ExecuteRequest {
+    #[prost(string, tag = "1")]
+    pub plugin: String,
+    #[prost(bytes = "vec", tag = "2")]
+    pub item: Vec<u8>,
+    #[prost(bytes = "vec", tag = "3")]
+    pub owner: Vec<u8>,
+}
+
+/// `v2.ExecuteResponse` (BackupItemAction v2): the operation ID is field 3.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BackupExecuteResponse {
+    #[prost(string, tag = "3")]
+    pub operation_id: String,
+    #[prost(message, repeated, tag = "4")]
+    pub post_operation_items: Vec<ResourceIdentifier>,
+}
+
+/// `v2.RestoreItemActionExecuteResponse`: the operation ID is field 4.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RestoreExecuteResponse {
+    #[prost(string, tag = "4")]
+    pub operation_id: String,
+}
+
+/// `generated.ResourceIdentifier`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ResourceIdentifier {
+    #[prost(string, tag = "1")]
+    pub group: String,
+    #[prost(string, tag = "2")]
+    pub resource: String,
+    #[prost(string, tag = "3")]
+    pub namespace: String,
+    #[prost(string, tag = "4")]
+    pub name: String,
+}
+
+/// `grpc.health.v1.HealthCheckResponse`; status 1 is SERVING.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HealthCheckResponse {
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}

@@ -1,0 +1,876 @@
+//! `opmon-velero-plugin`: a Velero plugin that stands in for an asynchronous plugin, so
+//! that stock Velero's operations are watched by the opmon agent.
+//!
+//! Velero starts it as any plugin (go-plugin's handshake, gRPC on a Unix socket). It
+//! starts the original plugin beside it through the agent's go-plugin host, lists what
+//! the original serves under the same names, and passes every call on unchanged, bytes
+//! and errors alike, except four:
+//! - `Execute` of BackupItemAction v2 / RestoreItemAction v2 goes to the original too;
+//!   when it answers an operation ID, the operation is registered with the agent (the
+//!   Backup or Restore is the owner, created at its first Execute) before Velero hears
+//!   the answer;
+//! - `Progress` is answered from the agent's record of the operation (the agent polls
+//!   its own copy of the original, with its retries and deadlines); Velero's first
+//!   Progress of an owner ends its InProgress phase, since Velero asks only once it
+//!   waits for its plugins;
+//! - `Cancel` cancels through the agent;
+//! - go-plugin's Shutdown ends the stand-in and the original with it.
+//!
+//! It keeps no state of its own: a Velero restarted with new plugin processes asks
+//! Progress of operations this process never saw, and gets the same answer.
+//!
+//! Environment (Velero passes its own to plugins; the Deployment sets these):
+//! `OPMON_VELERO_ORIGINAL`, the original binary (default: `opmon/<this file's name>` in
+//! this binary's directory, where Velero's plugin discovery does not look), and
+//! `OPMON_SOCKET`, the agent's socket (default: the client's default path);
+//! `OPMON_VELERO_AGENT_TIMEOUT`, how long to wait for an unreachable agent (`10s`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use opmon_agent::remote::velero_plugin::{wire, Host, HostKey};
+use opmon_client::serde_json::{self, json, Value};
+use opmon_client::{codes, Client, Error as ClientError};
+use prost::Message;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codegen::http::uri::PathAndQuery;
+use tonic::codegen::http::{Request as HttpRequest, Response as HttpResponse};
+use tonic::{Request, Response, Status};
+
+/// How long the stand-in waits for the agent before telling Velero it is unreachable
+/// (`OPMON_VELERO_AGENT_TIMEOUT`, a Go duration): within Velero's own plugin call
+/// timeouts, and longer than an agent's restart.
+const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Plugin kinds whose calls are all unary, and so can be passed on as they are.
+/// The backup server the owners belong to, for `server.started`.
+const SERVER: &str = "velero";
+
+/// The Velero process this stand-in serves, its parent: the boot, its pid and its start
+/// time (a pid alone is reused). Velero starts plugin processes at its own start (to
+/// list them) and as it needs them; all of one Velero's life share this.
+fn velero_instance() -> String {
+    let parent = nix::unistd::getppid();
+    let started = std::fs::read_to_string(format!("/proc/{parent}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // Field 22, counted after the command's closing parenthesis (field 2).
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().nth(19).map(str::to_string)
+        })
+        .unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{parent}/{started}", boot.trim())
+}
+
+const PASSED_KINDS: &[&str] = &[
+    "BackupItemAction",
+    "BackupItemActionV2",
+    "RestoreItemAction",
+    "RestoreItemActionV2",
+    "DeleteItemAction",
+    "ItemBlockAction",
+    "VolumeSnapshotter",
+];
+
+/// Bytes in, bytes out: a call passed on without being decoded, so that fields the
+/// stand-in does not know reach the other side unchanged.
+#[derive(Clone, Copy, Default)]
+struct Raw;
+
+impl Codec for Raw {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl Encoder for Raw {
+    type Item = Bytes;
+    type Error = Status;
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for Raw {
+    type Item = Bytes;
+    type Error = Status;
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+/// Which of Velero's two asynchronous action kinds a call is for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Backup,
+    Restore,
+}
+
+impl Kind {
+    /// The agent's owner kind, as its methods are prefixed.
+    fn owner(self) -> &'static str {
+        match self {
+            Kind::Backup => "backup",
+            Kind::Restore => "restore",
+        }
+    }
+    fn plugin_kind(self) -> &'static str {
+        match self {
+            Kind::Backup => "BackupItemAction",
+            Kind::Restore => "RestoreItemAction",
+        }
+    }
+    fn cancel_path(self) -> &'static str {
+        match self {
+            Kind::Backup => wire::BACKUP_CANCEL,
+            Kind::Restore => wire::RESTORE_CANCEL,
+        }
+    }
+}
+
+struct StandIn {
+    original: Host,
+    served: Vec<wire::PluginIdentifier>,
+    command: String,
+    socket: PathBuf,
+    /// The directory of the socket Velero dials, removed at go-plugin's Shutdown.
+    socket_dir: PathBuf,
+    agent: tokio::sync::Mutex<Option<Client>>,
+    /// How long a call may wait for the agent before Velero hears it is unreachable.
+    timeout: Duration,
+    /// The Velero process that started this one (see [`velero_instance`]).
+    instance: String,
+}
+
+/// A failure the stand-in reports to Velero, as Velero's own plugins report theirs
+/// (gRPC Unknown): Velero shows the message on the item or operation.
+fn velero_error(message: String) -> Status {
+    tracing::warn!("{message}");
+    Status::unknown(message)
+}
+
+impl StandIn {
+    /// A client of the agent, connected once and kept.
+    async fn agent(&self) -> Result<Client, Status> {
+        let mut agent = self.agent.lock().await;
+        if let Some(client) = agent.as_ref() {
+            return Ok(client.clone());
+        }
+        let client = Client::builder(&self.socket)
+            .connect_timeout(self.timeout)
+            .call_timeout(self.timeout)
+            .connect()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        *agent = Some(client.clone());
+        Ok(client)
+    }
+
+    fn unreachable(&self, e: &ClientError) -> Status {
+        velero_error(format!(
+            "opmon-velero-plugin: the opmon agent at {} cannot be reached ({e}); the \
+             operation is not lost, the agent keeps it, but its state is unknown until \
+             the agent answers",
+            self.socket.display()
+        ))
+    }
+
+    /// One call, tried again while the agent cannot be reached (a restarting sidecar)
+    /// until the stand-in's deadline. Every call the stand-in makes is safe to repeat:
+    /// `start` and `addOperations` are idempotent, and a repeated `endInProgress` or
+    /// `cancel` answers 1003, which means done here.
+    async fn call(&self, method: &str, params: Value) -> Result<Value, ClientError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let answer = match self.agent().await {
+                Ok(agent) => agent.call(method, params.clone()).await,
+                Err(status) => Err(ClientError::Rpc {
+                    code: 0,
+                    message: status.message().to_string(),
+                }),
+            };
+            match answer {
+                Err(ClientError::Rpc { code, .. }) if code != 0 => return answer,
+                Ok(_) => return answer,
+                Err(_) if tokio::time::Instant::now() + pause < deadline => {
+                    // The kept client may be what broke: connect afresh.
+                    *self.agent.lock().await = None;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(_) => return answer,
+            }
+        }
+    }
+
+    /// The call failed: Velero hears why, in words naming the agent.
+    fn agent_error(&self, method: &str, e: ClientError) -> Status {
+        match e {
+            ClientError::Rpc { code: 0, message } => velero_error(message),
+            ClientError::Rpc { .. } => {
+                velero_error(format!("opmon-velero-plugin: opmon's {method}: {e}"))
+            }
+            e => self.unreachable(&e),
+        }
+    }
+
+    /// A connection to the original plugin.
+    async fn original(&self) -> Result<tonic::client::Grpc<tonic::transport::Channel>, Status> {
+        let connection = self.original.connection().await.map_err(|e| {
+            velero_error(format!(
+                "opmon-velero-plugin: the original plugin is not running: {e}"
+            ))
+        })?;
+        let mut grpc = tonic::client::Grpc::new(connection.channel);
+        grpc.ready().await.map_err(|e| {
+            velero_error(format!(
+                "opmon-velero-plugin: the original plugin is not ready: {e}"
+            ))
+        })?;
+        Ok(grpc)
+    }
+
+    /// Passes one unary call to the original and its answer (or error) back.
+    async fn pass(&self, path: PathAndQuery, body: Bytes) -> Result<Bytes, Status> {
+        let mut grpc = self.original().await?;
+        grpc.unary(Request::new(body), path, Raw)
+            .await
+            .map(Response::into_inner)
+    }
+
+    /// Execute: the original's answer, its operation registered with the agent first.
+    async fn execute(&self, kind: Kind, path: PathAndQuery, body: Bytes) -> Result<Bytes, Status> {
+        let request = wire::ExecuteRequest::decode(body.clone())
+            .map_err(|e| velero_error(format!("opmon-velero-plugin: a malformed Execute: {e}")))?;
+        let answer = self.pass(path, body).await?;
+        let (operation_id, post) = match kind {
+            Kind::Backup => {
+                let r = wire::BackupExecuteResponse::decode(answer.clone());
+                r.map(|r| (r.operation_id, r.post_operation_items))
+            }
+            Kind::Restore => {
+                let r = wire::RestoreExecuteResponse::decode(answer.clone());
+                r.map(|r| (r.operation_id, Vec::new()))
+            }
+        }
+        .map_err(|e| {
+            velero_error(format!(
+                "opmon-velero-plugin: the original plugin answered a malformed Execute: {e}"
+            ))
+        })?;
+        if operation_id.is_empty() {
+            return Ok(answer);
+        }
+        if let Err(status) = self.register(kind, &request, &operation_id, &post).await {
+            // Velero records no operation for an item whose Execute failed: the
+            // original's would run unwatched, so it is cancelled (best effort).
+            let cancel = wire::OperationRequest {
+                plugin: request.plugin.clone(),
+                operation_id: operation_id.clone(),
+                owner: request.owner.clone(),
+            };
+            if let Ok(mut grpc) = self.original().await {
+                let _ = grpc
+                    .unary(
+                        Request::new(Bytes::from(cancel.encode_to_vec())),
+                        PathAndQuery::from_static(kind.cancel_path()),
+                        Raw,
+                    )
+                    .await;
+            }
+            return Err(status);
+        }
+        Ok(answer)
+    }
+
+    /// Creates the owner (again: `start` returns an existing one) and adds the operation.
+    async fn register(
+        &self,
+        kind: Kind,
+        request: &wire::ExecuteRequest,
+        operation_id: &str,
+        post: &[wire::ResourceIdentifier],
+    ) -> Result<(), Status> {
+        let owner = object(&request.owner, "Backup or Restore")?;
+        let item = object(&request.item, "item")?;
+        let (name, uid) = name_and_uid(&owner)?;
+        let mut start = json!({"name": name, "uid": uid, "object": owner,
+                               "server": {"name": SERVER, "instance": self.instance}});
+        if let Some(timeout) = owner
+            .pointer("/spec/itemOperationTimeout")
+            .and_then(Value::as_str)
+        {
+            start["itemOperationTimeout"] = json!(timeout);
+        }
+        // Velero writes its own files: the owner ends when its operations have.
+        start["finalize"] = json!(false);
+        let method = format!("{}.start", kind.owner());
+        self.call(&method, start)
+            .await
+            .map_err(|e| self.agent_error(&method, e))?;
+        let post: Vec<Value> = post
+            .iter()
+            .map(|r| {
+                json!({"group": r.group, "resource": r.resource,
+                       "namespace": r.namespace, "name": r.name})
+            })
+            .collect();
+        let operation = json!({
+            "plugin": {"kind": kind.plugin_kind(), "name": request.plugin},
+            "resource": resource(&item),
+            "operationId": operation_id,
+            "postOperationItems": post,
+        });
+        let method = format!("{}.addOperations", kind.owner());
+        self.call(&method, json!({"name": name, "operations": [operation]}))
+            .await
+            .map_err(|e| self.agent_error(&method, e))?;
+        tracing::info!(owner = %name, operation = %operation_id, plugin = %request.plugin, "registered with the agent");
+        Ok(())
+    }
+
+    /// Progress, from the agent's record.
+    async fn progress(&self, kind: Kind, body: Bytes) -> Result<wire::ProgressResponse, Status> {
+        let request = wire::OperationRequest::decode(body)
+            .map_err(|e| velero_error(format!("opmon-velero-plugin: a malformed Progress: {e}")))?;
+        let owner = object(&request.owner, "Backup or Restore")?;
+        let (name, _) = name_and_uid(&owner)?;
+        let get = format!("{}.get", kind.owner());
+        let current = self
+            .call(&get, json!({"name": name}))
+            .await
+            .map_err(|e| self.agent_error(&get, e))?;
+        if current["phase"] == "InProgress" {
+            // Velero asks Progress once its backup waits for its plugins: the owner
+            // stops taking operations and the agent polls them. Another process may
+            // have done it meanwhile (1003); either way it is done.
+            let end = format!("{}.endInProgress", kind.owner());
+            match self.call(&end, json!({"name": name})).await {
+                Ok(_) => {}
+                Err(ClientError::Rpc { code, .. }) if code == codes::WRONG_PHASE => {}
+                Err(e) => return Err(self.agent_error(&end, e)),
+            }
+        }
+        let method = format!("{}.operations", kind.owner());
+        let operations = self
+            .call(&method, json!({"name": name}))
+            .await
+            .map_err(|e| self.agent_error(&method, e))?;
+        let operation = operations
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|op| {
+                op["operationId"] == request.operation_id.as_str()
+                    && op["plugin"]["name"] == request.plugin.as_str()
+            })
+            .ok_or_else(|| {
+                velero_error(format!(
+                    "opmon-velero-plugin: the opmon agent has no operation {} of plugin {} \
+                     in {} {name}",
+                    request.operation_id,
+                    request.plugin,
+                    kind.owner()
+                ))
+            })?;
+        Ok(wire::ProgressResponse {
+            progress: Some(velero_progress(operation)),
+        })
+    }
+
+    /// Cancel (Velero's item operation timeout), through the agent.
+    async fn cancel(&self, kind: Kind, body: Bytes) -> Result<wire::Empty, Status> {
+        let request = wire::OperationRequest::decode(body)
+            .map_err(|e| velero_error(format!("opmon-velero-plugin: a malformed Cancel: {e}")))?;
+        let owner = object(&request.owner, "Backup or Restore")?;
+        let (name, _) = name_and_uid(&owner)?;
+        let method = format!("{}.cancel", kind.owner());
+        let params = json!({"name": name, "operations": [request.operation_id],
+                            "reason": "Velero canceled it (its item operation timeout)"});
+        match self.call(&method, params).await {
+            Ok(_) => Ok(wire::Empty {}),
+            // Already finished: nothing is left to cancel, as Velero expects of a
+            // plugin's Cancel.
+            Err(ClientError::Rpc { code, .. }) if code == codes::WRONG_PHASE => Ok(wire::Empty {}),
+            Err(e) => Err(self.agent_error(&method, e)),
+        }
+    }
+}
+
+/// A JSON object from a call, or an error naming what it is.
+fn object(bytes: &[u8], what: &str) -> Result<Value, Status> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err(velero_error(format!(
+            "opmon-velero-plugin: the {what} is not a JSON object"
+        ))),
+        Err(e) => Err(velero_error(format!(
+            "opmon-velero-plugin: the {what} is not JSON: {e}"
+        ))),
+    }
+}
+
+fn name_and_uid(owner: &Value) -> Result<(String, String), Status> {
+    let name = owner.pointer("/metadata/name").and_then(Value::as_str);
+    let uid = owner.pointer("/metadata/uid").and_then(Value::as_str);
+    match (name, uid) {
+        (Some(name), Some(uid)) if !name.is_empty() => Ok((name.to_string(), uid.to_string())),
+        _ => Err(velero_error(
+            "opmon-velero-plugin: the Backup or Restore has no metadata.name and metadata.uid"
+                .to_string(),
+        )),
+    }
+}
+
+/// The item as a resource identifier. The item carries its kind, not its resource:
+/// the resource is the kind's lowercase plural, as Kubernetes names its own kinds' resources.
+fn resource(item: &Value) -> Value {
+    let api_version = item["apiVersion"].as_str().unwrap_or("");
+    let group = api_version.rsplit_once('/').map(|(g, _)| g).unwrap_or("");
+    let kind = item["kind"].as_str().unwrap_or("").to_ascii_lowercase();
+    let resource = if kind.ends_with('s') || kind.ends_with('x') {
+        format!("{kind}es")
+    } else if let Some(stem) = kind.strip_suffix('y') {
+        format!("{stem}ies")
+    } else {
+        format!("{kind}s")
+    };
+    json!({
+        "group": group,
+        "resource": resource,
+        "namespace": item.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or(""),
+        "name": item.pointer("/metadata/name").and_then(Value::as_str).unwrap_or(""),
+    })
+}
+
+/// The agent's operation as Velero's `OperationProgress`: finished phases are
+/// `completed`, failed and canceled ones with their error; unset times are Go's zero.
+fn velero_progress(op: &Value) -> wire::OperationProgress {
+    let phase = op["phase"].as_str().unwrap_or("");
+    let completed = matches!(phase, "Completed" | "Failed" | "Canceled");
+    let err = match phase {
+        "Failed" | "Canceled" => match op["error"].as_str() {
+            Some(e) if !e.is_empty() => e.to_string(),
+            _ => format!("the operation is {phase}"),
+        },
+        _ => String::new(),
+    };
+    wire::OperationProgress {
+        completed,
+        err,
+        n_completed: op["nCompleted"].as_i64().unwrap_or(0),
+        n_total: op["nTotal"].as_i64().unwrap_or(0),
+        operation_units: op["operationUnits"].as_str().unwrap_or("").to_string(),
+        description: op["description"].as_str().unwrap_or("").to_string(),
+        started: Some(timestamp(&op["started"])),
+        updated: Some(timestamp(&op["pluginUpdated"])),
+    }
+}
+
+fn timestamp(v: &Value) -> wire::Timestamp {
+    let parsed = v.as_str().and_then(|s| {
+        time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()
+    });
+    match parsed {
+        Some(t) => wire::Timestamp {
+            seconds: t.unix_timestamp(),
+            nanos: t.nanosecond() as i32,
+        },
+        None => wire::Timestamp {
+            seconds: wire::GO_ZERO_SECONDS,
+            nanos: 0,
+        },
+    }
+}
+
+type Body = tonic::body::Body;
+
+/// One HTTP/2 request: a gRPC call, routed by its path.
+async fn route(
+    standin: Arc<StandIn>,
+    request: HttpRequest<hyper::body::Incoming>,
+) -> Result<HttpResponse<Body>, std::convert::Infallible> {
+    let path = request.uri().path().to_string();
+    let request = request.map(Body::new);
+    let (kind, method) = match path.split_once('/').map(|(_, p)| p) {
+        Some(p) if p.starts_with("v2.BackupItemAction/") => {
+            (Some(Kind::Backup), p.rsplit('/').next())
+        }
+        Some(p) if p.starts_with("v2.RestoreItemAction/") => {
+            (Some(Kind::Restore), p.rsplit('/').next())
+        }
+        _ => (None, None),
+    };
+    let response = match (path.as_str(), kind, method) {
+        (wire::LIST_PLUGINS, _, _) => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |_: Request<wire::Empty>| {
+                let s = s.clone();
+                async move {
+                    let plugins = s
+                        .served
+                        .iter()
+                        .map(|p| wire::PluginIdentifier {
+                            command: s.command.clone(),
+                            ..p.clone()
+                        })
+                        .collect();
+                    Ok::<_, Status>(Response::new(wire::ListPluginsResponse { plugins }))
+                }
+            });
+            grpc::<wire::ListPluginsResponse, wire::Empty>()
+                .unary(service, request)
+                .await
+        }
+        (wire::HEALTH_CHECK, _, _) => {
+            let service = tower::service_fn(|_: Request<wire::Empty>| async {
+                Ok::<_, Status>(Response::new(wire::HealthCheckResponse { status: 1 }))
+            });
+            grpc::<wire::HealthCheckResponse, wire::Empty>()
+                .unary(service, request)
+                .await
+        }
+        (wire::CONTROLLER_SHUTDOWN, _, _) => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |_: Request<wire::Empty>| {
+                let s = s.clone();
+                async move {
+                    // Answer first, then go, leaving no process or socket behind.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        s.original.stop().await;
+                        let _ = std::fs::remove_dir_all(&s.socket_dir);
+                        std::process::exit(0);
+                    });
+                    Ok::<_, Status>(Response::new(wire::Empty {}))
+                }
+            });
+            grpc::<wire::Empty, wire::Empty>()
+                .unary(service, request)
+                .await
+        }
+        (_, Some(kind), Some("Progress")) => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |r: Request<Bytes>| {
+                let s = s.clone();
+                async move { s.progress(kind, r.into_inner()).await.map(Response::new) }
+            });
+            tonic::server::Grpc::new(RawIn::<wire::ProgressResponse>::default())
+                .unary(service, request)
+                .await
+        }
+        (_, Some(kind), Some("Cancel")) => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |r: Request<Bytes>| {
+                let s = s.clone();
+                async move { s.cancel(kind, r.into_inner()).await.map(Response::new) }
+            });
+            tonic::server::Grpc::new(RawIn::<wire::Empty>::default())
+                .unary(service, request)
+                .await
+        }
+        (_, Some(kind), Some("Execute")) => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |r: Request<Bytes>| {
+                let s = s.clone();
+                let path = PathAndQuery::from_static(match kind {
+                    Kind::Backup => wire::BACKUP_EXECUTE,
+                    Kind::Restore => wire::RESTORE_EXECUTE,
+                });
+                async move {
+                    s.execute(kind, path, r.into_inner())
+                        .await
+                        .map(Response::new)
+                }
+            });
+            tonic::server::Grpc::new(Raw).unary(service, request).await
+        }
+        // go-plugin's broker and stdio stream: the stand-in has neither.
+        (p, _, _) if p.starts_with("/plugin.") => {
+            Status::unimplemented(format!("opmon-velero-plugin does not serve {p}")).into_http()
+        }
+        _ => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |r: Request<Bytes>| {
+                let s = s.clone();
+                let path = PathAndQuery::try_from(path.clone());
+                async move {
+                    let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
+                    s.pass(path, r.into_inner()).await.map(Response::new)
+                }
+            });
+            tonic::server::Grpc::new(Raw).unary(service, request).await
+        }
+    };
+    Ok(response)
+}
+
+fn grpc<Out: Message + Send + 'static, In: Message + Default + Send + 'static>(
+) -> tonic::server::Grpc<tonic_prost::ProstCodec<Out, In>> {
+    tonic::server::Grpc::new(tonic_prost::ProstCodec::default())
+}
+
+/// Raw bytes in, a prost message out: a request decoded by the handler itself, so a
+/// malformed one gets the stand-in's own error.
+struct RawIn<Out>(std::marker::PhantomData<Out>);
+
+impl<Out> Default for RawIn<Out> {
+    fn default() -> Self {
+        RawIn(std::marker::PhantomData)
+    }
+}
+
+impl<Out: Message + Send + 'static> Codec for RawIn<Out> {
+    type Encode = Out;
+    type Decode = Bytes;
+    type Encoder = tonic_prost::ProstEncoder<Out>;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstCodec::<Out, wire::Empty>::default().encoder()
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+/// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else `opmon/<own name>` in
+/// this binary's directory.
+fn original_path(own: &Path) -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("OPMON_VELERO_ORIGINAL") {
+        return Ok(PathBuf::from(path));
+    }
+    let name = own
+        .file_name()
+        .ok_or_else(|| format!("cannot tell this binary's name from {}", own.display()))?;
+    let dir = own.parent().unwrap_or(Path::new("."));
+    Ok(dir.join("opmon").join(name))
+}
+
+async fn run() -> Result<(), String> {
+    let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+    let original = original_path(&own)?;
+    if !original.is_file() {
+        return Err(format!(
+            "the original plugin {} does not exist (set OPMON_VELERO_ORIGINAL, or copy it \
+             there)",
+            original.display()
+        ));
+    }
+    // The original gets what Velero gave the stand-in: its flags and environment, less
+    // go-plugin's variables, which the host sets itself.
+    let env: BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| k != "VELERO_PLUGIN" && !k.starts_with("PLUGIN_"))
+        .collect();
+    let host = Host::new(HostKey {
+        path: original.clone(),
+        args: std::env::args().skip(1).collect(),
+        env,
+    });
+    let connection = host.connection().await?;
+    let mut served = Vec::new();
+    for p in connection.served.iter() {
+        if PASSED_KINDS.contains(&p.kind.as_str()) {
+            served.push(p.clone());
+        } else {
+            tracing::warn!(
+                "{} serves {} {}, which the stand-in does not pass on (it has streaming calls)",
+                original.display(),
+                p.kind,
+                p.name
+            );
+        }
+    }
+    let socket = std::env::var_os("OPMON_SOCKET")
+        .map(PathBuf::from)
+        .unwrap_or_else(opmon_client::default_socket_path);
+    let timeout = match std::env::var("OPMON_VELERO_AGENT_TIMEOUT") {
+        Ok(text) => {
+            text.parse::<opmon_client::GoDuration>()
+                .map_err(|e| format!("OPMON_VELERO_AGENT_TIMEOUT={text:?}: {e}"))?
+                .0
+        }
+        Err(_) => AGENT_TIMEOUT,
+    };
+
+    let dir = tempfile::Builder::new()
+        .prefix("opmon-velero-plugin")
+        .tempdir()
+        .map_err(|e| format!("creating the socket's directory: {e}"))?;
+    let standin = Arc::new(StandIn {
+        timeout,
+        instance: velero_instance(),
+        original: host,
+        served,
+        command: own.display().to_string(),
+        socket,
+        socket_dir: dir.path().to_path_buf(),
+        agent: tokio::sync::Mutex::new(None),
+    });
+    let address = dir.path().join("plugin.sock");
+    let listener = tokio::net::UnixListener::bind(&address)
+        .map_err(|e| format!("binding {}: {e}", address.display()))?;
+    // go-plugin's handshake: core protocol 1, Velero's protocol 2, where to dial, gRPC.
+    {
+        use std::io::Write;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "1|2|unix|{}|grpc|", address.display())
+            .and_then(|()| stdout.flush())
+            .map_err(|e| format!("writing the handshake: {e}"))?;
+    }
+    // A Velero that (re)starts fails the backups it finds InProgress; the agent fails
+    // the owners an earlier Velero left InProgress the same way. Not before the
+    // handshake: Velero waits for it, and the agent may be slow or away.
+    tokio::spawn({
+        let standin = standin.clone();
+        async move {
+            let params = json!({"name": SERVER, "instance": standin.instance});
+            match standin.call("server.started", params).await {
+                Ok(answer) => {
+                    for owner in answer["failed"].as_array().into_iter().flatten() {
+                        tracing::info!(
+                            "{} {} failed: Velero restarted while it was InProgress",
+                            owner["kind"].as_str().unwrap_or("?"),
+                            owner["name"].as_str().unwrap_or("?")
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!("telling the agent that Velero started: {e}"),
+            }
+        }
+    });
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let standin = standin.clone();
+        tokio::spawn(async move {
+            let service =
+                hyper::service::service_fn(move |request| route(standin.clone(), request));
+            if let Err(e) = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!("a connection ended: {e}");
+            }
+        });
+    }
+}
+
+/// `install PATH`: puts the stand-in in the original plugin's place, as an init
+/// container of Velero's pod does after the original's own has copied it into the
+/// plugins volume: the original moves to `opmon/<name>` beside it (where Velero's
+/// plugin discovery does not look), and this binary takes its name. Run again, it
+/// changes nothing, or moves a freshly copied original again.
+fn install(target: &Path) -> Result<String, String> {
+    let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+    let me = std::fs::read(&own).map_err(|e| format!("reading {}: {e}", own.display()))?;
+    let dir = target.parent().unwrap_or(Path::new("."));
+    let name = target
+        .file_name()
+        .ok_or_else(|| format!("{} names no file", target.display()))?;
+    let original = dir.join("opmon").join(name);
+    let there = match std::fs::read(target) {
+        Ok(bytes) => Some(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("reading {}: {e}", target.display())),
+    };
+    match there {
+        Some(bytes) if bytes == me => {
+            if !original.is_file() {
+                return Err(format!(
+                    "{} is already the stand-in, but the original {} is missing",
+                    target.display(),
+                    original.display()
+                ));
+            }
+            return Ok(format!("{} is already the stand-in", target.display()));
+        }
+        Some(_) => {
+            std::fs::create_dir_all(original.parent().unwrap_or(dir))
+                .map_err(|e| format!("creating {}: {e}", dir.join("opmon").display()))?;
+            std::fs::rename(target, &original).map_err(|e| {
+                format!("moving {} to {}: {e}", target.display(), original.display())
+            })?;
+        }
+        None if original.is_file() => {}
+        None => {
+            return Err(format!(
+            "no plugin {} to stand in for: the original's init container must copy it there first",
+            target.display()
+        ))
+        }
+    }
+    let temporary = dir.join(format!(".{}.opmon-tmp", name.to_string_lossy()));
+    std::fs::write(&temporary, &me)
+        .and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755))
+        })
+        .and_then(|()| std::fs::rename(&temporary, target))
+        .map_err(|e| format!("writing {}: {e}", target.display()))?;
+    Ok(format!(
+        "{} stands in for the original, now {}",
+        target.display(),
+        original.display()
+    ))
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("install") {
+        let [_, target] = args.as_slice() else {
+            eprintln!(
+                "usage: opmon-velero-plugin install /target/<the original plugin's file name>"
+            );
+            std::process::exit(2);
+        };
+        match install(Path::new(target)) {
+            Ok(done) => println!("{done}"),
+            Err(e) => {
+                eprintln!("opmon-velero-plugin install: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    // What go-plugin's Serve checks first: run by hand, a plugin says what it is.
+    if std::env::var("VELERO_PLUGIN").as_deref() != Ok("hello") {
+        eprintln!(
+            "opmon-velero-plugin is a Velero plugin: Velero runs it, with the original \
+             plugin beside it (opmon-velero-plugin install /target/<plugin> puts it there)"
+        );
+        std::process::exit(1);
+    }
+    // go-plugin's host logs the plugin's stderr lines.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("OPMON_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    if let Err(e) = run().await {
+        eprintln!("opmon-velero-plugin: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,751 @@
+//! End-to-end: stock Velero through `opmon-velero-plugin`. A test host in Go, built with
+//! Debian's hashicorp go-plugin and gRPC (tests/go/velero-host), does what Velero's
+//! plugin manager and backup operations controller do: it starts the stand-in, lists its
+//! plugins, dispenses BackupItemAction v2 (or RestoreItemAction v2), calls AppliesTo and
+//! Execute, then Progress every interval until completed, and Cancel past the Backup's
+//! item operation timeout. The original plugin is the Go test plugin of
+//! tests/go/velero-plugin; the real agent polls its own copy of it.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::io::{BufRead, BufReader, Lines};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
+
+use opmon_tests::{eventually, without_opmon_env, workspace_binary, Agent, RawHttp};
+use serde_json::{json, Value};
+
+const BACKUP_A: &str = "example.io/backup-a";
+const RESTORE_A: &str = "example.io/restore-a";
+const LONG: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Runs `command`, failing the test with its stderr; a missing tool says what to install.
+fn run(command: &mut Command, what: &str) {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: {e}; .ci/run installs what it needs"));
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// The Go programs: the original plugin and Velero's stand-in host.
+struct GoBinaries {
+    plugin: PathBuf,
+    host: PathBuf,
+}
+
+/// Both Go programs, built once (offline, GOPATH mode against Debian's Go packages) and
+/// cached by their sources' hash.
+fn go_binaries() -> &'static GoBinaries {
+    static BUILT: OnceLock<GoBinaries> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
+        let sources = [
+            "velero-plugin/main.go",
+            "velero-plugin/proto/generated.proto",
+            "velero-plugin/proto/v2.proto",
+            "velero-host/main.go",
+        ];
+        let mut hasher = DefaultHasher::new();
+        for f in sources {
+            std::fs::read(go.join(f)).unwrap().hash(&mut hasher);
+        }
+        let cache = if nix::unistd::geteuid().is_root() {
+            PathBuf::from("/var/cache/opmon-ci")
+        } else {
+            std::env::temp_dir().join("opmon-ci")
+        };
+        std::fs::create_dir_all(&cache).unwrap();
+        let done = cache.join(format!("velero-standin-{:016x}", hasher.finish()));
+        let binaries = GoBinaries {
+            plugin: done.join("velero-plugin"),
+            host: done.join("velero-host"),
+        };
+        if done.exists() {
+            return binaries;
+        }
+        let work = tempfile::tempdir_in(&cache).unwrap();
+        let gopath = work.path();
+        let proto = go.join("velero-plugin/proto");
+        std::fs::create_dir_all(gopath.join("src")).unwrap();
+        for file in ["generated.proto", "v2.proto"] {
+            run(
+                Command::new("protoc")
+                    .arg("-I")
+                    .arg(&proto)
+                    .arg(format!(
+                        "--go_out=plugins=grpc,paths=import:{}",
+                        gopath.join("src").display()
+                    ))
+                    .arg(proto.join(file)),
+                "protoc (apt-get install protobuf-compiler golang-goprotobuf-dev)",
+            );
+        }
+        let out = gopath.join("out");
+        std::fs::create_dir_all(&out).unwrap();
+        for (dir, binary) in [
+            ("velero-plugin", "velero-plugin"),
+            ("velero-host", "velero-host"),
+        ] {
+            let package = gopath.join("src/opmontest").join(dir);
+            std::fs::create_dir_all(&package).unwrap();
+            std::fs::copy(go.join(dir).join("main.go"), package.join("main.go")).unwrap();
+            run(
+                Command::new("go")
+                    .args(["build", "-o"])
+                    .arg(out.join(binary))
+                    .arg(".")
+                    .current_dir(&package)
+                    .env("GO111MODULE", "off")
+                    .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
+                    .env("GOFLAGS", "")
+                    .env("GOPROXY", "off")
+                    .env("GOCACHE", gopath.join("cache")),
+                "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
+                 golang-google-grpc-dev golang-goprotobuf-dev)",
+            );
+        }
+        // Another test binary may have built it meanwhile: either copy will do.
+        if std::fs::rename(&out, &done).is_err() {
+            assert!(done.exists(), "caching {}", done.display());
+        }
+        binaries
+    })
+}
+
+/// The agent with a `[[snapshotter]]` table for each plugin of the original, the
+/// original's state directory, and the stand-in as Velero finds it.
+struct World {
+    // Dropped before its directory: the agent's log is checked when it goes.
+    agent: Agent,
+    dir: tempfile::TempDir,
+}
+
+impl World {
+    /// `extra`: lines for each table (deadlines, retries).
+    fn new(extra: &str) -> World {
+        let go = go_binaries();
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("plugin-state");
+        std::fs::create_dir_all(&state).unwrap();
+        let tables: Vec<String> = [BACKUP_A, RESTORE_A]
+            .iter()
+            .map(|name| {
+                format!(
+                    "[[snapshotter]]\nname = \"{name}\"\nvelero_plugin = \"{}\"\n\
+                     env = {{ OPMON_TEST_STATE = \"{}\" }}\n{extra}\n",
+                    go.plugin.display(),
+                    state.display()
+                )
+            })
+            .collect();
+        let config = dir.path().join("agent.toml");
+        std::fs::write(&config, tables.join("\n")).unwrap();
+        let agent = Agent::start(dir.path(), &["--config", config.to_str().unwrap()]);
+        World { agent, dir }
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("plugin-state")
+    }
+
+    fn tmp(&self) -> PathBuf {
+        let tmp = self.dir.path().join("tmp");
+        std::fs::create_dir_all(&tmp).unwrap();
+        tmp
+    }
+
+    /// What plugin processes left in their TMPDIR.
+    fn left_in_tmp(&self) -> Vec<String> {
+        std::fs::read_dir(self.tmp())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect()
+    }
+
+    fn journal(&self) -> Vec<String> {
+        std::fs::read_to_string(self.state().join("journal"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The Go host, as Velero runs its plugins: the stand-in is the plugin binary it
+    /// finds, the environment is what Velero's Deployment gives it.
+    fn host(&self, args: &[&str]) -> Command {
+        let go = go_binaries();
+        let mut command = Command::new(&go.host);
+        without_opmon_env(&mut command);
+        command
+            .arg("-plugin")
+            .arg(workspace_binary("opmon-velero-plugin"))
+            .args(args)
+            .env("OPMON_SOCKET", &self.agent.socket)
+            .env("OPMON_VELERO_ORIGINAL", &go.plugin)
+            .env("OPMON_TEST_STATE", self.state())
+            // Where go-plugin's plugins make their sockets: the stand-in's, and the
+            // original's it runs.
+            .env("TMPDIR", self.tmp())
+            .stdin(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::options()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.path().join("velero-host.log"))
+                    .unwrap(),
+            ));
+        command
+    }
+
+    /// Runs the host to its end; its events.
+    fn velero(&self, args: &[&str]) -> Vec<Value> {
+        let out = self.host(args).output().expect("running the Go host");
+        let events = parse(&String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "the host failed: {events:?}; its log: {}",
+            self.host_log()
+        );
+        events
+    }
+
+    /// Starts the host; its events as they come.
+    fn velero_spawn(&self, args: &[&str]) -> Running {
+        let mut child = self
+            .host(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the Go host");
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Running {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    fn host_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("velero-host.log")).unwrap_or_default()
+    }
+
+    fn call(&self, method: &str, params: Value) -> Value {
+        let mut http = RawHttp::connect(&self.agent.socket);
+        let answer = http.call(
+            &json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string(),
+        );
+        answer
+            .get("result")
+            .cloned()
+            .unwrap_or_else(|| panic!("{method}: {answer}"))
+    }
+
+    fn operation(&self, kind: &str, owner: &str, id: &str) -> Value {
+        let ops = self.call(&format!("{kind}.operations"), json!({"name": owner}));
+        ops.as_array()
+            .unwrap()
+            .iter()
+            .find(|op| op["operationId"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("{kind} {owner} has no operation {id}: {ops}"))
+    }
+}
+
+struct Running {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+    seen: Vec<Value>,
+}
+
+impl Running {
+    /// Reads events until one named `event`.
+    fn until(&mut self, event: &str) -> Value {
+        for line in self.lines.by_ref() {
+            let line = line.expect("reading the host's output");
+            let value: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("the host printed {line:?}: {e}"));
+            self.seen.push(value.clone());
+            if value["event"] == event {
+                return value;
+            }
+        }
+        panic!("the host ended without {event}: {:?}", self.seen);
+    }
+
+    /// Reads to the end; every event seen.
+    fn finish(mut self) -> Vec<Value> {
+        for line in self.lines.by_ref() {
+            let line = line.expect("reading the host's output");
+            self.seen
+                .push(serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}")));
+        }
+        let status = self.child.wait().expect("waiting for the host");
+        assert!(status.success(), "the host failed: {:?}", self.seen);
+        self.seen
+    }
+}
+
+fn parse(text: &str) -> Vec<Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("the host printed {l:?}: {e}")))
+        .collect()
+}
+
+fn events<'a>(all: &'a [Value], name: &str) -> Vec<&'a Value> {
+    all.iter().filter(|e| e["event"] == name).collect()
+}
+
+fn last(all: &[Value]) -> &Value {
+    all.last().expect("the host printed nothing")
+}
+
+/// Velero lists the original's plugins under the stand-in, AppliesTo and Execute are the
+/// original's own answers, and Progress shows the original's progress as the agent
+/// polled it, to completion; the backup left InProgress when Velero began asking.
+#[test]
+fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b1",
+        "-uid",
+        "uid-b1",
+        "-item",
+        "steps-3-a",
+    ]);
+
+    let listed: Vec<(&str, &str)> = events(&all, "listed")
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    assert!(
+        listed.contains(&("BackupItemActionV2", BACKUP_A)),
+        "{listed:?}"
+    );
+    assert!(
+        listed.contains(&("RestoreItemActionV2", RESTORE_A)),
+        "{listed:?}"
+    );
+    let standin = workspace_binary("opmon-velero-plugin");
+    assert_eq!(
+        events(&all, "listed")[0]["command"],
+        standin.to_str().unwrap()
+    );
+    assert_eq!(
+        events(&all, "appliesTo")[0]["includedResources"],
+        json!(["persistentvolumeclaims"])
+    );
+    let executed = events(&all, "executed")[0];
+    assert_eq!(executed["operationID"], "steps-3-a");
+    // The original's item, as it returned it.
+    let item: Value = serde_json::from_str(executed["item"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        item["metadata"]["annotations"]["example.io/executed"],
+        BACKUP_A
+    );
+    assert_eq!(
+        executed["postOperationItems"],
+        json!(["volumesnapshots/app/snap-steps-3-a"])
+    );
+
+    let progress = events(&all, "progress");
+    let done = progress.last().unwrap();
+    assert_eq!(
+        (
+            &done["completed"],
+            &done["err"],
+            &done["nCompleted"],
+            &done["nTotal"]
+        ),
+        (&json!(true), &json!(""), &json!(3), &json!(3)),
+        "{all:?}"
+    );
+    assert_eq!(done["description"], "step 3 of 3");
+    assert_eq!(done["operationUnits"], "steps");
+    assert!(
+        done["started"].is_string() && done["updated"].is_string(),
+        "{done}"
+    );
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+
+    // The agent has the Backup as Velero sent it, and the operation as it ended.
+    // It left InProgress when Velero began asking Progress, and ended with its
+    // operations, with no finalize (Velero writes its own files).
+    let owner = eventually("the backup completes", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b1"}));
+        (owner["phase"] == "Completed").then_some(owner)
+    });
+    assert_eq!(owner["uid"], "uid-b1");
+    assert_eq!(owner["finalize"], false);
+    assert_eq!(owner["itemOperationTimeout"], "1m0s", "{owner}");
+    let op = world.operation("backup", "b1", "steps-3-a");
+    assert_eq!(op["phase"], "Completed");
+    assert_eq!(
+        op["resource"],
+        json!({"group": "", "resource": "persistentvolumeclaims", "namespace": "app", "name": "steps-3-a"})
+    );
+    assert_eq!(op["postOperationItems"][0]["name"], "snap-steps-3-a");
+    // Execute reached the original once; its Progress came from the agent's copy.
+    let journal = world.journal();
+    let executes = journal
+        .iter()
+        .filter(|l| l.starts_with("execute BackupItemActionV2 example.io/backup-a steps-3-a"))
+        .count();
+    assert_eq!(executes, 1, "{journal:?}");
+    // Velero's Kill (go-plugin's Shutdown) stopped the stand-in and its original, and
+    // their sockets went with them.
+    assert_eq!(world.left_in_tmp(), Vec::<String>::new());
+}
+
+/// A restore goes through RestoreItemAction v2 the same way, and ends without waiting
+/// for a finalize (Velero writes a restore's files itself).
+#[test]
+fn a_restore_goes_through_restore_item_action_v2() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-restore",
+        "-name",
+        RESTORE_A,
+        "-owner",
+        "r1",
+        "-uid",
+        "uid-r1",
+        "-item",
+        "steps-2-r",
+    ]);
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    assert_eq!(events(&all, "executed")[0]["operationID"], "steps-2-r");
+    let owner = eventually("the restore completes", LONG, || {
+        let owner = world.call("restore.get", json!({"name": "r1"}));
+        (owner["phase"] == "Completed").then_some(owner)
+    });
+    assert_eq!(owner["operationsCompleted"], 1);
+}
+
+/// An Execute that starts no operation is Velero's synchronous case: nothing is
+/// registered, and the answer is the original's.
+#[test]
+fn an_execute_without_an_operation_registers_nothing() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b2", "-uid", "uid-b2", "-item", "sync-1",
+    ]);
+    assert_eq!(events(&all, "executed")[0]["operationID"], "");
+    let mut http = RawHttp::connect(&world.agent.socket);
+    let answer = http.call(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "backup.get", "params": {"name": "b2"}})
+            .to_string(),
+    );
+    assert_eq!(answer["error"]["code"], 1001, "{answer}");
+}
+
+/// The original answers Progress with a transient error twice: the agent retries, and
+/// Velero sees the operation complete, never a failure (Velero fails an operation at
+/// the first Progress error a plugin returns).
+#[test]
+fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
+    let world = World::new("retry_backoff = \"100ms\"");
+    let all = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b3",
+        "-uid",
+        "uid-b3",
+        "-item",
+        "flaky-2-f",
+    ]);
+    assert!(events(&all, "failed").is_empty(), "{all:?}");
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    assert_eq!(
+        events(&all, "progress").last().unwrap()["operationUnits"],
+        "GB"
+    );
+    let op = world.operation("backup", "b3", "flaky-2-f");
+    assert_eq!(op["attempts"], 2, "{op}");
+    assert!(
+        op["lastError"].as_str().unwrap().contains("snapshot busy"),
+        "{op}"
+    );
+}
+
+/// An operation whose progress stands still is caught by the agent's stall deadline:
+/// Velero sees it fail with the agent's reason, and the original got its Cancel.
+#[test]
+fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
+    let world = World::new("stall_timeout = \"1s\"");
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b4", "-uid", "uid-b4", "-item", "stall-s",
+    ]);
+    let end = last(&all);
+    assert_eq!(
+        (&end["event"], &end["by"]),
+        (&json!("failed"), &json!("plugin")),
+        "{all:?}"
+    );
+    assert!(
+        end["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("no progress for 1s"),
+        "{end}"
+    );
+    let journal = world.journal();
+    assert!(
+        journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-s".to_string()),
+        "{journal:?}"
+    );
+    let owner = eventually("the backup ends", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b4"}));
+        (owner["phase"] == "PartiallyFailed").then_some(owner)
+    });
+    assert_eq!(owner["operationsFailed"], 1);
+}
+
+/// `opmon backup cancel NAME --operation ID` while Velero waits: Velero's next Progress
+/// shows the operation failed with the reason given, and the original got its Cancel.
+#[test]
+fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
+    let world = World::new("");
+    let mut velero = world.velero_spawn(&[
+        "-name", BACKUP_A, "-owner", "b5", "-uid", "uid-b5", "-item", "stall-k",
+    ]);
+    velero.until("progress");
+    let mut cli = Command::new(workspace_binary("opmon"));
+    without_opmon_env(&mut cli);
+    // Its exit status tells the backup's phase (partially failed now); its words, the cancel.
+    let out = cli
+        .args([
+            "backup",
+            "cancel",
+            "b5",
+            "--operation",
+            "stall-k",
+            "--reason",
+            "the storage is full",
+        ])
+        .env("OPMON_SOCKET", &world.agent.socket)
+        .output()
+        .expect("running opmon");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("backup b5: 1 operation canceled"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all = velero.finish();
+    let end = last(&all);
+    assert_eq!(end["event"], "failed", "{all:?}");
+    assert_eq!(end["error"], "canceled: the storage is full");
+    let journal = world.journal();
+    assert!(
+        journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-k".to_string()),
+        "{journal:?}"
+    );
+}
+
+/// Past the Backup's item operation timeout Velero calls Cancel itself: the stand-in
+/// cancels through the agent, which sends Cancel to the original.
+#[test]
+fn velero_cancels_past_its_timeout_through_the_agent() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b6", "-uid", "uid-b6", "-item", "stall-t", "-timeout", "1s",
+    ]);
+    let end = last(&all);
+    assert_eq!(end["event"], "failed", "{all:?}");
+    assert_eq!(end["error"], "Asynchronous action timed out");
+    assert!(end.get("cancelError").is_none(), "{end}");
+    let op = eventually("the operation ends", LONG, || {
+        let op = world.operation("backup", "b6", "stall-t");
+        (op["phase"] != "InProgress" && op["phase"] != "New").then_some(op)
+    });
+    assert!(
+        ["Canceled", "Failed"].contains(&op["phase"].as_str().unwrap()),
+        "{op}"
+    );
+    let journal = eventually("the original gets Cancel", LONG, || {
+        let journal = world.journal();
+        journal
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-t".to_string())
+            .then_some(journal)
+    });
+    assert!(!journal.is_empty());
+}
+
+/// The agent restarts while Velero waits: Velero's Progress calls go on (the stand-in
+/// waits for the agent) and the operation completes with no failure.
+#[test]
+fn the_agent_restarted_mid_operation() {
+    let mut world = World::new("");
+    let mut velero = world.velero_spawn(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b7",
+        "-uid",
+        "uid-b7",
+        "-item",
+        "steps-40-r",
+    ]);
+    velero.until("progress");
+    world.agent.kill9();
+    world.agent.restart();
+    let all = velero.finish();
+    assert!(events(&all, "failed").is_empty(), "{all:?}");
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    assert_eq!(events(&all, "progress").last().unwrap()["nCompleted"], 40);
+}
+
+/// Velero restarts: a new host, with a new stand-in process, asks Progress of an
+/// operation it did not start in this life, and gets it.
+#[test]
+fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
+    let world = World::new("");
+    let first = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b8",
+        "-uid",
+        "uid-b8",
+        "-item",
+        "steps-20-v",
+        "-polls",
+        "1",
+    ]);
+    let stopped = last(&first);
+    assert_eq!(stopped["event"], "stopped", "{first:?}");
+    let created = stopped["created"].as_str().unwrap();
+    let all = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b8",
+        "-uid",
+        "uid-b8",
+        "-resume",
+        "steps-20-v",
+        "-created",
+        created,
+    ]);
+    assert!(events(&all, "executed").is_empty(), "{all:?}");
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    assert_eq!(events(&all, "progress").last().unwrap()["nCompleted"], 20);
+}
+
+/// Velero restarts while its backup is InProgress: Velero fails that backup (its own
+/// rule), and the agent fails the owner with Velero's reason once the new Velero's
+/// plugin process starts, cancelling the original's operation.
+#[test]
+fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
+    let world = World::new("");
+    let first = world.velero(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b10",
+        "-uid",
+        "uid-b10",
+        "-item",
+        "stall-i",
+        "-execute-only",
+    ]);
+    assert_eq!(last(&first)["event"], "stopped", "{first:?}");
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b10"}))["phase"],
+        "InProgress"
+    );
+    // The new Velero lists its plugins (it starts the stand-in) and backs up another.
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b11", "-uid", "uid-b11", "-item", "done-1",
+    ]);
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    let owner = eventually("the old backup fails", LONG, || {
+        let owner = world.call("backup.get", json!({"name": "b10"}));
+        (owner["phase"] == "Failed").then_some(owner)
+    });
+    assert!(
+        owner["failureReason"]
+            .as_str()
+            .unwrap()
+            .contains("during the server starting"),
+        "{owner}"
+    );
+    eventually("the original gets Cancel", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-i".to_string())
+    });
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b11"}))["phase"],
+        "Completed"
+    );
+}
+
+/// With no agent to answer, Velero is told so on the operation, never silence.
+#[test]
+fn an_unreachable_agent_is_an_error_velero_shows() {
+    let mut world = World::new("");
+    world.agent.kill9();
+    let all = {
+        let mut host = world.host(&[
+            "-name",
+            BACKUP_A,
+            "-owner",
+            "b9",
+            "-uid",
+            "uid-b9",
+            "-item",
+            "steps-3-u",
+        ]);
+        host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
+        let out = host.output().expect("running the Go host");
+        parse(&String::from_utf8_lossy(&out.stdout))
+    };
+    // Execute could not register the operation: Velero records the item's error, and
+    // the original's operation is cancelled rather than left unwatched.
+    let end = last(&all);
+    assert_eq!(end["event"], "executeFailed", "{all:?}");
+    let error = end["error"].as_str().unwrap();
+    assert!(
+        error.contains("the opmon agent at") && error.contains("cannot be reached"),
+        "{error}"
+    );
+    let journal = world.journal();
+    assert!(
+        journal.contains(&"cancel BackupItemActionV2 example.io/backup-a steps-3-u".to_string()),
+        "{journal:?}"
+    );
+    // Velero restarted meanwhile: its Progress fails with the same words.
+    let mut host = world.host(&[
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b9",
+        "-uid",
+        "uid-b9",
+        "-resume",
+        "steps-3-u",
+    ]);
+    host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
+    let out = host.output().expect("running the Go host");
+    let all = parse(&String::from_utf8_lossy(&out.stdout));
+    let end = last(&all);
+    assert_eq!(
+        (&end["event"], &end["by"]),
+        (&json!("failed"), &json!("progressError")),
+        "{all:?}"
+    );
+    assert!(
+        end["error"].as_str().unwrap().contains("cannot be reached"),
+        "{end}"
+    );
+}
