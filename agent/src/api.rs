@@ -11,22 +11,21 @@ use std::time::Duration;
 
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
-use opmon_client::methods::{self, OwnerMethod};
-use opmon_client::server::{Outbox, Place};
+use opmon_client::methods::{self, Method};
+use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
-    EventsParams, FinalizeParams, ListParams, NameParams, OperationsParams, OwnerKind,
-    ServerStartedParams, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
+    EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
+    OwnerKind, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
     MAX_CHANGED_OPERATIONS,
 };
 use serde::de::DeserializeOwned;
-use serde::Serialize;
 use time::OffsetDateTime;
 
 use crate::core::Core;
 use crate::error::Error;
 use crate::storage_dir;
-use crate::store::{events, CALL_PLACE};
+use crate::store::events;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -290,7 +289,19 @@ fn check_finalize(kind: OwnerKind, p: &FinalizeParams) -> Result<(), Error> {
     Ok(())
 }
 
+/// Refuses phases this version does not know (a newer client's), naming the index.
+fn check_phases<T: Copy + PartialEq + std::fmt::Display>(
+    phases: &Option<Vec<T>>,
+    all: &[T],
+) -> Result<(), Error> {
+    for (i, phase) in phases.iter().flatten().enumerate() {
+        validate::known(*phase, all).map_err(|e| invalid(&format!("phases[{i}]"), e))?;
+    }
+    Ok(())
+}
+
 fn check_list(p: &ListParams) -> Result<(), Error> {
+    check_phases(&p.phases, OwnerPhase::ALL)?;
     if p.limit.is_some_and(|l| l == 0 || l > MAX_PAGE) {
         return Err(invalid(
             "limit",
@@ -449,181 +460,147 @@ pub const VELERO_PLUGIN_REFUSED: &str = "only the config file may register a vel
     snapshotter (it runs a program as the agent's user); set allow_api_command_snapshotters = \
     true in the agent's configuration to allow it over the API";
 
-/// Registers `name`: parse params into `P`, run `handler`, map its error to a code.
-fn register<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
+/// Registers the declared method `M` (named for `kind` if it is an owner method): parse
+/// its params, run `handler`, map its error to a code.
+fn register<M, F, Fut>(module: &mut RpcModule<Core>, kind: OwnerKind, handler: F)
 where
-    P: DeserializeOwned + Send + 'static,
-    R: Serialize + Clone + Send + 'static,
-    F: Fn(Arc<Core>, P) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, Error>> + Send + 'static,
+    M: Method,
+    F: Fn(Arc<Core>, M::Params) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<M::Result, Error>> + Send + 'static,
 {
-    register_called(module, name, move |core, p, _| handler(core, p));
+    register_called::<M, _, _>(module, kind, move |core, p, _| handler(core, p));
 }
 
 /// [`register`] for a method that changes state: the handler also gets who called (the
 /// connection's peer credentials, which the server puts in the call's extensions), to
 /// be recorded in the owner's history.
-fn register_called<P, R, F, Fut>(module: &mut RpcModule<Core>, name: &'static str, handler: F)
+fn register_called<M, F, Fut>(module: &mut RpcModule<Core>, kind: OwnerKind, handler: F)
 where
-    P: DeserializeOwned + Send + 'static,
-    R: Serialize + Clone + Send + 'static,
-    F: Fn(Arc<Core>, P, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, Error>> + Send + 'static,
+    M: Method,
+    F: Fn(Arc<Core>, M::Params, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<M::Result, Error>> + Send + 'static,
 {
-    register_writing(module, name, false, handler);
-}
-
-/// [`register_called`]; with `ends_with_write`, for a method whose work ends with one
-/// write (`addOperations`), the call's place among the calls in flight goes with that
-/// write, which gives it back once it has run (`store::CALL_PLACE`): what is left is a
-/// wait for the disk.
-fn register_writing<P, R, F, Fut>(
-    module: &mut RpcModule<Core>,
-    name: &'static str,
-    ends_with_write: bool,
-    handler: F,
-) where
-    P: DeserializeOwned + Send + 'static,
-    R: Serialize + Clone + Send + 'static,
-    F: Fn(Arc<Core>, P, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<R, Error>> + Send + 'static,
-{
+    let name = M::DECL.name(kind);
     module
         .register_async_method(name, move |params, core, extensions| {
             let handler = handler.clone();
             let caller = extensions.get::<Caller>().copied();
-            let place = extensions
-                .get::<Place>()
-                .filter(|_| ends_with_write)
-                .cloned();
             async move {
-                let parsed: P = parse(&params)?;
+                let parsed: M::Params = parse(&params)?;
                 // The call may wait long (for the disk, a snapshotter): without its text.
                 drop(params);
-                let call = handler(core, parsed, caller);
-                let result = match place {
-                    Some(place) => CALL_PLACE.scope(place, call).await,
-                    None => call.await,
-                };
-                result.map_err(ErrorObjectOwned::from)
+                handler(core, parsed, caller)
+                    .await
+                    .map_err(ErrorObjectOwned::from)
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
 }
 
-/// The owner methods of `kind`, named by [`OwnerMethod::name`].
+/// The owner methods of `kind`, as declared in `opmon_client::methods`.
 fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
-    let name = |m: OwnerMethod| m.name(kind);
-    register_called(
+    register_called::<methods::Start, _, _>(
         module,
-        name(OwnerMethod::Start),
+        kind,
         move |core, p: StartParams, caller| async move {
             check_start(kind, &p)?;
             core.start(kind, p, caller).await
         },
     );
-    register_writing(
+    register_called::<methods::AddOperations, _, _>(
         module,
-        name(OwnerMethod::AddOperations),
-        true,
+        kind,
         move |core, mut p: AddOperationsParams, caller| async move {
             check_add(kind, &mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await
         },
     );
-    register_called(
+    register_called::<methods::EndInProgress, _, _>(
         module,
-        name(OwnerMethod::EndInProgress),
+        kind,
         move |core, p: EndInProgressParams, caller| async move {
             owner_name(&p.name)?;
             core.end_in_progress(kind, p, caller).await
         },
     );
-    register(
+    register::<methods::Get, _, _>(module, kind, move |core, p: NameParams| async move {
+        owner_name(&p.name)?;
+        core.get(kind, p.name).await
+    });
+    register::<methods::List, _, _>(module, kind, move |core, p: ListParams| async move {
+        check_list(&p)?;
+        core.list(kind, p).await
+    });
+    register::<methods::Operations, _, _>(
         module,
-        name(OwnerMethod::Get),
-        move |core, p: NameParams| async move {
-            owner_name(&p.name)?;
-            core.get(kind, p.name).await
-        },
-    );
-    register(
-        module,
-        name(OwnerMethod::List),
-        move |core, p: ListParams| async move {
-            check_list(&p)?;
-            core.list(kind, p).await
-        },
-    );
-    register(
-        module,
-        name(OwnerMethod::Operations),
+        kind,
         move |core, p: OperationsParams| async move {
             owner_name(&p.name)?;
+            check_phases(&p.phases, OperationPhase::ALL)?;
             core.operations(kind, p).await
         },
     );
-    register(
+    register::<methods::Wait, _, _>(module, kind, move |core, p: WaitParams| async move {
+        check_wait(&p)?;
+        core.wait(kind, p).await
+    });
+    register::<methods::ItemOperations, _, _>(
         module,
-        name(OwnerMethod::Wait),
-        move |core, p: WaitParams| async move {
-            check_wait(&p)?;
-            core.wait(kind, p).await
-        },
-    );
-    register(
-        module,
-        name(OwnerMethod::ItemOperations),
+        kind,
         move |core, p: NameParams| async move {
             owner_name(&p.name)?;
             core.item_operations(kind, p.name).await
         },
     );
-    register(
+    register::<methods::Events, _, _>(module, kind, move |core, p: EventsParams| async move {
+        check_events(&p)?;
+        core.events(kind, p).await
+    });
+    register_called::<methods::Finalize, _, _>(
         module,
-        name(OwnerMethod::Events),
-        move |core, p: EventsParams| async move {
-            check_events(&p)?;
-            core.events(kind, p).await
-        },
-    );
-    register_called(
-        module,
-        name(OwnerMethod::Finalize),
+        kind,
         move |core, p: FinalizeParams, caller| async move {
             check_finalize(kind, &p)?;
             core.finalize(kind, p, caller).await
         },
     );
-    register_called(
+    register_called::<methods::Cancel, _, _>(
         module,
-        name(OwnerMethod::Cancel),
+        kind,
         move |core, p: CancelParams, caller| async move {
             check_cancel(&p)?;
             core.cancel(kind, p, caller).await
         },
     );
-    register(
-        module,
-        name(OwnerMethod::Delete),
-        move |core, p: NameParams| async move {
-            owner_name(&p.name)?;
-            core.delete(kind, p.name).await
-        },
-    );
+    register::<methods::Delete, _, _>(module, kind, move |core, p: NameParams| async move {
+        owner_name(&p.name)?;
+        core.delete(kind, p.name).await
+    });
 }
 
 /// `subscribe`: over WebSocket, an [`opmon_client::OwnerUpdate`] notification per
 /// change until the owner is terminal. Errors before the subscription starts are
 /// answered like any call's; a deleted owner ends it with an error notification.
 fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
-    let subscribe = OwnerMethod::Subscribe.name(kind);
+    let subscribe = methods::Subscribe::DECL.name(kind);
     module
         .register_subscription(
             subscribe,
-            OwnerMethod::Changed.name(kind),
-            OwnerMethod::Unsubscribe.name(kind),
+            methods::changed(kind),
+            methods::Unsubscribe::DECL.name(kind),
             move |params, pending, core, extensions| async move {
+                // Held for as long as the subscription lasts.
+                let charge = match extensions.get::<Caller>() {
+                    Some(caller) => core.charge_subscription(caller.uid).map(Some),
+                    None => Ok(None),
+                };
+                let _charge = match charge {
+                    Ok(charge) => charge,
+                    Err(e) => {
+                        pending.reject(ErrorObjectOwned::from(e)).await;
+                        return Ok(());
+                    }
+                };
                 let started = match parse::<NameParams>(&params) {
                     Ok(p) => match owner_name(&p.name) {
                         Ok(()) => core.subscribe(kind, p.name).await,
@@ -677,25 +654,14 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
 }
 
 /// The methods that mostly wait (for a change, for snapshotters, for file work) while
-/// holding little memory: they take no place among the calls in flight
+/// holding little memory, as declared: they take no place among the calls in flight
 /// (`opmon_client::server::ServeConfig::unmetered_methods`), so a few long `wait`s do not
 /// hold up everyone else.
 pub fn waiting_methods() -> Vec<String> {
-    for_both_kinds(&[
-        OwnerMethod::Wait,
-        OwnerMethod::EndInProgress,
-        OwnerMethod::Finalize,
-        OwnerMethod::Delete,
-        OwnerMethod::Cancel,
-        OwnerMethod::Subscribe,
-    ])
-}
-
-/// The full names of `methods` for backups and restores.
-fn for_both_kinds(methods: &[OwnerMethod]) -> Vec<String> {
-    OwnerKind::ALL
+    methods::ALL
         .iter()
-        .flat_map(|&kind| methods.iter().map(move |m| m.name(kind).to_string()))
+        .filter(|d| d.waits)
+        .flat_map(|d| d.names().iter().map(|n| n.to_string()))
         .collect()
 }
 
@@ -704,35 +670,36 @@ fn for_both_kinds(methods: &[OwnerMethod]) -> Vec<String> {
 /// (`opmon_client::server::ServeConfig::listing_methods`), so many clients asking at once
 /// for a listing that has grown large are made a few at a time.
 pub fn listing_methods() -> Vec<String> {
-    for_both_kinds(&[
-        OwnerMethod::List,
-        OwnerMethod::Operations,
-        OwnerMethod::ItemOperations,
-        OwnerMethod::Events,
-    ])
+    [
+        &methods::List::DECL,
+        &methods::Operations::DECL,
+        &methods::ItemOperations::DECL,
+        &methods::Events::DECL,
+    ]
+    .iter()
+    .flat_map(|d| d.names().iter().map(|n| n.to_string()))
+    .collect()
 }
 
-/// No parameters expected (absent, `{}` or `[]` are all fine).
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NoParams {}
-
-/// Every method of the agent, bound to `core`.
+/// Every method of the agent, bound to `core`: the handler of each declaration in
+/// `opmon_client::methods`.
 pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
+    // Agent-wide methods take no kind; any will do.
+    const AGENT: OwnerKind = OwnerKind::Backup;
     let mut module = RpcModule::from_arc(core);
-    register(
+    register::<methods::Status, _, _>(
         &mut module,
-        methods::AGENT_STATUS,
-        |core, _: NoParams| async move { core.status().await },
+        AGENT,
+        |core, _| async move { core.status().await },
     );
     for kind in OwnerKind::ALL {
         register_owner_methods(&mut module, kind);
         register_subscription(&mut module, kind);
     }
-    register_called(
+    register_called::<methods::ServerStarted, _, _>(
         &mut module,
-        methods::SERVER_STARTED,
-        |core, p: ServerStartedParams, caller| async move {
+        AGENT,
+        |core, p, caller| async move {
             check_server(
                 &opmon_client::ServerRef {
                     name: p.name.clone(),
@@ -743,10 +710,10 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.server_started(p, caller).await
         },
     );
-    register(
+    register_called::<methods::RegisterSnapshotter, _, _>(
         &mut module,
-        methods::SNAPSHOTTER_REGISTER,
-        |core, mut s: Snapshotter| async move {
+        AGENT,
+        |core, mut s, caller| async move {
             check_snapshotter(&mut s)?;
             if s.command.is_some() && !core.allows_api_command_snapshotters() {
                 return Err(invalid("command", COMMAND_REFUSED));
@@ -754,37 +721,59 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             if s.velero_plugin.is_some() && !core.allows_api_command_snapshotters() {
                 return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
             }
-            core.register_snapshotter(s).await
+            match caller {
+                Some(caller) => core.register_snapshotter_for(s, caller.uid).await,
+                None => core.register_snapshotter(s).await,
+            }
         },
     );
-    register(
+    register::<methods::SnapshotterChanged, _, _>(&mut module, AGENT, |core, mut p| async move {
+        check_changed(&mut p)?;
+        core.snapshotter_changed(p.plugin, p.operations).await
+    });
+    register::<methods::ListSnapshotters, _, _>(&mut module, AGENT, |core, _| async move {
+        core.snapshotters().await
+    });
+    register::<methods::UnregisterSnapshotter, _, _>(
         &mut module,
-        methods::SNAPSHOTTER_CHANGED,
-        |core, mut p: SnapshotterChangedParams| async move {
-            check_changed(&mut p)?;
-            core.snapshotter_changed(p.plugin, p.operations).await
-        },
-    );
-    register(
-        &mut module,
-        methods::SNAPSHOTTER_LIST,
-        |core, _: NoParams| async move { core.snapshotters().await },
-    );
-    register(
-        &mut module,
-        methods::SNAPSHOTTER_UNREGISTER,
-        |core, mut p: NameParams| async move {
+        AGENT,
+        |core, mut p| async move {
             snapshotter_name(&mut p.name)?;
             core.unregister_snapshotter(p.name).await
         },
     );
-    // Last, so that the document is checked against every other method.
-    let document = Arc::new(crate::openrpc::document(module.method_names()));
-    register(&mut module, methods::RPC_DISCOVER, move |_, _: NoParams| {
-        let document = document.clone();
-        async move { Ok(document.as_ref().clone()) }
-    });
+    // The document is served as embedded text, not as the declaration's result type
+    // (a parsed map), so that a call copies bytes.
+    let document = Arc::new(crate::openrpc::document());
+    let discover = methods::RPC_DISCOVER;
     module
+        .register_async_method(discover, move |params, _, _| {
+            let document = document.clone();
+            async move {
+                let _: opmon_client::NoParams = parse(&params)?;
+                Ok::<_, ErrorObjectOwned>(document.as_ref().clone())
+            }
+        })
+        .unwrap_or_else(|e| panic!("method {discover} registered twice: {e}"));
+    check_served(&module);
+    module
+}
+
+/// Panics unless `module` serves exactly the declared methods: a declaration without a
+/// handler, or a handler without a declaration (and so without documentation or a
+/// retry rule), is a bug every test that starts an agent catches.
+fn check_served(module: &RpcModule<Core>) {
+    let mut declared: Vec<&str> = methods::ALL
+        .iter()
+        .flat_map(|d| d.names().iter().copied())
+        .collect();
+    let mut served: Vec<&str> = module.method_names().collect();
+    declared.sort_unstable();
+    served.sort_unstable();
+    assert_eq!(
+        served, declared,
+        "the agent's methods differ from the declarations in opmon_client::methods"
+    );
 }
 
 #[cfg(test)]
@@ -986,7 +975,9 @@ mod tests {
         });
         assert_eq!(
             check_start(OwnerKind::Backup, &p).unwrap_err().to_string(),
-            "server.name: must be printable text of at most 253 bytes"
+            "server.name: must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, \
+             digits, '-' and '.' beginning and ending with a letter or digit, at most 253 \
+             bytes"
         );
     }
 

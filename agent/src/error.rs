@@ -30,6 +30,10 @@ pub enum Error {
     /// 1005.
     #[error("finalize failed: {0}")]
     Finalize(String),
+    /// -32003: the peer is over one of its quotas (`budget`); the message names the
+    /// setting.
+    #[error("{0}")]
+    OverQuota(String),
 }
 
 /// What was not there (error 1001). The message is made here, when the error is shown.
@@ -114,6 +118,7 @@ impl Error {
             Error::WrongPhase(_) => codes::WRONG_PHASE,
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
+            Error::OverQuota(_) => crate::access::REFUSED,
         }
     }
 }
@@ -130,9 +135,38 @@ impl From<rusqlite::Error> for Error {
     }
 }
 
+impl Error {
+    /// The error's `data`: what a client can act on without parsing the message. A
+    /// wrong-phase error says the owner's phase (`{"phase": "Completed"}`) and, for an
+    /// operation that is finished, the operation's (`{"operation": {"index": 2,
+    /// "operationId": "…", "phase": "Completed"}}`).
+    fn data(&self) -> Option<serde_json::Value> {
+        let Error::WrongPhase(wrong) = self else {
+            return None;
+        };
+        Some(match wrong {
+            WrongPhase::NotInProgress { phase, .. }
+            | WrongPhase::NotFinalizing { phase, .. }
+            | WrongPhase::NotCancelable { phase, .. }
+            | WrongPhase::ChangedDuringFinalize { phase, .. } => {
+                serde_json::json!({ "phase": phase })
+            }
+            WrongPhase::OperationFinished {
+                index,
+                operation_id,
+                phase,
+                ..
+            } => serde_json::json!({
+                "operation": {"index": index, "operationId": operation_id, "phase": phase}
+            }),
+            WrongPhase::ReplacedDuringEndInProgress { .. } => return None,
+        })
+    }
+}
+
 impl From<Error> for ErrorObjectOwned {
     fn from(e: Error) -> Self {
-        ErrorObjectOwned::owned(e.code(), e.to_string(), None::<()>)
+        ErrorObjectOwned::owned(e.code(), e.to_string(), e.data())
     }
 }
 

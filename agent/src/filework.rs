@@ -1,10 +1,12 @@
-//! A small pool of threads of its own for finalize's file work (opening, rewriting
-//! and renaming tarballs), so that file work never takes tokio's blocking threads,
-//! which database reads need.
+//! Threads of its own for finalize's file work (opening, rewriting and renaming
+//! tarballs), so that file work never takes tokio's blocking threads, which database
+//! reads need.
 //!
 //! Invariants:
-//! - at most [`WORKERS`] jobs run at once, and at most [`MAX_ADMITTED`] are running or
-//!   waiting; one more is refused at once with a message saying so;
+//! - each job runs on a thread of its own, at most [`MAX_ADMITTED`] at once; one more is
+//!   refused at once with a message saying so. No job waits behind another: a small
+//!   finalize is not held up by large ones (the kernel shares the CPU between them, and
+//!   what one rewrite may write is bounded by `max_decompressed_size`);
 //! - every job has a deadline, counted from its submission: past it the caller gets an
 //!   error, the job's stop flag is raised (a rewrite checks it every 64 KiB) and its
 //!   temporary output is removed;
@@ -16,7 +18,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
@@ -25,10 +27,7 @@ use crate::confine::{remove_leftover, TempOutput};
 use crate::error::Error;
 use crate::sync::lock;
 
-/// Threads doing file work at once: enough for two finalizes side by side (each also
-/// compresses on threads of its own), few enough that a node's disks are not swamped.
-pub const WORKERS: usize = 2;
-/// Jobs running or waiting at once; more are refused.
+/// Jobs running at once; more are refused.
 pub const MAX_ADMITTED: usize = 64;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -67,38 +66,16 @@ struct Shared {
     leftovers: Mutex<HashMap<u64, (OwnedFd, OsString)>>,
 }
 
-/// The pool.
+/// The file work of the agent.
 pub struct FileWork {
-    jobs: Mutex<mpsc::Sender<Job>>,
     admission: Arc<Semaphore>,
     shared: Arc<Shared>,
     next_id: AtomicU64,
 }
 
 impl FileWork {
-    /// Starts the worker threads.
     pub fn start() -> FileWork {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        for i in 0..WORKERS {
-            let rx = rx.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("opmon-file-{i}"))
-                .spawn(move || loop {
-                    // Held while waiting for a job (the one exception to the lock
-                    // policy): the workers take turns at the one receiver.
-                    let job = lock(&rx).recv();
-                    match job {
-                        Ok(job) => job(),
-                        Err(_) => return,
-                    }
-                });
-            if let Err(e) = spawned {
-                tracing::error!(error = %e, "starting a file-work thread failed");
-            }
-        }
         FileWork {
-            jobs: Mutex::new(tx),
             admission: Arc::new(Semaphore::new(MAX_ADMITTED)),
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
@@ -109,7 +86,7 @@ impl FileWork {
         }
     }
 
-    /// Runs `work` on a pool thread and waits for it, at most `deadline` (`what`
+    /// Runs `work` on a thread of its own and waits for it, at most `deadline` (`what`
     /// names it in the error).
     pub async fn run<T: Send + 'static>(
         &self,
@@ -147,9 +124,13 @@ impl FileWork {
             lock(&job_ctx.shared.running).remove(&job_ctx.id);
             let _ = tx.send(result);
         });
-        lock(&self.jobs)
-            .send(job)
-            .map_err(|_| Error::Finalize("the file-work pool is gone".into()))?;
+        std::thread::Builder::new()
+            .name(format!("opmon-file-{id}"))
+            .spawn(job)
+            .map_err(|e| {
+                lock(&self.shared.running).remove(&id);
+                Error::Finalize(format!("starting a thread for {what}: {e}"))
+            })?;
         match tokio::time::timeout(deadline, rx).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(Error::Finalize(format!("{what} stopped unexpectedly"))),

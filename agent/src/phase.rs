@@ -60,7 +60,7 @@ pub fn idle_reason(last_call: &str, timeout: GoDuration) -> String {
 
 /// The error of the unfinished operations of an owner that failed (Cancel is called).
 pub fn cancelled_with(kind: OwnerKind) -> String {
-    format!("cancelled: the {kind} failed")
+    format!("canceled: the {kind} failed")
 }
 
 /// The reason `*.cancel` uses when the caller gives none.
@@ -1256,5 +1256,140 @@ mod tests {
         assert_eq!(possible_counts(-5, -1).0..possible_counts(-5, -1).1, 0..0);
         assert!(possible_counts(-1, 5).2.is_some());
         assert!(possible_counts(0, -1).2.is_some());
+    }
+
+    // Pinned by mutation testing (docs/testing.md): each test below fails if one
+    // operator or text of the machine changes.
+
+    #[test]
+    fn the_failure_texts_of_idle_failed_and_canceled_owners_are_exact() {
+        assert_eq!(
+            idle_reason("2026-11-22T10:02:11Z", GoDuration::from_secs(3600)),
+            "no call from the backup server since 2026-11-22T10:02:11Z, longer than \
+             in_progress_idle_timeout (1h0m0s): InProgress abandoned"
+        );
+        assert_eq!(
+            cancelled_with(OwnerKind::Restore),
+            "canceled: the restore failed"
+        );
+        assert_eq!(
+            canceled_because("by the operator"),
+            "canceled: by the operator"
+        );
+    }
+
+    #[test]
+    fn amounts_change_unit_at_exactly_a_thousand() {
+        assert_eq!(amount(999, "bytes"), "999 B");
+        assert_eq!(amount(1_000, "bytes"), "1.0 kB");
+        assert_eq!(amount(1_000_000, "bytes"), "1.0 MB");
+        assert_eq!(amount(999_999, "bytes"), "1000.0 kB");
+    }
+
+    #[test]
+    fn any_count_or_a_description_alone_is_a_report_to_quote() {
+        let mut op = new_op(NOV_22_10_02_11);
+        op.progressed_ms = Some(NOV_22_10_02_11);
+        op.description = "preparing".into();
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 0 at 2026-11-22T10:02:11Z"
+        );
+        op.description.clear();
+        op.n_total = 7;
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 0 of 7 at 2026-11-22T10:02:11Z"
+        );
+        op.n_total = 0;
+        op.n_completed = 4;
+        assert_eq!(
+            stall_reason(&op, MIN),
+            "no progress for 1m0s: last 4 at 2026-11-22T10:02:11Z"
+        );
+    }
+
+    #[test]
+    fn each_of_count_total_description_start_and_update_alone_is_progress() {
+        let l = limits(Some(HOUR), None);
+        let base = copying(1, 10);
+        let first = observe_within(&new_op(0), Observation::Progress(base.clone()), &l, 10)
+            .unwrap()
+            .next;
+        let changed = [
+            OperationProgress {
+                n_completed: 2,
+                ..base.clone()
+            },
+            OperationProgress {
+                n_total: 11,
+                ..base.clone()
+            },
+            OperationProgress {
+                description: "verifying".into(),
+                ..base.clone()
+            },
+            OperationProgress {
+                started: Some(at(NOV_22_10_02_11)),
+                ..base.clone()
+            },
+            OperationProgress {
+                updated: Some(at(NOV_22_10_02_11)),
+                ..base.clone()
+            },
+        ];
+        for (i, p) in changed.into_iter().enumerate() {
+            let d = observe_within(&first, Observation::Progress(p), &l, MIN).unwrap();
+            assert_eq!(d.next.progressed_ms, Some(MIN), "change {i}");
+        }
+        // Nothing changed: the stall clock keeps its start.
+        assert_eq!(
+            observe_within(&first, Observation::Progress(base), &l, MIN),
+            None
+        );
+    }
+
+    #[test]
+    fn the_timeout_passes_only_after_its_last_millisecond() {
+        let busy = || Observation::Transient("busy".into());
+        let unreachable = || Observation::Unreachable {
+            error: "refused".into(),
+            since_ms: 0,
+            grace_ms: 10 * HOUR,
+        };
+        let running = || Observation::Progress(progress(false, ""));
+        for (name, observation) in [
+            ("transient", busy as fn() -> Observation),
+            ("unreachable", unreachable),
+            ("progress", running),
+        ] {
+            let at_deadline = observe(&new_op(0), observation(), HOUR, HOUR);
+            assert!(
+                at_deadline.is_none_or(|d| d.next.phase != OperationPhase::Failed && !d.cancel),
+                "{name}: failed at the deadline itself"
+            );
+            let past = observe(&new_op(0), observation(), HOUR, HOUR + 1).unwrap();
+            assert_eq!(past.next.error, TIMED_OUT, "{name}");
+        }
+    }
+
+    #[test]
+    fn zero_stall_and_start_deadlines_are_off() {
+        let l = limits(Some(0), Some(0));
+        let busy = observe_within(&new_op(0), Observation::Transient("busy".into()), &l, HOUR)
+            .unwrap()
+            .next;
+        assert_eq!(busy.phase, OperationPhase::New);
+        assert_eq!(
+            busy.progressed_ms, None,
+            "no stall clock without a deadline"
+        );
+        let idle = OperationProgress {
+            n_total: 10,
+            ..Default::default()
+        };
+        let d = observe_within(&new_op(0), Observation::Progress(idle), &l, HOUR).unwrap();
+        assert_eq!(d.next.phase, OperationPhase::New);
+        assert!(!d.cancel);
     }
 }

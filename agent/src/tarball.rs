@@ -158,7 +158,7 @@ impl<R: Read> Read for Bounded<R> {
         let n = self.inner.read(buf)?;
         if n as u64 > self.left {
             return Err(io::Error::other(format!(
-                "the decompressed archive exceeds the limit of {} bytes",
+                "the decompressed archive exceeds the limit of {} bytes (max_decompressed_size)",
                 self.limit
             )));
         }

@@ -33,7 +33,7 @@ use opmon_agent::core::Core;
 use opmon_agent::metrics::Metrics;
 use opmon_agent::storage_dir::StorageDir;
 use opmon_agent::store::Store;
-use opmon_client::methods::{self, OwnerMethod};
+use opmon_client::methods;
 use opmon_client::{
     AddOperationsResult, AgentStatus, DeleteResult, EventList, FinalizeResult, ItemOperation,
     Operation, Owner, OwnerKind, OwnerList, Snapshotter, WaitParams, WaitResult,
@@ -47,25 +47,22 @@ use serde_json::{json, Map, Value};
 // The methods and their params' fields.
 
 /// The params' fields of each owner method (names from `opmon_client::methods`).
-const OWNER_METHODS: &[(OwnerMethod, &[&str])] = &[
+const OWNER_METHODS: &[(&str, &[&str])] = &[
     (
-        OwnerMethod::Start,
+        "start",
         &["name", "uid", "itemOperationTimeout", "finalize", "object"],
     ),
-    (OwnerMethod::AddOperations, &["name", "operations"]),
-    (
-        OwnerMethod::EndInProgress,
-        &["name", "errors", "warnings", "failed"],
-    ),
-    (OwnerMethod::Get, &["name"]),
-    (OwnerMethod::List, &["phases", "limit", "after"]),
-    (OwnerMethod::Operations, &["name", "phases"]),
-    (OwnerMethod::Wait, &["name", "until", "timeout"]),
-    (OwnerMethod::ItemOperations, &["name"]),
-    (OwnerMethod::Events, &["name", "after", "limit"]),
-    (OwnerMethod::Finalize, &["name", "contents", "updatedItems"]),
-    (OwnerMethod::Delete, &["name"]),
-    (OwnerMethod::Subscribe, &["name"]),
+    ("addOperations", &["name", "operations"]),
+    ("endInProgress", &["name", "errors", "warnings", "failed"]),
+    ("get", &["name"]),
+    ("list", &["phases", "limit", "after"]),
+    ("operations", &["name", "phases"]),
+    ("wait", &["name", "until", "timeout"]),
+    ("itemOperations", &["name"]),
+    ("events", &["name", "after", "limit"]),
+    ("finalize", &["name", "contents", "updatedItems"]),
+    ("delete", &["name"]),
+    ("subscribe", &["name"]),
 ];
 
 fn methods() -> Vec<(String, Vec<&'static str>)> {
@@ -81,18 +78,17 @@ fn methods() -> Vec<(String, Vec<&'static str>)> {
     ];
     for kind in OwnerKind::ALL {
         for (method, fields) in OWNER_METHODS {
-            all.push((method.name(kind).to_string(), fields.to_vec()));
+            all.push((format!("{kind}.{method}"), fields.to_vec()));
         }
     }
     all
 }
 
-/// The owner method `method` names, if it names one.
-fn owner_method(method: &str) -> Option<OwnerMethod> {
-    OwnerMethod::ALL
-        .iter()
-        .copied()
-        .find(|m| OwnerKind::ALL.iter().any(|k| m.name(*k) == method))
+/// The verb of the owner method `method` names, if it names one.
+fn owner_method(method: &str) -> Option<&'static str> {
+    methods::decl_of(method)
+        .filter(|d| d.is_owner_method())
+        .map(|d| d.verb)
 }
 
 /// The error codes ARCHITECTURE.md documents.
@@ -357,7 +353,7 @@ fn new_operation(g: &mut Gen) -> Value {
 /// Valid params of `method` (for the state the harness sets up).
 fn valid_params(g: &mut Gen, method: &str) -> Value {
     let verb = owner_method(method);
-    let restore = verb.is_some_and(|m| m.name(OwnerKind::Restore) == method);
+    let restore = method.starts_with("restore.");
     match (method, verb) {
         (methods::AGENT_STATUS | methods::SNAPSHOTTER_LIST | methods::RPC_DISCOVER, _) => json!({}),
         (methods::SNAPSHOTTER_REGISTER, _) => {
@@ -370,7 +366,7 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             s
         }
         (methods::SNAPSHOTTER_UNREGISTER, _) => json!({"name": g.pick(PLUGINS)}),
-        (_, Some(OwnerMethod::Start)) => {
+        (_, Some("start")) => {
             let mut p = json!({"name": name(g), "uid": g.pick(&["u", "v"])});
             if g.chance(3) {
                 p["itemOperationTimeout"] = json!(g.pick(&["1h", "90s", "4h0m0s", "1ms"]));
@@ -383,10 +379,10 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, Some(OwnerMethod::AddOperations)) => {
+        (_, Some("addOperations")) => {
             json!({"name": name(g), "operations": (0..g.below(4)).map(|_| new_operation(g)).collect::<Vec<_>>()})
         }
-        (_, Some(OwnerMethod::EndInProgress)) => {
+        (_, Some("endInProgress")) => {
             let mut p = json!({"name": name(g)});
             if g.chance(2) {
                 p["errors"] = json!(g.below(3));
@@ -399,7 +395,7 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, Some(OwnerMethod::List)) => {
+        (_, Some("list")) => {
             let mut p = json!({});
             if g.chance(2) {
                 p["phases"] = (0..g.below(3))
@@ -414,17 +410,17 @@ fn valid_params(g: &mut Gen, method: &str) -> Value {
             }
             p
         }
-        (_, Some(OwnerMethod::Operations)) => {
+        (_, Some("operations")) => {
             let mut p = json!({"name": name(g)});
             if g.chance(2) {
                 p["phases"] = (0..g.below(3)).map(|_| json!(g.pick(OP_PHASES))).collect();
             }
             p
         }
-        (_, Some(OwnerMethod::Wait)) => {
+        (_, Some("wait")) => {
             json!({"name": name(g), "until": g.pick(&["readyToFinalize", "terminal"]), "timeout": "1ms"})
         }
-        (_, Some(OwnerMethod::Finalize)) => {
+        (_, Some("finalize")) => {
             let mut p = json!({"name": name(g)});
             if !restore && g.chance(2) {
                 p["contents"] = json!({
@@ -961,19 +957,17 @@ fn check_result(method: &str, result: &Value) -> Result<(), String> {
         (methods::SNAPSHOTTER_REGISTER | methods::SNAPSHOTTER_UNREGISTER, _) => {
             is::<Snapshotter>(result)
         }
-        (_, Some(OwnerMethod::Start | OwnerMethod::EndInProgress | OwnerMethod::Get)) => {
-            is::<Owner>(result)
-        }
-        (_, Some(OwnerMethod::AddOperations)) => is::<AddOperationsResult>(result),
-        (_, Some(OwnerMethod::List)) => is::<OwnerList>(result),
-        (_, Some(OwnerMethod::Operations)) => is::<Vec<Operation>>(result),
-        (_, Some(OwnerMethod::Wait)) => is::<WaitResult>(result),
-        (_, Some(OwnerMethod::ItemOperations)) => is::<Vec<ItemOperation>>(result),
-        (_, Some(OwnerMethod::Events)) => is::<EventList>(result),
-        (_, Some(OwnerMethod::Finalize)) => is::<FinalizeResult>(result),
-        (_, Some(OwnerMethod::Delete)) => is::<DeleteResult>(result),
-        (_, Some(OwnerMethod::Unsubscribe)) => is::<bool>(result),
-        (_, Some(OwnerMethod::Subscribe)) => match result {
+        (_, Some("start" | "endInProgress" | "get")) => is::<Owner>(result),
+        (_, Some("addOperations")) => is::<AddOperationsResult>(result),
+        (_, Some("list")) => is::<OwnerList>(result),
+        (_, Some("operations")) => is::<Vec<Operation>>(result),
+        (_, Some("wait")) => is::<WaitResult>(result),
+        (_, Some("itemOperations")) => is::<Vec<ItemOperation>>(result),
+        (_, Some("events")) => is::<EventList>(result),
+        (_, Some("finalize")) => is::<FinalizeResult>(result),
+        (_, Some("delete")) => is::<DeleteResult>(result),
+        (_, Some("unsubscribe")) => is::<bool>(result),
+        (_, Some("subscribe")) => match result {
             Value::Number(_) | Value::String(_) => Ok(()),
             other => Err(format!("a subscription id, not {other}")),
         },
@@ -1100,7 +1094,7 @@ async fn run_case(
         }
         if matches!(
             owner_method(&method),
-            Some(OwnerMethod::Finalize | OwnerMethod::EndInProgress | OwnerMethod::Delete)
+            Some("finalize" | "endInProgress" | "delete")
         ) {
             let files = state.harness.files();
             if files != state.files {

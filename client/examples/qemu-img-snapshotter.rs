@@ -245,7 +245,7 @@ impl OperationHandler for QemuImgSnapshotter {
             .records
             .get(&op.operation_id)
             .map(CopyRecord::progress)
-            .ok_or(SnapshotterError::InvalidOperationId(op.operation_id))
+            .ok_or(SnapshotterError::invalid_operation_id(op.operation_id))
     }
 
     /// Stops the copy if it runs and returns once its process is gone, its partial file
@@ -871,14 +871,11 @@ async fn start(args: StartArgs) -> Result<(), String> {
     let socket = args.socket.display();
     let disk = std::path::absolute(&args.disk)
         .map_err(|e| format!("--disk {}: {e}", args.disk.display()))?;
-    let client = opmon_client::Client::connect(&args.socket)
+    let client = opmon_client::Client::builder(&args.socket)
+        .peer("a snapshotter")
+        .connect()
         .await
-        .map_err(|e| match e {
-            opmon_client::Error::Connect { source, .. } => {
-                format!("cannot connect to a snapshotter at {socket}: {source}")
-            }
-            other => format!("cannot reach a snapshotter at {socket}: {}", other.chain()),
-        })?;
+        .map_err(|e| e.chain())?;
     let params = CopyStartParams {
         disk,
         snapshot: args.snapshot,

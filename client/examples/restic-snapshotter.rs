@@ -216,7 +216,7 @@ impl OperationHandler for ResticSnapshotter {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
         let record = self.0.lock().records.get(&op.operation_id).cloned();
         let Some(mut record) = record else {
-            return Err(SnapshotterError::InvalidOperationId(op.operation_id));
+            return Err(SnapshotterError::invalid_operation_id(op.operation_id));
         };
         // A restore's progress is what is on disk under its target, read now.
         if let (Job::Restore { target, .. }, Status::Running) = (&record.job, &record.status) {

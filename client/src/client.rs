@@ -2,14 +2,13 @@
 //!
 //! Calls are HTTP/1.1 `POST /` on pooled keep-alive connections (hyper's), each driven
 //! by the calling task; subscriptions are WebSocket connections of their own
-//! ([`crate::subscription`]). The client is built to outlive agent restarts:
+//! ([`Subscription`]). The client is built to outlive agent restarts:
 //!
 //! - A call whose connection cannot be made (the agent is restarting) is tried again
 //!   with backoff until the call timeout. A call that was sent and whose answer was lost
-//!   is sent again only if its method is safe to repeat ([`crate::methods::Retry`]):
-//!   reads, `start`, `addOperations`, `finalize`, `wait`, `snapshotter.register`.
-//!   `endInProgress`, `delete` and `snapshotter.unregister` then fail with
-//!   [`Error::Interrupted`].
+//!   is sent again only if its method is safe to repeat (its declaration's
+//!   [`crate::methods::Retry`]); `endInProgress`, `delete`, `cancel` and
+//!   `snapshotter.unregister` then fail with [`Error::Interrupted`].
 //! - Every call has a deadline ([`ClientBuilder::call_timeout`], default 2 minutes;
 //!   `finalize`, which may rewrite a tarball of many gigabytes, has
 //!   [`ClientBuilder::finalize_timeout`], default 1 hour; `wait` adds its own timeout).
@@ -17,41 +16,11 @@
 //!   5 s), so an agent that is not running fails at once and one that does not answer
 //!   (stopped, hung) fails with [`Error::Timeout`] instead of hanging.
 //!
-//! ```no_run
-//! # async fn demo() -> Result<(), opmon_client::Error> {
-//! use std::time::Duration;
-//! use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
-//!
-//! let client = Client::builder(opmon_client::default_socket_path())
-//!     .call_timeout(Duration::from_secs(30))
-//!     .connect()
-//!     .await?;
-//! let backups = client.backups();
-//! backups.start("nightly-1", "3f5c…", None).await?;
-//! backups
-//!     .add_operations(
-//!         "nightly-1",
-//!         vec![NewOperation {
-//!             plugin: PluginRef { kind: PluginKind::BackupItemAction, name: "example.io/copier".into() },
-//!             resource: ResourceIdentifier {
-//!                 group: String::new(),
-//!                 resource: "persistentvolumeclaims".into(),
-//!                 namespace: "app".into(),
-//!                 name: "data".into(),
-//!             },
-//!             operation_id: "copy-42".into(),
-//!             post_operation_items: vec![],
-//!             created: None,
-//!         }],
-//!     )
-//!     .await?;
-//! let owner = backups.end_in_progress("nightly-1").errors(2).await?;
-//! println!("{} is {}", owner.name, owner.phase);
-//! # Ok(()) }
-//! ```
+//! Every method returns a [`Call`]: required arguments in the call, optional ones as
+//! its builder methods, sent when awaited.
 
 use std::fmt;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,7 +36,7 @@ use tokio::time::Instant;
 use crate::connection::{Answer, Conn, Failure, Pool};
 use crate::duration::GoDuration;
 use crate::error::Error;
-use crate::methods::{self, OwnerMethod, Retry};
+use crate::methods::{self, Method, Retry};
 use crate::subscription::Subscription;
 use crate::types::*;
 
@@ -107,6 +76,8 @@ pub(crate) struct Config {
     pub finalize_timeout: Duration,
     pub max_connections: usize,
     pub max_response: usize,
+    /// Who serves the socket, as errors name it.
+    pub peer: String,
     /// Uids besides root and this process's own that may serve the agent's socket.
     pub agent_uids: Vec<u32>,
 }
@@ -143,6 +114,22 @@ impl ClientBuilder {
     /// parallel wait for one to be free (within their timeout).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.config.max_connections = n.max(1);
+        self
+    }
+
+    /// Who serves the socket, as errors name it (default "the opmon agent"): for a
+    /// client of a snapshotter's own methods, say which.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), opmon_client::Error> {
+    /// let copier = opmon_client::Client::builder("/run/copier/copier.sock")
+    ///     .peer("snapshotter example.io/copier")
+    ///     .connect()
+    ///     .await?; // "cannot connect to snapshotter example.io/copier at /run/copier/copier.sock"
+    /// # Ok(()) }
+    /// ```
+    pub fn peer(mut self, peer: impl Into<String>) -> Self {
+        self.config.peer = peer.into();
         self
     }
 
@@ -185,6 +172,7 @@ impl ClientBuilder {
                 },
                 Err(Failure::NotSent(source)) => Err(Error::Connect {
                     path: client.inner.path.clone(),
+                    peer: client.inner.config.peer.clone(),
                     source,
                 }),
                 Err(f) => Err(client.inner.failure_error(methods::AGENT_STATUS, f)),
@@ -195,16 +183,12 @@ impl ClientBuilder {
             Ok(Err(e)) => Err(e),
             Err(_) => Err(Error::Timeout {
                 path: client.inner.path.clone(),
-                what: "connecting to the opmon agent".into(),
+                what: format!("connecting to {}", client.inner.config.peer),
                 after: timeout,
             }),
         }
     }
 }
-
-/// `{}`: the params of methods that take none.
-#[derive(Serialize)]
-struct NoParams {}
 
 struct Inner {
     path: PathBuf,
@@ -234,9 +218,21 @@ struct Envelope<'a> {
 }
 
 #[derive(Deserialize)]
-struct RpcErrorObject {
+pub(crate) struct RpcErrorObject {
     code: i32,
     message: String,
+    #[serde(default)]
+    data: Option<serde_json::Value>,
+}
+
+impl From<RpcErrorObject> for Error {
+    fn from(e: RpcErrorObject) -> Error {
+        Error::Rpc {
+            code: crate::codes::Code::of(e.code),
+            message: e.message,
+            data: e.data,
+        }
+    }
 }
 
 impl Inner {
@@ -281,7 +277,11 @@ impl Inner {
     fn failure_error(&self, method: &str, failure: Failure) -> Error {
         let path = self.path.clone();
         match failure {
-            Failure::NotSent(source) => Error::Connect { path, source },
+            Failure::NotSent(source) => Error::Connect {
+                path,
+                peer: self.config.peer.clone(),
+                source,
+            },
             Failure::Lost(source) => Error::Io { path, source },
             Failure::Protocol(what) => Error::Protocol {
                 path,
@@ -295,10 +295,7 @@ impl Inner {
     fn decode<R: DeserializeOwned>(&self, method: &str, answer: Answer) -> Result<R, Error> {
         let envelope: Result<Envelope<'_>, _> = serde_json::from_slice(&answer.body);
         match envelope {
-            Ok(Envelope { error: Some(e), .. }) => Err(Error::Rpc {
-                code: e.code,
-                message: e.message,
-            }),
+            Ok(Envelope { error: Some(e), .. }) => Err(e.into()),
             Ok(Envelope { result, .. }) if answer.status == 200 => {
                 let raw = result.map_or("null", |r| r.get());
                 serde_json::from_str(raw).map_err(|e| Error::Protocol {
@@ -426,7 +423,18 @@ impl fmt::Debug for Client {
 }
 
 impl Client {
-    /// A builder for a client of the agent on the Unix socket `socket`.
+    /// A builder for a client of the agent on the Unix socket `socket`; nothing is
+    /// connected until [`ClientBuilder::connect`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .call_timeout(Duration::from_secs(30))
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn builder(socket: impl AsRef<Path>) -> ClientBuilder {
         ClientBuilder {
             path: socket.as_ref().to_path_buf(),
@@ -436,17 +444,34 @@ impl Client {
                 finalize_timeout: FINALIZE_TIMEOUT,
                 max_connections: MAX_CONNECTIONS,
                 max_response: MAX_RESPONSE,
+                peer: "the opmon agent".into(),
                 agent_uids: Vec::new(),
             },
         }
     }
 
     /// Connects with the default timeouts: `Client::builder(socket).connect()`.
+    ///
+    /// # Errors
+    /// [`Error::Connect`] if nothing listens on `socket` (or it is not an opmon agent's
+    /// and refuses), [`Error::Timeout`] if nothing answers within 5 s.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), opmon_client::Error> {
+    /// let client = opmon_client::Client::connect(opmon_client::default_socket_path()).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(socket: impl AsRef<Path>) -> Result<Self, Error> {
         Client::builder(socket).connect().await
     }
 
     /// The agent's socket.
+    ///
+    /// ```no_run
+    /// # fn demo(client: opmon_client::Client) {
+    /// println!("talking to {}", client.socket().display());
+    /// # }
+    /// ```
     pub fn socket(&self) -> &Path {
         &self.inner.path
     }
@@ -455,8 +480,19 @@ impl Client {
         &self.inner.config
     }
 
-    /// Calls any `method` with `params` sent by name, repeated after a lost connection
-    /// as [`methods::retry_of`] says.
+    /// Calls any `method` by name with `params` sent by name, repeated after a lost
+    /// connection as [`methods::retry_of`] says: for methods of a newer agent or a
+    /// snapshotter's own (the typed methods of this crate are the usual way).
+    ///
+    /// # Errors
+    /// The agent's error answer ([`Error::Rpc`]); transport failures as for every call
+    /// (see [`Error`]); [`Error::Protocol`] if the result is not an `R`.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let status: serde_json::Value = client.call("agent.status", serde_json::json!({})).await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn call<P, R>(&self, method: &str, params: P) -> Result<R, Error>
     where
         P: Serialize + Send,
@@ -464,6 +500,32 @@ impl Client {
     {
         let timeout = self.inner.config.call_timeout;
         self.call_with(method, &params, methods::retry_of(method), timeout)
+            .await
+    }
+
+    /// A call of the declared agent-wide method `M` with `params` as they are: the
+    /// typed methods below build these; this is for params built or kept elsewhere.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::{methods, NoParams};
+    /// let status = client.request::<methods::Status>(NoParams {}).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn request<M: Method>(&self, params: M::Params) -> Call<M> {
+        Call::new(self.clone(), OwnerKind::Backup, params)
+    }
+
+    /// Calls the declared method `M` (named for `kind` if it is an owner method), with
+    /// its retry rule and `timeout`.
+    async fn send<M: Method>(
+        &self,
+        kind: OwnerKind,
+        params: &M::Params,
+        timeout: Duration,
+    ) -> Result<M::Result, Error> {
+        let decl = &M::DECL;
+        self.call_with(decl.name(kind), params, decl.retry, timeout)
             .await
     }
 
@@ -478,195 +540,478 @@ impl Client {
         self.inner.call_raw(method, &body, retry, timeout).await
     }
 
-    /// `agent.status`.
-    pub async fn status(&self) -> Result<AgentStatus, Error> {
-        self.call(methods::AGENT_STATUS, NoParams {}).await
+    /// `agent.status`: the agent's version, API version, features, uptime and counts.
+    ///
+    /// # Errors
+    /// Transport failures only, in practice (see [`Error`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let status = client.status().await?;
+    /// if !status.supports("cancel") {
+    ///     eprintln!("agent {} cannot cancel", status.version);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn status(&self) -> Call<methods::Status> {
+        self.request(NoParams {})
     }
 
-    /// The backup methods (`backup.*`).
-    pub fn backups(&self) -> Owners<'_> {
+    /// The backup methods (`backup.*`): an owned handle, cheap to clone.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let backups = client.backups();
+    /// tokio::spawn(async move { backups.get("nightly-1").await });
+    /// # Ok(()) }
+    /// ```
+    pub fn backups(&self) -> Owners {
         self.owners(OwnerKind::Backup)
     }
 
-    /// The restore methods (`restore.*`).
-    pub fn restores(&self) -> Owners<'_> {
+    /// The restore methods (`restore.*`): an owned handle, cheap to clone.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let restore = client.restores().get("restore-1").await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn restores(&self) -> Owners {
         self.owners(OwnerKind::Restore)
     }
 
     /// The methods of owners of `kind`.
-    pub fn owners(&self, kind: OwnerKind) -> Owners<'_> {
-        Owners { client: self, kind }
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let page = client.owners(opmon_client::OwnerKind::Backup).list().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn owners(&self, kind: OwnerKind) -> Owners {
+        Owners {
+            client: self.clone(),
+            kind,
+        }
     }
 
     /// `server.started`: the backup server `name` now runs as `instance`. The agent
     /// fails the InProgress owners that earlier instances of `name` started (with a
     /// failure reason) and answers which; calling it again fails nothing more. `""`
     /// names the owners started without a server.
-    pub async fn server_started(
-        &self,
-        name: &str,
-        instance: &str,
-    ) -> Result<ServerStartedResult, Error> {
-        self.call(
-            methods::SERVER_STARTED,
-            ServerStartedParams {
-                name: name.into(),
-                instance: instance.into(),
-            },
-        )
-        .await
+    ///
+    /// # Errors
+    /// [`Error::is_invalid_params`] for a name or instance that is not printable text of
+    /// at most 253 bytes.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let failed = client.server_started("velero/velero", "velero-5d8f-abcde").await?;
+    /// for owner in failed.failed {
+    ///     println!("{} {} failed: the server restarted", owner.kind, owner.name);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn server_started(&self, name: &str, instance: &str) -> Call<methods::ServerStarted> {
+        self.request(ServerStartedParams {
+            name: name.into(),
+            instance: instance.into(),
+        })
     }
 
     /// `snapshotter.register`: persisted, replaces an earlier registration of the name.
-    pub async fn register_snapshotter(&self, s: &Snapshotter) -> Result<Snapshotter, Error> {
-        self.call(methods::SNAPSHOTTER_REGISTER, s).await
-    }
-
-    /// `snapshotter.list`.
-    pub async fn snapshotters(&self) -> Result<Vec<Snapshotter>, Error> {
-        self.call(methods::SNAPSHOTTER_LIST, NoParams {}).await
-    }
-
-    /// `snapshotter.unregister`.
-    pub async fn unregister_snapshotter(&self, name: &str) -> Result<Snapshotter, Error> {
-        self.call(
-            methods::SNAPSHOTTER_UNREGISTER,
-            NameParams { name: name.into() },
-        )
-        .await
-    }
-
-    /// `snapshotter.changed`: tells the agent that `operations` of `plugin` (all of its
-    /// operations if `None`) changed, so it polls them now. The SDK's
-    /// [`crate::snapshotter::Hints`] sends these for a snapshotter.
-    pub async fn snapshotter_changed(
+    ///
+    /// # Errors
+    /// [`Error::is_invalid_params`] naming the field: a name that is not
+    /// `<DNS subdomain>/<name>`, a v2 snapshotter without exactly one of socket and
+    /// command, a relative socket, a command while the agent does not allow them over
+    /// the API.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::Snapshotter;
+    /// let s = Snapshotter::socket("example.io/copier", "/run/copier/copier.sock");
+    /// client.register_snapshotter(s).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn register_snapshotter(
         &self,
-        plugin: &str,
-        operations: Option<Vec<String>>,
-    ) -> Result<(), Error> {
-        self.call(
-            methods::SNAPSHOTTER_CHANGED,
-            SnapshotterChangedParams {
-                plugin: plugin.into(),
-                operations,
-            },
-        )
-        .await
-    }
-}
-
-/// The `backup.*` or `restore.*` methods; one implementation for both kinds.
-#[derive(Clone, Copy, Debug)]
-pub struct Owners<'a> {
-    client: &'a Client,
-    kind: OwnerKind,
-}
-
-impl<'a> Owners<'a> {
-    async fn call<P: Serialize, R: DeserializeOwned>(
-        &self,
-        method: OwnerMethod,
-        params: P,
-    ) -> Result<R, Error> {
-        let timeout = self.client.inner.config.call_timeout;
-        self.client
-            .call_with(method.name(self.kind), &params, method.retry(), timeout)
-            .await
+        snapshotter: Snapshotter,
+    ) -> Call<methods::RegisterSnapshotter> {
+        self.request(snapshotter)
     }
 
-    /// `start`: creates the owner in InProgress; the same name and uid again returns it.
-    pub async fn start(
-        &self,
-        name: &str,
-        uid: &str,
-        item_operation_timeout: Option<Duration>,
-    ) -> Result<Owner, Error> {
-        self.start_with(StartParams {
-            name: name.into(),
-            uid: uid.into(),
-            item_operation_timeout: item_operation_timeout.map(GoDuration),
-            ..Default::default()
+    /// `snapshotter.list`: the registered snapshotters.
+    ///
+    /// # Errors
+    /// Transport failures only, in practice (see [`Error`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// for s in client.snapshotters().await? {
+    ///     println!("{}", s.name);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn snapshotters(&self) -> Call<methods::ListSnapshotters> {
+        self.request(NoParams {})
+    }
+
+    /// `snapshotter.unregister`: returns what was registered. Not repeated after a lost
+    /// answer ([`Error::Interrupted`]): list to see.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`] if no snapshotter has the name.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// match client.unregister_snapshotter("example.io/copier").await {
+    ///     Err(e) if e.is_not_found() => {}
+    ///     other => { other?; }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn unregister_snapshotter(&self, name: &str) -> Call<methods::UnregisterSnapshotter> {
+        self.request(NameParams { name: name.into() })
+    }
+
+    /// `snapshotter.changed`: tells the agent that operations of `plugin` changed, so
+    /// it polls them now; all of its operations unless [`Call::operations`] names some.
+    /// The SDK's `snapshotter::Hints` sends these for a snapshotter.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`] if no snapshotter is registered for `plugin`;
+    /// [`Error::is_invalid_params`] for more than 1,000 IDs.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client
+    ///     .snapshotter_changed("example.io/copier")
+    ///     .operations(vec!["copy-42".into()])
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn snapshotter_changed(&self, plugin: &str) -> Call<methods::SnapshotterChanged> {
+        self.request(SnapshotterChangedParams {
+            plugin: plugin.into(),
+            operations: None,
         })
-        .await
     }
+}
 
-    /// `start` with every parameter.
-    pub async fn start_with(&self, params: StartParams) -> Result<Owner, Error> {
-        self.call(OwnerMethod::Start, params).await
-    }
+/// One call of the declared method `M`: a future, sent when first polled. Required
+/// arguments were given when it was made, optional ones are set with its builder
+/// methods before it is awaited (for example [`Call::errors`] of `endInProgress`).
+///
+/// A call that cannot connect (the agent is restarting) is tried again with backoff
+/// until the call timeout; one whose answer was lost is sent again only if `M` is safe
+/// to repeat ([`methods::Retry`]), and otherwise fails with [`Error::Interrupted`].
+#[must_use = "a call does nothing until awaited"]
+pub struct Call<M: Method> {
+    client: Client,
+    kind: OwnerKind,
+    timeout: Duration,
+    state: CallState<M>,
+}
 
-    /// `addOperations`: idempotent on (plugin, operationId, item).
-    pub async fn add_operations(
-        &self,
-        name: &str,
-        operations: Vec<NewOperation>,
-    ) -> Result<AddOperationsResult, Error> {
-        self.call(
-            OwnerMethod::AddOperations,
-            AddOperationsParams {
-                name: name.into(),
-                operations,
-            },
-        )
-        .await
-    }
+/// Before the first poll the params can still change; after it, the request runs.
+enum CallState<M: Method> {
+    Ready(M::Params),
+    Running(Pin<Box<dyn Future<Output = Result<M::Result, Error>> + Send>>),
+    Done,
+}
 
-    /// `endInProgress`, as a builder: `.errors(n)`, `.warnings(n)`, `.failed()`, then
-    /// `.await` for the owner in its new phase.
-    pub fn end_in_progress(&self, name: &str) -> EndInProgress<'a> {
-        EndInProgress {
-            owners: Owners {
-                client: self.client,
-                kind: self.kind,
-            },
-            params: EndInProgressParams {
-                name: name.into(),
-                ..Default::default()
-            },
+impl<M: Method> Call<M> {
+    fn new(client: Client, kind: OwnerKind, params: M::Params) -> Call<M> {
+        // finalize may rewrite a tarball of many gigabytes: it has its own timeout.
+        let timeout = if M::DECL.verb == methods::Finalize::DECL.verb {
+            client.inner.config.finalize_timeout
+        } else {
+            client.inner.config.call_timeout
+        };
+        Call {
+            client,
+            kind,
+            timeout,
+            state: CallState::Ready(params),
         }
     }
 
-    /// `endInProgress` with its params struct.
-    pub async fn end_in_progress_with(&self, params: EndInProgressParams) -> Result<Owner, Error> {
-        self.call(OwnerMethod::EndInProgress, params).await
+    /// The params the call sends (`None` once it was polled).
+    pub fn params(&self) -> Option<&M::Params> {
+        match &self.state {
+            CallState::Ready(params) => Some(params),
+            _ => None,
+        }
     }
 
-    /// `get`.
-    pub async fn get(&self, name: &str) -> Result<Owner, Error> {
-        self.call(OwnerMethod::Get, NameParams { name: name.into() })
-            .await
+    /// Sets an optional argument: the builder methods' common part.
+    fn with(mut self, set: impl FnOnce(&mut M::Params)) -> Self {
+        if let CallState::Ready(params) = &mut self.state {
+            set(params);
+        }
+        self
+    }
+}
+
+impl<M: Method> fmt::Debug for Call<M>
+where
+    M::Params: fmt::Debug,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Call")
+            .field("method", &M::DECL.name(self.kind))
+            .field("params", &self.params())
+            .finish()
+    }
+}
+
+impl<M: Method> Future for Call<M> {
+    type Output = Result<M::Result, Error>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = &mut *self;
+        this.state = match std::mem::replace(&mut this.state, CallState::Done) {
+            CallState::Ready(params) => {
+                let (client, kind, timeout) = (this.client.clone(), this.kind, this.timeout);
+                CallState::Running(Box::pin(async move {
+                    client.send::<M>(kind, &params, timeout).await
+                }))
+            }
+            other => other,
+        };
+        let CallState::Running(running) = &mut this.state else {
+            panic!("a Call polled after it completed");
+        };
+        let output = std::task::ready!(running.as_mut().poll(cx));
+        this.state = CallState::Done;
+        std::task::Poll::Ready(output)
+    }
+}
+
+/// The `backup.*` or `restore.*` methods; one implementation for both kinds. An owned
+/// handle: cheap to clone, and it can move into a spawned task.
+#[derive(Clone, Debug)]
+pub struct Owners {
+    client: Client,
+    kind: OwnerKind,
+}
+
+impl Owners {
+    /// The kind of owners these methods are of.
+    ///
+    /// ```no_run
+    /// # fn demo(client: opmon_client::Client) {
+    /// assert_eq!(client.backups().kind(), opmon_client::OwnerKind::Backup);
+    /// # }
+    /// ```
+    pub fn kind(&self) -> OwnerKind {
+        self.kind
     }
 
-    /// `list`: one page.
-    pub async fn list(&self, params: ListParams) -> Result<OwnerList, Error> {
-        self.call(OwnerMethod::List, params).await
+    /// A call of the declared owner method `M` with `params` as they are: the typed
+    /// methods below build these; this is for params built or kept elsewhere.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::{methods, NameParams};
+    /// let owner = client
+    ///     .backups()
+    ///     .request::<methods::Get>(NameParams { name: "nightly-1".into() })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn request<M: Method>(&self, params: M::Params) -> Call<M> {
+        Call::new(self.client.clone(), self.kind, params)
     }
 
-    /// `events`: one page of the owner's history, oldest first (`next` continues it).
-    pub async fn events(&self, params: EventsParams) -> Result<EventList, Error> {
-        self.call(OwnerMethod::Events, params).await
+    /// `start`: creates the owner `name` (the backup server's object's `uid`) in
+    /// InProgress; the same name and uid again returns it. Options: [`Call::item_operation_timeout`],
+    /// [`Call::stall_timeout`], [`Call::start_timeout`], [`Call::finalize`] (restores),
+    /// [`Call::object`], [`Call::server`].
+    ///
+    /// # Errors
+    /// [`Error::is_already_exists`] if an owner of that name has another uid;
+    /// [`Error::is_invalid_params`] naming the field (a name that is not a DNS
+    /// subdomain, `finalize` for a backup, an object over 64 KiB).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// let owner = client
+    ///     .backups()
+    ///     .start("nightly-1", "3f5c9a")
+    ///     .item_operation_timeout(Duration::from_secs(3600))
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn start(&self, name: &str, uid: &str) -> Call<methods::Start> {
+        self.request(StartParams {
+            name: name.into(),
+            uid: uid.into(),
+            ..Default::default()
+        })
     }
 
-    /// `operations`: all of the owner's operations, or those in `phases`.
-    pub async fn operations(
+    /// `addOperations`: the operations the plugins returned for the owner `name`, while
+    /// it is InProgress. Idempotent on (plugin, operationId, item): repeats count as
+    /// `alreadyKnown`.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] once the owner left InProgress;
+    /// [`Error::is_invalid_params`] naming the operation and field.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42");
+    /// let counts = client.backups().add_operations("nightly-1", vec![op]).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn add_operations(
         &self,
         name: &str,
-        phases: Option<Vec<OperationPhase>>,
-    ) -> Result<Vec<Operation>, Error> {
-        self.call(
-            OwnerMethod::Operations,
-            OperationsParams {
-                name: name.into(),
-                phases,
-            },
-        )
-        .await
+        operations: Vec<NewOperation>,
+    ) -> Call<methods::AddOperations> {
+        self.request(AddOperationsParams {
+            name: name.into(),
+            operations,
+        })
+    }
+
+    /// `endInProgress`: ends the owner's InProgress phase with the backup server's
+    /// verdict ([`Call::errors`], [`Call::warnings`], [`Call::failed`]) and answers the
+    /// owner in its new phase. Not repeated after a lost answer ([`Error::Interrupted`]):
+    /// read the owner back.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] if it is no longer InProgress.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let owner = client.backups().end_in_progress("nightly-1").errors(2).await?;
+    /// println!("{} is {}", owner.name, owner.phase);
+    /// # Ok(()) }
+    /// ```
+    pub fn end_in_progress(&self, name: &str) -> Call<methods::EndInProgress> {
+        self.request(EndInProgressParams {
+            name: name.into(),
+            ..Default::default()
+        })
+    }
+
+    /// `get`: the owner `name`.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let owner = client.backups().get("nightly-1").await?;
+    /// println!("{}: {} of {} operations done", owner.phase, owner.operations_completed, owner.operations_attempted);
+    /// # Ok(()) }
+    /// ```
+    pub fn get(&self, name: &str) -> Call<methods::Get> {
+        self.request(NameParams { name: name.into() })
+    }
+
+    /// `list`: one page of owners in name order (options: [`Call::phases`],
+    /// [`Call::limit`], default 100 and at most 1,000, [`Call::after`] a name).
+    ///
+    /// # Errors
+    /// [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OwnerPhase;
+    /// let mut after = None;
+    /// loop {
+    ///     let mut call = client.backups().list().phases(vec![OwnerPhase::Finalizing]);
+    ///     if let Some(name) = after.take() {
+    ///         call = call.after(name);
+    ///     }
+    ///     let page = call.await?;
+    ///     for owner in &page.items {
+    ///         println!("{}", owner.name);
+    ///     }
+    ///     match page.next {
+    ///         Some(next) => after = Some(next),
+    ///         None => break,
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn list(&self) -> Call<methods::List> {
+        self.request(ListParams::default())
+    }
+
+    /// `events`: one page of the owner's history, oldest first (options:
+    /// [`Call::after_seq`], the previous page's `next`, and [`Call::limit`]).
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let page = client.backups().events("nightly-1").limit(50).await?;
+    /// for event in &page.items {
+    ///     println!("{} {}", event.reason, event.message);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn events(&self, name: &str) -> Call<methods::Events> {
+        self.request(EventsParams {
+            name: name.into(),
+            ..Default::default()
+        })
+    }
+
+    /// `operations`: all of the owner's operations, or those in [`Call::phases`].
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OperationPhase;
+    /// let failed = client
+    ///     .backups()
+    ///     .operations("nightly-1")
+    ///     .phases(vec![OperationPhase::Failed])
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn operations(&self, name: &str) -> Call<methods::Operations> {
+        self.request(OperationsParams {
+            name: name.into(),
+            phases: None,
+        })
     }
 
     /// `wait`: until the owner reaches `until` or `timeout` passes. Long timeouts are
     /// split into several requests; the result is the same as one long wait. After a
     /// reconnect the slice in flight is asked again, so the wait may overrun `timeout`
     /// by up to a minute.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`] (also if the owner is deleted meanwhile).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// use opmon_client::WaitUntil;
+    /// let waited = client
+    ///     .backups()
+    ///     .wait("nightly-1", WaitUntil::ReadyToFinalize, Duration::from_secs(4 * 3600))
+    ///     .await?;
+    /// if waited.timed_out {
+    ///     eprintln!("still {}", waited.owner.phase);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn wait(
         &self,
         name: &str,
@@ -674,7 +1019,6 @@ impl<'a> Owners<'a> {
         timeout: Duration,
     ) -> Result<WaitResult, Error> {
         let deadline = Instant::now() + timeout;
-        let method = OwnerMethod::Wait;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let slice = left.min(WAIT_SLICE);
@@ -683,14 +1027,10 @@ impl<'a> Owners<'a> {
                 until,
                 timeout: Some(GoDuration(slice)),
             };
-            let result: WaitResult = self
+            let call_timeout = slice + self.client.inner.config.call_timeout;
+            let result = self
                 .client
-                .call_with(
-                    method.name(self.kind),
-                    &params,
-                    method.retry(),
-                    slice + self.client.inner.config.call_timeout,
-                )
+                .send::<methods::Wait>(self.kind, &params, call_timeout)
                 .await?;
             if !result.timed_out || slice == left {
                 return Ok(result);
@@ -698,25 +1038,46 @@ impl<'a> Owners<'a> {
         }
     }
 
-    /// `itemOperations`: the `-itemoperations.json.gz` records.
-    pub async fn item_operations(&self, name: &str) -> Result<Vec<ItemOperation>, Error> {
-        self.call(
-            OwnerMethod::ItemOperations,
-            NameParams { name: name.into() },
-        )
-        .await
+    /// `itemOperations`: the owner's `-itemoperations.json.gz` records, as Velero
+    /// writes them.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let records = client.backups().item_operations("nightly-1").await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn item_operations(&self, name: &str) -> Call<methods::ItemOperations> {
+        self.request(NameParams { name: name.into() })
     }
 
-    /// `finalize`: for owners in a Finalizing phase; rewrites the tarball if `contents`
-    /// is given, writes the item-operations file, and moves the owner to its terminal
-    /// phase. Idempotent: a finalized owner returns the same result. Bounded by the
-    /// finalize timeout, not the call timeout.
-    pub async fn finalize(&self, params: FinalizeParams) -> Result<FinalizeResult, Error> {
-        let method = OwnerMethod::Finalize;
-        let timeout = self.client.inner.config.finalize_timeout;
-        self.client
-            .call_with(method.name(self.kind), &params, method.retry(), timeout)
-            .await
+    /// `finalize`: for an owner in a Finalizing phase, writes the item-operations file,
+    /// rewrites the backup tarball if [`Call::contents`] is given (with
+    /// [`Call::updated_items`]), and moves the owner to its terminal phase. Idempotent:
+    /// a finalized owner answers with the first result. Bounded by the finalize timeout
+    /// (default 1 h), not the call timeout.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] before Finalizing;
+    /// [`Error::is_finalize_failed`] if the files could not be written.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let done = client
+    ///     .backups()
+    ///     .finalize("nightly-1")
+    ///     .contents("/var/backups/nightly-1.tar.gz", "/var/backups/nightly-1.final.tar.gz")
+    ///     .await?;
+    /// println!("{} is {}", done.owner.name, done.owner.phase);
+    /// # Ok(()) }
+    /// ```
+    pub fn finalize(&self, name: &str) -> Call<methods::Finalize> {
+        self.request(FinalizeParams {
+            name: name.into(),
+            ..Default::default()
+        })
     }
 
     /// `subscribe`: every change of the owner and its operations, until the update that
@@ -725,20 +1086,214 @@ impl<'a> Owners<'a> {
     /// update then carries the full state with [`Update::resumed`] set. It ends with an
     /// error that says why when the owner is deleted ([`Error::SubscriptionEnded`]) or
     /// the agent does not come back within the call timeout ([`Error::AgentGone`]).
+    ///
+    /// A backup stops at Finalizing, which is not terminal: stop reading there and
+    /// call [`finalize`](Self::finalize).
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`] at once; the stream's items as above.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let mut updates = client.backups().subscribe("nightly-1").await?;
+    /// while let Some(update) = updates.next().await {
+    ///     let update = update?;
+    ///     if update.owner.phase.is_finalizing() || update.owner.phase.is_terminal() {
+    ///         break;
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn subscribe(&self, name: &str) -> Result<Subscription, Error> {
         Subscription::start(self.client.clone(), self.kind, name).await
     }
 
-    /// `delete`: removes the owner, cancelling its unfinished operations.
-    pub async fn delete(&self, name: &str) -> Result<DeleteResult, Error> {
-        self.call(OwnerMethod::Delete, NameParams { name: name.into() })
-            .await
+    /// `delete`: removes the owner, cancelling its unfinished operations. Not repeated
+    /// after a lost answer ([`Error::Interrupted`]): a repeat could delete an owner
+    /// re-created under the same name meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let deleted = client.backups().delete("nightly-1").await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn delete(&self, name: &str) -> Call<methods::Delete> {
+        self.request(NameParams { name: name.into() })
     }
 
-    /// `cancel`: the whole owner (`operations: None`; it ends Failed) or the chosen
-    /// operations (they end Canceled). Not repeated after a lost answer: read back.
-    pub async fn cancel(&self, params: CancelParams) -> Result<CancelResult, Error> {
-        self.call(OwnerMethod::Cancel, params).await
+    /// `cancel`: the whole owner (it ends Failed with the reason) or, with
+    /// [`Call::operations`], only those operations (they end Canceled); [`Call::reason`]
+    /// says why. Not repeated after a lost answer ([`Error::Interrupted`]): read back.
+    ///
+    /// # Errors
+    /// [`Error::is_wrong_phase`] once the owner is past WaitingForPluginOperations or a
+    /// chosen operation is finished; [`Error::is_not_found`] for the owner or a chosen
+    /// operation it lacks.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let result = client
+    ///     .backups()
+    ///     .cancel("nightly-1")
+    ///     .reason("the user deleted the backup")
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn cancel(&self, name: &str) -> Call<methods::Cancel> {
+        self.request(CancelParams {
+            name: name.into(),
+            operations: None,
+            reason: None,
+        })
+    }
+}
+
+impl Call<methods::Start> {
+    /// How long the owner's operations may take (default `4h0m0s`, as in Velero).
+    pub fn item_operation_timeout(self, timeout: Duration) -> Self {
+        self.with(|p| p.item_operation_timeout = Some(GoDuration(timeout)))
+    }
+
+    /// Fail an operation whose progress has not changed for this long (overrides the
+    /// snapshotter's `stallTimeout`; zero turns it off for this owner).
+    pub fn stall_timeout(self, timeout: Duration) -> Self {
+        self.with(|p| p.stall_timeout = Some(GoDuration(timeout)))
+    }
+
+    /// Fail an operation still New this long after it was created (overrides the
+    /// snapshotter's `startTimeout`; zero turns it off for this owner).
+    pub fn start_timeout(self, timeout: Duration) -> Self {
+        self.with(|p| p.start_timeout = Some(GoDuration(timeout)))
+    }
+
+    /// Restores only: pass through Finalizing and wait for `restore.finalize` (default:
+    /// the agent's `restore_finalize` setting).
+    pub fn finalize(self, finalize: bool) -> Self {
+        self.with(|p| p.finalize = Some(finalize))
+    }
+
+    /// The backup server's own representation of the backup or restore (a JSON object
+    /// of at most 64 KiB), passed to the snapshotters in every Progress and Cancel.
+    pub fn object(self, object: serde_json::Value) -> Self {
+        self.with(|p| p.object = Some(object))
+    }
+
+    /// The backup server starting it (`name`, running as `instance`), so that
+    /// `server.started` of a later instance fails it if it is still InProgress.
+    pub fn server(self, name: &str, instance: &str) -> Self {
+        self.with(|p| {
+            p.server = Some(ServerRef {
+                name: name.into(),
+                instance: instance.into(),
+            })
+        })
+    }
+}
+
+impl Call<methods::EndInProgress> {
+    /// Errors the server counted while the owner was InProgress.
+    pub fn errors(self, errors: u32) -> Self {
+        self.with(|p| p.errors = errors)
+    }
+
+    /// Warnings the server counted.
+    pub fn warnings(self, warnings: u32) -> Self {
+        self.with(|p| p.warnings = warnings)
+    }
+
+    /// The backup or restore failed outright: Failed, unfinished operations cancelled.
+    pub fn failed(self) -> Self {
+        self.with(|p| p.failed = true)
+    }
+}
+
+impl Call<methods::List> {
+    /// Only owners in these phases.
+    pub fn phases(self, phases: Vec<OwnerPhase>) -> Self {
+        self.with(|p| p.phases = Some(phases))
+    }
+
+    /// At most this many owners (default 100, at most 1,000).
+    pub fn limit(self, limit: u32) -> Self {
+        self.with(|p| p.limit = Some(limit))
+    }
+
+    /// Owners whose names sort after this one: the previous page's `next`.
+    pub fn after(self, name: impl Into<String>) -> Self {
+        self.with(|p| p.after = Some(name.into()))
+    }
+}
+
+impl Call<methods::Events> {
+    /// Events after this `seq`: the previous page's `next`.
+    pub fn after_seq(self, seq: u64) -> Self {
+        self.with(|p| p.after = Some(seq))
+    }
+
+    /// At most this many events (default 100, at most 1,000).
+    pub fn limit(self, limit: u32) -> Self {
+        self.with(|p| p.limit = Some(limit))
+    }
+}
+
+impl Call<methods::Operations> {
+    /// Only operations in these phases.
+    pub fn phases(self, phases: Vec<OperationPhase>) -> Self {
+        self.with(|p| p.phases = Some(phases))
+    }
+}
+
+impl Call<methods::Finalize> {
+    /// Backups only: rewrite the tarball `input` into `output` (which may be `input`
+    /// itself), with the [`updated_items`](Self::updated_items).
+    pub fn contents(self, input: impl Into<PathBuf>, output: impl Into<PathBuf>) -> Self {
+        self.with(|p| {
+            p.contents = Some(Contents {
+                input: input.into(),
+                output: output.into(),
+            })
+        })
+    }
+
+    /// Items to put into the tarball in place of (or beside) what it has: the
+    /// post-operation items the plugins updated.
+    pub fn updated_items(self, items: Vec<UpdatedItem>) -> Self {
+        self.with(|p| p.updated_items = items)
+    }
+
+    /// Errors the backup server's finalize step found: added to the owner's; any makes
+    /// it PartiallyFailed.
+    pub fn errors(self, errors: u32) -> Self {
+        self.with(|p| p.errors = errors)
+    }
+
+    /// Warnings the finalize step found: added to the owner's.
+    pub fn warnings(self, warnings: u32) -> Self {
+        self.with(|p| p.warnings = warnings)
+    }
+}
+
+impl Call<methods::Cancel> {
+    /// Cancel only these operations (each an ID, or an ID and its item); the owner
+    /// goes on.
+    pub fn operations(self, operations: Vec<OperationSelector>) -> Self {
+        self.with(|p| p.operations = Some(operations))
+    }
+
+    /// Why (at most 1,024 bytes): in the owner's failure reason or the operations'
+    /// errors, and passed on to the snapshotters.
+    pub fn reason(self, reason: impl Into<String>) -> Self {
+        self.with(|p| p.reason = Some(reason.into()))
+    }
+}
+
+impl Call<methods::SnapshotterChanged> {
+    /// Only these operations changed (at most 1,000 IDs).
+    pub fn operations(self, operations: Vec<String>) -> Self {
+        self.with(|p| p.operations = Some(operations))
     }
 }
 
@@ -757,41 +1312,5 @@ impl std::ops::Deref for Update {
 
     fn deref(&self) -> &OwnerUpdate {
         &self.update
-    }
-}
-
-/// An `endInProgress` call being built; `.await` sends it.
-#[must_use = "an endInProgress call does nothing until awaited"]
-pub struct EndInProgress<'a> {
-    owners: Owners<'a>,
-    params: EndInProgressParams,
-}
-
-impl<'a> EndInProgress<'a> {
-    /// Errors the server counted while the owner was InProgress.
-    pub fn errors(mut self, errors: u32) -> Self {
-        self.params.errors = errors;
-        self
-    }
-
-    /// Warnings the server counted.
-    pub fn warnings(mut self, warnings: u32) -> Self {
-        self.params.warnings = warnings;
-        self
-    }
-
-    /// The backup or restore failed outright: Failed, unfinished operations cancelled.
-    pub fn failed(mut self) -> Self {
-        self.params.failed = true;
-        self
-    }
-}
-
-impl<'a> IntoFuture for EndInProgress<'a> {
-    type Output = Result<Owner, Error>;
-    type IntoFuture = Pin<Box<dyn Future<Output = Result<Owner, Error>> + Send + 'a>>;
-
-    fn into_future(self) -> Self::IntoFuture {
-        Box::pin(async move { self.owners.end_in_progress_with(self.params).await })
     }
 }

@@ -10,7 +10,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::codes::Code;
 use crate::duration::GoDuration;
+use crate::OwnerPhase;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -18,9 +20,12 @@ use crate::duration::GoDuration;
 pub enum Error {
     /// Nothing answers on the socket: no such file, connection refused, permission
     /// denied. The agent is not running (or not reachable by this user).
-    #[error("cannot connect to the opmon agent at {}", path.display())]
+    #[error("cannot connect to {peer} at {}", path.display())]
     Connect {
         path: PathBuf,
+        /// Who was expected there: "the opmon agent", or what
+        /// [`crate::ClientBuilder::peer`] said (a snapshotter's name).
+        peer: String,
         #[source]
         source: std::io::Error,
     },
@@ -32,9 +37,16 @@ pub enum Error {
         what: String,
         after: Duration,
     },
-    /// The agent answered with a JSON-RPC error; `code` is one of [`crate::codes`].
-    #[error("{message} (code {code})")]
-    Rpc { code: i32, message: String },
+    /// The agent answered with a JSON-RPC error: its typed `code` (match on it, or use
+    /// [`Error::is_not_found`] and the other helpers), its `message` (which names what
+    /// was wrong) and its `data`, as the agent sent it (a wrong-phase error's `data`
+    /// has the phase: [`Error::phase`]).
+    #[error("{message} (code {})", code.number())]
+    Rpc {
+        code: Code,
+        message: String,
+        data: Option<serde_json::Value>,
+    },
     /// The agent answered with an HTTP error that is not a JSON-RPC answer (for
     /// example 403 for a peer it does not admit); `body` is its text, control
     /// characters escaped.
@@ -96,12 +108,101 @@ pub enum Error {
 }
 
 impl Error {
-    /// The JSON-RPC error code, if the agent answered with an error.
+    /// The JSON-RPC error code's number, if the agent answered with an error.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::{self, Code}, Error};
+    /// let e = Error::Rpc { code: Code::NotFound, message: "backup b not found".into(), data: None };
+    /// assert_eq!(e.code(), Some(codes::NOT_FOUND));
+    /// ```
     pub fn code(&self) -> Option<i32> {
+        self.rpc_code().map(Code::number)
+    }
+
+    /// The typed JSON-RPC error code, if the agent answered with an error.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// # fn handle(e: Error) {
+    /// match e.rpc_code() {
+    ///     Some(Code::NotFound) => println!("gone already"),
+    ///     Some(Code::WrongPhase) => println!("too late: {e}"),
+    ///     _ => println!("failed: {}", e.chain()),
+    /// }
+    /// # }
+    /// ```
+    pub fn rpc_code(&self) -> Option<Code> {
         match self {
             Error::Rpc { code, .. } => Some(*code),
             _ => None,
         }
+    }
+
+    /// The `data` of the agent's error answer, if it sent one.
+    pub fn data(&self) -> Option<&serde_json::Value> {
+        match self {
+            Error::Rpc { data, .. } => data.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// The named owner or snapshotter does not exist (code 1001).
+    pub fn is_not_found(&self) -> bool {
+        self.rpc_code() == Some(Code::NotFound)
+    }
+
+    /// The name is taken by an owner with another uid (code 1002).
+    pub fn is_already_exists(&self) -> bool {
+        self.rpc_code() == Some(Code::AlreadyExists)
+    }
+
+    /// The owner is not in a phase that allows the request (code 1003); [`Error::phase`]
+    /// says which phase it is in.
+    pub fn is_wrong_phase(&self) -> bool {
+        self.rpc_code() == Some(Code::WrongPhase)
+    }
+
+    /// The params were refused (code -32602); the message names the field.
+    pub fn is_invalid_params(&self) -> bool {
+        self.rpc_code() == Some(Code::InvalidParams)
+    }
+
+    /// The request or its answer was over a limit of the agent (codes -32007, -32008,
+    /// -32011, or HTTP 413).
+    pub fn is_too_big(&self) -> bool {
+        matches!(
+            self.rpc_code(),
+            Some(Code::OversizedRequest | Code::OversizedResponse | Code::OversizedBatchResponse)
+        ) || matches!(self, Error::Http { status: 413, .. })
+    }
+
+    /// The agent did not admit this client (code -32003, or HTTP 403 or 429).
+    pub fn is_refused(&self) -> bool {
+        self.rpc_code() == Some(Code::Refused)
+            || matches!(
+                self,
+                Error::Http {
+                    status: 403 | 429,
+                    ..
+                }
+            )
+    }
+
+    /// The agent's database or storage directory failed (code 1004).
+    pub fn is_storage_failure(&self) -> bool {
+        self.rpc_code() == Some(Code::StorageFailure)
+    }
+
+    /// `finalize` could not produce its results (code 1005).
+    pub fn is_finalize_failed(&self) -> bool {
+        self.rpc_code() == Some(Code::FinalizeFailed)
+    }
+
+    /// The owner's phase a wrong-phase error reports (its `data.phase`), if the agent
+    /// sent it (this version of the agent does).
+    pub fn phase(&self) -> Option<OwnerPhase> {
+        let phase = self.data()?.get("phase")?;
+        serde_json::from_value(phase.clone()).ok()
     }
 
     /// Whether the failure is the transport's (the agent stopped, restarted, or never

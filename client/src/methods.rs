@@ -1,33 +1,40 @@
-//! The API's method names, written once: the agent registers its handlers under these,
-//! the client and the CLI call them, the params fuzzer walks them. `backup.*` and
-//! `restore.*` are derived from one list of verbs, so the two kinds cannot drift apart.
+//! The API's methods, each declared once: its name, params and result types, whether a
+//! lost answer may be sent again, whether it mostly waits, the errors it can answer with
+//! and a line of doc. The agent registers its handlers from these declarations, the
+//! typed client and its retry table call through them, the OpenRPC document
+//! (`openrpc/opmon.json`) is generated from them, and the `opmon` CLI sends them.
 //!
-//! The table also says which calls the client may repeat after a lost connection
-//! ([`Retry`]), because that is a fact about the method, not about a caller.
+//! A declaration is a type implementing [`Method`] (as lsp-types' `Request`): the types
+//! are checked where a call is made and where it is served. Owner methods are declared
+//! once for both kinds: [`Start`] is `backup.start` and `restore.start`.
+//!
+//! Adding a method: declare it here, write its handler in the agent's core (registered
+//! in agent/src/api.rs, which checks at start that every declared method is served) and
+//! its `opmon` subcommand; the document and the client's retry table follow.
 
+use crate::codes::*;
+use crate::types;
 use crate::OwnerKind;
 
-/// `agent.status`.
-pub const AGENT_STATUS: &str = "agent.status";
+/// `snapshotter.changed` etc. as plain names, for callers that build requests by hand.
+pub const AGENT_STATUS: &str = Status::DECL.verb;
 /// `snapshotter.register`.
-pub const SNAPSHOTTER_REGISTER: &str = "snapshotter.register";
+pub const SNAPSHOTTER_REGISTER: &str = RegisterSnapshotter::DECL.verb;
 /// `snapshotter.list`.
-pub const SNAPSHOTTER_LIST: &str = "snapshotter.list";
+pub const SNAPSHOTTER_LIST: &str = ListSnapshotters::DECL.verb;
 /// `snapshotter.unregister`.
-pub const SNAPSHOTTER_UNREGISTER: &str = "snapshotter.unregister";
+pub const SNAPSHOTTER_UNREGISTER: &str = UnregisterSnapshotter::DECL.verb;
 /// `server.started`: a backup server says it (re)started.
-pub const SERVER_STARTED: &str = "server.started";
-/// `snapshotter.changed`: a snapshotter's hint that some of its operations changed, so
-/// the agent polls them now instead of at its next tick.
-pub const SNAPSHOTTER_CHANGED: &str = "snapshotter.changed";
+pub const SERVER_STARTED: &str = ServerStarted::DECL.verb;
+/// `snapshotter.changed`: a snapshotter's hint that some of its operations changed.
+pub const SNAPSHOTTER_CHANGED: &str = SnapshotterChanged::DECL.verb;
+/// `rpc.discover`: the agent's OpenRPC document (client/openrpc/opmon.json).
+pub const RPC_DISCOVER: &str = Discover::DECL.verb;
 
 /// The snapshotter protocol: the agent calls these on a socket snapshotter.
 pub const OPERATION_PROGRESS: &str = "operation.progress";
 /// The snapshotter protocol's Cancel.
 pub const OPERATION_CANCEL: &str = "operation.cancel";
-
-/// `rpc.discover`: the agent's OpenRPC document (client/openrpc/opmon.json).
-pub const RPC_DISCOVER: &str = "rpc.discover";
 
 /// The API version `agent.status` reports and the OpenRPC document's `info.version`.
 /// The major number changes only when a call that worked stops working; additions show
@@ -82,90 +89,277 @@ pub enum Retry {
     IfNotSent,
 }
 
-/// The retry rule of any method by its full name; methods this table does not know
-/// (a newer agent's, a snapshotter's own) are repeated only if not sent.
-pub fn retry_of(method: &str) -> Retry {
-    match method {
-        // `server.started` fails only owners of other instances: a repeat fails nothing more.
-        // A hint changes nothing by itself: a repeat at most polls once more.
-        AGENT_STATUS | SNAPSHOTTER_LIST | SNAPSHOTTER_REGISTER | SERVER_STARTED
-        | SNAPSHOTTER_CHANGED => Retry::Always,
-        _ => match method.split_once('.') {
-            Some((kind, verb)) if kind.parse::<OwnerKind>().is_ok() => OwnerMethod::ALL
-                .iter()
-                .find(|m| m.verb() == verb)
-                .map_or(Retry::IfNotSent, |m| m.retry()),
-            _ => Retry::IfNotSent,
-        },
+/// What a declaration says besides its types.
+#[derive(Debug)]
+pub struct Decl {
+    /// The full name of an agent-wide method (`agent.status`); for an owner method, the
+    /// verb after the kind (`addOperations`).
+    pub verb: &'static str,
+    /// The names of an owner method for backups and restores; `None` for agent-wide ones.
+    pub owner_names: Option<[&'static str; 2]>,
+    /// Whether a request whose answer was lost may be sent again.
+    pub retry: Retry,
+    /// Whether the method mostly waits (for a change, for snapshotters, for file work)
+    /// while holding little memory.
+    pub waits: bool,
+    /// The error codes it can answer with ([`crate::codes`]).
+    pub errors: &'static [i32],
+    /// One line: what it does. `{kind}` stands for `backup` or `restore`.
+    pub summary: &'static str,
+    /// More, where a line is not enough.
+    pub details: Option<&'static str>,
+    /// The result's name in the OpenRPC document.
+    pub result: &'static str,
+}
+
+impl Decl {
+    /// The full name for owners of `kind`; an agent-wide method's name whatever `kind`.
+    pub fn name(&self, kind: OwnerKind) -> &'static str {
+        match (self.owner_names, kind) {
+            (Some([backup, _]), OwnerKind::Backup) => backup,
+            (Some([_, restore]), OwnerKind::Restore) => restore,
+            (None, _) => self.verb,
+        }
+    }
+
+    /// Every full name it has: one, or one per owner kind.
+    pub fn names(&self) -> &[&'static str] {
+        match &self.owner_names {
+            Some(names) => names,
+            None => std::slice::from_ref(&self.verb),
+        }
+    }
+
+    /// Whether it is a method of owners (`backup.*` and `restore.*`).
+    pub fn is_owner_method(&self) -> bool {
+        self.owner_names.is_some()
     }
 }
 
-macro_rules! owner_methods {
-    ($($(#[$doc:meta])* $variant:ident => $verb:literal, $retry:ident;)+) => {
-        /// A method of owners, the same for both kinds: `Start.name(Backup)` is
-        /// `"backup.start"`.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum OwnerMethod {
-            $($(#[$doc])* $variant,)+
+/// What the OpenRPC generator needs of a type (its JSON Schema) with the `schema`
+/// feature, nothing without it.
+#[cfg(feature = "schema")]
+#[doc(hidden)]
+pub trait Schema: schemars::JsonSchema {}
+#[cfg(feature = "schema")]
+impl<T: schemars::JsonSchema> Schema for T {}
+/// What the OpenRPC generator needs of a type with the `schema` feature.
+#[cfg(not(feature = "schema"))]
+#[doc(hidden)]
+pub trait Schema {}
+#[cfg(not(feature = "schema"))]
+impl<T> Schema for T {}
+
+/// A JSON-RPC method of the agent: its params (sent by name) and result types, and its
+/// [`Decl`].
+pub trait Method: 'static {
+    /// What the call takes.
+    type Params: serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + Unpin
+        + Schema
+        + 'static;
+    /// What it answers.
+    type Result: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Schema + 'static;
+    /// Its name, retry rule, errors and doc.
+    const DECL: Decl;
+}
+
+/// Something that walks every declared method with its types (the OpenRPC generator,
+/// the agent's check that it serves them all).
+pub trait Visit {
+    fn visit<M: Method>(&mut self);
+}
+
+macro_rules! declare {
+    (@names agent $verb:literal) => { None };
+    (@names owner $verb:literal) => {
+        Some([concat!("backup.", $verb), concat!("restore.", $verb)])
+    };
+    (@details) => { None };
+    (@details $details:literal) => { Some($details) };
+    ($(
+        $(#[doc = $doc:literal])*
+        $scope:ident $ty:ident = $verb:literal, $params:ty => $result:ty as $rname:literal {
+            retry: $retry:ident, waits: $waits:literal, errors: [$($err:expr),*],
+            summary: $summary:literal $(, details: $details:literal)? $(,)?
         }
+    )+) => {
+        $(
+            $(#[doc = $doc])*
+            #[derive(Clone, Copy, Debug)]
+            pub struct $ty;
 
-        impl OwnerMethod {
-            /// Every method, in the order the API lists them.
-            pub const ALL: &'static [OwnerMethod] = &[$(OwnerMethod::$variant),+];
-
-            /// The name after the kind, e.g. `addOperations`.
-            pub fn verb(self) -> &'static str {
-                match self {
-                    $(OwnerMethod::$variant => $verb,)+
-                }
+            impl Method for $ty {
+                type Params = $params;
+                type Result = $result;
+                const DECL: Decl = Decl {
+                    verb: $verb,
+                    owner_names: declare!(@names $scope $verb),
+                    retry: Retry::$retry,
+                    waits: $waits,
+                    errors: &[$($err),*],
+                    summary: $summary,
+                    details: declare!(@details $($details)?),
+                    result: $rname,
+                };
             }
+        )+
 
-            /// The full method name for owners of `kind`, e.g. `restore.finalize`.
-            pub fn name(self, kind: OwnerKind) -> &'static str {
-                match (self, kind) {
-                    $(
-                        (OwnerMethod::$variant, OwnerKind::Backup) => concat!("backup.", $verb),
-                        (OwnerMethod::$variant, OwnerKind::Restore) => concat!("restore.", $verb),
-                    )+
-                }
-            }
+        /// Every declaration, in the order the OpenRPC document lists them.
+        pub const ALL: &[&Decl] = &[$(&<$ty as Method>::DECL),+];
 
-            /// Whether the client may repeat it after a lost connection.
-            pub fn retry(self) -> Retry {
-                match self {
-                    $(OwnerMethod::$variant => Retry::$retry,)+
-                }
-            }
+        /// Calls `v` with every declared method's type, in the order of [`ALL`].
+        pub fn visit_all(v: &mut impl Visit) {
+            $(v.visit::<$ty>();)+
         }
     };
 }
 
-owner_methods! {
-    /// Same name and uid again returns the owner.
-    Start => "start", Always;
-    /// Idempotent on the operation's identity; repeats count as `alreadyKnown`.
-    AddOperations => "addOperations", Always;
-    /// A repeat answers 1003 (no longer InProgress).
-    EndInProgress => "endInProgress", IfNotSent;
-    Get => "get", Always;
-    List => "list", Always;
-    Operations => "operations", Always;
-    /// Repeated with the time that is left.
-    Wait => "wait", Always;
-    ItemOperations => "itemOperations", Always;
-    /// The owner's history, a page at a time.
-    Events => "events", Always;
-    /// A finalized owner answers with the first finalize's result.
-    Finalize => "finalize", Always;
-    /// A repeat could delete an owner re-created under the same name meanwhile.
-    Delete => "delete", IfNotSent;
-    /// A repeat answers 1003 (already canceled, or the owner Failed by the first).
-    Cancel => "cancel", IfNotSent;
-    /// WebSocket only; the client resubscribes after a reconnect.
-    Subscribe => "subscribe", Always;
-    Unsubscribe => "unsubscribe", Always;
-    /// The notification `subscribe` sends (not a method one calls).
-    Changed => "changed", Always;
+declare! {
+    /// `agent.status`.
+    agent Status = "agent.status", types::NoParams => types::AgentStatus as "status" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "The agent's version, API version, optional features, uptime and counts.",
+    }
+    /// `start`.
+    owner Start = "start", types::StartParams => types::Owner as "owner" {
+        // Same name and uid again returns the owner.
+        retry: Always, waits: false, errors: [INVALID_PARAMS, ALREADY_EXISTS, STORAGE_FAILURE],
+        summary: "Starts monitoring a {kind} in InProgress; the same name and uid again returns it.",
+        details: "Same name with another uid: 1002. `finalize` is for restores only.",
+    }
+    /// `addOperations`.
+    owner AddOperations = "addOperations", types::AddOperationsParams => types::AddOperationsResult as "counts" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        summary: "Adds the operations the plugins returned for a {kind}; only while InProgress.",
+        details: "Idempotent on an operation's plugin, ID and item: repeats count as alreadyKnown.",
+    }
+    /// `endInProgress`.
+    owner EndInProgress = "endInProgress", types::EndInProgressParams => types::Owner as "owner" {
+        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        summary: "Ends the {kind}'s InProgress phase with the backup server's verdict; returns the owner in its new phase.",
+        details: "A repeat answers 1003: the owner is no longer InProgress.",
+    }
+    /// `get`.
+    owner Get = "get", types::NameParams => types::Owner as "owner" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "The {kind}.",
+    }
+    /// `list`.
+    owner List = "list", types::ListParams => types::OwnerList as "page" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "A page of {kind}s in name order, optionally of some phases.",
+    }
+    /// `operations`.
+    owner Operations = "operations", types::OperationsParams => Vec<types::Operation> as "operations" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "The {kind}'s operations, optionally of some phases.",
+    }
+    /// `wait`.
+    owner Wait = "wait", types::WaitParams => types::WaitResult as "wait" {
+        // Repeated with the time that is left.
+        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "Waits (at most `timeout`, at most 10m0s) until the {kind} is ready to finalize or terminal.",
+    }
+    /// `itemOperations`.
+    owner ItemOperations = "itemOperations", types::NameParams => Vec<types::ItemOperation> as "records" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "The records of the {kind}'s -itemoperations.json.gz, as Velero writes them.",
+    }
+    /// `events`.
+    owner Events = "events", types::EventsParams => types::EventList as "page" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "A page of the {kind}'s history, oldest first: phase changes, failures and the calls that changed it, with their callers.",
+        details: "Paged by seq: pass the previous page's next as after. limit: default 100, at most 1000. Each owner keeps its latest 1000 events; they are removed with it.",
+    }
+    /// `finalize`.
+    owner Finalize = "finalize", types::FinalizeParams => types::FinalizeResult as "finalized" {
+        // A finalized owner answers with the first finalize's result.
+        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED],
+        summary: "Finalizes the {kind}: Finalizing goes to Completed, FinalizingPartiallyFailed to PartiallyFailed.",
+        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`.",
+    }
+    /// `delete`.
+    owner Delete = "delete", types::NameParams => types::DeleteResult as "deleted" {
+        // A repeat could delete an owner re-created under the same name meanwhile.
+        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "Deletes the {kind}, cancelling its unfinished operations.",
+    }
+    /// `cancel`.
+    owner Cancel = "cancel", types::CancelParams => types::CancelResult as "canceled" {
+        // A repeat answers 1003 (already canceled, or the owner Failed by the first).
+        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        summary: "Cancels the {kind} (it ends Failed with the reason) or, with `operations`, only those operations (they end Canceled).",
+        details: "Allowed while InProgress or WaitingForPluginOperations*; otherwise 1003 naming the phase. A chosen operation that is finished: 1003 naming its phase; one the owner lacks: 1001; an ID two items share without its resource: -32602. Cancel is sent after the commit and waited for at most one call deadline (`unconfirmed` counts the ones not confirmed); `cancelRequested` is true on the operations meanwhile. Not safe to repeat: a repeat answers 1003.",
+    }
+    /// `subscribe`: WebSocket only; the client resubscribes after a reconnect. Its
+    /// notifications are [`changed`].
+    owner Subscribe = "subscribe", types::NameParams => types::SubscriptionId as "subscription" {
+        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE, METHOD_NOT_FOUND, INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS],
+        summary: "WebSocket only: a notification `{kind}.changed` per change of the {kind} until it is terminal.",
+        details: "The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601; in a batch: -32600 (call it on its own). A deleted owner ends the subscription with an error notification. See x-notification.",
+    }
+    /// `unsubscribe`: takes the subscription id by position (jsonrpsee's own method).
+    owner Unsubscribe = "unsubscribe", types::NoParams => bool as "unsubscribed" {
+        retry: Always, waits: false, errors: [],
+        summary: "Ends a subscription made with {kind}.subscribe on this connection; true if it existed.",
+        details: "Takes the subscription id by position: `[id]`. Never an error: an unknown id answers false.",
+    }
+    /// `server.started`.
+    agent ServerStarted = "server.started", types::ServerStartedParams => types::ServerStartedResult as "failed" {
+        // Fails only owners of other instances: a repeat fails nothing more.
+        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "A backup server (re)started as `instance`: fails the InProgress owners its other instances started.",
+    }
+    /// `snapshotter.register`.
+    agent RegisterSnapshotter = "snapshotter.register", types::Snapshotter => types::Snapshotter as "snapshotter" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "Registers (or replaces) the snapshotter that owns the operations of plugin `name`; persisted.",
+    }
+    /// `snapshotter.list`.
+    agent ListSnapshotters = "snapshotter.list", types::NoParams => Vec<types::Snapshotter> as "snapshotters" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "The registered snapshotters.",
+    }
+    /// `snapshotter.unregister`.
+    agent UnregisterSnapshotter = "snapshotter.unregister", types::NameParams => types::Snapshotter as "snapshotter" {
+        retry: IfNotSent, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        summary: "Unregisters a snapshotter; returns what was registered.",
+    }
+    /// `snapshotter.changed`.
+    agent SnapshotterChanged = "snapshotter.changed", types::SnapshotterChangedParams => () as "result" {
+        // A hint changes nothing by itself: a repeat at most polls once more.
+        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND],
+        summary: "A snapshotter's hint that operations of `plugin` changed: the agent polls them at once (hints that arrive meanwhile are merged, and hinted polls take a bounded share of the agent's time). The hint itself changes nothing; the poll's answers do.",
+    }
+    /// `rpc.discover`.
+    agent Discover = "rpc.discover", types::NoParams => serde_json::Map<String, serde_json::Value> as "openrpc" {
+        retry: Always, waits: false, errors: [INVALID_PARAMS],
+        summary: "This OpenRPC document.",
+        details: "The result is the document client/openrpc/opmon.json of the agent's version.",
+    }
+}
+
+/// The notification [`Subscribe`] sends for owners of `kind` (not a method one calls).
+pub fn changed(kind: OwnerKind) -> &'static str {
+    match kind {
+        OwnerKind::Backup => "backup.changed",
+        OwnerKind::Restore => "restore.changed",
+    }
+}
+
+/// The declaration of the method named `method`, if this client knows it.
+pub fn decl_of(method: &str) -> Option<&'static Decl> {
+    ALL.iter().copied().find(|d| d.names().contains(&method))
+}
+
+/// The retry rule of any method by its full name; methods this client does not know
+/// (a newer agent's, a snapshotter's own) are repeated only if not sent.
+pub fn retry_of(method: &str) -> Retry {
+    decl_of(method).map_or(Retry::IfNotSent, |d| d.retry)
 }
 
 #[cfg(test)]
@@ -173,36 +367,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_are_the_kind_a_dot_and_the_verb() {
-        for kind in OwnerKind::ALL {
-            for m in OwnerMethod::ALL {
-                assert_eq!(m.name(kind), format!("{kind}.{}", m.verb()));
+    fn owner_names_are_the_kind_a_dot_and_the_verb() {
+        for d in ALL.iter().filter(|d| d.is_owner_method()) {
+            for kind in OwnerKind::ALL {
+                assert_eq!(d.name(kind), format!("{kind}.{}", d.verb));
             }
         }
         assert_eq!(
-            OwnerMethod::EndInProgress.name(OwnerKind::Restore),
+            EndInProgress::DECL.name(OwnerKind::Restore),
             "restore.endInProgress"
         );
+        assert_eq!(Status::DECL.name(OwnerKind::Restore), "agent.status");
     }
 
     #[test]
-    fn only_end_in_progress_delete_and_unregister_wait_for_certainty() {
-        let careful: Vec<_> = OwnerMethod::ALL
+    fn only_end_in_progress_delete_cancel_and_unregister_wait_for_certainty() {
+        let careful: Vec<_> = ALL
             .iter()
-            .filter(|m| m.retry() == Retry::IfNotSent)
+            .filter(|d| d.retry == Retry::IfNotSent)
+            .map(|d| d.verb)
             .collect();
         assert_eq!(
             careful,
             [
-                &OwnerMethod::EndInProgress,
-                &OwnerMethod::Delete,
-                &OwnerMethod::Cancel
+                "endInProgress",
+                "delete",
+                "cancel",
+                "snapshotter.unregister"
             ]
         );
-        assert_eq!(retry_of(SNAPSHOTTER_UNREGISTER), Retry::IfNotSent);
         assert_eq!(retry_of(SNAPSHOTTER_REGISTER), Retry::Always);
         assert_eq!(retry_of("copy.start"), Retry::IfNotSent);
         assert_eq!(retry_of("restore.get"), Retry::Always);
         assert_eq!(retry_of("backup.delete"), Retry::IfNotSent);
+    }
+
+    #[test]
+    fn names_are_unique_and_errors_documented() {
+        let mut names: Vec<&str> = ALL.iter().flat_map(|d| d.names().iter().copied()).collect();
+        let count = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), count);
+        for d in ALL {
+            for code in d.errors {
+                assert!(agent_error(*code).is_some(), "{}: code {code}", d.verb);
+            }
+        }
     }
 }

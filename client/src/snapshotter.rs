@@ -1,12 +1,14 @@
 //! The snapshotter SDK (feature `snapshotter`): implement [`OperationHandler`], call
-//! [`serve`], and the agent can poll and cancel your operations over a Unix socket. (The
-//! registration record the agent keeps is the API type [`crate::Snapshotter`].)
+//! [`serve_and_register`] (or [`serve`], and register yourself), and the agent can poll
+//! and cancel your operations over a Unix socket. (The registration record the agent
+//! keeps is the API type [`crate::Snapshotter`].) Report `updated` with each progress:
+//! the agent's rates and ETAs come from it ([`OperationHandler::progress`]).
 //!
 //! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
 //! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
-//! allowed. Errors map to the protocol's codes: [`SnapshotterError::OperationsNotSupported`]
-//! is 2001, [`SnapshotterError::InvalidOperationId`] is 2002, and
-//! [`SnapshotterError::Transient`] is 2003 with `data: {"retryable": true}`: the agent
+//! allowed. Errors map to the protocol's codes: [`ErrorKind::OperationsNotSupported`]
+//! is 2001, [`ErrorKind::InvalidOperationId`] is 2002, and
+//! [`ErrorKind::Transient`] is 2003 with `data: {"retryable": true}`: the agent
 //! asks again later (with backoff, within the snapshotter's retry budget) instead of
 //! failing the operation.
 //!
@@ -19,7 +21,7 @@
 //! impl OperationHandler for Instant {
 //!     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
 //!         if !op.operation_id.starts_with("copy-") {
-//!             return Err(SnapshotterError::InvalidOperationId(op.operation_id));
+//!             return Err(SnapshotterError::invalid_operation_id(op.operation_id));
 //!         }
 //!         Ok(OperationProgress { completed: true, n_completed: 1, n_total: 1, ..Default::default() })
 //!     }
@@ -40,46 +42,142 @@ use std::path::Path;
 use std::sync::Arc;
 
 use jsonrpsee::types::ErrorObjectOwned;
-use jsonrpsee::RpcModule;
+
+/// The JSON-RPC library the SDK serves with, at the version it uses: for methods of a
+/// snapshotter's own beside [`rpc_module`]'s (see [`serve_methods`]).
+pub use jsonrpsee;
+pub use jsonrpsee::types::ErrorObjectOwned as RpcError;
+pub use jsonrpsee::RpcModule;
 
 use crate::server::{self, AdmitAll, ServeConfig};
 use crate::types::{OperationProgress, OperationRef};
 use crate::{codes, methods};
 
-/// Why a snapshotter could not answer for an operation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SnapshotterError {
-    /// This snapshotter should not be handling the item (code 2001).
-    #[error("operations not supported: {0}")]
-    OperationsNotSupported(String),
-    /// The operation ID is unknown, e.g. forgotten after a restart (code 2002).
-    #[error("invalid operation ID: {0}")]
-    InvalidOperationId(String),
+/// What kind of failure a [`SnapshotterError`] is: the agent acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// This snapshotter should not be handling the item (code 2001): the operation fails.
+    OperationsNotSupported,
+    /// The operation ID is unknown, e.g. forgotten after a restart (code 2002): the
+    /// operation fails.
+    InvalidOperationId,
     /// A failure that may pass (a busy backend, a storage connection lost for a moment):
     /// the agent tries again with backoff, and fails the operation with this message
     /// only once the snapshotter's retry budget is spent (code 2003).
-    #[error("{0}")]
-    Transient(String),
+    Transient,
     /// Anything else: the operation fails with this message.
-    #[error("{0}")]
-    Other(String),
+    Other,
+}
+
+/// Why a snapshotter could not answer for an operation: its [`ErrorKind`], a message,
+/// and the error that caused it, if any ([`SnapshotterError::caused_by`]). The agent
+/// gets the message followed by the causes' messages.
+///
+/// ```
+/// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+/// let io = std::io::Error::other("connection reset");
+/// let e = SnapshotterError::transient("reading the copy's state").caused_by(io);
+/// assert_eq!(e.kind(), ErrorKind::Transient);
+/// assert_eq!(e.to_string(), "reading the copy's state");
+/// assert!(std::error::Error::source(&e).is_some());
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("{}", self.title())]
+pub struct SnapshotterError {
+    kind: ErrorKind,
+    message: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl SnapshotterError {
+    fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        SnapshotterError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The item is not this snapshotter's (code 2001).
+    pub fn operations_not_supported(message: impl Into<String>) -> Self {
+        SnapshotterError::new(ErrorKind::OperationsNotSupported, message)
+    }
+
+    /// The operation ID is unknown (code 2002); `message` is usually the ID.
+    pub fn invalid_operation_id(message: impl Into<String>) -> Self {
+        SnapshotterError::new(ErrorKind::InvalidOperationId, message)
+    }
+
+    /// A failure that may pass: the agent asks again later (code 2003).
+    pub fn transient(message: impl Into<String>) -> Self {
+        SnapshotterError::new(ErrorKind::Transient, message)
+    }
+
+    /// Any other failure: the operation fails with the message.
+    pub fn other(message: impl Into<String>) -> Self {
+        SnapshotterError::new(ErrorKind::Other, message)
+    }
+
+    /// The same error, caused by `source` (kept as [`std::error::Error::source`], and
+    /// its message sent to the agent after this one's).
+    pub fn caused_by(
+        mut self,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// What kind of failure it is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, without its causes.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn title(&self) -> String {
+        match self.kind {
+            ErrorKind::OperationsNotSupported => {
+                format!("operations not supported: {}", self.message)
+            }
+            ErrorKind::InvalidOperationId => format!("invalid operation ID: {}", self.message),
+            ErrorKind::Transient | ErrorKind::Other => self.message.clone(),
+        }
+    }
+
+    /// The message and its causes', as the agent gets it.
+    fn chain(&self) -> String {
+        let mut text = self.title();
+        let mut next = std::error::Error::source(self);
+        while let Some(e) = next {
+            text.push_str(": ");
+            text.push_str(&e.to_string());
+            next = e.source();
+        }
+        text
+    }
 }
 
 impl From<SnapshotterError> for ErrorObjectOwned {
     fn from(e: SnapshotterError) -> Self {
-        let code = match &e {
-            SnapshotterError::OperationsNotSupported(_) => codes::OPERATIONS_NOT_SUPPORTED,
-            SnapshotterError::InvalidOperationId(_) => codes::INVALID_OPERATION_ID,
-            SnapshotterError::Transient(_) => {
+        let code = match e.kind {
+            ErrorKind::OperationsNotSupported => codes::OPERATIONS_NOT_SUPPORTED,
+            ErrorKind::InvalidOperationId => codes::INVALID_OPERATION_ID,
+            ErrorKind::Transient => {
                 return ErrorObjectOwned::owned(
                     codes::TRANSIENT,
-                    e.to_string(),
+                    e.chain(),
                     Some(serde_json::json!({ "retryable": true })),
                 )
             }
-            SnapshotterError::Other(_) => jsonrpsee::types::error::INTERNAL_ERROR_CODE,
+            ErrorKind::Other => codes::INTERNAL_ERROR,
         };
-        ErrorObjectOwned::owned(code, e.to_string(), None::<()>)
+        ErrorObjectOwned::owned(code, e.chain(), None::<()>)
     }
 }
 
@@ -91,11 +189,19 @@ impl From<SnapshotterError> for ErrorObjectOwned {
 /// somewhere durable); `cancel` should return `Ok` whether or not the operation could be
 /// stopped, as Velero's Cancel does.
 pub trait OperationHandler: Send + Sync + 'static {
+    /// The progress of `op`, as Velero's `Progress` reports it.
+    ///
+    /// Set [`OperationProgress::updated`] whenever the count moves: the agent's rate
+    /// and ETA (`Operation.rate`, `eta`, the owner's `progress`) are computed from the
+    /// `nCompleted` changes between successive `updated` times, so a snapshotter that
+    /// leaves `updated` empty has no rate. The stall deadline also counts from the
+    /// last change.
     fn progress(
         &self,
         op: OperationRef,
     ) -> impl Future<Output = Result<OperationProgress, SnapshotterError>> + Send;
 
+    /// Cancel `op`: best effort, as Velero's `Cancel`.
     fn cancel(&self, op: OperationRef)
         -> impl Future<Output = Result<(), SnapshotterError>> + Send;
 }
@@ -142,6 +248,81 @@ pub async fn serve_until<S: OperationHandler>(
     serve_methods(socket, rpc_module(snapshotter), shutdown).await
 }
 
+/// Why [`serve_and_register`] stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The socket could not be bound (a directory missing, another process on it).
+    #[error("binding the snapshotter socket {}", socket.display())]
+    Bind {
+        socket: std::path::PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The agent did not take the registration.
+    #[error("registering snapshotter {name} with the opmon agent")]
+    Register {
+        name: String,
+        #[source]
+        source: crate::Error,
+    },
+}
+
+/// Binds `socket`, registers it with the agent as the v2 snapshotter `registration`
+/// (its `socket` set to `socket`), and serves `snapshotter` there until SIGTERM or
+/// SIGINT: the agent polls it from the moment the registration is answered, and no
+/// caller needs to wait for the socket file. The registration stays when it stops
+/// (the agent keeps polling, and finds the snapshotter again once it is back).
+///
+/// ```no_run
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let agent = opmon_client::Client::connect(opmon_client::default_socket_path()).await?;
+/// let socket = "/run/copier/copier.sock";
+/// let registration = opmon_client::Snapshotter::socket("example.io/copier", socket);
+/// serve_and_register(&agent, registration, socket, Copier).await?;
+/// # Ok(()) }
+/// ```
+pub async fn serve_and_register<S: OperationHandler>(
+    agent: &crate::Client,
+    registration: crate::Snapshotter,
+    socket: impl AsRef<Path>,
+    snapshotter: S,
+) -> Result<(), ServeError> {
+    let socket = socket.as_ref();
+    let listener = server::bind(socket, 0o660)
+        .await
+        .map_err(|source| ServeError::Bind {
+            socket: socket.to_path_buf(),
+            source,
+        })?;
+    let registration = crate::Snapshotter {
+        api_version: crate::ApiVersion::V2,
+        socket: Some(socket.to_path_buf()),
+        command: None,
+        ..registration
+    };
+    let name = registration.name.clone();
+    // Served while the registration is sent: the agent may poll before it answers.
+    let serving = tokio::spawn(serve_listener(
+        listener,
+        rpc_module(snapshotter),
+        termination(),
+    ));
+    if let Err(source) = agent.register_snapshotter(registration).await {
+        serving.abort();
+        return Err(ServeError::Register { name, source });
+    }
+    let _ = serving.await;
+    Ok(())
+}
+
 /// Serves any set of methods on `socket` until `shutdown` resolves: for a snapshotter
 /// that adds methods of its own (say, one that starts operations) to
 /// [`rpc_module`]'s.
@@ -151,6 +332,16 @@ pub async fn serve_methods(
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let listener = server::bind(socket.as_ref(), 0o660).await?;
+    serve_listener(listener, methods, shutdown).await;
+    Ok(())
+}
+
+/// Serves `methods` on a bound socket until `shutdown` resolves.
+async fn serve_listener(
+    listener: tokio::net::UnixListener,
+    methods: impl Into<jsonrpsee::Methods>,
+    shutdown: impl Future<Output = ()>,
+) {
     server::serve(
         listener,
         methods,
@@ -161,7 +352,6 @@ pub async fn serve_methods(
         shutdown,
     )
     .await;
-    Ok(())
 }
 
 /// Tells the agent when operations change, so it polls them at once rather than at its
@@ -282,7 +472,11 @@ async fn send_hints(
             tracing::debug!(socket = %socket.display(), "hint dropped: cannot connect to the agent");
             continue;
         };
-        if let Err(e) = c.snapshotter_changed(&plugin, ids).await {
+        let mut call = c.snapshotter_changed(&plugin);
+        if let Some(ids) = ids {
+            call = call.operations(ids);
+        }
+        if let Err(e) = call.await {
             // Polling finds the change anyway; a broken connection is made afresh.
             tracing::debug!(error = %e, "hint not taken by the agent");
             client = None;

@@ -26,12 +26,12 @@ use tokio::time::Instant;
 
 use crate::client::{Backoff, Client, Update};
 use crate::error::Error;
-use crate::methods::OwnerMethod;
+use crate::methods::{Method, Subscribe};
 use crate::types::{NameParams, OwnerKind, OwnerUpdate};
 use crate::websocket::{Message, OpenError, WebSocket, WsError};
 
 /// How often a waiting subscription pings the agent.
-pub const PING_EVERY: Duration = Duration::from_secs(30);
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(30);
 
 /// The updates of one owner; see the module's documentation. Implements
 /// [`futures_core::Stream`]; [`Subscription::next`] needs no extension trait.
@@ -82,13 +82,7 @@ struct Incoming<'a> {
     #[serde(borrow, default)]
     result: Option<&'a RawValue>,
     #[serde(default)]
-    error: Option<RpcError>,
-}
-
-#[derive(Deserialize)]
-struct RpcError {
-    code: i32,
-    message: String,
+    error: Option<crate::client::RpcErrorObject>,
 }
 
 /// Why one attempt at (re)subscribing failed.
@@ -125,10 +119,18 @@ impl State {
                 Err(OpenError::Connect(source))
                     if source.kind() == std::io::ErrorKind::PermissionDenied =>
                 {
-                    return Err(Attempt::Fatal(Error::Connect { path, source }))
+                    return Err(Attempt::Fatal(Error::Connect {
+                        path,
+                        peer: config.peer.clone(),
+                        source,
+                    }))
                 }
                 Err(OpenError::Connect(source)) => {
-                    return Err(Attempt::Again(Error::Connect { path, source }))
+                    return Err(Attempt::Again(Error::Connect {
+                        path,
+                        peer: self.client.config().peer.clone(),
+                        source,
+                    }))
                 }
                 Err(OpenError::Io(source)) => {
                     return Err(Attempt::Again(Error::Io { path, source }))
@@ -147,7 +149,7 @@ impl State {
                     return Err(Attempt::Fatal(self.path_error(what, None)))
                 }
             };
-            let method = OwnerMethod::Subscribe.name(self.kind);
+            let method = Subscribe::DECL.name(self.kind);
             let request = serde_json::json!({
                 "jsonrpc": "2.0",
                 "id": 1,
@@ -193,11 +195,7 @@ impl State {
                     continue;
                 }
                 if let Some(e) = incoming.error {
-                    let error = Error::Rpc {
-                        code: e.code,
-                        message: e.message,
-                    };
-                    return Err(Attempt::Fatal(error));
+                    return Err(Attempt::Fatal(e.into()));
                 }
                 let id = incoming
                     .result
@@ -233,9 +231,11 @@ impl State {
                     self.lost_at = None;
                     return Ok(());
                 }
-                Err(Attempt::Fatal(Error::Rpc { code, message }))
-                    if code == crate::codes::NOT_FOUND =>
-                {
+                Err(Attempt::Fatal(Error::Rpc {
+                    code: crate::codes::Code::NotFound,
+                    message,
+                    ..
+                })) => {
                     return Err(Error::SubscriptionEnded {
                         kind: self.kind,
                         name: self.name.clone(),

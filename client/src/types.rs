@@ -56,18 +56,51 @@ impl FromStr for OwnerKind {
 
 /// Declares a string-valued enum whose wire names equal the variant names, with
 /// `as_str`, `Display` and `FromStr`, so the database and the API spell phases alike.
+///
+/// With `; unknown Variant`, a name this version does not know (a newer agent's) decodes
+/// to that catch-all instead of failing the whole answer. The catch-all is in neither
+/// `ALL`, `FromStr` nor the JSON Schema, and the agent refuses it in params.
 macro_rules! wire_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
+        wire_enum!(@def $(#[$meta])* $name { $($(#[$vmeta])* $variant),+ } {});
+    };
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? ; unknown $other:ident }) => {
+        wire_enum!(@def $(#[$meta])* $name { $($(#[$vmeta])* $variant),+ } {
+            // Undocumented for the schema generator, which would otherwise describe the
+            // enum variant by variant although it skips this one.
+            #[cfg_attr(
+                not(feature = "schema"),
+                doc = "A name this version of the client does not know: sent by a newer \
+                       agent. Never sent by this client nor accepted by the agent in params."
+            )]
+            #[serde(other)]
+            #[cfg_attr(feature = "schema", schemars(skip))]
+            $other
+        });
+    };
+    (@def $(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ } { $($(#[$ometa:meta])* $other:ident)? }) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
+        pub enum $name { $($(#[$vmeta])* $variant,)+ $($(#[$ometa])* $other)? }
 
         impl $name {
+            /// Every value this version knows.
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
+            /// The wire name.
             pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => stringify!($variant)),+ }
+                match self {
+                    $($name::$variant => stringify!($variant),)+
+                    $($name::$other => stringify!($other),)?
+                }
+            }
+
+            /// Whether this version knows the value (it is not the catch-all of a newer
+            /// agent's name).
+            pub fn is_known(self) -> bool {
+                $(if self == $name::$other { return false; })?
+                true
             }
         }
 
@@ -105,7 +138,8 @@ wire_enum! {
         FinalizingPartiallyFailed,
         Completed,
         PartiallyFailed,
-        Failed,
+        Failed;
+        unknown Unknown
     }
 }
 
@@ -150,7 +184,8 @@ wire_enum! {
         Failed,
         /// Cancelled on request (`*.cancel`). Velero has no such phase: its
         /// item-operations file says `Failed` with the error `canceled: <reason>`.
-        Canceled,
+        Canceled;
+        unknown Unknown
     }
 }
 
@@ -180,7 +215,8 @@ wire_enum! {
     PluginKind {
         BackupItemAction,
         RestoreItemAction,
-        VolumeSnapshotter,
+        VolumeSnapshotter;
+        unknown Unknown
     }
 }
 
@@ -568,6 +604,22 @@ pub struct EndInProgressParams {
     pub failed: bool,
 }
 
+/// Params of the methods that take none (`{}`; the agent also takes them absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+/// What `*.subscribe` answers: the subscription's id, which each notification's
+/// `params.subscription` repeats.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(untagged)]
+pub enum SubscriptionId {
+    Number(u64),
+    Text(String),
+}
+
 /// Params of the methods that only name an owner or snapshotter.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -773,12 +825,34 @@ pub struct EventList {
     pub next: Option<u64>,
 }
 
-/// `*.delete` result: how many unfinished operations were cancelled.
+/// `*.delete` result: how many unfinished operations were canceled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct DeleteResult {
+    /// Unfinished operations canceled with the owner (older agents send only
+    /// `cancelled`).
+    #[serde(default)]
+    pub canceled: u64,
+    /// Deprecated: the same number as `canceled`, under its old spelling; sent until
+    /// the API's next major version (docs/compatibility.md).
+    #[serde(default)]
     pub cancelled: u64,
+}
+
+impl DeleteResult {
+    /// The result for `canceled` operations, in both spellings.
+    pub fn new(canceled: u64) -> Self {
+        DeleteResult {
+            canceled,
+            cancelled: canceled,
+        }
+    }
+
+    /// How many operations were canceled, from an agent of any version.
+    pub fn count(&self) -> u64 {
+        self.canceled.max(self.cancelled)
+    }
 }
 
 /// Which operation of an owner `*.cancel` means: its operation ID, or, when two items'
@@ -1205,6 +1279,183 @@ impl ItemOperation {
                 started: op.started,
                 updated: op.plugin_updated,
             },
+        }
+    }
+}
+
+/// Text that the API writes as `""` when there is none, as an `Option`.
+fn some_text(text: &str) -> Option<&str> {
+    (!text.is_empty()).then_some(text)
+}
+
+impl Owner {
+    /// Why it failed, if it did (the wire's `failureReason`, `""` when none).
+    pub fn failure(&self) -> Option<&str> {
+        some_text(&self.failure_reason)
+    }
+}
+
+impl Operation {
+    /// Its error, if it failed or was canceled (the wire's `error`, `""` when none).
+    pub fn error_message(&self) -> Option<&str> {
+        some_text(&self.error)
+    }
+
+    /// The last transient error, while it is being retried (the wire's `lastError`).
+    pub fn last_error_message(&self) -> Option<&str> {
+        some_text(&self.last_error)
+    }
+}
+
+impl Event {
+    /// The reason as this version knows it; `None` for a reason of a newer agent's (the
+    /// text is still in [`Event::reason`]).
+    pub fn known_reason(&self) -> Option<EventReason> {
+        self.reason.parse().ok()
+    }
+}
+
+impl AgentStatus {
+    /// Whether the agent has the optional feature `feature`, one of
+    /// [`crate::methods::FEATURES`] (an older agent lacks newer ones).
+    ///
+    /// ```
+    /// # let status: opmon_client::AgentStatus = serde_json::from_str(r#"{"version":"0.1.0","uptime":"1s","owners":{},
+    /// #   "unfinishedOperations":0,"snapshotters":0,"apiVersion":"1.2.0","features":["cancel"]}"#).unwrap();
+    /// assert!(status.supports("cancel"));
+    /// assert!(!status.supports("time-travel"));
+    /// ```
+    pub fn supports(&self, feature: &str) -> bool {
+        self.features.iter().any(|f| f == feature)
+    }
+}
+
+impl ResourceIdentifier {
+    /// A namespaced item of the core group (`group` empty): `resource` is the plural,
+    /// lowercase (`persistentvolumeclaims`).
+    ///
+    /// ```
+    /// let pvc = opmon_client::ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// assert_eq!(pvc.namespace, "app");
+    /// ```
+    pub fn namespaced(resource: &str, namespace: &str, name: &str) -> Self {
+        ResourceIdentifier {
+            group: String::new(),
+            resource: resource.into(),
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// A cluster-scoped item of the core group (`persistentvolumes`).
+    ///
+    /// ```
+    /// let pv = opmon_client::ResourceIdentifier::cluster("persistentvolumes", "pv-1");
+    /// assert!(pv.namespace.is_empty());
+    /// ```
+    pub fn cluster(resource: &str, name: &str) -> Self {
+        ResourceIdentifier::namespaced(resource, "", name)
+    }
+
+    /// The same item in API group `group` (`snapshot.storage.k8s.io`).
+    ///
+    /// ```
+    /// use opmon_client::ResourceIdentifier;
+    /// let snap = ResourceIdentifier::namespaced("volumesnapshots", "app", "s1")
+    ///     .in_group("snapshot.storage.k8s.io");
+    /// ```
+    pub fn in_group(mut self, group: &str) -> Self {
+        self.group = group.into();
+        self
+    }
+}
+
+impl NewOperation {
+    /// The operation `operation_id` that the plugin `plugin` (`domain/name`) of `kind`
+    /// started for `resource`; no post-operation items, created when the agent is told.
+    ///
+    /// ```
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
+    ///     .post_operation_items(vec![ResourceIdentifier::cluster("persistentvolumes", "pv-1")]);
+    /// ```
+    pub fn new(
+        kind: PluginKind,
+        plugin: &str,
+        resource: ResourceIdentifier,
+        operation_id: &str,
+    ) -> Self {
+        NewOperation {
+            plugin: PluginRef {
+                kind,
+                name: plugin.into(),
+            },
+            resource,
+            operation_id: operation_id.into(),
+            post_operation_items: Vec::new(),
+            created: None,
+        }
+    }
+
+    /// Items to back up (or restore) again once the operation is done, as Velero's
+    /// `PostOperationItems`.
+    pub fn post_operation_items(mut self, items: Vec<ResourceIdentifier>) -> Self {
+        self.post_operation_items = items;
+        self
+    }
+
+    /// When the plugin returned the operation (the item operation timeout counts from
+    /// it).
+    pub fn created(mut self, created: Timestamp) -> Self {
+        self.created = Some(created);
+        self
+    }
+}
+
+impl Snapshotter {
+    /// A v2 snapshotter for plugin `name` (`domain/name`) that serves the snapshotter
+    /// protocol on the Unix socket `socket` (an absolute path).
+    ///
+    /// ```
+    /// let s = opmon_client::Snapshotter::socket("example.io/copier", "/run/copier/copier.sock");
+    /// ```
+    pub fn socket(name: &str, socket: impl Into<PathBuf>) -> Self {
+        Snapshotter {
+            name: name.into(),
+            api_version: ApiVersion::V2,
+            socket: Some(socket.into()),
+            ..Default::default()
+        }
+    }
+
+    /// A v2 snapshotter for plugin `name` that is a program, run as `command… progress
+    /// OPERATION_ID` and `command… cancel OPERATION_ID` (the agent allows these over the
+    /// API only if its configuration says so).
+    ///
+    /// ```
+    /// let s = opmon_client::Snapshotter::command("example.io/copier", ["/usr/local/bin/copier-status"]);
+    /// ```
+    pub fn command<S: Into<String>>(name: &str, command: impl IntoIterator<Item = S>) -> Self {
+        Snapshotter {
+            name: name.into(),
+            api_version: ApiVersion::V2,
+            command: Some(command.into_iter().map(Into::into).collect()),
+            ..Default::default()
+        }
+    }
+
+    /// A v1 snapshotter for plugin `name`: no Progress or Cancel, its operations are
+    /// only recorded.
+    ///
+    /// ```
+    /// let s = opmon_client::Snapshotter::v1("example.io/legacy");
+    /// ```
+    pub fn v1(name: &str) -> Self {
+        Snapshotter {
+            name: name.into(),
+            api_version: ApiVersion::V1,
+            ..Default::default()
         }
     }
 }

@@ -4,7 +4,7 @@
 //! Each check returns the reason as a phrase (`"must be a DNS subdomain"`); the caller
 //! prefixes the field path, so errors read `operations[3].resource.name: must be …`.
 
-use crate::types::{NewOperation, PluginRef, ResourceIdentifier, Timestamp};
+use crate::types::{NewOperation, PluginKind, PluginRef, ResourceIdentifier, Timestamp};
 
 /// Longest operation ID accepted, in bytes.
 pub const MAX_OPERATION_ID_LEN: usize = 1024;
@@ -185,15 +185,33 @@ pub fn uid(value: &str) -> Result<(), String> {
 /// Longest backup-server name or instance accepted, in bytes.
 pub const MAX_SERVER_FIELD_LEN: usize = 253;
 
-/// A backup server's name (`velero/velero`): printable, at most 253 bytes; empty is the
-/// unnamed server, to which owners started without `server` belong.
+/// A backup server's name: empty (the unnamed server, to which owners started without
+/// `server` belong), `NAME` or `NAMESPACE/NAME`, each part lowercase ASCII letters,
+/// digits, `-` and `.`, beginning and ending with a letter or digit (Kubernetes' rule
+/// for object names), at most 253 bytes in all. One spelling per server: names that
+/// only look alike (a zero-width space, a trailing blank, a Cyrillic letter) are refused
+/// rather than become different servers.
 pub fn server_name(value: &str) -> Result<(), String> {
-    if value.len() > MAX_SERVER_FIELD_LEN || value.chars().any(char::is_control) {
-        return Err(format!(
-            "must be printable text of at most {MAX_SERVER_FIELD_LEN} bytes"
-        ));
+    let part_ok = |part: &str| {
+        let bytes = part.as_bytes();
+        let alnum = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+        !bytes.is_empty()
+            && bytes.first().is_some_and(alnum)
+            && bytes.last().is_some_and(alnum)
+            && bytes.iter().all(|b| alnum(b) || *b == b'-' || *b == b'.')
+    };
+    let parts: Vec<&str> = value.split('/').collect();
+    if value.is_empty()
+        || (value.len() <= MAX_SERVER_FIELD_LEN
+            && parts.len() <= 2
+            && parts.iter().all(|p| part_ok(p)))
+    {
+        return Ok(());
     }
-    Ok(())
+    Err(format!(
+        "must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, digits, '-' and \
+         '.' beginning and ending with a letter or digit, at most {MAX_SERVER_FIELD_LEN} bytes"
+    ))
 }
 
 /// A backup server's instance (a pod uid, a boot time): non-empty, printable, at most
@@ -256,8 +274,22 @@ pub fn created(value: Timestamp, now: Timestamp) -> Result<(), String> {
 /// Checks one operation of `addOperations` at time `now` (its plugin name already
 /// through [`legacy_plugin_name`]), returning the bad field's path below it
 /// (`resource.name`, `postOperationItems[2].namespace`) and the reason.
+/// Refuses the catch-all of a wire enum (a name this version does not know), naming
+/// the values it knows.
+pub fn known<T: Copy + PartialEq + std::fmt::Display>(value: T, all: &[T]) -> Result<(), String> {
+    if all.contains(&value) {
+        return Ok(());
+    }
+    let names: Vec<String> = all.iter().map(T::to_string).collect();
+    Err(format!(
+        "unknown value; expected one of {}",
+        names.join(", ")
+    ))
+}
+
 pub fn new_operation(op: &NewOperation, now: Timestamp) -> Result<(), (String, String)> {
-    let PluginRef { name, .. } = &op.plugin;
+    let PluginRef { name, kind } = &op.plugin;
+    known(*kind, PluginKind::ALL).map_err(|e| ("plugin.kind".to_string(), e))?;
     plugin_name(name).map_err(|e| ("plugin.name".to_string(), e))?;
     resource(&op.resource).map_err(|(f, e)| (format!("resource.{f}"), e))?;
     operation_id(&op.operation_id).map_err(|e| ("operationId".to_string(), e))?;

@@ -458,11 +458,11 @@ pub fn open_gate(gates: &Path, id: &str) {
 /// backup server does; returns the owner in the phase that left it. (Kept for the tests
 /// that call it; [`Steps`] reads better in new ones.)
 pub async fn start_and_end_in_progress(
-    owners: &opmon_client::Owners<'_>,
+    owners: &opmon_client::Owners,
     name: &str,
     operations: Vec<NewOperation>,
 ) -> opmon_client::Owner {
-    Steps::of(*owners, name)
+    Steps::of(owners.clone(), name)
         .operations(operations)
         .end_in_progress()
         .await
@@ -599,7 +599,7 @@ impl Fixture {
         let agent = Agent::start(dir.path(), extra);
         let client = agent.client().await;
         client
-            .register_snapshotter(&opmon_client::Snapshotter {
+            .register_snapshotter(opmon_client::Snapshotter {
                 name: PLUGIN.into(),
                 api_version: opmon_client::ApiVersion::V2,
                 socket: Some(snapshotter.socket.clone()),
@@ -623,12 +623,12 @@ impl Fixture {
     }
 
     /// The steps of backup `name` (see [`workflow`]).
-    pub fn backup(&self, name: &str) -> Steps<'_> {
+    pub fn backup(&self, name: &str) -> Steps {
         Steps::new(&self.client, OwnerKind::Backup, name)
     }
 
     /// The steps of restore `name`.
-    pub fn restore(&self, name: &str) -> Steps<'_> {
+    pub fn restore(&self, name: &str) -> Steps {
         Steps::new(&self.client, OwnerKind::Restore, name)
     }
 

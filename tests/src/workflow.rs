@@ -22,8 +22,8 @@ pub const LONG: Duration = Duration::from_secs(120);
 
 /// One owner's steps: configured with the builder methods, run by awaiting a step.
 #[must_use = "nothing is sent until a step is awaited"]
-pub struct Steps<'c> {
-    owners: Owners<'c>,
+pub struct Steps {
+    owners: Owners,
     name: String,
     uid: String,
     operations: Vec<NewOperation>,
@@ -32,15 +32,15 @@ pub struct Steps<'c> {
     warnings: u32,
 }
 
-impl<'c> Steps<'c> {
+impl Steps {
     /// The steps of owner `name` (uid `u` unless [`Steps::uid`] says otherwise).
-    pub fn new(client: &'c Client, kind: OwnerKind, name: &str) -> Steps<'c> {
+    pub fn new(client: &Client, kind: OwnerKind, name: &str) -> Steps {
         Steps::of(client.owners(kind), name)
     }
 
     /// The steps of owner `name` through `owners` (`client.backups()` or
     /// `client.restores()`).
-    pub fn of(owners: Owners<'c>, name: &str) -> Steps<'c> {
+    pub fn of(owners: Owners, name: &str) -> Steps {
         Steps {
             owners,
             name: name.to_string(),
@@ -89,9 +89,11 @@ impl<'c> Steps<'c> {
 
     /// `start`, then `addOperations` if there are any: the owner, InProgress.
     pub async fn start(&self) -> Owner {
-        let owner = self
-            .owners
-            .start(&self.name, &self.uid, self.item_operation_timeout)
+        let mut start = self.owners.start(&self.name, &self.uid);
+        if let Some(timeout) = self.item_operation_timeout {
+            start = start.item_operation_timeout(timeout);
+        }
+        let owner = start
             .await
             .unwrap_or_else(|e| panic!("start {}: {e}", self.name));
         if self.operations.is_empty() {

@@ -169,7 +169,7 @@ async fn every_subcommand_prints_exactly_the_api_result_as_json() {
     ));
     assert_eq!(unregistered, registered);
     let deleted = json_of(&opmon(&f, &["-o", "json", "backup", "delete", "b1"]));
-    assert_eq!(deleted, json!({"cancelled": 0}));
+    assert_eq!(deleted, json!({"canceled": 0, "cancelled": 0}));
     assert_eq!(
         client
             .owners(OwnerKind::Backup)
@@ -355,7 +355,7 @@ async fn wait_without_a_terminal_prints_a_line_per_change() {
     // Go's Time.String() of a second-precision local time, here TZ=UTC), then the
     // agent's rate.
     let client = f.agent.client().await;
-    let ops = client.backups().operations("lines", None).await.unwrap();
+    let ops = client.backups().operations("lines").await.unwrap();
     let go_time = |t: time::OffsetDateTime| {
         let t = t.to_offset(time::UtcOffset::UTC);
         format!(
@@ -429,11 +429,7 @@ async fn output_into_a_closed_pipe_ends_as_by_sigpipe_without_a_word() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     for i in 0..50 {
-        client
-            .backups()
-            .start(&format!("b{i}"), "u", None)
-            .await
-            .unwrap();
+        client.backups().start(&format!("b{i}"), "u").await.unwrap();
     }
     for args in [
         &["backup", "list"][..],
@@ -536,7 +532,7 @@ async fn an_agent_with_relative_directories_hands_out_absolute_paths() {
     let backups = client.backups();
     opmon_tests::start_and_end_in_progress(&backups, "b", vec![]).await;
     let result = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             ..Default::default()
         })
@@ -660,7 +656,7 @@ async fn get_and_describe_exit_with_the_code_of_the_owners_phase() {
             .await
             .unwrap();
     }
-    backups.start("doomed", "u", None).await.unwrap();
+    backups.start("doomed", "u").await.unwrap();
     backups.end_in_progress("doomed").failed().await.unwrap();
     for (name, code) in [("fine", 0), ("partial", 1), ("doomed", 2)] {
         for args in [
@@ -938,7 +934,7 @@ async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
 #[tokio::test]
 async fn describe_prints_times_in_the_local_zone_as_velero_does() {
     let f = Fixture::new(&[]).await;
-    let owner = f.client.backups().start("b", "u", None).await.unwrap();
+    let owner = f.client.backups().start("b", "u").await.unwrap();
     let described = |tz: &str| {
         let out = Command::new(workspace_binary("opmon"))
             .env("TZ", tz)

@@ -21,7 +21,7 @@ async fn calls_succeed_after_the_agent_is_killed_and_restarted() {
     let mut f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
 
     f.agent.kill9();
     f.agent.restart();
@@ -215,7 +215,7 @@ async fn an_end_in_progress_lost_with_the_agent_is_not_repeated_but_a_wait_is() 
     )
     .await;
     assert_eq!(waiting.phase, OwnerPhase::WaitingForPluginOperations);
-    backups.start("held", "u", None).await.unwrap();
+    backups.start("held", "u").await.unwrap();
     backups
         .add_operations("held", vec![operation(PLUGIN, "gate-h", "a", &[])])
         .await

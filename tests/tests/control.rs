@@ -36,7 +36,7 @@ fn copier(f: &Fixture, tune: impl FnOnce(&mut Snapshotter)) -> Snapshotter {
 /// The API error of `result`, as (code, message).
 fn api_error<T: std::fmt::Debug>(result: Result<T, opmon_client::Error>) -> (i32, String) {
     match result {
-        Err(opmon_client::Error::Rpc { code, message }) => (code, message),
+        Err(opmon_client::Error::Rpc { code, message, .. }) => (code.number(), message),
         other => panic!("expected an API error, got {other:?}"),
     }
 }
@@ -67,7 +67,7 @@ async fn history(f: &Fixture, name: &str) -> Vec<(String, Option<String>, bool, 
     let page = f
         .client
         .backups()
-        .events(opmon_client::EventsParams {
+        .request::<opmon_client::methods::Events>(opmon_client::EventsParams {
             name: name.into(),
             after: None,
             limit: Some(1000),
@@ -128,7 +128,7 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     let backups = f.client.backups();
     let result = backups
-        .cancel(CancelParams {
+        .request::<opmon_client::methods::Cancel>(CancelParams {
             reason: Some("the operator stopped it".into()),
             ..cancel("b")
         })
@@ -150,7 +150,7 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
     assert_eq!(count(&journal, "cancel never-2 b"), 1, "{journal:?}");
     assert_eq!(count(&journal, "cancel done-3 b"), 0, "{journal:?}");
 
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     let phases: Vec<_> = ops.iter().map(|o| (o.phase, o.error.as_str())).collect();
     assert_eq!(
         phases,
@@ -218,7 +218,11 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
 
     // Twice: the owner is terminal now, and the error says so.
     assert_eq!(
-        api_error(backups.cancel(cancel("b")).await),
+        api_error(
+            backups
+                .request::<opmon_client::methods::Cancel>(cancel("b"))
+                .await
+        ),
         (
             codes::WRONG_PHASE,
             "backup b is Failed; cancel is allowed only while InProgress, \
@@ -227,7 +231,11 @@ async fn cancelling_a_whole_backup_cancels_its_operations_and_fails_it_with_the_
         )
     );
     assert_eq!(
-        api_error(backups.cancel(cancel("nobody")).await),
+        api_error(
+            backups
+                .request::<opmon_client::methods::Cancel>(cancel("nobody"))
+                .await
+        ),
         (codes::NOT_FOUND, "backup nobody not found".into())
     );
 }
@@ -253,7 +261,7 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
     assert_eq!(
         api_error(
             backups
-                .cancel(CancelParams {
+                .request::<opmon_client::methods::Cancel>(CancelParams {
                     operations: ids(&["gate-1", "nope"]),
                     ..cancel("b")
                 })
@@ -267,7 +275,7 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
     assert_eq!(
         api_error(
             backups
-                .cancel(CancelParams {
+                .request::<opmon_client::methods::Cancel>(CancelParams {
                     operations: ids(&["gate-x"]),
                     ..cancel("b")
                 })
@@ -284,7 +292,7 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
     assert_eq!(
         api_error(
             backups
-                .cancel(CancelParams {
+                .request::<opmon_client::methods::Cancel>(CancelParams {
                     operations: Some(Vec::new()),
                     ..cancel("b")
                 })
@@ -297,13 +305,13 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
                 .into()
         )
     );
-    let untouched = backups.operations("b", None).await.unwrap();
+    let untouched = backups.operations("b").await.unwrap();
     assert!(untouched
         .iter()
         .all(|o| o.phase == OperationPhase::InProgress));
 
     let result = backups
-        .cancel(CancelParams {
+        .request::<opmon_client::methods::Cancel>(CancelParams {
             operations: Some(vec![
                 OperationSelector::Id("gate-1".into()),
                 OperationSelector::Item(OperationOfItem {
@@ -330,7 +338,7 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
     assert_eq!(
         api_error(
             backups
-                .cancel(CancelParams {
+                .request::<opmon_client::methods::Cancel>(CancelParams {
                     operations: ids(&["gate-1"]),
                     ..cancel("b")
                 })
@@ -348,7 +356,7 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
     f.open_gate("gate-2");
     f.open_gate("gate-x");
     backups
-        .cancel(CancelParams {
+        .request::<opmon_client::methods::Cancel>(CancelParams {
             operations: ids(&["never-3"]),
             reason: Some("stuck".into()),
             ..cancel("b")
@@ -361,10 +369,15 @@ async fn cancelling_chosen_operations_leaves_the_others_running_and_the_owner_pa
         (owner.operations_completed, owner.operations_failed),
         (2, 3)
     );
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert_eq!(ops[2].error, "canceled: stuck");
     assert_eq!(
-        api_error(backups.cancel(cancel("b")).await).1,
+        api_error(
+            backups
+                .request::<opmon_client::methods::Cancel>(cancel("b"))
+                .await
+        )
+        .1,
         "backup b is FinalizingPartiallyFailed; cancel is allowed only while InProgress, \
          WaitingForPluginOperations or WaitingForPluginOperationsPartiallyFailed"
     );
@@ -382,7 +395,7 @@ async fn operations_canceled_while_in_progress_count_as_errors_when_it_ends() {
         .await;
     let backups = f.client.backups();
     let result = backups
-        .cancel(CancelParams {
+        .request::<opmon_client::methods::Cancel>(CancelParams {
             operations: ids(&["gate-2"]),
             ..cancel("b")
         })
@@ -411,7 +424,12 @@ async fn a_snapshotter_that_never_confirms_cancel_holds_the_call_one_deadline_an
         .await;
     f.open_gate("HANG");
     let client = f.client.clone();
-    let call = tokio::spawn(async move { client.backups().cancel(cancel("b")).await });
+    let call = tokio::spawn(async move {
+        client
+            .backups()
+            .request::<opmon_client::methods::Cancel>(cancel("b"))
+            .await
+    });
     // While the Cancel call hangs, the decision is already visible.
     opmon_tests::eventually_async("the snapshotter holds the cancel", LONG, || {
         journal(&f.journal)
@@ -420,7 +438,7 @@ async fn a_snapshotter_that_never_confirms_cancel_holds_the_call_one_deadline_an
     })
     .await;
     let backups = f.client.backups();
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert!(ops[0].cancel_requested, "{ops:?}");
     assert_eq!(ops[0].phase, OperationPhase::Canceled);
     assert_eq!(backups.get("b").await.unwrap().phase, OwnerPhase::Failed);
@@ -428,7 +446,7 @@ async fn a_snapshotter_that_never_confirms_cancel_holds_the_call_one_deadline_an
     let result = call.await.unwrap().unwrap();
     assert_eq!((result.canceled, result.unconfirmed), (1, 1));
     assert_eq!(result.owner.phase, OwnerPhase::Failed);
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert!(
         !ops[0].cancel_requested,
         "abandoned calls are not outstanding"
@@ -440,7 +458,7 @@ async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying
 {
     let f = Fixture::new(&[]).await;
     f.client
-        .register_snapshotter(&copier(&f, |s| {
+        .register_snapshotter(copier(&f, |s| {
             s.stall_timeout = Some(GoDuration::from_millis(1500))
         }))
         .await
@@ -454,7 +472,7 @@ async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying
         .end_in_progress()
         .await;
     backups
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "b".into(),
             uid: "u".into(),
             stall_timeout: Some(GoDuration::from_millis(700)),
@@ -471,7 +489,7 @@ async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying
     for (name, id, deadline) in [("a", "never-1", "1.5s"), ("b", "never-2", "700ms")] {
         let owner = f.backup(name).wait(WaitUntil::ReadyToFinalize).await;
         assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-        let op = &backups.operations(name, None).await.unwrap()[0];
+        let op = &backups.operations(name).await.unwrap()[0];
         assert_eq!(op.phase, OperationPhase::Failed);
         let prefix = format!("no progress for {deadline}: last 50 B of 100 B at 20");
         assert!(
@@ -493,7 +511,7 @@ async fn an_operation_whose_progress_stands_still_is_cancelled_and_failed_saying
 async fn a_deadline_cancel_the_snapshotter_never_confirms_is_recorded_as_unconfirmed() {
     let f = Fixture::new(&["--call-deadline", "500ms"]).await;
     f.client
-        .register_snapshotter(&copier(&f, |s| {
+        .register_snapshotter(copier(&f, |s| {
             s.stall_timeout = Some(GoDuration::from_millis(700))
         }))
         .await
@@ -507,7 +525,7 @@ async fn a_deadline_cancel_the_snapshotter_never_confirms_is_recorded_as_unconfi
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     assert!(journal(&f.journal).contains(&"held cancel never-1 b".to_string()));
     let events = from_reason(history(&f, "b").await, "DeadlineExceeded");
-    let error = &f.client.backups().operations("b", None).await.unwrap()[0].error;
+    let error = &f.client.backups().operations("b").await.unwrap()[0].error;
     // Both in the transaction that failed the operation, before the owner moved on.
     assert_eq!(
         events[..2],
@@ -528,7 +546,7 @@ async fn a_deadline_cancel_the_snapshotter_never_confirms_is_recorded_as_unconfi
 async fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed() {
     let f = Fixture::new(&[]).await;
     f.client
-        .register_snapshotter(&copier(&f, |s| {
+        .register_snapshotter(copier(&f, |s| {
             s.start_timeout = Some(GoDuration::from_millis(600))
         }))
         .await
@@ -551,7 +569,7 @@ async fn an_operation_still_new_after_the_start_deadline_is_cancelled_and_failed
     f.open_gate("gate-2");
     let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = f.client.backups().operations("b", None).await.unwrap();
+    let ops = f.client.backups().operations("b").await.unwrap();
     assert_eq!(ops[0].error, "not started after 600ms: still New");
     assert_eq!(ops[1].phase, OperationPhase::Completed);
     let deadline = history(&f, "b")
@@ -579,14 +597,14 @@ async fn an_unreachable_snapshotter_is_caught_by_the_stall_deadline_before_its_g
         stall_timeout: Some(GoDuration::from_millis(800)),
         ..Default::default()
     };
-    f.client.register_snapshotter(&gone).await.unwrap();
+    f.client.register_snapshotter(gone).await.unwrap();
     f.backup("b")
         .operation(operation("example.io/gone", "x-1", "a", &[]))
         .end_in_progress()
         .await;
     let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let op = &f.client.backups().operations("b", None).await.unwrap()[0];
+    let op = &f.client.backups().operations("b").await.unwrap()[0];
     assert!(
         op.error
             .starts_with("no progress for 800ms: nothing reported since 20"),
@@ -599,7 +617,7 @@ async fn an_unreachable_snapshotter_is_caught_by_the_stall_deadline_before_its_g
 async fn transient_errors_are_retried_with_backoff_until_the_snapshotter_answers() {
     let f = Fixture::new(&[]).await;
     f.client
-        .register_snapshotter(&copier(&f, |s| {
+        .register_snapshotter(copier(&f, |s| {
             s.retry_backoff = Some(GoDuration::from_millis(100))
         }))
         .await
@@ -616,7 +634,7 @@ async fn transient_errors_are_retried_with_backoff_until_the_snapshotter_answers
     );
     let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
-    let op = &f.client.backups().operations("b", None).await.unwrap()[0];
+    let op = &f.client.backups().operations("b").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Completed);
     assert_eq!(op.attempts, 2);
     assert_eq!(
@@ -671,7 +689,7 @@ async fn transient_errors_are_retried_with_backoff_until_the_snapshotter_answers
 async fn transient_errors_fail_the_operation_with_the_last_one_once_the_budget_is_spent() {
     let f = Fixture::new(&[]).await;
     f.client
-        .register_snapshotter(&copier(&f, |s| {
+        .register_snapshotter(copier(&f, |s| {
             s.retry_attempts = Some(2);
             s.retry_backoff = Some(GoDuration::from_millis(100));
         }))
@@ -683,7 +701,7 @@ async fn transient_errors_fail_the_operation_with_the_last_one_once_the_budget_i
         .await;
     let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let op = &f.client.backups().operations("b", None).await.unwrap()[0];
+    let op = &f.client.backups().operations("b").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Failed);
     assert_eq!(
         op.error,
@@ -723,7 +741,7 @@ async fn a_command_that_exits_75_is_retried_and_other_failures_are_not() {
         retry_attempts: Some(1000),
         ..Default::default()
     };
-    f.client.register_snapshotter(&command).await.unwrap();
+    f.client.register_snapshotter(command).await.unwrap();
     f.backup("b")
         .operations([
             operation("example.io/command", "busy-1", "a", &[]),
@@ -734,7 +752,7 @@ async fn a_command_that_exits_75_is_retried_and_other_failures_are_not() {
     let backups = f.client.backups();
     let started = std::time::Instant::now();
     let op = loop {
-        let ops = backups.operations("b", None).await.unwrap();
+        let ops = backups.operations("b").await.unwrap();
         if ops[0].attempts >= 2 {
             break ops[0].clone();
         }
@@ -753,7 +771,7 @@ async fn a_command_that_exits_75_is_retried_and_other_failures_are_not() {
     f.open_gate("busy-1");
     let owner = f.backup("b").wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::Completed);
     assert_eq!((ops[1].phase, ops[1].attempts), (OperationPhase::Failed, 0));
     let broken = journal(&journal_path)
@@ -832,7 +850,12 @@ async fn a_cancel_cut_short_by_an_agent_crash_is_sent_again_when_it_restarts() {
         .await;
     f.open_gate("HANG");
     let client = f.client.clone();
-    let call = tokio::spawn(async move { client.backups().cancel(cancel("b")).await });
+    let call = tokio::spawn(async move {
+        client
+            .backups()
+            .request::<opmon_client::methods::Cancel>(cancel("b"))
+            .await
+    });
     opmon_tests::eventually_async("the snapshotter holds the cancel", LONG, || {
         journal(&f.journal)
             .contains(&"held cancel never-1 b".to_string())
@@ -857,11 +880,11 @@ async fn a_cancel_cut_short_by_an_agent_crash_is_sent_again_when_it_restarts() {
     })
     .await;
     let started = std::time::Instant::now();
-    while backups.operations("b", None).await.unwrap()[0].cancel_requested {
+    while backups.operations("b").await.unwrap()[0].cancel_requested {
         assert!(started.elapsed() < LONG, "cancelRequested stays set");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let op = &backups.operations("b", None).await.unwrap()[0];
+    let op = &backups.operations("b").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Canceled);
 }
 
@@ -926,7 +949,7 @@ async fn cancel_params_that_make_no_sense_are_refused_naming_the_field() {
             "{params}"
         );
     }
-    let ops = f.client.backups().operations("b", None).await.unwrap();
+    let ops = f.client.backups().operations("b").await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::New, "nothing was canceled");
 }
 
@@ -952,7 +975,7 @@ async fn a_cancel_naming_many_operations_finds_each_and_refuses_an_ambiguous_one
     assert_eq!(
         api_error(
             backups
-                .cancel(CancelParams {
+                .request::<opmon_client::methods::Cancel>(CancelParams {
                     operations: as_ids(&chosen),
                     ..cancel("b")
                 })
@@ -969,14 +992,14 @@ async fn a_cancel_naming_many_operations_finds_each_and_refuses_an_ambiguous_one
     chosen.pop();
     chosen.push("gate-3".into()); // twice: canceled once
     let result = backups
-        .cancel(CancelParams {
+        .request::<opmon_client::methods::Cancel>(CancelParams {
             operations: as_ids(&chosen),
             ..cancel("b")
         })
         .await
         .unwrap();
     assert_eq!(result.canceled, 17);
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     let canceled: Vec<&str> = ops
         .iter()
         .filter(|o| o.phase == OperationPhase::Canceled)

@@ -117,7 +117,7 @@ impl ClientRun {
                 in_flight: Some(InFlight::Start),
                 gates: Vec::new(),
             });
-            if let Err(e) = backups.start(&name, &format!("uid-{name}"), None).await {
+            if let Err(e) = backups.start(&name, &format!("uid-{name}")).await {
                 return self.failed(&format!("start {name}"), &e);
             }
             self.acknowledged.fetch_add(1, Ordering::SeqCst);
@@ -187,11 +187,13 @@ impl ClientRun {
             let failed = rng.random_bool(0.1);
             self.update(|l| l.in_flight = Some(InFlight::End { failed }));
             let owner = match backups
-                .end_in_progress_with(opmon_client::EndInProgressParams {
-                    name: name.to_string(),
-                    failed,
-                    ..Default::default()
-                })
+                .request::<opmon_client::methods::EndInProgress>(
+                    opmon_client::EndInProgressParams {
+                        name: name.to_string(),
+                        failed,
+                        ..Default::default()
+                    },
+                )
                 .await
             {
                 Ok(o) => o,
@@ -210,7 +212,10 @@ impl ClientRun {
                     updated_items: Vec::new(),
                     ..Default::default()
                 };
-                match backups.finalize(params).await {
+                match backups
+                    .request::<opmon_client::methods::Finalize>(params)
+                    .await
+                {
                     Ok(r) => {
                         self.acknowledged.fetch_add(1, Ordering::SeqCst);
                         self.update(|l| {
@@ -278,7 +283,7 @@ async fn all_backups(client: &Client) -> BTreeMap<String, Owner> {
     loop {
         let page = client
             .backups()
-            .list(ListParams {
+            .request::<opmon_client::methods::List>(ListParams {
                 phases: None,
                 limit: Some(1000),
                 after: after.clone(),
@@ -309,7 +314,7 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
     {
         let client = f.agent.client().await;
         client
-            .register_snapshotter(&Snapshotter {
+            .register_snapshotter(Snapshotter {
                 name: INSTANT.into(),
                 api_version: ApiVersion::V1,
                 socket: None,
@@ -431,7 +436,7 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
                 continue;
             }
             let operations = backups
-                .operations(&log.name, None)
+                .operations(&log.name)
                 .await
                 .unwrap_or_else(|e| panic!("{}: operations: {e}", context(&log.name)));
             if owner.phase == OwnerPhase::Failed {

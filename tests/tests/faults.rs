@@ -26,7 +26,7 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
     let mut f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
     backups
         .add_operations("b", vec![operation(PLUGIN, "gate-1", "a", &[])])
         .await
@@ -49,7 +49,7 @@ async fn a_snapshotter_that_crashes_and_comes_back_resumes_its_operations() {
     }
     // The operation says why it waits (committed just after the log line).
     let op = loop {
-        let ops = backups.operations("b", None).await.unwrap();
+        let ops = backups.operations("b").await.unwrap();
         if !ops[0].last_error.is_empty() {
             break ops[0].clone();
         }
@@ -93,18 +93,18 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
         &f.dir.path().join("hung-journal"),
     );
     client
-        .register_snapshotter(&socket_snapshotter("example.io/hung", &hung.socket))
+        .register_snapshotter(socket_snapshotter("example.io/hung", &hung.socket))
         .await
         .unwrap();
     client
-        .register_snapshotter(&socket_snapshotter(
+        .register_snapshotter(socket_snapshotter(
             "example.io/gone",
             &f.dir.path().join("nobody.sock"),
         ))
         .await
         .unwrap();
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
     backups
         .add_operations(
             "b",
@@ -137,7 +137,7 @@ async fn a_snapshotter_unreachable_past_the_grace_period_fails_its_operations_sa
         "failed before the grace period"
     );
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert!(
         ops[0].error.starts_with("unreachable for more than 500ms: snapshotter example.io/hung did not answer within 200ms"),
         "{}",
@@ -203,15 +203,15 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
     bad_snapshotter(garbage.clone(), b"<html>not json-rpc</html>".to_vec()).await;
     bad_snapshotter(huge.clone(), vec![b' '; 17 * 1024 * 1024]).await;
     client
-        .register_snapshotter(&socket_snapshotter("example.io/garbage", &garbage))
+        .register_snapshotter(socket_snapshotter("example.io/garbage", &garbage))
         .await
         .unwrap();
     client
-        .register_snapshotter(&socket_snapshotter("example.io/huge", &huge))
+        .register_snapshotter(socket_snapshotter("example.io/huge", &huge))
         .await
         .unwrap();
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
     backups
         .add_operations(
             "b",
@@ -225,7 +225,7 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
         .unwrap();
     let owner = backups.end_in_progress("b").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = backups.operations("b", None).await.unwrap();
+    let ops = backups.operations("b").await.unwrap();
     assert_eq!(
         ops[0].error,
         "snapshotter example.io/garbage answered something that is not a JSON-RPC response"
@@ -275,7 +275,7 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
     );
     let client = agent.client().await;
     let backups = client.backups();
-    backups.start("kept", "u", None).await.unwrap();
+    backups.start("kept", "u").await.unwrap();
     backups
         .add_operations("kept", vec![operation(PLUGIN, "op-1", "a", &[])])
         .await
@@ -309,7 +309,7 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
             .contains("disk holding the database is full"),
         "{err}"
     );
-    let ops = backups.operations("kept", None).await.unwrap();
+    let ops = backups.operations("kept").await.unwrap();
     assert_eq!(
         ops.len(),
         1,
@@ -319,7 +319,7 @@ async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers
     std::fs::remove_file(&filler).unwrap();
     let added = backups.add_operations("kept", big).await.unwrap();
     assert_eq!(added.added, 2000, "writes resume without a restart");
-    assert_eq!(backups.operations("kept", None).await.unwrap().len(), 2001);
+    assert_eq!(backups.operations("kept").await.unwrap().len(), 2001);
     agent.kill9();
     let check = rusqlite::Connection::open(disk.join("state/agent.db")).unwrap();
     let integrity: String = check
@@ -338,7 +338,7 @@ async fn an_unwritable_storage_directory_fails_the_file_write_and_it_is_retried(
     std::fs::write(storage.join("backups"), b"in the way").unwrap();
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
     backups
         .add_operations("b", vec![operation(PLUGIN, "done-1", "a", &[])])
         .await
@@ -447,7 +447,7 @@ async fn cancels_against_a_hung_snapshotter_end_within_one_call_deadline() {
     );
     let client = f.agent.client().await;
     client
-        .register_snapshotter(&socket_snapshotter("example.io/hung", &hung.socket))
+        .register_snapshotter(socket_snapshotter("example.io/hung", &hung.socket))
         .await
         .unwrap();
     let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
@@ -637,7 +637,7 @@ async fn a_huge_description_that_changes_every_poll_is_stored_cut() {
     .await;
     let client = f.agent.client().await;
     client
-        .register_snapshotter(&socket_snapshotter("example.io/verbose", &socket))
+        .register_snapshotter(socket_snapshotter("example.io/verbose", &socket))
         .await
         .unwrap();
     let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
@@ -693,7 +693,7 @@ async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served
     {
         let client = agent.client().await;
         for name in ["b1", "b2", "b3"] {
-            client.backups().start(name, "u", None).await.unwrap();
+            client.backups().start(name, "u").await.unwrap();
         }
     }
     assert!(agent.terminate().success());
@@ -713,7 +713,7 @@ async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served
     }
     agent.restart();
     let client = agent.client().await;
-    let listed = client.backups().list(Default::default()).await.unwrap();
+    let listed = client.backups().list().await.unwrap();
     let names: Vec<&str> = listed.items.iter().map(|o| o.name.as_str()).collect();
     assert_eq!(names, ["b1", "b2", "b3"]);
     assert_eq!(listed.items[0].failure_reason, "");

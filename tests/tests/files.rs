@@ -275,7 +275,7 @@ async fn an_old_removal_never_takes_the_file_of_a_re_created_owner() {
 
     // A new restore of the same name writes its file before the old removal is retried.
     std::fs::remove_dir_all(&file).unwrap();
-    restores.start("r", "new-uid", None).await.unwrap();
+    restores.start("r", "new-uid").await.unwrap();
     restores
         .add_operations("r", vec![restore_operation(PLUGIN, "done-2", "b")])
         .await

@@ -147,7 +147,10 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
         ],
         ..Default::default()
     };
-    let result = backups.finalize(params.clone()).await.unwrap();
+    let result = backups
+        .request::<opmon_client::methods::Finalize>(params.clone())
+        .await
+        .unwrap();
     assert_eq!(result.owner.phase, OwnerPhase::Completed);
     assert_eq!((result.replaced, result.added), (4, 2));
     let output = backup_dir.join("nightly-finalized.tar.gz");
@@ -266,7 +269,10 @@ async fn a_backup_is_finalized_with_its_tarball_rewritten_and_its_files_on_disk(
 
     // Finalizing again returns the same result, and rewrites nothing.
     let before = std::fs::metadata(&output).unwrap().modified().unwrap();
-    let again = backups.finalize(params).await.unwrap();
+    let again = backups
+        .request::<opmon_client::methods::Finalize>(params)
+        .await
+        .unwrap();
     assert_eq!(again, result);
     assert_eq!(
         std::fs::metadata(&output).unwrap().modified().unwrap(),
@@ -315,7 +321,11 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
         ..Default::default()
     };
     let first = backups
-        .finalize(finalize("first", "in.tar.gz", "out/first.tar.gz"))
+        .request::<opmon_client::methods::Finalize>(finalize(
+            "first",
+            "in.tar.gz",
+            "out/first.tar.gz",
+        ))
         .await
         .unwrap();
     assert_eq!(first.owner.phase, OwnerPhase::Completed);
@@ -375,7 +385,10 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
     ];
     for (params, expected) in refusals {
         let output = params.contents.as_ref().map(|c| c.output.clone());
-        let err = backups.finalize(params).await.unwrap_err();
+        let err = backups
+            .request::<opmon_client::methods::Finalize>(params)
+            .await
+            .unwrap_err();
         assert_eq!(
             err.code(),
             Some(codes::FINALIZE_FAILED),
@@ -399,7 +412,11 @@ async fn finalize_keeps_off_the_agents_files_other_outputs_and_corrupt_gzip() {
 
     // A path of its own is fine.
     let second = backups
-        .finalize(finalize("second", "in.tar.gz", "out/second.tar.gz"))
+        .request::<opmon_client::methods::Finalize>(finalize(
+            "second",
+            "in.tar.gz",
+            "out/second.tar.gz",
+        ))
         .await
         .unwrap();
     assert_eq!(second.owner.phase, OwnerPhase::Completed);
@@ -433,12 +450,11 @@ async fn concurrent_finalizes_of_backups_naming_one_output_finalize_one() {
         "out/../out/shared.tar.gz",
         absolute.to_str().unwrap(),
     ];
-    let answers = futures::future::join_all(
-        names
-            .iter()
-            .zip(spellings)
-            .map(|(name, output)| backups.finalize(finalize(name, output))),
-    )
+    let answers = futures::future::join_all(names.iter().zip(spellings).map(|(name, output)| {
+        std::future::IntoFuture::into_future(
+            backups.request::<opmon_client::methods::Finalize>(finalize(name, output)),
+        )
+    }))
     .await;
     let winners: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
     assert_eq!(winners.len(), 1, "{answers:?}");
@@ -459,7 +475,10 @@ async fn concurrent_finalizes_of_backups_naming_one_output_finalize_one() {
         );
         // Its own path is fine afterwards.
         let own = backups
-            .finalize(finalize(name, &format!("out/{name}.tar.gz")))
+            .request::<opmon_client::methods::Finalize>(finalize(
+                name,
+                &format!("out/{name}.tar.gz"),
+            ))
             .await
             .unwrap();
         assert_eq!(own.owner.phase, OwnerPhase::Completed);
@@ -500,7 +519,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
     )
     .await;
     let early = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             contents: None,
             updated_items: vec![],
@@ -525,7 +544,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
     std::fs::rename(tarball_with_symlink(f.dir.path()), &input).unwrap();
     let output = storage.join("out/b.tar.gz");
     let err = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             contents: Some(Contents {
                 input: input.clone(),
@@ -557,7 +576,7 @@ async fn finalize_refuses_the_wrong_phase_and_a_hostile_tarball_leaving_nothing_
 
     // Without contents it only moves the phase and writes the file.
     let done = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             contents: None,
             updated_items: vec![],
@@ -576,7 +595,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
     let client = f.agent.client().await;
     let restores = client.restores();
     restores
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "r".into(),
             uid: "ru".into(),
             finalize: Some(true),
@@ -591,7 +610,7 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
     let owner = restores.end_in_progress("r").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
     let result = restores
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "r".into(),
             contents: None,
             updated_items: vec![],
@@ -620,10 +639,10 @@ async fn an_opted_in_restore_is_finalized_and_restore_files_use_velero_names() {
     assert_eq!(records[0]["status"]["error"], "copy failed");
 
     // A plain restore never finalizes.
-    restores.start("plain", "u", None).await.unwrap();
+    restores.start("plain", "u").await.unwrap();
     restores.end_in_progress("plain").await.unwrap();
     let err = restores
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "plain".into(),
             contents: None,
             updated_items: vec![],
@@ -707,7 +726,7 @@ async fn a_velero_layout_hpa_is_finalized_as_velero_does_and_read_by_gnu_tar_pyt
 
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("web", "uid-web", None).await.unwrap();
+    backups.start("web", "uid-web").await.unwrap();
     assert_eq!(
         backups.end_in_progress("web").await.unwrap().phase,
         OwnerPhase::Finalizing
@@ -728,7 +747,7 @@ async fn a_velero_layout_hpa_is_finalized_as_velero_does_and_read_by_gnu_tar_pyt
     };
     let before = time::OffsetDateTime::now_utc().unix_timestamp();
     let result = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "web".into(),
             contents: Some(Contents {
                 input: "backups/web/web.tar.gz".into(),
@@ -937,11 +956,11 @@ async fn archives_that_extractors_read_differently_from_a_checker_are_refused() 
     let client = f.agent.client().await;
     let backups = client.backups();
     for name in names.lines() {
-        backups.start(name, "u", None).await.unwrap();
+        backups.start(name, "u").await.unwrap();
         backups.end_in_progress(name).await.unwrap();
         let input = format!("hostile/{name}.tar.gz");
         let err = backups
-            .finalize(FinalizeParams {
+            .request::<opmon_client::methods::Finalize>(FinalizeParams {
                 name: name.into(),
                 contents: Some(Contents {
                     input: input.clone().into(),
@@ -977,7 +996,7 @@ async fn a_tarball_is_finalized_in_place_with_items_written_as_gos_json_marshal_
     let result = f
         .client
         .backups()
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             // Velero replaces <backup>.tar.gz at its own key: input and output are one.
             contents: Some(Contents {

@@ -38,7 +38,7 @@ fn mkfifo(path: &Path) {
 async fn finalize(client: &Client, input: &Path, output: &Path) -> Result<(), String> {
     client
         .backups()
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             contents: Some(Contents {
                 input: input.to_path_buf(),
@@ -86,7 +86,7 @@ async fn finalize_paths_outside_the_allowed_directories_or_onto_the_agent_s_file
         &["--finalize-dirs", &dirs],
     );
     let client = agent.client().await;
-    client.backups().start("b", "u", None).await.unwrap();
+    client.backups().start("b", "u").await.unwrap();
     let owner = client.backups().end_in_progress("b").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
 

@@ -25,7 +25,7 @@ fn params(name: &str, input: &str, output: &str) -> FinalizeParams {
 }
 
 async fn finalizing(client: &Client, name: &str, uid: &str) {
-    client.backups().start(name, uid, None).await.unwrap();
+    client.backups().start(name, uid).await.unwrap();
     let owner = client.backups().end_in_progress(name).await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
 }
@@ -73,7 +73,11 @@ async fn a_finalize_does_not_complete_a_backup_deleted_and_started_again_under_a
         tokio::spawn(async move {
             client
                 .backups()
-                .finalize(params("b", "big.tar.gz", "out/b.tar.gz"))
+                .request::<opmon_client::methods::Finalize>(params(
+                    "b",
+                    "big.tar.gz",
+                    "out/b.tar.gz",
+                ))
                 .await
         })
     };
@@ -101,7 +105,7 @@ async fn a_finalize_does_not_complete_a_backup_deleted_and_started_again_under_a
     // The failure was the old backup's: the new one's history has none of it.
     let events = client
         .backups()
-        .events(opmon_client::EventsParams {
+        .request::<opmon_client::methods::Events>(opmon_client::EventsParams {
             name: "b".into(),
             after: None,
             limit: Some(1000),
@@ -126,7 +130,7 @@ async fn concurrent_finalizes_of_one_backup_run_one_after_the_other_and_write_on
         tokio::spawn(async move {
             client
                 .backups()
-                .finalize(params("b", "big.tar.gz", output))
+                .request::<opmon_client::methods::Finalize>(params("b", "big.tar.gz", output))
                 .await
         })
     }
@@ -173,7 +177,7 @@ async fn hundreds_of_finalizes_of_fifos_are_refused_and_reads_keep_being_answere
         calls.push(tokio::spawn(async move {
             client
                 .backups()
-                .finalize(params(
+                .request::<opmon_client::methods::Finalize>(params(
                     &format!("b{i}"),
                     &format!("fifo-{i}"),
                     &format!("out/{i}.tar.gz"),
@@ -223,7 +227,7 @@ async fn a_rewrite_past_the_finalize_deadline_fails_and_leaves_nothing() {
     finalizing(&client, "b", "u").await;
     let err = client
         .backups()
-        .finalize(params("b", "big.tar.gz", "out/b.tar.gz"))
+        .request::<opmon_client::methods::Finalize>(params("b", "big.tar.gz", "out/b.tar.gz"))
         .await
         .unwrap_err();
     assert_eq!(
@@ -250,7 +254,11 @@ async fn sigterm_ends_the_agent_while_a_rewrite_runs_and_removes_its_temporary_f
         tokio::spawn(async move {
             client
                 .backups()
-                .finalize(params("b", "big.tar.gz", "out/b.tar.gz"))
+                .request::<opmon_client::methods::Finalize>(params(
+                    "b",
+                    "big.tar.gz",
+                    "out/b.tar.gz",
+                ))
                 .await
         })
     };
@@ -276,4 +284,58 @@ async fn sigterm_ends_the_agent_while_a_rewrite_runs_and_removes_its_temporary_f
         OwnerPhase::Finalizing
     );
     assert!(!s.storage.join("out/b.tar.gz").exists());
+}
+
+#[tokio::test]
+async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
+    // Two zero-bombs of 64 GiB (64 MB on disk): tens of seconds of rewriting each, far
+    // more than the small one needs however loaded the machine is.
+    let s = setup(&["--max-decompressed-size", "100000000000"]);
+    write_zeros_tarball(&s.storage.join("big.tar.gz"), 65536);
+    write_zeros_tarball(&s.storage.join("small.tar.gz"), 16);
+    let client = s.agent.client().await;
+    for name in ["big-1", "big-2", "small"] {
+        finalizing(&client, name, "u").await;
+    }
+    let bombs: Vec<_> = ["big-1", "big-2"]
+        .into_iter()
+        .map(|name| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .backups()
+                    .request::<opmon_client::methods::Finalize>(params(
+                        name,
+                        "big.tar.gz",
+                        &format!("big/{name}.tar.gz"),
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    let both = opmon_tests::try_eventually_async(opmon_tests::LONG, || {
+        temporaries(&s.storage.join("big")).len() == 2
+    })
+    .await;
+    assert!(
+        both.is_some(),
+        "the two rewrites did not start:\n{}",
+        s.agent.log_text()
+    );
+    let small = client
+        .backups()
+        .request::<opmon_client::methods::Finalize>(params(
+            "small",
+            "small.tar.gz",
+            "small/out.tar.gz",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(small.owner.phase, OwnerPhase::Completed);
+    // The large ones were still being written when the small one was done.
+    assert!(bombs.iter().all(|b| !b.is_finished()));
+    assert_eq!(temporaries(&s.storage.join("big")).len(), 2);
+    for bomb in bombs {
+        bomb.abort();
+    }
 }

@@ -44,7 +44,7 @@ async fn setup() -> Setup {
     let agent = Agent::start_polling_every(dir.path(), "1h", &[]);
     let client = agent.client().await;
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: PLUGIN.into(),
             api_version: ApiVersion::V2,
             socket: Some(snapshotter.socket.clone()),
@@ -67,7 +67,7 @@ async fn setup() -> Setup {
 async fn phase_of(client: &Client, name: &str, id: &str) -> OperationPhase {
     client
         .backups()
-        .operations(name, None)
+        .operations(name)
         .await
         .expect("backup.operations")
         .into_iter()
@@ -153,7 +153,8 @@ async fn a_hint_changes_nothing_by_itself() {
     // A hint for an operation that did not change: the agent asks, and records what
     // it is told (still 30 of 100).
     s.client
-        .snapshotter_changed(PLUGIN, Some(vec!["gate-3".into()]))
+        .snapshotter_changed(PLUGIN)
+        .operations(vec!["gate-3".into()])
         .await
         .expect("snapshotter.changed");
     opmon_tests::eventually_async("a second Progress call for gate-3", LONG, || {
@@ -163,7 +164,7 @@ async fn a_hint_changes_nothing_by_itself() {
     let ops = s
         .client
         .backups()
-        .operations("b2", None)
+        .operations("b2")
         .await
         .expect("backup.operations");
     assert_eq!(ops[0].phase, OperationPhase::InProgress);
@@ -174,7 +175,7 @@ async fn a_hint_changes_nothing_by_itself() {
     // A hint naming no operation polls all of the plugin's waiting operations.
     std::fs::write(s.gates.join("gate-3"), b"").expect("opening gate-3");
     s.client
-        .snapshotter_changed(PLUGIN, None)
+        .snapshotter_changed(PLUGIN)
         .await
         .expect("snapshotter.changed");
     let owner = Steps::new(&s.client, OwnerKind::Backup, "b2")
@@ -193,7 +194,7 @@ async fn bad_hints_are_refused_naming_what_is_wrong() {
                 .call::<_, ()>("snapshotter.changed", params.clone())
                 .await
             {
-                Err(opmon_client::Error::Rpc { code, message }) => (code, message),
+                Err(opmon_client::Error::Rpc { code, message, .. }) => (code.number(), message),
                 other => panic!("snapshotter.changed {params}: expected an error, got {other:?}"),
             }
         }

@@ -17,7 +17,7 @@ async fn all_events(client: &Client, name: &str, limit: u32) -> Vec<Event> {
     loop {
         let page = client
             .backups()
-            .events(EventsParams {
+            .request::<opmon_client::methods::Events>(EventsParams {
                 name: name.into(),
                 after,
                 limit: Some(limit),
@@ -69,7 +69,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
     let finalized = f
         .client
         .backups()
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "b".into(),
             ..Default::default()
         })
@@ -117,7 +117,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
     }
     let backups = f.client.backups();
     let page = backups
-        .events(EventsParams {
+        .request::<opmon_client::methods::Events>(EventsParams {
             name: "b".into(),
             after: Some(5),
             limit: Some(2),
@@ -129,7 +129,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         (6, 7, Some(7))
     );
     let past = backups
-        .events(EventsParams {
+        .request::<opmon_client::methods::Events>(EventsParams {
             name: "b".into(),
             after: Some(u64::MAX),
             limit: None,
@@ -166,12 +166,16 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
             "backup nope not found",
         ),
     ] {
-        match backups.events(params).await {
+        match backups
+            .request::<opmon_client::methods::Events>(params)
+            .await
+        {
             Err(opmon_client::Error::Rpc {
                 code: c,
                 message: m,
+                ..
             }) => {
-                assert_eq!((c, m.as_str()), (code, message))
+                assert_eq!((c.number(), m.as_str()), (code, message))
             }
             other => panic!("expected error {code}: {other:?}"),
         }
@@ -275,7 +279,7 @@ async fn an_owner_keeps_its_latest_1000_events() {
         "1 operation added (0 already known); 1005 in all"
     );
     let one_page = backups
-        .events(EventsParams {
+        .request::<opmon_client::methods::Events>(EventsParams {
             name: "big".into(),
             after: None,
             limit: Some(1000),
@@ -320,7 +324,7 @@ async fn events_go_with_their_owner_on_delete_and_on_expiry() {
     // Expiry: a completed backup is removed after `retention`, its events with it.
     f.backup("old").end_in_progress().await;
     backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: "old".into(),
             ..Default::default()
         })
@@ -442,7 +446,7 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
     })
     .await;
 
-    let ops = backups.operations("paced", None).await.expect("operations");
+    let ops = backups.operations("paced").await.expect("operations");
     let rates: Vec<f64> = ops.iter().map(|op| check_rate(&f, op, since)).collect();
     let owner = backups.get("paced").await.expect("get");
     let progress = owner.progress.expect("get gives the owner's progress");
@@ -465,10 +469,7 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
     );
 
     // Unknown: no total, or no movement (never-1 reports 50 of 100 every time).
-    let ops = backups
-        .operations("unknown", None)
-        .await
-        .expect("operations");
+    let ops = backups.operations("unknown").await.expect("operations");
     check_rate(&f, &ops[0], since);
     assert_eq!(
         (ops[1].rate, ops[1].eta),
@@ -526,7 +527,7 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
         .all(|(_, m)| m.starts_with("New → InProgress at ")));
 
     // The rate is stored: a restarted agent reports it as it was.
-    let before = backups.operations("paced", None).await.expect("operations");
+    let before = backups.operations("paced").await.expect("operations");
     drop(updates);
     let mut f = f;
     f.agent.kill9();
@@ -534,7 +535,7 @@ async fn rates_and_etas_follow_a_snapshotter_at_a_known_pace() {
     let client = f.agent.client().await;
     let after = client
         .backups()
-        .operations("paced", None)
+        .operations("paced")
         .await
         .expect("operations");
     let kept = |ops: &[Operation]| ops.iter().map(|o| (o.rate, o.eta)).collect::<Vec<_>>();
@@ -612,7 +613,7 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
                 "Failed",
                 Some(me()),
                 "InProgress → Failed: the backup server ended InProgress with failed: true \
-                 (1 unfinished operation failed and cancelled)"
+                 (1 unfinished operation failed and canceled)"
             ),
             (
                 "CancelSent",

@@ -123,7 +123,7 @@ async fn item_operation_files_are_byte_for_byte_what_veleros_encoder_writes() {
     // A backup with every kind of record, the server's object given to the snapshotter.
     let backups = client.backups();
     backups
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "b-1".into(),
             uid: "3f5c<&>-uid".into(),
             object: Some(serde_json::json!({"metadata": {"namespace": "velero"}})),
@@ -209,7 +209,7 @@ async fn item_operation_files_are_byte_for_byte_what_veleros_encoder_writes() {
     // A canceled operation: Velero has no Canceled, so the file says Failed, with the
     // reason in the error.
     let canceled = backups
-        .cancel(opmon_client::CancelParams {
+        .request::<opmon_client::methods::Cancel>(opmon_client::CancelParams {
             name: "b-1".into(),
             operations: Some(vec![opmon_client::OperationSelector::Id("never-c".into())]),
             reason: Some("<&> stop".into()),

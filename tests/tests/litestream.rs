@@ -153,9 +153,9 @@ impl Load {
         format!("load-{n}")
     }
 
-    async fn one(&mut self, backups: &opmon_client::Owners<'_>) {
+    async fn one(&mut self, backups: &opmon_client::Owners) {
         let name = Load::name(self.acked.len());
-        backups.start(&name, "u", None).await.expect("backup.start");
+        backups.start(&name, "u").await.expect("backup.start");
         self.acked.push(Instant::now());
     }
 }
@@ -194,7 +194,7 @@ async fn node_loss(binary: &Path, replica_yaml: &str, f: Fixture) {
     )
     .await;
     assert_eq!(waiting.phase, OwnerPhase::WaitingForPluginOperations);
-    backups.start("filling", "u", None).await.expect("start");
+    backups.start("filling", "u").await.expect("start");
     backups
         .add_operations("filling", vec![operation(PLUGIN, "gate-f", "b", &[])])
         .await

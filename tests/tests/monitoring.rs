@@ -16,9 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use opmon_client::{
-    ApiVersion, CancelParams, GoDuration, OperationSelector, Snapshotter, WaitUntil,
-};
+use opmon_client::{ApiVersion, GoDuration, OperationSelector, Snapshotter, WaitUntil};
 use opmon_tests::{agent_command, deploy::repo, operation, Agent, Fixture, PLUGIN};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -141,11 +139,8 @@ async fn busy_agent() -> (Fixture, u16) {
         .await;
     f.client
         .backups()
-        .cancel(CancelParams {
-            name: "busy".into(),
-            operations: selector("gate-2"),
-            ..Default::default()
-        })
+        .cancel("busy")
+        .operations(selector("gate-2"))
         .await
         .unwrap();
     opmon_tests::eventually_async("done-1 completes", LONG, || {
@@ -372,8 +367,8 @@ async fn a_flood_of_silent_tcp_connections_leaves_descriptors_bounded_and_the_so
     client.status().await.unwrap();
 }
 
-fn selector(id: &str) -> Option<Vec<OperationSelector>> {
-    Some(vec![OperationSelector::Id(id.to_string())])
+fn selector(id: &str) -> Vec<OperationSelector> {
+    vec![OperationSelector::Id(id.to_string())]
 }
 
 /// The log lines at WARN that mention `operation=ID`.
@@ -388,7 +383,7 @@ fn warnings_about(log: &str, id: &str) -> Vec<String> {
 async fn failed_canceled_and_stalled_operations_each_leave_one_warn_line() {
     let f = Fixture::new(&[]).await;
     f.client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: PLUGIN.into(),
             api_version: ApiVersion::V2,
             socket: Some(f.snapshotter.socket.clone()),
@@ -407,11 +402,9 @@ async fn failed_canceled_and_stalled_operations_each_leave_one_warn_line() {
         .await;
     f.client
         .backups()
-        .cancel(CancelParams {
-            name: "b".into(),
-            operations: selector("gate-1"),
-            reason: Some("the operator asked".into()),
-        })
+        .cancel("b")
+        .operations(selector("gate-1"))
+        .reason("the operator asked")
         .await
         .unwrap();
     f.backup("b").wait(WaitUntil::ReadyToFinalize).await;

@@ -244,8 +244,8 @@ async fn metrics_are_served_on_the_socket_and_on_tcp() {
     let address = format!("127.0.0.1:{port}");
     let agent = Agent::start(dir.path(), &["--metrics-listen", &address]);
     let client = Client::connect(&agent.socket).await.unwrap();
-    client.backups().start("m1", "u", None).await.unwrap();
-    client.backups().start("m2", "u", None).await.unwrap();
+    client.backups().start("m1", "u").await.unwrap();
+    client.backups().start("m2", "u").await.unwrap();
     let _ = client.backups().get("missing").await;
 
     let out = curl(&agent.socket, &["http://localhost/metrics"])
@@ -305,7 +305,7 @@ async fn json_logs_carry_the_owner_on_lines_about_it() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &["--log-format", "json"]);
     let client = Client::connect(&agent.socket).await.unwrap();
-    client.backups().start("logged", "u", None).await.unwrap();
+    client.backups().start("logged", "u").await.unwrap();
     client.backups().end_in_progress("logged").await.unwrap();
     let log = agent.log_text();
     let lines: Vec<serde_json::Value> = log

@@ -335,7 +335,7 @@ async fn agent_for(dir: &Path, s: &QemuImgSnapshotter) -> (Agent, Client) {
     let agent = Agent::start(dir, &[]);
     let client = agent.client().await;
     client
-        .register_snapshotter(&s.registration())
+        .register_snapshotter(s.registration())
         .await
         .expect("registering qemu-img-snapshotter");
     (agent, client)
@@ -344,7 +344,7 @@ async fn agent_for(dir: &Path, s: &QemuImgSnapshotter) -> (Agent, Client) {
 /// Starts backup `name` with the one operation `id` of [`PLUGIN`] and ends InProgress.
 async fn backup_of(client: &Client, name: &str, id: &str) {
     let backups = client.backups();
-    backups.start(name, "uid-1", None).await.unwrap();
+    backups.start(name, "uid-1").await.unwrap();
     let added = backups
         .add_operations(name, vec![operation(PLUGIN, id, "vm-disk", &[])])
         .await
@@ -388,7 +388,7 @@ async fn a_rate_limited_copy_reports_growing_progress_and_yields_an_identical_im
     loop {
         let p = s.progress(&id);
         direct.push(p.n_completed);
-        let ops = backups.operations("nightly", None).await.unwrap();
+        let ops = backups.operations("nightly").await.unwrap();
         assert_eq!(ops.len(), 1);
         recorded.push(ops[0].n_completed);
         if p.completed && !ops[0].phase.is_unfinished() {
@@ -419,7 +419,7 @@ async fn a_rate_limited_copy_reports_growing_progress_and_yields_an_identical_im
         "started {started} after updated {updated}"
     );
 
-    let op = &backups.operations("nightly", None).await.unwrap()[0];
+    let op = &backups.operations("nightly").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Completed);
     assert_eq!(op.error, "");
     assert_eq!((op.n_completed, op.n_total), (64 << 20, 64 << 20));
@@ -451,7 +451,7 @@ async fn deleting_the_backup_cancels_the_copy_and_leaves_no_file_behind() {
     assert_eq!(processes_with_argument(&s.partial_file(&id)).len(), 1);
 
     let deleted = client.backups().delete("doomed").await.unwrap();
-    assert_eq!(deleted.cancelled, 1);
+    assert_eq!(deleted.canceled, 1);
 
     // Cancel returns once the copy is torn down: nothing left, nothing still writing.
     assert_eq!(files_in(&s.backup_dir), Vec::<String>::new());
@@ -485,14 +485,14 @@ async fn cancelling_the_backup_mid_copy_stops_qemu_img_and_fails_the_backup_with
     // Mid-copy: the agent has recorded progress and qemu-img is writing.
     let backups = client.backups();
     let start = Instant::now();
-    while backups.operations("vm-1", None).await.unwrap()[0].n_completed == 0 {
+    while backups.operations("vm-1").await.unwrap()[0].n_completed == 0 {
         assert!(start.elapsed() < PATIENCE, "the agent recorded no progress");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(processes_with_argument(&s.partial_file(&id)).len(), 1);
 
     let result = backups
-        .cancel(opmon_client::CancelParams {
+        .request::<opmon_client::methods::Cancel>(opmon_client::CancelParams {
             name: "vm-1".into(),
             operations: None,
             reason: Some("the VM was deleted".into()),
@@ -511,7 +511,7 @@ async fn cancelling_the_backup_mid_copy_stops_qemu_img_and_fails_the_backup_with
     );
     assert_eq!(files_in(&s.backup_dir), Vec::<String>::new());
     assert_eq!(s.progress(&id).err, "cancelled");
-    let op = &backups.operations("vm-1", None).await.unwrap()[0];
+    let op = &backups.operations("vm-1").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Canceled);
     assert_eq!(op.error, "canceled: the VM was deleted");
     assert!(!op.cancel_requested);

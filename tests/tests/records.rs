@@ -30,7 +30,7 @@ async fn one_operation_id_on_two_items_is_two_operations_both_polled_and_both_re
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("shared", "u", None).await.unwrap();
+    backups.start("shared", "u").await.unwrap();
     let both = vec![
         operation(PLUGIN, "gate-x", "a", &["post-a"]),
         operation(PLUGIN, "gate-x", "b", &["post-b"]),
@@ -99,7 +99,7 @@ async fn snapshotters_get_the_owners_object_in_every_progress_and_cancel() {
         "spec": {"includedNamespaces": ["app"], "storageLocation": "default"}
     });
     backups
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "with-object".into(),
             uid: "u".into(),
             object: Some(object.clone()),
@@ -190,7 +190,8 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
     let client = f.agent.client().await;
     let backups = client.backups();
     backups
-        .start("late", "u", Some(Duration::from_secs(600)))
+        .start("late", "u")
+        .item_operation_timeout(Duration::from_secs(600))
         .await
         .unwrap();
     let now = OffsetDateTime::now_utc();
@@ -202,7 +203,7 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
         .add_operations("late", vec![old, fresh])
         .await
         .unwrap();
-    let ops = backups.operations("late", None).await.unwrap();
+    let ops = backups.operations("late").await.unwrap();
     let ms = |t: OffsetDateTime| t.unix_timestamp_nanos() / 1_000_000;
     assert_eq!(ms(ops[0].created), ms(long_ago));
     assert!(ops[1].created >= now - time::Duration::seconds(1));
@@ -213,7 +214,7 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
         owner.phase,
         OwnerPhase::WaitingForPluginOperationsPartiallyFailed
     );
-    let ops = backups.operations("late", None).await.unwrap();
+    let ops = backups.operations("late").await.unwrap();
     assert_eq!(
         (ops[0].phase, ops[0].error.as_str()),
         (OperationPhase::Failed, "Asynchronous action timed out")
@@ -225,7 +226,7 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
     );
 
     // A time well ahead of the agent's clock is refused, naming the operation.
-    backups.start("ahead", "u", None).await.unwrap();
+    backups.start("ahead", "u").await.unwrap();
     let mut ahead = operation(PLUGIN, "never-1", "a", &[]);
     ahead.created = Some(now + time::Duration::minutes(6));
     let e = backups
@@ -237,7 +238,7 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
         "operations[1].created: must not be more than 5m0s ahead of the agent's clock \
          (code -32602)"
     );
-    assert!(backups.operations("ahead", None).await.unwrap().is_empty());
+    assert!(backups.operations("ahead").await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -246,7 +247,7 @@ async fn rbac_item_names_and_legacy_plugin_names_are_taken_as_velero_takes_them(
     let client = f.agent.client().await;
     // A legacy, un-namespaced name is velero.io/<name>, at registration as in operations.
     let registered = client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: "legacy-copier".into(),
             api_version: ApiVersion::V2,
             socket: Some(f.snapshotter.socket.clone()),
@@ -276,7 +277,7 @@ async fn rbac_item_names_and_legacy_plugin_names_are_taken_as_velero_takes_them(
         OwnerPhase::Finalizing,
         "polled through the legacy name"
     );
-    let ops = backups.operations("rbac", None).await.unwrap();
+    let ops = backups.operations("rbac").await.unwrap();
     assert_eq!(ops[0].plugin.name, "velero.io/legacy-copier");
     assert_eq!(ops[0].resource, role);
 
@@ -286,7 +287,7 @@ async fn rbac_item_names_and_legacy_plugin_names_are_taken_as_velero_takes_them(
         op.plugin.kind = PluginKind::BackupItemAction;
         op
     };
-    backups.start("refused", "u", None).await.unwrap();
+    backups.start("refused", "u").await.unwrap();
     for (op, message) in [
         (
             bad("example.io/a/b", "x"),

@@ -241,7 +241,6 @@ fn the_limits_are_the_codes_constants() {
             format!("{} seconds", changes::PROGRESS_EVERY.as_secs()),
         ),
         ("finalizes", format!("{}", filework::MAX_ADMITTED)),
-        ("file work threads", format!("{}", filework::WORKERS)),
     ];
     let rows = section(&reference(), "limits");
     for (key, value) in expected {
@@ -251,4 +250,17 @@ fn the_limits_are_the_codes_constants() {
             "REFERENCE.md's limits lack the row {row:?} (the code's value)"
         );
     }
+}
+
+#[test]
+fn durability_is_stated_as_the_code_sets_it() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/trust.md"),
+    )
+    .expect("docs/trust.md");
+    let stated = format!(
+        "The writer commits with `synchronous={}`",
+        opmon_agent::store::WRITER_SYNCHRONOUS
+    );
+    assert!(doc.contains(&stated), "docs/trust.md must say: {stated}");
 }

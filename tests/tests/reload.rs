@@ -112,7 +112,7 @@ async fn sighup_reloads_snapshotter_tables_and_log_level_and_nothing_else() {
     let client = Client::connect(&agent.socket).await.unwrap();
     // One registered through the API: a reload leaves it alone.
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: "example.io/api".into(),
             api_version: ApiVersion::V1,
             socket: None,

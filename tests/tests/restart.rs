@@ -45,7 +45,7 @@ async fn an_agent_restart_keeps_in_progress_owners_in_progress_and_cancels_nothi
     {
         let client = f.agent.client().await;
         let backups = client.backups();
-        backups.start("running", "u", None).await.unwrap();
+        backups.start("running", "u").await.unwrap();
         backups
             .add_operations("running", vec![operation(PLUGIN, "gate-1", "a", &[])])
             .await
@@ -58,7 +58,7 @@ async fn an_agent_restart_keeps_in_progress_owners_in_progress_and_cancels_nothi
         .await;
         client
             .restores()
-            .start("restore-running", "u", None)
+            .start("restore-running", "u")
             .await
             .unwrap();
     }
@@ -70,7 +70,7 @@ async fn an_agent_restart_keeps_in_progress_owners_in_progress_and_cancels_nothi
     assert_eq!(owner.phase, OwnerPhase::InProgress);
     assert_eq!(owner.failure_reason, "");
     assert_eq!(owner.completed, None);
-    let ops = backups.operations("running", None).await.unwrap();
+    let ops = backups.operations("running").await.unwrap();
     assert_eq!(
         (ops[0].phase, ops[0].error.as_str()),
         (OperationPhase::New, "")
@@ -136,7 +136,7 @@ async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_wor
                 OwnerKind::Restore => client.restores(),
             };
             owners
-                .start_with(StartParams {
+                .request::<opmon_client::methods::Start>(StartParams {
                     name: name.clone(),
                     uid: format!("uid-{name}"),
                     server,
@@ -204,10 +204,10 @@ async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_wor
         a2.failure_reason,
         "found a restore with status \"InProgress\" during the server starting, mark it as \"Failed\""
     );
-    let ops = backups.operations("a1", None).await.unwrap();
+    let ops = backups.operations("a1").await.unwrap();
     assert_eq!(
         (ops[0].phase, ops[0].error.as_str()),
-        (OperationPhase::Failed, "cancelled: the backup failed")
+        (OperationPhase::Failed, "canceled: the backup failed")
     );
     let late = backups
         .add_operations("a1", vec![operation(PLUGIN, "done-9", "b", &[])])
@@ -286,7 +286,8 @@ async fn server_started_names_the_bad_field() {
     let e = call(serde_json::json!({"name": "x".repeat(254), "instance": "i"})).await;
     assert_eq!(
         e.to_string(),
-        "name: must be printable text of at most 253 bytes (code -32602)"
+        "name: must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, digits, '-' \
+         and '.' beginning and ending with a letter or digit, at most 253 bytes (code -32602)"
     );
 }
 
@@ -295,7 +296,7 @@ async fn an_owner_no_call_touches_for_the_idle_timeout_fails_saying_since_when()
     let f = Fixture::new(&["--in-progress-idle-timeout", "1s"]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("abandoned", "u", None).await.unwrap();
+    backups.start("abandoned", "u").await.unwrap();
     let before_call = time::OffsetDateTime::now_utc();
     backups
         .add_operations("abandoned", vec![operation(PLUGIN, "never-1", "a", &[])])
@@ -339,7 +340,7 @@ async fn sigterm_finishes_cleanly_and_the_state_survives() {
     let mut f = Fixture::new(&[]).await;
     {
         let client = f.agent.client().await;
-        client.backups().start("kept", "u", None).await.unwrap();
+        client.backups().start("kept", "u").await.unwrap();
     }
     let status = f.agent.terminate();
     assert!(
@@ -464,7 +465,7 @@ async fn terminal_owners_are_removed_after_the_retention_period_and_others_kept(
     let completed = finished
         .completed
         .expect("a terminal owner has a completion time");
-    restores.start("running", "u", None).await.unwrap();
+    restores.start("running", "u").await.unwrap();
     // The periodic task removes it once it is older than 300ms; wait for that, bounded.
     let start = std::time::Instant::now();
     while restores.get("finished").await.is_ok() {
@@ -491,7 +492,7 @@ async fn an_emptied_or_missing_database_is_refused_where_an_agent_has_run() {
     let mut agent = Agent::start(dir.path(), &[]);
     {
         let client = agent.client().await;
-        client.backups().start("kept", "u", None).await.unwrap();
+        client.backups().start("kept", "u").await.unwrap();
     }
     assert!(agent.terminate().success());
     let db = agent.state_dir.join("agent.db");
@@ -525,7 +526,7 @@ async fn an_emptied_or_missing_database_is_refused_where_an_agent_has_run() {
     // Said explicitly, it starts with nothing.
     let mut anew = Agent::start(dir.path(), &["--start-anew", "true"]);
     let client = anew.client().await;
-    let listed = client.backups().list(Default::default()).await.unwrap();
+    let listed = client.backups().list().await.unwrap();
     assert!(listed.items.is_empty());
     drop(client);
     assert!(anew.terminate().success());

@@ -15,7 +15,7 @@ async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    let owner = backups.start("nightly-1", "uid-1", None).await.unwrap();
+    let owner = backups.start("nightly-1", "uid-1").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::InProgress);
     let added = backups
         .add_operations(
@@ -60,7 +60,7 @@ async fn completed_operations_take_a_backup_to_finalizing_with_the_union_of_post
         owner.post_operation_items,
         Some(vec![pvc("shared"), pvc("vsb-data"), pvc("vsb-logs")])
     );
-    let ops = backups.operations("nightly-1", None).await.unwrap();
+    let ops = backups.operations("nightly-1").await.unwrap();
     assert!(ops.iter().all(|o| o.phase == OperationPhase::Completed));
     assert_eq!(ops[1].n_completed, 100);
     assert_eq!(ops[1].operation_units, "byte");
@@ -87,7 +87,8 @@ async fn one_failed_operation_makes_the_backup_finalizing_partially_failed() {
     let failed = f
         .client
         .backups()
-        .operations("b", Some(vec![OperationPhase::Failed]))
+        .operations("b")
+        .phases(vec![OperationPhase::Failed])
         .await
         .unwrap();
     assert_eq!(failed.len(), 1);
@@ -125,7 +126,7 @@ async fn timed_out_operation_is_cancelled_then_failed() {
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     let owner = slow.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = f.client.backups().operations("slow", None).await.unwrap();
+    let ops = f.client.backups().operations("slow").await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::Failed);
     assert_eq!(ops[0].error, "Asynchronous action timed out");
     let journal = f.journal();
@@ -164,7 +165,7 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    backups.start("doomed", "u", None).await.unwrap();
+    backups.start("doomed", "u").await.unwrap();
     backups
         .add_operations(
             "doomed",
@@ -204,10 +205,10 @@ async fn failed_true_fails_the_backup_and_cancels_unfinished_operations() {
             "a failed backup is not polled"
         );
     }
-    let ops = backups.operations("doomed", None).await.unwrap();
+    let ops = backups.operations("doomed").await.unwrap();
     assert!(ops
         .iter()
-        .all(|o| o.phase == OperationPhase::Failed && o.error == "cancelled: the backup failed"));
+        .all(|o| o.phase == OperationPhase::Failed && o.error == "canceled: the backup failed"));
 }
 
 #[tokio::test]
@@ -215,7 +216,7 @@ async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_s
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: "example.io/legacy".into(),
             api_version: ApiVersion::V1,
             socket: None,
@@ -241,7 +242,7 @@ async fn snapshotter_errors_unknown_plugins_and_v1_snapshotters_are_handled_as_s
         (owner.operations_failed, owner.operations_completed),
         (3, 1)
     );
-    let ops = backups.operations("mixed", None).await.unwrap();
+    let ops = backups.operations("mixed").await.unwrap();
     assert!(
         ops[0].error.starts_with("OperationsNotSupported: "),
         "{}",
@@ -269,7 +270,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
     let client = f.agent.client().await;
     let journal = f.dir.path().join("command-journal");
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: "example.io/script".into(),
             api_version: ApiVersion::V2,
             socket: None,
@@ -284,7 +285,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
         .await
         .unwrap();
     let backups = client.backups();
-    backups.start("scripted", "uid-9", None).await.unwrap();
+    backups.start("scripted", "uid-9").await.unwrap();
     backups
         .add_operations(
             "scripted",
@@ -309,7 +310,7 @@ async fn a_command_snapshotter_is_run_per_call_with_the_owner_in_its_environment
         .unwrap()
         .owner;
     assert_eq!(owner.phase, OwnerPhase::FinalizingPartiallyFailed);
-    let ops = backups.operations("scripted", None).await.unwrap();
+    let ops = backups.operations("scripted").await.unwrap();
     assert_eq!(ops[0].phase, OperationPhase::Completed);
     assert_eq!(
         (ops[0].n_completed, ops[0].operation_units.as_str()),
@@ -347,7 +348,7 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
     );
     let client = f.agent.client().await;
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: "example.io/hung".into(),
             api_version: ApiVersion::V2,
             socket: Some(hung.socket.clone()),
@@ -357,7 +358,7 @@ async fn a_hung_snapshotter_does_not_stall_another_snapshotters_operations() {
         .await
         .unwrap();
     let backups = client.backups();
-    backups.start("stuck", "u", None).await.unwrap();
+    backups.start("stuck", "u").await.unwrap();
     backups
         .add_operations(
             "stuck",
@@ -406,10 +407,10 @@ async fn start_is_idempotent_per_uid_and_operations_per_plugin_and_id() {
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let backups = client.backups();
-    let first = backups.start("b", "uid-a", None).await.unwrap();
-    let again = backups.start("b", "uid-a", None).await.unwrap();
+    let first = backups.start("b", "uid-a").await.unwrap();
+    let again = backups.start("b", "uid-a").await.unwrap();
     assert_eq!(first, again);
-    let other = backups.start("b", "uid-b", None).await.unwrap_err();
+    let other = backups.start("b", "uid-b").await.unwrap_err();
     assert_eq!(other.code(), Some(codes::ALREADY_EXISTS));
     assert_eq!(
         other.to_string(),
@@ -433,7 +434,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     let backups = client.backups();
     for i in 0..5 {
         let name = format!("b{i}");
-        backups.start(&name, "u", None).await.unwrap();
+        backups.start(&name, "u").await.unwrap();
         backups
             .add_operations(
                 &name,
@@ -452,7 +453,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     assert_eq!(waited.owner.phase, OwnerPhase::WaitingForPluginOperations);
 
     let page = backups
-        .list(ListParams {
+        .request::<opmon_client::methods::List>(ListParams {
             limit: Some(2),
             ..Default::default()
         })
@@ -462,7 +463,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     assert_eq!(names, ["b0", "b1"]);
     assert_eq!(page.next.as_deref(), Some("b1"));
     let page = backups
-        .list(ListParams {
+        .request::<opmon_client::methods::List>(ListParams {
             limit: Some(10),
             after: page.next,
             ..Default::default()
@@ -472,7 +473,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     assert_eq!(page.items.len(), 3);
     assert_eq!(page.next, None);
     let waiting = backups
-        .list(ListParams {
+        .request::<opmon_client::methods::List>(ListParams {
             phases: Some(vec![OwnerPhase::WaitingForPluginOperations]),
             ..Default::default()
         })
@@ -482,7 +483,7 @@ async fn wait_times_out_list_pages_and_delete_cancels() {
     assert_eq!(waiting.items[0].name, "b3");
 
     let deleted = backups.delete("b3").await.unwrap();
-    assert_eq!(deleted.cancelled, 1);
+    assert_eq!((deleted.canceled, deleted.cancelled), (1, 1));
     assert!(f.journal().contains(&"cancel never-3 b3".to_string()));
     assert_eq!(
         backups.get("b3").await.unwrap_err().code(),
@@ -500,7 +501,7 @@ async fn an_opted_in_restore_waits_in_finalizing() {
     let client = f.agent.client().await;
     let restores = client.restores();
     restores
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "r".into(),
             uid: "u".into(),
             finalize: Some(true),
@@ -532,7 +533,7 @@ async fn restore_finalize_sets_the_default_and_finalize_may_report_errors_and_wa
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
     // The restore finalizer found problems: errors make it PartiallyFailed.
     let finalized = restores
-        .finalize(opmon_client::FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(opmon_client::FinalizeParams {
             name: "by-default".into(),
             errors: 2,
             warnings: 1,
@@ -545,7 +546,7 @@ async fn restore_finalize_sets_the_default_and_finalize_may_report_errors_and_wa
 
     // `finalize: false` still opts out, per restore.
     restores
-        .start_with(StartParams {
+        .request::<opmon_client::methods::Start>(StartParams {
             name: "opted-out".into(),
             uid: "u".into(),
             finalize: Some(false),
@@ -560,7 +561,7 @@ async fn restore_finalize_sets_the_default_and_finalize_may_report_errors_and_wa
     let backups = client.backups();
     opmon_tests::start_and_end_in_progress(&backups, "b", vec![]).await;
     let finalized = backups
-        .finalize(opmon_client::FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(opmon_client::FinalizeParams {
             name: "b".into(),
             warnings: 3,
             ..Default::default()
@@ -589,7 +590,7 @@ async fn a_name_whose_files_would_not_fit_is_refused_at_start_with_the_limit() {
     assert!(file.exists(), "the longest name accepted is stored");
     let e = client
         .restores()
-        .start(&"r".repeat(225), "u", None)
+        .start(&"r".repeat(225), "u")
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(codes::INVALID_PARAMS));
@@ -600,7 +601,7 @@ async fn a_name_whose_files_would_not_fit_is_refused_at_start_with_the_limit() {
     );
     let e = client
         .backups()
-        .start(&"b".repeat(233), "u", None)
+        .start(&"b".repeat(233), "u")
         .await
         .unwrap_err();
     assert!(
@@ -608,11 +609,7 @@ async fn a_name_whose_files_would_not_fit_is_refused_at_start_with_the_limit() {
             .starts_with("name: must be at most 232 characters for a backup (got 233)"),
         "{e}"
     );
-    assert!(client
-        .backups()
-        .start(&"b".repeat(232), "u", None)
-        .await
-        .is_ok());
+    assert!(client.backups().start(&"b".repeat(232), "u").await.is_ok());
 }
 
 #[tokio::test]
@@ -621,7 +618,7 @@ async fn many_subscribers_see_the_changes_and_their_streams_end_after_the_termin
     let f = Fixture::new(&[]).await;
     let client = f.agent.client().await;
     let restores = client.restores();
-    restores.start("watched", "u", None).await.unwrap();
+    restores.start("watched", "u").await.unwrap();
     restores
         .add_operations(
             "watched",
@@ -695,7 +692,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
     };
     assert_eq!(counts().await, (vec![], 0));
 
-    backups.start("b", "u", None).await.unwrap();
+    backups.start("b", "u").await.unwrap();
     assert_eq!(counts().await, (vec![(OwnerPhase::InProgress, 1)], 0));
     backups
         .add_operations(
@@ -727,7 +724,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
     assert_eq!(counts().await, (vec![(OwnerPhase::Finalizing, 1)], 0));
 
     backups
-        .finalize(opmon_client::FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(opmon_client::FinalizeParams {
             name: "b".into(),
             contents: None,
             updated_items: Vec::new(),
@@ -737,7 +734,7 @@ async fn agent_status_counts_follow_every_step_of_a_backup() {
         .unwrap();
     assert_eq!(counts().await, (vec![(OwnerPhase::Completed, 1)], 0));
 
-    backups.start("c", "u", None).await.unwrap();
+    backups.start("c", "u").await.unwrap();
     backups
         .add_operations("c", vec![operation(PLUGIN, "never-4", "d", &[])])
         .await

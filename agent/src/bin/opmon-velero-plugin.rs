@@ -33,8 +33,9 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use opmon_agent::remote::velero_plugin::{wire, Host, HostKey};
+use opmon_client::codes::Code;
 use opmon_client::serde_json::{self, json, Value};
-use opmon_client::{codes, Client, Error as ClientError};
+use opmon_client::{Client, Error as ClientError};
 use prost::Message;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
@@ -198,12 +199,13 @@ impl StandIn {
             let answer = match self.agent().await {
                 Ok(agent) => agent.call(method, params.clone()).await,
                 Err(status) => Err(ClientError::Rpc {
-                    code: 0,
+                    code: Code::Other(0),
                     message: status.message().to_string(),
+                    data: None,
                 }),
             };
             match answer {
-                Err(ClientError::Rpc { code, .. }) if code != 0 => return answer,
+                Err(ClientError::Rpc { code, .. }) if code != Code::Other(0) => return answer,
                 Ok(_) => return answer,
                 Err(_) if tokio::time::Instant::now() + pause < deadline => {
                     // The kept client may be what broke: connect afresh.
@@ -219,7 +221,11 @@ impl StandIn {
     /// The call failed: Velero hears why, in words naming the agent.
     fn agent_error(&self, method: &str, e: ClientError) -> Status {
         match e {
-            ClientError::Rpc { code: 0, message } => velero_error(message),
+            ClientError::Rpc {
+                code: Code::Other(0),
+                message,
+                ..
+            } => velero_error(message),
             ClientError::Rpc { .. } => {
                 velero_error(format!("opmon-velero-plugin: opmon's {method}: {e}"))
             }
@@ -360,7 +366,10 @@ impl StandIn {
             let end = format!("{}.endInProgress", kind.owner());
             match self.call(&end, json!({"name": name})).await {
                 Ok(_) => {}
-                Err(ClientError::Rpc { code, .. }) if code == codes::WRONG_PHASE => {}
+                Err(ClientError::Rpc {
+                    code: Code::WrongPhase,
+                    ..
+                }) => {}
                 Err(e) => return Err(self.agent_error(&end, e)),
             }
         }
@@ -404,7 +413,10 @@ impl StandIn {
             Ok(_) => Ok(wire::Empty {}),
             // Already finished: nothing is left to cancel, as Velero expects of a
             // plugin's Cancel.
-            Err(ClientError::Rpc { code, .. }) if code == codes::WRONG_PHASE => Ok(wire::Empty {}),
+            Err(ClientError::Rpc {
+                code: Code::WrongPhase,
+                ..
+            }) => Ok(wire::Empty {}),
             Err(e) => Err(self.agent_error(&method, e)),
         }
     }

@@ -71,7 +71,7 @@ pub(super) fn fail_owner(
     let mut recorded = row.clone();
     if cancelled > 0 {
         recorded.owner.failure_reason = format!(
-            "{reason} ({} failed and cancelled)",
+            "{reason} ({} failed and canceled)",
             super::counted(cancelled as u64, "unfinished operation")
         );
     }
@@ -454,6 +454,6 @@ impl Core {
         tracing::info!(%kind, owner = %name, cancelled, "deleted");
         self.remove_files(vec![removal]).await;
         self.changes.notify(kind, &name, Vec::new(), Urgency::Now);
-        Ok(DeleteResult { cancelled })
+        Ok(DeleteResult::new(cancelled))
     }
 }

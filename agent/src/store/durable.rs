@@ -17,6 +17,14 @@
 //!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
 //!   on what the disk holds.
 //!
+//! A failed fsync during a checkpoint loses nothing acknowledged, so it is not fatal:
+//! the WAL (fsynced by the syncer before any reply) is restarted only after a complete
+//! checkpoint, whose database fsync must succeed first (`walCheckpoint` stores the
+//! backfill mark only then); until one does, every frame stays in the WAL, the next
+//! checkpoint copies them again, and a restart's recovery replays them all. SQLite's
+//! own error log (where such a failure is reported) goes to the agent's log
+//! ([`log_sqlite_errors`]).
+//!
 //! Checkpoints stay SQLite's own, on the writer's connection (every
 //! [`CHECKPOINT_PAGES`](super::CHECKPOINT_PAGES)): made there, each completes before the
 //! writer appends again, so the WAL restarts from its start; a checkpoint made beside a
@@ -33,6 +41,29 @@ use tokio::sync::watch;
 
 use super::writer::Pending;
 use super::StorageFailure;
+
+/// Sends SQLite's error log (`sqlite3_log`: I/O errors of checkpoints and recovery,
+/// which no statement returns) to the agent's log. Must run before SQLite is first used
+/// in the process; a later call changes nothing (SQLite refuses it).
+pub fn log_sqlite_errors() {
+    fn log(code: std::ffi::c_int, message: &str) {
+        // The primary result code: SQLITE_IOERR 10, SQLITE_CORRUPT 11, SQLITE_FULL 13,
+        // SQLITE_NOTICE 27, SQLITE_WARNING 28.
+        match code & 0xff {
+            10 | 11 | 13 => tracing::error!(code, "sqlite: {message}"),
+            27 | 28 => tracing::info!(code, "sqlite: {message}"),
+            _ => tracing::debug!(code, "sqlite: {message}"),
+        }
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `config_log` must not race other SQLite calls; it runs once, before the
+        // agent opens its first connection (`lib::run`), when no other thread uses SQLite.
+        if let Err(e) = unsafe { rusqlite::trace::config_log(Some(log)) } {
+            tracing::debug!(error = %e, "SQLite's error log is not forwarded");
+        }
+    });
+}
 
 /// Which commits are on disk.
 #[derive(Clone, Default)]

@@ -27,9 +27,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
-use opmon_client::server::Place;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
+pub use self::durable::log_sqlite_errors;
 use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
@@ -90,15 +90,6 @@ pub enum OpenError {
     },
 }
 
-tokio::task_local! {
-    /// The place among the calls in flight of the API call whose work ends with the
-    /// write it makes now (`addOperations`): the writer gives it back once the write
-    /// has run and its parsed parameters are gone, so that a call waiting only for the
-    /// disk holds no place, as a method that mostly waits holds none (a large body's
-    /// read stays counted until the answer: see `opmon_client::server::Place`).
-    pub static CALL_PLACE: Place;
-}
-
 /// The open database.
 pub struct Store {
     path: PathBuf,
@@ -139,6 +130,11 @@ const WRITER_STATEMENTS_KEPT: usize = 128;
 /// quarter as often, and the WAL stays under about 17 MB, reused from its start after
 /// each checkpoint.
 pub const CHECKPOINT_PAGES: u32 = 4000;
+
+/// The writer's `synchronous` level once the database is open: commits are made
+/// durable by the syncer's fsync of the WAL before any reply (see [`durable`]), not by
+/// SQLite. docs/trust.md states it; a test keeps the two in step.
+pub const WRITER_SYNCHRONOUS: &str = "NORMAL";
 
 /// WAL pages past which the file is cut back once a checkpoint has let it restart: a
 /// group transaction larger than [`CHECKPOINT_PAGES`] (an `addOperations` of tens of
@@ -211,7 +207,7 @@ impl Store {
         let wal_kept = i64::from(WAL_KEPT_PAGES) * (page + 24);
         // Migrated under `synchronous=FULL`; from here the syncer makes commits durable.
         conn.execute_batch(&format!(
-            "PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
+            "PRAGMA synchronous = {WRITER_SYNCHRONOUS}; PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}; \
              PRAGMA journal_size_limit = {wal_kept};"
         ))
         .map_err(sqlite)?;
@@ -237,8 +233,7 @@ impl Store {
         &self.path
     }
 
-    /// Runs `work` in the group transaction; see [`Writer::write`]. Called within
-    /// [`CALL_PLACE`]'s scope, it gives that place back once `work` has run.
+    /// Runs `work` in the group transaction; see [`Writer::write`].
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
@@ -267,8 +262,7 @@ impl Store {
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
-        let place = CALL_PLACE.try_with(Place::clone).ok();
-        self.writer.write(work, place, isolation).await
+        self.writer.write(work, isolation).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool, once one of the

@@ -18,16 +18,16 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};
-use opmon_client::methods::{self, OwnerMethod};
+use opmon_client::methods::{self, Method};
 use opmon_client::text::escape_controls;
 use opmon_client::{
     AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
     EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation,
-    OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind, PluginRef, ServerRef,
-    ServerStartedParams, ServerStartedResult, Snapshotter, StartParams, UpdatedItem, WaitUntil,
+    NoParams, OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind, PluginRef,
+    ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams, UpdatedItem,
+    WaitUntil,
 };
 use serde::de::DeserializeOwned;
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use args::{Cli, Command, Output, OwnerCommand, ServerCommand, SnapshotterCommand, Until};
@@ -37,10 +37,6 @@ use args::{Cli, Command, Output, OwnerCommand, ServerCommand, SnapshotterCommand
 const EVENTS_PAGE: u32 = 1000;
 /// Events `describe` shows without `--details`: the most recent, as `kubectl describe`.
 const DESCRIBE_EVENTS: usize = 20;
-
-/// `{}`: the params of methods that take none.
-#[derive(Serialize)]
-struct NoParams {}
 
 /// A command's outcome: the exit code, or the message of why it failed.
 type Outcome = Result<u8, String>;
@@ -87,7 +83,7 @@ async fn run(cli: Cli) -> Outcome {
     let out = cli.output;
     match cli.command {
         Command::Status => {
-            let value: Value = call(&client, methods::AGENT_STATUS, NoParams {}).await?;
+            let value: Value = call_agent::<methods::Status>(&client, NoParams {}).await?;
             print(out, &value, render::status)
         }
         Command::Backup(cmd) => owner_command(&client, out, OwnerKind::Backup, cmd).await,
@@ -98,7 +94,7 @@ async fn run(cli: Cli) -> Outcome {
                 name: name.clone(),
                 instance: instance.clone(),
             };
-            let value = call(&client, methods::SERVER_STARTED, params).await?;
+            let value = call_agent::<methods::ServerStarted>(&client, params).await?;
             print(out, &value, |r: &ServerStartedResult| {
                 render::server_started(&name, &instance, r)
             })
@@ -107,14 +103,22 @@ async fn run(cli: Cli) -> Outcome {
     }
 }
 
-/// Calls `method` with typed `params`; the answer is kept as JSON so `-o json` prints
-/// exactly what the agent said.
-async fn call<P: Serialize + Send>(
+/// Calls the declared method `M`, named for owners of `kind`, with its typed `params`;
+/// the answer is kept as JSON so `-o json` prints exactly what the agent said.
+async fn call<M: Method>(
     client: &Client,
-    method: &str,
-    params: P,
+    kind: OwnerKind,
+    params: M::Params,
 ) -> Result<Value, String> {
-    client.call(method, params).await.map_err(|e| e.chain())
+    client
+        .call(M::DECL.name(kind), params)
+        .await
+        .map_err(|e| e.chain())
+}
+
+/// [`call`] for an agent-wide method.
+async fn call_agent<M: Method>(client: &Client, params: M::Params) -> Result<Value, String> {
+    call::<M>(client, OwnerKind::Backup, params).await
 }
 
 /// Prints `value` as JSON, or as `table` renders its typed form.
@@ -175,7 +179,6 @@ async fn owner_command(
     kind: OwnerKind,
     cmd: OwnerCommand,
 ) -> Outcome {
-    let method = |m: OwnerMethod| m.name(kind);
     match cmd {
         OwnerCommand::Start {
             name,
@@ -207,7 +210,7 @@ async fn owner_command(
                 stall_timeout,
                 start_timeout,
             };
-            let value = call(client, method(OwnerMethod::Start), params).await?;
+            let value = call::<methods::Start>(client, kind, params).await?;
             print(out, &value, one_line)
         }
         OwnerCommand::AddOperation(a) => {
@@ -239,7 +242,7 @@ async fn owner_command(
                 name: a.name,
                 operations,
             };
-            let value = call(client, method(OwnerMethod::AddOperations), params).await?;
+            let value = call::<methods::AddOperations>(client, kind, params).await?;
             print(out, &value, |r: &opmon_client::AddOperationsResult| {
                 format!("{} added, {} already known\n", r.added, r.already_known)
             })
@@ -256,13 +259,13 @@ async fn owner_command(
                 warnings,
                 failed,
             };
-            let value = call(client, method(OwnerMethod::EndInProgress), params).await?;
+            let value = call::<methods::EndInProgress>(client, kind, params).await?;
             print(out, &value, one_line)?;
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
         }
         OwnerCommand::Get { name } => {
-            let value = call(client, method(OwnerMethod::Get), NameParams { name }).await?;
+            let value = call::<methods::Get>(client, kind, NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o))
             })?;
@@ -279,7 +282,7 @@ async fn owner_command(
                 limit,
                 after,
             };
-            let value = call(client, method(OwnerMethod::List), params).await?;
+            let value = call::<methods::List>(client, kind, params).await?;
             print(out, &value, |l: &opmon_client::OwnerList| {
                 let mut text = render::owners(&l.items);
                 if let Some(next) = &l.next {
@@ -293,24 +296,20 @@ async fn owner_command(
                 name,
                 phases: (!phases.is_empty()).then_some(phases),
             };
-            let value = call(client, method(OwnerMethod::Operations), params).await?;
+            let value = call::<methods::Operations>(client, kind, params).await?;
             print(out, &value, |ops: &Vec<opmon_client::Operation>| {
                 render::operations(ops)
             })
         }
         OwnerCommand::Describe { name, details } => {
-            let owner = call(
-                client,
-                method(OwnerMethod::Get),
-                NameParams { name: name.clone() },
-            )
-            .await?;
+            let owner =
+                call::<methods::Get>(client, kind, NameParams { name: name.clone() }).await?;
             let ops = if details {
                 let params = OperationsParams {
                     name: name.clone(),
                     phases: None,
                 };
-                Some(call(client, method(OwnerMethod::Operations), params).await?)
+                Some(call::<methods::Operations>(client, kind, params).await?)
             } else {
                 None
             };
@@ -321,8 +320,7 @@ async fn owner_command(
                 after: None,
                 limit: Some(EVENTS_PAGE),
             };
-            let events: EventList =
-                typed(&call(client, method(OwnerMethod::Events), params).await?)?;
+            let events: EventList = typed(&call::<methods::Events>(client, kind, params).await?)?;
             // The recent ones, as kubectl shows them; --details shows every one kept.
             let shown = if details {
                 events.items.len()
@@ -353,7 +351,7 @@ async fn owner_command(
         }
         OwnerCommand::Events { name, after, limit } => {
             let params = EventsParams { name, after, limit };
-            let value = call(client, method(OwnerMethod::Events), params).await?;
+            let value = call::<methods::Events>(client, kind, params).await?;
             print(out, &value, |l: &EventList| {
                 let mut text = render::event_list(&l.items);
                 if let Some(next) = l.next {
@@ -377,12 +375,9 @@ async fn owner_command(
             let (owner, timed_out) = match reached {
                 Some(owner) => (owner, false),
                 None => {
-                    let value = call(
-                        client,
-                        method(OwnerMethod::Get),
-                        NameParams { name: name.clone() },
-                    )
-                    .await?;
+                    let value =
+                        call::<methods::Get>(client, kind, NameParams { name: name.clone() })
+                            .await?;
                     (typed(&value)?, true)
                 }
             };
@@ -429,10 +424,10 @@ async fn owner_command(
                 updated_items,
                 ..Default::default()
             };
-            // Through the typed method: it has the finalize timeout, not the call one.
+            // Through the typed call: it has the finalize timeout, not the call one.
             let result = client
                 .owners(kind)
-                .finalize(params)
+                .request::<methods::Finalize>(params)
                 .await
                 .map_err(|e| e.chain())?;
             let value = serde_json::to_value(&result).map_err(|e| e.to_string())?;
@@ -455,12 +450,7 @@ async fn owner_command(
             Ok(render::exit_code(result.owner.phase))
         }
         OwnerCommand::ItemOperations { name } => {
-            let value = call(
-                client,
-                method(OwnerMethod::ItemOperations),
-                NameParams { name },
-            )
-            .await?;
+            let value = call::<methods::ItemOperations>(client, kind, NameParams { name }).await?;
             print(out, &value, |r: &Vec<opmon_client::ItemOperation>| {
                 render::item_operations(r)
             })
@@ -476,7 +466,7 @@ async fn owner_command(
                     .then(|| operations.into_iter().map(OperationSelector::Id).collect()),
                 reason,
             };
-            let value = call(client, method(OwnerMethod::Cancel), params).await?;
+            let value = call::<methods::Cancel>(client, kind, params).await?;
             print(out, &value, |r: &CancelResult| {
                 let mut text = format!(
                     "{kind} {}: {} canceled",
@@ -499,12 +489,12 @@ async fn owner_command(
         }
         OwnerCommand::Delete { name } => {
             let params = NameParams { name: name.clone() };
-            let value = call(client, method(OwnerMethod::Delete), params).await?;
+            let value = call::<methods::Delete>(client, kind, params).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(
-                    "{kind} {} deleted, {} cancelled\n",
+                    "{kind} {} deleted, {} canceled\n",
                     escape_controls(&name),
-                    render::counted(r.cancelled, "operation")
+                    render::counted(r.count(), "operation")
                 )
             })
         }
@@ -570,17 +560,18 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
                 retry_backoff,
                 retry_within,
             };
-            let value = call(client, methods::SNAPSHOTTER_REGISTER, s).await?;
+            let value = call_agent::<methods::RegisterSnapshotter>(client, s).await?;
             print(out, &value, |s: &Snapshotter| {
                 format!("snapshotter {} registered\n", escape_controls(&s.name))
             })
         }
         SnapshotterCommand::List => {
-            let value = call(client, methods::SNAPSHOTTER_LIST, NoParams {}).await?;
+            let value = call_agent::<methods::ListSnapshotters>(client, NoParams {}).await?;
             print(out, &value, |l: &Vec<Snapshotter>| render::snapshotters(l))
         }
         SnapshotterCommand::Unregister { name } => {
-            let value = call(client, methods::SNAPSHOTTER_UNREGISTER, NameParams { name }).await?;
+            let value =
+                call_agent::<methods::UnregisterSnapshotter>(client, NameParams { name }).await?;
             print(out, &value, |s: &Snapshotter| {
                 format!("snapshotter {} unregistered\n", escape_controls(&s.name))
             })

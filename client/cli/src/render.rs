@@ -449,6 +449,8 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
         opmon_client::PluginKind::BackupItemAction => "Backup Item Action Plugin:",
         opmon_client::PluginKind::RestoreItemAction => "Restore Item Action Plugin:",
         opmon_client::PluginKind::VolumeSnapshotter => "Volume Snapshotter Plugin:",
+        // A kind of a newer agent's.
+        opmon_client::PluginKind::Unknown => "Plugin:",
     };
     let _ = writeln!(out, "\tOperation for {}:", velero_item(&op.resource));
     let _ = writeln!(out, "\t\t{action}\t{}", clean(&op.plugin.name));

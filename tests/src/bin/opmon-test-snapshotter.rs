@@ -139,13 +139,13 @@ impl OperationHandler for Scripted {
                 ..OperationProgress::default()
             })
         } else if id.starts_with("flaky-") && call <= 2 {
-            Err(SnapshotterError::Transient(format!(
+            Err(SnapshotterError::transient(format!(
                 "backend busy (call {call})"
             )))
         } else if id.starts_with("flaky-") {
             Ok(Self::progress(100, true, ""))
         } else if id.starts_with("flakier-") {
-            Err(SnapshotterError::Transient(format!(
+            Err(SnapshotterError::transient(format!(
                 "backend busy (call {call})"
             )))
         } else if id.starts_with("odd-") {
@@ -170,7 +170,7 @@ impl OperationHandler for Scripted {
                     *k += 1;
                     *k
                 }
-                Err(_) => return Err(SnapshotterError::Other("the pace lock".into())),
+                Err(_) => return Err(SnapshotterError::other("the pace lock")),
             };
             let n = 1000 * k + 500 * (k % 2);
             let updated = time::macros::datetime!(2026-01-01 0:00 UTC) + time::Duration::seconds(k);
@@ -197,11 +197,11 @@ impl OperationHandler for Scripted {
                 updated: Some(updated),
             })
         } else if id.starts_with("unsupported-") {
-            Err(SnapshotterError::OperationsNotSupported(format!(
+            Err(SnapshotterError::operations_not_supported(format!(
                 "{id} is not mine"
             )))
         } else {
-            Err(SnapshotterError::InvalidOperationId(format!(
+            Err(SnapshotterError::invalid_operation_id(format!(
                 "no operation {id}"
             )))
         }
@@ -211,7 +211,7 @@ impl OperationHandler for Scripted {
         self.hang_if_asked("cancel", &op).await;
         self.record("cancel", &op);
         if op.operation_id.starts_with("evil-") {
-            return Err(SnapshotterError::Other(EVIL_ERROR.into()));
+            return Err(SnapshotterError::other(EVIL_ERROR));
         }
         Ok(())
     }

@@ -118,6 +118,8 @@ impl VeleroRemote {
             PluginKind::BackupItemAction => wire::BACKUP_PROGRESS,
             PluginKind::RestoreItemAction => wire::RESTORE_PROGRESS,
             PluginKind::VolumeSnapshotter => return Err(self.no_volume_snapshotters()),
+            // The agent refuses an unknown kind in addOperations: never stored.
+            PluginKind::Unknown => return Err(self.unknown_kind()),
         };
         let answer: wire::ProgressResponse = self.unary(path, request(op)).await?;
         progress(answer.progress.unwrap_or_default()).map_err(|e| {
@@ -134,10 +136,19 @@ impl VeleroRemote {
             PluginKind::BackupItemAction => wire::BACKUP_CANCEL,
             PluginKind::RestoreItemAction => wire::RESTORE_CANCEL,
             PluginKind::VolumeSnapshotter => return Err(self.no_volume_snapshotters()),
+            // The agent refuses an unknown kind in addOperations: never stored.
+            PluginKind::Unknown => return Err(self.unknown_kind()),
         };
         self.unary::<wire::Empty>(path, request(op))
             .await
             .map(|_| ())
+    }
+
+    fn unknown_kind(&self) -> CallError {
+        CallError::Answered(format!(
+            "snapshotter {}: an operation of a plugin kind this agent does not know",
+            self.name
+        ))
     }
 
     fn no_volume_snapshotters(&self) -> CallError {

@@ -199,7 +199,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let client = agent.client().await?;
     let plugin = "example.io/v1-bench";
     client
-        .register_snapshotter(&Snapshotter {
+        .register_snapshotter(Snapshotter {
             name: plugin.into(),
             api_version: ApiVersion::V1,
             socket: None,
@@ -241,7 +241,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let began = Instant::now();
     let result = client
         .backups()
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: name.clone(),
             contents: Some(Contents {
                 input: input.clone(),

@@ -126,7 +126,7 @@ async fn starts_per_sec(spec: &Spec, clients: usize, calls: usize) -> Result<f64
             for i in 0..calls {
                 client
                     .backups()
-                    .start(&format!("c{c}-{i}"), "u", None)
+                    .start(&format!("c{c}-{i}"), "u")
                     .await
                     .map_err(|e| format!("backup.start: {e}"))?;
             }
@@ -155,7 +155,7 @@ async fn node_loss(
     // Measured from Litestream's first shipped file on: its start (a first snapshot)
     // is not part of the steady loss window.
     backups
-        .start("warm-up", "u", None)
+        .start("warm-up", "u")
         .await
         .map_err(|e| format!("backup.start: {e}"))?;
     let shipped = dir.join("replica/ltx");
@@ -170,7 +170,7 @@ async fn node_loss(
     let began = Instant::now();
     while began.elapsed() < load_for {
         backups
-            .start(&format!("w{}", acked.len()), "u", None)
+            .start(&format!("w{}", acked.len()), "u")
             .await
             .map_err(|e| format!("backup.start: {e}"))?;
         acked.push(Instant::now());

@@ -65,7 +65,7 @@ pub async fn start_backups(ctx: &Ctx, client: &Client, names: &[String]) -> Resu
     for name in names {
         client
             .backups()
-            .start_with(opmon_client::StartParams {
+            .request::<opmon_client::methods::Start>(opmon_client::StartParams {
                 name: name.clone(),
                 uid: uid(name),
                 object: ctx.owner_object.clone(),

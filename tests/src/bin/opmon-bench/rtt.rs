@@ -184,7 +184,7 @@ fn typed_vs_raw(
     let typed_once = || -> Result<Duration, String> {
         let began = Instant::now();
         runtime
-            .block_on(client.status())
+            .block_on(async { client.status().await })
             .map_err(|e| format!("agent.status over the typed client: {}", e.chain()))?;
         Ok(began.elapsed())
     };

@@ -191,7 +191,7 @@ impl Bench {
     /// operations of `plugin`.
     pub async fn register(&self, client: &Client, plugin: &str) -> Result<(), String> {
         client
-            .register_snapshotter(&Snapshotter {
+            .register_snapshotter(Snapshotter {
                 name: plugin.into(),
                 api_version: ApiVersion::V2,
                 socket: Some(self.socket.clone()),

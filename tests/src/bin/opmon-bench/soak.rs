@@ -49,7 +49,7 @@ async fn workflow(
 ) -> Result<(), String> {
     let backups = client.backups();
     backups
-        .start(name, &uid(name), None)
+        .start(name, &uid(name))
         .await
         .map_err(|e| format!("start {name}: {e}"))?;
     let ops = (0..OPS_PER_BACKUP)
@@ -105,7 +105,7 @@ async fn workflow(
         })
         .collect();
     let done = backups
-        .finalize(FinalizeParams {
+        .request::<opmon_client::methods::Finalize>(FinalizeParams {
             name: name.into(),
             contents: Some(Contents {
                 input: tarball.to_path_buf(),
