@@ -93,9 +93,9 @@ func copyFile(from, to string) error {
 	return out.Close()
 }
 
-// The agent sends no data with its errors over HTTP today; a JSON-RPC peer that does
-// (as snapshotters do, `data: {"retryable": true}`) has it kept as sent. The peer is a
-// real HTTP server on a Unix socket answering that error.
+// An error's data is kept as sent, whatever its shape: here a snapshotter's
+// `data: {"retryable": true, …}`, from a real HTTP server on a Unix socket (the agent's
+// own data, a wrong-phase error's, is read in TestSnapshottersServersAndCancel).
 func TestAnErrorsDataIsKeptAsSent(t *testing.T) {
 	socket := filepath.Join(t.TempDir(), "peer.sock")
 	listener, err := net.Listen("unix", socket)
