@@ -17,16 +17,14 @@
 //!   from the operator.
 //! - A refused peer gets HTTP 403 (not allowed) or 429 (over a limit) with a JSON-RPC
 //!   error naming the rule (answered by the server within a bounded time), and the
-//!   refusal is counted and logged: one line each for the first
-//!   [`LOGGED_PER_WINDOW`] of every [`LOG_WINDOW`], then one line saying how many more,
-//!   so a refused peer cannot flood the log.
+//!   refusal is counted and logged within a [`LogThrottle`], so a refused peer cannot
+//!   flood the log.
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use opmon_client::server::{Admission, Refusal};
+use opmon_client::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
 
 use crate::metrics::Metrics;
@@ -81,40 +79,6 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
     Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
-/// Refusals logged one line each per [`LOG_WINDOW`]; past that they are summed up.
-pub const LOGGED_PER_WINDOW: u32 = 20;
-pub const LOG_WINDOW: Duration = Duration::from_secs(10);
-
-/// How many refusals were logged, and how many were not, in the current window.
-struct RefusalLog {
-    window_start: Instant,
-    logged: u32,
-    unlogged: u32,
-}
-
-impl RefusalLog {
-    /// Whether the refusal at `now` gets its own line, and how many refusals the window
-    /// that just ended left unlogged (to be said in one line).
-    fn note(&mut self, now: Instant) -> (bool, u32) {
-        let mut ended_unlogged = 0;
-        if now.duration_since(self.window_start) >= LOG_WINDOW {
-            ended_unlogged = self.unlogged;
-            *self = RefusalLog {
-                window_start: now,
-                logged: 0,
-                unlogged: 0,
-            };
-        }
-        if self.logged < LOGGED_PER_WINDOW {
-            self.logged += 1;
-            (true, ended_unlogged)
-        } else {
-            self.unlogged += 1;
-            (false, ended_unlogged)
-        }
-    }
-}
-
 /// Open connections by peer uid.
 #[derive(Default)]
 struct Open {
@@ -156,7 +120,7 @@ pub struct PeerCheck {
     /// How many connections uids other than the operators may hold together.
     others_limit: u32,
     open: Arc<Mutex<Open>>,
-    log: Mutex<RefusalLog>,
+    log: LogThrottle,
     metrics: Arc<Metrics>,
 }
 
@@ -177,11 +141,7 @@ impl PeerCheck {
             per_uid,
             others_limit: max_connections.saturating_sub(OPERATOR_RESERVE).max(1),
             open: Arc::default(),
-            log: Mutex::new(RefusalLog {
-                window_start: Instant::now(),
-                logged: 0,
-                unlogged: 0,
-            }),
+            log: LogThrottle::default(),
             metrics,
         }
     }
@@ -189,17 +149,7 @@ impl PeerCheck {
     /// Counts a refusal and logs it within the log's budget.
     fn refused(&self, line: impl FnOnce()) {
         self.metrics.refused();
-        let (own_line, unlogged) = lock(&self.log).note(Instant::now());
-        if unlogged > 0 {
-            tracing::warn!(
-                unlogged,
-                "refused more connections in {:?} than are logged one by one",
-                LOG_WINDOW
-            );
-        }
-        if own_line {
-            line();
-        }
+        self.log.log("refused connections", line);
     }
 
     /// Whether a peer with `uid`, primary `gid` and supplementary groups (read only if
@@ -355,19 +305,15 @@ mod tests {
 
     #[test]
     fn refusals_past_the_budget_are_summed_up_once_the_window_ends() {
-        let start = Instant::now();
-        let mut log = RefusalLog {
-            window_start: start,
-            logged: 0,
-            unlogged: 0,
-        };
-        let own_lines = (0..LOGGED_PER_WINDOW + 5)
+        let start = std::time::Instant::now();
+        let log = LogThrottle::starting(start);
+        let own_lines = (0..LogThrottle::PER_WINDOW + 5)
             .filter(|_| log.note(start).0)
             .count();
-        assert_eq!(own_lines, LOGGED_PER_WINDOW as usize);
+        assert_eq!(own_lines, LogThrottle::PER_WINDOW as usize);
         // The next window opens with the sum of the last one's unlogged refusals.
-        assert_eq!(log.note(start + LOG_WINDOW), (true, 5));
-        assert_eq!(log.note(start + LOG_WINDOW), (true, 0));
+        assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 5));
+        assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 0));
     }
 
     #[test]

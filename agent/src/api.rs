@@ -12,7 +12,7 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, Method};
-use opmon_client::server::{Outbox, Place};
+use opmon_client::server::Outbox;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
@@ -25,7 +25,7 @@ use time::OffsetDateTime;
 use crate::core::Core;
 use crate::error::Error;
 use crate::storage_dir;
-use crate::store::{events, CALL_PLACE};
+use crate::store::events;
 
 /// Longest `wait` a single request may ask for (less than the default idle timeout);
 /// the client library splits longer waits.
@@ -480,42 +480,18 @@ where
     F: Fn(Arc<Core>, M::Params, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<M::Result, Error>> + Send + 'static,
 {
-    register_writing::<M, _, _>(module, kind, false, handler);
-}
-
-/// [`register_called`]; with `ends_with_write`, for a method whose work ends with one
-/// write (`addOperations`), the call's place among the calls in flight goes with that
-/// write, which gives it back once it has run (`store::CALL_PLACE`): what is left is a
-/// wait for the disk.
-fn register_writing<M, F, Fut>(
-    module: &mut RpcModule<Core>,
-    kind: OwnerKind,
-    ends_with_write: bool,
-    handler: F,
-) where
-    M: Method,
-    F: Fn(Arc<Core>, M::Params, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<M::Result, Error>> + Send + 'static,
-{
     let name = M::DECL.name(kind);
     module
         .register_async_method(name, move |params, core, extensions| {
             let handler = handler.clone();
             let caller = extensions.get::<Caller>().copied();
-            let place = extensions
-                .get::<Place>()
-                .filter(|_| ends_with_write)
-                .cloned();
             async move {
                 let parsed: M::Params = parse(&params)?;
                 // The call may wait long (for the disk, a snapshotter): without its text.
                 drop(params);
-                let call = handler(core, parsed, caller);
-                let result = match place {
-                    Some(place) => CALL_PLACE.scope(place, call).await,
-                    None => call.await,
-                };
-                result.map_err(ErrorObjectOwned::from)
+                handler(core, parsed, caller)
+                    .await
+                    .map_err(ErrorObjectOwned::from)
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
@@ -531,10 +507,9 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.start(kind, p, caller).await
         },
     );
-    register_writing::<methods::AddOperations, _, _>(
+    register_called::<methods::AddOperations, _, _>(
         module,
         kind,
-        true,
         move |core, mut p: AddOperationsParams, caller| async move {
             check_add(kind, &mut p, OffsetDateTime::now_utc())?;
             core.add_operations(kind, p, caller).await
@@ -614,6 +589,18 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             methods::changed(kind),
             methods::Unsubscribe::DECL.name(kind),
             move |params, pending, core, extensions| async move {
+                // Held for as long as the subscription lasts.
+                let charge = match extensions.get::<Caller>() {
+                    Some(caller) => core.charge_subscription(caller.uid).map(Some),
+                    None => Ok(None),
+                };
+                let _charge = match charge {
+                    Ok(charge) => charge,
+                    Err(e) => {
+                        pending.reject(ErrorObjectOwned::from(e)).await;
+                        return Ok(());
+                    }
+                };
                 let started = match parse::<NameParams>(&params) {
                     Ok(p) => match owner_name(&p.name) {
                         Ok(()) => core.subscribe(kind, p.name).await,
@@ -723,16 +710,23 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             core.server_started(p, caller).await
         },
     );
-    register::<methods::RegisterSnapshotter, _, _>(&mut module, AGENT, |core, mut s| async move {
-        check_snapshotter(&mut s)?;
-        if s.command.is_some() && !core.allows_api_command_snapshotters() {
-            return Err(invalid("command", COMMAND_REFUSED));
-        }
-        if s.velero_plugin.is_some() && !core.allows_api_command_snapshotters() {
-            return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
-        }
-        core.register_snapshotter(s).await
-    });
+    register_called::<methods::RegisterSnapshotter, _, _>(
+        &mut module,
+        AGENT,
+        |core, mut s, caller| async move {
+            check_snapshotter(&mut s)?;
+            if s.command.is_some() && !core.allows_api_command_snapshotters() {
+                return Err(invalid("command", COMMAND_REFUSED));
+            }
+            if s.velero_plugin.is_some() && !core.allows_api_command_snapshotters() {
+                return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
+            }
+            match caller {
+                Some(caller) => core.register_snapshotter_for(s, caller.uid).await,
+                None => core.register_snapshotter(s).await,
+            }
+        },
+    );
     register::<methods::SnapshotterChanged, _, _>(&mut module, AGENT, |core, mut p| async move {
         check_changed(&mut p)?;
         core.snapshotter_changed(p.plugin, p.operations).await
@@ -981,7 +975,9 @@ mod tests {
         });
         assert_eq!(
             check_start(OwnerKind::Backup, &p).unwrap_err().to_string(),
-            "server.name: must be printable text of at most 253 bytes"
+            "server.name: must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, \
+             digits, '-' and '.' beginning and ending with a letter or digit, at most 253 \
+             bytes"
         );
     }
 

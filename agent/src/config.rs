@@ -190,6 +190,11 @@ settings! {
     /// connections one peer uid may hold at once (at most 4096, the agent's total)
     max_connections_per_uid: u32 = DEFAULT_MAX_CONNECTIONS_PER_UID, shown Shown::Value,
         check between(1, opmon_client::server::MAX_CONNECTIONS);
+    /// subscriptions one peer uid may hold at once, over all of its connections
+    max_subscriptions_per_uid: u32 = 1024, shown Shown::Value, check between(1, 1_000_000);
+    /// snapshotters one peer uid may register over the API (the config file's are not
+    /// counted); all peers together may register as many as the open-file limit allows
+    max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
     /// or `"json"`
     log_format: LogFormat = LogFormat::Human, shown Shown::Value, check any;
     /// a level or `tracing` directives (`info,opmon_agent=debug`); a bare word that is
@@ -980,6 +985,9 @@ impl Values {
                 },
                 restore_finalize: self.restore_finalize.value,
                 in_progress_idle_timeout: (!idle.is_zero()).then_some(idle),
+                max_subscriptions_per_uid: self.max_subscriptions_per_uid.value,
+                max_snapshotters_per_uid: self.max_snapshotters_per_uid.value,
+                max_snapshotters: usize::MAX,
             },
             socket,
             state_dir,

@@ -30,6 +30,10 @@ pub enum Error {
     /// 1005.
     #[error("finalize failed: {0}")]
     Finalize(String),
+    /// -32003: the peer is over one of its quotas (`budget`); the message names the
+    /// setting.
+    #[error("{0}")]
+    OverQuota(String),
 }
 
 /// What was not there (error 1001). The message is made here, when the error is shown.
@@ -114,6 +118,7 @@ impl Error {
             Error::WrongPhase(_) => codes::WRONG_PHASE,
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
+            Error::OverQuota(_) => crate::access::REFUSED,
         }
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod access;
 pub mod api;
+pub mod budget;
 pub mod changes;
 pub mod clock;
 pub mod config;
@@ -166,6 +167,22 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let terminated = opmon_client::snapshotter::termination();
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
+    // Before anything opens a descriptor: the totals that need them follow from it.
+    let descriptors = budget::raise_open_files();
+    let totals = budget::Totals::of(
+        descriptors,
+        // A socket snapshotter holds a connection per batch in flight; a command one
+        // three pipes per process.
+        if settings.core.allow_api_command_snapshotters {
+            (settings.core.calls.command_concurrency * 3)
+                .max(settings.core.calls.socket_concurrency)
+        } else {
+            settings.core.calls.socket_concurrency
+        },
+        server::MAX_CONNECTIONS,
+    );
+    let mut settings = settings;
+    settings.core.max_snapshotters = totals.snapshotters;
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -225,6 +242,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         max_request_body_size: settings.max_request_size,
         idle_timeout: Some(settings.idle_timeout),
         metrics: Some(page),
+        max_connections: totals.connections,
         unmetered_methods: api::waiting_methods(),
         listing_methods: api::listing_methods(),
         ..ServeConfig::default()

@@ -1270,7 +1270,7 @@ mod tests {
         );
         assert_eq!(
             cancelled_with(OwnerKind::Restore),
-            "cancelled: the restore failed"
+            "canceled: the restore failed"
         );
         assert_eq!(
             canceled_because("by the operator"),

@@ -609,11 +609,53 @@ fn waiting(body: &[u8], unmetered: &HashSet<String>) -> Waiting {
         [call] if !batch => serde_json::to_vec(call),
         calls => serde_json::to_vec(calls),
     });
+    // A batch is charged as the calls it holds: one of waits that is large only because
+    // it holds many (up to [`WAITS_PER_BATCH`] of about [`WAIT_BYTES`] each) holds no read
+    // while it waits either.
+    let allowed = if calls.len() <= WAITS_PER_BATCH {
+        SMALL_BODY.max(calls.len() as u64 * WAIT_BYTES)
+    } else {
+        SMALL_BODY
+    };
     match compact {
-        Ok(compact) if compact.len() as u64 <= SMALL_BODY => Waiting::Small(compact),
+        Ok(compact) if compact.len() as u64 <= allowed => Waiting::Small(compact),
         _ => Waiting::Large,
     }
 }
+
+/// Whether a request (or any call of a batch) that jsonrpsee took for a notification
+/// has an `id` that is not a string, an integer or null: JSON-RPC answers it -32600
+/// with `id: null`, where jsonrpsee would run nothing and answer nothing.
+fn has_invalid_id(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe<'a> {
+        #[serde(borrow, default)]
+        id: Option<&'a serde_json::value::RawValue>,
+    }
+    let bad = |probe: &Probe<'_>| {
+        probe.id.is_some_and(|id| {
+            !matches!(
+                serde_json::from_str::<serde_json::Value>(id.get()),
+                Ok(serde_json::Value::String(_) | serde_json::Value::Null)
+            ) && !matches!(
+                serde_json::from_str::<serde_json::Value>(id.get()),
+                Ok(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64()
+            )
+        })
+    };
+    let batch = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
+    if batch {
+        serde_json::from_slice::<Vec<Probe<'_>>>(body).is_ok_and(|calls| calls.iter().any(bad))
+    } else {
+        serde_json::from_slice::<Probe<'_>>(body).is_ok_and(|call| bad(&call))
+    }
+}
+
+/// Most calls of a batch of waits that holds no read of a large body while it waits.
+const WAITS_PER_BATCH: usize = 1000;
+/// What one call of such a batch may take without whitespace, in bytes (an id of up to
+/// [`MAX_ID`] and a wait's params).
+const WAIT_BYTES: u64 = 1280;
 
 /// Which transport a call came by; set on every request `serve` routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -625,11 +667,10 @@ pub enum Transport {
 /// The place (in `max_calls_in_flight`) an HTTP request took once its body was read,
 /// with its read of a large body (one of [`LARGE_BODIES_AT_ONCE`]) if it had one; an
 /// unmetered method gives both back as soon as it is known, a call that must wait for
-/// room before it runs gives both back while it waits. A method finds it in its call's
-/// extensions (HTTP calls only) and may leave the running calls itself once it holds
-/// nothing more than its answer and only waits, as a write waits for the disk.
+/// room before it runs gives both back while it waits. It stays in the transport: the
+/// methods never see it.
 #[derive(Clone)]
-pub struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
+pub(crate) struct Place(Arc<Mutex<[Option<OwnedSemaphorePermit>; 2]>>);
 
 impl Place {
     fn new(place: Option<OwnedSemaphorePermit>, large_body: Option<OwnedSemaphorePermit>) -> Place {
@@ -645,7 +686,8 @@ impl Place {
     /// Gives back the place among the calls in flight alone, for a call that has done
     /// its work and now only waits (as a write waits for the disk). A large body's
     /// read stays counted among those at once: the body is kept until the answer.
-    pub fn leave_running(&self) {
+    #[cfg(test)]
+    fn leave_running(&self) {
         self.0.lock().unwrap_or_else(|p| p.into_inner())[0] = None;
     }
 }
@@ -761,6 +803,13 @@ where
         large.is_some(),
     )
     .await;
+    // Kept (a reference, not a copy) for a request jsonrpsee takes for a notification;
+    // a small one only, so a large body is not held past its parsing.
+    let sent = read
+        .as_ref()
+        .ok()
+        .filter(|bytes| bytes.len() as u64 <= SMALL_BODY)
+        .cloned();
     let body = match read {
         Ok(bytes) if large.is_some() => match waiting(&bytes, &shared.unmetered) {
             Waiting::No => HttpBody::new(http_body_util::Full::new(bytes)),
@@ -795,6 +844,14 @@ where
     parts.extensions.insert(place.clone());
     let mut response = rpc.call(hyper::Request::from_parts(parts, body)).await?;
     if response.extensions().get::<Unanswered>().is_some() {
+        if sent.as_deref().is_some_and(has_invalid_id) {
+            place.give_back();
+            return Ok(rpc_error(
+                hyper::StatusCode::BAD_REQUEST,
+                jsonrpsee::types::error::INVALID_REQUEST_CODE,
+                "Invalid request: an id must be a string, an integer or null",
+            ));
+        }
         // jsonrpsee's HTTP answer to a notification is the body `null`; JSON-RPC's is
         // nothing at all.
         *response.body_mut() = HttpBody::empty();
@@ -2356,6 +2413,7 @@ pub async fn serve<L>(
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
+    let accept_errors = LogThrottle::default();
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -2365,7 +2423,9 @@ pub async fn serve<L>(
                 Err(e) => {
                     // Out of descriptors or similar: keep serving the connections we
                     // have, and try again shortly rather than spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
+                    accept_errors.log("accepting connections failed", || {
+                        tracing::warn!(error = %e, "accepting a connection failed");
+                    });
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -2445,6 +2505,62 @@ pub async fn serve<L>(
     let _ = server_handle.stop();
     connections.close();
     connections.wait().await;
+}
+
+/// A log line that can repeat once per failure (a descriptor error, a refused peer):
+/// the first [`LogThrottle::PER_WINDOW`] of every [`LogThrottle::WINDOW`] are logged,
+/// then one line says how many were not, so a peer cannot flood the log.
+pub struct LogThrottle {
+    state: Mutex<(std::time::Instant, u32, u32)>,
+}
+
+impl Default for LogThrottle {
+    fn default() -> Self {
+        LogThrottle::starting(std::time::Instant::now())
+    }
+}
+
+impl LogThrottle {
+    pub const PER_WINDOW: u32 = 20;
+    pub const WINDOW: Duration = Duration::from_secs(10);
+
+    /// A throttle whose first window opens at `start`.
+    pub fn starting(start: std::time::Instant) -> LogThrottle {
+        LogThrottle {
+            state: Mutex::new((start, 0, 0)),
+        }
+    }
+
+    /// Whether this occurrence gets its own line, and how many occurrences the window
+    /// that just ended left unlogged (for the caller to say in one line).
+    pub fn note(&self, now: std::time::Instant) -> (bool, u32) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (start, logged, unlogged) = &mut *state;
+        let mut ended_unlogged = 0;
+        if now.duration_since(*start) >= Self::WINDOW {
+            ended_unlogged = *unlogged;
+            (*start, *logged, *unlogged) = (now, 0, 0);
+        }
+        if *logged < Self::PER_WINDOW {
+            *logged += 1;
+            (true, ended_unlogged)
+        } else {
+            *unlogged += 1;
+            (false, ended_unlogged)
+        }
+    }
+
+    /// Logs with `line` within the budget, and the count of what the last window left
+    /// out as a warning `what`.
+    pub fn log(&self, what: &str, line: impl FnOnce()) {
+        let (own_line, unlogged) = self.note(std::time::Instant::now());
+        if unlogged > 0 {
+            tracing::warn!(unlogged, window = ?Self::WINDOW, "{what}: more than are logged one by one");
+        }
+        if own_line {
+            line();
+        }
+    }
 }
 
 /// Refused connections answered at once; past this, more are closed unanswered, so

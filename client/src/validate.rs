@@ -185,15 +185,33 @@ pub fn uid(value: &str) -> Result<(), String> {
 /// Longest backup-server name or instance accepted, in bytes.
 pub const MAX_SERVER_FIELD_LEN: usize = 253;
 
-/// A backup server's name (`velero/velero`): printable, at most 253 bytes; empty is the
-/// unnamed server, to which owners started without `server` belong.
+/// A backup server's name: empty (the unnamed server, to which owners started without
+/// `server` belong), `NAME` or `NAMESPACE/NAME`, each part lowercase ASCII letters,
+/// digits, `-` and `.`, beginning and ending with a letter or digit (Kubernetes' rule
+/// for object names), at most 253 bytes in all. One spelling per server: names that
+/// only look alike (a zero-width space, a trailing blank, a Cyrillic letter) are refused
+/// rather than become different servers.
 pub fn server_name(value: &str) -> Result<(), String> {
-    if value.len() > MAX_SERVER_FIELD_LEN || value.chars().any(char::is_control) {
-        return Err(format!(
-            "must be printable text of at most {MAX_SERVER_FIELD_LEN} bytes"
-        ));
+    let part_ok = |part: &str| {
+        let bytes = part.as_bytes();
+        let alnum = |b: &u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+        !bytes.is_empty()
+            && bytes.first().is_some_and(alnum)
+            && bytes.last().is_some_and(alnum)
+            && bytes.iter().all(|b| alnum(b) || *b == b'-' || *b == b'.')
+    };
+    let parts: Vec<&str> = value.split('/').collect();
+    if value.is_empty()
+        || (value.len() <= MAX_SERVER_FIELD_LEN
+            && parts.len() <= 2
+            && parts.iter().all(|p| part_ok(p)))
+    {
+        return Ok(());
     }
-    Ok(())
+    Err(format!(
+        "must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, digits, '-' and \
+         '.' beginning and ending with a letter or digit, at most {MAX_SERVER_FIELD_LEN} bytes"
+    ))
 }
 
 /// A backup server's instance (a pod uid, a boot time): non-empty, printable, at most

@@ -1446,34 +1446,28 @@ fn large_answers_of_single_calls_are_held_to_the_bound_over_all_of_them() {
     unread_lists_are_held_to_the_bound(3600, 3600, 80);
 }
 
-/// A call of a large method counts the method's largest answer so far, which a larger
-/// answer outgrows (the listing of a backup that grew): at most 2 such calls run at
-/// once, so the count is outgrown by two answers at most. 40 clients each asking for a
-/// 10 MB list when the largest so far was 1.1 MB, reading nothing: the count let in 58
-/// calls at once, and a release build reached 893 MiB with 60 clients of 19 MB lists
-/// (237 MiB with the turns).
+/// Clients asking at once for lists larger than any the agent gave before (40 clients,
+/// 10 MB lists, when the largest so far was 1.1 MB), reading nothing: the agent stays
+/// under its memory ceiling, answers `agent.status` meanwhile, and every client gets
+/// its whole list once it reads.
 #[test]
-fn answers_larger_than_the_largest_so_far_are_made_two_at_a_time() {
+fn lists_larger_than_any_given_before_keep_the_agent_under_its_memory_ceiling() {
     unread_lists_are_held_to_the_bound(800, 7200, 40);
 }
 
-/// A listing counts as large from its first call, before it has answered with 1 MiB
-/// or more: 40 clients each asking at once for a 10 MB list no one had asked for
-/// before, reading nothing, were all made at once (nothing was counted until the first
-/// was given).
+/// The same for a listing no one asked for before: 40 clients each asking at once for
+/// a 10 MB list, reading nothing.
 #[test]
-fn listings_asked_for_the_first_time_are_made_two_at_a_time() {
+fn listings_asked_for_the_first_time_keep_the_agent_under_its_memory_ceiling() {
     unread_lists_are_held_to_the_bound(0, 7200, 40);
 }
 
 /// WebSocket clients that each send the header of a frame declaring a 16 MB message, and
-/// nothing more: soketto sets a frame's whole payload aside once it has the header, so
-/// 40 such clients, 14 bytes each, took the agent to 639 MiB. Now a header that makes
-/// a message larger than 64 KiB is handed on only with one of the 4 reads of large
-/// bodies, and the connection holding it is closed once the message falls behind 1 MiB/s
-/// past its first 2 s: 4 payloads set aside at a time, each for seconds.
+/// nothing more (40 such clients, 14 bytes each, once took the agent to 639 MiB): the
+/// agent answers everyone else, stays under its memory ceiling, and closes the stalled
+/// connections.
 #[test]
-fn websocket_headers_of_large_messages_set_aside_four_at_a_time() {
+fn websocket_headers_of_large_messages_that_never_come_keep_the_agent_under_its_ceiling() {
     let dir = tempfile::tempdir().unwrap();
     let (agent, pid, baseline) = at_rest(dir.path());
     let before = status_bytes(pid, "VmHWM:");

@@ -286,7 +286,8 @@ async fn server_started_names_the_bad_field() {
     let e = call(serde_json::json!({"name": "x".repeat(254), "instance": "i"})).await;
     assert_eq!(
         e.to_string(),
-        "name: must be printable text of at most 253 bytes (code -32602)"
+        "name: must be empty, NAME or NAMESPACE/NAME, each of lowercase letters, digits, '-' \
+         and '.' beginning and ending with a letter or digit, at most 253 bytes (code -32602)"
     );
 }
 

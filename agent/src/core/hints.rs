@@ -11,6 +11,9 @@
 //!   [`REST_FACTOR`] times as long as it took (and at least [`MIN_GAP`]): hints can take
 //!   at most 1 / (1 + [`REST_FACTOR`]) of the agent's time however fast they come.
 //!   Hints that arrive meanwhile are merged into the next poll.
+//! - An operation is hint-polled at most once per [`POLL_GAP`] (a hint for all of a
+//!   plugin's operations, the plugin as a whole): its hints coalesce, so however fast
+//!   they come an operation is polled about once a second by them.
 //! - A hinted poll takes the plugin's sweep turn, like the periodic sweep, so the same
 //!   operation is never polled by two tasks that could commit out of order; a hint
 //!   for a plugin whose sweep runs waits for the next round.
@@ -33,6 +36,11 @@ pub const MAX_PENDING_IDS: usize = 4096;
 pub const MIN_GAP: Duration = Duration::from_millis(5);
 /// After a hinted poll that took `t`, the next starts no sooner than `REST_FACTOR × t`.
 pub const REST_FACTOR: u32 = 4;
+/// The shortest wait between two hinted polls of one operation (or of all of one
+/// plugin's): hints for it coalesce, so a flood of them polls it about once per gap.
+pub const POLL_GAP: Duration = Duration::from_secs(1);
+/// Most operations remembered as recently polled by a hint; past that, hints wait.
+const MAX_REMEMBERED: usize = 65_536;
 
 /// What to poll for one plugin.
 #[derive(Debug, PartialEq, Eq)]
@@ -59,6 +67,74 @@ impl Hinted {
         match other {
             Hinted::All => *self = Hinted::All,
             Hinted::Some(ids) => self.add(Some(ids.into_iter().collect())),
+        }
+    }
+}
+
+/// When hinted polls last covered each plugin (all of its operations) and each named
+/// operation, for [`POLL_GAP`]: what was polled since is held back until then.
+#[derive(Default)]
+struct Recent {
+    plugins: HashMap<String, Instant>,
+    operations: HashMap<(String, String), Instant>,
+}
+
+impl Recent {
+    /// Forgets polls before `cutoff`.
+    fn forget_before(&mut self, cutoff: Instant) {
+        self.plugins.retain(|_, at| *at > cutoff);
+        self.operations.retain(|_, at| *at > cutoff);
+    }
+
+    /// Splits `hinted` of `plugin` into what may be polled at `now` and what waits
+    /// (with when it may be polled).
+    fn split(
+        &self,
+        plugin: &str,
+        hinted: Hinted,
+        now: Instant,
+    ) -> (Option<Hinted>, Option<(Hinted, Instant)>) {
+        if let Some(at) = self.plugins.get(plugin) {
+            return (None, Some((hinted, *at + POLL_GAP)));
+        }
+        let Hinted::Some(ids) = hinted else {
+            return (Some(Hinted::All), None);
+        };
+        // Too many remembered: the plugin waits as a whole (what is kept stays bounded).
+        if self.operations.len() >= MAX_REMEMBERED {
+            return (None, Some((Hinted::Some(ids), now + POLL_GAP)));
+        }
+        let mut due = HashSet::new();
+        let mut held = HashSet::new();
+        let mut until: Option<Instant> = None;
+        for id in ids {
+            match self.operations.get(&(plugin.to_string(), id.clone())) {
+                Some(at) => {
+                    until = Some(until.map_or(*at, |u| u.min(*at)));
+                    held.insert(id);
+                }
+                None => {
+                    due.insert(id);
+                }
+            }
+        }
+        let now_part = (!due.is_empty()).then_some(Hinted::Some(due));
+        let held_part = until.map(|at| (Hinted::Some(held), at + POLL_GAP));
+        (now_part, held_part)
+    }
+
+    /// Notes that `hinted` of `plugin` is polled at `now`.
+    fn polled(&mut self, plugin: &str, hinted: &Hinted, now: Instant) {
+        match hinted {
+            Hinted::All => {
+                self.plugins.insert(plugin.to_string(), now);
+            }
+            Hinted::Some(ids) => {
+                for id in ids {
+                    self.operations
+                        .insert((plugin.to_string(), id.clone()), now);
+                }
+            }
         }
     }
 }
@@ -110,21 +186,41 @@ impl Core {
 
     /// The hinted-poll task: runs until [`Core::stop`].
     pub(super) async fn poll_hinted(self: Arc<Self>) {
+        let mut recent = Recent::default();
+        let mut again: Option<Instant> = None;
         loop {
+            let timer = async {
+                match again {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = self.stopping.cancelled() => return,
                 _ = self.hints.wake.notified() => {}
+                _ = timer => {}
             }
             let began = Instant::now();
-            let mut busy = false;
+            if let Some(cutoff) = began.checked_sub(POLL_GAP) {
+                recent.forget_before(cutoff);
+            }
+            again = None;
+            let mut later = |at: Instant| again = Some(again.map_or(at, |a: Instant| a.min(at)));
             for (plugin, hinted) in self.hints.take() {
+                let (now, wait) = recent.split(&plugin, hinted, began);
+                if let Some((hinted, at)) = wait {
+                    self.hints.put_back(plugin.clone(), hinted);
+                    later(at);
+                }
+                let Some(now) = now else { continue };
                 let Some(_turn) = self.poller.start_sweep(&plugin) else {
-                    self.hints.put_back(plugin, hinted);
-                    busy = true;
+                    self.hints.put_back(plugin, now);
+                    later(began + MIN_GAP);
                     continue;
                 };
+                recent.polled(&plugin, &now, began);
                 let poll = async {
-                    match hinted {
+                    match now {
                         Hinted::All => self.sweep_plugin(&plugin).await,
                         Hinted::Some(ids) => self.poll_named(&plugin, ids).await,
                     }
@@ -140,9 +236,6 @@ impl Core {
             tokio::select! {
                 _ = self.stopping.cancelled() => return,
                 _ = tokio::time::sleep(rest) => {}
-            }
-            if busy {
-                self.hints.wake.notify_one();
             }
         }
     }
@@ -178,6 +271,25 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_operation_hint_polled_within_the_gap_waits_and_others_go_at_once() {
+        let start = std::time::Instant::now();
+        let mut recent = super::Recent::default();
+        let ids = |l: &[&str]| Hinted::Some(l.iter().map(|s| s.to_string()).collect());
+        recent.polled("p", &ids(&["a"]), start);
+        let (now, wait) = recent.split("p", ids(&["a", "b"]), start);
+        assert_eq!(now, Some(ids(&["b"])));
+        assert_eq!(wait, Some((ids(&["a"]), start + super::POLL_GAP)));
+        recent.forget_before(start + super::POLL_GAP);
+        assert_eq!(recent.split("p", ids(&["a"]), start).0, Some(ids(&["a"])));
+        recent.polled("p", &Hinted::All, start);
+        assert_eq!(
+            recent.split("p", ids(&["c"]), start).0,
+            None,
+            "the plugin as a whole waits"
+        );
+    }
+
     use super::*;
 
     fn ids(n: std::ops::Range<usize>) -> Vec<String> {

@@ -56,6 +56,13 @@ pub struct CoreSettings {
     /// InProgress owners with no call from their server for this long fail; `None`: never.
     pub in_progress_idle_timeout: Option<Duration>,
     pub finalize: FinalizeSettings,
+    /// Subscriptions one peer uid may hold at once.
+    pub max_subscriptions_per_uid: u32,
+    /// Snapshotters one peer uid may register over the API.
+    pub max_snapshotters_per_uid: u32,
+    /// Snapshotters all peers may register over the API (derived from the open-file
+    /// limit: see `budget::Totals`).
+    pub max_snapshotters: usize,
 }
 
 pub struct Core {
@@ -78,6 +85,10 @@ pub struct Core {
     poll_now: Notify,
     /// Snapshotters' hints waiting for their poll.
     hints: hints::Hints,
+    /// Who registered which snapshotter over the API (`max_snapshotters_per_uid`).
+    registrations: snapshotters::Registrations,
+    /// Subscriptions by peer uid (`max_subscriptions_per_uid`).
+    subscriptions: std::sync::Arc<crate::budget::PerUid>,
     sweeps: TaskTracker,
     stopping: CancellationToken,
     started: Instant,
@@ -142,6 +153,12 @@ impl Core {
             settings.unreachable_grace,
             metrics.clone(),
         );
+        let registrations = snapshotters::Registrations::new(settings.max_snapshotters_per_uid);
+        let subscriptions = crate::budget::PerUid::new(
+            "max_subscriptions_per_uid",
+            "subscriptions",
+            settings.max_subscriptions_per_uid,
+        );
         let core = Arc::new(Core {
             store,
             storage,
@@ -155,6 +172,8 @@ impl Core {
             changes: Changes::default(),
             poll_now: Notify::new(),
             hints: hints::Hints::default(),
+            registrations,
+            subscriptions,
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             started: Instant::now(),
@@ -180,6 +199,11 @@ impl Core {
             }
         }
         Ok(core)
+    }
+
+    /// Charges one subscription to peer `uid`, given back when the charge is dropped.
+    pub fn charge_subscription(&self, uid: u32) -> Result<crate::budget::Charge, Error> {
+        self.subscriptions.charge(uid).map_err(Error::OverQuota)
     }
 
     /// `agent.status`.

@@ -1,15 +1,86 @@
 //! `snapshotter.*`: the registry of who owns which plugin's operations. The database
 //! is the record; the in-memory registry follows each commit.
 
+//!
+//! A registration over the API is charged to the peer uid that made it (each one costs
+//! connections or processes once polled): at most `max_snapshotters_per_uid` per uid and
+//! `max_snapshotters` in all. The config file's registrations are the operator's and
+//! are not charged. Charges are kept in memory: after a restart, the registrations
+//! stored earlier count for no one.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use opmon_client::Snapshotter;
 
 use super::Core;
+use crate::budget::{Charge, PerUid};
 use crate::error::{Error, NotFound};
 use crate::store::queries;
+use crate::sync::lock;
+
+/// Who registered which snapshotter over the API.
+pub(super) struct Registrations {
+    per_uid: std::sync::Arc<PerUid>,
+    by_name: Mutex<HashMap<String, Charge>>,
+}
+
+impl Registrations {
+    pub(super) fn new(per_uid: u32) -> Registrations {
+        Registrations {
+            per_uid: PerUid::new("max_snapshotters_per_uid", "snapshotters", per_uid),
+            by_name: Mutex::new(HashMap::new()),
+        }
+    }
+}
 
 impl Core {
-    /// Registers or replaces a snapshotter (already validated).
+    /// Registers or replaces a snapshotter (already validated) from the config file.
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
+        let name = s.name.clone();
+        let s = self.store_snapshotter(s).await?;
+        lock(&self.registrations.by_name).remove(&name);
+        Ok(s)
+    }
+
+    /// Registers or replaces a snapshotter (already validated) for peer `uid`, within
+    /// its quota; replacing one it registered costs nothing more.
+    pub async fn register_snapshotter_for(
+        &self,
+        s: Snapshotter,
+        uid: u32,
+    ) -> Result<Snapshotter, Error> {
+        let name = s.name.clone();
+        let charge = {
+            let by_name = lock(&self.registrations.by_name);
+            let replaced = by_name.get(&name).map(|c| c.uid());
+            if replaced == Some(uid) {
+                None
+            } else {
+                let known = self.poller.remotes.get(&name).is_some();
+                if !known && by_name.len() >= self.settings.max_snapshotters {
+                    return Err(Error::OverQuota(format!(
+                        "{} snapshotters are registered over the API, the most the agent's \
+                         open-file limit allows",
+                        by_name.len()
+                    )));
+                }
+                Some(
+                    self.registrations
+                        .per_uid
+                        .charge(uid)
+                        .map_err(Error::OverQuota)?,
+                )
+            }
+        };
+        let s = self.store_snapshotter(s).await?;
+        if let Some(charge) = charge {
+            lock(&self.registrations.by_name).insert(name, charge);
+        }
+        Ok(s)
+    }
+
+    async fn store_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
         let remote = self.poller.remotes.build(&s, &self.settings.calls);
         // A Velero plugin is started now, so that a binary that does not serve the name
         // is refused here rather than failing every operation later.
@@ -56,6 +127,7 @@ impl Core {
         let removed =
             removed.ok_or_else(|| Error::NotFound(NotFound::Snapshotter(name.clone())))?;
         self.poller.remotes.remove(&name);
+        lock(&self.registrations.by_name).remove(&name);
         Ok(removed)
     }
 }

@@ -27,7 +27,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use nix::fcntl::{Flock, FlockArg};
-use opmon_client::server::Place;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 
 pub use self::durable::log_sqlite_errors;
@@ -89,15 +88,6 @@ pub enum OpenError {
         db: PathBuf,
         source: schema::MigrateError,
     },
-}
-
-tokio::task_local! {
-    /// The place among the calls in flight of the API call whose work ends with the
-    /// write it makes now (`addOperations`): the writer gives it back once the write
-    /// has run and its parsed parameters are gone, so that a call waiting only for the
-    /// disk holds no place, as a method that mostly waits holds none (a large body's
-    /// read stays counted until the answer: see `opmon_client::server::Place`).
-    pub static CALL_PLACE: Place;
 }
 
 /// The open database.
@@ -243,8 +233,7 @@ impl Store {
         &self.path
     }
 
-    /// Runs `work` in the group transaction; see [`Writer::write`]. Called within
-    /// [`CALL_PLACE`]'s scope, it gives that place back once `work` has run.
+    /// Runs `work` in the group transaction; see [`Writer::write`].
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
@@ -273,8 +262,7 @@ impl Store {
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
-        let place = CALL_PLACE.try_with(Place::clone).ok();
-        self.writer.write(work, place, isolation).await
+        self.writer.write(work, isolation).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool, once one of the

@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
-use opmon_client::server::Place;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
@@ -72,8 +71,6 @@ pub enum Isolation {
 struct TypedJob<T, E, F> {
     work: F,
     reply: oneshot::Sender<Result<T, E>>,
-    /// Leaves the running calls once `work` has run (see `store::CALL_PLACE`).
-    place: Option<Place>,
     isolation: Isolation,
 }
 
@@ -92,17 +89,8 @@ where
         let TypedJob {
             work,
             reply,
-            place,
             isolation,
         } = *self;
-        let work = |conn: &Connection| {
-            let result = work(conn);
-            // The call now only waits for the commit and the disk.
-            if let Some(place) = place {
-                place.leave_running();
-            }
-            result
-        };
         if isolation == Isolation::ChecksFirst {
             return run_checks_first(conn, work, reply);
         }
@@ -237,14 +225,8 @@ impl Writer {
 
     /// Runs `work` in the next group transaction, kept apart from the others as
     /// `isolation` says; resolves once that transaction is on disk (with `work`'s
-    /// result) or has failed (with the commit's error). `place` leaves the running calls
-    /// as soon as `work` has run.
-    pub async fn write<T, E, F>(
-        &self,
-        work: F,
-        place: Option<Place>,
-        isolation: Isolation,
-    ) -> Result<T, E>
+    /// result) or has failed (with the commit's error).
+    pub async fn write<T, E, F>(&self, work: F, isolation: Isolation) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StorageFailure> + StorageCause + Send + 'static,
@@ -254,7 +236,6 @@ impl Writer {
         let job: Box<dyn Job> = Box::new(TypedJob {
             work,
             reply,
-            place,
             isolation,
         });
         // Counted and sent under the queue's lock, which `queued` takes too: a count

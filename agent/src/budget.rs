@@ -1,0 +1,165 @@
+//! One budget per peer: what a peer uid may make the agent hold, counted against quotas
+//! set in one place (the `max_*_per_uid` settings), and the totals that need
+//! descriptors derived from what the process may open.
+//!
+//! Invariants:
+//! - Every quota is per uid, root and the agent's own included: quotas bound what one
+//!   peer holds, the totals and the operator reserve (`access::OPERATOR_RESERVE`) keep
+//!   room for the operator.
+//! - A charge is given back when its [`Charge`] is dropped, however the work ends.
+//! - Totals that need descriptors (connections, registered snapshotters' connections)
+//!   add up to less than the descriptor limit, with [`OWN_DESCRIPTORS`] left for the
+//!   database, finalize's files and the log: no combination of quotas runs the
+//!   descriptors out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
+
+/// Descriptors kept for the agent's own work: the database and its WAL, the pool of
+/// readers, finalize's files, the listener, the log.
+pub const OWN_DESCRIPTORS: u64 = 128;
+
+/// Raises the soft limit on open files to the hard limit, and returns the soft limit in
+/// force (the hard one if raising failed, which cannot happen for an unprivileged raise
+/// up to the hard limit).
+pub fn raise_open_files() -> u64 {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "raising the open-file limit failed");
+                soft
+            }
+        },
+        Ok((soft, _)) => soft,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the open-file limit failed; assuming 1024");
+            1024
+        }
+    }
+}
+
+/// Totals derived from the descriptor limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Totals {
+    /// Connections served at once, over all peers.
+    pub connections: u32,
+    /// Snapshotters registered over the API at once, over all peers (each may hold
+    /// `per_snapshotter` descriptors while polled).
+    pub snapshotters: usize,
+}
+
+impl Totals {
+    /// A quarter of what is left after [`OWN_DESCRIPTORS`] goes to snapshotters, the
+    /// rest to connections (at most `max_connections`).
+    pub fn of(descriptors: u64, per_snapshotter: usize, max_connections: u32) -> Totals {
+        let free = descriptors.saturating_sub(OWN_DESCRIPTORS).max(8);
+        let for_snapshotters = free / 4;
+        let per = per_snapshotter.max(1) as u64;
+        Totals {
+            connections: (free - for_snapshotters).min(u64::from(max_connections)) as u32,
+            snapshotters: (for_snapshotters / per).max(1) as usize,
+        }
+    }
+}
+
+/// Counts of one resource by peer uid, against a per-uid quota named by its setting.
+pub struct PerUid {
+    /// The setting that sets the quota, named in refusals.
+    setting: &'static str,
+    /// What is counted, in the plural (`subscriptions`).
+    what: &'static str,
+    quota: u32,
+    held: Mutex<HashMap<u32, u32>>,
+}
+
+/// One unit of a [`PerUid`] held by a uid, given back on drop.
+pub struct Charge {
+    of: Arc<PerUid>,
+    uid: u32,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut held = lock(&self.of.held);
+        if let Some(n) = held.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.uid);
+            }
+        }
+    }
+}
+
+impl Charge {
+    /// The uid charged.
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+}
+
+impl std::fmt::Debug for Charge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Charge({} of uid {})", self.of.what, self.uid)
+    }
+}
+
+impl PerUid {
+    pub fn new(setting: &'static str, what: &'static str, quota: u32) -> Arc<PerUid> {
+        Arc::new(PerUid {
+            setting,
+            what,
+            quota,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Charges one unit to `uid`, or says which quota it is over.
+    pub fn charge(self: &Arc<Self>, uid: u32) -> Result<Charge, String> {
+        let mut held = lock(&self.held);
+        let n = held.entry(uid).or_insert(0);
+        if *n >= self.quota {
+            return Err(format!(
+                "uid {uid} already holds {n} {}, the most {} allows",
+                self.what, self.setting
+            ));
+        }
+        *n += 1;
+        Ok(Charge {
+            of: self.clone(),
+            uid,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_uid_is_held_to_its_quota_and_gets_units_back() {
+        let subs = PerUid::new("max_subscriptions_per_uid", "subscriptions", 2);
+        let a = subs.charge(7).unwrap();
+        let _b = subs.charge(7).unwrap();
+        let refused = subs.charge(7).unwrap_err();
+        assert_eq!(
+            refused,
+            "uid 7 already holds 2 subscriptions, the most max_subscriptions_per_uid allows"
+        );
+        assert!(subs.charge(8).is_ok(), "another uid has its own quota");
+        drop(a);
+        assert!(subs.charge(7).is_ok());
+    }
+
+    #[test]
+    fn totals_leave_the_agents_own_descriptors() {
+        let t = Totals::of(1024, 4, 4096);
+        assert_eq!(t.connections, 672);
+        assert_eq!(t.snapshotters, 56);
+        assert!(u64::from(t.connections) + t.snapshotters as u64 * 4 + OWN_DESCRIPTORS <= 1024);
+        assert_eq!(Totals::of(1 << 20, 4, 4096).connections, 4096);
+    }
+}
