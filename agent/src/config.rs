@@ -5,7 +5,7 @@
 //! Each setting is declared once, in the `settings!` invocation below: its key, type,
 //! default, bound and doc. The declaration makes the config file's key, the
 //! `OPMON_<KEY>` variable, the `--key-with-dashes` flag (with its `--help`), the
-//! `--print-config` line and the README's configuration table (a test compares it);
+//! `--print-config` line and the table of docs/configuration.md (a test compares it);
 //! adding a setting is one entry, plus its field in [`Settings`] if the agent reads it.
 //! Every resolved value remembers where it came from, so `--print-config` can show it
 //! and an error can say which flag, variable or file line to fix.
@@ -60,12 +60,12 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 /// The variable of `--config`, the one flag with a variable that is not a setting.
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
 
-/// The README row of the `[[snapshotter]]` tables, which are not a key=value setting.
-const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](#deadlines-and-retries)), registered at every start |";
+/// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
+const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](../client/REFERENCE.md#deadlines-and-retries)), registered at every start |";
 
 /// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
 /// its source), the config file's form, [`declarations`] (what the flags, `--help` and
-/// the README table are made from) and [`Values::provenance`].
+/// the configuration table are made from) and [`Values::provenance`].
 macro_rules! settings {
     ($(
         $(#[doc = $doc:literal])+
@@ -123,9 +123,9 @@ macro_rules! settings {
     };
 }
 
-// The settings, in the order of `--print-config`, `--help` and the README table.
-// Each entry: doc (the README's "meaning", Markdown), `key: Type = default`, how the
-// README shows the default, and the bound every layer's value must keep.
+// The settings, in the order of `--print-config`, `--help` and docs/configuration.md's table.
+// Each entry: doc (the table's "meaning", Markdown), `key: Type = default`, how the
+// table shows the default, and the bound every layer's value must keep.
 settings! {
     /// the API socket (ignored when systemd passes one)
     socket: PathBuf = opmon_client::standard_socket_path(),
@@ -220,8 +220,8 @@ settings! {
     /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 4,000
     /// pages: the WAL file takes up to about 21 MB, cut back to that after a larger
     /// transaction) or `"external"` (the agent never does; Litestream does, once it has
-    /// copied the WAL: see *Surviving the loss of a node*). Without a replicator running,
-    /// `"external"` lets the WAL grow until the agent stops
+    /// copied the WAL: see docs/operations.md, "Surviving the loss of a node"). Without a
+    /// replicator running, `"external"` lets the WAL grow until the agent stops
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
     /// start with an empty database although an agent has run with this storage
     /// directory before (`agent.db` missing or empty), forgetting its backups and
@@ -229,7 +229,7 @@ settings! {
     start_anew: bool = false, shown Shown::Value, check any;
 }
 
-/// How the README shows a setting's default.
+/// How the configuration table shows a setting's default.
 pub enum Shown {
     /// The default value itself, as TOML.
     Value,
@@ -249,12 +249,12 @@ impl Shown {
     }
 }
 
-/// One declared setting: what its flag, variable, `--help` line and README row are made of.
+/// One declared setting: what its flag, variable, `--help` line and table row are made of.
 pub struct Declaration {
     pub key: &'static str,
-    /// What it means, as Markdown (the README's words).
+    /// What it means, as Markdown (the table's words).
     pub doc: String,
-    /// Its default as the README shows it.
+    /// Its default as the table shows it.
     pub default: String,
     /// Makes the flag parse the setting's type.
     arg: fn(Arg) -> Arg,
@@ -289,9 +289,9 @@ fn join_doc(lines: &[&str]) -> String {
     lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
 }
 
-/// The README's configuration table, made from the declarations (a test checks that
-/// README.md holds exactly this).
-pub fn readme_table() -> String {
+/// The table of docs/configuration.md, made from the declarations (a test checks that
+/// the file holds exactly this).
+pub fn settings_table() -> String {
     let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
     for d in declarations() {
         out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
@@ -1089,11 +1089,23 @@ fn read_config_file(path: &Path) -> Result<String, String> {
 /// Parses the command line (and environment) into settings, reading the config file.
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
+    drop_empty_variables();
     let matches = command().get_matches();
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     check_environment(std::env::vars_os())?;
     let command_line = CommandLine { args, matches };
     command_line.resolve().map(|s| (s, command_line))
+}
+
+/// Removes the `OPMON_*` variables that are set but empty: an empty variable means unset
+/// (`OPMON_SOCKET=` is the CLI's way to say "the default" too), not a value of "".
+/// Runs first in `main`, before any other thread could read the environment.
+fn drop_empty_variables() {
+    for (name, value) in std::env::vars_os() {
+        if value.is_empty() && name.to_string_lossy().starts_with("OPMON_") {
+            std::env::remove_var(&name);
+        }
+    }
 }
 
 /// Resolves the settings of `matches` (`args` parsed from them) against the config
@@ -1341,18 +1353,18 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_table_is_the_declarations() {
-        let readme = include_str!("../../README.md");
-        let table = readme
+    fn the_documented_table_is_the_declarations() {
+        let doc = include_str!("../../docs/configuration.md");
+        let table = doc
             .split_once("<!-- settings:begin")
             .and_then(|(_, rest)| rest.split_once('\n'))
             .and_then(|(_, rest)| rest.split_once("<!-- settings:end -->"))
             .map(|(table, _)| table)
-            .expect("README.md has the settings:begin and settings:end markers");
-        let declared = readme_table();
+            .expect("docs/configuration.md has the settings:begin and settings:end markers");
+        let declared = settings_table();
         assert!(
             table == declared,
-            "README.md's configuration table differs from the declarations in \
+            "docs/configuration.md's table differs from the declarations in \
              agent/src/config.rs; the table they make is:\n{declared}"
         );
     }

@@ -1,5 +1,5 @@
 //! opmon-agent: the per-node daemon that monitors long-running backup and restore
-//! plugin operations (see ARCHITECTURE.md).
+//! plugin operations (see docs/architecture.md).
 //!
 //! A request travels socket → [`api`] (parse, validate) → [`core`] (decide, with the
 //! pure [`phase`] machine) → [`store`] (commit) → reply. The poller, inside [`core`],

@@ -1,7 +1,7 @@
 //! The phase machine: pure functions from facts to the next phase.
 //!
 //! Nothing here reads the clock, the database or a snapshotter; time comes in as
-//! milliseconds since the Unix epoch. Every rule of ARCHITECTURE.md's "Phases" section
+//! milliseconds since the Unix epoch. Every rule of docs/architecture.md's "Phases" section
 //! lives in this file and is tested here, row by row.
 
 use opmon_client::{GoDuration, OperationPhase, OperationProgress, OwnerKind, OwnerPhase};
@@ -619,7 +619,7 @@ mod tests {
         }
     }
 
-    // The table of ARCHITECTURE.md "Phases", leaving InProgress, one test per row.
+    // The table of docs/architecture.md "Phases", leaving InProgress, one test per row.
 
     #[test]
     fn unfinished_ops_without_errors_wait() {

@@ -1,5 +1,5 @@
 //! Calls to snapshotters: Progress and Cancel over the two transports of
-//! ARCHITECTURE.md's snapshotter protocol.
+//! docs/architecture.md's snapshotter protocol.
 //!
 //! - socket: JSON-RPC batches over HTTP/1.1 on a Unix socket, on a small pool of
 //!   kept-alive connections;

@@ -91,7 +91,7 @@ fn owner_method(method: &str) -> Option<&'static str> {
         .map(|d| d.verb)
 }
 
-/// The error codes ARCHITECTURE.md documents.
+/// The error codes of the contract (docs/architecture.md, "The API").
 const CODES: &[i64] = &[-32700, -32600, -32601, -32602, 1001, 1002, 1003, 1004, 1005];
 
 // ---------------------------------------------------------------------------------

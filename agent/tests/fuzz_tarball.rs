@@ -996,7 +996,7 @@ fn updated_items(case: &Case) -> Vec<UpdatedItem> {
 
 // ---------------------------------------------------------------------------------
 // The model: what a correct rewrite does with an input, derived from the
-// specification (README "Results on disk", ARCHITECTURE "Files"), not from the code
+// specification (docs/results.md, docs/architecture.md "Files"), not from the code
 // under test. Archives are read by the `tar` crate's high-level reader, which applies
 // GNU long names, PAX paths and PAX sizes as extractors do; a sample is also read by
 // Python's tarfile (`python_agrees_with_the_model_on_a_fixed_sample`).

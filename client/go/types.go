@@ -321,18 +321,16 @@ type FinalizeResult struct {
 	Added              uint64  `json:"added"`
 }
 
-// DeleteResult says how many unfinished operations delete canceled. Read it with Count.
+// DeleteResult says how many unfinished operations delete canceled.
 type DeleteResult struct {
-	// Canceled is the number of unfinished operations canceled with the owner (older
-	// agents send only Cancelled).
+	// Older agents send only Cancelled; use Count.
 	Canceled uint64 `json:"canceled"`
-	// Deprecated: the same number as Canceled, under its old spelling; sent until the
-	// API's next major version (docs/compatibility.md).
+	// Deprecated: the same number under its old spelling.
 	Cancelled uint64 `json:"cancelled"`
 }
 
-// Count is how many operations delete canceled, from an agent of any version.
-func (r DeleteResult) Count() uint64 {
+// Count is the number of operations canceled, from an agent of any version.
+func (r *DeleteResult) Count() uint64 {
 	if r.Canceled > r.Cancelled {
 		return r.Canceled
 	}

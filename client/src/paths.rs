@@ -1,5 +1,5 @@
-//! Where the agent's socket is when nobody says otherwise, as ARCHITECTURE.md fixes it:
-//! the agent and every client resolve it the same way.
+//! Where the agent's socket is when nobody says otherwise (docs/architecture.md, "The
+//! API"): the agent and every client resolve it the same way.
 
 use std::path::PathBuf;
 

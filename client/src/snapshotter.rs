@@ -4,7 +4,7 @@
 //! keeps is the API type [`crate::Snapshotter`].) Report `updated` with each progress:
 //! the agent's rates and ETAs come from it ([`OperationHandler::progress`]).
 //!
-//! The wire protocol is ARCHITECTURE.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
+//! The wire protocol is docs/architecture.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
 //! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
 //! allowed. Errors map to the protocol's codes: [`ErrorKind::OperationsNotSupported`]
 //! is 2001, [`ErrorKind::InvalidOperationId`] is 2002, and

@@ -1,6 +1,6 @@
 //! The API's types, defined once: the agent deserializes exactly what the client
 //! serializes. Field names are camelCase, times RFC 3339 UTC, durations Go strings, as
-//! ARCHITECTURE.md ("The API") fixes them.
+//! docs/architecture.md ("The API") fixes them.
 
 use std::collections::BTreeMap;
 use std::fmt;

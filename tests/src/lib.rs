@@ -121,6 +121,36 @@ pub async fn eventually_async<A: Awaited>(
         .unwrap_or_else(|| panic!("not within {within:?}: {what}"))
 }
 
+/// Whether the tests run in CI (`CI` set and not empty, as `.ci/run` sets it): there a
+/// missing tool or privilege fails a test instead of skipping it.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+/// Skips the calling test for `reason` (the caller returns), or fails it under CI.
+///
+/// A skipped test still passes, so the line goes straight to the process's stderr, past
+/// the test harness's capture: `cargo test` shows `SKIPPED <test>: <reason>` among its
+/// results instead of a silent `ok`.
+#[track_caller]
+pub fn skip(reason: impl std::fmt::Display) {
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("a test");
+    assert!(!in_ci(), "{test} cannot run in CI: {reason}");
+    // Written to the descriptor, not with `eprintln!`, which the harness captures.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {reason}");
+}
+
+/// Whether the test runs as root; if not, skips it (see [`skip`]) saying what root is for.
+#[track_caller]
+pub fn root_or_skip(needed_for: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        skip(format!("needs root {needed_for}"));
+    }
+    root
+}
+
 /// A binary of this workspace, next to the test executables (`cargo test --workspace`
 /// builds them all before running any test).
 pub fn workspace_binary(name: &str) -> PathBuf {

@@ -14,19 +14,6 @@ use opmon_tests::{agent_command, workspace_binary};
 
 const LONG: Duration = Duration::from_secs(60);
 
-/// Skips (outside CI) or fails (in CI, where `.ci/run` sets `CI`) when not root.
-fn root_or_skip() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "these tests run processes as other uids and must run as root in CI"
-    );
-    eprintln!("skipped: needs root to run clients as other uids");
-    false
-}
-
 /// `program args…` as `uid`:`gid` with exactly `groups` as supplementary groups.
 fn as_user(uid: u32, gid: u32, groups: &[u32], program: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new("setpriv");
@@ -174,7 +161,7 @@ const STATUS: &str = r#"{"jsonrpc":"2.0","id":1,"method":"agent.status"}"#;
 
 #[test]
 fn the_agents_own_uid_and_root_stay_allowed_when_other_uids_are_configured() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     // The agent runs as 2000 (its "own" uid, as 65532 in the container or opmon under
@@ -200,7 +187,7 @@ fn the_agents_own_uid_and_root_stay_allowed_when_other_uids_are_configured() {
 
 #[test]
 fn a_refused_peer_gets_403_naming_the_rule_over_http_and_websocket() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     let agent = Open::start(0, &[]);
@@ -244,7 +231,7 @@ fn a_refused_peer_gets_403_naming_the_rule_over_http_and_websocket() {
 
 #[test]
 fn a_supplementary_group_in_allowed_gids_lets_a_peer_in() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     let agent = Open::start(0, &["--allowed-gids", "3000"]);
@@ -369,7 +356,7 @@ impl Drop for Holder {
 
 #[test]
 fn one_uid_cannot_take_every_connection() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     let agent = Open::start(
@@ -408,7 +395,7 @@ fn one_uid_cannot_take_every_connection() {
 
 #[test]
 fn refused_peers_that_never_send_or_read_cannot_tie_up_the_agent() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     let agent = Open::start(0, &[]);
@@ -520,7 +507,7 @@ fn fallback_agent(uid: u32) -> Output {
 
 #[test]
 fn the_agent_refuses_a_socket_directory_another_user_made_or_may_write() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     // uid 4712 prepares the fallback directory of uid 4711 before its agent starts,
@@ -553,7 +540,7 @@ fn the_agent_refuses_a_socket_directory_another_user_made_or_may_write() {
 
 #[test]
 fn the_cli_refuses_a_socket_served_by_another_user_unless_told_to_trust_it() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
         return;
     }
     // uid 1002 serves a socket where uid 1001 looks for its agent.

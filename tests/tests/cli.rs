@@ -788,7 +788,7 @@ async fn new_start_and_add_operation_flags_are_checked_and_sent() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr).trim(),
-        "opmon: object: must be a JSON object (the backup server's representation of the \
+        "opmon: --object: must be a JSON object (the backup server's representation of the \
          backup or restore) (code -32602)"
     );
     let missing = dir.path().join("absent.json");
@@ -910,6 +910,17 @@ async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
     );
 
     f.agent.kill9();
+    // While the agent is gone, wait says so (it looks after a quiet while).
+    let mut gone = String::new();
+    while !gone.ends_with("agent restarting, reconnecting…\n") {
+        let mut line = String::new();
+        let n = std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+        assert!(
+            n > 0,
+            "wait ended without a word of the agent: {first}{gone}"
+        );
+        gone.push_str(&line);
+    }
     f.agent.restart();
     f.open_gate("gate-k");
     let mut rest = String::new();
@@ -929,6 +940,326 @@ async fn wait_follows_the_owner_across_a_killed_and_restarted_agent() {
         );
     }
     assert_eq!(lines.last(), Some(&"backup kept is Finalizing"), "{rest}");
+    assert_eq!(lines.first(), Some(&"agent back"), "{rest}");
+}
+
+/// `opmon` against `f`'s agent, with `env` set (and `OPMON_SOCKET` taken away unless
+/// `env` sets it).
+fn opmon_env(f: &Fixture, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let mut command = Command::new(workspace_binary("opmon"));
+    command.env_remove("OPMON_SOCKET");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command
+        .arg("--socket")
+        .arg(&f.agent.socket)
+        .args(args)
+        .output()
+        .expect("running opmon")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn help_offers_finalize_to_restores_only_and_explains_every_argument() {
+    let help = |kind: &str| {
+        let out = Command::new(workspace_binary("opmon"))
+            .args([kind, "start", "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let backup = help("backup");
+    assert!(!backup.contains("--finalize"), "{backup}");
+    assert!(help("restore").contains("--finalize"));
+    // The name and the uid say what they are; the socket is not required.
+    assert!(backup.contains("Its name, a DNS subdomain"), "{backup}");
+    assert!(backup.contains("metadata.uid"), "{backup}");
+    assert!(
+        backup.contains("Usage: opmon backup start [OPTIONS] --uid <UID> <NAME>"),
+        "{backup}"
+    );
+    // Given anyway, --finalize is refused with the reason.
+    let f = Fixture::new(&[]).await;
+    let out = opmon(&f, &["backup", "start", "b", "--uid", "u", "--finalize"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).1.contains("--finalize is for restores"),
+        "{:?}",
+        text(&out)
+    );
+}
+
+#[tokio::test]
+async fn an_empty_opmon_socket_means_unset() {
+    let f = Fixture::new(&[]).await;
+    // The CLI: the flag's socket, as if the variable were not there.
+    let out = opmon_env(&f, &[("OPMON_SOCKET", "")], &["status"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    // The agent: its default socket.
+    let out = opmon_tests::agent_command()
+        .env("OPMON_SOCKET", "")
+        .env("OPMON_POLL_INTERVAL", "")
+        .arg("--print-config")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("poll_interval = \"10s\""), "{stdout}");
+    assert!(!stdout.contains("socket = \"\""), "{stdout}");
+}
+
+#[tokio::test]
+async fn an_agent_socket_named_without_a_directory_is_in_the_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("agent.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut agent = opmon_tests::agent_command()
+        .current_dir(dir.path())
+        .args(["--socket", "s.sock", "--state-dir", "state"])
+        .env("OPMON_CONFIG", "/dev/null")
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("s.sock");
+    opmon_tests::wait_for_socket(&socket, &mut agent, &log_path);
+    let out = Command::new(workspace_binary("opmon"))
+        .current_dir(dir.path())
+        .env("OPMON_SOCKET", "s.sock")
+        .arg("status")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+#[tokio::test]
+async fn errors_name_the_flags_typed_not_the_apis_fields() {
+    let f = Fixture::new(&[]).await;
+    let out = opmon(&f, &["snapshotter", "register", "example.io/none"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out).1,
+        "opmon: a v2 snapshotter needs --snapshotter-socket PATH, --velero-plugin PATH or a command \
+         after --\n"
+    );
+    let out = opmon(&f, &["backup", "start", "b", "--uid", ""]);
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: --uid: "), "{stderr}");
+    let out = opmon(&f, &["backup", "start", "Not_A_Name", "--uid", "u"]);
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: NAME: "), "{stderr}");
+    let out = opmon(&f, &["backup", "start", "b", "--uid", "u"]);
+    assert!(out.status.success());
+    let out = opmon(
+        &f,
+        &[
+            "backup",
+            "add-operation",
+            "b",
+            "--plugin",
+            PLUGIN,
+            "--item",
+            "pods/app/a",
+            "--operation-id",
+            &"x".repeat(1025),
+        ],
+    );
+    let stderr = text(&out).1;
+    assert!(stderr.starts_with("opmon: --operation-id: "), "{stderr}");
+}
+
+#[tokio::test]
+async fn adding_an_operation_no_snapshotter_owns_warns_at_once() {
+    let f = Fixture::new(&[]).await;
+    assert!(opmon(&f, &["backup", "start", "b", "--uid", "u"])
+        .status
+        .success());
+    let add = |plugin: &str, id: &str| {
+        opmon(
+            &f,
+            &[
+                "backup",
+                "add-operation",
+                "b",
+                "--plugin",
+                plugin,
+                "--item",
+                "pods/app/a",
+                "--operation-id",
+                id,
+            ],
+        )
+    };
+    let out = add("foo", "op-1");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(stdout, "1 added, 0 already known\n");
+    assert!(
+        stderr.contains("no snapshotter is registered for plugin velero.io/foo"),
+        "{stderr}"
+    );
+    // A plugin a snapshotter owns: not a word.
+    let out = add(PLUGIN, "op-2");
+    assert_eq!(text(&out).1, "");
+}
+
+#[tokio::test]
+async fn list_shows_age_and_status_counts_in_words() {
+    let f = Fixture::new(&[]).await;
+    assert!(opmon(&f, &["backup", "start", "b", "--uid", "u"])
+        .status
+        .success());
+    let (stdout, _) = text(&opmon(&f, &["backup", "list"]));
+    let mut lines = stdout.lines();
+    let head = lines.next().unwrap_or_default();
+    assert!(head.ends_with(" AGE"), "{stdout}");
+    let row = lines.next().unwrap_or_default();
+    let age = row.split_whitespace().last().unwrap_or_default();
+    assert!(
+        age.ends_with('s') && age.trim_end_matches('s').parse::<u64>().is_ok(),
+        "{stdout}"
+    );
+    let (status, _) = text(&opmon(&f, &["status"]));
+    assert!(
+        status.contains("0 unfinished operations, 1 snapshotter\n"),
+        "{status}"
+    );
+}
+
+#[tokio::test]
+async fn names_complete_from_the_running_agent() {
+    let f = Fixture::new(&[]).await;
+    for args in [
+        ["backup", "start", "nightly-1", "--uid", "u1"],
+        ["backup", "start", "nightly-2", "--uid", "u2"],
+        ["restore", "start", "nightly-r", "--uid", "u3"],
+    ] {
+        assert!(opmon(&f, &args).status.success());
+    }
+    // What the script `opmon completions` prints makes the shell run at each tab.
+    let complete = |words: &[&str]| {
+        let socket = f.agent.socket.display().to_string();
+        let out = Command::new(workspace_binary("opmon"))
+            .env("COMPLETE", "fish")
+            .env("OPMON_SOCKET", &socket)
+            .arg("--")
+            .arg("opmon")
+            .args(words)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        let (stdout, _) = text(&out);
+        // Names, not the flags offered beside them.
+        stdout
+            .lines()
+            .map(|l| l.split('\t').next().unwrap_or("").to_string())
+            .filter(|w| !w.starts_with('-'))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        complete(&["backup", "describe", "night"]),
+        ["nightly-1", "nightly-2"]
+    );
+    assert_eq!(complete(&["restore", "wait", ""]), ["nightly-r"]);
+    assert_eq!(complete(&["snapshotter", "unregister", ""]), [PLUGIN]);
+    let script = Command::new(workspace_binary("opmon"))
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&script.stdout).contains("COMPLETE=\"bash\""));
+}
+
+#[tokio::test]
+async fn wait_on_a_narrow_terminal_keeps_every_line_within_its_width() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    // An item far wider than the terminal; its gate stays closed, so it goes on.
+    let long = "x".repeat(120);
+    opmon_tests::start_and_end_in_progress(
+        &client.backups(),
+        "wide",
+        vec![opmon_tests::operation(PLUGIN, "gate-wide", &long, &[])],
+    )
+    .await;
+    // A terminal of 60 columns (`script` gives the CLI a pty); wait gives up after 2 s.
+    let command = format!(
+        "stty cols 60 rows 24; {} --socket {} backup wait wide --timeout 2s",
+        workspace_binary("opmon").display(),
+        f.agent.socket.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .output()
+        .expect("script (util-linux) runs the CLI on a pty");
+    let screen = String::from_utf8_lossy(&out.stdout);
+    // Each drawn line is what stands between two cursor movements or line ends.
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    let mut chars = screen.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{1b}' => {
+                // CSI: ESC [ parameters final-byte. A colour leaves the line going on.
+                let mut seq = String::new();
+                for c in chars.by_ref() {
+                    seq.push(c);
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+                if !seq.ends_with('m') {
+                    lines.push(std::mem::take(&mut line));
+                }
+            }
+            '\r' | '\n' => lines.push(std::mem::take(&mut line)),
+            c => line.push(c),
+        }
+    }
+    lines.push(line);
+    // A line exactly as wide as the terminal ends without a line break (the terminal
+    // wraps): each bar's line is what runs from its start to the next one's.
+    let mut drawn: Vec<String> = Vec::new();
+    for segment in lines.iter().filter(|l| l.contains('[')) {
+        let starts: Vec<usize> = segment
+            .match_indices("backup wide ")
+            .chain(segment.match_indices("  persistentvo"))
+            .map(|(i, _)| i)
+            .collect();
+        let mut starts = starts;
+        starts.sort_unstable();
+        starts.push(segment.len());
+        for pair in starts.windows(2) {
+            drawn.push(segment[pair[0]..pair[1]].to_string());
+        }
+    }
+    assert!(
+        drawn.iter().any(|l| l.starts_with("backup wide "))
+            && drawn.iter().any(|l| l.starts_with("  persistentvo")),
+        "not every bar drawn: {screen:?}"
+    );
+    for l in &drawn {
+        assert!(
+            l.chars().count() <= 80,
+            "{} columns: {l:?}",
+            l.chars().count()
+        );
+    }
+    // The owner's bar counts the bytes of its operation.
+    assert!(
+        drawn
+            .iter()
+            .any(|l| l.starts_with("backup wide ") && l.contains(" B/100 B")),
+        "{drawn:#?}"
+    );
 }
 
 #[tokio::test]

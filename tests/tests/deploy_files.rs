@@ -372,8 +372,7 @@ fn units_and_snippets_agree_with_each_other_and_the_agent() {
 
 #[test]
 fn sysusers_and_tmpfiles_snippets_create_the_user_and_directories() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: systemd-tmpfiles can only chown to the opmon user as root");
+    if !opmon_tests::root_or_skip("for systemd-tmpfiles to chown to the opmon user") {
         return;
     }
     use std::os::unix::fs::MetadataExt;

@@ -244,8 +244,7 @@ async fn garbage_and_oversized_answers_fail_the_operation_and_nothing_else() {
 
 #[tokio::test]
 async fn a_full_disk_fails_requests_with_1004_keeps_what_was_stored_and_recovers() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root to mount a small tmpfs");
+    if !opmon_tests::root_or_skip("to mount a small tmpfs") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

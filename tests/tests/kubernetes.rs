@@ -40,18 +40,6 @@ const LONG: Duration = Duration::from_secs(60);
 /// The namespace `valueFrom.fieldRef: metadata.namespace` resolves to.
 const NAMESPACE: &str = "velero";
 
-fn root_or_skip() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "the Kubernetes test runs containers as other uids and must run as root in CI"
-    );
-    eprintln!("skipped: needs root for mount namespaces and other uids");
-    false
-}
-
 fn chown(path: &Path, uid: u32, gid: u32) {
     nix::unistd::chown(
         path,
@@ -815,7 +803,7 @@ fn deploy_and_back_up(example: &str) {
 
 #[test]
 fn the_native_sidecar_example_runs_and_completes_a_backup() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
     deploy_and_back_up("sidecar");
@@ -823,7 +811,7 @@ fn the_native_sidecar_example_runs_and_completes_a_backup() {
 
 #[test]
 fn the_daemonset_example_runs_and_completes_a_backup() {
-    if !root_or_skip() {
+    if !opmon_tests::root_or_skip("for mount namespaces and other uids") {
         return;
     }
     deploy_and_back_up("daemonset");

@@ -38,11 +38,7 @@ fn tool_or_skip(program: &str, install: &str) -> Option<PathBuf> {
             .find(|candidate| candidate.is_file())
     });
     if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{program} is missing: {install} (.ci/run does)"
-        );
-        eprintln!("skipped: {program} is missing ({install})");
+        opmon_tests::skip(format!("{program} is missing: {install} (.ci/run does)"));
     }
     found
 }

@@ -129,8 +129,7 @@ fn status_as_nobody(socket: &Path) -> std::process::Output {
 
 #[tokio::test]
 async fn peers_are_admitted_or_refused_by_their_credentials() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root to run a client as another uid");
+    if !opmon_tests::root_or_skip("to run a client as another uid") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

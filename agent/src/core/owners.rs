@@ -22,7 +22,7 @@ use crate::phase;
 use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
 
-/// Default `wait` timeout, as ARCHITECTURE.md gives it.
+/// Default `wait` timeout, as the API reference gives it (docs/architecture.md, "The API").
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// Default and largest `list` page.
 pub const DEFAULT_PAGE: u32 = 100;

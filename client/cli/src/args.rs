@@ -1,10 +1,14 @@
 //! The command line, as clap sees it. Every API method has a subcommand; `backup` and
 //! `restore` share one definition.
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use opmon_client::{ApiVersion, GoDuration, OperationPhase, OwnerPhase, PluginKind, Timestamp};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use clap_complete::ArgValueCompleter;
+use opmon_client::{
+    ApiVersion, GoDuration, OperationPhase, OwnerKind, OwnerPhase, PluginKind, Timestamp,
+};
 
 fn go_duration(text: &str) -> Result<GoDuration, String> {
     text.parse::<GoDuration>().map_err(|e| e.to_string())
@@ -43,6 +47,129 @@ fn api_version(text: &str) -> Result<ApiVersion, String> {
     text.parse()
 }
 
+/// The command line as the user sees it: [`Cli`], with what differs between `backup`
+/// and `restore`, which share [`OwnerCommand`]: `--finalize` is a restore's alone, so a
+/// backup's help does not offer it (given anyway, it is refused with the reason).
+///
+/// Names complete from the running agent: a backup's or restore's NAME from its list, a
+/// snapshotter's and `--plugin` from the registered snapshotters.
+pub fn command() -> clap::Command {
+    let owners = |kind: OwnerKind| {
+        move |owner: clap::Command| {
+            let subcommands: Vec<String> = owner
+                .get_subcommands()
+                .filter(|c| c.get_name() != "start")
+                .filter(|c| c.get_arguments().any(|a| a.get_id() == "name"))
+                .map(|c| c.get_name().to_string())
+                .collect();
+            subcommands.iter().fold(owner, |owner, name| {
+                owner.mut_subcommand(name, |sub| {
+                    sub.mut_arg("name", |arg| {
+                        arg.add(ArgValueCompleter::new(move |current: &OsStr| {
+                            complete::owners(kind, current)
+                        }))
+                    })
+                })
+            })
+        }
+    };
+    let plugins = || ArgValueCompleter::new(complete::snapshotters);
+    Cli::command()
+        .mut_subcommand("backup", owners(OwnerKind::Backup))
+        .mut_subcommand("restore", owners(OwnerKind::Restore))
+        .mut_subcommand("backup", |backup| {
+            backup
+                .mut_subcommand("start", |start| {
+                    start.mut_arg("finalize", |finalize| finalize.hide(true))
+                })
+                .mut_subcommand("add-operation", |add| {
+                    add.mut_arg("plugin", |arg| arg.add(plugins()))
+                })
+        })
+        .mut_subcommand("restore", |restore| {
+            restore.mut_subcommand("add-operation", |add| {
+                add.mut_arg("plugin", |arg| arg.add(plugins()))
+            })
+        })
+        .mut_subcommand("snapshotter", |snapshotter| {
+            snapshotter.mut_subcommand("unregister", |unregister| {
+                unregister.mut_arg("name", |arg| arg.add(plugins()))
+            })
+        })
+}
+
+/// Shell completion of names, asked of the agent at `OPMON_SOCKET` (or the default
+/// socket) while the user presses tab. An agent that cannot be reached within a second
+/// completes nothing.
+mod complete {
+    use std::ffi::OsStr;
+    use std::time::Duration;
+
+    use clap_complete::CompletionCandidate;
+    use opmon_client::{Client, OwnerKind, Snapshotter};
+
+    fn ask<T, F: std::future::Future<Output = Option<T>>>(
+        call: impl FnOnce(Client) -> F,
+    ) -> Option<T> {
+        let socket = std::env::var_os(super::SOCKET_VARIABLE)
+            .filter(|s| !s.is_empty())
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(opmon_client::default_socket_path);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(async {
+            let client = Client::builder(socket)
+                .connect_timeout(Duration::from_secs(1))
+                .call_timeout(Duration::from_secs(1))
+                .connect()
+                .await
+                .ok()?;
+            call(client).await
+        })
+    }
+
+    fn candidates(names: Vec<String>, current: &OsStr) -> Vec<CompletionCandidate> {
+        let current = current.to_string_lossy();
+        names
+            .into_iter()
+            .filter(|n| n.starts_with(current.as_ref()))
+            .map(CompletionCandidate::new)
+            .collect()
+    }
+
+    pub fn owners(kind: OwnerKind, current: &OsStr) -> Vec<CompletionCandidate> {
+        let names = ask(|client: Client| async move {
+            let list = client.owners(kind).list().limit(1000).await.ok()?;
+            Some(list.items.into_iter().map(|o| o.name).collect())
+        });
+        candidates(names.unwrap_or_default(), current)
+    }
+
+    pub fn snapshotters(current: &OsStr) -> Vec<CompletionCandidate> {
+        let names = ask(|client: Client| async move {
+            let list: Vec<Snapshotter> = client.snapshotters().await.ok()?;
+            Some(list.into_iter().map(|s| s.name).collect())
+        });
+        candidates(names.unwrap_or_default(), current)
+    }
+}
+
+/// Parses the command line and the environment. `OPMON_SOCKET=` (set but empty) means
+/// unset, as an empty variable does for most tools, rather than "a socket named ''".
+pub fn parse() -> Cli {
+    if std::env::var_os(SOCKET_VARIABLE).is_some_and(|v| v.is_empty()) {
+        // Before any other thread exists: nothing else reads the environment yet.
+        std::env::remove_var(SOCKET_VARIABLE);
+    }
+    let matches = command().get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The variable that names the agent's socket, as the agent's own setting does.
+const SOCKET_VARIABLE: &str = "OPMON_SOCKET";
+
 /// opmon: drive and watch the opmon agent's backups, restores and snapshotters.
 ///
 /// Exit codes: 0 success; 1 the owner is PartiallyFailed (or on its way there);
@@ -69,7 +196,9 @@ pub struct Cli {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Output {
+    /// For people: tables, and progress bars on a terminal.
     Table,
+    /// Exactly the API's result, for programs.
     Json,
 }
 
@@ -91,6 +220,7 @@ pub enum Command {
     Server(ServerCommand),
     /// Prints a shell completion script.
     Completions {
+        /// The shell to complete in.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
@@ -100,7 +230,10 @@ pub enum Command {
 pub enum OwnerCommand {
     /// Creates it in InProgress (same name and uid again is fine).
     Start {
+        /// Its name, a DNS subdomain (lowercase letters, digits, '-', '.').
         name: String,
+        /// Its unique ID (for Velero, the Backup's or Restore's metadata.uid): the same
+        /// name with another uid is refused.
         #[arg(long)]
         uid: String,
         /// Go duration, e.g. 4h0m0s [default: the agent's].
@@ -134,9 +267,12 @@ pub enum OwnerCommand {
     AddOperation(AddOperation),
     /// Ends InProgress: polls every operation once and moves to the next phase.
     EndInProgress {
+        /// The backup's or restore's name.
         name: String,
+        /// Errors the backup server met on the items: any makes it PartiallyFailed.
         #[arg(long, default_value_t = 0)]
         errors: u32,
+        /// Warnings the backup server met on the items.
         #[arg(long, default_value_t = 0)]
         warnings: u32,
         /// The backup or restore failed: go to Failed and cancel unfinished operations.
@@ -144,12 +280,16 @@ pub enum OwnerCommand {
         failed: bool,
     },
     /// One owner.
-    Get { name: String },
+    Get {
+        /// The backup's or restore's name.
+        name: String,
+    },
     /// Owners, by name, a page at a time.
     List {
         /// Only these phases (repeatable).
         #[arg(long = "phase", value_parser = owner_phase)]
         phases: Vec<OwnerPhase>,
+        /// At most this many (default 100, at most 1000).
         #[arg(long)]
         limit: Option<u32>,
         /// Start after this name (the previous page's last).
@@ -158,20 +298,25 @@ pub enum OwnerCommand {
     },
     /// The owner's operations.
     Operations {
+        /// The backup's or restore's name.
         name: String,
+        /// Only operations in these phases (repeatable).
         #[arg(long = "phase", value_parser = operation_phase)]
         phases: Vec<OperationPhase>,
     },
     /// The owner, readable, ending with its recent events; with --details, each
     /// operation and every event kept.
     Describe {
+        /// The backup's or restore's name.
         name: String,
+        /// Each operation in full, and every event kept.
         #[arg(long)]
         details: bool,
     },
     /// The owner's history (phase changes, failures, calls and their callers), oldest
     /// first, a page at a time.
     Events {
+        /// The backup's or restore's name.
         name: String,
         /// Start after this event (the previous page's last SEQ).
         #[arg(long)]
@@ -182,7 +327,9 @@ pub enum OwnerCommand {
     },
     /// Waits, showing progress, until ready to finalize (or terminal).
     Wait {
+        /// The backup's or restore's name.
         name: String,
+        /// What to wait for.
         #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
         until: Until,
         /// Give up after this long (Go duration) with exit code 3 [default: never].
@@ -192,6 +339,7 @@ pub enum OwnerCommand {
     /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
     /// and completes.
     Finalize {
+        /// The backup's or restore's name.
         name: String,
         /// The backup tarball to read (a relative path is resolved against the current
         /// directory before it is sent).
@@ -205,12 +353,19 @@ pub enum OwnerCommand {
         updated_items: Option<PathBuf>,
     },
     /// The -itemoperations.json.gz records.
-    ItemOperations { name: String },
+    ItemOperations {
+        /// The backup's or restore's name.
+        name: String,
+    },
     /// Removes it, cancelling unfinished operations.
-    Delete { name: String },
+    Delete {
+        /// The backup's or restore's name.
+        name: String,
+    },
     /// Cancels it (it ends Failed), or with --operation only those operations (they
     /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.
     Cancel {
+        /// The backup's or restore's name.
         name: String,
         /// An operation ID to cancel (repeatable); an ID two items share is refused
         /// with the items named.
@@ -225,12 +380,15 @@ pub enum OwnerCommand {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Until {
+    /// Finalizing, or a phase that ends it (Completed, PartiallyFailed, Failed).
     ReadyToFinalize,
+    /// Completed, PartiallyFailed or Failed.
     Terminal,
 }
 
 #[derive(Args, Debug)]
 pub struct AddOperation {
+    /// The backup's or restore's name.
     pub name: String,
     /// A JSON file with an array of operations as the API takes them, or - for stdin.
     #[arg(long, conflicts_with_all = ["plugin", "item", "operation_id"])]
@@ -244,6 +402,7 @@ pub struct AddOperation {
     /// The item, RESOURCE[.GROUP]/NAMESPACE/NAME or RESOURCE[.GROUP]/NAME (cluster-scoped).
     #[arg(long, required_unless_present = "file")]
     pub item: Option<String>,
+    /// The operation ID the plugin returned.
     #[arg(long, required_unless_present = "file")]
     pub operation_id: Option<String>,
     /// An item to back up again once operations finish (repeatable), same form as --item.
@@ -261,7 +420,9 @@ pub enum ServerCommand {
     /// backups and restores that its earlier instances started, and prints them. NAME
     /// "" stands for the owners started without --server.
     Started {
+        /// The backup server, as `start --server` names it.
         name: String,
+        /// The instance of it now running (e.g. its pod's uid).
         #[arg(long)]
         instance: String,
     },
@@ -273,6 +434,8 @@ pub enum SnapshotterCommand {
     Register {
         /// The plugin name it serves, domain/name.
         name: String,
+        /// v2: it answers Progress and Cancel; v1: it has no Progress, and its
+        /// operations complete at their first poll.
         #[arg(long, value_parser = api_version, default_value = "v2")]
         api_version: ApiVersion,
         /// Its JSON-RPC socket (`--socket` is the agent's); a relative path is resolved
@@ -312,5 +475,242 @@ pub enum SnapshotterCommand {
     /// All snapshotters.
     List,
     /// Removes one.
-    Unregister { name: String },
+    Unregister {
+        /// The plugin name it serves.
+        name: String,
+    },
+}
+
+/// How the agent's complaints about a field read on this command line: the API names
+/// its fields (`itemOperationTimeout: …`, `operations[0].operationId: …`), the user
+/// typed flags (`--item-operation-timeout`, `--operation-id`).
+pub struct Fields {
+    /// The flag whose JSON file holds the operations or updated items, whose paths are
+    /// the file's own.
+    file: Option<&'static str>,
+    /// `cancel`, whose `operations` are its `--operation` flags.
+    cancel: bool,
+}
+
+/// Params that are a flag of the same name in kebab case.
+const SAME_AS_FLAG: &[&str] = &[
+    "uid",
+    "itemOperationTimeout",
+    "stallTimeout",
+    "startTimeout",
+    "retryAttempts",
+    "retryBackoff",
+    "retryWithin",
+    "apiVersion",
+    "reason",
+    "limit",
+    "after",
+    "object",
+    "errors",
+    "warnings",
+    "finalize",
+];
+
+impl Fields {
+    pub fn of(command: &Command) -> Fields {
+        let owner = match command {
+            Command::Backup(c) | Command::Restore(c) => Some(c),
+            _ => None,
+        };
+        let file = match owner {
+            Some(OwnerCommand::AddOperation(a)) if a.file.is_some() => Some("--file"),
+            Some(OwnerCommand::Finalize { .. }) => Some("--updated-items"),
+            _ => None,
+        };
+        let cancel = matches!(owner, Some(OwnerCommand::Cancel { .. }));
+        Fields { file, cancel }
+    }
+
+    /// `message` with a leading field path (`path: what is wrong`) named as the flag.
+    pub fn name_flags(&self, message: &str) -> String {
+        match message.split_once(": ") {
+            Some((path, rest)) => match self.flag(path) {
+                Some(flag) => format!("{flag}: {rest}"),
+                None => message.to_string(),
+            },
+            None => message.to_string(),
+        }
+    }
+
+    fn flag(&self, path: &str) -> Option<String> {
+        let exact = match path {
+            "name" => "NAME",
+            "server.name" => "--server",
+            "server.instance" => "--instance",
+            "socket" => "--snapshotter-socket",
+            "veleroPlugin" => "--velero-plugin",
+            "args" => "the arguments (after --)",
+            "env" => "--env",
+            "command" => "the command (after --)",
+            "contents.input" => "--contents-input",
+            "contents.output" => "--contents-output",
+            _ => "",
+        };
+        if !exact.is_empty() {
+            return Some(exact.to_string());
+        }
+        let head = path.split(['.', '[']).next().unwrap_or(path);
+        match head {
+            "operations" if self.cancel => Some("--operation".into()),
+            "operations" | "updatedItems" => match self.file {
+                Some(flag) => Some(format!("{flag}: {path}")),
+                None => {
+                    let field = path.split_once("].").map_or("", |(_, f)| f);
+                    let flag = match field.split(['.', '[']).next().unwrap_or("") {
+                        "plugin" if field == "plugin.kind" => "--plugin-kind",
+                        "plugin" => "--plugin",
+                        "resource" => "--item",
+                        "operationId" => "--operation-id",
+                        "postOperationItems" => "--post-item",
+                        "created" => "--created",
+                        _ => return None,
+                    };
+                    Some(flag.into())
+                }
+            },
+            "phases" => Some("--phase".into()),
+            _ if path == head && SAME_AS_FLAG.contains(&head) => {
+                let mut flag = String::from("--");
+                for c in head.chars() {
+                    if c.is_ascii_uppercase() {
+                        flag.push('-');
+                    }
+                    flag.push(c.to_ascii_lowercase());
+                }
+                Some(flag)
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every subcommand, with its path from `opmon`.
+    fn all(cmd: &clap::Command, path: String, out: &mut Vec<(String, clap::Command)>) {
+        for sub in cmd.get_subcommands() {
+            let path = format!("{path} {}", sub.get_name());
+            out.push((path.clone(), sub.clone()));
+            all(sub, path, out);
+        }
+    }
+
+    #[test]
+    fn every_argument_flag_and_command_explains_itself() {
+        let mut cmd = command();
+        cmd.build();
+        let mut commands = vec![("opmon".to_string(), cmd.clone())];
+        all(&cmd, "opmon".into(), &mut commands);
+        let mut silent = Vec::new();
+        for (path, sub) in &commands {
+            if sub.get_about().is_none() && path != "opmon" {
+                silent.push(path.clone());
+            }
+            for arg in sub.get_arguments() {
+                let id = arg.get_id().as_str();
+                if ["help", "version"].contains(&id) || arg.is_hide_set() {
+                    continue;
+                }
+                if arg.get_help().is_none() {
+                    silent.push(format!("{path}: {id}"));
+                }
+                // Shell names (clap_complete's) say what they are.
+                let values = if id == "shell" {
+                    Vec::new()
+                } else {
+                    arg.get_possible_values()
+                };
+                for value in values {
+                    if value.get_help().is_none() && !value.is_hide_set() {
+                        silent.push(format!("{path}: {id} = {}", value.get_name()));
+                    }
+                }
+            }
+        }
+        assert!(silent.is_empty(), "no help for: {silent:#?}");
+    }
+
+    #[test]
+    fn the_agents_field_names_become_the_flags_typed() {
+        let parse = |argv: &[&str]| {
+            let cli = Cli::from_arg_matches(&command().get_matches_from(argv)).unwrap();
+            Fields::of(&cli.command)
+        };
+        let start = parse(&["opmon", "backup", "start", "b", "--uid", "u"]);
+        assert_eq!(
+            start.name_flags("itemOperationTimeout: must be positive"),
+            "--item-operation-timeout: must be positive"
+        );
+        assert_eq!(start.name_flags("name: too long"), "NAME: too long");
+        assert_eq!(
+            start.name_flags("server.instance: empty"),
+            "--instance: empty"
+        );
+        assert_eq!(
+            start.name_flags("backup b not found (code 1001)"),
+            "backup b not found (code 1001)"
+        );
+        let add = parse(&[
+            "opmon",
+            "backup",
+            "add-operation",
+            "b",
+            "--plugin",
+            "a/b",
+            "--item",
+            "pods/x",
+            "--operation-id",
+            "1",
+        ]);
+        assert_eq!(
+            add.name_flags("operations[0].resource.name: must not contain '/'"),
+            "--item: must not contain '/'"
+        );
+        assert_eq!(
+            add.name_flags("operations[0].plugin.name: bad"),
+            "--plugin: bad"
+        );
+        let file = parse(&[
+            "opmon",
+            "backup",
+            "add-operation",
+            "b",
+            "--file",
+            "ops.json",
+        ]);
+        assert_eq!(
+            file.name_flags("operations[3].operationId: empty"),
+            "--file: operations[3].operationId: empty"
+        );
+        let register = parse(&["opmon", "snapshotter", "register", "a/b"]);
+        assert_eq!(
+            register.name_flags("socket: must be absolute"),
+            "--snapshotter-socket: must be absolute"
+        );
+        let cancel = parse(&["opmon", "backup", "cancel", "b", "--operation", "x"]);
+        assert_eq!(
+            cancel.name_flags("operations[0]: no such operation"),
+            "--operation: no such operation"
+        );
+    }
+
+    #[test]
+    fn only_a_restore_offers_finalize() {
+        let cmd = command();
+        let start = |kind: &str| {
+            cmd.find_subcommand(kind)
+                .and_then(|c| c.find_subcommand("start"))
+                .and_then(|c| c.get_arguments().find(|a| a.get_id() == "finalize"))
+                .map(|a| a.is_hide_set())
+        };
+        assert_eq!(start("backup"), Some(true));
+        assert_eq!(start("restore"), Some(false));
+    }
 }

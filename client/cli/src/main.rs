@@ -17,15 +17,14 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser};
 use opmon_client::methods::{self, Method};
 use opmon_client::text::escape_controls;
 use opmon_client::{
-    AddOperationsParams, CancelParams, CancelResult, Client, Contents, EndInProgressParams,
-    EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams, NameParams, NewOperation,
-    NoParams, OperationSelector, OperationsParams, Owner, OwnerKind, PluginKind, PluginRef,
-    ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter, StartParams, UpdatedItem,
-    WaitUntil,
+    AddOperationsParams, ApiVersion, CancelParams, CancelResult, Client, Contents,
+    EndInProgressParams, EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams,
+    NameParams, NewOperation, NoParams, OperationSelector, OperationsParams, Owner, OwnerKind,
+    PluginKind, PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter,
+    StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -42,7 +41,11 @@ const DESCRIBE_EVENTS: usize = 20;
 type Outcome = Result<u8, String>;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `COMPLETE=<shell> opmon -- <words>`: the shell asking for completions (see
+    // `opmon completions`); answered and exited here.
+    clap_complete::CompleteEnv::with_factory(args::command).complete();
+    let cli = args::parse();
+    let fields = args::Fields::of(&cli.command);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -56,6 +59,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
+            let e = fields.name_flags(&e);
             out::warn(&format!("opmon: {}", escape_controls(&e)));
             ExitCode::from(2)
         }
@@ -64,8 +68,17 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> Outcome {
     if let Command::Completions { shell } = cli.command {
+        // The script calls `COMPLETE=<shell> opmon -- …` at each tab, so names complete
+        // from the running agent; see `main`.
+        let name = shell.to_string();
+        let shells = clap_complete::env::Shells::builtins();
+        let completer = shells
+            .completer(&name)
+            .ok_or_else(|| format!("no completion for {name}"))?;
         let mut script = Vec::new();
-        clap_complete::generate(shell, &mut Cli::command(), "opmon", &mut script);
+        completer
+            .write_registration("COMPLETE", "opmon", "opmon", "opmon", &mut script)
+            .map_err(|e| e.to_string())?;
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
@@ -238,6 +251,15 @@ async fn owner_command(
                     }]
                 }
             };
+            let plugins: std::collections::BTreeSet<String> = operations
+                .iter()
+                .map(|o| {
+                    // As the agent keeps it: a legacy name is `velero.io/<name>`.
+                    let mut name = o.plugin.name.clone();
+                    opmon_client::validate::legacy_plugin_name(&mut name);
+                    name
+                })
+                .collect();
             let params = AddOperationsParams {
                 name: a.name,
                 operations,
@@ -245,7 +267,9 @@ async fn owner_command(
             let value = call::<methods::AddOperations>(client, kind, params).await?;
             print(out, &value, |r: &opmon_client::AddOperationsResult| {
                 format!("{} added, {} already known\n", r.added, r.already_known)
-            })
+            })?;
+            warn_unowned(client, kind, &plugins).await;
+            Ok(0)
         }
         OwnerCommand::EndInProgress {
             name,
@@ -267,7 +291,7 @@ async fn owner_command(
         OwnerCommand::Get { name } => {
             let value = call::<methods::Get>(client, kind, NameParams { name }).await?;
             print(out, &value, |o: &Owner| {
-                render::owners(std::slice::from_ref(o))
+                render::owners(std::slice::from_ref(o), time::OffsetDateTime::now_utc())
             })?;
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
@@ -284,7 +308,7 @@ async fn owner_command(
             };
             let value = call::<methods::List>(client, kind, params).await?;
             print(out, &value, |l: &opmon_client::OwnerList| {
-                let mut text = render::owners(&l.items);
+                let mut text = render::owners(&l.items, time::OffsetDateTime::now_utc());
                 if let Some(next) = &l.next {
                     text.push_str(&format!("(more: --after {})\n", escape_controls(next)));
                 }
@@ -501,6 +525,33 @@ async fn owner_command(
     }
 }
 
+/// Says which of `plugins` no snapshotter owns: their operations would only fail later,
+/// when the owner leaves InProgress ("no snapshotter is registered for plugin …"). A
+/// warning, not an error: the snapshotter may be registered before then.
+async fn warn_unowned(
+    client: &Client,
+    kind: OwnerKind,
+    plugins: &std::collections::BTreeSet<String>,
+) {
+    let Ok(value) = call_agent::<methods::ListSnapshotters>(client, NoParams {}).await else {
+        return;
+    };
+    let Ok(registered) = typed::<Vec<Snapshotter>>(&value) else {
+        return;
+    };
+    for plugin in plugins {
+        if !registered.iter().any(|s| &s.name == plugin) {
+            out::warn(&format!(
+                "opmon: warning: no snapshotter is registered for plugin {}: its operations \
+                 fail when the {kind} leaves InProgress unless one is registered by then \
+                 (opmon snapshotter register {})",
+                escape_controls(plugin),
+                escape_controls(plugin)
+            ));
+        }
+    }
+}
+
 async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterCommand) -> Outcome {
     match cmd {
         SnapshotterCommand::Register {
@@ -516,6 +567,17 @@ async fn snapshotter_command(client: &Client, out: Output, cmd: SnapshotterComma
             retry_backoff,
             retry_within,
         } => {
+            if api_version == ApiVersion::V2
+                && snapshotter_socket.is_none()
+                && velero_plugin.is_none()
+                && command.is_empty()
+            {
+                return Err(
+                    "a v2 snapshotter needs --snapshotter-socket PATH, --velero-plugin \
+                            PATH or a command after --"
+                        .into(),
+                );
+            }
             // With a Velero plugin, the words after -- are the binary's arguments.
             let args = match velero_plugin {
                 Some(_) => Some(std::mem::take(&mut command)),

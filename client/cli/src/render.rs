@@ -112,15 +112,8 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-fn time(t: Option<Timestamp>) -> String {
-    t.and_then(|t| {
-        t.format(&time::format_description::well_known::Rfc3339)
-            .ok()
-    })
-    .unwrap_or_else(|| "<n/a>".into())
-}
-
-pub fn owners(list: &[Owner]) -> String {
+/// Owners as `kubectl get` lists objects: how old each is in the `AGE` column.
+pub fn owners(list: &[Owner], now: Timestamp) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|o| {
@@ -130,7 +123,7 @@ pub fn owners(list: &[Owner]) -> String {
                 format!("{}/{}", o.operations_completed, o.operations_attempted),
                 o.operations_failed.to_string(),
                 o.errors.to_string(),
-                time(Some(o.created)),
+                age(o.created, now),
             ]
         })
         .collect();
@@ -141,7 +134,7 @@ pub fn owners(list: &[Owner]) -> String {
             "OPERATIONS DONE",
             "FAILED",
             "ERRORS",
-            "CREATED",
+            "AGE",
         ],
         &rows,
     )
@@ -163,19 +156,39 @@ pub fn progress(op: &Operation) -> String {
 }
 
 /// The agent's smoothed rate of `op` and, while it runs, the time left by its ETA
-/// counted from `now`; `None` until the agent knows a rate.
+/// counted from `now`, or `finishing` once all of it is done but the snapshotter has not
+/// said it completed (the agent has no ETA then); `None` until there is either.
 pub fn rate_and_eta(op: &Operation, now: Timestamp) -> Option<String> {
-    let rate = op.rate?;
-    let units = if op.operation_units.is_empty() {
-        Cow::Borrowed("units")
-    } else {
-        clean(&op.operation_units)
-    };
-    let mut text = format!("{} {units}/s", human(rate));
-    if let Some(eta) = op.eta.filter(|_| op.phase.is_unfinished()) {
-        let _ = write!(text, ", {}", time_left(eta, now));
+    let done = op.n_total > 0 && op.n_completed >= op.n_total;
+    let mut parts = Vec::new();
+    if let Some(rate) = op.rate {
+        parts.push(rate_text(rate, &op.operation_units));
     }
-    Some(text)
+    if op.phase.is_unfinished() {
+        match op.eta {
+            Some(eta) if !done => parts.push(time_left(eta, now)),
+            _ if done => parts.push("finishing".into()),
+            _ => {}
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// Whether `units` are bytes, which are shown as the progress bars show them (KiB, MiB).
+pub fn is_bytes(units: &str) -> bool {
+    matches!(units, "byte" | "bytes" | "B")
+}
+
+/// A rate in `units` per second: bytes as `16.00 MiB/s` (one style with the bars'
+/// `MiB`), anything else as `3.20k files/s`.
+fn rate_text(rate: f64, units: &str) -> String {
+    if is_bytes(units) {
+        format!("{}/s", indicatif::HumanBytes(rate.max(0.0) as u64))
+    } else if units.is_empty() {
+        format!("{} units/s", human(rate))
+    } else {
+        format!("{} {}/s", human(rate), clean(units))
+    }
 }
 
 /// `about 1m5s left` until `eta`, or `overdue by 5s` once it has passed: the ETA was
@@ -203,15 +216,7 @@ pub fn owner_rate(owner: &Owner, now: Timestamp) -> Option<String> {
     let mut parts: Vec<String> = progress
         .units
         .iter()
-        .filter_map(|u| {
-            let rate = u.rate?;
-            let units = if u.units.is_empty() {
-                Cow::Borrowed("units")
-            } else {
-                clean(&u.units)
-            };
-            Some(format!("{} {units}/s", human(rate)))
-        })
+        .filter_map(|u| Some(rate_text(u.rate?, &u.units)))
         .collect();
     if let Some(eta) = progress.eta {
         parts.push(time_left(eta, now));
@@ -286,7 +291,7 @@ pub fn event_list(events: &[Event]) -> String {
         .map(|e| {
             vec![
                 e.seq.to_string(),
-                time(Some(e.time)),
+                velero_time(e.time),
                 clean(&e.reason).into_owned(),
                 event_source(e),
                 e.operation
@@ -581,8 +586,11 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) ->
 
 pub fn status(s: &AgentStatus) -> String {
     let mut out = format!(
-        "version {}, up {}, {} unfinished operations, {} snapshotters\n",
-        s.version, s.uptime, s.unfinished_operations, s.snapshotters
+        "version {}, up {}, {}, {}\n",
+        s.version,
+        s.uptime,
+        counted(s.unfinished_operations, "unfinished operation"),
+        counted(s.snapshotters, "snapshotter")
     );
     let rows: Vec<Vec<String>> = s
         .owners
@@ -760,21 +768,56 @@ mod tests {
     }
 
     #[test]
+    fn an_operation_at_100_percent_says_it_is_finishing() {
+        // All of it copied, the snapshotter not yet done: the agent has no ETA.
+        let mut done = op(100_000_000, 100_000_000);
+        assert_eq!(done.eta, None);
+        assert_eq!(
+            rate_and_eta(&done, NOW).as_deref(),
+            Some("9.54 MiB/s, finishing")
+        );
+        done.rate = None;
+        assert_eq!(rate_and_eta(&done, NOW).as_deref(), Some("finishing"));
+        done.phase = OperationPhase::Completed;
+        assert_eq!(rate_and_eta(&done, NOW), None);
+    }
+
+    #[test]
+    fn rates_use_the_bars_units_for_bytes() {
+        assert_eq!(rate_text(16_777_216.0, "bytes"), "16.00 MiB/s");
+        assert_eq!(rate_text(16_777_216.0, "B"), "16.00 MiB/s");
+        assert_eq!(rate_text(3_200.0, "files"), "3.20k files/s");
+        assert_eq!(rate_text(2.0, ""), "2.00 units/s");
+    }
+
+    #[test]
+    fn owners_are_listed_with_their_age() {
+        let mut owner = owner(opmon_client::OwnerKind::Backup, 2, 1, 0);
+        owner.created = NOW - time::Duration::seconds(3 * 3600 + 25 * 60);
+        let text = owners(&[owner], NOW);
+        assert!(text.lines().next().unwrap_or("").ends_with("AGE"), "{text}");
+        assert!(
+            text.lines().nth(1).unwrap_or("").ends_with("3h25m"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn rate_and_eta_are_the_agents() {
         // 5 MB/s, 50 MB left: 10 s from the last sample.
         assert_eq!(
             rate_and_eta(&op(50_000_000, 100_000_000), NOW).as_deref(),
-            Some("5.00M bytes/s, about 10s left")
+            Some("4.77 MiB/s, about 10s left")
         );
         let later = NOW + time::Duration::seconds(4);
         assert_eq!(
             rate_and_eta(&op(50_000_000, 100_000_000), later).as_deref(),
-            Some("5.00M bytes/s, about 6s left")
+            Some("4.77 MiB/s, about 6s left")
         );
         let stalled = NOW + time::Duration::seconds(75);
         assert_eq!(
             rate_and_eta(&op(50_000_000, 100_000_000), stalled).as_deref(),
-            Some("5.00M bytes/s, overdue by 1m5s")
+            Some("4.77 MiB/s, overdue by 1m5s")
         );
         assert_eq!(
             rate_and_eta(&op(0, 100), NOW),
@@ -815,7 +858,7 @@ mod tests {
         });
         assert_eq!(
             owner_rate(&o, NOW).as_deref(),
-            Some("12.5M bytes/s, about 2m0s left")
+            Some("11.92 MiB/s, about 2m0s left")
         );
     }
 
@@ -957,7 +1000,7 @@ mod tests {
              \x20   Created:               2026-01-01 00:00:00 +0000 UTC\n\
              \x20   Started:               2026-01-01 00:00:00 +0000 UTC\n\
              \x20   Updated:               2026-01-01 00:00:10 +0000 UTC\n\
-             \x20   Rate:                  5.00M bytes/s, about 10s left\n\
+             \x20   Rate:                  4.77 MiB/s, about 10s left\n\
              \x20 Operation for persistentvolumes /pv-1:\n\
              \x20   Backup Item Action Plugin:  example.io/copier\n\
              \x20   Operation ID:               copy-2\n\

@@ -1,6 +1,8 @@
 //! `wait`: follows the owner's subscription until it reaches the phase asked for. On a
-//! terminal, live progress bars (one per unfinished operation and one overall); when
-//! stdout is not a terminal, one plain line per change, for logs and scripts.
+//! terminal, live progress bars (one per unfinished operation and one overall), each
+//! line cut to the terminal's width so that redrawing leaves no stale lines behind;
+//! when stdout is not a terminal, one plain line per change, for logs and scripts.
+//! While the agent cannot be reached (restarting), both say so until it is back.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -42,11 +44,55 @@ trait View {
         ops: &BTreeMap<OpKey, Operation>,
     ) -> Result<(), String>;
     fn finish(&mut self);
+    /// The agent cannot be reached: the subscription is reconnecting.
+    fn agent_gone(&mut self);
+}
+
+/// What the agent's absence looks like on screen.
+const RECONNECTING: &str = "agent restarting, reconnecting…";
+
+/// How long without an update before `wait` checks that the agent is still there.
+const PROBE_AFTER: Duration = Duration::from_secs(2);
+
+/// The owner's progress for its bar: `(done, total, units)`. When every operation counts
+/// in one unit and knows its total, the sum of their progress in that unit (the bar
+/// moves with the bytes copied, not only when an operation ends); otherwise its
+/// operations, finished or not, with no unit.
+fn owner_progress(owner: &Owner, ops: &BTreeMap<OpKey, Operation>) -> (u64, u64, Option<String>) {
+    let by_operations = (
+        owner.operations_completed + owner.operations_failed,
+        owner.operations_attempted,
+        None,
+    );
+    let Some(units) = ops.values().next().map(|o| o.operation_units.clone()) else {
+        return by_operations;
+    };
+    let one_unit = ops.len() as u64 == owner.operations_attempted
+        && !units.is_empty()
+        && ops
+            .values()
+            .all(|o| o.operation_units == units && o.n_total > 0);
+    if !one_unit {
+        return by_operations;
+    }
+    let (mut done, mut total) = (0u64, 0u64);
+    for o in ops.values() {
+        let n_total = o.n_total.max(0) as u64;
+        total += n_total;
+        done += if o.phase.is_unfinished() {
+            (o.n_completed.max(0) as u64).min(n_total)
+        } else {
+            n_total
+        };
+    }
+    (done, total, Some(units))
 }
 
 /// Plain lines: the owner when it changes, then each changed operation.
 struct Lines {
     last_owner: Option<(opmon_client::OwnerPhase, u64, u64)>,
+    /// The agent is gone, and this was said.
+    gone: bool,
 }
 
 impl View for Lines {
@@ -59,6 +105,9 @@ impl View for Lines {
         let summary = (o.phase, o.operations_completed, o.operations_failed);
         let now = time::OffsetDateTime::now_utc();
         let mut text = String::new();
+        if std::mem::take(&mut self.gone) {
+            text.push_str("agent back\n");
+        }
         if self.last_owner != Some(summary) {
             text.push_str(&format!(
                 "{} {}: {} ({}/{} operations completed, {} failed)",
@@ -99,29 +148,71 @@ impl View for Lines {
     }
 
     fn finish(&mut self) {}
+
+    fn agent_gone(&mut self) {
+        if !self.gone {
+            self.gone = true;
+            let _ = out::emit(&format!("{RECONNECTING}\n"));
+        }
+    }
 }
 
 /// indicatif bars: one overall, one per operation while it runs.
 struct Bars {
     multi: MultiProgress,
+    widths: Widths,
     overall: ProgressBar,
+    /// The unit the overall bar counts in (`None`: operations).
+    overall_units: Option<String>,
     ops: BTreeMap<OpKey, ProgressBar>,
+}
+
+/// The widths of a bar line's label and bar, from the terminal's: what is left after
+/// them and the counts (`1023.99 MiB/1023.99 MiB`) goes to the message, which is cut to
+/// fit, so every line fits a terminal of 50 columns or more.
+#[derive(Clone, Copy)]
+struct Widths {
+    label: usize,
+    bar: usize,
+}
+
+impl Widths {
+    fn of_terminal() -> Widths {
+        let (_, columns) = console::Term::stdout().size();
+        let columns = usize::from(columns);
+        let bar = columns.saturating_sub(60).clamp(5, 20);
+        let label = columns.saturating_sub(bar + 38).clamp(8, 24);
+        Widths { label, bar }
+    }
+}
+
+/// The overall bar's style: in bytes or another unit the operations share, or in
+/// operations. The message is the line's wide part, cut to what the terminal has left.
+fn overall_style(widths: Widths, units: Option<&str>) -> ProgressStyle {
+    let count = match units {
+        Some(u) if render::is_bytes(u) => "{bytes}/{total_bytes}".to_string(),
+        Some(u) => format!("{{pos}}/{{len}} {}", clean(u).replace(['{', '}'], "")),
+        None => "{pos}/{len} operations".to_string(),
+    };
+    let Widths { label, bar } = widths;
+    ProgressStyle::with_template(&format!(
+        "{{prefix:{label}!.bold}} [{{bar:{bar}.green/white}}] {count}  {{wide_msg}}"
+    ))
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
 }
 
 impl Bars {
     fn new() -> Bars {
         let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
+        let widths = Widths::of_terminal();
         let overall = multi.add(ProgressBar::new(0));
-        overall.set_style(
-            ProgressStyle::with_template(
-                "{prefix:.bold} [{bar:40.green/white}] {pos}/{len} operations  {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
+        overall.set_style(overall_style(widths, None));
         overall.enable_steady_tick(Duration::from_millis(200));
         Bars {
             multi,
+            widths,
             overall,
+            overall_units: None,
             ops: BTreeMap::new(),
         }
     }
@@ -134,13 +225,18 @@ impl Bars {
         // The rate and the time left are the agent's (in the message), not indicatif's
         // guess from what this process happened to see.
         let bar = self.multi.add(ProgressBar::new(op.n_total.max(0) as u64));
-        let template = if op.operation_units.starts_with("byte") {
-            "  {prefix:40} [{bar:30.cyan/blue}] {bytes}/{total_bytes}  {msg}"
+        let count = if render::is_bytes(&op.operation_units) {
+            "{bytes}/{total_bytes}"
         } else {
-            "  {prefix:40} [{bar:30.cyan/blue}] {pos}/{len}  {msg}"
+            "{pos}/{len}"
         };
+        // Indented under the owner's line, by two columns of the label's.
+        let (label, width) = (self.widths.label - 2, self.widths.bar);
+        let template =
+            format!("  {{prefix:{label}!}} [{{bar:{width}.cyan/blue}}] {count}  {{wide_msg}}");
         bar.set_style(
-            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(&template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar.set_prefix(bar_label(op));
         self.ops.insert(key, bar.clone());
@@ -163,9 +259,14 @@ impl View for Bars {
         let now = time::OffsetDateTime::now_utc();
         self.overall
             .set_prefix(format!("{} {}", o.kind, clean(&o.name)));
-        self.overall.set_length(o.operations_attempted);
-        self.overall
-            .set_position(o.operations_completed + o.operations_failed);
+        let (done, total, units) = owner_progress(o, ops);
+        if units != self.overall_units {
+            self.overall
+                .set_style(overall_style(self.widths, units.as_deref()));
+            self.overall_units = units;
+        }
+        self.overall.set_length(total);
+        self.overall.set_position(done);
         self.overall.set_message(match render::owner_rate(o, now) {
             Some(rate) => format!("{}  {rate}", o.phase),
             None => o.phase.to_string(),
@@ -202,6 +303,11 @@ impl View for Bars {
     fn finish(&mut self) {
         self.overall.finish();
     }
+
+    fn agent_gone(&mut self) {
+        // The next update (resumed, with everything) sets the message again.
+        self.overall.set_message(RECONNECTING);
+    }
 }
 
 /// Waits for `name`; returns the owner when `until` is reached, or `None` on timeout.
@@ -220,21 +326,36 @@ pub async fn wait(
     } else if std::io::stdout().is_terminal() {
         Box::new(Bars::new())
     } else {
-        Box::new(Lines { last_owner: None })
+        Box::new(Lines {
+            last_owner: None,
+            gone: false,
+        })
     };
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let mut ops: BTreeMap<OpKey, Operation> = BTreeMap::new();
+    let mut probe = tokio::time::interval(PROBE_AFTER);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut heard = tokio::time::Instant::now();
     loop {
-        let next = match deadline {
-            Some(d) => match tokio::time::timeout_at(d, updates.next()).await {
-                Ok(next) => next,
-                Err(_) => {
-                    view.finish();
-                    return Ok(None);
+        // The subscription reconnects by itself and says nothing meanwhile; a quiet
+        // owner is normal, so after a quiet while `wait` looks whether the agent is
+        // there. (`next` keeps its place when the probe's turn drops it.)
+        let next = tokio::select! {
+            next = updates.next() => next,
+            _ = probe.tick() => {
+                if heard.elapsed() >= PROBE_AFTER
+                    && tokio::net::UnixStream::connect(client.socket()).await.is_err()
+                {
+                    view.agent_gone();
                 }
-            },
-            None => updates.next().await,
+                continue;
+            }
+            _ = until_deadline(deadline) => {
+                view.finish();
+                return Ok(None);
+            }
         };
+        heard = tokio::time::Instant::now();
         let update = match next {
             Some(Ok(update)) => update,
             Some(Err(e)) => {
@@ -250,6 +371,14 @@ pub async fn wait(
             view.finish();
             return Ok(Some(update.update.owner));
         }
+    }
+}
+
+/// Resolves at `deadline`, or never.
+async fn until_deadline(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -272,6 +401,7 @@ impl View for Quiet {
         Ok(())
     }
     fn finish(&mut self) {}
+    fn agent_gone(&mut self) {}
 }
 
 #[cfg(test)]
@@ -339,6 +469,32 @@ mod tests {
             bar_label(&op("pods/app/b", "copy-1", 0)),
             "pods app/b copy-1"
         );
+    }
+
+    #[test]
+    fn the_owner_bar_sums_bytes_when_every_operation_counts_them() {
+        let mut ops = BTreeMap::new();
+        let u = update(
+            vec![op("pods/app/a", "c-1", 40), op("pods/app/b", "c-2", 10)],
+            false,
+        );
+        remember(&mut ops, &u);
+        assert_eq!(
+            owner_progress(&u.owner, &ops),
+            (50, 200, Some("byte".to_string()))
+        );
+        // One finished counts whole; one in another unit: back to operations.
+        let mut done = op("pods/app/a", "c-1", 90);
+        done.phase = OperationPhase::Completed;
+        remember(&mut ops, &update(vec![done], false));
+        assert_eq!(
+            owner_progress(&u.owner, &ops),
+            (110, 200, Some("byte".into()))
+        );
+        let mut files = op("pods/app/b", "c-2", 3);
+        files.operation_units = "files".into();
+        remember(&mut ops, &update(vec![files], false));
+        assert_eq!(owner_progress(&u.owner, &ops), (0, 2, None));
     }
 
     #[test]

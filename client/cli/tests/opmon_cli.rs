@@ -9,10 +9,11 @@ fn opmon() -> Command {
 
 #[test]
 fn completions_are_printed_for_each_shell() {
+    // Each script hands the words typed to `COMPLETE=<shell> opmon -- …`.
     for (shell, marker) in [
-        ("bash", "_opmon()"),
+        ("bash", "COMPLETE=\"bash\""),
         ("zsh", "#compdef opmon"),
-        ("fish", "complete -c opmon"),
+        ("fish", "COMPLETE=fish opmon --"),
     ] {
         let out = opmon().args(["completions", shell]).output().unwrap();
         assert!(out.status.success(), "{shell}");
@@ -22,11 +23,18 @@ fn completions_are_printed_for_each_shell() {
             "{shell}: {}",
             &text[..text.len().min(200)]
         );
-        assert!(
-            text.contains("end-in-progress"),
-            "{shell} completes subcommands"
-        );
     }
+    // Which the binary answers with the subcommands, without an agent.
+    let out = opmon()
+        .env("COMPLETE", "fish")
+        .args(["--", "opmon", "backup", ""])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("end-in-progress"),
+        "completes subcommands"
+    );
 }
 
 #[test]

@@ -270,36 +270,20 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let out_size = std::fs::metadata(&output).map(|m| m.len()).unwrap_or(0);
     let mb = |b: u64| b as f64 / 1e6;
     let mut rows = vec![
-        Row::ratio_at_most(
-            format!(
-                "finalize: backup.finalize seconds, {:.0} MB .tar.gz of {} entries, {} replaced \
-                 (baseline: gzip -dc IN | gzip -6 > OUT)",
-                mb(size),
-                entries + 1,
-                s.tar_updates
-            ),
-            dur(took),
-            dur(gzip),
-            0.5,
-        ),
+        Row::ratio_at_most("finalize vs gzip", dur(took), dur(gzip), 0.5),
         match &pigz {
-            Ok(pigz) => Row::ratio_at_most(
-                "finalize: the same against pigz -dc IN | pigz -6 -p 2 > OUT",
-                dur(took),
-                dur(*pigz),
-                1.0,
-            ),
+            Ok(pigz) => Row::ratio_at_most("finalize vs pigz", dur(took), dur(*pigz), 1.0),
             Err(e) => Row::error("finalize", e),
         },
         Row::ratio_at_most(
-            "finalize: output size against gzip -6's",
+            "finalize output size",
             (out_size as f64, format!("{:.2} MB", mb(out_size))),
             (gzip_size as f64, format!("{:.2} MB", mb(gzip_size))),
             1.02,
         ),
         match peak_kib {
             Ok(kib) => Row::absolute(
-                "finalize: agent peak RSS (VmHWM) while it finalizes",
+                "finalize memory peak",
                 crate::table::mib(kib),
                 "≤ 64 MiB",
                 kib <= 64 * 1024,
@@ -308,13 +292,9 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         },
     ];
     rows.extend([
-        Row::info_vs(
-            "finalize: the same against the gzip pipeline plus an fsync of OUT (the agent syncs)",
-            dur(took),
-            dur(gzip + gzip_sync),
-        ),
+        Row::info_vs("finalize vs gzip+fsync", dur(took), dur(gzip + gzip_sync)),
         Row::info(
-            "finalize: input → output size, agent throughput",
+            "finalize throughput",
             format!(
                 "{:.0} MB → {:.0} MB, {:.1} MB/s of input",
                 mb(size),

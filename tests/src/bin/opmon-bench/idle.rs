@@ -13,7 +13,7 @@ use crate::agent::Spec;
 use crate::register::{add_operations, end_in_progress, operation, start_backups};
 use crate::snap::Bench;
 use crate::sweep::cpu_ticks;
-use crate::table::{thousands, Row};
+use crate::table::Row;
 use crate::Ctx;
 
 const PLUGIN: &str = "example.io/bench";
@@ -79,13 +79,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let pct = |x: f64| format!("{:.2} % of one core", x * 100.0);
     Ok(vec![
         Row {
-            figure: format!(
-                "idle: agent CPU (utime+stime) over {} s while {} operations of {BACKUPS} \
-                 backups wait, polled every 10 s (the default), nothing changing (baseline: \
-                 an agent with no operations, the same window)",
-                window.as_secs(),
-                thousands(OPERATIONS as f64)
-            ),
+            figure: "idle CPU".into(),
             value: pct(loaded),
             baseline: pct(idle),
             ratio: "–".into(),
@@ -96,9 +90,6 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
                 crate::table::Verdict::Fail
             },
         },
-        Row::info(
-            "idle: the snapshotter's CPU in that window (bench process)",
-            pct(snapshotter),
-        ),
+        Row::info("idle snapshotter CPU", pct(snapshotter)),
     ])
 }

@@ -104,13 +104,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let text = |v: f64| format!("{} instructions/op", thousands(v));
     let target = AT_START / 2.0;
     Ok(vec![Row {
-        figure: format!(
-            "instructions: agent instructions per polled-and-committed operation, one \
-                 sweep of {} unfinished ops of {BACKUPS} backups, counted by callgrind from \
-                 the release of the held calls to the last commit (baseline: --batch-size 1 \
-                 --socket-concurrency 1)",
-            thousands(n as f64)
-        ),
+        figure: "instructions per op".into(),
         value: text(batched),
         baseline: text(serial),
         ratio: format!("{:.2}×", batched / serial),

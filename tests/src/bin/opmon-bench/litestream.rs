@@ -248,12 +248,12 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
     }
     let median = crate::table::median_f64;
     rows.push(Row::info_vs(
-        format!("litestream: backup.start calls/s, {clients} clients × {calls} calls, checkpoint = \"external\" with Litestream replicating to a file every 1 s (baseline: the agent alone); median of {}", ctx.sizes.repeats),
+        "litestream calls/s",
         per_sec(median(with), "calls"),
         per_sec(median(without), "calls"),
     ));
     rows.push(Row::info(
-        "litestream: Litestream's CPU (share of one core) and peak RSS during that load",
+        "litestream CPU, memory",
         format!(
             "{:.0} % of a core, {}",
             median(cpu_share) * 100.0,
@@ -261,7 +261,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         ),
     ));
     rows.push(Row::info(
-        "litestream: WAL file size after that load, largest of the runs (checkpoint = \"external\" with Litestream; the agent alone with SQLite's checkpoints)",
+        "litestream WAL size",
         format!(
             "{} with Litestream, {} alone",
             crate::table::mib(wal_replicated / 1024),
@@ -286,7 +286,7 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
         windows.sort();
         lost.sort_unstable();
         rows.push(Row::info(
-            format!("litestream: node loss (SIGKILL of agent and Litestream, restore) with {interval} intervals: the oldest lost write was acknowledged this long before the kill; lowest–highest of {} runs (writes lost in brackets)", ctx.sizes.repeats),
+            format!("litestream loss, {interval}"),
             format!(
                 "{:.2}–{:.2} s ({}–{} writes)",
                 windows.first().copied().unwrap_or_default().as_secs_f64(),

@@ -169,6 +169,27 @@ pub struct Sizes {
 }
 
 impl Sizes {
+    /// One header line with the sizes the rows' short names leave out.
+    fn describe(&self) -> String {
+        use crate::table::thousands;
+        let n = |v: usize| thousands(v as f64);
+        format!(
+            "sizes: register-batch {} ops ({} per call), register-concurrent {} clients × {} \
+             calls, sweep {} ops of {} backups, {} subscribers, finalize {} entries ({} \
+             replaced); medians of {} runs",
+            n(self.batch_total),
+            n(self.batch_per_call),
+            self.concurrent_clients,
+            self.concurrent_calls,
+            n(self.sweep_ops),
+            self.sweep_backups,
+            self.subscribers,
+            n(self.tar_entries),
+            n(self.tar_updates),
+            self.repeats
+        )
+    }
+
     fn full() -> Sizes {
         Sizes {
             repeats: 3,
@@ -416,6 +437,8 @@ async fn main() -> std::process::ExitCode {
             temp.path().display()
         ),
         format!("agent: {}", agent_bin.display()),
+        ctx.sizes.describe(),
+        "figures: docs/benchmarks.md says what each row measures".to_string(),
     ]);
     if !args.agent_env.is_empty() {
         let env: Vec<String> = args

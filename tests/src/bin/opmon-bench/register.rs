@@ -6,7 +6,7 @@ use std::time::Instant;
 use opmon_client::{Client, NewOperation, PluginKind, PluginRef, ResourceIdentifier};
 
 use crate::agent::{self, Spec};
-use crate::table::{median_f64, per_sec, thousands, Row};
+use crate::table::{median_f64, per_sec, Row};
 use crate::{raw, sqlite, Ctx};
 
 /// Flags of an agent that should not poll while it is measured.
@@ -121,8 +121,9 @@ fn mean_commit_group(socket: &std::path::Path) -> Option<f64> {
     (count > 0.0).then(|| sum / count)
 }
 
-/// One run of register-batch in `dir`: the agent's rate and the baseline's.
-async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64), String> {
+/// One run of register-batch in `dir`: the agent's rate, the baseline's, and the bytes
+/// the agent's database files take per operation once it has stopped.
+async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64, f64), String> {
     let s = &ctx.sizes;
     let per_owner = s.batch_total / s.batch_backups;
     let owners: Vec<Vec<NewOperation>> = (0..s.batch_backups)
@@ -166,10 +167,17 @@ async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64), Stri
     let took = began.elapsed();
     drop(client);
     agent.terminate()?;
+    let db = spec.database();
+    let disk: u64 = ["", "-wal", "-shm"]
+        .iter()
+        .filter_map(|suffix| std::fs::metadata(format!("{}{suffix}", db.display())).ok())
+        .map(|m| m.len())
+        .sum();
     let base = sqlite::batched(&dir.join("baseline.db"), &owners, s.batch_per_call)?;
     Ok((
         total as f64 / took.as_secs_f64(),
         total as f64 / base.as_secs_f64(),
+        disk as f64 / total as f64,
     ))
 }
 
@@ -177,27 +185,26 @@ async fn batch_once(ctx: &Ctx, dir: &std::path::Path) -> Result<(f64, f64), Stri
 /// raw inserts of the same rows, 1,000 per transaction.
 pub async fn batch(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let s = &ctx.sizes;
-    let (mut rates, mut bases) = (Vec::new(), Vec::new());
+    let (mut rates, mut bases, mut disk) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..s.repeats {
         let dir = ctx.subdir(&format!("register-batch/{r}"))?;
-        let (rate, base) = batch_once(ctx, &dir).await?;
+        let (rate, base, bytes_per_op) = batch_once(ctx, &dir).await?;
         rates.push(rate);
         bases.push(base);
+        disk.push(bytes_per_op);
     }
-    let total = s.batch_total / s.batch_backups * s.batch_backups;
-    Ok(vec![Row::ratio_at_least(
-        format!(
-            "register-batch: addOperations ops/s, {} ops/call, {} ops, one call at a time \
-             (baseline: rusqlite, {} rows/tx); median of {}",
-            thousands(s.batch_per_call as f64),
-            thousands(total as f64),
-            thousands(s.batch_per_call as f64),
-            s.repeats
+    Ok(vec![
+        Row::ratio_at_least(
+            "register-batch",
+            per_sec(median_f64(rates), "ops"),
+            per_sec(median_f64(bases), "ops"),
+            0.5,
         ),
-        per_sec(median_f64(rates), "ops"),
-        per_sec(median_f64(bases), "ops"),
-        0.5,
-    )])
+        Row::info(
+            "disk per 1k ops",
+            format!("{:.0} KiB", median_f64(disk) * 1000.0 / 1024.0),
+        ),
+    ])
 }
 
 /// What one run of register-concurrent measured.
@@ -291,7 +298,6 @@ async fn concurrent_once(ctx: &Ctx, dir: &std::path::Path) -> Result<ConcurrentR
 /// register-concurrent: 64 clients, each on its own connection and backup, adding one
 /// operation per call, against raw inserts of one row per committed transaction.
 pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
-    let s = &ctx.sizes;
     let mut runs = Vec::new();
     // Five runs (each the agent, then the baseline): the baseline follows the disk's
     // fsync time, which drifts, so both are measured in alternation.
@@ -301,11 +307,7 @@ pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
         runs.push(concurrent_once(ctx, &dir).await?);
     }
     let mut rows = vec![Row::ratio_at_least(
-        format!(
-            "register-concurrent: addOperations ops/s, {} clients × {} calls of 1 op \
-             (baseline: rusqlite, 1 row per committed tx); median of {}",
-            s.concurrent_clients, s.concurrent_calls, repeats
-        ),
+        "register-concurrent",
         per_sec(median_f64(runs.iter().map(|r| r.rate).collect()), "ops"),
         per_sec(median_f64(runs.iter().map(|r| r.base).collect()), "ops"),
         5.0,
@@ -313,26 +315,20 @@ pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let groups: Vec<f64> = runs.iter().filter_map(|r| r.group).collect();
     if !groups.is_empty() {
         rows.push(Row::info(
-            "register-concurrent: mean requests per group commit (opmon_commit_batch_size)",
+            "commit group size",
             format!("{:.1}", median_f64(groups)),
         ));
     }
     let lone = median_f64(runs.iter().map(|r| r.lone_p50).collect());
     let per_commit = median_f64(runs.iter().map(|r| 1.0 / r.base).collect());
     rows.push(Row::info_vs(
-        format!(
-            "register-lone: one client alone, addOperations of 1 op, one call at a time, p50 \
-             latency, {} calls after the concurrent run (baseline: rusqlite, time per \
-             committed 1-row tx); median of {}",
-            s.concurrent_calls * 4,
-            runs.len()
-        ),
+        "register-lone p50",
         crate::table::dur(std::time::Duration::from_secs_f64(lone)),
         crate::table::dur(std::time::Duration::from_secs_f64(per_commit)),
     ));
     if let Some(problems) = runs.iter().map(|r| &r.problems).find(|p| !p.is_empty()) {
         rows.push(Row::info(
-            "register: agent log warnings/errors",
+            "register log problems",
             format!("{}: {}", problems.len(), problems[0]),
         ));
     }

@@ -6,18 +6,12 @@ use std::path::Path;
 use crate::agent::Spec;
 use crate::register::QUIET;
 use crate::snap::Bench;
-use crate::table::{dur, median, thousands, Row};
+use crate::table::{dur, median, Row};
 use crate::Ctx;
 
-/// The rows: `spec`'s agent (its database holding `n` operations) started again and
+/// The rows: `spec`'s agent (its database holding the sweep's operations) started again and
 /// again, and one in `dir/empty`.
-pub async fn rows(
-    ctx: &Ctx,
-    spec: &Spec,
-    snap: &Bench,
-    dir: &Path,
-    n: usize,
-) -> Result<Vec<Row>, String> {
+pub async fn rows(ctx: &Ctx, spec: &Spec, snap: &Bench, dir: &Path) -> Result<Vec<Row>, String> {
     let s = &ctx.sizes;
     let mut rows = Vec::new();
     snap.release();
@@ -45,18 +39,13 @@ pub async fn rows(
     first.terminate()?;
     let (empty_status, empty_list) = starts(empty_spec).await?;
     rows.push(Row::ratio_at_most(
-        format!(
-            "restart: spawn → first answered agent.status, {} ops in the database \
-             (baseline: empty database), median of {}",
-            thousands(n as f64),
-            s.restarts
-        ),
+        "restart",
         dur(full_status),
         dur(empty_status),
         2.0,
     ));
     rows.push(Row::info_vs(
-        "restart: the same with snapshotter.list as the first call",
+        "restart, first list",
         dur(full_list),
         dur(empty_list),
     ));

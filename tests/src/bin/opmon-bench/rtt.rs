@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::agent::Spec;
 use crate::register::QUIET;
-use crate::table::{dur, quantile, thousands, Row};
+use crate::table::{dur, quantile, Row};
 use crate::{raw, Ctx};
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -277,57 +277,28 @@ pub async fn run(ctx: &Ctx) -> Result<Vec<Row>, String> {
 
     let p = |v: &[Duration], q| dur(quantile(v, q));
     Ok(vec![
+        Row::info_vs("rpc-rtt p50", p(&agent_times, 0.5), p(&echo_times, 0.5)),
+        Row::info_vs("rpc-rtt p99", p(&agent_times, 0.99), p(&echo_times, 0.99)),
         Row::info_vs(
-            format!(
-                "rpc-rtt: agent.status p50, HTTP keep-alive POST on one connection, {} calls, \
-                 unbound (baseline: Unix-socket echo of the same bytes by a process of its own, \
-                 in alternating blocks). Placement decides this one: the echo server sleeps in \
-                 recv() and is woken on the caller's CPU, the agent sleeps in epoll_wait() and \
-                 is woken on its own; the two rows below place both the same way",
-                thousands(agent_times.len() as f64)
-            ),
-            p(&agent_times, 0.5),
-            p(&echo_times, 0.5),
-        ),
-        Row::info_vs(
-            "rpc-rtt: agent.status p99 (same runs)",
-            p(&agent_times, 0.99),
-            p(&echo_times, 0.99),
-        ),
-        Row::info_vs(
-            "rpc-rtt: agent.status p50 (same runs) vs an echo thread inside the bench process \
-             (no second process to wake)",
+            "rpc-rtt p50 vs thread",
             p(&agent_times, 0.5),
             p(&thread_times, 0.5),
         ),
         Row::ratio_at_most(
-            "rpc-rtt: agent.status p50, the agent and the echo process on one CPU, the caller on \
-             another (every wake-up crosses CPUs, the same for both)",
+            "rpc-rtt p50 two CPUs",
             p(&bound[1].0, 0.5),
             p(&bound[1].1, 0.5),
             2.5,
         ),
         Row::ratio_at_most(
-            "rpc-rtt: agent.status p50, the agent, the echo process and the caller all on one CPU \
-             (no wake-up crosses CPUs)",
+            "rpc-rtt p50 one CPU",
             p(&bound[0].0, 0.5),
             p(&bound[0].1, 0.5),
             2.5,
         ),
-        Row::ratio_at_most(
-            format!(
-                "rpc-rtt: agent.status p50 over the typed client (opmon_client::Client, \
-                 HTTP/1.1 keep-alive, current-thread runtime) vs the HTTP keep-alive POST of \
-                 the same request, alternating blocks on one thread, {} calls each",
-                thousands(typed.len() as f64)
-            ),
-            p(&typed, 0.5),
-            p(&raw_post, 0.5),
-            1.5,
-        ),
+        Row::ratio_at_most("client p50", p(&typed, 0.5), p(&raw_post, 0.5), 1.5),
         Row::info_vs(
-            "rpc-rtt: agent.status p50 over the typed client from a task of the bench's \
-             multi-thread runtime (vs the HTTP POST p50 of the first row)",
+            "client p50 multi-thread",
             p(&shared, 0.5),
             p(&agent_times, 0.5),
         ),

@@ -249,10 +249,7 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
     let verdict = |ok: bool| if ok { Verdict::Pass } else { Verdict::Fail };
     let mut rows = vec![
         Row::absolute(
-            format!(
-                "soak: workflows completed in {:.0} s by {WORKERS} clients ({OPS_PER_BACKUP} ops each); errors",
-                began.elapsed().as_secs_f64()
-            ),
+            "soak workflows, errors",
             format!(
                 "{} workflows ({:.1}/s), {errors} errors",
                 thousands(iterations as f64),
@@ -281,7 +278,7 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
             verdict: verdict(end.fds <= fds_allowed),
         },
         Row::info(
-            "soak: agent RSS / fds at the very start, the maximum, and the last sample under load",
+            "soak RSS / fds",
             format!(
                 "{} / {}; max {} / {}; last busy {} / {}",
                 mib(at_start.rss_kib),
@@ -301,7 +298,7 @@ pub async fn run(ctx: &Ctx, duration: Duration) -> Result<Vec<Row>, String> {
     let problems = agent::log_problems(&spec.log);
     if !problems.is_empty() {
         rows.push(Row::info(
-            "soak: agent log warnings/errors",
+            "soak log problems",
             format!("{}, first: {}", problems.len(), problems[0]),
         ));
     }

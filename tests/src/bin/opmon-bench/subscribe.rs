@@ -26,12 +26,7 @@ pub async fn rows(
     let figures = with.subscribers.ok_or("no subscriber figures")?;
     let window = figures.window.as_secs_f64().max(1e-9);
     rows.push(Row::info(
-        format!(
-            "subscribe: notifications/s delivered to {} subscribers for that sweep, from \
-             its start to the last one (progress is merged per backup and announced at \
-             most once a second)",
-            s.subscribers
-        ),
+        "subscribe notifications",
         format!(
             "{} ({} notifications carrying {} of the {} operation changes, over {})",
             per_sec(figures.notifications as f64 / window, "notifications").1,
@@ -42,17 +37,14 @@ pub async fn rows(
         ),
     ));
     rows.push(Row::ratio_at_least(
-        format!(
-            "subscribe: sweep calls/s with {} subscribers (baseline: no subscribers)",
-            s.subscribers
-        ),
+        "subscribe sweep",
         per_sec(with_rate, "calls"),
         per_sec(rate, "calls"),
         0.9,
     ));
     if figures.errors > 0 {
         rows.push(Row::info(
-            "subscribe: subscriptions that ended with an error",
+            "subscribe errors",
             format!(
                 "{}: {}",
                 figures.errors,

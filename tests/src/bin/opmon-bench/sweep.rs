@@ -23,7 +23,7 @@ use rusqlite::OptionalExtension;
 use crate::agent::{self, Agent, Spec};
 use crate::register::{add_operations, operation, start_backups, QUIET};
 use crate::snap::{Bench, Marked};
-use crate::table::{dur, median, per_sec, quantile, thousands, Row};
+use crate::table::{dur, median, per_sec, quantile, Row};
 use crate::{memory, restart, rtt, subscribe, Ctx};
 
 const PLUGIN: &str = "example.io/bench";
@@ -361,11 +361,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
         }
     }
     rows.push(Row::info(
-        format!(
-            "sweep: endInProgress of {} backups at once ({} ops polled + committed), calls/s",
-            s.sweep_backups,
-            thousands(n as f64)
-        ),
+        "endInProgress calls/s",
         per_sec(n as f64 / ended.as_secs_f64(), "calls").1,
     ));
     drop(client);
@@ -412,18 +408,12 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
             // by the agent): the ratio is shown, the gain is read in calls/s and in the
             // instructions row.
             rows.push(Row::info_vs(
-                format!(
-                    "sweep: progress calls/s, one pass over {} unfinished ops of {} backups, \
-                     progress committed (baseline: --batch-size 1 --socket-concurrency 1); \
-                     median of {repeats}",
-                    thousands(n as f64),
-                    s.sweep_backups
-                ),
+                "sweep",
                 per_sec(rate, "calls"),
                 per_sec(serial_rate, "calls"),
             ));
             rows.push(Row::absolute(
-                "sweep: progress calls/s of that pass",
+                "sweep calls/s",
                 per_sec(rate, "calls").1,
                 "≥ 50,000 calls/s",
                 rate >= 50_000.0,
@@ -442,9 +432,7 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
                 )
             };
             rows.push(Row {
-                figure: "sweep: CPU in those passes (agent process; bench process = the SDK \
-                         snapshotter)"
-                    .into(),
+                figure: "sweep CPU per 1k calls".into(),
                 value: per_k(&main_cpu),
                 baseline: per_k(&serial_cpu),
                 ratio: "–".into(),
@@ -452,19 +440,21 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
                 verdict: crate::table::Verdict::Info,
             });
             rows.push(Row::info_vs(
-                "sweep: the same passes up to the last answer, before its commit",
+                "sweep to last answer",
                 per_sec(rate_of(main_calls), "calls"),
                 per_sec(rate_of(serial_calls), "calls"),
             ));
         }
         if want.memory {
-            rows.extend(memory::rows(n, rss, peak));
+            // An agent with an empty database, for what the operations themselves take.
+            let empty_dir = ctx.subdir("memory-empty")?;
+            let (mut empty, _) = Spec::new(ctx, &empty_dir, QUIET).start().await?;
+            let empty_rss = empty.rss_kib()?;
+            empty.terminate()?;
+            rows.extend(memory::rows(n, s.sweep_backups, rss, peak, empty_rss));
         }
         rows.push(Row::info(
-            format!(
-                "agent.status p50 / p99 with {} unfinished ops (one HTTP connection)",
-                thousands(n as f64)
-            ),
+            "status p50 / p99 busy",
             format!(
                 "{} / {}",
                 dur(quantile(&status, 0.5)).1,
@@ -477,13 +467,13 @@ pub async fn run(ctx: &Ctx, want: Want) -> Result<Vec<Row>, String> {
     }
 
     if want.restart {
-        rows.extend(restart::rows(ctx, &spec, &snap, &dir, n).await?);
+        rows.extend(restart::rows(ctx, &spec, &snap, &dir).await?);
     }
 
     let problems = agent::log_problems(&spec.log);
     if !problems.is_empty() {
         rows.push(Row::info(
-            "sweep: agent log warnings/errors",
+            "sweep log problems",
             format!("{}, first: {}", problems.len(), problems[0]),
         ));
     }

@@ -179,6 +179,48 @@ const HEAD: [&str; 6] = [
     "pass/fail",
 ];
 
+/// The widest line [`Report::text`] prints.
+pub const TEXT_WIDTH: usize = 100;
+
+/// The text table's column widths, two spaces between columns: 88 + 5 × 2 = 98.
+const COLUMNS: [usize; 6] = [22, 19, 19, 7, 12, 9];
+
+/// `text` in lines of at most `width` characters, broken at spaces where it can be.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    for word in text.split(' ') {
+        let mut word = word.to_string();
+        loop {
+            let room = if line.is_empty() {
+                width
+            } else {
+                width.saturating_sub(line.chars().count() + 1)
+            };
+            let len = word.chars().count();
+            if len <= room {
+                if !line.is_empty() {
+                    line.push(' ');
+                }
+                line.push_str(&word);
+                break;
+            }
+            if line.is_empty() {
+                // A word wider than the column: cut it.
+                let head: String = word.chars().take(width).collect();
+                word = word.chars().skip(width).collect();
+                lines.push(head);
+            } else {
+                lines.push(std::mem::take(&mut line));
+            }
+        }
+    }
+    if !line.is_empty() || lines.is_empty() {
+        lines.push(line);
+    }
+    lines
+}
+
 /// The rows of a run, with lines describing it.
 pub struct Report {
     pub header: Vec<String>,
@@ -196,40 +238,48 @@ impl Report {
         }
     }
 
-    /// Aligned text for a terminal (itself valid Markdown).
+    /// Aligned text for a terminal, at most [`TEXT_WIDTH`] columns a line: a cell longer
+    /// than its column wraps onto the next lines of its row.
     pub fn text(&self) -> String {
-        let mut widths = HEAD.map(|h| h.chars().count());
-        for row in &self.rows {
-            for (w, cell) in widths.iter_mut().zip(row.cells().iter()) {
-                *w = (*w).max(cell.chars().count());
-            }
-        }
-        let line = |cells: &[&str]| {
-            let mut s = String::from("|");
-            for (cell, w) in cells.iter().zip(widths) {
-                let pad = w - cell.chars().count();
-                s.push(' ');
-                s.push_str(cell);
-                s.push_str(&" ".repeat(pad));
-                s.push_str(" |");
-            }
-            s.push('\n');
-            s
-        };
         let mut out = String::new();
         for h in &self.header {
-            out.push_str(h);
-            out.push('\n');
+            for line in wrap(h, TEXT_WIDTH) {
+                out.push_str(&line);
+                out.push('\n');
+            }
         }
         out.push('\n');
-        out.push_str(&line(&HEAD));
-        let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-        let rule: Vec<&str> = rule.iter().map(String::as_str).collect();
-        out.push_str(&line(&rule));
-        for row in &self.rows {
-            let cells = row.cells();
-            let cells: Vec<&str> = cells.iter().map(String::as_str).collect();
-            out.push_str(&line(&cells));
+        let row = |cells: [&str; 6], out: &mut String| {
+            let wrapped: Vec<Vec<String>> = cells
+                .iter()
+                .zip(COLUMNS)
+                .map(|(cell, w)| wrap(cell, w))
+                .collect();
+            let height = wrapped.iter().map(Vec::len).max().unwrap_or(1);
+            for i in 0..height {
+                let mut line = String::new();
+                for (lines, w) in wrapped.iter().zip(COLUMNS) {
+                    let cell = lines.get(i).map(String::as_str).unwrap_or("");
+                    line.push_str(cell);
+                    line.push_str(&" ".repeat(w - cell.chars().count() + 2));
+                }
+                out.push_str(line.trim_end());
+                out.push('\n');
+            }
+        };
+        row(HEAD, &mut out);
+        for r in &self.rows {
+            row(
+                [
+                    &r.figure,
+                    &r.value,
+                    &r.baseline,
+                    &r.ratio,
+                    &r.target,
+                    r.verdict.as_str(),
+                ],
+                &mut out,
+            );
         }
         let (pass, fail) = self.counts();
         out.push_str(&format!("\n{pass} targets met, {fail} missed\n"));
@@ -329,4 +379,35 @@ pub fn median_f64(mut values: Vec<f64>) -> f64 {
 pub fn median(mut samples: Vec<Duration>) -> Duration {
     samples.sort();
     quantile(&samples, 0.5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_table_fits_a_terminal_and_keeps_every_word() {
+        let mut report = Report::new(vec![format!("sizes: {}", "a long header ".repeat(20))]);
+        report.rows.push(Row {
+            figure: "subscribe notifications".into(),
+            value: "32 notifications/s (100 notifications carrying 1,000,000 of the 1,000,000 \
+                    operation changes, over 3.17 s)"
+                .into(),
+            baseline: "agent 30.6 + snapshotter 33.2 ms CPU per 1,000 calls (52 % of 2 cores)"
+                .into(),
+            ratio: "0.001×".into(),
+            target: "≤ 16,715 (half of 33,429 at the start)".into(),
+            verdict: Verdict::Pass,
+        });
+        report.rows.push(Row::error("finalize", &"x".repeat(250)));
+        let text = report.text();
+        for line in text.lines() {
+            assert!(line.chars().count() <= TEXT_WIDTH, "{line:?}");
+        }
+        let words = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        for word in words("1,000,000 operation changes, over 3.17 s) (52 % of 2 cores) 33,429") {
+            assert!(text.contains(&word), "{word} is lost");
+        }
+        assert_eq!(text.matches('x').count(), 250);
+    }
 }
