@@ -3004,6 +3004,55 @@ mod tests {
         (passed.bytes, passed.needs_read, passed.message_ended)
     }
 
+    /// A masked frame carrying `payload`.
+    fn text_frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+        let mut frame = frame(fin, opcode, payload.len());
+        let start = frame.len() - payload.len();
+        for (i, byte) in payload.iter().enumerate() {
+            frame[start + i] = byte ^ [1, 2, 3, 4][i % 4];
+        }
+        frame
+    }
+
+    /// Whether the frames, handed to [`Frames::pass`] a byte at a time, keep their text
+    /// UTF-8.
+    fn utf8(frames: &[Vec<u8>]) -> bool {
+        let mut passing = Frames::default();
+        !frames
+            .concat()
+            .chunks(1)
+            .any(|byte| passing.pass(byte, true).not_utf8)
+    }
+
+    /// A text message must be UTF-8 across its fragments (a character may be split
+    /// between two, a ping may come between them); a binary one need not be.
+    #[test]
+    fn text_messages_are_checked_for_utf8_across_their_fragments() {
+        let text = "{\"x\":\"é€😀\"}".as_bytes();
+        let euro = text.iter().position(|&b| b == 0xe2).unwrap() + 1;
+        let (first, second) = text.split_at(euro);
+        let ping = text_frame(true, 9, b"\xff");
+        assert!(utf8(&[
+            text_frame(false, 1, first),
+            ping.clone(),
+            text_frame(true, 0, second)
+        ]));
+        assert!(
+            !utf8(&[text_frame(true, 1, first)]),
+            "ends within a character"
+        );
+        assert!(!utf8(&[
+            text_frame(false, 1, first),
+            text_frame(true, 0, b"x")
+        ]));
+        assert!(!utf8(&[text_frame(true, 1, b"\xc0\xaf")]), "overlong");
+        assert!(
+            !utf8(&[text_frame(true, 1, b"\xed\xa0\x80")]),
+            "a surrogate"
+        );
+        assert!(utf8(&[text_frame(true, 2, b"\xff"), ping]));
+    }
+
     /// Small messages pass whole, one message at a time, without a read of a large body;
     /// a frame whose header makes its message large stops where its mask begins until a
     /// read is held, and the message's end is where the read may go.
