@@ -68,7 +68,7 @@ func TestHelperRefusedPeer(t *testing.T) {
 	if socket == "" {
 		return
 	}
-	_, err := opmon.Connect(context.Background(), socket)
+	_, err := opmon.Connect(context.Background(), socket, opmon.WithConnectTimeout(agenttest.ConnectTimeout))
 	var rpc *opmon.RPCError
 	if !errors.As(err, &rpc) || rpc.Code != opmon.CodeRefused || rpc.HTTPStatus != 403 {
 		t.Fatalf("connect as uid %d: %#v", os.Geteuid(), err)
@@ -93,9 +93,9 @@ func copyFile(from, to string) error {
 	return out.Close()
 }
 
-// The agent sends no data with its errors over HTTP today; a JSON-RPC peer that does
-// (as snapshotters do, `data: {"retryable": true}`) has it kept as sent. The peer is a
-// real HTTP server on a Unix socket answering that error.
+// An error's data is kept as sent, whatever its shape: here a snapshotter's
+// `data: {"retryable": true, …}`, from a real HTTP server on a Unix socket (the agent's
+// own data, a wrong-phase error's, is read in TestSnapshottersServersAndCancel).
 func TestAnErrorsDataIsKeptAsSent(t *testing.T) {
 	socket := filepath.Join(t.TempDir(), "peer.sock")
 	listener, err := net.Listen("unix", socket)

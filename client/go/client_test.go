@@ -95,7 +95,7 @@ func TestABackupFromStartToFinalize(t *testing.T) {
 		t.Fatalf("agent.status: %+v, %v", status, err)
 	}
 	deleted, err := backups.Delete(ctx(t), "nightly")
-	if err != nil || deleted.Cancelled != 0 {
+	if err != nil || deleted.Count() != 0 {
 		t.Fatalf("delete: %+v, %v", deleted, err)
 	}
 }
@@ -135,8 +135,19 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 	}
 	// A repeated cancel of the same operation is refused with 1003 (not InProgress).
 	_, err = restores.Cancel(ctx(t), opmon.CancelParams{Name: "r2", Operations: []opmon.OperationSelector{opmon.ByItem("gate-1", ops[0].Resource)}})
-	if opmon.Code(err) != opmon.CodeWrongPhase {
+	var wrong *opmon.RPCError
+	if !errors.As(err, &wrong) || wrong.Code != opmon.CodeWrongPhase {
 		t.Fatalf("cancel again: %v", err)
+	}
+	// The agent's data says which operation is in which phase.
+	var data struct {
+		Operation struct {
+			OperationID string               `json:"operationId"`
+			Phase       opmon.OperationPhase `json:"phase"`
+		} `json:"operation"`
+	}
+	if err := json.Unmarshal(wrong.Data, &data); err != nil || data.Operation.OperationID != "gate-1" || data.Operation.Phase != opmon.OperationCanceled {
+		t.Fatalf("the data of %v: %+v, %v", wrong, data, err)
 	}
 	operations, err := restores.Operations(ctx(t), opmon.OperationsParams{Name: "r2"})
 	if err != nil || len(operations) != 2 {
@@ -168,6 +179,12 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 	more, err := restores.Events(ctx(t), opmon.EventsParams{Name: "r2", After: events.Next})
 	if err != nil || len(more.Items) == 0 || more.Items[0].Seq <= events.Items[0].Seq {
 		t.Fatalf("events, next page: %+v, %v", more, err)
+	}
+	// delete cancels what is unfinished, and says how many under both spellings.
+	startWith(t, f, "doomed", op("gate-d", "d"))
+	deleted, err := f.client.Backups().Delete(ctx(t), "doomed")
+	if err != nil || deleted.Canceled != 1 || deleted.Cancelled != 1 || deleted.Count() != 1 {
+		t.Fatalf("delete: %+v, %v", deleted, err)
 	}
 	removed, err := f.client.SnapshotterUnregister(ctx(t), agenttest.Plugin)
 	if err != nil || removed.Name != agenttest.Plugin {

@@ -21,7 +21,7 @@ func newFixture(t *testing.T, extra ...string) *fixture {
 	t.Helper()
 	agent := agenttest.Start(t, extra...)
 	snapshotter := agenttest.StartSnapshotter(t)
-	client, err := opmon.Connect(context.Background(), agent.Socket)
+	client, err := opmon.Connect(context.Background(), agent.Socket, opmon.WithConnectTimeout(agenttest.ConnectTimeout))
 	if err != nil {
 		t.Fatalf("connecting: %v\n%s", err, agent.LogText())
 	}

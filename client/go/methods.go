@@ -55,6 +55,7 @@ var agentMethods = map[string]Retry{
 	"snapshotter.register": RetryAlways, // replaces the registration with itself
 	"server.started":       RetryAlways, // a repeat fails nothing more
 	"snapshotter.changed":  RetryAlways, // a hint: a repeat at most polls once more
+	"rpc.discover":         RetryAlways,
 }
 
 // RetryOf is the retry rule of a method by its full name.

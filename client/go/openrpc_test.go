@@ -51,7 +51,7 @@ type document struct {
 func loadDocument(t *testing.T) *document {
 	t.Helper()
 	agent := agenttest.Start(t)
-	client, err := opmon.Connect(context.Background(), agent.Socket)
+	client, err := opmon.Connect(context.Background(), agent.Socket, opmon.WithConnectTimeout(agenttest.ConnectTimeout))
 	if err != nil {
 		t.Fatal(err)
 	}

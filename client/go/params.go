@@ -14,7 +14,8 @@ type StartParams struct {
 	// Override the snapshotters' stall and start deadlines for this owner (0: off).
 	StallTimeout *Duration `json:"stallTimeout,omitempty"`
 	StartTimeout *Duration `json:"startTimeout,omitempty"`
-	// Restores only: pass through Finalizing and wait for finalize.
+	// Pass through Finalizing and wait for finalize. Absent: true for a backup, the
+	// agent's restore_finalize setting for a restore.
 	Finalize *bool `json:"finalize,omitempty"`
 	// The backup server's own representation of the owner, passed to snapshotters.
 	Object json.RawMessage `json:"object,omitempty"`

@@ -321,9 +321,20 @@ type FinalizeResult struct {
 	Added              uint64  `json:"added"`
 }
 
-// DeleteResult says how many unfinished operations delete cancelled.
+// DeleteResult says how many unfinished operations delete canceled.
 type DeleteResult struct {
+	// Older agents send only Cancelled; use Count.
+	Canceled uint64 `json:"canceled"`
+	// Deprecated: the same number under its old spelling.
 	Cancelled uint64 `json:"cancelled"`
+}
+
+// Count is the number of operations canceled, from an agent of any version.
+func (r *DeleteResult) Count() uint64 {
+	if r.Canceled > r.Cancelled {
+		return r.Canceled
+	}
+	return r.Cancelled
 }
 
 // OperationSelector picks an operation to cancel: by ID alone, or by ID and item when

@@ -2,7 +2,7 @@
 // backup, adds the operations its plugins returned, ends InProgress, waits for the
 // operations to finish and finalizes.
 //
-//	backupserver [-socket PATH] [-plugin NAME] [-plugin-kind KIND] [-timeout 1h]
+//	backupserver [-socket PATH] [-plugin NAME] [-plugin-kind KIND] [-connect-timeout 5s] [-timeout 1h]
 //	    BACKUP RESOURCE/NAMESPACE/NAME=OPERATION_ID...
 //
 // Each argument after the backup's name is an item and the operation ID the plugin
@@ -36,6 +36,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	socket := flags.String("socket", opmon.DefaultSocketPath(), "the agent's socket")
 	plugin := flags.String("plugin", "example.io/qemu-img", "the plugin that returned the operations")
 	kind := flags.String("plugin-kind", string(opmon.VolumeSnapshotter), "BackupItemAction, RestoreItemAction or VolumeSnapshotter")
+	connectTimeout := flags.Duration("connect-timeout", 5*time.Second, "how long the agent may take to answer the first call")
 	timeout := flags.Duration("timeout", time.Hour, "how long to wait for the operations")
 	if err := flags.Parse(args); err != nil {
 		return err
@@ -58,7 +59,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		})
 	}
 
-	client, err := opmon.Connect(ctx, *socket)
+	client, err := opmon.Connect(ctx, *socket, opmon.WithConnectTimeout(*connectTimeout))
 	if err != nil {
 		return err
 	}

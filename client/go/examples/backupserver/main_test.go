@@ -18,7 +18,7 @@ func TestTheBackupServerExample(t *testing.T) {
 	snapshotter := agenttest.StartSnapshotter(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	client, err := opmon.Connect(ctx, agent.Socket)
+	client, err := opmon.Connect(ctx, agent.Socket, opmon.WithConnectTimeout(agenttest.ConnectTimeout))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +36,7 @@ func TestTheBackupServerExample(t *testing.T) {
 		snapshotter.Open("gate-disk")
 	}()
 	var out bytes.Buffer
-	err = run(ctx, []string{"-socket", agent.Socket, "-plugin", agenttest.Plugin,
+	err = run(ctx, []string{"-socket", agent.Socket, "-connect-timeout", agenttest.ConnectTimeout.String(), "-plugin", agenttest.Plugin,
 		"vm-1", "persistentvolumeclaims/vms/vm-1-disk=gate-disk", "persistentvolumes//pv-1=done-pv"}, &out)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out.String())

@@ -26,6 +26,10 @@ import (
 // readyWithin bounds how long a broken run takes to fail; it is no synchronisation.
 const readyWithin = 60 * time.Second
 
+// ConnectTimeout is the connect timeout of the tests' clients: on a loaded machine a
+// freshly started agent may take longer than the default 5 s to answer its first call.
+const ConnectTimeout = readyWithin
+
 // Plugin is the plugin the test snapshotter is registered for.
 const Plugin = "example.io/copier"
 
