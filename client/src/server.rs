@@ -1778,6 +1778,14 @@ struct Frames {
     stopped: bool,
     /// Whether the current frame is a data frame (not a ping, pong or close).
     data_frame: bool,
+    /// Whether the message being received is text, which must be UTF-8 (RFC 6455, 8.1).
+    text: bool,
+    /// The current frame's mask, and how far into its mask and payload the frame is.
+    mask: [u8; 4],
+    at: u64,
+    /// The end of a text message's payload so far that may begin a character.
+    carry: [u8; 3],
+    carried: usize,
 }
 
 /// What [`Frames::pass`] found in the bytes it was given.
@@ -1796,6 +1804,8 @@ struct Passed {
     /// not send (RFC 6455, 5.1) and whose payload soketto would set aside at once: the
     /// connection fails.
     unmasked: bool,
+    /// Whether a text message is not UTF-8: the connection fails, closed with 1007.
+    not_utf8: bool,
 }
 
 impl Frames {
@@ -1833,11 +1843,24 @@ impl Frames {
             if self.rest > 0 {
                 let left = bytes.len() - passed.bytes;
                 let take = left.min(usize::try_from(self.rest).unwrap_or(usize::MAX));
+                if self.data_frame && self.text && !self.utf8(&bytes[passed.bytes..][..take]) {
+                    return Passed {
+                        not_utf8: true,
+                        ..Passed::default()
+                    };
+                }
                 passed.bytes += take;
                 if self.data_frame {
                     passed.data += take as u64;
                 }
                 self.rest -= take as u64;
+                if self.rest == 0 && self.ends_message && self.text && self.carried > 0 {
+                    // The message ends within a character.
+                    return Passed {
+                        not_utf8: true,
+                        ..Passed::default()
+                    };
+                }
                 if self.rest == 0 && self.frame_ended() {
                     passed.message_ended = true;
                     return passed;
@@ -1870,6 +1893,12 @@ impl Frames {
                 _ => u64::from(self.head[1] & 0x7f),
             };
             self.data_frame = self.head[0] & 0x08 == 0;
+            self.at = 0;
+            match self.head[0] & 0x0f {
+                0x1 => self.text = true,
+                0x2 => self.text = false,
+                _ => {}
+            }
             if self.data_frame {
                 self.message = self.message.saturating_add(payload);
                 self.ends_message = self.head[0] & 0x80 != 0;
@@ -1885,6 +1914,38 @@ impl Frames {
             }
         }
         passed
+    }
+
+    /// Whether `bytes` of the current (text) frame, after its header's length, keep its
+    /// message UTF-8 so far (a character may go on in the next bytes).
+    fn utf8(&mut self, bytes: &[u8]) -> bool {
+        let mut plain = [0; 256];
+        let mut bytes = bytes;
+        while !bytes.is_empty() {
+            while self.at < 4 && !bytes.is_empty() {
+                self.mask[self.at as usize] = bytes[0];
+                self.at += 1;
+                bytes = &bytes[1..];
+            }
+            let carried = self.carried;
+            plain[..carried].copy_from_slice(&self.carry[..carried]);
+            let take = bytes.len().min(plain.len() - carried);
+            for (i, (plain, byte)) in plain[carried..].iter_mut().zip(&bytes[..take]).enumerate() {
+                *plain = byte ^ self.mask[(self.at as usize - 4 + i) % 4];
+            }
+            self.at += take as u64;
+            bytes = &bytes[take..];
+            self.carried = 0;
+            if let Err(e) = std::str::from_utf8(&plain[..carried + take]) {
+                if e.error_len().is_some() {
+                    return false;
+                }
+                let tail = &plain[e.valid_up_to()..carried + take];
+                self.carry[..tail.len()].copy_from_slice(tail);
+                self.carried = tail.len();
+            }
+        }
+        true
     }
 
     /// The current frame has come whole; whether that ended its message.
@@ -1926,6 +1987,8 @@ struct Gate {
     since: u64,
     full_since: Option<tokio::time::Instant>,
     pace: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The status code the connection's close frame gives, once the frames failed it.
+    close_code: Option<u16>,
 }
 
 /// The longest a WebSocket connection holds a read of a large body for one message.
@@ -1946,6 +2009,7 @@ impl Gate {
             since: 0,
             full_since: None,
             pace: None,
+            close_code: None,
         }
     }
 
@@ -2006,6 +2070,14 @@ impl Gate {
                 return Some(Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "a client sent a WebSocket frame without a mask (RFC 6455, 5.1); closed",
+                ))));
+            }
+            if passed.not_utf8 {
+                self.close_code = Some(1007);
+                return Some(Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "a client sent a WebSocket text message that is not UTF-8 (RFC 6455, 8.1); \
+                     closed with 1007",
                 ))));
             }
             buf.put_slice(&bytes[..passed.bytes]);
@@ -2280,6 +2352,17 @@ impl<S: tokio::io::AsyncWrite + std::os::fd::AsRawFd + Unpin> tokio::io::AsyncWr
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
+        // soketto closes with 1000 (normal) whatever failed the connection: the close
+        // frame says why when the frames failed it (RFC 6455, 7.4.1).
+        let close;
+        let data = match self.gate.as_ref().and_then(|gate| gate.close_code) {
+            Some(code) if data.starts_with(&[0x88, 0x02, 0x03, 0xe8]) => {
+                let [high, low] = code.to_be_bytes();
+                close = [0x88, 0x02, high, low];
+                &close[..]
+            }
+            _ => data,
+        };
         // Only what the peer sends counts as activity: a client that sends nothing is
         // idle even while the server is still writing to it.
         let polled = Pin::new(&mut self.inner).poll_write(cx, data);
@@ -2919,6 +3002,55 @@ mod tests {
         let passed = frames.pass(bytes, holding);
         assert!(!passed.unmasked);
         (passed.bytes, passed.needs_read, passed.message_ended)
+    }
+
+    /// A masked frame carrying `payload`.
+    fn text_frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+        let mut frame = frame(fin, opcode, payload.len());
+        let start = frame.len() - payload.len();
+        for (i, byte) in payload.iter().enumerate() {
+            frame[start + i] = byte ^ [1, 2, 3, 4][i % 4];
+        }
+        frame
+    }
+
+    /// Whether the frames, handed to [`Frames::pass`] a byte at a time, keep their text
+    /// UTF-8.
+    fn utf8(frames: &[Vec<u8>]) -> bool {
+        let mut passing = Frames::default();
+        !frames
+            .concat()
+            .chunks(1)
+            .any(|byte| passing.pass(byte, true).not_utf8)
+    }
+
+    /// A text message must be UTF-8 across its fragments (a character may be split
+    /// between two, a ping may come between them); a binary one need not be.
+    #[test]
+    fn text_messages_are_checked_for_utf8_across_their_fragments() {
+        let text = "{\"x\":\"é€😀\"}".as_bytes();
+        let euro = text.iter().position(|&b| b == 0xe2).unwrap() + 1;
+        let (first, second) = text.split_at(euro);
+        let ping = text_frame(true, 9, b"\xff");
+        assert!(utf8(&[
+            text_frame(false, 1, first),
+            ping.clone(),
+            text_frame(true, 0, second)
+        ]));
+        assert!(
+            !utf8(&[text_frame(true, 1, first)]),
+            "ends within a character"
+        );
+        assert!(!utf8(&[
+            text_frame(false, 1, first),
+            text_frame(true, 0, b"x")
+        ]));
+        assert!(!utf8(&[text_frame(true, 1, b"\xc0\xaf")]), "overlong");
+        assert!(
+            !utf8(&[text_frame(true, 1, b"\xed\xa0\x80")]),
+            "a surrogate"
+        );
+        assert!(utf8(&[text_frame(true, 2, b"\xff"), ping]));
     }
 
     /// Small messages pass whole, one message at a time, without a read of a large body;

@@ -144,7 +144,7 @@ fn ids_that_are_not_a_string_a_number_or_null_are_answered_invalid_with_id_null(
 
 /// The same over WebSocket.
 #[test]
-#[ignore = "not fixed yet (#34 item 6): jsonrpsee 0.26 takes such a request for a notification"]
+#[ignore = "not fixed yet (#34 item 6): jsonrpsee 0.26's WebSocket loop takes such a request for a notification, and no hook of it sees the id"]
 fn ids_that_are_not_a_string_a_number_or_null_are_answered_invalid_over_websocket() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);
@@ -161,7 +161,6 @@ fn ids_that_are_not_a_string_a_number_or_null_are_answered_invalid_over_websocke
 /// A WebSocket text frame must be UTF-8 (RFC 6455 §8.1): one that is not closes the
 /// connection with 1007, and the agent serves everyone else.
 #[test]
-#[ignore = "not fixed yet (#34 item 6): jsonrpsee 0.26 drops the text/binary distinction unchecked"]
 fn a_websocket_text_frame_that_is_not_utf8_is_closed_with_1007() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);
