@@ -805,7 +805,7 @@ async fn the_cli_cancels_and_says_plainly_what_it_could_not_cancel() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
-        "opmon: operations[0]: backup b has no operation \"typo\" (code 1001)\n"
+        "opmon: --operation: backup b has no operation \"typo\" (code 1001)\n"
     );
     let out = opmon(
         socket,
