@@ -299,7 +299,7 @@ impl Spec {
         std::fs::create_dir_all(rootfs).expect("rootfs");
         let r = quote(&rootfs.display().to_string());
         let mut script = format!(
-            "set -eu\nR={r}\nmount -t tmpfs -o mode=0755 tmpfs \"$R\"\n\
+            "set -eu\nR={r}\nip link set lo up\nmount -t tmpfs -o mode=0755 tmpfs \"$R\"\n\
              mkdir \"$R/usr\" \"$R/etc\" \"$R/proc\" \"$R/dev\"\n\
              mkdir -m 1777 \"$R/tmp\"\n\
              mount --rbind /usr \"$R/usr\"\nmount -o remount,bind,ro \"$R/usr\"\n\
@@ -334,8 +334,11 @@ impl Spec {
             self.setpriv(),
             argv.join(" ")
         ));
+        // A network namespace of its own, as a pod has: the agents of two tests each bind
+        // the examples' metrics port (containers here talk over the shared socket only).
         let mut cmd = Command::new("unshare");
         cmd.args([
+            "--net",
             "--mount",
             "--propagation",
             "private",
@@ -364,6 +367,7 @@ impl Spec {
                 "-t",
                 &pid.to_string(),
                 "-m",
+                "-n",
                 "-r",
                 "-w",
                 "--",
@@ -612,6 +616,22 @@ fn deploy_and_back_up(example: &str) {
                 // The kubelet starts what follows a sidecar once its startup probe
                 // passes; a DaemonSet's probes are checked the same way.
                 probe_passes(&spec, &mut process, container, "startupProbe");
+                // Prometheus scrapes the port the example names `metrics`.
+                let port = container["ports"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|p| p["name"] == "metrics")
+                    .and_then(|p| p["containerPort"].as_u64())
+                    .unwrap_or_else(|| panic!("{name}: the agent has no port named metrics"));
+                let url = format!("http://127.0.0.1:{port}/metrics");
+                let scrape = spec.exec_in(process.child.id(), &["curl", "-sSf", &url]);
+                assert!(
+                    scrape.status.success()
+                        && String::from_utf8_lossy(&scrape.stdout).contains("opmon_"),
+                    "{name}: no metrics at {url} in the pod: {}",
+                    String::from_utf8_lossy(&scrape.stderr)
+                );
                 running.push(process);
                 agent = Some((spec, running.len() - 1, container, pod));
                 assert!(sidecar || !is_init, "{name}: an init container that exits?");
