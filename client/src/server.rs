@@ -216,7 +216,7 @@ impl Default for ServeConfig {
             max_connections: MAX_CONNECTIONS,
             metrics: None,
             idle_timeout: None,
-            max_calls_in_flight: 32,
+            max_calls_in_flight: 64,
             request_body_timeout: Some(Duration::from_secs(30)),
             unmetered_methods: Vec::new(),
             listing_methods: Vec::new(),
