@@ -1121,13 +1121,23 @@ async fn a_checks_first_request_that_fails_spoils_nothing_before_a_change_and_th
     };
 
     // One group: a failure before any change.
+    // Each request is queued before the next is sent, so the group runs them in this
+    // order (spawned together, they could reach the queue in any order).
+    let queued = |n: usize| {
+        let store = store.clone();
+        async move {
+            while store.queued_writes() < n {
+                tokio::task::yield_now().await;
+            }
+        }
+    };
     let (blocker, release) = hold_writer(&store).await;
     let a = insert("a", false, None);
+    queued(1).await;
     let early = insert("early", true, Some((true, "refused before a change")));
+    queued(2).await;
     let b = insert("b", true, None);
-    while store.queued_writes() < 3 {
-        tokio::task::yield_now().await;
-    }
+    queued(3).await;
     release.send(()).unwrap();
     blocker.await.unwrap().unwrap();
     a.await.unwrap().unwrap();
@@ -1141,11 +1151,11 @@ async fn a_checks_first_request_that_fails_spoils_nothing_before_a_change_and_th
     // Another: a failure after a change.
     let (blocker, release) = hold_writer(&store).await;
     let c = insert("c", false, None);
+    queued(1).await;
     let late = insert("late", true, Some((false, "refused after a change")));
+    queued(2).await;
     let d = insert("d", true, None);
-    while store.queued_writes() < 3 {
-        tokio::task::yield_now().await;
-    }
+    queued(3).await;
     release.send(()).unwrap();
     blocker.await.unwrap().unwrap();
     assert_eq!(
