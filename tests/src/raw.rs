@@ -233,3 +233,45 @@ pub fn ws_closed(ws: &mut UnixStream) -> Option<u16> {
         }
     }
 }
+
+/// The CPU time `pid` has used, in clock ticks.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("reading stat");
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(11) + field(12)
+}
+
+/// Waits until `pid` has done (almost) no work for half a second: whatever it was busy
+/// with is finished or blocked. Fails the test if that does not come within `within`.
+pub fn quiescent(pid: u32, within: Duration) {
+    let deadline = std::time::Instant::now() + within;
+    let mut last = cpu_ticks(pid);
+    let mut calm = 0;
+    while calm < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never came to rest"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        let now = cpu_ticks(pid);
+        calm = if now - last <= 1 { calm + 1 } else { 0 };
+        last = now;
+    }
+}
+
+/// The `Content-Length` of a response head.
+pub fn content_length(head: &str) -> Option<usize> {
+    head.lines().find_map(|l| {
+        l.to_ascii_lowercase()
+            .strip_prefix("content-length:")
+            .and_then(|v| v.trim().parse().ok())
+    })
+}

@@ -11,8 +11,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use opmon_tests::raw::{
-    frame, json_body, open_sockets, post_head, read_head, read_to_close, send, status_bytes,
-    status_of, websocket, ws_answer, ws_closed, ws_send, CONTINUATION, PING, TEXT,
+    frame, json_body, open_sockets, post_head, quiescent, read_head, read_to_close, send,
+    status_bytes, status_of, websocket, ws_answer, ws_closed, ws_send, CONTINUATION, PING, TEXT,
 };
 use opmon_tests::{try_eventually, Agent, RawHttp};
 use serde_json::{json, Value};
@@ -481,4 +481,284 @@ fn chunked_bodies_are_answered_and_endless_chunk_extensions_are_cut_off() {
     let mut http = RawHttp::connect(&agent.socket);
     let status = http.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");
+}
+
+/// An answer counts whole until its last byte is written, as the agent holds it whole
+/// until then: 60 clients that each ask for a 4.4 MB list and read all of it but its
+/// last 400 KB leave the agent's memory bounded, not grown by every list, and everyone
+/// else answered; once they read the rest, each gets its whole list (before, only the
+/// unwritten tails counted: 200 such clients held 912 MiB).
+#[test]
+fn answers_read_all_but_their_tail_are_held_to_a_bound() {
+    const CLIENTS: usize = 60;
+    const OPS: usize = 4000;
+    const TAIL: usize = 400 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_untraced(dir.path(), &[]);
+    let pid = agent.pid();
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
+    let added: Vec<_> = (0..OPS)
+        .map(|i| {
+            let id = format!("{i:05}-{}", "x".repeat(1000));
+            opmon_tests::operation("example.io/unregistered", &id, "data", &[])
+        })
+        .collect();
+    let added = http.call(&request(
+        "backup.addOperations",
+        json!({"name": "big", "operations": added}),
+    ));
+    assert_eq!(added["result"]["added"], OPS, "{added:.300}");
+    let list = request("backup.operations", json!({"name": "big"}));
+    // Asked for once before, as a client would have.
+    let whole = http.call(&list);
+    assert_eq!(whole["result"].as_array().map(Vec::len), Some(OPS));
+    drop(whole);
+    quiescent(pid, Duration::from_secs(60));
+    let before = peak(&agent);
+    let (go, release) = std::sync::mpsc::channel::<()>();
+    let release = std::sync::Arc::new(std::sync::Mutex::new(release));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let socket = agent.socket.clone();
+            let list = list.clone();
+            let release = release.clone();
+            std::thread::spawn(move || {
+                let mut stream = send(
+                    &socket,
+                    format!("{}{list}", post_head(list.len())).as_bytes(),
+                );
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(600)))
+                    .unwrap();
+                let head = read_head(&mut stream);
+                let length = opmon_tests::raw::content_length(&head).expect("a length");
+                assert!(length > TAIL, "{head}");
+                let mut body = vec![0; length];
+                stream.read_exact(&mut body[..length - TAIL]).unwrap();
+                let _ = release.lock().unwrap().recv();
+                stream.read_exact(&mut body[length - TAIL..]).unwrap();
+                let answer: Value = serde_json::from_slice(&body).expect("a whole JSON answer");
+                answer["result"].as_array().map_or(0, Vec::len)
+            })
+        })
+        .collect();
+    // The clients have sent their calls and the agent made what it would make.
+    assert!(
+        try_eventually(Duration::from_secs(60), || open_sockets(pid) > CLIENTS).is_some(),
+        "the clients did not connect"
+    );
+    quiescent(pid, Duration::from_secs(120));
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    let grown = peak(&agent).saturating_sub(before);
+    println!("peak RSS grew by {} MiB", grown >> 20);
+    for _ in 0..CLIENTS {
+        go.send(()).unwrap();
+    }
+    for client in clients {
+        assert_eq!(client.join().expect("a client"), OPS, "a whole list");
+    }
+    assert!(
+        grown < 160 << 20,
+        "{CLIENTS} clients holding the tails of 4.4 MB lists grew the agent's peak RSS by \
+         {} MiB",
+        grown >> 20
+    );
+}
+
+/// Many large `addOperations` at once (16 clients, 1,000 operations each) are all
+/// stored, `agent.status` of someone else is answered meanwhile, and the agent's memory
+/// stays within a ceiling (each keeps what it needs until its commit is on disk, and no
+/// more).
+#[test]
+fn many_large_add_operations_at_once_are_all_stored_and_others_answered() {
+    const CLIENTS: usize = 16;
+    const OPS: usize = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_untraced(dir.path(), &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b", "uid": "u"})));
+    let before = peak(&agent);
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let socket = agent.socket.clone();
+            std::thread::spawn(move || {
+                let operations: Vec<_> = (0..OPS)
+                    .map(|i| {
+                        opmon_tests::operation(
+                            "example.io/unregistered",
+                            &format!("op-{c}-{i}-{}", "x".repeat(200)),
+                            "data",
+                            &[],
+                        )
+                    })
+                    .collect();
+                let body = request(
+                    "backup.addOperations",
+                    json!({"name": "b", "operations": operations}),
+                );
+                let mut http = RawHttp::connect(&socket);
+                http.call(&body)
+            })
+        })
+        .collect();
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    for client in clients {
+        let answer = client.join().expect("a client");
+        assert_eq!(answer["result"]["added"], OPS, "{answer:.300}");
+    }
+    let got = http.call(&request("backup.get", json!({"name": "b"})));
+    assert_eq!(got["result"]["operationsAttempted"], CLIENTS * OPS, "{got}");
+    let grown = peak(&agent).saturating_sub(before);
+    println!("peak RSS grew by {} MiB", grown >> 20);
+    assert!(
+        grown < 128 << 20,
+        "{CLIENTS} large addOperations grew the agent's peak RSS by {} MiB",
+        grown >> 20
+    );
+}
+
+/// `count` `backup.wait` calls of backup `b` over `ws` ending after `timeout`, ids from 1.
+fn waits(count: usize, timeout: &str) -> Vec<u8> {
+    (1..=count)
+        .flat_map(|id| {
+            let call = json!({"jsonrpc": "2.0", "id": id, "method": "backup.wait",
+                              "params": {"name": "b", "until": "terminal", "timeout": timeout}});
+            frame(true, TEXT, call.to_string().as_bytes(), true)
+        })
+        .collect()
+}
+
+/// A client that sends a large message after more calls than its connection may have
+/// unanswered (calls that take seconds) gets every answer: the time its connection is
+/// not read, because it is full, does not count against the large message's pace.
+#[test]
+fn a_large_message_after_calls_that_fill_the_connection_is_answered() {
+    const CALLS: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b", "uid": "u"})));
+    let mut ws = websocket(&agent.socket);
+    ws.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut sent = waits(CALLS, "3s");
+    sent.extend(frame(true, TEXT, padded_status(200_000).as_bytes(), true));
+    let writer = {
+        let mut ws = ws.try_clone().unwrap();
+        std::thread::spawn(move || ws.write_all(&sent))
+    };
+    let mut timed_out = 0;
+    let mut status = 0;
+    for _ in 0..=CALLS {
+        let answer = ws_answer(&mut ws);
+        if answer["result"]["timedOut"] == true {
+            timed_out += 1;
+        } else if answer["result"]["version"].is_string() {
+            status += 1;
+        } else {
+            panic!("{answer}");
+        }
+    }
+    writer.join().unwrap().expect("every frame was sent");
+    assert_eq!((timed_out, status), (CALLS, 1));
+}
+
+/// Full WebSocket connections announcing large messages, `count` of them with `waits`
+/// calls that wait each; true if a large request of someone else is answered within
+/// 60 s (the waits last ten minutes).
+fn others_read_past_full_websockets(connections: &[usize]) -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("backup.start", json!({"name": "b", "uid": "u"})));
+    let header = &frame(true, TEXT, &vec![b' '; 1 << 20], true)[..14];
+    let _full: Vec<UnixStream> = connections
+        .iter()
+        .map(|&count| {
+            let mut ws = websocket(&agent.socket);
+            ws.write_all(&[&waits(count, "600s")[..], header].concat())
+                .unwrap();
+            ws
+        })
+        .collect();
+    let body = padded_status(200_000);
+    let mut stream = send(&agent.socket, post_head(body.len()).as_bytes());
+    stream.write_all(body.as_bytes()).unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return false,
+        }
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    true
+}
+
+/// WebSocket connections that fill themselves with calls that wait and then send the
+/// header of a large message hold what the agent set aside for that message for a
+/// bounded time, not as long as their waits: a large request of someone else is
+/// answered within a minute (before, four such connections held every read of a large
+/// body for their ten-minute waits). Four connections of 16 waits each: 16 is how many
+/// calls fill a connection today, and four as many large bodies as are read at once, so
+/// this pins the case the agent was fixed for; takes about 30 s.
+#[test]
+fn full_websockets_announcing_a_large_message_leave_others_large_requests_read() {
+    assert!(
+        others_read_past_full_websockets(&[16; 4]),
+        "a large request was not answered within 60 s while 4 full WebSockets announced \
+         large messages"
+    );
+}
+
+/// The same, whatever fills a connection: six connections for each count of waits from 1
+/// to 32. Today each full one holds a read of a large body for 30 s and they take turns,
+/// so a large request of someone else waits minutes.
+#[test]
+#[ignore = "not fixed (#33): full WebSockets each hold a read of a large body for 30 s and take turns ahead of other peers; about 100 of them keep everyone's large bodies waiting for minutes"]
+fn many_full_websockets_announcing_large_messages_leave_others_large_requests_read() {
+    let counts: Vec<usize> = (1..=32).flat_map(|count| [count; 6]).collect();
+    assert!(
+        others_read_past_full_websockets(&counts),
+        "a large request was not answered within 60 s while full WebSockets announced \
+         large messages"
+    );
+}
+
+/// A client that reads its answer slowly, a little in every while, is not taken for one
+/// that stopped reading: it keeps its connection past the agent's write stall timeout
+/// (30 s) and gets the whole answer. Takes about 45 s.
+#[test]
+#[ignore = "not fixed (#33): the stall check counts what the peer read by SIOCOUTQ, which on a Unix socket drops only once a whole buffer of the agent's large writes is read; a peer reading 8 KiB every 10 s of a 15 MB answer is closed after 30 s"]
+fn a_client_that_reads_slowly_is_not_taken_for_one_that_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_untraced(dir.path(), &[]);
+    let calls: Vec<Value> = (0..200)
+        .map(|i| json!({"jsonrpc": "2.0", "id": i, "method": "rpc.discover"}))
+        .collect();
+    let batch = Value::Array(calls).to_string();
+    let mut stream = send(
+        &agent.socket,
+        format!("{}{batch}", post_head(batch.len())).as_bytes(),
+    );
+    let head = read_head(&mut stream);
+    let length = opmon_tests::raw::content_length(&head).expect("a length");
+    let mut body = vec![0; length];
+    let mut read = 0;
+    // 8 KiB every 10 s, over more than the stall timeout: the pace of the attack, not a
+    // wait for a condition.
+    for _ in 0..5 {
+        stream.read_exact(&mut body[read..read + 8192]).unwrap();
+        read += 8192;
+        std::thread::sleep(Duration::from_secs(10));
+    }
+    stream
+        .read_exact(&mut body[read..])
+        .expect("the rest of the answer");
+    let answer: Value = serde_json::from_slice(&body).expect("a whole JSON answer");
+    assert_eq!(answer.as_array().map_or(0, Vec::len), 200);
 }
