@@ -548,7 +548,7 @@ impl Client {
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
     /// let status = client.status().await?;
-    /// if !status.supports("cancel") {
+    /// if !status.supports(opmon_client::methods::Feature::Cancel) {
     ///     eprintln!("agent {} cannot cancel", status.version);
     /// }
     /// # Ok(()) }
