@@ -220,14 +220,31 @@ impl Error {
     }
 
     /// This error's message followed by each source's, joined by `": "`.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::NotFound, message: "backup b not found".into(), data: None };
+    /// assert_eq!(e.chain(), "backup b not found (code 1001)");
+    /// ```
     pub fn chain(&self) -> String {
-        let mut text = self.to_string();
-        let mut next = std::error::Error::source(self);
-        while let Some(e) = next {
-            text.push_str(": ");
-            text.push_str(&e.to_string());
-            next = e.source();
-        }
-        text
+        chain(self)
     }
+}
+
+/// The message of `error` followed by each source's, joined by `": "` (as `anyhow`'s
+/// `{:#}` prints them): for errors of any type.
+///
+/// ```
+/// let io = std::io::Error::other("disk full");
+/// assert_eq!(opmon_client::error::chain(&io), "disk full");
+/// ```
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        next = e.source();
+    }
+    text
 }

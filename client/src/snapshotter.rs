@@ -49,6 +49,8 @@ pub use jsonrpsee;
 pub use jsonrpsee::types::ErrorObjectOwned as RpcError;
 pub use jsonrpsee::RpcModule;
 
+pub use crate::store::{child, OperationStore, StoreError};
+
 use crate::server::{self, AdmitAll, ServeConfig};
 use crate::types::{OperationProgress, OperationRef};
 use crate::{codes, methods};
@@ -152,14 +154,7 @@ impl SnapshotterError {
 
     /// The message and its causes', as the agent gets it.
     fn chain(&self) -> String {
-        let mut text = self.title();
-        let mut next = std::error::Error::source(self);
-        while let Some(e) = next {
-            text.push_str(": ");
-            text.push_str(&e.to_string());
-            next = e.source();
-        }
-        text
+        crate::error::chain(self)
     }
 }
 
