@@ -419,3 +419,59 @@ pub mod child {
         last_line(&String::from_utf8_lossy(&tail))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn records_survive_a_reopen_and_a_second_process_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = OperationStore::<u32>::open(dir.path()).unwrap();
+        let id = store.insert("copy", 1).await.unwrap();
+        assert!(id.starts_with("copy-"));
+        assert!(matches!(
+            OperationStore::<u32>::open(dir.path()),
+            Err(StoreError::InUse { .. })
+        ));
+        store.update(&id, |n| *n = 5);
+        store.finish(&id, |n| *n += 10).await.unwrap();
+        assert_eq!(store.get(&id), Some(15));
+        drop(store);
+        let again = OperationStore::<u32>::open(dir.path()).unwrap();
+        assert_eq!(again.get(&id), Some(15));
+        assert_eq!(again.ids(|n| *n == 15), [id]);
+    }
+
+    #[tokio::test]
+    async fn stop_ends_the_task_and_waits_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(OperationStore::<bool>::open(dir.path()).unwrap());
+        let id = store.insert("job", false).await.unwrap();
+        let (s, task_id) = (store.clone(), id.clone());
+        store.launch(&id, |stopped| async move {
+            if stopped.await.is_ok() {
+                s.finish(&task_id, |stopped| *stopped = true).await.unwrap();
+            }
+        });
+        store.stop(&id).await;
+        assert_eq!(store.get(&id), Some(true));
+        // Stopping what no longer runs does nothing.
+        store.stop(&id).await;
+    }
+
+    #[test]
+    fn a_state_file_of_another_version_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(STATE_FILE),
+            r#"{"version":2,"operations":{}}"#,
+        )
+        .unwrap();
+        let e = OperationStore::<u32>::open(dir.path()).err().unwrap();
+        assert!(matches!(e, StoreError::Version { version: 2, .. }), "{e}");
+        assert!(e.to_string().contains("operations.json"), "{e}");
+    }
+}
