@@ -111,6 +111,13 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// # Errors
     /// [`StoreError::InUse`] if another process has it open; [`StoreError::Io`],
     /// [`StoreError::Invalid`] or [`StoreError::Version`] naming the file otherwise.
+    ///
+    /// ```no_run
+    /// use opmon_client::snapshotter::OperationStore;
+    /// # fn demo() -> Result<(), opmon_client::snapshotter::StoreError> {
+    /// let store = OperationStore::<String>::open("/var/lib/copier".as_ref())?;
+    /// # Ok(()) }
+    /// ```
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         let io_error = |what, path: &Path| {
             let path = path.to_path_buf();

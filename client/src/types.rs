@@ -145,6 +145,11 @@ wire_enum! {
 
 impl OwnerPhase {
     /// Completed, PartiallyFailed, Failed or FailedValidation: nothing more happens.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::PartiallyFailed.is_terminal() && !OwnerPhase::Finalizing.is_terminal());
+    /// ```
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -156,6 +161,11 @@ impl OwnerPhase {
     }
 
     /// The phases in which the poller watches the owner's operations.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::WaitingForPluginOperations.is_waiting());
+    /// ```
     pub fn is_waiting(self) -> bool {
         matches!(
             self,
@@ -165,6 +175,11 @@ impl OwnerPhase {
     }
 
     /// The phases that wait for `finalize`.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::FinalizingPartiallyFailed.is_finalizing());
+    /// ```
     pub fn is_finalizing(self) -> bool {
         matches!(
             self,
@@ -191,17 +206,32 @@ wire_enum! {
 
 impl OperationPhase {
     /// New or InProgress: the operation is still polled.
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert!(OperationPhase::New.is_unfinished() && !OperationPhase::Canceled.is_unfinished());
+    /// ```
     pub fn is_unfinished(self) -> bool {
         matches!(self, OperationPhase::New | OperationPhase::InProgress)
     }
 
     /// Failed or Canceled: counted in `operationsFailed`, as Velero counts them.
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert!(OperationPhase::Canceled.is_failure());
+    /// ```
     pub fn is_failure(self) -> bool {
         matches!(self, OperationPhase::Failed | OperationPhase::Canceled)
     }
 
     /// The phase Velero's item-operations file has for this one (which knows no
     /// Canceled).
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert_eq!(OperationPhase::Canceled.in_velero(), OperationPhase::Failed);
+    /// ```
     pub fn in_velero(self) -> OperationPhase {
         match self {
             OperationPhase::Canceled => OperationPhase::Failed,
@@ -860,6 +890,11 @@ impl DeleteResult {
     }
 
     /// How many operations were canceled, from an agent of any version.
+    ///
+    /// ```
+    /// let old: opmon_client::DeleteResult = serde_json::from_str(r#"{"cancelled": 2}"#).unwrap();
+    /// assert_eq!(old.count(), 2);
+    /// ```
     pub fn count(&self) -> u64 {
         self.canceled.max(self.cancelled)
     }
@@ -1394,6 +1429,13 @@ impl NewOperation {
 
     /// Items to back up (or restore) again once the operation is done, as Velero's
     /// `PostOperationItems`.
+    ///
+    /// ```
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
+    ///     .post_operation_items(vec![ResourceIdentifier::cluster("persistentvolumes", "pv-1")]);
+    /// ```
     pub fn post_operation_items(mut self, items: Vec<ResourceIdentifier>) -> Self {
         self.post_operation_items = items;
         self
@@ -1401,6 +1443,13 @@ impl NewOperation {
 
     /// When the plugin returned the operation (the item operation timeout counts from
     /// it).
+    ///
+    /// ```
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
+    ///     .created(opmon_client::time::OffsetDateTime::now_utc());
+    /// ```
     pub fn created(mut self, created: Timestamp) -> Self {
         self.created = Some(created);
         self
