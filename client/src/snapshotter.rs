@@ -360,6 +360,10 @@ pub enum ServeError {
 /// caller needs to wait for the socket file. The registration stays when it stops
 /// (the agent keeps polling, and finds the snapshotter again once it is back).
 ///
+/// # Errors
+/// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
+/// the agent did not take the registration (nothing is served then).
+///
 /// ```no_run
 /// # use opmon_client::snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
@@ -381,6 +385,42 @@ pub async fn serve_and_register<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
 ) -> Result<(), ServeError> {
+    serve_methods_and_register(agent, registration, socket, rpc_module(snapshotter)).await
+}
+
+/// [`serve_and_register`] for a snapshotter with methods of its own beside
+/// [`rpc_module`]'s (say, a `copy.start` that starts operations): binds `socket`,
+/// registers it, and serves `methods` there until SIGTERM or SIGINT.
+///
+/// # Errors
+/// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
+/// the agent did not take the registration (nothing is served then).
+///
+/// ```no_run
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let agent = opmon_client::Client::connect(opmon_client::default_socket_path()).await?;
+/// let mut methods = rpc_module(Copier);
+/// methods.register_async_method("copy.start", |_params, _copier, _| async move {
+///     Ok::<_, RpcError>(serde_json::json!({"operationId": "copy-1"}))
+/// })?;
+/// let socket = "/run/copier/copier.sock";
+/// let registration = opmon_client::Snapshotter::socket("example.io/copier", socket);
+/// serve_methods_and_register(&agent, registration, socket, methods).await?;
+/// # Ok(()) }
+/// ```
+pub async fn serve_methods_and_register(
+    agent: &crate::Client,
+    registration: crate::Snapshotter,
+    socket: impl AsRef<Path>,
+    methods: impl Into<jsonrpsee::Methods> + Send + 'static,
+) -> Result<(), ServeError> {
     let socket = socket.as_ref();
     let listener = server::bind(socket, 0o660)
         .await
@@ -396,11 +436,7 @@ pub async fn serve_and_register<S: OperationHandler>(
     };
     let name = registration.name.clone();
     // Served while the registration is sent: the agent may poll before it answers.
-    let serving = tokio::spawn(serve_listener(
-        listener,
-        rpc_module(snapshotter),
-        termination(),
-    ));
+    let serving = tokio::spawn(serve_listener(listener, methods, termination()));
     if let Err(source) = agent.register_snapshotter(registration).await {
         serving.abort();
         return Err(ServeError::Register { name, source });
