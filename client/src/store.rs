@@ -57,6 +57,9 @@ struct StateFile<T> {
     operations: T,
 }
 
+/// A change of one record, applied to what is saved.
+type Change<'a, R> = dyn Fn(&mut R) + Sync + 'a;
+
 /// An operation that runs: how to stop it and wait for its end.
 struct Running {
     stop: oneshot::Sender<()>,
@@ -268,7 +271,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// Writes every record, with `change` applied to one, atomically.
     async fn save(
         &self,
-        change: Option<(&str, &(dyn Fn(&mut R) + Sync))>,
+        change: Option<(&str, &Change<'_, R>)>,
     ) -> Result<(), StoreError> {
         let _turn = self.save_turn.lock().await;
         let mut records = self.lock().records.clone();
