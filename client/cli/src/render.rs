@@ -85,31 +85,18 @@ fn velero_item(r: &ResourceIdentifier) -> String {
     )
 }
 
-/// Left-aligned columns separated by two spaces.
+/// Left-aligned columns separated by two spaces: [`tabwrite`] of the rows, each line
+/// without trailing spaces.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    let mut text = headers.join("\t");
     for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+        text.push('\n');
+        text.push_str(&row.join("\t"));
     }
-    let mut out = String::new();
-    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
-        let mut text = String::new();
-        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
-            if i > 0 {
-                text.push_str("  ");
-            }
-            let _ = write!(text, "{cell:<w$}");
-        }
-        out.push_str(text.trim_end());
-        out.push('\n');
-    };
-    line(&mut out, &mut headers.iter().copied());
-    for row in rows {
-        line(&mut out, &mut row.iter().map(String::as_str));
-    }
-    out
+    tabwrite(&text)
+        .lines()
+        .map(|line| format!("{}\n", line.trim_end()))
+        .collect()
 }
 
 /// Owners as `kubectl get` lists objects: how old each is in the `AGE` column.
