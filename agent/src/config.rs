@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::parser::ValueSource;
-use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, ValueEnum};
+use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use opmon_client::first_path_of;
 use opmon_client::{ApiVersion, GoDuration, Snapshotter};
 use serde::de::DeserializeOwned;
@@ -561,73 +561,31 @@ impl fmt::Display for LogFormat {
     }
 }
 
-/// The command line: `--config`, `--print-config` and a flag (with its variable) for
-/// every declared setting.
+/// The command line: [`Args`], and a flag (with its variable) for every declared
+/// setting.
 pub fn command() -> Command {
-    let command = Command::new("opmon-agent")
-        .version(env!("CARGO_PKG_VERSION"))
-        .about("opmon-agent: monitors the long-running operations of backup and restore plugins")
-        .long_about(
-            "opmon-agent: monitors the long-running operations of backup and restore plugins.\n\n\
-             Every setting can also come from an OPMON_* environment variable or the TOML \
-             config file; flags win over variables, variables over the file.",
-        )
-        .arg(
-            Arg::new("config")
-                .long("config")
-                .env(CONFIG_VARIABLE)
-                .value_name("FILE")
-                .value_parser(clap::value_parser!(PathBuf))
-                .help(format!(
-                    "TOML config file [default: {DEFAULT_CONFIG} if it exists]"
-                )),
-        )
-        .arg(
-            Arg::new("print_config")
-                .long("print-config")
-                .action(ArgAction::SetTrue)
-                .help(
-                    "Print the effective configuration, with where each value came from, and exit",
-                ),
-        );
     declarations()
         .iter()
-        .fold(command, |command, d| command.arg(d.clap_arg()))
+        .fold(Args::command(), |command, d| command.arg(d.clap_arg()))
 }
 
 /// The two flags that are not settings; every setting is read from the matches.
-#[derive(Debug, Clone, Default)]
+#[derive(Parser, Debug, Clone, Default)]
+#[command(
+    name = "opmon-agent",
+    version,
+    about = "opmon-agent: monitors the long-running operations of backup and restore plugins",
+    long_about = "opmon-agent: monitors the long-running operations of backup and restore \
+                  plugins.\n\nEvery setting can also come from an OPMON_* environment variable \
+                  or the TOML config file; flags win over variables, variables over the file."
+)]
 pub struct Args {
+    /// TOML config file [default: /etc/opmon/agent.toml if it exists]
+    #[arg(long, env = CONFIG_VARIABLE, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Print the effective configuration, with where each value came from, and exit
+    #[arg(long)]
     pub print_config: bool,
-}
-
-impl CommandFactory for Args {
-    fn command() -> Command {
-        command()
-    }
-
-    fn command_for_update() -> Command {
-        command()
-    }
-}
-
-impl FromArgMatches for Args {
-    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
-        Ok(Args {
-            config: matches
-                .try_get_one::<PathBuf>("config")
-                .ok()
-                .flatten()
-                .cloned(),
-            print_config: matches.get_flag("print_config"),
-        })
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
-        *self = Args::from_arg_matches(matches)?;
-        Ok(())
-    }
 }
 
 /// A `[[snapshotter]]` table: registered at every start.
@@ -1157,7 +1115,7 @@ mod tests {
             path.display().to_string(),
         ];
         full.extend(argv.iter().map(|s| s.to_string()));
-        let matches = Args::command()
+        let matches = command()
             .try_get_matches_from(full)
             .map_err(|e| e.to_string())?;
         let args = Args::from_arg_matches(&matches).unwrap();
@@ -1375,7 +1333,7 @@ mod tests {
         let s = settings(&[], "").unwrap();
         let printed: Vec<&str> = s.provenance.iter().map(|p| p.key).collect();
         assert_eq!(printed, keys);
-        let command = Args::command();
+        let command = command();
         for d in declarations() {
             let arg = command
                 .get_arguments()
