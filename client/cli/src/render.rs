@@ -408,19 +408,14 @@ fn velero_time(t: Timestamp) -> String {
             .to_zoned_datetime(local_zone())
             .strftime("%Y-%m-%d %H:%M:%S %z %Z")
             .to_string(),
-        // Outside jiff's range (not a time the agent stores): UTC, as before.
-        Err(_) => {
-            let t = t.to_offset(time::UtcOffset::UTC);
-            format!(
-                "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
-                t.year(),
-                u8::from(t.month()),
-                t.day(),
-                t.hour(),
-                t.minute(),
-                t.second()
-            )
-        }
+        // Outside jiff's range (a time a snapshotter reported at the ends of `time`'s):
+        // UTC, in the same form.
+        Err(_) => t
+            .to_offset(time::UtcOffset::UTC)
+            .format(time::macros::format_description!(
+                "[year]-[month]-[day] [hour]:[minute]:[second] +0000 UTC"
+            ))
+            .unwrap_or_default(),
     }
 }
 
@@ -688,6 +683,22 @@ mod tests {
     use super::*;
     use opmon_client::{OperationPhase, PluginKind, PluginRef};
     use time::macros::datetime;
+
+    #[test]
+    fn times_past_the_time_zone_database_print_in_utc_in_the_same_form() {
+        assert_eq!(
+            velero_time(datetime!(2026-11-22 09:57:45 UTC)),
+            "2026-11-22 09:57:45 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(9999-12-31 23:59:59 UTC)),
+            "9999-12-31 23:59:59 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(-9999-01-01 00:00:05 UTC)),
+            "-9999-01-01 00:00:05 +0000 UTC"
+        );
+    }
 
     fn op(n: i64, total: i64) -> Operation {
         Operation {
