@@ -53,27 +53,12 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    let plugins = || ArgValueCompleter::new(complete::snapshotters);
     Cli::command()
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
-            backup
-                .mut_subcommand("start", |start| {
-                    start.mut_arg("finalize", |finalize| finalize.hide(true))
-                })
-                .mut_subcommand("add-operation", |add| {
-                    add.mut_arg("plugin", |arg| arg.add(plugins()))
-                })
-        })
-        .mut_subcommand("restore", |restore| {
-            restore.mut_subcommand("add-operation", |add| {
-                add.mut_arg("plugin", |arg| arg.add(plugins()))
-            })
-        })
-        .mut_subcommand("snapshotter", |snapshotter| {
-            snapshotter.mut_subcommand("unregister", |unregister| {
-                unregister.mut_arg("name", |arg| arg.add(plugins()))
+            backup.mut_subcommand("start", |start| {
+                start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
 }
@@ -374,7 +359,7 @@ pub struct AddOperation {
     #[arg(long, conflicts_with_all = ["plugin", "item", "operation_id"])]
     pub file: Option<PathBuf>,
     /// Plugin name, domain/name.
-    #[arg(long, required_unless_present = "file")]
+    #[arg(long, required_unless_present = "file", add = ArgValueCompleter::new(complete::snapshotters))]
     pub plugin: Option<String>,
     /// Plugin kind [default: BackupItemAction for backups, RestoreItemAction for restores].
     #[arg(long)]
@@ -457,6 +442,7 @@ pub enum SnapshotterCommand {
     /// Removes one.
     Unregister {
         /// The plugin name it serves.
+        #[arg(add = ArgValueCompleter::new(complete::snapshotters))]
         name: String,
     },
 }
