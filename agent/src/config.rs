@@ -62,9 +62,6 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 /// The variable of `--config`, the one flag with a variable that is not a setting.
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
 
-/// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
-const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](../client/REFERENCE.md#deadlines-and-retries)), registered at every start |";
-
 /// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
 /// its source), the config file's form, [`declarations`] (what the flags, `--help` and
 /// the configuration table are made from) and [`Values::provenance`].
@@ -289,18 +286,6 @@ impl Declaration {
 /// A doc comment's lines as one paragraph.
 fn join_doc(lines: &[&str]) -> String {
     lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
-}
-
-/// The table of docs/configuration.md, made from the declarations (a test checks that
-/// the file holds exactly this).
-pub fn settings_table() -> String {
-    let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
-    for d in declarations() {
-        out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
-    }
-    out.push_str(SNAPSHOTTER_ROW);
-    out.push('\n');
-    out
 }
 
 /// A type a setting can have: how a flag or variable is parsed into it (by clap, so a
@@ -1270,6 +1255,21 @@ mod tests {
         )
         .unwrap();
         assert!(!s.core.allow_api_command_snapshotters, "the flag wins");
+    }
+
+    /// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
+    const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](../client/REFERENCE.md#deadlines-and-retries)), registered at every start |";
+
+    /// The table of docs/configuration.md, made from the declarations (a test checks that
+    /// the file holds exactly this).
+    fn settings_table() -> String {
+        let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
+        for d in declarations() {
+            out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
+        }
+        out.push_str(SNAPSHOTTER_ROW);
+        out.push('\n');
+        out
     }
 
     #[test]
