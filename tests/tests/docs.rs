@@ -553,3 +553,60 @@ fn a_command_the_cli_refuses_is_found() {
         .expect("running opmon");
     assert!(String::from_utf8_lossy(&out.stderr).starts_with("error:"));
 }
+
+#[test]
+fn the_retry_table_of_the_client_page_is_the_methods_declarations() {
+    use opmon_client::methods::{self, Retry};
+    let text = read(&repo().join("docs/client.md"));
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| `agent.status`"))
+        .expect("the retry table's row");
+    let cells: Vec<&str> = row.trim_matches('|').split(" | ").collect();
+    assert_eq!(cells.len(), 2, "{row}");
+    // The full name of a method the table names by verb (`get`) or in full.
+    let full = |name: &str| {
+        methods::ALL
+            .iter()
+            .flat_map(|d| d.names().iter().copied())
+            .find(|n| *n == name || n.strip_prefix("backup.") == Some(name))
+            .unwrap_or_else(|| panic!("docs/client.md names {name}, which no method is"))
+    };
+    let mut named = BTreeSet::new();
+    for (cell, retry) in cells.iter().zip([Retry::Always, Retry::IfNotSent]) {
+        // The methods, without the reasons in parentheses.
+        let mut depth = 0;
+        let cell: String = cell
+            .chars()
+            .filter(|c| {
+                depth += match c {
+                    '(' => 1,
+                    ')' => -1,
+                    _ => 0,
+                };
+                depth == 0 && *c != ')'
+            })
+            .collect();
+        for (i, span) in cell.split('`').enumerate() {
+            let name = span.trim();
+            if i % 2 == 1 && !name.is_empty() && !name.contains(' ') {
+                let method = full(name);
+                assert_eq!(
+                    methods::retry_of(&method),
+                    retry,
+                    "{method} in docs/client.md"
+                );
+                named.insert(method);
+            }
+        }
+    }
+    let unnamed: Vec<&str> = methods::ALL
+        .iter()
+        .flat_map(|d| d.names().iter().copied())
+        .filter(|n| !n.starts_with("restore.") && !named.contains(n))
+        .collect();
+    assert!(
+        unnamed.is_empty(),
+        "docs/client.md's retry table lacks {unnamed:?}"
+    );
+}
