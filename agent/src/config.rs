@@ -1237,7 +1237,7 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 3: invalid duration \"soon\""),
+            e.starts_with("config file FILE line 3: call_deadline: invalid duration \"soon\""),
             "{e}"
         );
         let e = settings(&[], "poll_interval = \"10ms\"\n").err().unwrap();
@@ -1274,7 +1274,9 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 1: unknown variant `litestream`, expected `sqlite` or `external`"),
+            e.starts_with(
+                "config file FILE line 1: checkpoint: unknown variant `litestream`, expected `sqlite` or `external`"
+            ),
             "{e}"
         );
     }
@@ -1358,7 +1360,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             e,
-            "config file FILE line 5: invalid duration \"soon\": expected a number"
+            "config file FILE line 5: snapshotter[0].stall_timeout: invalid duration \"soon\": expected a number"
         );
         let e = settings(&[], &table.replace("\"2s\"", "\"0s\""))
             .err()
