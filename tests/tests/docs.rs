@@ -592,7 +592,7 @@ fn the_retry_table_of_the_client_page_is_the_methods_declarations() {
             if i % 2 == 1 && !name.is_empty() && !name.contains(' ') {
                 let method = full(name);
                 assert_eq!(
-                    methods::retry_of(&method),
+                    methods::retry_of(method),
                     retry,
                     "{method} in docs/client.md"
                 );
