@@ -759,6 +759,32 @@ impl Layers<'_> {
     }
 }
 
+/// The key `path` leads to, as written in TOML (`snapshotter[0].name`), short of the
+/// last key when `message` already names it (an unknown field).
+fn key_of(path: &serde_path_to_error::Path, message: &str) -> String {
+    use serde_path_to_error::Segment;
+    let mut keys: Vec<String> = Vec::new();
+    for segment in path.iter() {
+        match segment {
+            // toml's `Spanned` is a struct of its own to serde.
+            Segment::Map { key } if key.starts_with("$__serde_spanned") => {}
+            Segment::Map { key } => keys.push(key.clone()),
+            Segment::Seq { index } => match keys.last_mut() {
+                Some(last) => last.push_str(&format!("[{index}]")),
+                None => keys.push(format!("[{index}]")),
+            },
+            Segment::Enum { .. } | Segment::Unknown => {}
+        }
+    }
+    if keys
+        .last()
+        .is_some_and(|k| message.contains(&format!("`{k}`")))
+    {
+        keys.pop();
+    }
+    keys.join(".")
+}
+
 /// The line of `text` where `span` starts.
 fn line_of(text: &str, span: std::ops::Range<usize>) -> usize {
     text[..span.start.min(text.len())].matches('\n').count() + 1
@@ -1025,16 +1051,24 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         Some(path) => read_config_file(path)?,
         None => String::new(),
     };
-    let mut file: FileConfig = toml::from_str(&file_text).map_err(|e| {
+    // The key's path (serde_path_to_error's) beside the line: toml's message names only
+    // the value ("invalid value: integer `-1`, expected u32").
+    let parsed = toml::Deserializer::parse(&file_text)
+        .map_err(|e| (String::new(), e))
+        .and_then(|de| {
+            serde_path_to_error::deserialize::<_, FileConfig>(de).map_err(|e| {
+                let key = key_of(e.path(), e.inner().message());
+                (key, e.into_inner())
+            })
+        });
+    let mut file = parsed.map_err(|(key, e)| {
         let path = config_file.as_deref().unwrap_or(Path::new("")).display();
-        match e.span() {
-            Some(span) => format!(
-                "config file {path} line {}: {}",
-                line_of(&file_text, span),
-                e.message()
-            ),
-            None => format!("config file {path}: {}", e.message()),
-        }
+        let at = match e.span() {
+            Some(span) => format!(" line {}", line_of(&file_text, span)),
+            None => String::new(),
+        };
+        let key = if key.is_empty() { key } else { key + ": " };
+        format!("config file {path}{at}: {key}{}", e.message())
     })?;
     let layers = Layers {
         matches,
@@ -1108,7 +1142,7 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 3: invalid duration \"soon\""),
+            e.starts_with("config file FILE line 3: call_deadline: invalid duration \"soon\""),
             "{e}"
         );
         let e = settings(&[], "poll_interval = \"10ms\"\n").err().unwrap();
@@ -1145,7 +1179,9 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 1: unknown variant `litestream`, expected `sqlite` or `external`"),
+            e.starts_with(
+                "config file FILE line 1: checkpoint: unknown variant `litestream`, expected `sqlite` or `external`"
+            ),
             "{e}"
         );
     }
@@ -1229,7 +1265,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             e,
-            "config file FILE line 5: invalid duration \"soon\": expected a number"
+            "config file FILE line 5: snapshotter[0].stall_timeout: invalid duration \"soon\": expected a number"
         );
         let e = settings(&[], &table.replace("\"2s\"", "\"0s\""))
             .err()

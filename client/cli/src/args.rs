@@ -63,9 +63,9 @@ pub fn command() -> clap::Command {
         })
 }
 
-/// Shell completion of names, asked of the agent at `OPMON_SOCKET` (or the default
-/// socket) while the user presses tab. An agent that cannot be reached within a second
-/// completes nothing.
+/// Shell completion of names, asked of the agent the line being completed names
+/// (`--socket`, `--agent-uid`, else their variables) while the user presses tab. An
+/// agent that cannot be reached within a second completes nothing.
 mod complete {
     use std::ffi::OsStr;
     use std::time::Duration;
@@ -76,16 +76,15 @@ mod complete {
     fn ask<T, F: std::future::Future<Output = Option<T>>>(
         call: impl FnOnce(Client) -> F,
     ) -> Option<T> {
-        let socket = std::env::var_os(super::SOCKET_VARIABLE)
-            .filter(|s| !s.is_empty())
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(opmon_client::default_socket_path);
+        let (socket, agent_uid) = super::AGENT.get()?.clone();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .ok()?;
         runtime.block_on(async {
-            let client = Client::builder(socket)
+            let client = agent_uid
+                .iter()
+                .fold(Client::builder(socket), |b, &uid| b.agent_uid(uid))
                 .connect_timeout(Duration::from_secs(1))
                 .call_timeout(Duration::from_secs(1))
                 .connect()
@@ -121,19 +120,71 @@ mod complete {
     }
 }
 
-/// Parses the command line and the environment. `OPMON_SOCKET=` (set but empty) means
-/// unset, as an empty variable does for most tools, rather than "a socket named ''".
-pub fn parse() -> Cli {
-    if std::env::var_os(SOCKET_VARIABLE).is_some_and(|v| v.is_empty()) {
-        // Before any other thread exists: nothing else reads the environment yet.
-        std::env::remove_var(SOCKET_VARIABLE);
+/// The agent completion asks: set by [`completing`] from the words being completed.
+static AGENT: std::sync::OnceLock<(PathBuf, Vec<u32>)> = std::sync::OnceLock::new();
+
+/// The command for `COMPLETE=<shell> opmon -- <words>`: its name completers ask the
+/// agent that `<words>` (as far as they parse) or the environment name.
+pub fn completing() -> clap::Command {
+    let words: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip_while(|w| w != "--")
+        .skip(1)
+        .collect();
+    let matches = command().ignore_errors(true).try_get_matches_from(words);
+    let (socket, agent_uid) = matches
+        .map(|m| {
+            let socket = m.get_one::<PathBuf>("socket").cloned();
+            let uids = m.get_many::<u32>("agent_uid").into_iter().flatten();
+            (socket, uids.copied().collect())
+        })
+        .unwrap_or_default();
+    if let Ok(agent) = from_environment(socket, agent_uid) {
+        let _ = AGENT.set(agent);
     }
-    let matches = command().get_matches();
-    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    command()
 }
 
-/// The variable that names the agent's socket, as the agent's own setting does.
-const SOCKET_VARIABLE: &str = "OPMON_SOCKET";
+/// Parses the command line, then the environment for what it left out.
+pub fn parse() -> Cli {
+    let matches = command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    match from_environment(cli.socket.take(), std::mem::take(&mut cli.agent_uid)) {
+        Ok((socket, agent_uid)) => {
+            cli.socket = Some(socket);
+            cli.agent_uid = agent_uid;
+        }
+        Err(e) => Cli::command()
+            .error(clap::error::ErrorKind::ValueValidation, e)
+            .exit(),
+    }
+    cli
+}
+
+/// `--socket` and `--agent-uid` as typed, else `OPMON_SOCKET` and `OPMON_AGENT_UID`,
+/// else the default socket. The variables are read here rather than by clap, so that an
+/// error names the variable a bad value came from and a usage line shows only what was
+/// typed. A variable set but empty means unset, as for most tools.
+fn from_environment(
+    socket: Option<PathBuf>,
+    agent_uid: Vec<u32>,
+) -> Result<(PathBuf, Vec<u32>), String> {
+    let variable = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    let socket = socket
+        .or_else(|| variable("OPMON_SOCKET").map(PathBuf::from))
+        .unwrap_or_else(opmon_client::default_socket_path);
+    if !agent_uid.is_empty() {
+        return Ok((socket, agent_uid));
+    }
+    let agent_uid = match variable("OPMON_AGENT_UID") {
+        None => Vec::new(),
+        Some(users) => users
+            .to_string_lossy()
+            .split(',')
+            .map(|user| user_id(user).map_err(|e| format!("OPMON_AGENT_UID: {e}")))
+            .collect::<Result<_, _>>()?,
+    };
+    Ok((socket, agent_uid))
+}
 
 /// opmon: drive and watch the opmon agent's backups, restores and snapshotters.
 ///
@@ -142,13 +193,14 @@ const SOCKET_VARIABLE: &str = "OPMON_SOCKET";
 #[derive(Parser, Debug)]
 #[command(name = "opmon", version, about, long_about)]
 pub struct Cli {
-    /// The agent's socket [default: as the agent resolves it].
-    #[arg(long, env = "OPMON_SOCKET", global = true)]
+    /// The agent's socket [env: OPMON_SOCKET] [default: as the agent resolves it].
+    #[arg(long, global = true)]
     pub socket: Option<PathBuf>,
 
     /// Users (names or uids) trusted to serve the socket besides root and yourself: the
-    /// agent's user when it is neither. A socket served by anyone else is refused.
-    #[arg(long, env = "OPMON_AGENT_UID", value_delimiter = ',', value_parser = user_id, global = true)]
+    /// agent's user when it is neither. A socket served by anyone else is refused
+    /// [env: OPMON_AGENT_UID].
+    #[arg(long, value_delimiter = ',', value_parser = user_id, global = true)]
     pub agent_uid: Vec<u32>,
 
     /// How reads are printed; json is exactly the API's result.
