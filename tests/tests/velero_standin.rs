@@ -6,13 +6,11 @@
 //! item operation timeout. The original plugin is the Go test plugin of
 //! tests/go/velero-plugin; the real agent polls its own copy of it.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::io::{BufRead, BufReader, Lines};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::OnceLock;
 
+use opmon_tests::velero::{go_programs, PluginDir};
 use opmon_tests::{eventually, without_opmon_env, workspace_binary, Agent, RawHttp};
 use serde_json::{json, Value};
 
@@ -20,119 +18,20 @@ const BACKUP_A: &str = "example.io/backup-a";
 const RESTORE_A: &str = "example.io/restore-a";
 const LONG: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Runs `command`, failing the test with its stderr; a missing tool says what to install.
-fn run(command: &mut Command, what: &str) {
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e}; .ci/run installs what it needs"));
-    assert!(
-        out.status.success(),
-        "{what}: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-}
-
-/// The Go programs: the original plugin and Velero's stand-in host.
-struct GoBinaries {
-    plugin: PathBuf,
-    host: PathBuf,
-}
-
-/// Both Go programs, built once (offline, GOPATH mode against Debian's Go packages) and
-/// cached by their sources' hash.
-fn go_binaries() -> &'static GoBinaries {
-    static BUILT: OnceLock<GoBinaries> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
-        let sources = [
-            "velero-plugin/main.go",
-            "velero-plugin/proto/generated.proto",
-            "velero-plugin/proto/v2.proto",
-            "velero-host/main.go",
-        ];
-        let mut hasher = DefaultHasher::new();
-        for f in sources {
-            std::fs::read(go.join(f)).unwrap().hash(&mut hasher);
-        }
-        let cache = if nix::unistd::geteuid().is_root() {
-            PathBuf::from("/var/cache/opmon-ci")
-        } else {
-            std::env::temp_dir().join("opmon-ci")
-        };
-        std::fs::create_dir_all(&cache).unwrap();
-        let done = cache.join(format!("velero-standin-{:016x}", hasher.finish()));
-        let binaries = GoBinaries {
-            plugin: done.join("velero-plugin"),
-            host: done.join("velero-host"),
-        };
-        if done.exists() {
-            return binaries;
-        }
-        let work = tempfile::tempdir_in(&cache).unwrap();
-        let gopath = work.path();
-        let proto = go.join("velero-plugin/proto");
-        std::fs::create_dir_all(gopath.join("src")).unwrap();
-        for file in ["generated.proto", "v2.proto"] {
-            run(
-                Command::new("protoc")
-                    .arg("-I")
-                    .arg(&proto)
-                    .arg(format!(
-                        "--go_out=plugins=grpc,paths=import:{}",
-                        gopath.join("src").display()
-                    ))
-                    .arg(proto.join(file)),
-                "protoc (apt-get install protobuf-compiler golang-goprotobuf-dev)",
-            );
-        }
-        let out = gopath.join("out");
-        std::fs::create_dir_all(&out).unwrap();
-        for (dir, binary) in [
-            ("velero-plugin", "velero-plugin"),
-            ("velero-host", "velero-host"),
-        ] {
-            let package = gopath.join("src/opmontest").join(dir);
-            std::fs::create_dir_all(&package).unwrap();
-            std::fs::copy(go.join(dir).join("main.go"), package.join("main.go")).unwrap();
-            run(
-                Command::new("go")
-                    .args(["build", "-o"])
-                    .arg(out.join(binary))
-                    .arg(".")
-                    .current_dir(&package)
-                    .env("GO111MODULE", "off")
-                    .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
-                    .env("GOFLAGS", "")
-                    .env("GOPROXY", "off")
-                    .env("GOCACHE", gopath.join("cache")),
-                "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
-                 golang-google-grpc-dev golang-goprotobuf-dev)",
-            );
-        }
-        // Another test binary may have built it meanwhile: either copy will do.
-        if std::fs::rename(&out, &done).is_err() {
-            assert!(done.exists(), "caching {}", done.display());
-        }
-        binaries
-    })
-}
-
 /// The agent with a `[[snapshotter]]` table for each plugin of the original, the
 /// original's state directory, and the stand-in as Velero finds it.
 struct World {
     // Dropped before its directory: the agent's log is checked when it goes.
     agent: Agent,
-    dir: tempfile::TempDir,
+    dir: PluginDir,
 }
 
 impl World {
     /// `extra`: lines for each table (deadlines, retries).
     fn new(extra: &str) -> World {
-        let go = go_binaries();
-        let dir = tempfile::tempdir().unwrap();
-        let state = dir.path().join("plugin-state");
-        std::fs::create_dir_all(&state).unwrap();
+        let go = go_programs();
+        let dir = PluginDir::new();
+        let state = dir.state();
         let tables: Vec<String> = [BACKUP_A, RESTORE_A]
             .iter()
             .map(|name| {
@@ -151,7 +50,7 @@ impl World {
     }
 
     fn state(&self) -> PathBuf {
-        self.dir.path().join("plugin-state")
+        self.dir.state()
     }
 
     fn tmp(&self) -> PathBuf {
@@ -169,17 +68,13 @@ impl World {
     }
 
     fn journal(&self) -> Vec<String> {
-        std::fs::read_to_string(self.state().join("journal"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
+        self.dir.journal()
     }
 
     /// The Go host, as Velero runs its plugins: the stand-in is the plugin binary it
     /// finds, the environment is what Velero's Deployment gives it.
     fn host(&self, args: &[&str]) -> Command {
-        let go = go_binaries();
+        let go = go_programs();
         let mut command = Command::new(&go.host);
         without_opmon_env(&mut command);
         command
@@ -748,4 +643,148 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         end["error"].as_str().unwrap().contains("cannot be reached"),
         "{end}"
     );
+    // Velero deletes the backup meanwhile: it logs the stand-in's error on each item
+    // and goes on, as with any plugin's error.
+    let mut host = world.host(&[
+        "-owner",
+        "b9",
+        "-uid",
+        "uid-b9",
+        "-delete",
+        "persistentvolumeclaims/app/steps-3-u",
+    ]);
+    host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
+    let out = host.output().expect("running the Go host");
+    let all = parse(&String::from_utf8_lossy(&out.stdout));
+    let ours = deletes(&all, FORGET);
+    assert_eq!(ours.len(), 1, "{all:?}");
+    assert!(ours[0].1.contains("cannot be reached"), "{ours:?}");
+}
+
+/// The stand-in's own DeleteItemAction, as Velero lists it beside the original's.
+const FORGET: &str = "opmon.io/forget-opmon-velero-plugin";
+
+/// The `deleteExecuted` events of plugin `name`: (item, error).
+fn deletes(all: &[Value], name: &str) -> Vec<(String, String)> {
+    events(all, "deleteExecuted")
+        .iter()
+        .filter(|e| e["name"] == name)
+        .map(|e| {
+            (
+                e["item"].as_str().unwrap_or("").to_string(),
+                e["error"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The agent's answer to `backup.get`, error or result.
+fn backup_get(world: &World, name: &str) -> Value {
+    let mut http = RawHttp::connect(&world.agent.socket);
+    http.call(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "backup.get", "params": {"name": name}})
+            .to_string(),
+    )
+}
+
+/// Velero deletes the backup: its deletion calls the DeleteItemActions for the backup's
+/// items, the stand-in's own among them (for the items the original's
+/// BackupItemActions apply to), and the agent's owner of that Backup is removed. A
+/// Backup of the same name with another uid leaves it; the original's own
+/// DeleteItemAction gets its calls unchanged.
+#[test]
+fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b20", "-uid", "uid-b20", "-item", "steps-2-d",
+    ]);
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    eventually("the backup completes", LONG, || {
+        world.call("backup.get", json!({"name": "b20"}))["phase"] == "Completed"
+    });
+    let items = "persistentvolumeclaims/app/steps-2-d,pods/app/web,persistentvolumeclaims/app/logs";
+
+    // Another Backup that once had the name: the owner is not its.
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-other", "-delete", items]);
+    assert_eq!(
+        deletes(&all, FORGET),
+        vec![
+            ("persistentvolumeclaims/app/steps-2-d".to_string(), String::new()),
+            ("persistentvolumeclaims/app/logs".to_string(), String::new()),
+        ],
+        "{all:?}"
+    );
+    assert_eq!(backup_get(&world, "b20")["result"]["uid"], "uid-b20");
+
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-b20", "-delete", items]);
+    let listed: Vec<(&str, &str)> = events(&all, "listed")
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    assert!(listed.contains(&("DeleteItemAction", FORGET)), "{listed:?}");
+    assert!(
+        listed.contains(&("DeleteItemAction", "example.io/delete-a")),
+        "{listed:?}"
+    );
+    // It applies to what the original's BackupItemActions apply to: no pods.
+    let applies = events(&all, "deleteAppliesTo");
+    let ours = applies.iter().find(|e| e["name"] == FORGET).expect("AppliesTo");
+    assert_eq!(ours["includedResources"], json!(["persistentvolumeclaims"]));
+    let ours = deletes(&all, FORGET);
+    assert_eq!(ours.len(), 2, "{all:?}");
+    assert!(ours.iter().all(|(_, e)| e.is_empty()), "{ours:?}");
+    assert_eq!(backup_get(&world, "b20")["error"]["code"], 1001);
+    // The original's DeleteItemAction was passed on, with the Backup.
+    let journal = world.journal();
+    assert!(
+        journal.contains(
+            &"delete DeleteItemAction example.io/delete-a steps-2-d Backup/b20".to_string()
+        ),
+        "{journal:?}"
+    );
+    assert!(deletes(&all, "example.io/delete-a")
+        .iter()
+        .all(|(_, e)| e.is_empty()));
+
+    // Deleted again (a deletion Velero retries): nothing left to remove, no error.
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-b20", "-delete", items]);
+    assert!(
+        deletes(&all, FORGET).iter().all(|(_, e)| e.is_empty()),
+        "{all:?}"
+    );
+}
+
+/// A Velero that restarted has forgotten which backups it is still working on, and
+/// deletes one whose operations have not ended: the owner goes, and its unfinished
+/// operation is cancelled in the original rather than left running unwatched.
+#[test]
+fn a_backup_deleted_with_its_operations_unfinished_cancels_them() {
+    let world = World::new("");
+    let first = world.velero(&[
+        "-name", BACKUP_A, "-owner", "b21", "-uid", "uid-b21", "-item", "stall-x", "-polls", "1",
+    ]);
+    assert_eq!(last(&first)["event"], "stopped", "{first:?}");
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b21"}))["phase"],
+        "WaitingForPluginOperations"
+    );
+    let all = world.velero(&[
+        "-owner",
+        "b21",
+        "-uid",
+        "uid-b21",
+        "-delete",
+        "persistentvolumeclaims/app/stall-x",
+    ]);
+    assert_eq!(
+        deletes(&all, FORGET),
+        vec![("persistentvolumeclaims/app/stall-x".to_string(), String::new())],
+        "{all:?}"
+    );
+    assert_eq!(backup_get(&world, "b21")["error"]["code"], 1001);
+    eventually("the original gets Cancel", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-x".to_string())
+    });
 }

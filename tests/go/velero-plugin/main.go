@@ -41,6 +41,7 @@ var served = []*generated.PluginIdentifier{
 	{Command: os.Args[0], Kind: "BackupItemActionV2", Name: "example.io/backup-a"},
 	{Command: os.Args[0], Kind: "BackupItemActionV2", Name: "example.io/backup-b"},
 	{Command: os.Args[0], Kind: "RestoreItemActionV2", Name: "example.io/restore-a"},
+	{Command: os.Args[0], Kind: "DeleteItemAction", Name: "example.io/delete-a"},
 }
 
 var journalLock sync.Mutex
@@ -245,6 +246,7 @@ func main() {
 			"PluginLister":        grpcPlugin{register: func(s *grpc.Server) { generated.RegisterPluginListerServer(s, listerServer{}) }},
 			"BackupItemActionV2":  grpcPlugin{register: func(s *grpc.Server) { v2.RegisterBackupItemActionServer(s, backupServer{}) }},
 			"RestoreItemActionV2": grpcPlugin{register: func(s *grpc.Server) { v2.RegisterRestoreItemActionServer(s, restoreServer{}) }},
+			"DeleteItemAction":    grpcPlugin{register: func(s *grpc.Server) { generated.RegisterDeleteItemActionServer(s, deleteServer{}) }},
 		},
 		GRPCServer: plugin.DefaultGRPCServer,
 	})
@@ -318,4 +320,35 @@ func (restoreServer) Execute(_ context.Context, r *v2.RestoreItemActionExecuteRe
 		return nil, err
 	}
 	return &v2.RestoreItemActionExecuteResponse{Item: item, OperationID: id}, nil
+}
+
+// A DeleteItemAction of the original's own, which the stand-in passes on: it records
+// each item and Backup it is called with.
+type deleteServer struct{}
+
+func (deleteServer) AppliesTo(_ context.Context, r *generated.DeleteItemActionAppliesToRequest) (*generated.DeleteItemActionAppliesToResponse, error) {
+	s, err := appliesTo("DeleteItemAction", r.Plugin)
+	if err != nil {
+		return nil, err
+	}
+	return &generated.DeleteItemActionAppliesToResponse{ResourceSelector: s}, nil
+}
+
+func (deleteServer) Execute(_ context.Context, r *generated.DeleteItemActionExecuteRequest) (*generated.Empty, error) {
+	var item, backup struct {
+		Metadata struct {
+			Name string `json:"name"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(r.Item, &item); err != nil {
+		return nil, veleroError("decoding the item: " + err.Error())
+	}
+	if err := json.Unmarshal(r.Backup, &backup); err != nil {
+		return nil, veleroError("decoding the backup: " + err.Error())
+	}
+	record("delete DeleteItemAction %s %s Backup/%s", r.Plugin, item.Metadata.Name, backup.Metadata.Name)
+	if !servedAs(r.Plugin, "DeleteItemAction") {
+		return nil, veleroError(fmt.Sprintf("%s is not a DeleteItemAction plugin of this binary", r.Plugin))
+	}
+	return &generated.Empty{}, nil
 }
