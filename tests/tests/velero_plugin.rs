@@ -289,7 +289,7 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
             && stderr.contains(
                 "it serves: BackupItemActionV2 example.io/backup-a, BackupItemActionV2 \
                  example.io/backup-b, RestoreItemActionV2 example.io/restore-a, \
-                 DeleteItemAction example.io/delete-a"
+                 DeleteItemAction example.io/delete-a, ObjectStore example.io/store"
             ),
         "{stderr}"
     );

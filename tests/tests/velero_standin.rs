@@ -788,3 +788,31 @@ fn a_backup_deleted_with_its_operations_unfinished_cancels_them() {
             .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-x".to_string())
     });
 }
+
+/// An ObjectStore's calls stream (PutObject takes the body in chunks, GetObject gives
+/// it back in chunks): the stand-in passes them on message by message, errors and all.
+#[test]
+fn an_object_stores_streaming_calls_are_passed_on() {
+    let world = World::new("");
+    let all = world.velero(&["-name", "example.io/store", "-object", "0123456789abc"]);
+    let listed: Vec<(&str, &str)> = events(&all, "listed")
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    assert!(
+        listed.contains(&("ObjectStore", "example.io/store")),
+        "{listed:?}"
+    );
+    let objects = events(&all, "object");
+    assert_eq!(
+        (&objects[0]["data"], &objects[0]["chunks"]),
+        (&json!("0123456789abc"), &json!(4)),
+        "{all:?}"
+    );
+    assert_eq!(objects[1]["error"], "no object b/k/missing", "{all:?}");
+    let journal = world.journal();
+    assert!(
+        journal.contains(&"put ObjectStore b/k/1 3 chunks 13 bytes".to_string()),
+        "{journal:?}"
+    );
+}

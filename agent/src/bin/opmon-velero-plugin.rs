@@ -75,17 +75,6 @@ fn velero_instance() -> String {
     format!("{}/{parent}/{started}", boot.trim())
 }
 
-/// Plugin kinds whose calls are all unary, and so can be passed on as they are.
-const PASSED_KINDS: &[&str] = &[
-    "BackupItemAction",
-    "BackupItemActionV2",
-    "RestoreItemAction",
-    "RestoreItemActionV2",
-    "DeleteItemAction",
-    "ItemBlockAction",
-    "VolumeSnapshotter",
-];
-
 /// Bytes in, bytes out: a call passed on without being decoded, so that fields the
 /// stand-in does not know reach the other side unchanged.
 #[derive(Clone, Copy, Default)]
@@ -270,6 +259,22 @@ impl StandIn {
         grpc.unary(Request::new(body), path, Raw)
             .await
             .map(Response::into_inner)
+    }
+
+    /// Passes one call of any kind to the original, its messages as they come each way,
+    /// and its end (status and details) back. Velero's side ending its stream early
+    /// (an error) ends the original's.
+    async fn pass_streaming(
+        &self,
+        path: PathAndQuery,
+        incoming: tonic::Streaming<Bytes>,
+    ) -> Result<Response<tonic::Streaming<Bytes>>, Status> {
+        use futures::StreamExt;
+        let mut grpc = self.original().await?;
+        let outgoing = incoming
+            .take_while(|m| std::future::ready(m.is_ok()))
+            .filter_map(|m| std::future::ready(m.ok()));
+        grpc.streaming(Request::new(outgoing), path, Raw).await
     }
 
     /// Execute: the original's answer, its operation registered with the agent first.
@@ -761,17 +766,19 @@ async fn route(
         (p, _, _) if p.starts_with("/plugin.") => {
             Status::unimplemented(format!("opmon-velero-plugin does not serve {p}")).into_http()
         }
+        // Everything else, streaming or not (gRPC frames a unary call as a stream of one
+        // message each way): passed on message by message.
         _ => {
             let s = standin.clone();
-            let service = tower::service_fn(move |r: Request<Bytes>| {
+            let service = tower::service_fn(move |r: Request<tonic::Streaming<Bytes>>| {
                 let s = s.clone();
                 let path = PathAndQuery::try_from(path.clone());
                 async move {
                     let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
-                    s.pass(path, r.into_inner()).await.map(Response::new)
+                    s.pass_streaming(path, r.into_inner()).await
                 }
             });
-            tonic::server::Grpc::new(Raw).unary(service, request).await
+            tonic::server::Grpc::new(Raw).streaming(service, request).await
         }
     };
     Ok(response)
@@ -839,19 +846,7 @@ async fn run() -> Result<(), String> {
         env,
     });
     let connection = host.connection().await?;
-    let mut served = Vec::new();
-    for p in connection.served.iter() {
-        if PASSED_KINDS.contains(&p.kind.as_str()) {
-            served.push(p.clone());
-        } else {
-            tracing::warn!(
-                "{} serves {} {}, which the stand-in does not pass on (it has streaming calls)",
-                original.display(),
-                p.kind,
-                p.name
-            );
-        }
-    }
+    let served = connection.served.to_vec();
     let socket = std::env::var_os("OPMON_SOCKET")
         .map(PathBuf::from)
         .unwrap_or_else(opmon_client::default_socket_path);

@@ -22,6 +22,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"io"
 	"os/exec"
 	"strings"
 	"time"
@@ -93,6 +94,7 @@ func main() {
 	polls := flag.Int("polls", 0, "stop after this many Progress calls, as a Velero that restarts (0: never)")
 	executeOnly := flag.Bool("execute-only", false, "stop after Execute, as a Velero that restarts while the backup is InProgress")
 	deleteItems := flag.String("delete", "", "delete the backup instead: its items, resource/namespace/name separated by commas")
+	object := flag.String("object", "", "store this text as an object instead, in chunks of 5 bytes, and read it and a missing object back (the ObjectStore -name)")
 	flag.Parse()
 
 	kind, ownerKind := "BackupItemActionV2", "Backup"
@@ -109,6 +111,9 @@ func main() {
 		}},
 		"DeleteItemAction": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
 			return generated.NewDeleteItemActionClient(c)
+		}},
+		"ObjectStore": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
+			return generated.NewObjectStoreClient(c)
 		}},
 	}
 	// Velero passes its own flags to every plugin.
@@ -139,6 +144,10 @@ func main() {
 	}
 	for _, p := range listed.Plugins {
 		emit("listed", map[string]interface{}{"kind": p.Kind, "name": p.Name, "command": p.Command})
+	}
+	if *object != "" {
+		storeObject(rpc, *name, *object)
+		return
 	}
 	if *deleteItems != "" {
 		deleteBackup(rpc, listed.Plugins, *owner, *uid, *timeout, strings.Split(*deleteItems, ","))
@@ -337,5 +346,60 @@ func deleteBackup(rpc plugin.ClientProtocol, listed []*generated.PluginIdentifie
 			}
 			emit("deleteExecuted", fields)
 		}
+	}
+}
+
+// storeObject: what Velero's backup store does with an ObjectStore: Init, PutObject
+// (the body streamed in chunks), GetObject (read back as streamed).
+func storeObject(rpc plugin.ClientProtocol, name, text string) {
+	ctx := context.Background()
+	raw, err := rpc.Dispense("ObjectStore")
+	if err != nil {
+		fail("dispensing ObjectStore: %v", err)
+	}
+	c := raw.(generated.ObjectStoreClient)
+	if _, err := c.Init(ctx, &generated.ObjectStoreInitRequest{Plugin: name, Config: map[string]string{"bucket": "b"}}); err != nil {
+		fail("Init: %s", message(err))
+	}
+	put, err := c.PutObject(ctx)
+	if err != nil {
+		fail("PutObject: %s", message(err))
+	}
+	body := []byte(text)
+	for len(body) > 0 {
+		n := 5
+		if n > len(body) {
+			n = len(body)
+		}
+		if err := put.Send(&generated.PutObjectRequest{Plugin: name, Bucket: "b", Key: "k/1", Body: body[:n]}); err != nil {
+			fail("PutObject: %s", message(err))
+		}
+		body = body[n:]
+	}
+	if _, err := put.CloseAndRecv(); err != nil {
+		fail("PutObject: %s", message(err))
+	}
+	for _, key := range []string{"k/1", "k/missing"} {
+		get, err := c.GetObject(ctx, &generated.GetObjectRequest{Plugin: name, Bucket: "b", Key: key})
+		if err != nil {
+			fail("GetObject: %s", message(err))
+		}
+		var data []byte
+		chunks := 0
+		fields := map[string]interface{}{"key": key}
+		for {
+			b, err := get.Recv()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				fields["error"] = message(err)
+				break
+			}
+			data = append(data, b.Data...)
+			chunks++
+		}
+		fields["data"], fields["chunks"] = string(data), chunks
+		emit("object", fields)
 	}
 }
