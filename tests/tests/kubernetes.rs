@@ -605,7 +605,12 @@ fn enable_velero_plugin_table(docs: &mut [Value]) -> String {
 fn velero_plugin_file(docs: &[Value]) -> String {
     let installer = deploy::pod_templates(docs)
         .into_iter()
-        .flat_map(|(_, spec)| spec["initContainers"].as_array().cloned().unwrap_or_default())
+        .flat_map(|(_, spec)| {
+            spec["initContainers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
         .find(is_plugin_installer)
         .expect("opmon's plugin installer in Velero's pod");
     let target = installer["command"]

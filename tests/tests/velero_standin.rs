@@ -696,7 +696,14 @@ fn backup_get(world: &World, name: &str) -> Value {
 fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
     let world = World::new("");
     let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b20", "-uid", "uid-b20", "-item", "steps-2-d",
+        "-name",
+        BACKUP_A,
+        "-owner",
+        "b20",
+        "-uid",
+        "uid-b20",
+        "-item",
+        "steps-2-d",
     ]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     eventually("the backup completes", LONG, || {
@@ -709,7 +716,10 @@ fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
     assert_eq!(
         deletes(&all, FORGET),
         vec![
-            ("persistentvolumeclaims/app/steps-2-d".to_string(), String::new()),
+            (
+                "persistentvolumeclaims/app/steps-2-d".to_string(),
+                String::new()
+            ),
             ("persistentvolumeclaims/app/logs".to_string(), String::new()),
         ],
         "{all:?}"
@@ -728,7 +738,10 @@ fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
     );
     // It applies to what the original's BackupItemActions apply to: no pods.
     let applies = events(&all, "deleteAppliesTo");
-    let ours = applies.iter().find(|e| e["name"] == FORGET).expect("AppliesTo");
+    let ours = applies
+        .iter()
+        .find(|e| e["name"] == FORGET)
+        .expect("AppliesTo");
     assert_eq!(ours["includedResources"], json!(["persistentvolumeclaims"]));
     let ours = deletes(&all, FORGET);
     assert_eq!(ours.len(), 2, "{all:?}");
@@ -778,7 +791,10 @@ fn a_backup_deleted_with_its_operations_unfinished_cancels_them() {
     ]);
     assert_eq!(
         deletes(&all, FORGET),
-        vec![("persistentvolumeclaims/app/stall-x".to_string(), String::new())],
+        vec![(
+            "persistentvolumeclaims/app/stall-x".to_string(),
+            String::new()
+        )],
         "{all:?}"
     );
     assert_eq!(backup_get(&world, "b21")["error"]["code"], 1001);

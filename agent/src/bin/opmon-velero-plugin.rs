@@ -447,7 +447,11 @@ impl StandIn {
     async fn forget_applies_to(&self) -> wire::AppliesToResponse {
         let mut resources = std::collections::BTreeSet::new();
         let mut every = false;
-        for p in self.served.iter().filter(|p| p.kind == wire::KIND_BACKUP_V2) {
+        for p in self
+            .served
+            .iter()
+            .filter(|p| p.kind == wire::KIND_BACKUP_V2)
+        {
             let request = wire::PluginRequest {
                 plugin: p.name.clone(),
             };
@@ -540,7 +544,10 @@ impl StandIn {
     }
 
     fn forgotten_has(&self, uid: &str) -> bool {
-        self.forgotten.lock().map(|f| f.contains(uid)).unwrap_or(false)
+        self.forgotten
+            .lock()
+            .map(|f| f.contains(uid))
+            .unwrap_or(false)
     }
 }
 
@@ -778,7 +785,9 @@ async fn route(
                     s.pass_streaming(path, r.into_inner()).await
                 }
             });
-            tonic::server::Grpc::new(Raw).streaming(service, request).await
+            tonic::server::Grpc::new(Raw)
+                .streaming(service, request)
+                .await
         }
     };
     Ok(response)

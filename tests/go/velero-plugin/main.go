@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -22,7 +23,6 @@ import (
 
 	plugin "github.com/hashicorp/go-plugin"
 	"google.golang.org/grpc"
-	"io"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
