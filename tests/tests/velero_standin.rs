@@ -110,6 +110,19 @@ impl World {
         events
     }
 
+    /// Velero backs up with `BACKUP_A`: Backup `owner` (uid `uid-<owner>`), one item
+    /// (the test plugin's operation ID), `extra` flags; its events.
+    fn back_up(&self, owner: &str, item: &str, extra: &[&str]) -> Vec<Value> {
+        let args = backup_args(owner, item, extra);
+        self.velero(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// [`World::back_up`], its events as they come.
+    fn back_up_spawn(&self, owner: &str, item: &str, extra: &[&str]) -> Running {
+        let args = backup_args(owner, item, extra);
+        self.velero_spawn(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
     /// Starts the host; its events as they come.
     fn velero_spawn(&self, args: &[&str]) -> Running {
         let mut child = self
@@ -138,6 +151,14 @@ impl World {
             .get("result")
             .cloned()
             .unwrap_or_else(|| panic!("{method}: {answer}"))
+    }
+
+    /// `kind` owner `name` once it is in `phase`.
+    fn owner_in(&self, kind: &str, name: &str, phase: &str) -> Value {
+        eventually(format!("{kind} {name} is {phase}"), LONG, || {
+            let owner = self.call(&format!("{kind}.get"), json!({"name": name}));
+            (owner["phase"] == phase).then_some(owner)
+        })
     }
 
     fn operation(&self, kind: &str, owner: &str, id: &str) -> Value {
@@ -185,6 +206,18 @@ impl Running {
     }
 }
 
+fn backup_args(owner: &str, item: &str, extra: &[&str]) -> Vec<String> {
+    let uid = format!("uid-{owner}");
+    let mut args: Vec<String> = [
+        "-name", BACKUP_A, "-owner", owner, "-uid", &uid, "-item", item,
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
 fn parse(text: &str) -> Vec<Value> {
     text.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("the host printed {l:?}: {e}")))
@@ -205,16 +238,7 @@ fn last(all: &[Value]) -> &Value {
 #[test]
 fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b1",
-        "-uid",
-        "uid-b1",
-        "-item",
-        "steps-3-a",
-    ]);
+    let all = world.back_up("b1", "steps-3-a", &[]);
 
     let listed: Vec<(&str, &str)> = events(&all, "listed")
         .iter()
@@ -273,10 +297,7 @@ fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
     // The agent has the Backup as Velero sent it, and the operation as it ended.
     // It left InProgress when Velero began asking Progress, and ended with its
     // operations, with no finalize (Velero writes its own files).
-    let owner = eventually("the backup completes", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b1"}));
-        (owner["phase"] == "Completed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b1", "Completed");
     assert_eq!(owner["uid"], "uid-b1");
     assert_eq!(owner["finalize"], false);
     assert_eq!(owner["itemOperationTimeout"], "1m0s", "{owner}");
@@ -317,10 +338,7 @@ fn a_restore_goes_through_restore_item_action_v2() {
     ]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     assert_eq!(events(&all, "executed")[0]["operationID"], "steps-2-r");
-    let owner = eventually("the restore completes", LONG, || {
-        let owner = world.call("restore.get", json!({"name": "r1"}));
-        (owner["phase"] == "Completed").then_some(owner)
-    });
+    let owner = world.owner_in("restore", "r1", "Completed");
     assert_eq!(owner["operationsCompleted"], 1);
 }
 
@@ -329,9 +347,7 @@ fn a_restore_goes_through_restore_item_action_v2() {
 #[test]
 fn an_execute_without_an_operation_registers_nothing() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b2", "-uid", "uid-b2", "-item", "sync-1",
-    ]);
+    let all = world.back_up("b2", "sync-1", &[]);
     assert_eq!(events(&all, "executed")[0]["operationID"], "");
     let mut http = RawHttp::connect(&world.agent.socket);
     let answer = http.call(
@@ -347,16 +363,7 @@ fn an_execute_without_an_operation_registers_nothing() {
 #[test]
 fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
     let world = World::new("retry_backoff = \"100ms\"");
-    let all = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b3",
-        "-uid",
-        "uid-b3",
-        "-item",
-        "flaky-2-f",
-    ]);
+    let all = world.back_up("b3", "flaky-2-f", &[]);
     assert!(events(&all, "failed").is_empty(), "{all:?}");
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     assert_eq!(
@@ -376,9 +383,7 @@ fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
 #[test]
 fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
     let world = World::new("stall_timeout = \"1s\"");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b4", "-uid", "uid-b4", "-item", "stall-s",
-    ]);
+    let all = world.back_up("b4", "stall-s", &[]);
     let end = last(&all);
     assert_eq!(
         (&end["event"], &end["by"]),
@@ -397,10 +402,7 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
         journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-s".to_string()),
         "{journal:?}"
     );
-    let owner = eventually("the backup ends", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b4"}));
-        (owner["phase"] == "PartiallyFailed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b4", "PartiallyFailed");
     assert_eq!(owner["operationsFailed"], 1);
 }
 
@@ -409,9 +411,7 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
 #[test]
 fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
     let world = World::new("");
-    let mut velero = world.velero_spawn(&[
-        "-name", BACKUP_A, "-owner", "b5", "-uid", "uid-b5", "-item", "stall-k",
-    ]);
+    let mut velero = world.back_up_spawn("b5", "stall-k", &[]);
     velero.until("progress");
     let mut cli = Command::new(workspace_binary("opmon"));
     without_opmon_env(&mut cli);
@@ -451,9 +451,7 @@ fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
 #[test]
 fn velero_cancels_past_its_timeout_through_the_agent() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b6", "-uid", "uid-b6", "-item", "stall-t", "-timeout", "1s",
-    ]);
+    let all = world.back_up("b6", "stall-t", &["-timeout", "1s"]);
     let end = last(&all);
     assert_eq!(end["event"], "failed", "{all:?}");
     assert_eq!(end["error"], "Asynchronous action timed out");
@@ -480,16 +478,7 @@ fn velero_cancels_past_its_timeout_through_the_agent() {
 #[test]
 fn the_agent_restarted_mid_operation() {
     let mut world = World::new("");
-    let mut velero = world.velero_spawn(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b7",
-        "-uid",
-        "uid-b7",
-        "-item",
-        "steps-40-r",
-    ]);
+    let mut velero = world.back_up_spawn("b7", "steps-40-r", &[]);
     velero.until("progress");
     world.agent.kill9();
     world.agent.restart();
@@ -504,18 +493,7 @@ fn the_agent_restarted_mid_operation() {
 #[test]
 fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
     let world = World::new("");
-    let first = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b8",
-        "-uid",
-        "uid-b8",
-        "-item",
-        "steps-20-v",
-        "-polls",
-        "1",
-    ]);
+    let first = world.back_up("b8", "steps-20-v", &["-polls", "1"]);
     let stopped = last(&first);
     assert_eq!(stopped["event"], "stopped", "{first:?}");
     let created = stopped["created"].as_str().unwrap();
@@ -542,31 +520,16 @@ fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
 #[test]
 fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
     let world = World::new("");
-    let first = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b10",
-        "-uid",
-        "uid-b10",
-        "-item",
-        "stall-i",
-        "-execute-only",
-    ]);
+    let first = world.back_up("b10", "stall-i", &["-execute-only"]);
     assert_eq!(last(&first)["event"], "stopped", "{first:?}");
     assert_eq!(
         world.call("backup.get", json!({"name": "b10"}))["phase"],
         "InProgress"
     );
     // The new Velero lists its plugins (it starts the stand-in) and backs up another.
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b11", "-uid", "uid-b11", "-item", "done-1",
-    ]);
+    let all = world.back_up("b11", "done-1", &[]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
-    let owner = eventually("the old backup fails", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b10"}));
-        (owner["phase"] == "Failed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b10", "Failed");
     assert!(
         owner["failureReason"]
             .as_str()
@@ -590,21 +553,17 @@ fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
 fn an_unreachable_agent_is_an_error_velero_shows() {
     let mut world = World::new("");
     world.agent.kill9();
-    let all = {
-        let mut host = world.host(&[
-            "-name",
-            BACKUP_A,
-            "-owner",
-            "b9",
-            "-uid",
-            "uid-b9",
-            "-item",
-            "steps-3-u",
-        ]);
-        host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
-        let out = host.output().expect("running the Go host");
+    // Velero, with a stand-in that waits for the agent 300ms; its events.
+    let velero = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = world
+            .host(&args)
+            .env("OPMON_VELERO_AGENT_TIMEOUT", "300ms")
+            .output()
+            .expect("running the Go host");
         parse(&String::from_utf8_lossy(&out.stdout))
     };
+    let all = velero(&backup_args("b9", "steps-3-u", &[]));
     // Execute could not register the operation: Velero records the item's error, and
     // the original's operation is cancelled rather than left unwatched.
     let end = last(&all);
@@ -620,7 +579,7 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         "{journal:?}"
     );
     // Velero restarted meanwhile: its Progress fails with the same words.
-    let mut host = world.host(&[
+    let args = [
         "-name",
         BACKUP_A,
         "-owner",
@@ -629,10 +588,8 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         "uid-b9",
         "-resume",
         "steps-3-u",
-    ]);
-    host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
-    let out = host.output().expect("running the Go host");
-    let all = parse(&String::from_utf8_lossy(&out.stdout));
+    ];
+    let all = velero(&args.map(String::from));
     let end = last(&all);
     assert_eq!(
         (&end["event"], &end["by"]),
@@ -645,17 +602,15 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
     );
     // Velero deletes the backup meanwhile: it logs the stand-in's error on each item
     // and goes on, as with any plugin's error.
-    let mut host = world.host(&[
+    let args = [
         "-owner",
         "b9",
         "-uid",
         "uid-b9",
         "-delete",
         "persistentvolumeclaims/app/steps-3-u",
-    ]);
-    host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
-    let out = host.output().expect("running the Go host");
-    let all = parse(&String::from_utf8_lossy(&out.stdout));
+    ];
+    let all = velero(&args.map(String::from));
     let ours = deletes(&all, FORGET);
     assert_eq!(ours.len(), 1, "{all:?}");
     assert!(ours[0].1.contains("cannot be reached"), "{ours:?}");
@@ -695,16 +650,7 @@ fn backup_get(world: &World, name: &str) -> Value {
 #[test]
 fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b20",
-        "-uid",
-        "uid-b20",
-        "-item",
-        "steps-2-d",
-    ]);
+    let all = world.back_up("b20", "steps-2-d", &[]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     eventually("the backup completes", LONG, || {
         world.call("backup.get", json!({"name": "b20"}))["phase"] == "Completed"
@@ -773,9 +719,7 @@ fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
 #[test]
 fn a_backup_deleted_with_its_operations_unfinished_cancels_them() {
     let world = World::new("");
-    let first = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b21", "-uid", "uid-b21", "-item", "stall-x", "-polls", "1",
-    ]);
+    let first = world.back_up("b21", "stall-x", &["-polls", "1"]);
     assert_eq!(last(&first)["event"], "stopped", "{first:?}");
     assert_eq!(
         world.call("backup.get", json!({"name": "b21"}))["phase"],
