@@ -729,6 +729,13 @@ fn deploy_and_back_up(example: &str) {
                 // which that plugin's own init container (the user's image, not run
                 // here) copied into the volume first: a test binary plays it.
                 assert!(is_init && !sidecar, "{name}: an installer runs to its end");
+                // After every plugin's own init container: the original must be there.
+                let at = init.iter().position(|c| c["name"] == name).expect("itself");
+                let last_copier = init.iter().rposition(|c| is_plugin_copier(c));
+                assert!(
+                    last_copier.is_some_and(|c| c < at),
+                    "{name}: the installer runs before a plugin's init container"
+                );
                 let argv = argv_of(container, Some(&image));
                 let target = Path::new(argv.last().expect("the plugin's path"));
                 let file = target.file_name().expect("a file name");
