@@ -608,12 +608,22 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         "-uid",
         "uid-b9",
         "-delete",
-        "persistentvolumeclaims/app/steps-3-u",
+        "persistentvolumeclaims/app/steps-3-u,persistentvolumeclaims/app/a,persistentvolumeclaims/app/b",
     ];
     let all = velero(&args.map(String::from));
     let ours = deletes(&all, FORGET);
-    assert_eq!(ours.len(), 1, "{all:?}");
-    assert!(ours[0].1.contains("cannot be reached"), "{ours:?}");
+    assert_eq!(ours.len(), 3, "{all:?}");
+    assert!(
+        ours.iter().all(|(_, e)| e.contains("cannot be reached")),
+        "{ours:?}"
+    );
+    // The items after the first do not each wait for the agent again.
+    assert!(
+        ours[1..]
+            .iter()
+            .all(|(_, e)| e.ends_with("(for an earlier item of this backup; not waiting again)")),
+        "{ours:?}"
+    );
 }
 
 /// The stand-in's own DeleteItemAction, as Velero lists it beside the original's.

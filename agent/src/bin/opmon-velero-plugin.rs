@@ -154,9 +154,19 @@ struct StandIn {
     /// The name of the stand-in's own DeleteItemAction, if the original serves a
     /// BackupItemAction v2 (whose operations make the owners it removes).
     forget: Option<String>,
-    /// The uids of the Backups whose owner this process has removed (or found gone):
-    /// Velero calls the DeleteItemAction once for every item of the backup.
-    forgotten: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The Backups (by uid) whose owner this process has removed or found gone, or
+    /// failed to: Velero calls the DeleteItemAction once for every item of the backup.
+    forgotten: std::sync::Mutex<std::collections::HashMap<String, Forgetting>>,
+}
+
+/// What the stand-in's DeleteItemAction did for a Backup (by uid).
+#[derive(Clone)]
+enum Forgetting {
+    Done,
+    Failed {
+        at: tokio::time::Instant,
+        error: String,
+    },
 }
 
 /// A failure the stand-in reports to Velero, as Velero's own plugins report theirs
@@ -498,9 +508,10 @@ impl StandIn {
     }
 
     /// Execute of the stand-in's DeleteItemAction: Velero is deleting the Backup, so
-    /// the agent's owner of it goes too (only the one with the Backup's uid: a later
-    /// backup may have taken its name). Velero logs an error and goes on with the next
-    /// item, which tries again.
+    /// the agent's owner of it goes too. Velero calls it for every item of the backup
+    /// and logs an error and goes on: once done for a Backup it is not done again, and
+    /// once the agent could not be reached, the items that follow within the agent
+    /// timeout fail at once rather than each waiting for it (a later one tries again).
     async fn forget(&self, body: Bytes) -> Result<wire::Empty, Status> {
         let request = wire::ExecuteRequest::decode(body).map_err(|e| {
             velero_error(format!(
@@ -509,9 +520,37 @@ impl StandIn {
         })?;
         let backup = object(&request.owner, "Backup")?;
         let (name, uid) = name_and_uid(&backup)?;
-        if self.forgotten_has(&uid) {
-            return Ok(wire::Empty {});
+        let earlier = self
+            .forgotten
+            .lock()
+            .ok()
+            .and_then(|f| f.get(&uid).cloned());
+        match earlier {
+            Some(Forgetting::Done) => return Ok(wire::Empty {}),
+            Some(Forgetting::Failed { at, error }) if at.elapsed() < self.timeout => {
+                return Err(Status::unknown(format!(
+                    "{error} (for an earlier item of this backup; not waiting again)"
+                )))
+            }
+            _ => {}
         }
+        let result = self.forget_owner(&name, &uid).await;
+        let now = match &result {
+            Ok(()) => Forgetting::Done,
+            Err(status) => Forgetting::Failed {
+                at: tokio::time::Instant::now(),
+                error: status.message().to_string(),
+            },
+        };
+        if let Ok(mut forgotten) = self.forgotten.lock() {
+            forgotten.insert(uid, now);
+        }
+        result.map(|()| wire::Empty {})
+    }
+
+    /// Removes the agent's owner `name` if it is the Backup's (uid `uid`): a later
+    /// backup may have taken the name. Its unfinished operations are cancelled.
+    async fn forget_owner(&self, name: &str, uid: &str) -> Result<(), Status> {
         let gone = |e: &ClientError| {
             matches!(
                 e,
@@ -522,7 +561,7 @@ impl StandIn {
             )
         };
         match self.call("backup.get", json!({"name": name})).await {
-            Ok(owner) if owner["uid"] == uid.as_str() => {
+            Ok(owner) if owner["uid"] == uid => {
                 match self.call("backup.delete", json!({"name": name})).await {
                     Ok(answer) => tracing::info!(
                         backup = %name,
@@ -537,17 +576,7 @@ impl StandIn {
             Err(e) if gone(&e) => {}
             Err(e) => return Err(self.agent_error("backup.get", e)),
         }
-        if let Ok(mut forgotten) = self.forgotten.lock() {
-            forgotten.insert(uid);
-        }
-        Ok(wire::Empty {})
-    }
-
-    fn forgotten_has(&self, uid: &str) -> bool {
-        self.forgotten
-            .lock()
-            .map(|f| f.contains(uid))
-            .unwrap_or(false)
+        Ok(())
     }
 }
 
