@@ -269,14 +269,11 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     }
 
     /// Writes every record, with `change` applied to one, atomically.
-    async fn save(
-        &self,
-        change: Option<(&str, &Change<'_, R>)>,
-    ) -> Result<(), StoreError> {
+    async fn save(&self, change: Option<(&str, &Change<'_, R>)>) -> Result<(), StoreError> {
         let _turn = self.save_turn.lock().await;
         let mut records = self.lock().records.clone();
-        if let Some(record) = change.and_then(|(id, change)| Some((records.get_mut(id)?, change))) {
-            (record.1)(record.0);
+        if let Some((id, change)) = change {
+            records.get_mut(id).into_iter().for_each(change);
         }
         let path = self.dir.join(STATE_FILE);
         let io_error = |source| StoreError::Io {
