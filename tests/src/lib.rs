@@ -15,6 +15,7 @@ use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, Resou
 pub mod deploy;
 pub mod raw;
 pub mod traffic;
+pub mod velero;
 pub mod workflow;
 
 pub use workflow::{Steps, LONG};
