@@ -667,9 +667,9 @@ fn a_large_message_after_calls_that_fill_the_connection_is_answered() {
     assert_eq!((timed_out, status), (CALLS, 1));
 }
 
-/// Full WebSocket connections announcing large messages, `count` of them with `waits`
-/// calls that wait each; true if a large request of someone else is answered within
-/// 60 s (the waits last ten minutes).
+/// One WebSocket connection per entry of `connections`, each sending that many calls
+/// that wait (ten minutes) and then the header of a 1 MB message; true if a large
+/// request of someone else is answered within 60 s.
 fn others_read_past_full_websockets(connections: &[usize]) -> bool {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
