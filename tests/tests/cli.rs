@@ -1356,3 +1356,70 @@ async fn describe_prints_times_in_the_local_zone_as_velero_does() {
         assert!(text.contains(&want), "TZ={tz}: no {want:?} in\n{text}");
     }
 }
+
+/// `opmon status` against `socket`, and what it printed on stderr.
+fn status_at(socket: &std::path::Path, uid: Option<u32>) -> (Option<i32>, String) {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(workspace_binary("opmon"));
+    command
+        .env_remove("OPMON_SOCKET")
+        .arg("--socket")
+        .arg(socket);
+    if let Some(uid) = uid {
+        command.uid(uid).gid(uid);
+    }
+    let out = command.arg("status").output().expect("running opmon");
+    (out.status.code(), text(&out).1)
+}
+
+#[test]
+fn an_unreachable_agent_is_explained_by_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("agent.sock");
+    let (code, stderr) = status_at(&missing, None);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        format!(
+            "opmon: cannot connect to the opmon agent at {}: No such file or directory (os error 2). \
+             Is the agent running? Start opmon-agent, or give its socket with --socket or OPMON_SOCKET.\n",
+            missing.display()
+        )
+    );
+    // A directory typed for the socket.
+    let (_, stderr) = status_at(dir.path(), None);
+    assert!(
+        stderr.ends_with(
+            "It is not a socket: --socket and OPMON_SOCKET name the agent's socket file.\n"
+        ),
+        "{stderr}"
+    );
+    // The socket file a killed agent leaves behind.
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let (_, stderr) = status_at(&stale, None);
+    assert!(
+        stderr.ends_with(
+            "Connection refused (os error 111). Nothing listens on it: the agent has stopped.\n"
+        ),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_user_the_socket_keeps_out_is_told_which_settings_let_users_in() {
+    if !opmon_tests::root_or_skip("to run the CLI as another uid") {
+        return;
+    }
+    let f = Fixture::new(&[]).await;
+    let (code, stderr) = status_at(&f.agent.socket, Some(65534));
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.ends_with(
+            "Permission denied (os error 13). This user may not open the socket or its \
+             directory: the agent's socket_mode and socket_group say who may \
+             (docs/operations.md, \"Access and trust\").\n"
+        ),
+        "{stderr}"
+    );
+}
