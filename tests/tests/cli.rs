@@ -1423,3 +1423,49 @@ async fn a_user_the_socket_keeps_out_is_told_which_settings_let_users_in() {
         "{stderr}"
     );
 }
+
+/// `--help` of `program` and of each of its subcommands, recursively: (the command
+/// line, its text).
+fn every_help(program: &str, words: &mut Vec<String>, found: &mut Vec<(String, String)>) {
+    let out = Command::new(workspace_binary(program))
+        .env_remove("OPMON_SOCKET")
+        .args(words.iter())
+        .arg("--help")
+        .output()
+        .expect("running --help");
+    let (help, stderr) = text(&out);
+    assert!(out.status.success(), "{program} {words:?} --help: {stderr}");
+    let subcommands: Vec<String> = help
+        .split("\nCommands:\n")
+        .nth(1)
+        .map(|rest| {
+            rest.lines()
+                .take_while(|line| line.starts_with("  "))
+                .filter_map(|line| line.split_whitespace().next())
+                .filter(|name| *name != "help")
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    found.push((format!("{program} {}", words.join(" ")), help));
+    for name in subcommands {
+        words.push(name);
+        every_help(program, words, found);
+        words.pop();
+    }
+}
+
+#[test]
+fn help_is_plain_text_without_rustdoc_markup() {
+    let mut helps = Vec::new();
+    every_help("opmon", &mut Vec::new(), &mut helps);
+    every_help("opmon-agent", &mut Vec::new(), &mut helps);
+    assert!(helps.len() > 20, "{} help texts", helps.len());
+    for (command, help) in helps {
+        // Doc comments become --help: an intra-doc link shows as its markup.
+        assert!(
+            !help.contains("](crate::") && !help.contains("[`"),
+            "{command} --help:\n{help}"
+        );
+    }
+}
