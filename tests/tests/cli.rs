@@ -1469,3 +1469,38 @@ fn help_is_plain_text_without_rustdoc_markup() {
         );
     }
 }
+
+#[test]
+fn the_agents_bad_variables_are_named_as_variables_not_as_flags() {
+    let agent = |env: &[(&str, &str)], args: &[&str]| {
+        let out = opmon_tests::agent_command()
+            .envs(env.iter().copied())
+            .args(args)
+            .arg("--print-config")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+        text(&out).1
+    };
+    let stderr = agent(&[("OPMON_POLL_INTERVAL", "fast")], &[]);
+    assert!(
+        stderr.starts_with(
+            "error: OPMON_POLL_INTERVAL: invalid duration \"fast\": expected a number\n"
+        ),
+        "{stderr}"
+    );
+    let stderr = agent(&[("OPMON_LOG_FORMAT", "xml")], &[]);
+    assert!(
+        stderr.starts_with("error: OPMON_LOG_FORMAT: \"xml\" is not one of human, json\n"),
+        "{stderr}"
+    );
+    // Typed, the flag is named, whatever the variable says.
+    let stderr = agent(
+        &[("OPMON_POLL_INTERVAL", "fast")],
+        &["--poll-interval=slow"],
+    );
+    assert!(
+        stderr.starts_with("error: invalid value 'slow' for '--poll-interval <POLL_INTERVAL>'"),
+        "{stderr}"
+    );
+}
