@@ -191,6 +191,13 @@ fn the_requests_of_a_1_1_0_client_work_and_their_answers_fit_its_shapes() {
     drop(old);
 
     // Every answer above, as that client's types would have decoded it.
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import jsonschema"])
+        .output();
+    if !probe.is_ok_and(|out| out.status.success()) {
+        opmon_tests::skip("checking the answers needs python3 with jsonschema");
+        return;
+    }
     let output = std::process::Command::new("python3")
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("openrpc/traffic.py"))
         .arg(old_document())
