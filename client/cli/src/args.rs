@@ -10,22 +10,6 @@ use opmon_client::{
     ApiVersion, GoDuration, OperationPhase, OwnerKind, OwnerPhase, PluginKind, Timestamp,
 };
 
-fn go_duration(text: &str) -> Result<GoDuration, String> {
-    text.parse::<GoDuration>().map_err(|e| e.to_string())
-}
-
-fn owner_phase(text: &str) -> Result<OwnerPhase, String> {
-    text.parse()
-}
-
-fn operation_phase(text: &str) -> Result<OperationPhase, String> {
-    text.parse()
-}
-
-fn plugin_kind(text: &str) -> Result<PluginKind, String> {
-    text.parse()
-}
-
 fn rfc3339(text: &str) -> Result<Timestamp, String> {
     Timestamp::parse(text, &time::format_description::well_known::Rfc3339)
         .map_err(|e| format!("not an RFC 3339 time such as 2026-01-02T15:04:05Z ({e})"))
@@ -41,10 +25,6 @@ fn user_id(text: &str) -> Result<u32, String> {
         Ok(None) => Err(format!("no user named {text:?}")),
         Err(e) => Err(format!("looking up user {text:?}: {e}")),
     }
-}
-
-fn api_version(text: &str) -> Result<ApiVersion, String> {
-    text.parse()
 }
 
 /// The command line as the user sees it: [`Cli`], with what differs between `backup`
@@ -73,27 +53,12 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    let plugins = || ArgValueCompleter::new(complete::snapshotters);
     Cli::command()
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
-            backup
-                .mut_subcommand("start", |start| {
-                    start.mut_arg("finalize", |finalize| finalize.hide(true))
-                })
-                .mut_subcommand("add-operation", |add| {
-                    add.mut_arg("plugin", |arg| arg.add(plugins()))
-                })
-        })
-        .mut_subcommand("restore", |restore| {
-            restore.mut_subcommand("add-operation", |add| {
-                add.mut_arg("plugin", |arg| arg.add(plugins()))
-            })
-        })
-        .mut_subcommand("snapshotter", |snapshotter| {
-            snapshotter.mut_subcommand("unregister", |unregister| {
-                unregister.mut_arg("name", |arg| arg.add(plugins()))
+            backup.mut_subcommand("start", |start| {
+                start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
 }
@@ -289,7 +254,7 @@ pub enum OwnerCommand {
         #[arg(long)]
         uid: String,
         /// Go duration, e.g. 4h0m0s [default: the agent's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         item_operation_timeout: Option<GoDuration>,
         /// Restores only: pass through Finalizing and wait for `finalize`.
         #[arg(long)]
@@ -308,11 +273,11 @@ pub enum OwnerCommand {
         instance: Option<String>,
         /// Cancel and fail an operation whose progress stands still this long (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         start_timeout: Option<GoDuration>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
@@ -339,7 +304,7 @@ pub enum OwnerCommand {
     /// Owners, by name, a page at a time.
     List {
         /// Only these phases (repeatable).
-        #[arg(long = "phase", value_parser = owner_phase)]
+        #[arg(long = "phase")]
         phases: Vec<OwnerPhase>,
         /// At most this many (default 100, at most 1000).
         #[arg(long)]
@@ -353,7 +318,7 @@ pub enum OwnerCommand {
         /// The backup's or restore's name.
         name: String,
         /// Only operations in these phases (repeatable).
-        #[arg(long = "phase", value_parser = operation_phase)]
+        #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
     },
     /// The owner, readable, ending with its recent events; with --details, each
@@ -385,7 +350,7 @@ pub enum OwnerCommand {
         #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
         until: Until,
         /// Give up after this long (Go duration) with exit code 3 [default: never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         timeout: Option<GoDuration>,
     },
     /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
@@ -446,10 +411,10 @@ pub struct AddOperation {
     #[arg(long, conflicts_with_all = ["plugin", "item", "operation_id"])]
     pub file: Option<PathBuf>,
     /// Plugin name, domain/name.
-    #[arg(long, required_unless_present = "file")]
+    #[arg(long, required_unless_present = "file", add = ArgValueCompleter::new(complete::snapshotters))]
     pub plugin: Option<String>,
     /// Plugin kind [default: BackupItemAction for backups, RestoreItemAction for restores].
-    #[arg(long, value_parser = plugin_kind)]
+    #[arg(long)]
     pub plugin_kind: Option<PluginKind>,
     /// The item, RESOURCE[.GROUP]/NAMESPACE/NAME or RESOURCE[.GROUP]/NAME (cluster-scoped).
     #[arg(long, required_unless_present = "file")]
@@ -488,7 +453,7 @@ pub enum SnapshotterCommand {
         name: String,
         /// v2: it answers Progress and Cancel; v1: it has no Progress, and its
         /// operations complete at their first poll.
-        #[arg(long, value_parser = api_version, default_value = "v2")]
+        #[arg(long, default_value = "v2")]
         api_version: ApiVersion,
         /// Its JSON-RPC socket (`--socket` is the agent's); a relative path is resolved
         /// against the current directory.
@@ -508,20 +473,20 @@ pub enum SnapshotterCommand {
         command: Vec<String>,
         /// Cancel and fail an operation whose progress stands still this long [default:
         /// never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created
         /// [default: never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         start_timeout: Option<GoDuration>,
         /// Transient errors retried per operation [default: 5].
         #[arg(long)]
         retry_attempts: Option<u32>,
         /// Delay before the first retry, doubled each time up to 5m [default: 1s].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         retry_backoff: Option<GoDuration>,
         /// How long an operation may fail transiently before it fails [default: 10m].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         retry_within: Option<GoDuration>,
     },
     /// All snapshotters.
@@ -529,6 +494,7 @@ pub enum SnapshotterCommand {
     /// Removes one.
     Unregister {
         /// The plugin name it serves.
+        #[arg(add = ArgValueCompleter::new(complete::snapshotters))]
         name: String,
     },
 }

@@ -85,31 +85,18 @@ fn velero_item(r: &ResourceIdentifier) -> String {
     )
 }
 
-/// Left-aligned columns separated by two spaces.
+/// Left-aligned columns separated by two spaces: [`tabwrite`] of the rows, each line
+/// without trailing spaces.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    let mut text = headers.join("\t");
     for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+        text.push('\n');
+        text.push_str(&row.join("\t"));
     }
-    let mut out = String::new();
-    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
-        let mut text = String::new();
-        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
-            if i > 0 {
-                text.push_str("  ");
-            }
-            let _ = write!(text, "{cell:<w$}");
-        }
-        out.push_str(text.trim_end());
-        out.push('\n');
-    };
-    line(&mut out, &mut headers.iter().copied());
-    for row in rows {
-        line(&mut out, &mut row.iter().map(String::as_str));
-    }
-    out
+    tabwrite(&text)
+        .lines()
+        .map(|line| format!("{}\n", line.trim_end()))
+        .collect()
 }
 
 /// Owners as `kubectl get` lists objects: how old each is in the `AGE` column.
@@ -421,19 +408,14 @@ fn velero_time(t: Timestamp) -> String {
             .to_zoned_datetime(local_zone())
             .strftime("%Y-%m-%d %H:%M:%S %z %Z")
             .to_string(),
-        // Outside jiff's range (not a time the agent stores): UTC, as before.
-        Err(_) => {
-            let t = t.to_offset(time::UtcOffset::UTC);
-            format!(
-                "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
-                t.year(),
-                u8::from(t.month()),
-                t.day(),
-                t.hour(),
-                t.minute(),
-                t.second()
-            )
-        }
+        // Outside jiff's range (a time a snapshotter reported at the ends of `time`'s):
+        // UTC, in the same form.
+        Err(_) => t
+            .to_offset(time::UtcOffset::UTC)
+            .format(time::macros::format_description!(
+                "[year]-[month]-[day] [hour]:[minute]:[second] +0000 UTC"
+            ))
+            .unwrap_or_default(),
     }
 }
 
@@ -701,6 +683,22 @@ mod tests {
     use super::*;
     use opmon_client::{OperationPhase, PluginKind, PluginRef};
     use time::macros::datetime;
+
+    #[test]
+    fn times_past_the_time_zone_database_print_in_utc_in_the_same_form() {
+        assert_eq!(
+            velero_time(datetime!(2026-11-22 09:57:45 UTC)),
+            "2026-11-22 09:57:45 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(9999-12-31 23:59:59 UTC)),
+            "9999-12-31 23:59:59 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(-9999-01-01 00:00:05 UTC)),
+            "-9999-01-01 00:00:05 +0000 UTC"
+        );
+    }
 
     fn op(n: i64, total: i64) -> Operation {
         Operation {
