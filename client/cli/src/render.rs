@@ -252,7 +252,7 @@ pub fn events(events: &[Event], omitted: usize, now: Timestamp) -> String {
                 .unwrap_or_else(|| "-".into());
             vec![
                 age(e.time, now),
-                clean(&e.reason).into_owned(),
+                e.reason.to_string(),
                 event_source(e),
                 operation,
                 clean(&e.message).into_owned(),
@@ -279,7 +279,7 @@ pub fn event_list(events: &[Event]) -> String {
             vec![
                 e.seq.to_string(),
                 velero_time(e.time),
-                clean(&e.reason).into_owned(),
+                e.reason.to_string(),
                 event_source(e),
                 e.operation
                     .as_ref()
@@ -325,7 +325,7 @@ pub fn operations(ops: &[Operation]) -> String {
                 item(&op.resource),
                 op.phase.to_string(),
                 progress(op),
-                clean(&op.error).into_owned(),
+                clean(op.error.as_deref().unwrap_or("")).into_owned(),
             ]
         })
         .collect();
@@ -449,8 +449,8 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
         let _ = writeln!(out, "\t\t\t{}", velero_item(i));
     }
     let _ = writeln!(out, "\t\tPhase:\t{}", op.phase);
-    if !op.error.is_empty() {
-        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(&op.error));
+    if let Some(error) = &op.error {
+        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(error));
     }
     if op.n_total > 0 || op.n_completed > 0 {
         let _ = writeln!(
@@ -481,7 +481,7 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
             out,
             "\t\tTransient errors:\t{} retried, the last: {}",
             op.attempts,
-            clean(&op.last_error)
+            clean(op.last_error.as_deref().unwrap_or(""))
         );
     }
     if let Some(t) = op.next_attempt_at {
@@ -503,8 +503,8 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) ->
     let _ = writeln!(out, "Kind:\t{}", owner.kind);
     let _ = writeln!(out, "UID:\t{}", clean(&owner.uid));
     let _ = writeln!(out, "Phase:\t{}", owner.phase);
-    if !owner.failure_reason.is_empty() {
-        let _ = writeln!(out, "Failure Reason:\t{}", clean(&owner.failure_reason));
+    if let Some(reason) = &owner.failure_reason {
+        let _ = writeln!(out, "Failure Reason:\t{}", clean(reason));
     }
     if let Some(server) = &owner.server {
         let _ = writeln!(
@@ -710,7 +710,7 @@ mod tests {
             operation_id: "copy-1".into(),
             post_operation_items: vec![],
             phase: OperationPhase::InProgress,
-            error: String::new(),
+            error: None,
             n_completed: n,
             n_total: total,
             operation_units: "bytes".into(),
@@ -721,7 +721,7 @@ mod tests {
             plugin_updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
             cancel_requested: false,
             attempts: 0,
-            last_error: String::new(),
+            last_error: None,
             next_attempt_at: None,
             // What the agent would say of n units in the 10 s since the start.
             rate: (n > 0).then(|| n as f64 / 10.0),
@@ -883,7 +883,7 @@ mod tests {
         let event = |seq: u64, reason: &str, caller, message: &str| Event {
             seq,
             time: NOW - time::Duration::seconds(90),
-            reason: reason.into(),
+            reason: reason.parse().unwrap_or(opmon_client::EventReason::Unknown),
             operation: None,
             caller,
             message: message.into(),
@@ -938,7 +938,7 @@ mod tests {
             operations_failed: failed,
             post_operation_items: None,
             server: None,
-            failure_reason: String::new(),
+            failure_reason: None,
             created: datetime!(2026-01-01 0:00 UTC),
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,
@@ -975,7 +975,7 @@ mod tests {
         failed.operation_id = "copy-2".into();
         failed.resource = parse_item("persistentvolumes/pv-1").unwrap();
         failed.phase = OperationPhase::Failed;
-        failed.error = "disk\u{1b}[2J gone\nforged".into();
+        failed.error = Some("disk\u{1b}[2J gone\nforged".into());
         failed.started = None;
         failed.plugin_updated = None;
         let text = describe(
@@ -1012,7 +1012,7 @@ mod tests {
     fn describe_details_say_what_an_operation_is_waiting_for() {
         let mut retrying = op(10, 100);
         retrying.attempts = 2;
-        retrying.last_error = "snapshotter busy\u{1b}[2J".into();
+        retrying.last_error = Some("snapshotter busy\u{1b}[2J".into());
         retrying.next_attempt_at = Some(datetime!(2026-01-01 0:00:14 UTC));
         retrying.cancel_requested = true;
         let text = describe(
@@ -1095,7 +1095,7 @@ mod tests {
     fn cells_from_outside_cannot_drive_the_terminal() {
         let mut evil = op(1, 2);
         evil.operation_id = "id\u{1b}]0;title\u{7}".into();
-        evil.error = "line\r\nforged\tcell".into();
+        evil.error = Some("line\r\nforged\tcell".into());
         let table = operations(&[evil]);
         assert!(
             !table.chars().any(|c| c.is_control() && c != '\n'),
