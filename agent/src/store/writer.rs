@@ -161,8 +161,8 @@ impl Writer {
     }
 
     /// Runs `work` in the next group transaction, in a savepoint of its own; resolves
-    /// once that transaction is on disk (with `work`'s
-    /// result) or has failed (with the commit's error).
+    /// once that transaction is on disk (with `work`'s result) or has failed (with the
+    /// commit's error).
     pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
