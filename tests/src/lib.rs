@@ -14,6 +14,7 @@ use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, Resou
 
 pub mod deploy;
 pub mod traffic;
+pub mod velero;
 pub mod workflow;
 
 pub use workflow::{Steps, LONG};
