@@ -82,6 +82,7 @@ async fn run(cli: Cli) -> Outcome {
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
+    // `args::parse` has filled it in from the variable or the default.
     let socket = cli.socket.clone().unwrap_or_default();
     let client = cli
         .agent_uid
