@@ -1504,3 +1504,18 @@ fn the_agents_bad_variables_are_named_as_variables_not_as_flags() {
         "{stderr}"
     );
 }
+
+#[test]
+fn each_commands_own_options_come_before_the_global_ones() {
+    let mut helps = Vec::new();
+    every_help("opmon", &mut Vec::new(), &mut helps);
+    for (command, help) in helps {
+        let (own, global) = help
+            .split_once("\nGlobal options:\n")
+            .unwrap_or_else(|| panic!("{command} --help has no global options:\n{help}"));
+        assert!(
+            !own.contains("--socket <") && global.contains("--socket <SOCKET>"),
+            "{command} --help:\n{help}"
+        );
+    }
+}
