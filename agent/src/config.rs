@@ -926,6 +926,21 @@ impl Values {
     }
 }
 
+/// `snapshotter.register`'s words for its fields, as the config file spells its keys.
+fn file_keys(message: &str) -> String {
+    [
+        ("veleroPlugin", "velero_plugin"),
+        ("apiVersion", "api_version"),
+        ("stallTimeout", "stall_timeout"),
+        ("startTimeout", "start_timeout"),
+        ("retryAttempts", "retry_attempts"),
+        ("retryBackoff", "retry_backoff"),
+        ("retryWithin", "retry_within"),
+    ]
+    .iter()
+    .fold(message.to_string(), |m, (api, key)| m.replace(api, key))
+}
+
 /// The config file's `[[snapshotter]]` tables, each checked as `snapshotter.register`
 /// checks one (its name made canonical), so a bad table stops the agent (or refuses a
 /// reload) before anything is opened.
@@ -964,8 +979,9 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                     "config snapshotter {given}: retry_backoff: must be greater than zero"
                 ));
             }
-            crate::api::check_snapshotter(&mut s)
-                .map_err(|e| format!("config snapshotter {given}: {e}"))?;
+            crate::api::check_snapshotter(&mut s).map_err(|e| {
+                format!("config snapshotter {given}: {}", file_keys(&e.to_string()))
+            })?;
             Ok(s)
         })
         .collect::<Result<_, String>>()?;
@@ -1443,7 +1459,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             e,
-            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and veleroPlugin"
+            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and velero_plugin"
         );
         let s = settings(
             &[],
