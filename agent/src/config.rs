@@ -1021,11 +1021,63 @@ fn read_config_file(path: &Path) -> Result<String, String> {
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
     drop_empty_variables();
-    let matches = command().get_matches();
+    let matches = command()
+        .try_get_matches()
+        .unwrap_or_else(|e| name_the_variable(e, std::env::args_os()).exit());
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     check_environment(std::env::vars_os())?;
     let command_line = CommandLine { args, matches };
     command_line.resolve().map(|s| (s, command_line))
+}
+
+/// Clap's error for a bad value, naming the variable rather than the flag when the
+/// value came from the environment (`OPMON_POLL_INTERVAL=fast` was not typed as
+/// `--poll-interval`), as the errors of the config file name its key.
+fn name_the_variable(
+    error: clap::Error,
+    typed: impl Iterator<Item = std::ffi::OsString>,
+) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        error.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return error;
+    }
+    let Some(ContextValue::String(arg)) = error.get(ContextKind::InvalidArg) else {
+        return error;
+    };
+    let Some(flag) = arg.split_whitespace().next() else {
+        return error;
+    };
+    let declared = declarations();
+    let Some(declared) = declared.iter().find(|d| d.flag() == flag) else {
+        return error;
+    };
+    let typed = typed.skip(1).any(|word| {
+        let word = word.to_string_lossy();
+        word == flag || word.starts_with(&format!("{flag}="))
+    });
+    if typed {
+        return error;
+    }
+    let value = match error.get(ContextKind::InvalidValue) {
+        Some(ContextValue::String(value)) => value.clone(),
+        _ => String::new(),
+    };
+    let why = match std::error::Error::source(&error) {
+        Some(source) => source.to_string(),
+        None => match error.get(ContextKind::ValidValue) {
+            Some(ContextValue::Strings(valid)) => {
+                format!("{value:?} is not one of {}", valid.join(", "))
+            }
+            _ => format!("{value:?} is not valid"),
+        },
+    };
+    command().error(
+        ErrorKind::ValueValidation,
+        format!("{}: {why}", declared.variable()),
+    )
 }
 
 /// Removes the `OPMON_*` variables that are set but empty: an empty variable means unset

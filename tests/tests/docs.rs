@@ -645,3 +645,59 @@ fn the_retry_table_of_the_client_page_is_the_methods_declarations() {
         "docs/client.md's retry table lacks {unnamed:?}"
     );
 }
+
+/// A table's column names: its header split where two or more spaces are.
+fn columns(header: &str) -> Vec<String> {
+    header
+        .trim()
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn the_tables_the_docs_print_have_the_clis_columns() {
+    let f = opmon_tests::Fixture::new(&[]).await;
+    let opmon = |args: &[&str]| {
+        let out = std::process::Command::new(opmon_tests::workspace_binary("opmon"))
+            .env_remove("OPMON_SOCKET")
+            .arg("--socket")
+            .arg(&f.agent.socket)
+            .args(args)
+            .output()
+            .expect("running opmon");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut checked = 0;
+    for path in markdown_files() {
+        let text = read(&path);
+        let lines: Vec<&str> = text.lines().collect();
+        for pair in lines.windows(2) {
+            let Some(command) = pair[0].trim().strip_prefix("$ opmon ") else {
+                continue;
+            };
+            let args: Vec<&str> = command.split_whitespace().collect();
+            // The owner a doc's command reads, so that the CLI prints its table.
+            if let ["backup" | "restore", _, name, ..] = args[..] {
+                opmon(&[args[0], "start", name, "--uid", "docs"]);
+            }
+            let printed = opmon(&args);
+            let header = printed.lines().next().unwrap_or_default();
+            // The doc may leave columns out, never add or reorder them.
+            let mut cli = columns(header).into_iter();
+            for column in columns(pair[1]) {
+                assert!(
+                    cli.any(|c| c == column),
+                    "{}: `$ opmon {command}` prints {header:?}, not the column {column:?} \
+                     the doc shows in {:?}",
+                    path.display(),
+                    pair[1]
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "{checked} tables checked");
+}
