@@ -57,6 +57,8 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
     ("OPMON_OWNER_NAME", "command snapshotters"),
     ("OPMON_OWNER_UID", "command snapshotters"),
     ("OPMON_AGENT_UID", "the opmon CLI"),
+    ("OPMON_VELERO_ORIGINAL", "opmon-velero-plugin"),
+    ("OPMON_VELERO_AGENT_TIMEOUT", "opmon-velero-plugin"),
 ];
 
 /// The variable of `--config`, the one flag with a variable that is not a setting.
@@ -1152,6 +1154,24 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_variables_of_opmons_other_programs_do_not_stop_the_agent() {
+        let vars = |names: &[&str]| {
+            names
+                .iter()
+                .map(|n| (n.into(), "x".into()))
+                .collect::<Vec<(std::ffi::OsString, std::ffi::OsString)>>()
+        };
+        // The stand-in's, set beside the agent where both run in one environment.
+        check_environment(vars(&[
+            "OPMON_VELERO_ORIGINAL",
+            "OPMON_VELERO_AGENT_TIMEOUT",
+        ]))
+        .unwrap();
+        let e = check_environment(vars(&["OPMON_VELERO_ORIGNAL"])).unwrap_err();
+        assert!(e.contains("OPMON_VELERO_ORIGNAL"), "{e}");
+    }
 
     /// Resolves `argv` with `file` as the config file's content.
     fn settings(argv: &[&str], file: &str) -> Result<Settings, String> {
