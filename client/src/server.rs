@@ -438,6 +438,9 @@ pub struct Connection {
     /// WebSocket calls read and not finished.
     running: AtomicUsize,
     websocket: AtomicBool,
+    /// Set once a request has been routed: only a connection's first may open a
+    /// WebSocket, so its frames start where that request's head ends.
+    routed: AtomicBool,
     failed: AtomicBool,
     turn: tokio::sync::Mutex<()>,
     room_changed: tokio::sync::Notify,
@@ -556,6 +559,7 @@ struct Metered {
     stall: Option<Duration>,
     idle_at: Option<Pin<Box<tokio::time::Sleep>>>,
     stall_at: Option<Pin<Box<tokio::time::Sleep>>>,
+    text: TextCheck,
 }
 
 /// Arms `timer` for `after` if it is not, and says whether it has run out.
@@ -600,6 +604,123 @@ impl Metered {
     }
 }
 
+/// Follows a WebSocket's frames from the end of the head that opened it, to fail a
+/// text message that is not UTF-8 (soketto passes it on unchecked, and jsonrpsee
+/// answers it as any bad request). It reads headers and unmasks text payloads only.
+#[derive(Default)]
+struct TextCheck {
+    /// The opening request's head has ended (`\r\n\r\n` seen; `crlf` of it so far).
+    opened: bool,
+    crlf: u8,
+    head: Vec<u8>,
+    /// Payload bytes left of the current frame, and where its mask stands.
+    left: u64,
+    mask: [u8; 4],
+    at: usize,
+    /// Whether the current frame is text, and whether a text message is open.
+    checking: bool,
+    in_text: bool,
+    fin: bool,
+    /// The start of a character the last bytes left incomplete.
+    carry: Vec<u8>,
+    /// A text message was not UTF-8.
+    bad: bool,
+}
+
+impl TextCheck {
+    /// Takes the next bytes read; false once a text message is not UTF-8.
+    fn feed(&mut self, mut bytes: &[u8]) -> bool {
+        while !self.opened {
+            let Some((&b, rest)) = bytes.split_first() else { return true };
+            bytes = rest;
+            self.crlf = match (self.crlf, b) {
+                (0 | 2, b'\r') => self.crlf + 1,
+                (1 | 3, b'\n') => self.crlf + 1,
+                (_, b'\r') => 1,
+                _ => 0,
+            };
+            self.opened = self.crlf == 4;
+        }
+        while let Some((&b, rest)) = bytes.split_first() {
+            if self.left == 0 {
+                // Between frames: a header byte.
+                self.head.push(b);
+                bytes = rest;
+                if self.frame_started() && self.left == 0 && !self.frame_ended() {
+                    return false;
+                }
+                continue;
+            }
+            let n = bytes.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+            if self.checking {
+                let mut text = std::mem::take(&mut self.carry);
+                text.extend(bytes[..n].iter().enumerate().map(|(i, b)| b ^ self.mask[(self.at + i) % 4]));
+                match std::str::from_utf8(&text) {
+                    Ok(_) => {}
+                    Err(e) if e.error_len().is_some() => return false,
+                    Err(e) => self.carry = text[e.valid_up_to()..].to_vec(),
+                }
+            }
+            self.at += n;
+            self.left -= n as u64;
+            bytes = &bytes[n..];
+            if self.left == 0 && !self.frame_ended() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether the header is whole; if it has just become so, starts its frame.
+    fn frame_started(&mut self) -> bool {
+        let [first, second, ..] = self.head[..] else { return false };
+        let length_bytes = match second & 0x7f {
+            126 => 2,
+            127 => 8,
+            _ => 0,
+        };
+        let mask_bytes = if second & 0x80 != 0 { 4 } else { 0 };
+        if self.head.len() < 2 + length_bytes + mask_bytes {
+            return false;
+        }
+        let length = match length_bytes {
+            0 => u64::from(second & 0x7f),
+            n => self.head[2..2 + n].iter().fold(0, |l, b| l << 8 | u64::from(*b)),
+        };
+        self.mask = [0; 4];
+        self.mask[..mask_bytes].copy_from_slice(&self.head[2 + length_bytes..][..mask_bytes]);
+        self.head.clear();
+        let opcode = first & 0x0f;
+        self.fin = first & 0x80 != 0;
+        self.checking = match opcode {
+            1 => {
+                self.carry.clear();
+                self.in_text = true;
+                true
+            }
+            0 => self.in_text,
+            2 => {
+                self.in_text = false;
+                false
+            }
+            _ => false,
+        };
+        self.left = length;
+        self.at = 0;
+        true
+    }
+
+    /// Ends the current frame: false if it ended a text message mid-character.
+    fn frame_ended(&mut self) -> bool {
+        let ok = !(self.checking && self.fin && !self.carry.is_empty());
+        if self.checking && self.fin {
+            self.in_text = false;
+        }
+        self.checking = false;
+        ok
+    }
+}
+
 impl AsyncRead for Metered {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
@@ -623,6 +744,20 @@ impl AsyncRead for Metered {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
                     this.idle_at = None;
+                }
+                let websocket = this.conn.websocket.load(Ordering::Relaxed);
+                if !this.conn.routed.load(Ordering::Relaxed) || websocket {
+                    // Until the first request is routed, its bytes may be a WebSocket's.
+                    this.text.bad |= !this.text.feed(&buf.filled()[before..]);
+                }
+                if this.text.bad && websocket {
+                    // RFC 6455 §8.1: text that is not UTF-8 fails the connection, 1007.
+                    let _ = this.inner.try_write(&[0x88, 0x02, 0x03, 0xEF]);
+                    this.conn.fail();
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "a WebSocket text message that is not UTF-8",
+                    )));
                 }
                 Poll::Ready(Ok(()))
             }
@@ -1011,7 +1146,18 @@ where
     if let Some(caller) = caller {
         parts.extensions.insert(caller);
     }
+    let first = !conn.routed.swap(true, Ordering::Relaxed);
     if upgrade {
+        let has_body = parts.headers.contains_key(hyper::header::TRANSFER_ENCODING)
+            || declared_length(&parts.headers).is_some_and(|length| length > 0);
+        if !first || has_body {
+            return Ok(closing(rpc_error(
+                hyper::StatusCode::BAD_REQUEST,
+                jsonrpsee::types::error::INVALID_REQUEST_CODE,
+                "a WebSocket is opened by the first request of a connection, without a body; \
+                 open a new connection",
+            )));
+        }
         parts.extensions.insert(Transport::WebSocket);
         conn.websocket.store(true, Ordering::Relaxed);
         return ws.call(hyper::Request::from_parts(parts, HttpBody::new(body))).await;
@@ -1164,7 +1310,7 @@ pub async fn serve<L>(
             .to_service_builder()
     };
     let http_builder = stock(config.max_request_body_size);
-    let ws_builder = stock(config.max_message_size);
+    let ws_builder = stock(config.max_message_size.min(config.max_request_body_size));
     let shared = Arc::new(Shared {
         page: config.metrics.clone(),
         max_body: config.max_request_body_size,
@@ -1212,6 +1358,7 @@ pub async fn serve<L>(
             owed: AtomicU64::new(0),
             running: AtomicUsize::new(0),
             websocket: AtomicBool::new(false),
+            routed: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             turn: tokio::sync::Mutex::new(()),
             room_changed: tokio::sync::Notify::new(),
@@ -1226,6 +1373,7 @@ pub async fn serve<L>(
             stall: config.write_stall_timeout,
             idle_at: None,
             stall_at: None,
+            text: TextCheck::default(),
         };
         let http = http_builder.clone().build(methods.clone(), stop_handle.clone());
         let ws = ws_builder.clone().build(methods.clone(), stop_handle.clone());
