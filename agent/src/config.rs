@@ -23,11 +23,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::parser::ValueSource;
-use clap::{Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, ValueEnum};
+use clap::{
+    Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parser, ValueEnum,
+};
 use opmon_client::first_path_of;
 use opmon_client::{ApiVersion, GoDuration, Snapshotter};
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use toml::Spanned;
 
 use crate::core::CoreSettings;
@@ -59,9 +61,6 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 
 /// The variable of `--config`, the one flag with a variable that is not a setting.
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
-
-/// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
-const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](../client/REFERENCE.md#deadlines-and-retries)), registered at every start |";
 
 /// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
 /// its source), the config file's form, [`declarations`] (what the flags, `--help` and
@@ -299,31 +298,25 @@ fn join_doc(lines: &[&str]) -> String {
     lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ")
 }
 
-/// The table of docs/configuration.md, made from the declarations (a test checks that
-/// the file holds exactly this).
-pub fn settings_table() -> String {
-    let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
-    for d in declarations() {
-        out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
-    }
-    out.push_str(SNAPSHOTTER_ROW);
-    out.push('\n');
-    out
-}
-
 /// A type a setting can have: how a flag or variable is parsed into it (by clap, so a
-/// bad value gets clap's message), and how `--print-config` writes it as TOML. The
-/// config file reads it with serde.
-pub trait SettingType: Clone + fmt::Debug + Send + Sync + DeserializeOwned + 'static {
+/// bad value gets clap's message). The config file reads it and `--print-config` writes
+/// it with serde.
+pub trait SettingType:
+    Clone + fmt::Debug + Send + Sync + DeserializeOwned + Serialize + 'static
+{
     /// `arg` made to parse this type.
     fn arg(arg: Arg) -> Arg;
     /// The value a flag or variable gave, if one did.
     fn given(matches: &ArgMatches, id: &str) -> Option<Self>;
-    fn to_toml(&self) -> String;
+    /// The value as TOML; what TOML cannot hold (a path that is not UTF-8, a number past
+    /// `i64`) as Rust writes it.
+    fn to_toml(&self) -> String {
+        toml::Value::try_from(self).map_or_else(|_| format!("{self:?}"), |v| v.to_string())
+    }
 }
 
 macro_rules! scalar_setting {
-    ($ty:ty, $parser:expr, |$v:ident| $show:expr) => {
+    ($ty:ty, $parser:expr) => {
         impl SettingType for $ty {
             fn arg(arg: Arg) -> Arg {
                 arg.value_parser($parser).action(ArgAction::Set)
@@ -331,37 +324,29 @@ macro_rules! scalar_setting {
             fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
                 matches.try_get_one::<$ty>(id).ok().flatten().cloned()
             }
-            fn to_toml(&self) -> String {
-                let $v = self;
-                $show
-            }
         }
     };
 }
 
-scalar_setting!(PathBuf, clap::value_parser!(PathBuf), |p| toml_string(
-    &p.to_string_lossy()
-));
-scalar_setting!(String, clap::value_parser!(String), |s| toml_string(s));
-scalar_setting!(GoDuration, go_duration, |d| format!("\"{d}\""));
-scalar_setting!(u32, clap::value_parser!(u32), |n| n.to_string());
-scalar_setting!(u64, clap::value_parser!(u64), |n| n.to_string());
-scalar_setting!(bool, clap::value_parser!(bool), |b| b.to_string());
+scalar_setting!(PathBuf, clap::value_parser!(PathBuf));
+scalar_setting!(String, clap::value_parser!(String));
+scalar_setting!(GoDuration, clap::value_parser!(GoDuration));
+scalar_setting!(u32, clap::value_parser!(u32));
+scalar_setting!(u64, clap::value_parser!(u64));
+scalar_setting!(bool, clap::value_parser!(bool));
 scalar_setting!(
     LogFormat,
-    clap::builder::EnumValueParser::<LogFormat>::new(),
-    |f| format!("\"{f}\"")
+    clap::builder::EnumValueParser::<LogFormat>::new()
 );
 scalar_setting!(
     Checkpoint,
-    clap::builder::EnumValueParser::<Checkpoint>::new(),
-    |c| format!("\"{c}\"")
+    clap::builder::EnumValueParser::<Checkpoint>::new()
 );
 
 /// Lists: comma-separated in a flag or variable (or the flag repeated), an array in
 /// the file. An empty list given by flag or variable counts as not given.
 macro_rules! list_setting {
-    ($item:ty, $parser:expr, |$v:ident| $show:expr) => {
+    ($item:ty, $parser:expr) => {
         impl SettingType for Vec<$item> {
             fn arg(arg: Arg) -> Arg {
                 arg.value_parser($parser)
@@ -373,18 +358,12 @@ macro_rules! list_setting {
                 let list: Vec<$item> = items.cloned().collect();
                 (!list.is_empty()).then_some(list)
             }
-            fn to_toml(&self) -> String {
-                let items: Vec<String> = self.iter().map(|$v| $show).collect();
-                format!("[{}]", items.join(", "))
-            }
         }
     };
 }
 
-list_setting!(PathBuf, clap::value_parser!(PathBuf), |p| toml_string(
-    &p.to_string_lossy()
-));
-list_setting!(u32, clap::value_parser!(u32), |n| n.to_string());
+list_setting!(PathBuf, clap::value_parser!(PathBuf));
+list_setting!(u32, clap::value_parser!(u32));
 
 /// The bound of a setting that has none.
 fn any<T>(_: &T) -> Result<(), String> {
@@ -550,98 +529,44 @@ pub fn check_log_level(filter: &str) -> Result<(), String> {
         .map_err(|e| format!("{filter:?}: {e}"))
 }
 
-fn go_duration(text: &str) -> Result<GoDuration, String> {
-    text.parse::<GoDuration>().map_err(|e| e.to_string())
-}
-
 /// How log lines are written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Human,
     Json,
 }
 
-impl fmt::Display for LogFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LogFormat::Human => "human",
-            LogFormat::Json => "json",
-        })
-    }
-}
-
-/// The command line: `--config`, `--print-config` and a flag (with its variable) for
-/// every declared setting.
+/// The command line: [`Args`], and a flag (with its variable) for every declared
+/// setting.
 pub fn command() -> Command {
-    let command = Command::new("opmon-agent")
-        .version(env!("CARGO_PKG_VERSION"))
-        .about("opmon-agent: monitors the long-running operations of backup and restore plugins")
-        .long_about(
-            "opmon-agent: monitors the long-running operations of backup and restore plugins.\n\n\
-             Every setting can also come from an OPMON_* environment variable or the TOML \
-             config file; flags win over variables, variables over the file.",
-        )
-        .arg(
-            Arg::new("config")
-                .long("config")
-                .env(CONFIG_VARIABLE)
-                .value_name("FILE")
-                .value_parser(clap::value_parser!(PathBuf))
-                .help(format!(
-                    "TOML config file [default: {DEFAULT_CONFIG} if it exists]"
-                )),
-        )
-        .arg(
-            Arg::new("print_config")
-                .long("print-config")
-                .action(ArgAction::SetTrue)
-                .help(
-                    "Print the effective configuration, with where each value came from, and exit",
-                ),
-        );
     declarations()
         .iter()
-        .fold(command, |command, d| command.arg(d.clap_arg()))
+        .fold(Args::command(), |command, d| command.arg(d.clap_arg()))
 }
 
 /// The two flags that are not settings; every setting is read from the matches.
-#[derive(Debug, Clone, Default)]
+#[derive(Parser, Debug, Clone, Default)]
+#[command(
+    name = "opmon-agent",
+    version,
+    about = "opmon-agent: monitors the long-running operations of backup and restore plugins",
+    long_about = "opmon-agent: monitors the long-running operations of backup and restore \
+                  plugins.\n\nEvery setting can also come from an OPMON_* environment variable \
+                  or the TOML config file; flags win over variables, variables over the file."
+)]
 pub struct Args {
+    /// TOML config file [default: /etc/opmon/agent.toml if it exists]
+    #[arg(long, env = CONFIG_VARIABLE, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Print the effective configuration, with where each value came from, and exit
+    #[arg(long)]
     pub print_config: bool,
 }
 
-impl CommandFactory for Args {
-    fn command() -> Command {
-        command()
-    }
-
-    fn command_for_update() -> Command {
-        command()
-    }
-}
-
-impl FromArgMatches for Args {
-    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
-        Ok(Args {
-            config: matches
-                .try_get_one::<PathBuf>("config")
-                .ok()
-                .flatten()
-                .cloned(),
-            print_config: matches.get_flag("print_config"),
-        })
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
-        *self = Args::from_arg_matches(matches)?;
-        Ok(())
-    }
-}
-
-/// A `[[snapshotter]]` table: registered at every start.
-#[derive(Deserialize)]
+/// A `[[snapshotter]]` table: registered at every start, and printed back by
+/// `--print-config`.
+#[derive(Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct FileSnapshotter {
     name: String,
@@ -753,56 +678,36 @@ impl Settings {
         }
         for s in &self.snapshotters {
             out.push_str("\n[[snapshotter]]\n");
-            out.push_str(&format!("name = {}\n", toml_string(&s.name)));
-            out.push_str(&format!("api_version = \"{}\"\n", s.api_version.as_str()));
-            if let Some(socket) = &s.socket {
-                out.push_str(&format!(
-                    "socket = {}\n",
-                    toml_string(&socket.to_string_lossy())
-                ));
-            }
-            if let Some(command) = &s.command {
-                let parts: Vec<String> = command.iter().map(|c| toml_string(c)).collect();
-                out.push_str(&format!("command = [{}]\n", parts.join(", ")));
-            }
-            if let Some(plugin) = &s.velero_plugin {
-                out.push_str(&format!(
-                    "velero_plugin = {}\n",
-                    toml_string(&plugin.to_string_lossy())
-                ));
-            }
-            if let Some(args) = &s.args {
-                let parts: Vec<String> = args.iter().map(|c| toml_string(c)).collect();
-                out.push_str(&format!("args = [{}]\n", parts.join(", ")));
-            }
-            if let Some(env) = &s.env {
-                let parts: Vec<String> = env
-                    .iter()
-                    .map(|(k, v)| format!("{} = {}", toml_string(k), toml_string(v)))
-                    .collect();
-                out.push_str(&format!("env = {{ {} }}\n", parts.join(", ")));
-            }
-            let durations = [
-                ("stall_timeout", s.stall_timeout),
-                ("start_timeout", s.start_timeout),
-                ("retry_backoff", s.retry_backoff),
-                ("retry_within", s.retry_within),
-            ];
-            for (key, value) in durations {
-                if let Some(d) = value {
-                    out.push_str(&format!("{key} = \"{d}\"\n"));
+            // Key by key, so that `env` stays an inline table on its line.
+            if let Ok(toml::Value::Table(table)) = toml::Value::try_from(FileSnapshotter::of(s)) {
+                for (key, value) in table {
+                    out.push_str(&format!("{key} = {value}\n"));
                 }
-            }
-            if let Some(n) = s.retry_attempts {
-                out.push_str(&format!("retry_attempts = {n}\n"));
             }
         }
         out
     }
 }
 
-fn toml_string(text: &str) -> String {
-    toml::Value::String(text.to_string()).to_string()
+impl FileSnapshotter {
+    /// The table that registers `s`.
+    fn of(s: &Snapshotter) -> FileSnapshotter {
+        let s = s.clone();
+        FileSnapshotter {
+            name: s.name,
+            api_version: Some(s.api_version),
+            socket: s.socket,
+            command: s.command,
+            velero_plugin: s.velero_plugin,
+            args: s.args,
+            env: s.env,
+            stall_timeout: s.stall_timeout,
+            start_timeout: s.start_timeout,
+            retry_attempts: s.retry_attempts,
+            retry_backoff: s.retry_backoff,
+            retry_within: s.retry_within,
+        }
+    }
 }
 
 /// `dir` made absolute against the working directory (lexically: `..` is kept).
@@ -865,6 +770,32 @@ impl Layers<'_> {
             source: Source::Default,
         }
     }
+}
+
+/// The key `path` leads to, as written in TOML (`snapshotter[0].name`), short of the
+/// last key when `message` already names it (an unknown field).
+fn key_of(path: &serde_path_to_error::Path, message: &str) -> String {
+    use serde_path_to_error::Segment;
+    let mut keys: Vec<String> = Vec::new();
+    for segment in path.iter() {
+        match segment {
+            // toml's `Spanned` is a struct of its own to serde.
+            Segment::Map { key } if key.starts_with("$__serde_spanned") => {}
+            Segment::Map { key } => keys.push(key.clone()),
+            Segment::Seq { index } => match keys.last_mut() {
+                Some(last) => last.push_str(&format!("[{index}]")),
+                None => keys.push(format!("[{index}]")),
+            },
+            Segment::Enum { .. } | Segment::Unknown => {}
+        }
+    }
+    if keys
+        .last()
+        .is_some_and(|k| message.contains(&format!("`{k}`")))
+    {
+        keys.pop();
+    }
+    keys.join(".")
 }
 
 /// The line of `text` where `span` starts.
@@ -1136,16 +1067,24 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         Some(path) => read_config_file(path)?,
         None => String::new(),
     };
-    let mut file: FileConfig = toml::from_str(&file_text).map_err(|e| {
+    // The key's path (serde_path_to_error's) beside the line: toml's message names only
+    // the value ("invalid value: integer `-1`, expected u32").
+    let parsed = toml::Deserializer::parse(&file_text)
+        .map_err(|e| (String::new(), e))
+        .and_then(|de| {
+            serde_path_to_error::deserialize::<_, FileConfig>(de).map_err(|e| {
+                let key = key_of(e.path(), e.inner().message());
+                (key, e.into_inner())
+            })
+        });
+    let mut file = parsed.map_err(|(key, e)| {
         let path = config_file.as_deref().unwrap_or(Path::new("")).display();
-        match e.span() {
-            Some(span) => format!(
-                "config file {path} line {}: {}",
-                line_of(&file_text, span),
-                e.message()
-            ),
-            None => format!("config file {path}: {}", e.message()),
-        }
+        let at = match e.span() {
+            Some(span) => format!(" line {}", line_of(&file_text, span)),
+            None => String::new(),
+        };
+        let key = if key.is_empty() { key } else { key + ": " };
+        format!("config file {path}{at}: {key}{}", e.message())
     })?;
     let layers = Layers {
         matches,
@@ -1173,7 +1112,7 @@ mod tests {
             path.display().to_string(),
         ];
         full.extend(argv.iter().map(|s| s.to_string()));
-        let matches = Args::command()
+        let matches = command()
             .try_get_matches_from(full)
             .map_err(|e| e.to_string())?;
         let args = Args::from_arg_matches(&matches).unwrap();
@@ -1219,7 +1158,7 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 3: invalid duration \"soon\""),
+            e.starts_with("config file FILE line 3: call_deadline: invalid duration \"soon\""),
             "{e}"
         );
         let e = settings(&[], "poll_interval = \"10ms\"\n").err().unwrap();
@@ -1256,7 +1195,9 @@ mod tests {
             .err()
             .unwrap();
         assert!(
-            e.starts_with("config file FILE line 1: unknown variant `litestream`, expected `sqlite` or `external`"),
+            e.starts_with(
+                "config file FILE line 1: checkpoint: unknown variant `litestream`, expected `sqlite` or `external`"
+            ),
             "{e}"
         );
     }
@@ -1340,7 +1281,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             e,
-            "config file FILE line 5: invalid duration \"soon\": expected a number"
+            "config file FILE line 5: snapshotter[0].stall_timeout: invalid duration \"soon\": expected a number"
         );
         let e = settings(&[], &table.replace("\"2s\"", "\"0s\""))
             .err()
@@ -1368,6 +1309,21 @@ mod tests {
         assert!(!s.core.allow_api_command_snapshotters, "the flag wins");
     }
 
+    /// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
+    const SNAPSHOTTER_ROW: &str = "| `[[snapshotter]]` | none | tables with `name`, `api_version`, `socket` or `command`, and optionally `stall_timeout`, `start_timeout`, `retry_attempts`, `retry_backoff`, `retry_within` (see [Deadlines and retries](../client/REFERENCE.md#deadlines-and-retries)), registered at every start |";
+
+    /// The table of docs/configuration.md, made from the declarations (a test checks that
+    /// the file holds exactly this).
+    fn settings_table() -> String {
+        let mut out = String::from("| key | default | meaning |\n|---|---|---|\n");
+        for d in declarations() {
+            out.push_str(&format!("| `{}` | {} | {} |\n", d.key, d.default, d.doc));
+        }
+        out.push_str(SNAPSHOTTER_ROW);
+        out.push('\n');
+        out
+    }
+
     #[test]
     fn the_documented_table_is_the_declarations() {
         let doc = include_str!("../../docs/configuration.md");
@@ -1391,7 +1347,7 @@ mod tests {
         let s = settings(&[], "").unwrap();
         let printed: Vec<&str> = s.provenance.iter().map(|p| p.key).collect();
         assert_eq!(printed, keys);
-        let command = Args::command();
+        let command = command();
         for d in declarations() {
             let arg = command
                 .get_arguments()

@@ -605,34 +605,6 @@ fn classic_text(openmetrics: &str) -> String {
     out
 }
 
-/// A log line that can repeat per failure, let through at most once per `every`, with
-/// the count of those held back since.
-struct Suppressed {
-    every: Duration,
-    last: Option<Instant>,
-    held: u64,
-}
-
-impl Suppressed {
-    fn new(every: Duration) -> Suppressed {
-        Suppressed {
-            every,
-            last: None,
-            held: 0,
-        }
-    }
-
-    /// `Some(held back since the last one)` when this one is to be logged.
-    fn allow(&mut self) -> Option<u64> {
-        if self.last.is_some_and(|at| at.elapsed() < self.every) {
-            self.held += 1;
-            return None;
-        }
-        self.last = Some(Instant::now());
-        Some(std::mem::take(&mut self.held))
-    }
-}
-
 /// Connections the TCP listener serves at once. More wait in the kernel's accept queue,
 /// holding none of the agent's descriptors: a scraper needs one.
 pub const TCP_CONNECTIONS: usize = 16;
@@ -654,7 +626,7 @@ pub async fn serve_tcp(
 ) {
     let places = Arc::new(tokio::sync::Semaphore::new(TCP_CONNECTIONS));
     let connections = tokio_util::task::TaskTracker::new();
-    let mut accept_errors = Suppressed::new(Duration::from_secs(10));
+    let accept_errors = opmon_client::server::LogThrottle::default();
     loop {
         let place = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -669,10 +641,10 @@ pub async fn serve_tcp(
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     // Out of descriptors, most likely: wait rather than spin, and say
-                    // so once in a while with how many were not said.
-                    if let Some(suppressed) = accept_errors.allow() {
-                        tracing::warn!(error = %e, suppressed, "accepting a metrics connection failed");
-                    }
+                    // so within the throttle that the socket's listener uses too.
+                    accept_errors.log("accepting metrics connections failed", || {
+                        tracing::warn!(error = %e, "accepting a metrics connection failed");
+                    });
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -867,15 +839,5 @@ mod tests {
             classic.contains("# TYPE opmon_poll_latency_seconds histogram\n"),
             "{classic}"
         );
-    }
-
-    #[test]
-    fn suppressed_lines_are_counted_until_the_next_one_logged() {
-        let mut s = Suppressed::new(Duration::from_secs(3600));
-        assert_eq!(s.allow(), Some(0));
-        assert_eq!(s.allow(), None);
-        assert_eq!(s.allow(), None);
-        s.last = Some(Instant::now() - Duration::from_secs(7200));
-        assert_eq!(s.allow(), Some(2));
     }
 }

@@ -157,13 +157,8 @@ async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
         running.snapshotters.retain(|r| r.name != s.name);
         running.snapshotters.push(s.clone());
     }
-    let gone: Vec<String> = running
-        .snapshotters
-        .iter()
-        .filter(|r| !new.snapshotters.iter().any(|s| s.name == r.name))
-        .map(|r| r.name.clone())
-        .collect();
-    for name in gone {
+    // Registering the file's tables changed no name that is leaving.
+    for name in leaving {
         match core.unregister_snapshotter(name.clone()).await {
             Ok(_) => {
                 tracing::info!(snapshotter = %name, "reload: [[snapshotter]] removed from the file: unregistered");

@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 use crate::store::{StorageFailure, Store};
 
 /// Who checkpoints the WAL into the database file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpoint {
     /// SQLite, automatically, whenever the WAL passes
@@ -33,15 +35,6 @@ pub enum Checkpoint {
     Sqlite,
     /// Someone else (Litestream): the agent never checkpoints while it runs.
     External,
-}
-
-impl std::fmt::Display for Checkpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Checkpoint::Sqlite => "sqlite",
-            Checkpoint::External => "external",
-        })
-    }
 }
 
 /// The mode the agent gives its database files.

@@ -31,9 +31,9 @@
 //! start over at its next start.
 //!
 //! Invariants:
-//! - A copy's record is in the state file (`<state dir>/operations.json`, replaced
-//!   atomically) before its ID is handed out, and again whenever it finishes, so Progress
-//!   answers for every copy after any restart.
+//! - A copy's record is in the state file (`<state dir>/operations.json`, the SDK's
+//!   `OperationStore`) before its ID is handed out, and again whenever it finishes, so
+//!   Progress answers for every copy after any restart.
 //! - A copy that was running when the snapshotter stopped is started again from scratch
 //!   at the next start; its qemu-img process does not outlive the snapshotter.
 //! - Within one run of a copy `nCompleted` never decreases; it equals `nTotal` (the
@@ -41,18 +41,20 @@
 //! - `<id>.qcow2` in the backup directory exists only for a completed copy; qemu-img
 //!   writes `<id>.qcow2.partial`, which a failed or cancelled copy removes.
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
+use opmon_client::error::chain;
+use opmon_client::snapshotter::child::{die_with_parent, last_line, last_line_of};
 use opmon_client::snapshotter::{
-    rpc_module, serve_methods, termination, Hints, OperationHandler, SnapshotterError,
+    rpc_module, serve_methods, termination, Hints, OperationHandler, OperationStore,
+    SnapshotterError,
 };
 use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -60,14 +62,9 @@ use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Command;
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 /// The program every copy runs.
 const QEMU_IMG: &str = "qemu-img";
-/// The state file's name inside `--state-dir`.
-const STATE_FILE: &str = "operations.json";
-/// The state file's format; a snapshotter refuses files of another version.
-const STATE_VERSION: u32 = 1;
 
 #[derive(Parser)]
 #[command(
@@ -201,37 +198,13 @@ impl CopyRecord {
     }
 }
 
-/// The state file's contents.
-#[derive(Deserialize)]
-struct StateFile {
-    version: u32,
-    operations: BTreeMap<String, CopyRecord>,
-}
-
-/// A copy whose qemu-img process is running: how to stop it and wait for its cleanup.
-struct RunningCopy {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<()>,
-}
-
-/// Everything behind the one lock: the records and the copies in progress.
-struct Copies {
-    records: BTreeMap<String, CopyRecord>,
-    running: HashMap<String, RunningCopy>,
-}
-
 /// The snapshotter's state, shared by the RPC handlers and the copy tasks.
 struct Copier {
-    state_dir: PathBuf,
     backup_dir: PathBuf,
-    copies: Mutex<Copies>,
-    /// Serialises state-file writes, so that the last write holds the latest state.
-    save_turn: tokio::sync::Mutex<()>,
+    /// The copies' records and the tasks of those running.
+    copies: OperationStore<CopyRecord>,
     /// Tells the agent when a copy finishes (nothing without `--agent-socket`).
     hints: Hints,
-    /// Held for the process's life: a second snapshotter on the same state directory
-    /// would overwrite this one's records.
-    _lock: nix::fcntl::Flock<std::fs::File>,
 }
 
 /// The [`Snapshotter`] the SDK serves; a handle on the shared [`Copier`].
@@ -241,22 +214,16 @@ struct QemuImgSnapshotter(Arc<Copier>);
 impl OperationHandler for QemuImgSnapshotter {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
         self.0
-            .lock()
-            .records
+            .copies
             .get(&op.operation_id)
-            .map(CopyRecord::progress)
+            .map(|r| r.progress())
             .ok_or(SnapshotterError::invalid_operation_id(op.operation_id))
     }
 
     /// Stops the copy if it runs and returns once its process is gone, its partial file
     /// removed and its failure recorded; a finished or unknown copy is left alone.
     async fn cancel(&self, op: OperationRef) -> Result<(), SnapshotterError> {
-        let running = self.0.lock().running.remove(&op.operation_id);
-        if let Some(running) = running {
-            // The copy may have just finished by itself; then there is nothing to stop.
-            let _ = running.stop.send(());
-            let _ = running.task.await;
-        }
+        self.0.copies.stop(&op.operation_id).await;
         Ok(())
     }
 }
@@ -264,43 +231,18 @@ impl OperationHandler for QemuImgSnapshotter {
 impl Copier {
     /// Opens the state in `state_dir`, creating both directories if needed.
     fn open(state_dir: &Path, backup_dir: &Path, hints: Hints) -> Result<Copier, String> {
-        for (flag, dir) in [("--state-dir", state_dir), ("--backup-dir", backup_dir)] {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| format!("{flag}: cannot create {}: {e}", dir.display()))?;
-        }
-        let lock_path = state_dir.join("lock");
-        let lock_file = std::fs::File::create(&lock_path)
-            .map_err(|e| format!("cannot create {}: {e}", lock_path.display()))?;
-        let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .map_err(|(_, e)| {
-                format!(
-                    "{} is in use by another qemu-img-snapshotter ({e})",
-                    state_dir.display()
-                )
-            })?;
-        let records = load_state(&state_dir.join(STATE_FILE))?;
+        std::fs::create_dir_all(backup_dir)
+            .map_err(|e| format!("--backup-dir: cannot create {}: {e}", backup_dir.display()))?;
         // Absolute, so that log lines and qemu-img's arguments do not depend on the
         // working directory.
-        let absolute = |flag: &str, dir: &Path| {
-            std::path::absolute(dir).map_err(|e| format!("{flag} {}: {e}", dir.display()))
-        };
+        let backup_dir = std::path::absolute(backup_dir)
+            .map_err(|e| format!("--backup-dir {}: {e}", backup_dir.display()))?;
+        let copies = OperationStore::open(state_dir).map_err(|e| chain(&e))?;
         Ok(Copier {
-            state_dir: absolute("--state-dir", state_dir)?,
-            backup_dir: absolute("--backup-dir", backup_dir)?,
-            copies: Mutex::new(Copies {
-                records,
-                running: HashMap::new(),
-            }),
-            save_turn: tokio::sync::Mutex::new(()),
+            backup_dir,
+            copies,
             hints,
-            _lock: lock,
         })
-    }
-
-    /// The lock is only ever held for map updates, which cannot panic halfway; a
-    /// poisoned lock still holds consistent data.
-    fn lock(&self) -> MutexGuard<'_, Copies> {
-        self.copies.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn final_path(&self, id: &str) -> PathBuf {
@@ -309,23 +251,6 @@ impl Copier {
 
     fn partial_path(&self, id: &str) -> PathBuf {
         self.backup_dir.join(format!("{id}.qcow2.partial"))
-    }
-
-    /// Writes every record to the state file, atomically.
-    async fn save(&self) -> Result<(), String> {
-        let _turn = self.save_turn.lock().await;
-        let json = {
-            let copies = self.lock();
-            serde_json::to_vec_pretty(&StateFileRef {
-                version: STATE_VERSION,
-                operations: &copies.records,
-            })
-        }
-        .map_err(|e| format!("encoding the state: {e}"))?;
-        let dir = self.state_dir.clone();
-        tokio::task::spawn_blocking(move || write_atomically(&dir, STATE_FILE, &json))
-            .await
-            .map_err(|e| format!("writing the state file: {e}"))?
     }
 
     /// `copy.start`: validates the request, records the copy durably, starts it.
@@ -358,50 +283,26 @@ impl Copier {
             started: None,
             updated: None,
         };
-        let id = self.admit(record);
-        if let Err(e) = self.save().await {
-            self.lock().records.remove(&id);
-            return Err(ErrorObjectOwned::owned(INTERNAL_ERROR_CODE, e, None::<()>));
-        }
+        let id = self
+            .copies
+            .insert("copy", record)
+            .await
+            .map_err(|e| ErrorObjectOwned::owned(INTERNAL_ERROR_CODE, chain(&e), None::<()>))?;
         // Nobody knows the ID before this call returns, so no Cancel can slip in
         // between recording the copy and launching it.
         self.launch(&id);
         Ok(CopyStarted { operation_id: id })
     }
 
-    /// Inserts `record` under a new, unused operation ID and returns the ID.
-    fn admit(&self, record: CopyRecord) -> String {
-        let mut copies = self.lock();
-        let mut n = OffsetDateTime::now_utc().unix_timestamp_nanos();
-        let id = loop {
-            let id = format!("copy-{n:x}");
-            if !copies.records.contains_key(&id) {
-                break id;
-            }
-            n += 1;
-        };
-        copies.records.insert(id.clone(), record);
-        id
-    }
-
     /// Restarts from scratch the copies the state file says were running: their
     /// qemu-img died with the previous snapshotter process.
     fn resume_interrupted(self: &Arc<Self>) {
-        let interrupted: Vec<String> = {
-            let mut copies = self.lock();
-            copies
-                .records
-                .iter_mut()
-                .filter(|(_, r)| r.status == CopyStatus::Running)
-                .map(|(id, r)| {
-                    r.n_completed = 0;
-                    r.started = None;
-                    r.updated = Some(OffsetDateTime::now_utc());
-                    id.clone()
-                })
-                .collect()
-        };
-        for id in interrupted {
+        for id in self.copies.ids(|r| r.status == CopyStatus::Running) {
+            self.copies.update(&id, |r| {
+                r.n_completed = 0;
+                r.started = None;
+                r.updated = Some(OffsetDateTime::now_utc());
+            });
             eprintln!("{id}: interrupted by a restart; copying again from the start");
             self.launch(&id);
         }
@@ -409,21 +310,16 @@ impl Copier {
 
     /// Runs copy `id` in a task of its own and remembers how to stop it.
     fn launch(self: &Arc<Self>, id: &str) {
-        let (stop, stopped) = oneshot::channel();
-        // Holding the lock while spawning keeps the task from finishing (and removing
-        // its entry) before the entry exists.
-        let mut copies = self.lock();
-        let copier = Arc::clone(self);
-        let task_id = id.to_string();
-        let task = tokio::spawn(async move { copier.run(task_id, stopped).await });
-        copies
-            .running
-            .insert(id.to_string(), RunningCopy { stop, task });
+        let (copier, task_id) = (Arc::clone(self), id.to_string());
+        self.copies.launch(
+            id,
+            |stopped| async move { copier.run(task_id, stopped).await },
+        );
     }
 
     /// One copy from start to recorded outcome.
     async fn run(self: Arc<Self>, id: String, stopped: oneshot::Receiver<()>) {
-        let Some(job) = self.lock().records.get(&id).map(|r| r.job.clone()) else {
+        let Some(job) = self.copies.get(&id).map(|r| r.job) else {
             return;
         };
         let partial = self.partial_path(&id);
@@ -494,11 +390,11 @@ impl Copier {
     }
 
     fn mark_started(&self, id: &str) {
-        if let Some(record) = self.lock().records.get_mut(id) {
-            let now = OffsetDateTime::now_utc();
+        let now = OffsetDateTime::now_utc();
+        self.copies.update(id, |record| {
             record.started = Some(now);
             record.updated = Some(now);
-        }
+        });
     }
 
     /// Reads qemu-img's `-p` output, `    (12.34/100%)` updates separated by `\r`, and
@@ -528,14 +424,14 @@ impl Copier {
 
     /// Raises nCompleted to `percent` of nTotal; it never goes down.
     fn record_progress(&self, id: &str, percent: f64) {
-        if let Some(record) = self.lock().records.get_mut(id) {
+        self.copies.update(id, |record| {
             let bytes = ((percent / 100.0) * record.n_total as f64) as i64;
             let bytes = bytes.clamp(0, record.n_total);
             if bytes > record.n_completed {
                 record.n_completed = bytes;
                 record.updated = Some(OffsetDateTime::now_utc());
             }
-        }
+        });
     }
 
     /// Records how copy `id` ended: first in the state file, then in memory, so Progress
@@ -556,82 +452,13 @@ impl Copier {
             }
             record.updated = Some(now);
         };
-        let _turn = self.save_turn.lock().await;
-        let json = {
-            let copies = self.lock();
-            let mut records = copies.records.clone();
-            if let Some(record) = records.get_mut(id) {
-                settle(record);
-            }
-            serde_json::to_vec_pretty(&StateFileRef {
-                version: STATE_VERSION,
-                operations: &records,
-            })
-        };
-        let saved = match json {
-            Ok(json) => {
-                let dir = self.state_dir.clone();
-                tokio::task::spawn_blocking(move || write_atomically(&dir, STATE_FILE, &json))
-                    .await
-                    .map_err(|e| format!("writing the state file: {e}"))
-                    .and_then(|r| r)
-            }
-            Err(e) => Err(format!("encoding the state: {e}")),
-        };
-        if let Err(e) = saved {
-            // Still settle in memory: the copy did end; a restart reruns it.
-            eprintln!("{id}: saving its outcome: {e}");
-        }
-        {
-            let mut copies = self.lock();
-            copies.running.remove(id);
-            if let Some(record) = copies.records.get_mut(id) {
-                settle(record);
-            }
+        if let Err(e) = self.copies.finish(id, settle).await {
+            // Still settled in memory: the copy did end; a restart reruns it.
+            eprintln!("{id}: saving its outcome: {}", chain(&e));
         }
         // After the record says so: the agent's poll reads the outcome.
         self.hints.changed(id);
     }
-}
-
-/// [`StateFile`] by reference, to save without cloning every record.
-#[derive(Serialize)]
-struct StateFileRef<'a> {
-    version: u32,
-    operations: &'a BTreeMap<String, CopyRecord>,
-}
-
-/// The records in the state file at `path`; none if it does not exist yet.
-fn load_state(path: &Path) -> Result<BTreeMap<String, CopyRecord>, String> {
-    let bytes = match std::fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
-        Err(e) => return Err(format!("reading the state file {}: {e}", path.display())),
-    };
-    let state: StateFile = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("the state file {} is not valid: {e}", path.display()))?;
-    if state.version != STATE_VERSION {
-        return Err(format!(
-            "the state file {} has version {}; this snapshotter reads version {STATE_VERSION}",
-            path.display(),
-            state.version
-        ));
-    }
-    Ok(state.operations)
-}
-
-/// Replaces `dir/name` with `bytes` so that a crash leaves the old or the new contents,
-/// never a mix: temporary file, fsync, rename, fsync of the directory.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), String> {
-    let path = dir.join(name);
-    let context = |e: io::Error| format!("writing the state file {}: {e}", path.display());
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(context)?;
-    tmp.write_all(bytes).map_err(context)?;
-    tmp.as_file().sync_all().map_err(context)?;
-    tmp.persist(&path).map_err(|e| context(e.error))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(context)
 }
 
 /// Makes the finished copy durable, then gives it its final name.
@@ -779,65 +606,11 @@ fn convert_command(job: &CopyJob, partial: &Path) -> Command {
     command
 }
 
-/// Makes the kernel kill the child if this process dies (even by SIGKILL), so that no
-/// orphaned qemu-img keeps writing a copy that the next start begins again.
-///
-/// PR_SET_PDEATHSIG fires when the spawning *thread* exits; copies are spawned from
-/// tokio's worker threads, which live as long as the process.
-#[cfg(target_os = "linux")]
-fn die_with_parent(command: &mut Command) {
-    let parent = nix::unistd::getpid();
-    // SAFETY: between fork and exec the closure makes only async-signal-safe system
-    // calls (prctl, getppid) and allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
-            // The parent may have died before prctl took effect.
-            if nix::unistd::getppid() != parent {
-                return Err(nix::errno::Errno::ESRCH.into());
-            }
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn die_with_parent(_command: &mut Command) {}
-
 /// The percentage in one `qemu-img convert -p` update such as `    (12.34/100%)`.
 fn parse_percent(update: &str) -> Option<f64> {
     let number = update.trim().strip_prefix('(')?.strip_suffix("/100%)")?;
     let percent: f64 = number.trim().parse().ok()?;
     (0.0..=100.0).contains(&percent).then_some(percent)
-}
-
-/// The last non-empty line of `text`.
-fn last_line(text: &str) -> Option<String> {
-    text.lines()
-        .map(str::trim)
-        .rfind(|l| !l.is_empty())
-        .map(str::to_string)
-}
-
-/// Reads `stream` to its end; returns its last non-empty line. Only the tail is kept,
-/// so a chatty process cannot make it grow without bound.
-async fn last_line_of(stream: Option<impl AsyncRead + Unpin>) -> Option<String> {
-    const KEEP: usize = 64 * 1024;
-    let mut stream = stream?;
-    let mut tail = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                tail.extend_from_slice(&chunk[..n]);
-                if tail.len() > 2 * KEEP {
-                    tail.drain(..tail.len() - KEEP);
-                }
-            }
-        }
-    }
-    last_line(&String::from_utf8_lossy(&tail))
 }
 
 /// `serve`: loads the state, restarts interrupted copies, serves until SIGTERM/SIGINT.

@@ -21,35 +21,34 @@
 //!   (then `restic unlock` clears a lock it had no time to remove); the operation fails
 //!   with `canceled`. A restic that exits otherwise fails the
 //!   operation with restic's last error line.
-//! - Operations are recorded in `<state dir>/operations.json` (replaced atomically)
-//!   before their ID is handed out and whenever they end; one running when the
+//! - Operations are recorded in `<state dir>/operations.json` (the SDK's
+//!   `OperationStore`) before their ID is handed out and whenever they end; one running when the
 //!   snapshotter stopped is run again from the start at its next start (restic's
 //!   deduplication makes a repeated backup cheap), so no operation is lost; then
 //!   `restic unlock` removes the lock the killed restic left.
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
+use opmon_client::error::chain;
+use opmon_client::snapshotter::child::{die_with_parent, last_line, last_line_of};
 use opmon_client::snapshotter::{
-    rpc_module, serve_methods, termination, Hints, OperationHandler, SnapshotterError,
+    rpc_module, serve_methods, termination, Hints, OperationHandler, OperationStore,
+    SnapshotterError,
 };
 use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::Command;
 use tokio::sync::oneshot;
 
 const RESTIC: &str = "restic";
-const STATE_FILE: &str = "operations.json";
-const STATE_VERSION: u32 = 1;
 
 #[derive(Parser)]
 #[command(
@@ -184,30 +183,11 @@ impl Record {
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct StateFile {
-    version: u32,
-    operations: BTreeMap<String, Record>,
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-struct Operations {
-    records: BTreeMap<String, Record>,
-    running: HashMap<String, Running>,
-}
-
 struct Mover {
-    state_dir: PathBuf,
     repo: String,
     password_file: PathBuf,
-    ops: Mutex<Operations>,
-    save_turn: tokio::sync::Mutex<()>,
+    ops: OperationStore<Record>,
     hints: Hints,
-    _lock: nix::fcntl::Flock<std::fs::File>,
 }
 
 #[derive(Clone)]
@@ -215,7 +195,7 @@ struct ResticSnapshotter(Arc<Mover>);
 
 impl OperationHandler for ResticSnapshotter {
     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
-        let record = self.0.lock().records.get(&op.operation_id).cloned();
+        let record = self.0.ops.get(&op.operation_id);
         let Some(mut record) = record else {
             return Err(SnapshotterError::invalid_operation_id(op.operation_id));
         };
@@ -235,54 +215,21 @@ impl OperationHandler for ResticSnapshotter {
     /// Stops restic if it runs and returns once it has exited (its lock removed) and
     /// the failure is recorded; a finished or unknown operation is left alone.
     async fn cancel(&self, op: OperationRef) -> Result<(), SnapshotterError> {
-        let running = self.0.lock().running.remove(&op.operation_id);
-        if let Some(running) = running {
-            let _ = running.stop.send(());
-            let _ = running.task.await;
-        }
+        self.0.ops.stop(&op.operation_id).await;
         Ok(())
     }
 }
 
 impl Mover {
     fn open(args: &ServeArgs, hints: Hints) -> Result<Mover, String> {
-        std::fs::create_dir_all(&args.state_dir).map_err(|e| {
-            format!(
-                "--state-dir: cannot create {}: {e}",
-                args.state_dir.display()
-            )
-        })?;
-        let lock_path = args.state_dir.join("lock");
-        let lock_file = std::fs::File::create(&lock_path)
-            .map_err(|e| format!("cannot create {}: {e}", lock_path.display()))?;
-        let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .map_err(|(_, e)| {
-                format!(
-                    "{} is in use by another restic-snapshotter ({e})",
-                    args.state_dir.display()
-                )
-            })?;
-        let records = load_state(&args.state_dir.join(STATE_FILE))?;
         let password_file = std::path::absolute(&args.password_file)
             .map_err(|e| format!("--password-file {}: {e}", args.password_file.display()))?;
         Ok(Mover {
-            state_dir: std::path::absolute(&args.state_dir)
-                .map_err(|e| format!("--state-dir {}: {e}", args.state_dir.display()))?,
             repo: args.repo.clone(),
             password_file,
-            ops: Mutex::new(Operations {
-                records,
-                running: HashMap::new(),
-            }),
-            save_turn: tokio::sync::Mutex::new(()),
+            ops: OperationStore::open(&args.state_dir).map_err(|e| chain(&e))?,
             hints,
-            _lock: lock,
         })
-    }
-
-    /// Only map updates happen under the lock; a poisoned lock holds consistent data.
-    fn lock(&self) -> MutexGuard<'_, Operations> {
-        self.ops.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn restic(&self) -> Command {
@@ -299,19 +246,6 @@ impl Mover {
         command
     }
 
-    async fn save(&self) -> Result<(), String> {
-        let _turn = self.save_turn.lock().await;
-        let json = serde_json::to_vec_pretty(&StateFile {
-            version: STATE_VERSION,
-            operations: self.lock().records.clone(),
-        })
-        .map_err(|e| format!("encoding the state: {e}"))?;
-        let dir = self.state_dir.clone();
-        tokio::task::spawn_blocking(move || write_atomically(&dir, STATE_FILE, &json))
-            .await
-            .map_err(|e| format!("writing the state file: {e}"))?
-    }
-
     /// Records `job` durably under a new ID, then starts it.
     async fn start(self: &Arc<Self>, job: Job, n_total: i64) -> Result<Started, ErrorObjectOwned> {
         let record = Record {
@@ -323,37 +257,18 @@ impl Mover {
             started: None,
             updated: None,
         };
-        let id = {
-            let mut ops = self.lock();
-            let mut n = OffsetDateTime::now_utc().unix_timestamp_nanos();
-            let id = loop {
-                let id = format!("restic-{n:x}");
-                if !ops.records.contains_key(&id) {
-                    break id;
-                }
-                n += 1;
-            };
-            ops.records.insert(id.clone(), record);
-            id
-        };
-        if let Err(e) = self.save().await {
-            self.lock().records.remove(&id);
-            return Err(internal(e));
-        }
+        let id = self
+            .ops
+            .insert("restic", record)
+            .await
+            .map_err(|e| internal(chain(&e)))?;
         self.launch(&id, false);
         Ok(Started { operation_id: id })
     }
 
     /// Runs again, from the start, the operations the state file says were running.
     fn resume_interrupted(self: &Arc<Self>) {
-        let interrupted: Vec<String> = self
-            .lock()
-            .records
-            .iter()
-            .filter(|(_, r)| r.status == Status::Running)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in interrupted {
+        for id in self.ops.ids(|r| r.status == Status::Running) {
             eprintln!("{id}: interrupted by a restart; running it again");
             self.launch(&id, true);
         }
@@ -362,16 +277,14 @@ impl Mover {
     /// `interrupted`: the operation's first restic was killed with this snapshotter and
     /// left its lock.
     fn launch(self: &Arc<Self>, id: &str, interrupted: bool) {
-        let (stop, stopped) = oneshot::channel();
-        let mut ops = self.lock();
-        let mover = Arc::clone(self);
-        let task_id = id.to_string();
-        let task = tokio::spawn(async move { mover.run(task_id, stopped, interrupted).await });
-        ops.running.insert(id.to_string(), Running { stop, task });
+        let (mover, task_id) = (Arc::clone(self), id.to_string());
+        self.ops.launch(id, |stopped| async move {
+            mover.run(task_id, stopped, interrupted).await
+        });
     }
 
     async fn run(self: Arc<Self>, id: String, stopped: oneshot::Receiver<()>, interrupted: bool) {
-        let Some(job) = self.lock().records.get(&id).map(|r| r.job.clone()) else {
+        let Some(job) = self.ops.get(&id).map(|r| r.job) else {
             return;
         };
         let mut command = self.restic();
@@ -408,11 +321,11 @@ impl Mover {
         let mut child = command
             .spawn()
             .map_err(|e| format!("cannot run {RESTIC}: {e}"))?;
-        if let Some(record) = self.lock().records.get_mut(id) {
-            let now = OffsetDateTime::now_utc();
+        let now = OffsetDateTime::now_utc();
+        self.ops.update(id, |record| {
             record.started = Some(now);
             record.updated = Some(now);
-        }
+        });
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
         let pid = child.id();
@@ -475,55 +388,49 @@ impl Mover {
             let Ok(message) = serde_json::from_str::<ResticMessage>(&line) else {
                 continue;
             };
-            let mut ops = self.lock();
-            let Some(record) = ops.records.get_mut(id) else {
-                continue;
-            };
-            match message.message_type.as_str() {
-                "status" => {
-                    let total = message.total_bytes.unwrap_or(0);
-                    let done = message.bytes_done.unwrap_or(0).min(total.max(0));
-                    record.n_total = total.max(record.n_total);
-                    if done > record.n_completed {
-                        record.n_completed = done;
+            self.ops
+                .update(id, |record| match message.message_type.as_str() {
+                    "status" => {
+                        let total = message.total_bytes.unwrap_or(0);
+                        let done = message.bytes_done.unwrap_or(0).min(total.max(0));
+                        record.n_total = total.max(record.n_total);
+                        if done > record.n_completed {
+                            record.n_completed = done;
+                        }
+                        record.updated = Some(OffsetDateTime::now_utc());
                     }
-                    record.updated = Some(OffsetDateTime::now_utc());
-                }
-                "summary" => {
-                    record.snapshot_id = message.snapshot_id;
-                    if let Some(total) = message.total_bytes_processed {
-                        record.n_total = total;
-                        record.n_completed = total;
+                    "summary" => {
+                        record.snapshot_id = message.snapshot_id.clone();
+                        if let Some(total) = message.total_bytes_processed {
+                            record.n_total = total;
+                            record.n_completed = total;
+                        }
+                        record.updated = Some(OffsetDateTime::now_utc());
                     }
-                    record.updated = Some(OffsetDateTime::now_utc());
-                }
-                _ => {}
-            }
+                    _ => {}
+                });
         }
     }
 
     /// Records how `id` ended: in the state file first, then in memory.
     async fn finish(&self, id: &str, outcome: Result<(), String>) {
-        {
-            let mut ops = self.lock();
-            ops.running.remove(id);
-            if let Some(record) = ops.records.get_mut(id) {
-                match &outcome {
-                    Ok(()) => {
-                        record.status = Status::Completed;
-                        record.n_completed = record.n_total;
-                    }
-                    Err(error) => {
-                        record.status = Status::Failed {
-                            error: error.clone(),
-                        }
+        let now = OffsetDateTime::now_utc();
+        let settle = |record: &mut Record| {
+            match &outcome {
+                Ok(()) => {
+                    record.status = Status::Completed;
+                    record.n_completed = record.n_total;
+                }
+                Err(error) => {
+                    record.status = Status::Failed {
+                        error: error.clone(),
                     }
                 }
-                record.updated = Some(OffsetDateTime::now_utc());
             }
-        }
-        if let Err(e) = self.save().await {
-            eprintln!("{id}: saving its outcome: {e}");
+            record.updated = Some(now);
+        };
+        if let Err(e) = self.ops.finish(id, settle).await {
+            eprintln!("{id}: saving its outcome: {}", chain(&e));
         }
         self.hints.changed(id);
     }
@@ -574,84 +481,6 @@ fn bytes_under(dir: &Path) -> u64 {
             _ => 0,
         })
         .sum()
-}
-
-fn load_state(path: &Path) -> Result<BTreeMap<String, Record>, String> {
-    let bytes = match std::fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
-        Err(e) => return Err(format!("reading the state file {}: {e}", path.display())),
-    };
-    let state: StateFile = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("the state file {} is not valid: {e}", path.display()))?;
-    if state.version != STATE_VERSION {
-        return Err(format!(
-            "the state file {} has version {}; this snapshotter reads version {STATE_VERSION}",
-            path.display(),
-            state.version
-        ));
-    }
-    Ok(state.operations)
-}
-
-/// Replaces `dir/name` so that a crash leaves the old or the new contents.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), String> {
-    let path = dir.join(name);
-    let context = |e: io::Error| format!("writing the state file {}: {e}", path.display());
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(context)?;
-    tmp.write_all(bytes).map_err(context)?;
-    tmp.as_file().sync_all().map_err(context)?;
-    tmp.persist(&path).map_err(|e| context(e.error))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(context)
-}
-
-/// The kernel kills restic if this process dies, so none outlives the snapshotter.
-#[cfg(target_os = "linux")]
-fn die_with_parent(command: &mut Command) {
-    let parent = nix::unistd::getpid();
-    // SAFETY: between fork and exec the closure makes only async-signal-safe system
-    // calls (prctl, getppid) and allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
-            if nix::unistd::getppid() != parent {
-                return Err(nix::errno::Errno::ESRCH.into());
-            }
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn die_with_parent(_command: &mut Command) {}
-
-fn last_line(text: &str) -> Option<String> {
-    text.lines()
-        .map(str::trim)
-        .rfind(|l| !l.is_empty())
-        .map(str::to_string)
-}
-
-/// Reads `stream` to its end; its last non-empty line (only the tail is kept).
-async fn last_line_of(stream: Option<impl AsyncRead + Unpin>) -> Option<String> {
-    const KEEP: usize = 64 * 1024;
-    let mut stream = stream?;
-    let mut tail = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                tail.extend_from_slice(&chunk[..n]);
-                if tail.len() > 2 * KEEP {
-                    tail.drain(..tail.len() - KEEP);
-                }
-            }
-        }
-    }
-    last_line(&String::from_utf8_lossy(&tail))
 }
 
 fn invalid_params(message: String) -> ErrorObjectOwned {

@@ -92,6 +92,18 @@ pub struct ClientBuilder {
 impl ClientBuilder {
     /// How long [`connect`](Self::connect), and each reconnect attempt of a
     /// subscription, may take (default 5 s).
+    ///
+    /// No errors: it only sets the timeout.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .connect_timeout(Duration::from_secs(1))
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.config.connect_timeout = timeout;
         self
@@ -99,12 +111,36 @@ impl ClientBuilder {
 
     /// How long a call may take, reconnects and repeats included (default 2 min). A
     /// subscription that lost its connection gives up after this long without the agent.
+    ///
+    /// No errors: it only sets the timeout.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .call_timeout(Duration::from_secs(30))
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.config.call_timeout = timeout;
         self
     }
 
     /// How long a `finalize` may take (default 1 h): it streams the backup tarball.
+    ///
+    /// No errors: it only sets the timeout.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .finalize_timeout(Duration::from_secs(4 * 3600))
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn finalize_timeout(mut self, timeout: Duration) -> Self {
         self.config.finalize_timeout = timeout;
         self
@@ -112,6 +148,17 @@ impl ClientBuilder {
 
     /// Connections a client opens at once for calls (default 32); more calls in
     /// parallel wait for one to be free (within their timeout).
+    ///
+    /// No errors: it only sets the bound (at least 1).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .max_connections(4)
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn max_connections(mut self, n: usize) -> Self {
         self.config.max_connections = n.max(1);
         self
@@ -136,6 +183,17 @@ impl ClientBuilder {
     /// Trusts `uid` to serve the agent's socket, besides root and this process's own
     /// uid (the agent runs as another user, e.g. 65532 in the container). A socket served
     /// by any other uid is refused with a [`Error::Connect`] saying so.
+    ///
+    /// No errors of its own; [`ClientBuilder::connect`] refuses a socket of another uid.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = opmon_client::Client::builder("/run/opmon/agent.sock")
+    ///     .agent_uid(65532)
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn agent_uid(mut self, uid: u32) -> Self {
         self.config.agent_uids.push(uid);
         self
@@ -145,6 +203,19 @@ impl ClientBuilder {
     /// a snapshotter gives, counts as an answer too). Fails at once if nothing listens
     /// on the socket, and with [`Error::Timeout`] if nothing answers within the connect
     /// timeout.
+    ///
+    /// # Errors
+    /// [`Error::Connect`] if nothing listens (or the socket's owner is not trusted, see
+    /// [`ClientBuilder::agent_uid`]), [`Error::Timeout`] if nothing answers in time,
+    /// [`Error::Http`] if the agent refuses this client.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn connect(self) -> Result<Client, Error> {
         let client = Client {
             inner: Arc::new(Inner {
@@ -548,7 +619,7 @@ impl Client {
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
     /// let status = client.status().await?;
-    /// if !status.supports("cancel") {
+    /// if !status.supports(opmon_client::methods::Feature::Cancel) {
     ///     eprintln!("agent {} cannot cancel", status.version);
     /// }
     /// # Ok(()) }
@@ -737,6 +808,15 @@ impl<M: Method> Call<M> {
     }
 
     /// The params the call sends (`None` once it was polled).
+    ///
+    /// No errors.
+    ///
+    /// ```no_run
+    /// # fn demo(client: opmon_client::Client) {
+    /// let call = client.backups().get("nightly-1");
+    /// assert_eq!(call.params().map(|p| p.name.as_str()), Some("nightly-1"));
+    /// # }
+    /// ```
     pub fn params(&self) -> Option<&M::Params> {
         match &self.state {
             CallState::Ready(params) => Some(params),
@@ -1153,36 +1233,88 @@ impl Owners {
 
 impl Call<methods::Start> {
     /// How long the owner's operations may take (default `4h0m0s`, as in Velero).
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// client.backups().start("nightly-1", "3f5c9a").item_operation_timeout(Duration::from_secs(3600)).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn item_operation_timeout(self, timeout: Duration) -> Self {
         self.with(|p| p.item_operation_timeout = Some(GoDuration(timeout)))
     }
 
     /// Fail an operation whose progress has not changed for this long (overrides the
     /// snapshotter's `stallTimeout`; zero turns it off for this owner).
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// client.backups().start("nightly-1", "3f5c9a").stall_timeout(Duration::from_secs(600)).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn stall_timeout(self, timeout: Duration) -> Self {
         self.with(|p| p.stall_timeout = Some(GoDuration(timeout)))
     }
 
     /// Fail an operation still New this long after it was created (overrides the
     /// snapshotter's `startTimeout`; zero turns it off for this owner).
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use std::time::Duration;
+    /// client.backups().start("nightly-1", "3f5c9a").start_timeout(Duration::from_secs(300)).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn start_timeout(self, timeout: Duration) -> Self {
         self.with(|p| p.start_timeout = Some(GoDuration(timeout)))
     }
 
     /// Restores only: pass through Finalizing and wait for `restore.finalize` (default:
     /// the agent's `restore_finalize` setting).
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.restores().start("restore-1", "9b1e").finalize(true).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn finalize(self, finalize: bool) -> Self {
         self.with(|p| p.finalize = Some(finalize))
     }
 
     /// The backup server's own representation of the backup or restore (a JSON object
     /// of at most 64 KiB), passed to the snapshotters in every Progress and Cancel.
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let backup = serde_json::json!({"metadata": {"name": "nightly-1"}});
+    /// client.backups().start("nightly-1", "3f5c9a").object(backup).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn object(self, object: serde_json::Value) -> Self {
         self.with(|p| p.object = Some(object))
     }
 
     /// The backup server starting it (`name`, running as `instance`), so that
     /// `server.started` of a later instance fails it if it is still InProgress.
+    ///
+    /// No error of its own: the call's are those of [`Owners::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.backups().start("nightly-1", "3f5c9a").server("velero/velero", "velero-5d8f-abcde").await?;
+    /// # Ok(()) }
+    /// ```
     pub fn server(self, name: &str, instance: &str) -> Self {
         self.with(|p| {
             p.server = Some(ServerRef {
@@ -1195,16 +1327,41 @@ impl Call<methods::Start> {
 
 impl Call<methods::EndInProgress> {
     /// Errors the server counted while the owner was InProgress.
+    ///
+    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.backups().end_in_progress("nightly-1").errors(2).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn errors(self, errors: u32) -> Self {
         self.with(|p| p.errors = errors)
     }
 
     /// Warnings the server counted.
+    ///
+    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.backups().end_in_progress("nightly-1").warnings(1).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn warnings(self, warnings: u32) -> Self {
         self.with(|p| p.warnings = warnings)
     }
 
     /// The backup or restore failed outright: Failed, unfinished operations cancelled.
+    ///
+    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let owner = client.backups().end_in_progress("nightly-1").failed().await?;
+    /// assert!(owner.phase.is_terminal() || owner.phase.is_waiting());
+    /// # Ok(()) }
+    /// ```
     pub fn failed(self) -> Self {
         self.with(|p| p.failed = true)
     }
@@ -1212,16 +1369,44 @@ impl Call<methods::EndInProgress> {
 
 impl Call<methods::List> {
     /// Only owners in these phases.
+    ///
+    /// No error of its own: the call's are those of [`Owners::list`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OwnerPhase;
+    /// let page = client.backups().list().phases(vec![OwnerPhase::InProgress]).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn phases(self, phases: Vec<OwnerPhase>) -> Self {
         self.with(|p| p.phases = Some(phases))
     }
 
     /// At most this many owners (default 100, at most 1,000).
+    ///
+    /// No error of its own: the call's are those of [`Owners::list`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let page = client.backups().list().limit(1000).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn limit(self, limit: u32) -> Self {
         self.with(|p| p.limit = Some(limit))
     }
 
     /// Owners whose names sort after this one: the previous page's `next`.
+    ///
+    /// No error of its own: the call's are those of [`Owners::list`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let first = client.backups().list().await?;
+    /// if let Some(next) = first.next {
+    ///     let second = client.backups().list().after(next).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn after(self, name: impl Into<String>) -> Self {
         self.with(|p| p.after = Some(name.into()))
     }
@@ -1229,11 +1414,30 @@ impl Call<methods::List> {
 
 impl Call<methods::Events> {
     /// Events after this `seq`: the previous page's `next`.
+    ///
+    /// No error of its own: the call's are those of [`Owners::events`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let first = client.backups().events("nightly-1").await?;
+    /// if let Some(next) = first.next {
+    ///     let second = client.backups().events("nightly-1").after_seq(next).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn after_seq(self, seq: u64) -> Self {
         self.with(|p| p.after = Some(seq))
     }
 
     /// At most this many events (default 100, at most 1,000).
+    ///
+    /// No error of its own: the call's are those of [`Owners::events`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let page = client.backups().events("nightly-1").limit(1000).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn limit(self, limit: u32) -> Self {
         self.with(|p| p.limit = Some(limit))
     }
@@ -1241,6 +1445,15 @@ impl Call<methods::Events> {
 
 impl Call<methods::Operations> {
     /// Only operations in these phases.
+    ///
+    /// No error of its own: the call's are those of [`Owners::operations`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OperationPhase;
+    /// let running = client.backups().operations("nightly-1").phases(vec![OperationPhase::InProgress]).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn phases(self, phases: Vec<OperationPhase>) -> Self {
         self.with(|p| p.phases = Some(phases))
     }
@@ -1249,6 +1462,14 @@ impl Call<methods::Operations> {
 impl Call<methods::Finalize> {
     /// Backups only: rewrite the tarball `input` into `output` (which may be `input`
     /// itself), with the [`updated_items`](Self::updated_items).
+    ///
+    /// No error of its own: the call's are those of [`Owners::finalize`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.backups().finalize("nightly-1").contents("nightly-1.tar.gz", "nightly-1.tar.gz").await?;
+    /// # Ok(()) }
+    /// ```
     pub fn contents(self, input: impl Into<PathBuf>, output: impl Into<PathBuf>) -> Self {
         self.with(|p| {
             p.contents = Some(Contents {
@@ -1260,17 +1481,51 @@ impl Call<methods::Finalize> {
 
     /// Items to put into the tarball in place of (or beside) what it has: the
     /// post-operation items the plugins updated.
+    ///
+    /// No error of its own: the call's are those of [`Owners::finalize`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::{ResourceIdentifier, UpdatedItem};
+    /// let pv = UpdatedItem {
+    ///     resource: ResourceIdentifier::cluster("persistentvolumes", "pv-1"),
+    ///     object: serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolume"}),
+    /// };
+    /// client
+    ///     .backups()
+    ///     .finalize("nightly-1")
+    ///     .contents("nightly-1.tar.gz", "nightly-1.tar.gz")
+    ///     .updated_items(vec![pv])
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn updated_items(self, items: Vec<UpdatedItem>) -> Self {
         self.with(|p| p.updated_items = items)
     }
 
     /// Errors the backup server's finalize step found: added to the owner's; any makes
     /// it PartiallyFailed.
+    ///
+    /// No error of its own: the call's are those of [`Owners::finalize`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.restores().finalize("restore-1").errors(1).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn errors(self, errors: u32) -> Self {
         self.with(|p| p.errors = errors)
     }
 
     /// Warnings the finalize step found: added to the owner's.
+    ///
+    /// No error of its own: the call's are those of [`Owners::finalize`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.restores().finalize("restore-1").warnings(3).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn warnings(self, warnings: u32) -> Self {
         self.with(|p| p.warnings = warnings)
     }
@@ -1279,12 +1534,30 @@ impl Call<methods::Finalize> {
 impl Call<methods::Cancel> {
     /// Cancel only these operations (each an ID, or an ID and its item); the owner
     /// goes on.
+    ///
+    /// No error of its own: the call's are those of [`Owners::cancel`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OperationSelector;
+    /// let ids = vec![OperationSelector::Id("copy-42".into())];
+    /// client.backups().cancel("nightly-1").operations(ids).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn operations(self, operations: Vec<OperationSelector>) -> Self {
         self.with(|p| p.operations = Some(operations))
     }
 
     /// Why (at most 1,024 bytes): in the owner's failure reason or the operations'
     /// errors, and passed on to the snapshotters.
+    ///
+    /// No error of its own: the call's are those of [`Owners::cancel`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.backups().cancel("nightly-1").reason("the user deleted the backup").await?;
+    /// # Ok(()) }
+    /// ```
     pub fn reason(self, reason: impl Into<String>) -> Self {
         self.with(|p| p.reason = Some(reason.into()))
     }
@@ -1292,6 +1565,14 @@ impl Call<methods::Cancel> {
 
 impl Call<methods::SnapshotterChanged> {
     /// Only these operations changed (at most 1,000 IDs).
+    ///
+    /// No error of its own: the call's are those of [`Client::snapshotter_changed`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// client.snapshotter_changed("example.io/copier").operations(vec!["copy-42".into()]).await?;
+    /// # Ok(()) }
+    /// ```
     pub fn operations(self, operations: Vec<String>) -> Self {
         self.with(|p| p.operations = Some(operations))
     }

@@ -60,6 +60,12 @@ macro_rules! error_table {
 
         impl Code {
             /// The typed code of the number `code`.
+            ///
+            /// ```
+            /// use opmon_client::codes::Code;
+            /// assert_eq!(Code::of(1001), Code::NotFound);
+            /// assert_eq!(Code::of(4242), Code::Other(4242));
+            /// ```
             pub fn of(code: i32) -> Code {
                 match code {
                     $($code => Code::$variant,)+
@@ -68,6 +74,11 @@ macro_rules! error_table {
             }
 
             /// The number on the wire.
+            ///
+            /// ```
+            /// use opmon_client::codes::Code;
+            /// assert_eq!(Code::WrongPhase.number(), 1003);
+            /// ```
             pub fn number(self) -> i32 {
                 match self {
                     $(Code::$variant => $code,)+

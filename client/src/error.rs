@@ -139,6 +139,12 @@ impl Error {
     }
 
     /// The `data` of the agent's error answer, if it sent one.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: None };
+    /// assert_eq!(e.data(), None);
+    /// ```
     pub fn data(&self) -> Option<&serde_json::Value> {
         match self {
             Error::Rpc { data, .. } => data.as_ref(),
@@ -147,28 +153,58 @@ impl Error {
     }
 
     /// The named owner or snapshotter does not exist (code 1001).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::NotFound, message: "…".into(), data: None };
+    /// assert!(e.is_not_found());
+    /// ```
     pub fn is_not_found(&self) -> bool {
         self.rpc_code() == Some(Code::NotFound)
     }
 
     /// The name is taken by an owner with another uid (code 1002).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::AlreadyExists, message: "…".into(), data: None };
+    /// assert!(e.is_already_exists());
+    /// ```
     pub fn is_already_exists(&self) -> bool {
         self.rpc_code() == Some(Code::AlreadyExists)
     }
 
     /// The owner is not in a phase that allows the request (code 1003); [`Error::phase`]
     /// says which phase it is in.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: None };
+    /// assert!(e.is_wrong_phase() && !e.is_not_found());
+    /// ```
     pub fn is_wrong_phase(&self) -> bool {
         self.rpc_code() == Some(Code::WrongPhase)
     }
 
     /// The params were refused (code -32602); the message names the field.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::InvalidParams, message: "…".into(), data: None };
+    /// assert!(e.is_invalid_params());
+    /// ```
     pub fn is_invalid_params(&self) -> bool {
         self.rpc_code() == Some(Code::InvalidParams)
     }
 
     /// The request or its answer was over a limit of the agent (codes -32007, -32008,
     /// -32010, -32011, or HTTP 413).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::OversizedRequest, message: "…".into(), data: None };
+    /// assert!(e.is_too_big());
+    /// ```
     pub fn is_too_big(&self) -> bool {
         matches!(
             self.rpc_code(),
@@ -182,6 +218,12 @@ impl Error {
     }
 
     /// The agent did not admit this client (code -32003, or HTTP 403 or 429).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::Refused, message: "…".into(), data: None };
+    /// assert!(e.is_refused());
+    /// ```
     pub fn is_refused(&self) -> bool {
         self.rpc_code() == Some(Code::Refused)
             || matches!(
@@ -194,17 +236,37 @@ impl Error {
     }
 
     /// The agent's database or storage directory failed (code 1004).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::StorageFailure, message: "…".into(), data: None };
+    /// assert!(e.is_storage_failure());
+    /// ```
     pub fn is_storage_failure(&self) -> bool {
         self.rpc_code() == Some(Code::StorageFailure)
     }
 
     /// `finalize` could not produce its results (code 1005).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::FinalizeFailed, message: "…".into(), data: None };
+    /// assert!(e.is_finalize_failed());
+    /// ```
     pub fn is_finalize_failed(&self) -> bool {
         self.rpc_code() == Some(Code::FinalizeFailed)
     }
 
     /// The owner's phase a wrong-phase error reports (its `data.phase`), if the agent
     /// sent it (this version of the agent does).
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// use opmon_client::OwnerPhase;
+    /// let data = serde_json::json!({"phase": "Completed"});
+    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: Some(data) };
+    /// assert_eq!(e.phase(), Some(OwnerPhase::Completed));
+    /// ```
     pub fn phase(&self) -> Option<OwnerPhase> {
         let phase = self.data()?.get("phase")?;
         serde_json::from_value(phase.clone()).ok()
@@ -213,6 +275,12 @@ impl Error {
     /// Whether the failure is the transport's (the agent stopped, restarted, or never
     /// answered), as opposed to an answer: a call that failed this way may be tried
     /// again when the agent is back.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::NotFound, message: "…".into(), data: None };
+    /// assert!(!e.is_transport()); // the agent answered
+    /// ```
     pub fn is_transport(&self) -> bool {
         matches!(
             self,
@@ -225,14 +293,31 @@ impl Error {
     }
 
     /// This error's message followed by each source's, joined by `": "`.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::NotFound, message: "backup b not found".into(), data: None };
+    /// assert_eq!(e.chain(), "backup b not found (code 1001)");
+    /// ```
     pub fn chain(&self) -> String {
-        let mut text = self.to_string();
-        let mut next = std::error::Error::source(self);
-        while let Some(e) = next {
-            text.push_str(": ");
-            text.push_str(&e.to_string());
-            next = e.source();
-        }
-        text
+        chain(self)
     }
+}
+
+/// The message of `error` followed by each source's, joined by `": "` (as `anyhow`'s
+/// `{:#}` prints them): for errors of any type.
+///
+/// ```
+/// let io = std::io::Error::other("disk full");
+/// assert_eq!(opmon_client::error::chain(&io), "disk full");
+/// ```
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        next = e.source();
+    }
+    text
 }

@@ -12,6 +12,8 @@ mod paths;
 pub mod server;
 #[cfg(feature = "snapshotter")]
 pub mod snapshotter;
+#[cfg(feature = "snapshotter")]
+mod store;
 mod subscription;
 #[cfg(feature = "internal")]
 pub mod text;

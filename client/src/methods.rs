@@ -41,37 +41,67 @@ pub const OPERATION_CANCEL: &str = "operation.cancel";
 /// in [`FEATURES`].
 pub const API_VERSION: &str = "1.2.0";
 
-/// The optional features `agent.status` lists, so a client can tell an agent that has
-/// one from an older agent that does not (client/REFERENCE.md says what each means).
-pub const FEATURES: &[&str] = &[
-    // `start {finalize}` for restores and the `restore_finalize` setting.
-    "restore_finalize",
-    // `server.started` and `start {server}`.
-    "server.started",
-    // `start {object}`, passed to snapshotters as `owner.object`.
-    "object",
-    // `addOperations` takes each operation's `created`.
-    "created",
-    // `Owner.failureReason`.
-    "failureReason",
-    // `finalize {errors, warnings}`.
-    "finalize_counts",
-    // `rpc.discover` answers with the OpenRPC document.
-    "openrpc",
-    // `*.cancel`, the Canceled operation phase and `Operation.cancelRequested`.
-    "cancel",
-    // `stallTimeout` and `startTimeout` (snapshotters and `start`).
-    "deadlines",
-    // Transient snapshotter errors (code 2003, `data.retryable`, exit 75) retried with
-    // backoff; `Operation.attempts`, `lastError`, `nextAttemptAt`.
-    "retries",
-    // `events`: each owner's history, with the callers of the calls that changed it.
-    "events",
-    // `Operation.rate`/`eta` and `Owner.progress`: smoothed rates and ETAs.
-    "rate",
-    // `snapshotter.changed`: a snapshotter's hint makes the agent poll at once.
-    "snapshotter.changed",
-];
+macro_rules! features {
+    ($($(#[doc = $doc:literal])* $variant:ident = $name:literal,)+) => {
+        /// An optional feature `agent.status` lists, so a client can tell an agent that
+        /// has it from an older agent that does not ([`crate::AgentStatus::supports`];
+        /// client/REFERENCE.md says what each means).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum Feature {
+            $($(#[doc = $doc])* $variant,)+
+        }
+
+        impl Feature {
+            /// Every feature this version has, in the order `agent.status` lists them.
+            pub const ALL: &'static [Feature] = &[$(Feature::$variant),+];
+
+            /// Its name in `agent.status`'s `features`.
+            ///
+            /// ```
+            /// assert_eq!(opmon_client::methods::Feature::ServerStarted.as_str(), "server.started");
+            /// ```
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Feature::$variant => $name,)+
+                }
+            }
+        }
+
+        /// The names of [`Feature::ALL`], as `agent.status` lists them.
+        pub const FEATURES: &[&str] = &[$($name),+];
+    };
+}
+
+features! {
+    /// `start {finalize}` for restores and the `restore_finalize` setting.
+    RestoreFinalize = "restore_finalize",
+    /// `server.started` and `start {server}`.
+    ServerStarted = "server.started",
+    /// `start {object}`, passed to snapshotters as `owner.object`.
+    Object = "object",
+    /// `addOperations` takes each operation's `created`.
+    Created = "created",
+    /// `Owner.failureReason`.
+    FailureReason = "failureReason",
+    /// `finalize {errors, warnings}`.
+    FinalizeCounts = "finalize_counts",
+    /// `rpc.discover` answers with the OpenRPC document.
+    OpenRpc = "openrpc",
+    /// `*.cancel`, the Canceled operation phase and `Operation.cancelRequested`.
+    Cancel = "cancel",
+    /// `stallTimeout` and `startTimeout` (snapshotters and `start`).
+    Deadlines = "deadlines",
+    /// Transient snapshotter errors (code 2003, `data.retryable`, exit 75) retried with
+    /// backoff; `Operation.attempts`, `lastError`, `nextAttemptAt`.
+    Retries = "retries",
+    /// `events`: each owner's history, with the callers of the calls that changed it.
+    Events = "events",
+    /// `Operation.rate`/`eta` and `Owner.progress`: smoothed rates and ETAs.
+    Rate = "rate",
+    /// `snapshotter.changed`: a snapshotter's hint makes the agent poll at once.
+    SnapshotterChanged = "snapshotter.changed",
+}
 
 /// When the client may send a request again after the connection broke before the
 /// answer arrived.

@@ -49,6 +49,8 @@ pub use jsonrpsee;
 pub use jsonrpsee::types::ErrorObjectOwned as RpcError;
 pub use jsonrpsee::RpcModule;
 
+pub use crate::store::{child, OperationStore, StoreError};
+
 use crate::server::{self, AdmitAll, ServeConfig};
 use crate::types::{OperationProgress, OperationRef};
 use crate::{codes, methods};
@@ -101,27 +103,57 @@ impl SnapshotterError {
     }
 
     /// The item is not this snapshotter's (code 2001).
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// let e = SnapshotterError::operations_not_supported("not a qcow2 volume");
+    /// assert_eq!(e.kind(), ErrorKind::OperationsNotSupported);
+    /// ```
     pub fn operations_not_supported(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::OperationsNotSupported, message)
     }
 
     /// The operation ID is unknown (code 2002); `message` is usually the ID.
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// let e = SnapshotterError::invalid_operation_id("copy-42");
+    /// assert_eq!(e.to_string(), "invalid operation ID: copy-42");
+    /// ```
     pub fn invalid_operation_id(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::InvalidOperationId, message)
     }
 
     /// A failure that may pass: the agent asks again later (code 2003).
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// let e = SnapshotterError::transient("the backend is busy");
+    /// assert_eq!(e.kind(), ErrorKind::Transient);
+    /// ```
     pub fn transient(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::Transient, message)
     }
 
     /// Any other failure: the operation fails with the message.
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// let e = SnapshotterError::other("the disk is gone");
+    /// assert_eq!(e.kind(), ErrorKind::Other);
+    /// ```
     pub fn other(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::Other, message)
     }
 
     /// The same error, caused by `source` (kept as [`std::error::Error::source`], and
     /// its message sent to the agent after this one's).
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// let e = SnapshotterError::other("reading the copy").caused_by(std::io::Error::other("EIO"));
+    /// assert!(std::error::Error::source(&e).is_some());
+    /// ```
     pub fn caused_by(
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -131,11 +163,21 @@ impl SnapshotterError {
     }
 
     /// What kind of failure it is.
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// assert_eq!(SnapshotterError::transient("busy").kind(), ErrorKind::Transient);
+    /// ```
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }
 
     /// The message, without its causes.
+    ///
+    /// ```
+    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// assert_eq!(SnapshotterError::invalid_operation_id("copy-42").message(), "copy-42");
+    /// ```
     pub fn message(&self) -> &str {
         &self.message
     }
@@ -152,14 +194,7 @@ impl SnapshotterError {
 
     /// The message and its causes', as the agent gets it.
     fn chain(&self) -> String {
-        let mut text = self.title();
-        let mut next = std::error::Error::source(self);
-        while let Some(e) = next {
-            text.push_str(": ");
-            text.push_str(&e.to_string());
-            next = e.source();
-        }
-        text
+        crate::error::chain(self)
     }
 }
 
@@ -207,6 +242,23 @@ pub trait OperationHandler: Send + Sync + 'static {
 }
 
 /// The JSON-RPC methods of `snapshotter`, for embedding into a server of your own.
+///
+/// No errors: the methods are registered once, under their protocol names.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// let mut module = rpc_module(Copier);
+/// module.register_method("copy.version", |_, _, _| "1.0")?;
+/// serve_methods("/run/copier/copier.sock", module, termination()).await?;
+/// # Ok(()) }
+/// ```
 pub fn rpc_module<S: OperationHandler>(snapshotter: S) -> RpcModule<S> {
     let mut module = RpcModule::new(snapshotter);
     module
@@ -231,6 +283,22 @@ pub fn rpc_module<S: OperationHandler>(snapshotter: S) -> RpcModule<S> {
 }
 
 /// Serves `snapshotter` on the Unix socket `socket` (mode 0660) until SIGTERM or SIGINT.
+///
+/// # Errors
+/// The socket could not be bound (its directory missing, another process serving it).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// serve("/run/copier/copier.sock", Copier).await?;
+/// # Ok(()) }
+/// ```
 pub async fn serve<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
@@ -240,6 +308,24 @@ pub async fn serve<S: OperationHandler>(
 
 /// Serves `snapshotter` on `socket` until `shutdown` resolves, then finishes the calls
 /// in flight and returns.
+///
+/// # Errors
+/// The socket could not be bound.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// # drop(stop);
+/// serve_until("/run/copier/copier.sock", Copier, async { let _ = stopped.await; }).await?;
+/// # Ok(()) }
+/// ```
 pub async fn serve_until<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
@@ -274,6 +360,10 @@ pub enum ServeError {
 /// caller needs to wait for the socket file. The registration stays when it stops
 /// (the agent keeps polling, and finds the snapshotter again once it is back).
 ///
+/// # Errors
+/// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
+/// the agent did not take the registration (nothing is served then).
+///
 /// ```no_run
 /// # use opmon_client::snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
@@ -295,6 +385,42 @@ pub async fn serve_and_register<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
 ) -> Result<(), ServeError> {
+    serve_methods_and_register(agent, registration, socket, rpc_module(snapshotter)).await
+}
+
+/// [`serve_and_register`] for a snapshotter with methods of its own beside
+/// [`rpc_module`]'s (say, a `copy.start` that starts operations): binds `socket`,
+/// registers it, and serves `methods` there until SIGTERM or SIGINT.
+///
+/// # Errors
+/// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
+/// the agent did not take the registration (nothing is served then).
+///
+/// ```no_run
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let agent = opmon_client::Client::connect(opmon_client::default_socket_path()).await?;
+/// let mut methods = rpc_module(Copier);
+/// methods.register_async_method("copy.start", |_params, _copier, _| async move {
+///     Ok::<_, RpcError>(serde_json::json!({"operationId": "copy-1"}))
+/// })?;
+/// let socket = "/run/copier/copier.sock";
+/// let registration = opmon_client::Snapshotter::socket("example.io/copier", socket);
+/// serve_methods_and_register(&agent, registration, socket, methods).await?;
+/// # Ok(()) }
+/// ```
+pub async fn serve_methods_and_register(
+    agent: &crate::Client,
+    registration: crate::Snapshotter,
+    socket: impl AsRef<Path>,
+    methods: impl Into<jsonrpsee::Methods> + Send + 'static,
+) -> Result<(), ServeError> {
     let socket = socket.as_ref();
     let listener = server::bind(socket, 0o660)
         .await
@@ -310,11 +436,7 @@ pub async fn serve_and_register<S: OperationHandler>(
     };
     let name = registration.name.clone();
     // Served while the registration is sent: the agent may poll before it answers.
-    let serving = tokio::spawn(serve_listener(
-        listener,
-        rpc_module(snapshotter),
-        termination(),
-    ));
+    let serving = tokio::spawn(serve_listener(listener, methods, termination()));
     if let Err(source) = agent.register_snapshotter(registration).await {
         serving.abort();
         return Err(ServeError::Register { name, source });
@@ -326,6 +448,26 @@ pub async fn serve_and_register<S: OperationHandler>(
 /// Serves any set of methods on `socket` until `shutdown` resolves: for a snapshotter
 /// that adds methods of its own (say, one that starts operations) to
 /// [`rpc_module`]'s.
+///
+/// # Errors
+/// The socket could not be bound.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// # use opmon_client::snapshotter::*;
+/// # use opmon_client::{OperationProgress, OperationRef};
+/// # struct Copier;
+/// # impl OperationHandler for Copier {
+/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
+/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
+/// # }
+/// let mut module = rpc_module(Copier);
+/// module.register_async_method("copy.start", |_params, _copier, _| async move {
+///     Ok::<_, RpcError>(serde_json::json!({"operationId": "copy-1"}))
+/// })?;
+/// serve_methods("/run/copier/copier.sock", module, termination()).await?;
+/// # Ok(()) }
+/// ```
 pub async fn serve_methods(
     socket: impl AsRef<Path>,
     methods: impl Into<jsonrpsee::Methods>,
@@ -392,12 +534,27 @@ impl Drop for HintsInner {
 
 impl Hints {
     /// Hints that go nowhere: for a snapshotter not told its agent's socket.
+    ///
+    /// No errors.
+    ///
+    /// ```
+    /// let hints = opmon_client::snapshotter::Hints::none();
+    /// hints.changed("copy-1"); // goes nowhere
+    /// ```
     pub fn none() -> Hints {
         Hints { inner: None }
     }
 
     /// Hints for `plugin`'s operations, sent to the agent on `agent_socket`. Must be
     /// called within a tokio runtime (it spawns the sender task).
+    ///
+    /// No errors: an agent that cannot be reached only loses the hints.
+    ///
+    /// ```no_run
+    /// # async fn demo() {
+    /// let hints = opmon_client::snapshotter::Hints::new(opmon_client::default_socket_path(), "example.io/copier");
+    /// # }
+    /// ```
     pub fn new(agent_socket: impl AsRef<Path>, plugin: impl Into<String>) -> Hints {
         let wake = Arc::new(tokio::sync::Notify::new());
         let inner = Arc::new(HintsInner {
@@ -414,11 +571,27 @@ impl Hints {
     }
 
     /// Operation `operation_id` changed.
+    ///
+    /// No errors (see [`Hints`]).
+    ///
+    /// ```no_run
+    /// # fn demo(hints: opmon_client::snapshotter::Hints) {
+    /// hints.changed("copy-1");
+    /// # }
+    /// ```
     pub fn changed(&self, operation_id: &str) {
         self.add(Some(operation_id));
     }
 
     /// Any of the plugin's operations may have changed (after a restart, say).
+    ///
+    /// No errors (see [`Hints`]).
+    ///
+    /// ```no_run
+    /// # fn demo(hints: opmon_client::snapshotter::Hints) {
+    /// hints.all_changed();
+    /// # }
+    /// ```
     pub fn all_changed(&self) {
         self.add(None);
     }
@@ -488,6 +661,17 @@ async fn send_hints(
 /// called, not when the future is first polled, so a signal that arrives while the
 /// caller is still starting up is not lost (and does not kill the process outright).
 /// Must be called within a tokio runtime.
+///
+/// No errors: without signal handlers it never resolves, and the default action ends the
+/// process.
+///
+/// ```no_run
+/// # async fn demo() {
+/// let stop = opmon_client::snapshotter::termination();
+/// // … start up …
+/// stop.await;
+/// # }
+/// ```
 pub fn termination() -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{signal, SignalKind};
     let handlers = (

@@ -431,6 +431,24 @@ impl Subscription {
 
     /// The next update; `None` after the terminal update or after the error that ended
     /// the subscription.
+    ///
+    /// # Errors
+    /// An item is [`Error::SubscriptionEnded`] when the agent ended the subscription (the owner
+    /// was deleted), [`Error::AgentGone`] when the agent did not come back in time; `None`
+    /// follows either.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let mut updates = client.backups().subscribe("nightly-1").await?;
+    /// while let Some(update) = updates.next().await {
+    ///     let update = update?;
+    ///     println!("{} ({} operations changed)", update.owner.phase, update.operations.len());
+    ///     if update.owner.phase.is_finalizing() {
+    ///         break;
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn next(&mut self) -> Option<Result<Update, Error>> {
         std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_item(cx)).await
     }

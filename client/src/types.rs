@@ -145,6 +145,11 @@ wire_enum! {
 
 impl OwnerPhase {
     /// Completed, PartiallyFailed, Failed or FailedValidation: nothing more happens.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::PartiallyFailed.is_terminal() && !OwnerPhase::Finalizing.is_terminal());
+    /// ```
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -156,6 +161,11 @@ impl OwnerPhase {
     }
 
     /// The phases in which the poller watches the owner's operations.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::WaitingForPluginOperations.is_waiting());
+    /// ```
     pub fn is_waiting(self) -> bool {
         matches!(
             self,
@@ -165,6 +175,11 @@ impl OwnerPhase {
     }
 
     /// The phases that wait for `finalize`.
+    ///
+    /// ```
+    /// use opmon_client::OwnerPhase;
+    /// assert!(OwnerPhase::FinalizingPartiallyFailed.is_finalizing());
+    /// ```
     pub fn is_finalizing(self) -> bool {
         matches!(
             self,
@@ -191,17 +206,32 @@ wire_enum! {
 
 impl OperationPhase {
     /// New or InProgress: the operation is still polled.
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert!(OperationPhase::New.is_unfinished() && !OperationPhase::Canceled.is_unfinished());
+    /// ```
     pub fn is_unfinished(self) -> bool {
         matches!(self, OperationPhase::New | OperationPhase::InProgress)
     }
 
     /// Failed or Canceled: counted in `operationsFailed`, as Velero counts them.
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert!(OperationPhase::Canceled.is_failure());
+    /// ```
     pub fn is_failure(self) -> bool {
         matches!(self, OperationPhase::Failed | OperationPhase::Canceled)
     }
 
     /// The phase Velero's item-operations file has for this one (which knows no
     /// Canceled).
+    ///
+    /// ```
+    /// use opmon_client::OperationPhase;
+    /// assert_eq!(OperationPhase::Canceled.in_velero(), OperationPhase::Failed);
+    /// ```
     pub fn in_velero(self) -> OperationPhase {
         match self {
             OperationPhase::Canceled => OperationPhase::Failed,
@@ -288,7 +318,11 @@ pub struct Operation {
     pub operation_id: String,
     pub post_operation_items: Vec<ResourceIdentifier>,
     pub phase: OperationPhase,
-    pub error: String,
+    /// Why it failed or was canceled; empty otherwise (which this client reads as
+    /// `None`).
+    #[serde(with = "empty_is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub error: Option<String>,
     pub n_completed: i64,
     pub n_total: i64,
     pub operation_units: String,
@@ -319,9 +353,11 @@ pub struct Operation {
     #[serde(default)]
     pub attempts: u32,
     /// The last transient error (kept after a retry succeeded), or why the snapshotter
-    /// could not be reached while the operation waits for it; empty if none.
-    #[serde(default)]
-    pub last_error: String,
+    /// could not be reached while the operation waits for it; empty if none (which this
+    /// client reads as `None`).
+    #[serde(default, with = "empty_is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub last_error: Option<String>,
     /// When the next Progress is due after a transient error; null when not backing off.
     #[serde(default, with = "time::serde::rfc3339::option")]
     #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
@@ -401,9 +437,11 @@ pub struct Owner {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerRef>,
     pub phase: OwnerPhase,
-    /// Why the owner is Failed, as Velero's `status.failureReason`; empty otherwise.
-    #[serde(default)]
-    pub failure_reason: String,
+    /// Why the owner is Failed, as Velero's `status.failureReason`; empty otherwise
+    /// (which this client reads as `None`).
+    #[serde(default, with = "empty_is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub failure_reason: Option<String>,
     pub item_operation_timeout: GoDuration,
     /// The owner's own stall deadline (`start {stallTimeout}`); absent: each
     /// snapshotter's (`0s`: none).
@@ -718,9 +756,8 @@ pub struct OwnerUpdate {
 }
 
 wire_enum! {
-    /// Why an event was recorded. [`Event::reason`] is a string so that a client reads
-    /// the events of a newer agent with reasons it does not know; these are the ones
-    /// this version records.
+    /// Why an event was recorded. A newer agent may record reasons not listed here (a
+    /// client reads them as its catch-all; the message still says what happened).
     EventReason {
         /// `start` created the owner.
         Started,
@@ -754,7 +791,8 @@ wire_enum! {
         /// snapshotter): those `*.cancel` asked for, a deadline's (for its operation, with
         /// its `DeadlineExceeded`), or those of an owner that failed with unfinished
         /// operations.
-        CancelSent,
+        CancelSent;
+        unknown Unknown
     }
 }
 
@@ -792,7 +830,9 @@ pub struct Event {
     pub time: Timestamp,
     /// One of the reasons the reference lists (`Started`, `PhaseChanged`, …); a newer
     /// agent may record others.
-    pub reason: String,
+    // A string in the schema: reasons are added without a new API version.
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub reason: EventReason,
     /// The operation it is about; null for the owner's own events.
     pub operation: Option<EventOperation>,
     /// Who called, for events of a call; null for what the agent did by itself
@@ -850,6 +890,11 @@ impl DeleteResult {
     }
 
     /// How many operations were canceled, from an agent of any version.
+    ///
+    /// ```
+    /// let old: opmon_client::DeleteResult = serde_json::from_str(r#"{"cancelled": 2}"#).unwrap();
+    /// assert_eq!(old.count(), 2);
+    /// ```
     pub fn count(&self) -> u64 {
         self.canceled.max(self.cancelled)
     }
@@ -1270,7 +1315,7 @@ impl ItemOperation {
             spec,
             status: ItemOperationStatus {
                 phase: op.phase.in_velero(),
-                error: op.error.clone(),
+                error: op.error.clone().unwrap_or_default(),
                 n_completed: op.n_completed,
                 n_total: op.n_total,
                 operation_units: op.operation_units.clone(),
@@ -1283,50 +1328,34 @@ impl ItemOperation {
     }
 }
 
-/// Text that the API writes as `""` when there is none, as an `Option`.
-fn some_text(text: &str) -> Option<&str> {
-    (!text.is_empty()).then_some(text)
-}
+/// Text the API writes as `""` when there is none (as Velero's Go structs do), as an
+/// `Option`: `""`, `null` and absent read as `None`, and `None` is written as `""`.
+mod empty_is_none {
+    use serde::{Deserialize, Deserializer, Serializer};
 
-impl Owner {
-    /// Why it failed, if it did (the wire's `failureReason`, `""` when none).
-    pub fn failure(&self) -> Option<&str> {
-        some_text(&self.failure_reason)
-    }
-}
-
-impl Operation {
-    /// Its error, if it failed or was canceled (the wire's `error`, `""` when none).
-    pub fn error_message(&self) -> Option<&str> {
-        some_text(&self.error)
+    pub fn serialize<S: Serializer>(text: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(text.as_deref().unwrap_or(""))
     }
 
-    /// The last transient error, while it is being retried (the wire's `lastError`).
-    pub fn last_error_message(&self) -> Option<&str> {
-        some_text(&self.last_error)
-    }
-}
-
-impl Event {
-    /// The reason as this version knows it; `None` for a reason of a newer agent's (the
-    /// text is still in [`Event::reason`]).
-    pub fn known_reason(&self) -> Option<EventReason> {
-        self.reason.parse().ok()
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Option::<String>::deserialize(d)?.filter(|text| !text.is_empty()))
     }
 }
 
 impl AgentStatus {
-    /// Whether the agent has the optional feature `feature`, one of
-    /// [`crate::methods::FEATURES`] (an older agent lacks newer ones).
+    /// Whether the agent has the optional feature `feature` (an older agent lacks newer
+    /// ones). [`AgentStatus::features`] has every name the agent sent, a newer agent's
+    /// too.
     ///
     /// ```
+    /// use opmon_client::methods::Feature;
     /// # let status: opmon_client::AgentStatus = serde_json::from_str(r#"{"version":"0.1.0","uptime":"1s","owners":{},
     /// #   "unfinishedOperations":0,"snapshotters":0,"apiVersion":"1.2.0","features":["cancel"]}"#).unwrap();
-    /// assert!(status.supports("cancel"));
-    /// assert!(!status.supports("time-travel"));
+    /// assert!(status.supports(Feature::Cancel));
+    /// assert!(!status.supports(Feature::Rate));
     /// ```
-    pub fn supports(&self, feature: &str) -> bool {
-        self.features.iter().any(|f| f == feature)
+    pub fn supports(&self, feature: crate::methods::Feature) -> bool {
+        self.features.iter().any(|f| f == feature.as_str())
     }
 }
 
@@ -1400,6 +1429,13 @@ impl NewOperation {
 
     /// Items to back up (or restore) again once the operation is done, as Velero's
     /// `PostOperationItems`.
+    ///
+    /// ```
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
+    ///     .post_operation_items(vec![ResourceIdentifier::cluster("persistentvolumes", "pv-1")]);
+    /// ```
     pub fn post_operation_items(mut self, items: Vec<ResourceIdentifier>) -> Self {
         self.post_operation_items = items;
         self
@@ -1407,6 +1443,13 @@ impl NewOperation {
 
     /// When the plugin returned the operation (the item operation timeout counts from
     /// it).
+    ///
+    /// ```
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
+    ///     .created(opmon_client::time::OffsetDateTime::now_utc());
+    /// ```
     pub fn created(mut self, created: Timestamp) -> Self {
         self.created = Some(created);
         self

@@ -6,7 +6,8 @@
 use std::path::Path;
 
 use opmon_client::codes::Code;
-use opmon_client::{Client, OperationPhase, OwnerPhase, PluginKind};
+use opmon_client::methods::Feature;
+use opmon_client::{Client, EventReason, OperationPhase, OwnerPhase, PluginKind};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 
@@ -30,6 +31,14 @@ const NEWER_OPERATIONS: &str = r#"[{
     "cancelRequested": false, "attempts": 0,
     "lastError": "", "pausedBy": "operator"
 }]"#;
+
+/// A page of history with a reason this version does not know, beside a known one.
+const NEWER_EVENTS: &str = r#"{"items": [
+    {"seq": 1, "time": "2026-11-25T10:00:00Z", "reason": "Started", "operation": null,
+     "caller": null, "message": "started"},
+    {"seq": 2, "time": "2026-11-25T10:00:01Z", "reason": "Archived", "operation": null,
+     "caller": null, "message": "archived to s3://bucket/b", "archive": "s3://bucket/b"}
+], "next": null}"#;
 
 /// Serves `socket`, answering each request with the JSON-RPC answer `answer` gives for
 /// its body.
@@ -83,6 +92,7 @@ fn newer_agent(body: &str) -> String {
     let result = match request["method"].as_str() {
         Some("backup.get") => NEWER_OWNER,
         Some("backup.operations") => NEWER_OPERATIONS,
+        Some("backup.events") => NEWER_EVENTS,
         Some("backup.cancel") => {
             return format!(
                 r#"{{"jsonrpc":"2.0","id":{id},"error":{{"code":1003,"message":"backup b is Archived; cancel is allowed only while InProgress","data":{{"phase":"Archived","since":"2026-11-25T10:00:01Z"}}}}}}"#
@@ -111,7 +121,8 @@ async fn answers_of_a_newer_agent_decode_with_their_unknown_values() {
         .status()
         .await
         .expect("agent.status of a newer agent");
-    assert!(status.supports("archive"));
+    assert!(status.supports(Feature::Cancel) && !status.supports(Feature::Rate));
+    assert!(status.features.iter().any(|f| f == "archive"));
     assert_eq!(status.owners.get(&OwnerPhase::Unknown), Some(&3));
 
     let owner = client
@@ -121,12 +132,17 @@ async fn answers_of_a_newer_agent_decode_with_their_unknown_values() {
         .expect("an owner in a newer phase");
     assert_eq!(owner.phase, OwnerPhase::Unknown);
     assert!(!owner.phase.is_known() && !owner.phase.is_terminal());
-    assert_eq!(owner.failure(), None);
+    assert_eq!(owner.failure_reason, None);
 
     let ops = client.backups().operations("b").await.expect("operations");
     assert_eq!(ops[0].phase, OperationPhase::Unknown);
     assert_eq!(ops[0].plugin.kind, PluginKind::Unknown);
-    assert_eq!(ops[0].error_message(), None);
+    assert_eq!((&ops[0].error, &ops[0].last_error), (&None, &None));
+
+    let events = client.backups().events("b").await.expect("events");
+    let reasons: Vec<_> = events.items.iter().map(|e| e.reason).collect();
+    assert_eq!(reasons, [EventReason::Started, EventReason::Unknown]);
+    assert_eq!(events.items[1].message, "archived to s3://bucket/b");
 }
 
 #[tokio::test]

@@ -22,7 +22,8 @@ pub fn repo() -> PathBuf {
 pub const EXAMPLES: &[(&str, &[&str])] = &[
     ("sidecar", &["sidecar"]),
     ("sidecar-litestream", &["sidecar-litestream"]),
-    ("daemonset", &["daemonset", "daemonset-velero"]),
+    // daemonset-velero includes ../daemonset, the agent alone.
+    ("daemonset", &["daemonset-velero"]),
 ];
 
 /// The stand-in for the user's Velero Deployment that the overlays patch.

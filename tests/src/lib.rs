@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, ResourceIdentifier};
 
 pub mod deploy;
+pub mod raw;
 pub mod traffic;
+pub mod velero;
 pub mod workflow;
 
 pub use workflow::{Steps, LONG};

@@ -390,3 +390,42 @@ async fn an_operation_whose_plugin_kind_or_post_items_do_not_fit_the_owner_is_re
     let ops = http.call(&request("restore.operations", json!({"name": "o"})));
     assert_eq!(ops["result"].as_array().map(Vec::len), Some(1), "{ops}");
 }
+
+#[test]
+fn a_bad_value_in_the_config_file_is_named_by_its_key_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.toml");
+    for (toml, said) in [
+        (
+            "batch_size = 64\nmax_connections_per_uid = -1\n",
+            "line 2: max_connections_per_uid: invalid value: integer `-1`, expected u32",
+        ),
+        (
+            "allowed_uids = [0, -1]\n",
+            "line 1: allowed_uids[1]: invalid value: integer `-1`, expected u32",
+        ),
+        (
+            "[[snapshotter]]\nname = \"example.io/a\"\nretry_attempts = \"3\"\n",
+            "line 3: snapshotter[0].retry_attempts: invalid type: string \"3\", expected u32",
+        ),
+        // An unknown key is named once, by toml's own message.
+        (
+            "batchsize = 3\n",
+            "line 1: unknown field `batchsize`, expected one of",
+        ),
+    ] {
+        std::fs::write(&file, toml).unwrap();
+        let out = opmon_tests::agent_command()
+            .arg("--config")
+            .arg(&file)
+            .arg("--print-config")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("config file {} {said}", file.display())),
+            "{toml}: {stderr}"
+        );
+    }
+}

@@ -10,100 +10,12 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use opmon_tests::raw::{agent_pid, read_head, websocket, ws_answer, ws_recv, ws_send};
 use opmon_tests::{agent_command, journal, operation, Agent, RawHttp, SdkSnapshotter};
 use serde_json::{json, Value};
 
-const WEBSOCKET_UPGRADE: &str = "GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
-
 fn request(method: &str, params: Value) -> String {
     json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
-}
-
-/// The agent's pid, from the lock file it holds next to its database.
-fn agent_pid(state_dir: &Path) -> u32 {
-    let lock = state_dir.join("agent.db.lock");
-    let text = std::fs::read_to_string(&lock)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", lock.display()));
-    text.trim()
-        .parse()
-        .unwrap_or_else(|e| panic!("{} holds {text:?}: {e}", lock.display()))
-}
-
-/// Reads until the end of an HTTP response head.
-fn read_head(stream: &mut UnixStream) -> String {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            other => panic!(
-                "reading a response head: {other:?} after {:?}",
-                String::from_utf8_lossy(&head)
-            ),
-        }
-    }
-    String::from_utf8_lossy(&head).into_owned()
-}
-
-/// A connection to `socket` upgraded to WebSocket.
-fn websocket(socket: &Path) -> UnixStream {
-    let mut ws = UnixStream::connect(socket).expect("connecting");
-    ws.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
-    let head = read_head(&mut ws);
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    ws
-}
-
-/// Writes `payload` as one masked WebSocket text frame (mask key 0: the payload as is).
-fn ws_send(stream: &mut UnixStream, payload: &[u8]) -> std::io::Result<()> {
-    let n = payload.len();
-    let mut frame = vec![0x81u8];
-    if n < 126 {
-        frame.push(0x80 | n as u8);
-    } else if n < 65536 {
-        frame.push(0x80 | 126);
-        frame.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        frame.push(0x80 | 127);
-        frame.extend_from_slice(&(n as u64).to_be_bytes());
-    }
-    frame.extend_from_slice(&[0, 0, 0, 0]);
-    frame.extend_from_slice(payload);
-    stream.write_all(&frame)
-}
-
-/// Reads one WebSocket frame: its opcode and payload.
-fn ws_recv(stream: &mut UnixStream) -> (u8, Vec<u8>) {
-    let mut head = [0u8; 2];
-    stream.read_exact(&mut head).expect("frame head");
-    let n = match head[1] & 0x7f {
-        126 => {
-            let mut b = [0u8; 2];
-            stream.read_exact(&mut b).expect("frame length");
-            u16::from_be_bytes(b) as usize
-        }
-        127 => {
-            let mut b = [0u8; 8];
-            stream.read_exact(&mut b).expect("frame length");
-            u64::from_be_bytes(b) as usize
-        }
-        n => n as usize,
-    };
-    let mut payload = vec![0; n];
-    stream.read_exact(&mut payload).expect("frame payload");
-    (head[0] & 0x0f, payload)
-}
-
-/// The next answer on `ws` (a message with an `id`), past the notifications before it.
-fn ws_answer(ws: &mut UnixStream) -> Value {
-    loop {
-        let (_, payload) = ws_recv(ws);
-        let message: Value = serde_json::from_slice(&payload).expect("JSON");
-        if message.get("id").is_some() {
-            return message;
-        }
-    }
 }
 
 /// `{"jsonrpc":"2.0","id":ID,"method":"backup.start",…}` starting backup `name`.

@@ -1016,6 +1016,37 @@ async fn an_empty_opmon_socket_means_unset() {
     assert!(!stdout.contains("socket = \"\""), "{stdout}");
 }
 
+#[test]
+fn the_environments_values_are_named_as_variables_not_as_flags_typed() {
+    let opmon = |env: &[(&str, &str)], args: &[&str]| {
+        let mut command = Command::new(workspace_binary("opmon"));
+        command
+            .env_remove("OPMON_SOCKET")
+            .env_remove("OPMON_AGENT_UID");
+        text(
+            &command
+                .envs(env.iter().copied())
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    };
+    // A bad user in the variable is named as the variable's.
+    let (_, stderr) = opmon(&[("OPMON_AGENT_UID", "nosuchuser")], &["status"]);
+    assert!(
+        stderr.contains("error: OPMON_AGENT_UID: no user named \"nosuchuser\""),
+        "{stderr}"
+    );
+    let (_, stderr) = opmon(&[], &["--agent-uid", "nosuchuser", "status"]);
+    assert!(stderr.contains("for '--agent-uid <AGENT_UID>'"), "{stderr}");
+    // The usage line shows what was typed, not the variable's socket as if required.
+    let (_, stderr) = opmon(&[("OPMON_SOCKET", "/run/x.sock")], &["backup", "get"]);
+    assert!(
+        stderr.contains("Usage: opmon backup get <NAME>\n"),
+        "{stderr}"
+    );
+}
+
 #[tokio::test]
 async fn an_agent_socket_named_without_a_directory_is_in_the_working_directory() {
     let dir = tempfile::tempdir().unwrap();
@@ -1145,12 +1176,12 @@ async fn names_complete_from_the_running_agent() {
     ] {
         assert!(opmon(&f, &args).status.success());
     }
+    let socket = f.agent.socket.display().to_string();
     // What the script `opmon completions` prints makes the shell run at each tab.
-    let complete = |words: &[&str]| {
-        let socket = f.agent.socket.display().to_string();
+    let complete_with = |variable: &str, words: &[&str]| {
         let out = Command::new(workspace_binary("opmon"))
             .env("COMPLETE", "fish")
-            .env("OPMON_SOCKET", &socket)
+            .env("OPMON_SOCKET", variable)
             .arg("--")
             .arg("opmon")
             .args(words)
@@ -1165,12 +1196,25 @@ async fn names_complete_from_the_running_agent() {
             .filter(|w| !w.starts_with('-'))
             .collect::<Vec<_>>()
     };
+    let complete = |words: &[&str]| complete_with(&socket, words);
     assert_eq!(
         complete(&["backup", "describe", "night"]),
         ["nightly-1", "nightly-2"]
     );
     assert_eq!(complete(&["restore", "wait", ""]), ["nightly-r"]);
     assert_eq!(complete(&["snapshotter", "unregister", ""]), [PLUGIN]);
+    // A --socket on the line being completed, before or after the subcommand, wins over
+    // the variable, as it does when the command runs.
+    let nowhere = "/nonexistent/opmon.sock";
+    assert_eq!(
+        complete_with(nowhere, &["--socket", &socket, "restore", "wait", ""]),
+        ["nightly-r"]
+    );
+    assert_eq!(
+        complete_with(nowhere, &["backup", "get", "--socket", &socket, "nightly-"]),
+        ["nightly-1", "nightly-2"]
+    );
+    assert!(complete_with(nowhere, &["backup", "get", ""]).is_empty());
     let script = Command::new(workspace_binary("opmon"))
         .args(["completions", "bash"])
         .output()

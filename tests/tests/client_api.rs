@@ -54,7 +54,8 @@ async fn a_backup_runs_through_the_builder_calls_and_handles_move_into_tasks() {
     assert!(
         canceled
             .owner
-            .failure()
+            .failure_reason
+            .as_ref()
             .is_some_and(|f| f.contains("the test is done")),
         "{:?}",
         canceled.owner

@@ -430,7 +430,7 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
                     "{}",
                     context(&log.name)
                 );
-                assert_eq!(owner.failure_reason, "", "{}", context(&log.name));
+                assert_eq!(owner.failure_reason, None, "{}", context(&log.name));
                 assert_eq!(owner.operations_attempted, 0, "{}", context(&log.name));
                 in_progress.push(log);
                 continue;
@@ -442,8 +442,8 @@ async fn acknowledged_work_survives_sigkill_at_random_moments() {
             if owner.phase == OwnerPhase::Failed {
                 // Only the server's `failed: true` fails an owner here, saying so.
                 assert_eq!(
-                    owner.failure_reason,
-                    "the backup server ended InProgress with failed: true",
+                    owner.failure_reason.as_deref(),
+                    Some("the backup server ended InProgress with failed: true"),
                     "{}",
                     context(&log.name)
                 );

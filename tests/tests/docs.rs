@@ -1,7 +1,8 @@
 //! The documentation against itself and the code: every relative link of every
 //! Markdown file in the repository leads to a file, every anchor to a heading there;
 //! the README stays short; the claims a test can check (the durability mode, the limits'
-//! values on docs/operations.md, the methods the README names) are the code's.
+//! values on docs/operations.md, the methods, tests and variables the docs name) are the
+//! code's; every `opmon` command the docs print is one the CLI takes.
 //! (client/REFERENCE.md's tables are checked by `reference.rs`.)
 
 use std::collections::BTreeSet;
@@ -349,5 +350,255 @@ fn the_methods_the_docs_name_exist() {
         unknown.is_empty(),
         "the docs name methods the agent does not have:\n{}",
         unknown.join("\n")
+    );
+}
+
+/// The repository's files whose name ends with one of `extensions`, outside build
+/// output and VCS data.
+fn source_files(extensions: &[&str]) -> Vec<PathBuf> {
+    fn walk(dir: &Path, extensions: &[&str], out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.starts_with('.') || name == "target" || name == "node_modules" {
+                continue;
+            }
+            if path.is_dir() {
+                walk(&path, extensions, out);
+            } else if extensions.iter().any(|e| name.ends_with(e)) {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo(), extensions, &mut out);
+    out
+}
+
+#[test]
+fn the_tests_the_docs_name_exist() {
+    // `access::a_refused_peer_gets_403…`: a test target under tests/tests and a function.
+    let targets = repo().join("tests/tests");
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for file in markdown_files() {
+        let text = read(&file);
+        for (i, span) in text.split('`').enumerate() {
+            let Some((target, test)) = span.split_once("::") else {
+                continue;
+            };
+            let source = targets.join(format!("{target}.rs"));
+            let is_test = test
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            if i % 2 == 0 || !source.exists() || !is_test {
+                continue;
+            }
+            named += 1;
+            if !read(&source).contains(&format!("fn {test}(")) {
+                missing.push(format!("{}: {span}", file.display()));
+            }
+        }
+    }
+    assert!(
+        named >= 15,
+        "only {named} tests named: the parser lost them"
+    );
+    assert!(
+        missing.is_empty(),
+        "the docs name tests that do not exist:\n{}",
+        missing.join("\n")
+    );
+}
+
+#[test]
+fn the_variables_the_docs_name_are_read_by_a_program() {
+    // Every `OPMON_*` the code reads: the settings' (made from their keys), and those
+    // the sources spell out.
+    let word = |text: &str, at: usize| -> String {
+        text[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+            .collect()
+    };
+    let mut known: BTreeSet<String> = config::setting_variables().into_iter().collect();
+    for file in source_files(&[".rs", ".go", ".sh", ".py", "run"]) {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        known.extend(text.match_indices("OPMON_").map(|(i, _)| word(&text, i)));
+    }
+    let mut unread = Vec::new();
+    for file in markdown_files() {
+        let text = read(&file);
+        for (i, _) in text.match_indices("OPMON_") {
+            let name = word(&text, i);
+            // `OPMON_*`, `OPMON_<KEY>`: the family, not a variable.
+            if name.len() > "OPMON_".len() && !known.contains(&name) {
+                unread.push(format!("{}: {name}", file.display()));
+            }
+        }
+    }
+    assert!(
+        unread.is_empty(),
+        "the docs name variables no program reads:\n{}",
+        unread.join("\n")
+    );
+}
+
+/// The `opmon …` commands of `text`: lines of its code blocks that start with `opmon `
+/// (or `$ opmon `), joined across `\` continuations, and prose code spans that are a
+/// command rather than a synopsis (no `<…>`, `[…]`, `a|b` or `…` for words). Each with
+/// whether it is a line to run: in prose, `opmon backup wait` may name a command
+/// without its arguments.
+fn opmon_commands(text: &str) -> Vec<(String, bool)> {
+    let mut commands = Vec::new();
+    let mut fenced = false;
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            let line = line.trim_start();
+            let line = line.strip_prefix("$ ").unwrap_or(line);
+            if line.starts_with("opmon ") {
+                let mut command = line.to_string();
+                while command.ends_with('\\') {
+                    command.pop();
+                    command.push_str(lines.next().unwrap_or(""));
+                }
+                commands.push((command, true));
+            }
+            continue;
+        }
+        for (i, span) in line.split('`').enumerate() {
+            let synopsis = span.contains(['<', '[', '|']) || span.split(' ').any(|w| w == "…");
+            if i % 2 == 1 && span.starts_with("opmon ") && !synopsis {
+                commands.push((span.to_string(), false));
+            }
+        }
+    }
+    commands
+}
+
+#[test]
+fn every_opmon_command_the_docs_print_is_one_the_cli_takes() {
+    let opmon = opmon_tests::workspace_binary("opmon");
+    let mut checked = 0;
+    let mut refused = Vec::new();
+    for file in markdown_files() {
+        for (command, is_line) in opmon_commands(&read(&file)) {
+            let words = shlex::split(&command)
+                .unwrap_or_else(|| panic!("{}: {command}: unbalanced quotes", file.display()));
+            // Up to the first pipe or list operator; shell expansions stay literal.
+            let words: Vec<&String> = words
+                .iter()
+                .skip(1)
+                .take_while(|w| !["|", "||", "&&", ";", ">", "2>&1"].contains(&w.as_str()))
+                .collect();
+            let out = std::process::Command::new(&opmon)
+                .args(&words)
+                .env("OPMON_SOCKET", "/nonexistent/opmon.sock")
+                .env_remove("OPMON_AGENT_UID")
+                .env_remove("COMPLETE")
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("running opmon");
+            checked += 1;
+            // clap's own refusals start with `error:`; anything past parsing (here, the
+            // missing agent) is the command's.
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let named = !is_line && stderr.contains("required arguments were not provided");
+            if stderr.starts_with("error:") && !named {
+                refused.push(format!("{}: {command}\n{stderr}", file.display()));
+            }
+        }
+    }
+    assert!(
+        checked >= 20,
+        "only {checked} commands found: the parser lost them"
+    );
+    assert!(
+        refused.is_empty(),
+        "the docs print commands the CLI refuses:\n{}",
+        refused.join("\n")
+    );
+}
+
+#[test]
+fn a_command_the_cli_refuses_is_found() {
+    let text = "```sh\n$ opmon backup strat b \\\n  --uid u\n```\nRun `opmon backup get NAME` \
+                or `opmon backup|restore start NAME`.\n";
+    assert_eq!(
+        opmon_commands(text),
+        [
+            ("opmon backup strat b   --uid u".to_string(), true),
+            ("opmon backup get NAME".to_string(), false)
+        ]
+    );
+    let out = std::process::Command::new(opmon_tests::workspace_binary("opmon"))
+        .args(["backup", "strat", "b", "--uid", "u"])
+        .output()
+        .expect("running opmon");
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("error:"));
+}
+
+#[test]
+fn the_retry_table_of_the_client_page_is_the_methods_declarations() {
+    use opmon_client::methods::{self, Retry};
+    let text = read(&repo().join("docs/client.md"));
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| `agent.status`"))
+        .expect("the retry table's row");
+    let cells: Vec<&str> = row.trim_matches('|').split(" | ").collect();
+    assert_eq!(cells.len(), 2, "{row}");
+    // The full name of a method the table names by verb (`get`) or in full.
+    let full = |name: &str| {
+        methods::ALL
+            .iter()
+            .flat_map(|d| d.names().iter().copied())
+            .find(|n| *n == name || n.strip_prefix("backup.") == Some(name))
+            .unwrap_or_else(|| panic!("docs/client.md names {name}, which no method is"))
+    };
+    let mut named = BTreeSet::new();
+    for (cell, retry) in cells.iter().zip([Retry::Always, Retry::IfNotSent]) {
+        // The methods, without the reasons in parentheses.
+        let mut depth = 0;
+        let cell: String = cell
+            .chars()
+            .filter(|c| {
+                depth += match c {
+                    '(' => 1,
+                    ')' => -1,
+                    _ => 0,
+                };
+                depth == 0 && *c != ')'
+            })
+            .collect();
+        for (i, span) in cell.split('`').enumerate() {
+            let name = span.trim();
+            if i % 2 == 1 && !name.is_empty() && !name.contains(' ') {
+                let method = full(name);
+                assert_eq!(
+                    methods::retry_of(method),
+                    retry,
+                    "{method} in docs/client.md"
+                );
+                named.insert(method);
+            }
+        }
+    }
+    let unnamed: Vec<&str> = methods::ALL
+        .iter()
+        .flat_map(|d| d.names().iter().copied())
+        .filter(|n| !n.starts_with("restore.") && !named.contains(n))
+        .collect();
+    assert!(
+        unnamed.is_empty(),
+        "docs/client.md's retry table lacks {unnamed:?}"
     );
 }

@@ -47,7 +47,7 @@ fn summary(events: &[Event]) -> Vec<(String, Option<String>, Option<Caller>, Str
         .iter()
         .map(|e| {
             (
-                e.reason.clone(),
+                e.reason.to_string(),
                 e.operation.as_ref().map(|o| o.operation_id.clone()),
                 e.caller,
                 e.message.clone(),
@@ -273,7 +273,9 @@ async fn an_owner_keeps_its_latest_1000_events() {
     assert_eq!(events.len(), 1000);
     // The first 6 (Started and 5 additions) went; numbering goes on.
     assert_eq!((events[0].seq, events[999].seq), (7, 1006));
-    assert!(events.iter().all(|e| e.reason == "OperationsAdded"));
+    assert!(events
+        .iter()
+        .all(|e| e.reason.as_str() == "OperationsAdded"));
     assert_eq!(
         events[999].message,
         "1 operation added (0 already known); 1005 in all"
@@ -632,7 +634,7 @@ async fn failures_and_timeouts_are_events_with_their_reasons() {
     let events = all_events(&f.client, "late", 100).await;
     let deadline: Vec<_> = events
         .iter()
-        .filter(|e| e.reason == "DeadlineExceeded" || e.reason == "CancelSent")
+        .filter(|e| e.reason.as_str() == "DeadlineExceeded" || e.reason.as_str() == "CancelSent")
         .map(|e| {
             (
                 e.caller,

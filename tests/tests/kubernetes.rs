@@ -18,9 +18,12 @@
 //! tests' stand-in for a Velero Deployment (`tests/kubernetes/velero.yaml`). What runs:
 //! the agent (the image's entrypoint, `container/Dockerfile`), the DaemonSet's busybox
 //! init step (its `sh -c` with the host's shell), a snapshotter container the test adds
-//! as a user would (the tests' SDK snapshotter, registered in `agent.toml`), and the
-//! backup server's container (the `opmon` CLI and tar, in place of Velero, which does
-//! not call opmon by itself). Velero's plugin init container is not run.
+//! as a user would (the tests' SDK snapshotter, registered in `agent.toml`), opmon's
+//! Velero plugin installer, and the backup server's container (the `opmon` CLI and tar
+//! in place of Velero). The plugins' own init containers (their images) are not run:
+//! the copy they make is made by the test, the Go test plugin playing the asynchronous
+//! plugin, and the agent's table for it, documented commented out in `agent.toml`, is
+//! uncommented as a user would: the agent starts only if it can run its copy.
 //!
 //! Needs root, `unshare`, `nsenter`, `setpriv` (util-linux), python3 with PyYAML and
 //! kubectl (Debian package kubernetes-client).
@@ -32,7 +35,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use opmon_tests::deploy::{self, Image};
-use opmon_tests::workspace_binary;
+use opmon_tests::{velero, workspace_binary};
 use serde_json::Value;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -558,12 +561,98 @@ fn add_snapshotter(docs: &mut [Value]) {
         }));
 }
 
+/// The plugin the Go test plugin serves that the documented table is given.
+const VELERO_PLUGIN_NAME: &str = "example.io/backup-a";
+
+/// The `[[snapshotter]]` table for the Velero plugin opmon's plugin stands in for, which
+/// the example documents commented out in `agent.toml`, taken in as a user does:
+/// uncommented, named for a plugin the Go test plugin serves. Its `velero_plugin` path.
+fn enable_velero_plugin_table(docs: &mut [Value]) -> String {
+    let config = docs
+        .iter_mut()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "opmon-config")
+        .expect("the opmon-config ConfigMap");
+    let text = config["data"]["agent.toml"]
+        .as_str()
+        .expect("agent.toml")
+        .to_string();
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with("# velero_plugin = \""))
+        .expect("agent.toml documents a velero_plugin table");
+    assert!(
+        at >= 2 && lines[at - 2] == "# [[snapshotter]]" && lines[at - 1].starts_with("# name = "),
+        "the documented table: {:?}",
+        &lines[at.saturating_sub(2)..=at]
+    );
+    let path = lines[at]
+        .trim_start_matches("# velero_plugin = \"")
+        .trim_end_matches('"')
+        .to_string();
+    lines[at - 2] = "[[snapshotter]]".into();
+    lines[at - 1] = format!("name = \"{VELERO_PLUGIN_NAME}\"");
+    lines[at] = format!("velero_plugin = \"{path}\"");
+    config["data"]["agent.toml"] = Value::String(lines.join("\n") + "\n");
+    if let Some(tables) = config["_toml"]["agent.toml"]["snapshotter"].as_array_mut() {
+        tables.push(serde_json::json!({"name": VELERO_PLUGIN_NAME, "velero_plugin": path}));
+    }
+    path
+}
+
+/// The file name the original Velero plugin has in the `plugins` volumes: the one opmon's
+/// plugin installer stands in for in Velero's pod.
+fn velero_plugin_file(docs: &[Value]) -> String {
+    let installer = deploy::pod_templates(docs)
+        .into_iter()
+        .flat_map(|(_, spec)| {
+            spec["initContainers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .find(is_plugin_installer)
+        .expect("opmon's plugin installer in Velero's pod");
+    let target = installer["command"]
+        .as_array()
+        .and_then(|c| c.last())
+        .and_then(Value::as_str)
+        .expect("the installer's target");
+    Path::new(target)
+        .file_name()
+        .and_then(|f| f.to_str())
+        .expect("a file name")
+        .to_string()
+}
+
+/// An init container that copies a Velero plugin into the pod's `plugins` volume (at
+/// /target), as `velero plugin add` makes one: the plugin's image, run by the kubelet.
+fn is_plugin_copier(container: &Value) -> bool {
+    container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|m| m["name"] == "plugins" && m["mountPath"] == "/target")
+        && !is_plugin_installer(container)
+}
+
 /// Runs the example's pods (rendered by `kubectl kustomize`, a snapshotter added) on
 /// one node and a backup through them.
 fn deploy_and_back_up(example: &str) {
     let file = example;
     let mut docs = deploy::rendered(example);
     add_snapshotter(&mut docs);
+    // The agent runs its own copy of the plugin opmon's plugin stands in for, from the
+    // path the example documents (the Go test plugin plays it): it starts only if the
+    // plugin is there and serves the name.
+    let plugin_path = enable_velero_plugin_table(&mut docs);
+    let plugin_file = velero_plugin_file(&docs);
+    assert_eq!(
+        Path::new(&plugin_path).file_name().and_then(|f| f.to_str()),
+        Some(plugin_file.as_str()),
+        "the agent's table names the plugin the installer stands in for"
+    );
+    let original = velero::go_programs().plugin.clone();
     let image = deploy::image();
     let templates = deploy::pod_templates(&docs);
     let mut node = Node::new();
@@ -640,6 +729,13 @@ fn deploy_and_back_up(example: &str) {
                 // which that plugin's own init container (the user's image, not run
                 // here) copied into the volume first: a test binary plays it.
                 assert!(is_init && !sidecar, "{name}: an installer runs to its end");
+                // After every plugin's own init container: the original must be there.
+                let at = init.iter().position(|c| c["name"] == name).expect("itself");
+                let last_copier = init.iter().rposition(|c| is_plugin_copier(c));
+                assert!(
+                    last_copier.is_some_and(|c| c < at),
+                    "{name}: the installer runs before a plugin's init container"
+                );
                 let argv = argv_of(container, Some(&image));
                 let target = Path::new(argv.last().expect("the plugin's path"));
                 let file = target.file_name().expect("a file name");
@@ -649,7 +745,6 @@ fn deploy_and_back_up(example: &str) {
                     .to_str()
                     .expect("utf-8");
                 let volume = pod.host_dir(container, dir);
-                let original = opmon_tests::test_snapshotter_binary();
                 std::fs::copy(&original, volume.join(file)).expect("the original plugin");
                 let mut spec = Spec::of(pod, container, Some(&image));
                 let standin = workspace_binary("opmon-velero-plugin");
@@ -669,6 +764,17 @@ fn deploy_and_back_up(example: &str) {
                     read(&volume.join("opmon").join(file)) == read(&original),
                     "{name}: the original is not in opmon/"
                 );
+            } else if is_init
+                && is_plugin_copier(container)
+                && !init.iter().any(|c| is_plugin_installer(c))
+            {
+                // The agent's own copy of the original, in a pod of its own (the
+                // DaemonSet): the plugin's image copies it as in Velero's pod; the Go
+                // test plugin plays it. (Where opmon's installer follows, it copies the
+                // original itself, above.)
+                let volume = pod.host_dir(container, "/target");
+                std::fs::copy(&original, volume.join(&plugin_file))
+                    .expect("the agent's copy of the plugin");
             } else if container["image"]
                 .as_str()
                 .is_some_and(|i| i.starts_with("busybox:"))

@@ -315,6 +315,90 @@ fn promtool_checks_the_alert_rules_and_their_unit_tests() {
     }
 }
 
+/// The Kubernetes scrape configuration (docs/monitoring/prometheus-kubernetes.yml) as
+/// Prometheus reads it. Debian's Prometheus has no Kubernetes discovery, so its
+/// `kubernetes_sd_configs` are replaced by static targets carrying the labels a pod's
+/// container ports get from it: promtool checks the rest of the file, and a real
+/// Prometheus applies its relabelling, which must keep the port named `metrics` of the
+/// container named `opmon` (named by its node) and drop Velero's own `metrics` port.
+#[test]
+fn the_kubernetes_scrape_config_keeps_the_agents_metrics_port_only() {
+    let (Some(prometheus), Some(promtool)) = (tool("prometheus"), tool("promtool")) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(monitoring_file("prometheus-kubernetes.yml")).unwrap();
+    let discovery = "    kubernetes_sd_configs:\n      - role: pod\n";
+    assert_eq!(text.matches(discovery).count(), 1, "{text}");
+    let (agent, other, velero) = (free_port(), free_port(), free_port());
+    let target = |port: u16, container: &str, port_name: &str| {
+        format!(
+            "      - targets: ['127.0.0.1:{port}']\n        labels: {{\
+             __meta_kubernetes_pod_container_name: {container}, \
+             __meta_kubernetes_pod_container_port_name: {port_name}, \
+             __meta_kubernetes_pod_node_name: node-a}}\n"
+        )
+    };
+    let targets = [
+        target(agent, "opmon", "metrics"),
+        target(other, "opmon", "http"),
+        target(velero, "velero", "metrics"),
+    ];
+    let config = dir.path().join("prometheus.yml");
+    let replaced = format!("    static_configs:\n{}", targets.concat());
+    std::fs::write(&config, text.replace(discovery, &replaced)).unwrap();
+    std::fs::copy(
+        monitoring_file("opmon-alerts.yml"),
+        dir.path().join("opmon-alerts.yml"),
+    )
+    .unwrap();
+    let out = Command::new(&promtool)
+        .args(["check", "config", "prometheus.yml"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check config: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let web = free_port();
+    let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+    let mut server = Command::new(prometheus)
+        .arg("--config.file=prometheus.yml")
+        .arg("--storage.tsdb.path=tsdb")
+        .arg(format!("--web.listen-address=127.0.0.1:{web}"))
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("starting prometheus");
+    // Until discovery has handed the three targets to the scrape pool.
+    let targets = opmon_tests::try_eventually(LONG, || {
+        let (_, body) = get(web, "/api/v1/targets?state=any", None)?;
+        let value: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let data = value.get("data")?.clone();
+        let seen =
+            data["activeTargets"].as_array()?.len() + data["droppedTargets"].as_array()?.len();
+        (seen == 3).then_some(data)
+    });
+    let _ = server.kill();
+    let _ = server.wait();
+    let log = std::fs::read_to_string(dir.path().join("prometheus.log")).unwrap_or_default();
+    let targets = targets.unwrap_or_else(|| panic!("the targets were not discovered:\n{log}"));
+    let active = targets["activeTargets"].as_array().unwrap();
+    assert_eq!(active.len(), 1, "{targets:#}");
+    assert_eq!(
+        active[0]["scrapeUrl"],
+        format!("http://127.0.0.1:{agent}/metrics"),
+        "{targets:#}"
+    );
+    assert_eq!(active[0]["labels"]["instance"], "node-a", "{targets:#}");
+}
+
 /// Issue 33: 1,100 connections that never send a byte took every descriptor the agent
 /// had (1,024). Now it holds a bounded few, closes those that stay silent, and keeps answering
 /// on its socket and to a scraper once the flood has gone.

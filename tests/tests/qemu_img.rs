@@ -421,7 +421,7 @@ async fn a_rate_limited_copy_reports_growing_progress_and_yields_an_identical_im
 
     let op = &backups.operations("nightly").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Completed);
-    assert_eq!(op.error, "");
+    assert_eq!(op.error, None);
     assert_eq!((op.n_completed, op.n_total), (64 << 20, 64 << 20));
     // The agent keeps times to the millisecond.
     let millis = |t: time::OffsetDateTime| t.unix_timestamp_nanos() / 1_000_000;
@@ -501,7 +501,10 @@ async fn cancelling_the_backup_mid_copy_stops_qemu_img_and_fails_the_backup_with
         .unwrap();
     assert_eq!((result.canceled, result.unconfirmed), (1, 0));
     assert_eq!(result.owner.phase, OwnerPhase::Failed);
-    assert_eq!(result.owner.failure_reason, "canceled: the VM was deleted");
+    assert_eq!(
+        result.owner.failure_reason.as_deref(),
+        Some("canceled: the VM was deleted")
+    );
 
     // The answer comes once the snapshotter confirmed: the copy process is gone, its
     // partial file too.
@@ -513,7 +516,7 @@ async fn cancelling_the_backup_mid_copy_stops_qemu_img_and_fails_the_backup_with
     assert_eq!(s.progress(&id).err, "cancelled");
     let op = &backups.operations("vm-1").await.unwrap()[0];
     assert_eq!(op.phase, OperationPhase::Canceled);
-    assert_eq!(op.error, "canceled: the VM was deleted");
+    assert_eq!(op.error.as_deref(), Some("canceled: the VM was deleted"));
     assert!(!op.cancel_requested);
     assert!(op.n_completed > 0 && op.n_completed < op.n_total, "{op:?}");
 }

@@ -216,7 +216,7 @@ async fn created_is_when_the_plugin_returned_and_the_timeout_counts_from_it() {
     );
     let ops = backups.operations("late").await.unwrap();
     assert_eq!(
-        (ops[0].phase, ops[0].error.as_str()),
+        (ops[0].phase, ops[0].error.as_deref().unwrap_or("")),
         (OperationPhase::Failed, "Asynchronous action timed out")
     );
     assert_eq!(ops[1].phase, OperationPhase::InProgress);

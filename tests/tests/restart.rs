@@ -68,11 +68,11 @@ async fn an_agent_restart_keeps_in_progress_owners_in_progress_and_cancels_nothi
     let backups = client.backups();
     let owner = backups.get("running").await.unwrap();
     assert_eq!(owner.phase, OwnerPhase::InProgress);
-    assert_eq!(owner.failure_reason, "");
+    assert_eq!(owner.failure_reason, None);
     assert_eq!(owner.completed, None);
     let ops = backups.operations("running").await.unwrap();
     assert_eq!(
-        (ops[0].phase, ops[0].error.as_str()),
+        (ops[0].phase, ops[0].error.as_deref().unwrap_or("")),
         (OperationPhase::New, "")
     );
     assert_eq!(
@@ -195,18 +195,18 @@ async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_wor
     let a1 = backups.get("a1").await.unwrap();
     assert_eq!(a1.phase, OwnerPhase::Failed);
     assert_eq!(
-        a1.failure_reason,
-        "found a backup with status \"InProgress\" during the server starting, mark it as \"Failed\""
+        a1.failure_reason.as_deref(),
+        Some("found a backup with status \"InProgress\" during the server starting, mark it as \"Failed\"")
     );
     assert!(a1.completed.is_some());
     let a2 = client.restores().get("a2").await.unwrap();
     assert_eq!(
-        a2.failure_reason,
-        "found a restore with status \"InProgress\" during the server starting, mark it as \"Failed\""
+        a2.failure_reason.as_deref(),
+        Some("found a restore with status \"InProgress\" during the server starting, mark it as \"Failed\"")
     );
     let ops = backups.operations("a1").await.unwrap();
     assert_eq!(
-        (ops[0].phase, ops[0].error.as_str()),
+        (ops[0].phase, ops[0].error.as_deref().unwrap_or("")),
         (OperationPhase::Failed, "canceled: the backup failed")
     );
     let late = backups
@@ -224,7 +224,7 @@ async fn a_restarted_server_fails_only_its_own_in_progress_owners_in_veleros_wor
     ] {
         let owner = backups.get(name).await.unwrap();
         assert_eq!(
-            (owner.phase, owner.failure_reason.as_str()),
+            (owner.phase, owner.failure_reason.as_deref().unwrap_or("")),
             (phase, ""),
             "{name}"
         );
@@ -312,7 +312,7 @@ async fn an_owner_no_call_touches_for_the_idle_timeout_fails_saying_since_when()
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(owner.phase, OwnerPhase::Failed);
-    let reason = owner.failure_reason;
+    let reason = owner.failure_reason.unwrap_or_default();
     let since = reason
         .strip_prefix("no call from the backup server since ")
         .and_then(|r| {

@@ -4,14 +4,11 @@
 //! (the seven-field handshake, the stdio stream it holds its output for), run under the
 //! real agent, named by `[[snapshotter]]` tables.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use opmon_tests::{agent_command, eventually, Agent, RawHttp};
+use opmon_tests::{agent_command, eventually, velero, Agent, RawHttp};
 use serde_json::{json, Value};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -19,82 +16,9 @@ const BACKUP_A: &str = "example.io/backup-a";
 const BACKUP_B: &str = "example.io/backup-b";
 const RESTORE_A: &str = "example.io/restore-a";
 
-fn source_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("go/velero-plugin")
-}
-
-/// Runs `command`, failing the test with its stderr; a missing tool says what to install.
-fn run(command: &mut Command, what: &str) {
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e}; .ci/run installs what it needs"));
-    assert!(
-        out.status.success(),
-        "{what}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The Go test plugin, built once (offline, GOPATH mode against Debian's Go packages) and
-/// cached by its sources' hash.
+/// The Go test plugin (tests/go/velero-plugin), built once.
 fn go_plugin() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let src = source_dir();
-            let files = ["main.go", "proto/generated.proto", "proto/v2.proto"];
-            let mut hasher = DefaultHasher::new();
-            for f in files {
-                std::fs::read(src.join(f)).unwrap().hash(&mut hasher);
-            }
-            let cache = if nix::unistd::geteuid().is_root() {
-                PathBuf::from("/var/cache/opmon-ci")
-            } else {
-                std::env::temp_dir().join("opmon-ci")
-            };
-            std::fs::create_dir_all(&cache).unwrap();
-            let binary = cache.join(format!("velero-plugin-{:016x}", hasher.finish()));
-            if binary.exists() {
-                return binary;
-            }
-            let work = tempfile::tempdir_in(&cache).unwrap();
-            let gopath = work.path();
-            let package = gopath.join("src/opmontest/plugin");
-            std::fs::create_dir_all(&package).unwrap();
-            std::fs::copy(src.join("main.go"), package.join("main.go")).unwrap();
-            for proto in ["generated.proto", "v2.proto"] {
-                run(
-                    Command::new("protoc")
-                        .arg("-I")
-                        .arg(src.join("proto"))
-                        .arg(format!(
-                            "--go_out=plugins=grpc,paths=import:{}",
-                            gopath.join("src").display()
-                        ))
-                        .arg(src.join("proto").join(proto)),
-                    "protoc (apt-get install protobuf-compiler protoc-gen-go-1-3)",
-                );
-            }
-            let built = gopath.join("velero-plugin");
-            run(
-                Command::new("go")
-                    .args(["build", "-o"])
-                    .arg(&built)
-                    .arg(".")
-                    .current_dir(&package)
-                    .env("GO111MODULE", "off")
-                    .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
-                    .env("GOFLAGS", "")
-                    .env("GOPROXY", "off")
-                    .env("GOTOOLCHAIN", "local")
-                    .env("GOCACHE", gopath.join("cache")),
-                "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
-                 golang-google-grpc-dev golang-goprotobuf-dev)",
-            );
-            std::fs::rename(&built, &binary).unwrap();
-            binary
-        })
-        .clone()
+    velero::go_programs().plugin.clone()
 }
 
 /// `opmon-velero-plugin-17`, built by cargo beside the test executables.
@@ -108,16 +32,14 @@ fn request(method: &str, params: Value) -> String {
 
 /// A test's directory, the plugin's state directory and the config file's tables.
 struct Setup {
-    dir: tempfile::TempDir,
+    dir: velero::PluginDir,
 }
 
 impl Setup {
     fn new() -> Setup {
-        let setup = Setup {
-            dir: tempfile::tempdir().unwrap(),
-        };
-        std::fs::create_dir_all(setup.state()).unwrap();
-        setup
+        Setup {
+            dir: velero::PluginDir::new(),
+        }
     }
 
     fn path(&self) -> &Path {
@@ -125,7 +47,7 @@ impl Setup {
     }
 
     fn state(&self) -> PathBuf {
-        self.path().join("plugin-state")
+        self.dir.state()
     }
 
     /// A `[[snapshotter]]` table naming `binary` for `name`, `extra` lines added.
@@ -152,11 +74,7 @@ impl Setup {
     }
 
     fn journal(&self) -> Vec<String> {
-        std::fs::read_to_string(self.state().join("journal"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
+        self.dir.journal()
     }
 
     /// The pids of the plugin processes started, in order.
@@ -370,7 +288,8 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
         stderr.contains("does not serve example.io/nope")
             && stderr.contains(
                 "it serves: BackupItemActionV2 example.io/backup-a, BackupItemActionV2 \
-                 example.io/backup-b, RestoreItemActionV2 example.io/restore-a"
+                 example.io/backup-b, RestoreItemActionV2 example.io/restore-a, \
+                 DeleteItemAction example.io/delete-a, ObjectStore example.io/store"
             ),
         "{stderr}"
     );

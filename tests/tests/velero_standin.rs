@@ -6,13 +6,11 @@
 //! item operation timeout. The original plugin is the Go test plugin of
 //! tests/go/velero-plugin; the real agent polls its own copy of it.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::io::{BufRead, BufReader, Lines};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::OnceLock;
 
+use opmon_tests::velero::{go_programs, PluginDir};
 use opmon_tests::{eventually, without_opmon_env, workspace_binary, Agent, RawHttp};
 use serde_json::{json, Value};
 
@@ -20,119 +18,20 @@ const BACKUP_A: &str = "example.io/backup-a";
 const RESTORE_A: &str = "example.io/restore-a";
 const LONG: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Runs `command`, failing the test with its stderr; a missing tool says what to install.
-fn run(command: &mut Command, what: &str) {
-    let out = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e}; .ci/run installs what it needs"));
-    assert!(
-        out.status.success(),
-        "{what}: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-}
-
-/// The Go programs: the original plugin and Velero's stand-in host.
-struct GoBinaries {
-    plugin: PathBuf,
-    host: PathBuf,
-}
-
-/// Both Go programs, built once (offline, GOPATH mode against Debian's Go packages) and
-/// cached by their sources' hash.
-fn go_binaries() -> &'static GoBinaries {
-    static BUILT: OnceLock<GoBinaries> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
-        let sources = [
-            "velero-plugin/main.go",
-            "velero-plugin/proto/generated.proto",
-            "velero-plugin/proto/v2.proto",
-            "velero-host/main.go",
-        ];
-        let mut hasher = DefaultHasher::new();
-        for f in sources {
-            std::fs::read(go.join(f)).unwrap().hash(&mut hasher);
-        }
-        let cache = if nix::unistd::geteuid().is_root() {
-            PathBuf::from("/var/cache/opmon-ci")
-        } else {
-            std::env::temp_dir().join("opmon-ci")
-        };
-        std::fs::create_dir_all(&cache).unwrap();
-        let done = cache.join(format!("velero-standin-{:016x}", hasher.finish()));
-        let binaries = GoBinaries {
-            plugin: done.join("velero-plugin"),
-            host: done.join("velero-host"),
-        };
-        if done.exists() {
-            return binaries;
-        }
-        let work = tempfile::tempdir_in(&cache).unwrap();
-        let gopath = work.path();
-        let proto = go.join("velero-plugin/proto");
-        std::fs::create_dir_all(gopath.join("src")).unwrap();
-        for file in ["generated.proto", "v2.proto"] {
-            run(
-                Command::new("protoc")
-                    .arg("-I")
-                    .arg(&proto)
-                    .arg(format!(
-                        "--go_out=plugins=grpc,paths=import:{}",
-                        gopath.join("src").display()
-                    ))
-                    .arg(proto.join(file)),
-                "protoc (apt-get install protobuf-compiler golang-goprotobuf-dev)",
-            );
-        }
-        let out = gopath.join("out");
-        std::fs::create_dir_all(&out).unwrap();
-        for (dir, binary) in [
-            ("velero-plugin", "velero-plugin"),
-            ("velero-host", "velero-host"),
-        ] {
-            let package = gopath.join("src/opmontest").join(dir);
-            std::fs::create_dir_all(&package).unwrap();
-            std::fs::copy(go.join(dir).join("main.go"), package.join("main.go")).unwrap();
-            run(
-                Command::new("go")
-                    .args(["build", "-o"])
-                    .arg(out.join(binary))
-                    .arg(".")
-                    .current_dir(&package)
-                    .env("GO111MODULE", "off")
-                    .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
-                    .env("GOFLAGS", "")
-                    .env("GOPROXY", "off")
-                    .env("GOCACHE", gopath.join("cache")),
-                "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
-                 golang-google-grpc-dev golang-goprotobuf-dev)",
-            );
-        }
-        // Another test binary may have built it meanwhile: either copy will do.
-        if std::fs::rename(&out, &done).is_err() {
-            assert!(done.exists(), "caching {}", done.display());
-        }
-        binaries
-    })
-}
-
 /// The agent with a `[[snapshotter]]` table for each plugin of the original, the
 /// original's state directory, and the stand-in as Velero finds it.
 struct World {
     // Dropped before its directory: the agent's log is checked when it goes.
     agent: Agent,
-    dir: tempfile::TempDir,
+    dir: PluginDir,
 }
 
 impl World {
     /// `extra`: lines for each table (deadlines, retries).
     fn new(extra: &str) -> World {
-        let go = go_binaries();
-        let dir = tempfile::tempdir().unwrap();
-        let state = dir.path().join("plugin-state");
-        std::fs::create_dir_all(&state).unwrap();
+        let go = go_programs();
+        let dir = PluginDir::new();
+        let state = dir.state();
         let tables: Vec<String> = [BACKUP_A, RESTORE_A]
             .iter()
             .map(|name| {
@@ -151,7 +50,7 @@ impl World {
     }
 
     fn state(&self) -> PathBuf {
-        self.dir.path().join("plugin-state")
+        self.dir.state()
     }
 
     fn tmp(&self) -> PathBuf {
@@ -169,17 +68,13 @@ impl World {
     }
 
     fn journal(&self) -> Vec<String> {
-        std::fs::read_to_string(self.state().join("journal"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
+        self.dir.journal()
     }
 
     /// The Go host, as Velero runs its plugins: the stand-in is the plugin binary it
     /// finds, the environment is what Velero's Deployment gives it.
     fn host(&self, args: &[&str]) -> Command {
-        let go = go_binaries();
+        let go = go_programs();
         let mut command = Command::new(&go.host);
         without_opmon_env(&mut command);
         command
@@ -215,6 +110,19 @@ impl World {
         events
     }
 
+    /// Velero backs up with `BACKUP_A`: Backup `owner` (uid `uid-<owner>`), one item
+    /// (the test plugin's operation ID), `extra` flags; its events.
+    fn back_up(&self, owner: &str, item: &str, extra: &[&str]) -> Vec<Value> {
+        let args = backup_args(owner, item, extra);
+        self.velero(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    /// [`World::back_up`], its events as they come.
+    fn back_up_spawn(&self, owner: &str, item: &str, extra: &[&str]) -> Running {
+        let args = backup_args(owner, item, extra);
+        self.velero_spawn(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
     /// Starts the host; its events as they come.
     fn velero_spawn(&self, args: &[&str]) -> Running {
         let mut child = self
@@ -243,6 +151,14 @@ impl World {
             .get("result")
             .cloned()
             .unwrap_or_else(|| panic!("{method}: {answer}"))
+    }
+
+    /// `kind` owner `name` once it is in `phase`.
+    fn owner_in(&self, kind: &str, name: &str, phase: &str) -> Value {
+        eventually(format!("{kind} {name} is {phase}"), LONG, || {
+            let owner = self.call(&format!("{kind}.get"), json!({"name": name}));
+            (owner["phase"] == phase).then_some(owner)
+        })
     }
 
     fn operation(&self, kind: &str, owner: &str, id: &str) -> Value {
@@ -290,6 +206,18 @@ impl Running {
     }
 }
 
+fn backup_args(owner: &str, item: &str, extra: &[&str]) -> Vec<String> {
+    let uid = format!("uid-{owner}");
+    let mut args: Vec<String> = [
+        "-name", BACKUP_A, "-owner", owner, "-uid", &uid, "-item", item,
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
 fn parse(text: &str) -> Vec<Value> {
     text.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("the host printed {l:?}: {e}")))
@@ -310,16 +238,7 @@ fn last(all: &[Value]) -> &Value {
 #[test]
 fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b1",
-        "-uid",
-        "uid-b1",
-        "-item",
-        "steps-3-a",
-    ]);
+    let all = world.back_up("b1", "steps-3-a", &[]);
 
     let listed: Vec<(&str, &str)> = events(&all, "listed")
         .iter()
@@ -378,10 +297,7 @@ fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
     // The agent has the Backup as Velero sent it, and the operation as it ended.
     // It left InProgress when Velero began asking Progress, and ended with its
     // operations, with no finalize (Velero writes its own files).
-    let owner = eventually("the backup completes", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b1"}));
-        (owner["phase"] == "Completed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b1", "Completed");
     assert_eq!(owner["uid"], "uid-b1");
     assert_eq!(owner["finalize"], false);
     assert_eq!(owner["itemOperationTimeout"], "1m0s", "{owner}");
@@ -422,10 +338,7 @@ fn a_restore_goes_through_restore_item_action_v2() {
     ]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     assert_eq!(events(&all, "executed")[0]["operationID"], "steps-2-r");
-    let owner = eventually("the restore completes", LONG, || {
-        let owner = world.call("restore.get", json!({"name": "r1"}));
-        (owner["phase"] == "Completed").then_some(owner)
-    });
+    let owner = world.owner_in("restore", "r1", "Completed");
     assert_eq!(owner["operationsCompleted"], 1);
 }
 
@@ -434,9 +347,7 @@ fn a_restore_goes_through_restore_item_action_v2() {
 #[test]
 fn an_execute_without_an_operation_registers_nothing() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b2", "-uid", "uid-b2", "-item", "sync-1",
-    ]);
+    let all = world.back_up("b2", "sync-1", &[]);
     assert_eq!(events(&all, "executed")[0]["operationID"], "");
     let mut http = RawHttp::connect(&world.agent.socket);
     let answer = http.call(
@@ -452,16 +363,7 @@ fn an_execute_without_an_operation_registers_nothing() {
 #[test]
 fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
     let world = World::new("retry_backoff = \"100ms\"");
-    let all = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b3",
-        "-uid",
-        "uid-b3",
-        "-item",
-        "flaky-2-f",
-    ]);
+    let all = world.back_up("b3", "flaky-2-f", &[]);
     assert!(events(&all, "failed").is_empty(), "{all:?}");
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
     assert_eq!(
@@ -481,9 +383,7 @@ fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
 #[test]
 fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
     let world = World::new("stall_timeout = \"1s\"");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b4", "-uid", "uid-b4", "-item", "stall-s",
-    ]);
+    let all = world.back_up("b4", "stall-s", &[]);
     let end = last(&all);
     assert_eq!(
         (&end["event"], &end["by"]),
@@ -502,10 +402,7 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
         journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-s".to_string()),
         "{journal:?}"
     );
-    let owner = eventually("the backup ends", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b4"}));
-        (owner["phase"] == "PartiallyFailed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b4", "PartiallyFailed");
     assert_eq!(owner["operationsFailed"], 1);
 }
 
@@ -514,9 +411,7 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
 #[test]
 fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
     let world = World::new("");
-    let mut velero = world.velero_spawn(&[
-        "-name", BACKUP_A, "-owner", "b5", "-uid", "uid-b5", "-item", "stall-k",
-    ]);
+    let mut velero = world.back_up_spawn("b5", "stall-k", &[]);
     velero.until("progress");
     let mut cli = Command::new(workspace_binary("opmon"));
     without_opmon_env(&mut cli);
@@ -556,9 +451,7 @@ fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
 #[test]
 fn velero_cancels_past_its_timeout_through_the_agent() {
     let world = World::new("");
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b6", "-uid", "uid-b6", "-item", "stall-t", "-timeout", "1s",
-    ]);
+    let all = world.back_up("b6", "stall-t", &["-timeout", "1s"]);
     let end = last(&all);
     assert_eq!(end["event"], "failed", "{all:?}");
     assert_eq!(end["error"], "Asynchronous action timed out");
@@ -585,16 +478,7 @@ fn velero_cancels_past_its_timeout_through_the_agent() {
 #[test]
 fn the_agent_restarted_mid_operation() {
     let mut world = World::new("");
-    let mut velero = world.velero_spawn(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b7",
-        "-uid",
-        "uid-b7",
-        "-item",
-        "steps-40-r",
-    ]);
+    let mut velero = world.back_up_spawn("b7", "steps-40-r", &[]);
     velero.until("progress");
     world.agent.kill9();
     world.agent.restart();
@@ -609,18 +493,7 @@ fn the_agent_restarted_mid_operation() {
 #[test]
 fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
     let world = World::new("");
-    let first = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b8",
-        "-uid",
-        "uid-b8",
-        "-item",
-        "steps-20-v",
-        "-polls",
-        "1",
-    ]);
+    let first = world.back_up("b8", "steps-20-v", &["-polls", "1"]);
     let stopped = last(&first);
     assert_eq!(stopped["event"], "stopped", "{first:?}");
     let created = stopped["created"].as_str().unwrap();
@@ -647,31 +520,16 @@ fn velero_restarted_asks_progress_of_operations_it_did_not_start() {
 #[test]
 fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
     let world = World::new("");
-    let first = world.velero(&[
-        "-name",
-        BACKUP_A,
-        "-owner",
-        "b10",
-        "-uid",
-        "uid-b10",
-        "-item",
-        "stall-i",
-        "-execute-only",
-    ]);
+    let first = world.back_up("b10", "stall-i", &["-execute-only"]);
     assert_eq!(last(&first)["event"], "stopped", "{first:?}");
     assert_eq!(
         world.call("backup.get", json!({"name": "b10"}))["phase"],
         "InProgress"
     );
     // The new Velero lists its plugins (it starts the stand-in) and backs up another.
-    let all = world.velero(&[
-        "-name", BACKUP_A, "-owner", "b11", "-uid", "uid-b11", "-item", "done-1",
-    ]);
+    let all = world.back_up("b11", "done-1", &[]);
     assert_eq!(last(&all)["event"], "completed", "{all:?}");
-    let owner = eventually("the old backup fails", LONG, || {
-        let owner = world.call("backup.get", json!({"name": "b10"}));
-        (owner["phase"] == "Failed").then_some(owner)
-    });
+    let owner = world.owner_in("backup", "b10", "Failed");
     assert!(
         owner["failureReason"]
             .as_str()
@@ -695,21 +553,17 @@ fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
 fn an_unreachable_agent_is_an_error_velero_shows() {
     let mut world = World::new("");
     world.agent.kill9();
-    let all = {
-        let mut host = world.host(&[
-            "-name",
-            BACKUP_A,
-            "-owner",
-            "b9",
-            "-uid",
-            "uid-b9",
-            "-item",
-            "steps-3-u",
-        ]);
-        host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
-        let out = host.output().expect("running the Go host");
+    // Velero, with a stand-in that waits for the agent 300ms; its events.
+    let velero = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = world
+            .host(&args)
+            .env("OPMON_VELERO_AGENT_TIMEOUT", "300ms")
+            .output()
+            .expect("running the Go host");
         parse(&String::from_utf8_lossy(&out.stdout))
     };
+    let all = velero(&backup_args("b9", "steps-3-u", &[]));
     // Execute could not register the operation: Velero records the item's error, and
     // the original's operation is cancelled rather than left unwatched.
     let end = last(&all);
@@ -725,7 +579,7 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         "{journal:?}"
     );
     // Velero restarted meanwhile: its Progress fails with the same words.
-    let mut host = world.host(&[
+    let args = [
         "-name",
         BACKUP_A,
         "-owner",
@@ -734,10 +588,8 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
         "uid-b9",
         "-resume",
         "steps-3-u",
-    ]);
-    host.env("OPMON_VELERO_AGENT_TIMEOUT", "300ms");
-    let out = host.output().expect("running the Go host");
-    let all = parse(&String::from_utf8_lossy(&out.stdout));
+    ];
+    let all = velero(&args.map(String::from));
     let end = last(&all);
     assert_eq!(
         (&end["event"], &end["by"]),
@@ -747,5 +599,190 @@ fn an_unreachable_agent_is_an_error_velero_shows() {
     assert!(
         end["error"].as_str().unwrap().contains("cannot be reached"),
         "{end}"
+    );
+    // Velero deletes the backup meanwhile: it logs the stand-in's error on each item
+    // and goes on, as with any plugin's error.
+    let args = [
+        "-owner",
+        "b9",
+        "-uid",
+        "uid-b9",
+        "-delete",
+        "persistentvolumeclaims/app/steps-3-u,persistentvolumeclaims/app/a,persistentvolumeclaims/app/b",
+    ];
+    let all = velero(&args.map(String::from));
+    let ours = deletes(&all, FORGET);
+    assert_eq!(ours.len(), 3, "{all:?}");
+    assert!(
+        ours.iter().all(|(_, e)| e.contains("cannot be reached")),
+        "{ours:?}"
+    );
+    // The items after the first do not each wait for the agent again.
+    assert!(
+        ours[1..]
+            .iter()
+            .all(|(_, e)| e.ends_with("(for an earlier item of this backup; not waiting again)")),
+        "{ours:?}"
+    );
+}
+
+/// The stand-in's own DeleteItemAction, as Velero lists it beside the original's.
+const FORGET: &str = "opmon.io/forget-opmon-velero-plugin";
+
+/// The `deleteExecuted` events of plugin `name`: (item, error).
+fn deletes(all: &[Value], name: &str) -> Vec<(String, String)> {
+    events(all, "deleteExecuted")
+        .iter()
+        .filter(|e| e["name"] == name)
+        .map(|e| {
+            (
+                e["item"].as_str().unwrap_or("").to_string(),
+                e["error"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The agent's answer to `backup.get`, error or result.
+fn backup_get(world: &World, name: &str) -> Value {
+    let mut http = RawHttp::connect(&world.agent.socket);
+    http.call(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "backup.get", "params": {"name": name}})
+            .to_string(),
+    )
+}
+
+/// Velero deletes the backup: its deletion calls the DeleteItemActions for the backup's
+/// items, the stand-in's own among them (for the items the original's
+/// BackupItemActions apply to), and the agent's owner of that Backup is removed. A
+/// Backup of the same name with another uid leaves it; the original's own
+/// DeleteItemAction gets its calls unchanged.
+#[test]
+fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
+    let world = World::new("");
+    let all = world.back_up("b20", "steps-2-d", &[]);
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    eventually("the backup completes", LONG, || {
+        world.call("backup.get", json!({"name": "b20"}))["phase"] == "Completed"
+    });
+    let items = "persistentvolumeclaims/app/steps-2-d,pods/app/web,persistentvolumeclaims/app/logs";
+
+    // Another Backup that once had the name: the owner is not its.
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-other", "-delete", items]);
+    assert_eq!(
+        deletes(&all, FORGET),
+        vec![
+            (
+                "persistentvolumeclaims/app/steps-2-d".to_string(),
+                String::new()
+            ),
+            ("persistentvolumeclaims/app/logs".to_string(), String::new()),
+        ],
+        "{all:?}"
+    );
+    assert_eq!(backup_get(&world, "b20")["result"]["uid"], "uid-b20");
+
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-b20", "-delete", items]);
+    let listed: Vec<(&str, &str)> = events(&all, "listed")
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    assert!(listed.contains(&("DeleteItemAction", FORGET)), "{listed:?}");
+    assert!(
+        listed.contains(&("DeleteItemAction", "example.io/delete-a")),
+        "{listed:?}"
+    );
+    // It applies to what the original's BackupItemActions apply to: no pods.
+    let applies = events(&all, "deleteAppliesTo");
+    let ours = applies
+        .iter()
+        .find(|e| e["name"] == FORGET)
+        .expect("AppliesTo");
+    assert_eq!(ours["includedResources"], json!(["persistentvolumeclaims"]));
+    let ours = deletes(&all, FORGET);
+    assert_eq!(ours.len(), 2, "{all:?}");
+    assert!(ours.iter().all(|(_, e)| e.is_empty()), "{ours:?}");
+    assert_eq!(backup_get(&world, "b20")["error"]["code"], 1001);
+    // The original's DeleteItemAction was passed on, with the Backup.
+    let journal = world.journal();
+    assert!(
+        journal.contains(
+            &"delete DeleteItemAction example.io/delete-a steps-2-d Backup/b20".to_string()
+        ),
+        "{journal:?}"
+    );
+    assert!(deletes(&all, "example.io/delete-a")
+        .iter()
+        .all(|(_, e)| e.is_empty()));
+
+    // Deleted again (a deletion Velero retries): nothing left to remove, no error.
+    let all = world.velero(&["-owner", "b20", "-uid", "uid-b20", "-delete", items]);
+    assert!(
+        deletes(&all, FORGET).iter().all(|(_, e)| e.is_empty()),
+        "{all:?}"
+    );
+}
+
+/// A Velero that restarted has forgotten which backups it is still working on, and
+/// deletes one whose operations have not ended: the owner goes, and its unfinished
+/// operation is cancelled in the original rather than left running unwatched.
+#[test]
+fn a_backup_deleted_with_its_operations_unfinished_cancels_them() {
+    let world = World::new("");
+    let first = world.back_up("b21", "stall-x", &["-polls", "1"]);
+    assert_eq!(last(&first)["event"], "stopped", "{first:?}");
+    assert_eq!(
+        world.call("backup.get", json!({"name": "b21"}))["phase"],
+        "WaitingForPluginOperations"
+    );
+    let all = world.velero(&[
+        "-owner",
+        "b21",
+        "-uid",
+        "uid-b21",
+        "-delete",
+        "persistentvolumeclaims/app/stall-x",
+    ]);
+    assert_eq!(
+        deletes(&all, FORGET),
+        vec![(
+            "persistentvolumeclaims/app/stall-x".to_string(),
+            String::new()
+        )],
+        "{all:?}"
+    );
+    assert_eq!(backup_get(&world, "b21")["error"]["code"], 1001);
+    eventually("the original gets Cancel", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-x".to_string())
+    });
+}
+
+/// An ObjectStore's calls stream (PutObject takes the body in chunks, GetObject gives
+/// it back in chunks): the stand-in passes them on message by message, errors and all.
+#[test]
+fn an_object_stores_streaming_calls_are_passed_on() {
+    let world = World::new("");
+    let all = world.velero(&["-name", "example.io/store", "-object", "0123456789abc"]);
+    let listed: Vec<(&str, &str)> = events(&all, "listed")
+        .iter()
+        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    assert!(
+        listed.contains(&("ObjectStore", "example.io/store")),
+        "{listed:?}"
+    );
+    let objects = events(&all, "object");
+    assert_eq!(
+        (&objects[0]["data"], &objects[0]["chunks"]),
+        (&json!("0123456789abc"), &json!(4)),
+        "{all:?}"
+    );
+    assert_eq!(objects[1]["error"], "no object b/k/missing", "{all:?}");
+    let journal = world.journal();
+    assert!(
+        journal.contains(&"put ObjectStore b/k/1 3 chunks 13 bytes".to_string()),
+        "{journal:?}"
     );
 }

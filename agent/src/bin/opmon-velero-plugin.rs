@@ -16,6 +16,11 @@
 //! - `Cancel` cancels through the agent;
 //! - go-plugin's Shutdown ends the stand-in and the original with it.
 //!
+//! It also serves a DeleteItemAction of its own, `opmon.io/forget-<this file's name>`:
+//! Velero's backup deletion calls it with the Backup for the items the original's
+//! BackupItemActions apply to, and it removes the agent's owner of that Backup (its
+//! unfinished operations are cancelled), as Velero removes the backup.
+//!
 //! It keeps no state of its own: a Velero restarted with new plugin processes asks
 //! Progress of operations this process never saw, and gets the same answer.
 //!
@@ -46,9 +51,12 @@ use tonic::{Request, Response, Status};
 /// (`OPMON_VELERO_AGENT_TIMEOUT`, a Go duration): within Velero's own plugin call
 /// timeouts, and longer than an agent's restart.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Plugin kinds whose calls are all unary, and so can be passed on as they are.
 /// The backup server the owners belong to, for `server.started`.
 const SERVER: &str = "velero";
+/// The prefix of the stand-in's own DeleteItemAction, whose name goes on with the
+/// stand-in's file name: Velero refuses two plugins of one kind and name, and each
+/// stand-in in Velero's plugin directory has a file name of its own.
+const FORGET_PREFIX: &str = "opmon.io/forget-";
 
 /// The Velero process this stand-in serves, its parent: the boot, its pid and its start
 /// time (a pid alone is reused). Velero starts plugin processes at its own start (to
@@ -66,16 +74,6 @@ fn velero_instance() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     format!("{}/{parent}/{started}", boot.trim())
 }
-
-const PASSED_KINDS: &[&str] = &[
-    "BackupItemAction",
-    "BackupItemActionV2",
-    "RestoreItemAction",
-    "RestoreItemActionV2",
-    "DeleteItemAction",
-    "ItemBlockAction",
-    "VolumeSnapshotter",
-];
 
 /// Bytes in, bytes out: a call passed on without being decoded, so that fields the
 /// stand-in does not know reach the other side unchanged.
@@ -153,6 +151,22 @@ struct StandIn {
     timeout: Duration,
     /// The Velero process that started this one (see [`velero_instance`]).
     instance: String,
+    /// The name of the stand-in's own DeleteItemAction, if the original serves a
+    /// BackupItemAction v2 (whose operations make the owners it removes).
+    forget: Option<String>,
+    /// The Backups (by uid) whose owner this process has removed or found gone, or
+    /// failed to: Velero calls the DeleteItemAction once for every item of the backup.
+    forgotten: std::sync::Mutex<std::collections::HashMap<String, Forgetting>>,
+}
+
+/// What the stand-in's DeleteItemAction did for a Backup (by uid).
+#[derive(Clone)]
+enum Forgetting {
+    Done,
+    Failed {
+        at: tokio::time::Instant,
+        error: String,
+    },
 }
 
 /// A failure the stand-in reports to Velero, as Velero's own plugins report theirs
@@ -255,6 +269,22 @@ impl StandIn {
         grpc.unary(Request::new(body), path, Raw)
             .await
             .map(Response::into_inner)
+    }
+
+    /// Passes one call of any kind to the original, its messages as they come each way,
+    /// and its end (status and details) back. Velero's side ending its stream early
+    /// (an error) ends the original's.
+    async fn pass_streaming(
+        &self,
+        path: PathAndQuery,
+        incoming: tonic::Streaming<Bytes>,
+    ) -> Result<Response<tonic::Streaming<Bytes>>, Status> {
+        use futures::StreamExt;
+        let mut grpc = self.original().await?;
+        let outgoing = incoming
+            .take_while(|m| std::future::ready(m.is_ok()))
+            .filter_map(|m| std::future::ready(m.ok()));
+        grpc.streaming(Request::new(outgoing), path, Raw).await
     }
 
     /// Execute: the original's answer, its operation registered with the agent first.
@@ -420,6 +450,134 @@ impl StandIn {
             Err(e) => Err(self.agent_error(&method, e)),
         }
     }
+
+    /// AppliesTo of the stand-in's DeleteItemAction: the resources the original's
+    /// BackupItemActions apply to (every resource if one of them applies to all, or
+    /// cannot say), since the owner's operations were started on such items.
+    async fn forget_applies_to(&self) -> wire::AppliesToResponse {
+        let mut resources = std::collections::BTreeSet::new();
+        let mut every = false;
+        for p in self
+            .served
+            .iter()
+            .filter(|p| p.kind == wire::KIND_BACKUP_V2)
+        {
+            let request = wire::PluginRequest {
+                plugin: p.name.clone(),
+            };
+            let answer = self
+                .pass(
+                    PathAndQuery::from_static(wire::BACKUP_APPLIES_TO),
+                    Bytes::from(request.encode_to_vec()),
+                )
+                .await
+                .and_then(|b| {
+                    wire::AppliesToResponse::decode(b).map_err(|e| Status::internal(e.to_string()))
+                });
+            match answer {
+                Ok(answer) => {
+                    let selector = answer.resource_selector.unwrap_or_default();
+                    if selector.included_resources.is_empty()
+                        || selector.included_resources.iter().any(|r| r == "*")
+                    {
+                        every = true;
+                    }
+                    resources.extend(selector.included_resources);
+                }
+                Err(status) => {
+                    tracing::warn!(
+                        "AppliesTo of {}: {}; the backup deletion action applies to \
+                         every resource",
+                        p.name,
+                        status.message()
+                    );
+                    every = true;
+                }
+            }
+        }
+        wire::AppliesToResponse {
+            resource_selector: Some(wire::ResourceSelector {
+                included_resources: if every {
+                    Vec::new()
+                } else {
+                    resources.into_iter().collect()
+                },
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Execute of the stand-in's DeleteItemAction: Velero is deleting the Backup, so
+    /// the agent's owner of it goes too. Velero calls it for every item of the backup
+    /// and logs an error and goes on: once done for a Backup it is not done again, and
+    /// once the agent could not be reached, the items that follow within the agent
+    /// timeout fail at once rather than each waiting for it (a later one tries again).
+    async fn forget(&self, body: Bytes) -> Result<wire::Empty, Status> {
+        let request = wire::ExecuteRequest::decode(body).map_err(|e| {
+            velero_error(format!(
+                "opmon-velero-plugin: a malformed DeleteItemAction Execute: {e}"
+            ))
+        })?;
+        let backup = object(&request.owner, "Backup")?;
+        let (name, uid) = name_and_uid(&backup)?;
+        let earlier = self
+            .forgotten
+            .lock()
+            .ok()
+            .and_then(|f| f.get(&uid).cloned());
+        match earlier {
+            Some(Forgetting::Done) => return Ok(wire::Empty {}),
+            Some(Forgetting::Failed { at, error }) if at.elapsed() < self.timeout => {
+                return Err(Status::unknown(format!(
+                    "{error} (for an earlier item of this backup; not waiting again)"
+                )))
+            }
+            _ => {}
+        }
+        let result = self.forget_owner(&name, &uid).await;
+        let now = match &result {
+            Ok(()) => Forgetting::Done,
+            Err(status) => Forgetting::Failed {
+                at: tokio::time::Instant::now(),
+                error: status.message().to_string(),
+            },
+        };
+        if let Ok(mut forgotten) = self.forgotten.lock() {
+            forgotten.insert(uid, now);
+        }
+        result.map(|()| wire::Empty {})
+    }
+
+    /// Removes the agent's owner `name` if it is the Backup's (uid `uid`): a later
+    /// backup may have taken the name. Its unfinished operations are cancelled.
+    async fn forget_owner(&self, name: &str, uid: &str) -> Result<(), Status> {
+        let gone = |e: &ClientError| {
+            matches!(
+                e,
+                ClientError::Rpc {
+                    code: Code::NotFound,
+                    ..
+                }
+            )
+        };
+        match self.call("backup.get", json!({"name": name})).await {
+            Ok(owner) if owner["uid"] == uid => {
+                match self.call("backup.delete", json!({"name": name})).await {
+                    Ok(answer) => tracing::info!(
+                        backup = %name,
+                        canceled = %answer["canceled"],
+                        "Velero deletes the backup: its owner is removed from the agent"
+                    ),
+                    Err(e) if gone(&e) => {}
+                    Err(e) => return Err(self.agent_error("backup.delete", e)),
+                }
+            }
+            Ok(_) => {}
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(self.agent_error("backup.get", e)),
+        }
+        Ok(())
+    }
 }
 
 /// A JSON object from a call, or an error naming what it is.
@@ -532,12 +690,19 @@ async fn route(
             let service = tower::service_fn(move |_: Request<wire::Empty>| {
                 let s = s.clone();
                 async move {
+                    let own = s.forget.iter().map(|name| wire::PluginIdentifier {
+                        command: String::new(),
+                        kind: wire::KIND_DELETE.to_string(),
+                        name: name.clone(),
+                    });
                     let plugins = s
                         .served
                         .iter()
+                        .cloned()
+                        .chain(own)
                         .map(|p| wire::PluginIdentifier {
                             command: s.command.clone(),
-                            ..p.clone()
+                            ..p
                         })
                         .collect();
                     Ok::<_, Status>(Response::new(wire::ListPluginsResponse { plugins }))
@@ -610,21 +775,48 @@ async fn route(
             });
             tonic::server::Grpc::new(Raw).unary(service, request).await
         }
-        // go-plugin's broker and stdio stream: the stand-in has neither.
-        (p, _, _) if p.starts_with("/plugin.") => {
-            Status::unimplemented(format!("opmon-velero-plugin does not serve {p}")).into_http()
-        }
-        _ => {
+        // DeleteItemAction: the stand-in's own, or the original's passed on.
+        (wire::DELETE_APPLIES_TO | wire::DELETE_EXECUTE, _, _) => {
             let s = standin.clone();
             let service = tower::service_fn(move |r: Request<Bytes>| {
                 let s = s.clone();
                 let path = PathAndQuery::try_from(path.clone());
                 async move {
                     let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
-                    s.pass(path, r.into_inner()).await.map(Response::new)
+                    let body = r.into_inner();
+                    let plugin = wire::PluginRequest::decode(body.clone()).map(|r| r.plugin);
+                    if s.forget.is_none() || plugin.ok() != s.forget {
+                        return s.pass(path, body).await.map(Response::new);
+                    }
+                    let answer = if path.path() == wire::DELETE_APPLIES_TO {
+                        s.forget_applies_to().await.encode_to_vec()
+                    } else {
+                        s.forget(body).await?.encode_to_vec()
+                    };
+                    Ok(Response::new(Bytes::from(answer)))
                 }
             });
             tonic::server::Grpc::new(Raw).unary(service, request).await
+        }
+        // go-plugin's broker and stdio stream: the stand-in has neither.
+        (p, _, _) if p.starts_with("/plugin.") => {
+            Status::unimplemented(format!("opmon-velero-plugin does not serve {p}")).into_http()
+        }
+        // Everything else, streaming or not (gRPC frames a unary call as a stream of one
+        // message each way): passed on message by message.
+        _ => {
+            let s = standin.clone();
+            let service = tower::service_fn(move |r: Request<tonic::Streaming<Bytes>>| {
+                let s = s.clone();
+                let path = PathAndQuery::try_from(path.clone());
+                async move {
+                    let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
+                    s.pass_streaming(path, r.into_inner()).await
+                }
+            });
+            tonic::server::Grpc::new(Raw)
+                .streaming(service, request)
+                .await
         }
     };
     Ok(response)
@@ -692,19 +884,7 @@ async fn run() -> Result<(), String> {
         env,
     });
     let connection = host.connection().await?;
-    let mut served = Vec::new();
-    for p in connection.served.iter() {
-        if PASSED_KINDS.contains(&p.kind.as_str()) {
-            served.push(p.clone());
-        } else {
-            tracing::warn!(
-                "{} serves {} {}, which the stand-in does not pass on (it has streaming calls)",
-                original.display(),
-                p.kind,
-                p.name
-            );
-        }
-    }
+    let served = connection.served.to_vec();
     let socket = std::env::var_os("OPMON_SOCKET")
         .map(PathBuf::from)
         .unwrap_or_else(opmon_client::default_socket_path);
@@ -717,6 +897,15 @@ async fn run() -> Result<(), String> {
         Err(_) => AGENT_TIMEOUT,
     };
 
+    // The stand-in's own DeleteItemAction, named for this file (see FORGET_PREFIX).
+    let forget = served
+        .iter()
+        .any(|p| p.kind == wire::KIND_BACKUP_V2)
+        .then(|| {
+            own.file_name()
+                .map(|f| format!("{FORGET_PREFIX}{}", f.to_string_lossy()))
+        })
+        .flatten();
     let dir = tempfile::Builder::new()
         .prefix("opmon-velero-plugin")
         .tempdir()
@@ -730,6 +919,8 @@ async fn run() -> Result<(), String> {
         socket,
         socket_dir: dir.path().to_path_buf(),
         agent: tokio::sync::Mutex::new(None),
+        forget,
+        forgotten: std::sync::Mutex::new(Default::default()),
     });
     let address = dir.path().join("plugin.sock");
     let listener = tokio::net::UnixListener::bind(&address)

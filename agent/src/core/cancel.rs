@@ -197,7 +197,7 @@ impl Core {
                 if p.operations.is_none() {
                     let was = row.owner.phase;
                     row.owner.phase = OwnerPhase::Failed;
-                    row.owner.failure_reason = error.clone();
+                    row.owner.failure_reason = Some(error.clone());
                     queries::update_owner(conn, &row, now)?;
                     queries::mark_records_due(conn, row.id)?;
                     record_owner_phase(conn, &row, was, caller, now)?;

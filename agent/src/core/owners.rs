@@ -65,15 +65,15 @@ pub(super) fn fail_owner(
         queries::fail_unfinished(conn, row.id, &phase::cancelled_with(row.owner.kind), now)?;
     let was = row.owner.phase;
     row.owner.phase = phase::leave_in_progress(row.owner.finalize, true, row.owner.errors, 0);
-    row.owner.failure_reason = reason.to_string();
+    row.owner.failure_reason = Some(reason.to_string());
     queries::update_owner(conn, row, now)?;
     queries::mark_records_due(conn, row.id)?;
     let mut recorded = row.clone();
     if cancelled > 0 {
-        recorded.owner.failure_reason = format!(
+        recorded.owner.failure_reason = Some(format!(
             "{reason} ({} failed and canceled)",
             super::counted(cancelled as u64, "unfinished operation")
-        );
+        ));
     }
     record_owner_phase(conn, &recorded, was, caller, now)?;
     Ok(targets)
@@ -293,7 +293,11 @@ impl Core {
                 Ok::<_, Error>((reload(conn, row.id)?, targets))
             })
             .await?;
-        let failed = vec![(kind, owner.name.clone(), owner.failure_reason.clone())];
+        let failed = vec![(
+            kind,
+            owner.name.clone(),
+            owner.failure_reason.clone().unwrap_or_default(),
+        )];
         self.announce_failed(&failed, &targets);
         self.cancel_failed(&targets).await;
         self.refresh_records([(kind, owner.name.clone())]).await;

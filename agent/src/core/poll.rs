@@ -415,7 +415,11 @@ pub(super) fn record_owner_phase(
     let (reason, message) = if o.phase == opmon_client::OwnerPhase::Failed {
         (
             EventReason::Failed,
-            format!("{was} → {}: {}", o.phase, o.failure_reason),
+            format!(
+                "{was} → {}: {}",
+                o.phase,
+                o.failure_reason.as_deref().unwrap_or("")
+            ),
         )
     } else {
         (

@@ -106,7 +106,10 @@ fn event_from_row(row: &Row<'_>) -> rusqlite::Result<Event> {
     Ok(Event {
         seq: row.get::<_, i64>(0)?.max(0) as u64,
         time: row.get::<_, UnixMs>(1)?.time(),
-        reason: row.get(2)?,
+        reason: row
+            .get::<_, String>(2)?
+            .parse()
+            .unwrap_or(EventReason::Unknown),
         message: row.get(3)?,
         caller,
         operation,

@@ -202,7 +202,9 @@ fn read_owner(row: &Row<'_>) -> rusqlite::Result<(OwnerRow, Vec<String>)> {
         uid: c.take(3, |r, i| r.get(i), String::new()),
         server,
         phase: c.take(4, parse_column, OwnerPhase::Failed),
-        failure_reason: c.take(18, |r, i| r.get(i), String::new()),
+        failure_reason: c
+            .take(18, |r, i| r.get(i), None)
+            .filter(|r: &String| !r.is_empty()),
         item_operation_timeout: GoDuration::from_millis(c.take(5, count, 0)),
         stall_timeout: c.take(19, optional_duration, None),
         start_timeout: c.take(20, optional_duration, None),
@@ -257,7 +259,7 @@ fn owner_or_damaged(row: &Row<'_>) -> rusqlite::Result<OwnerRow> {
         let damage = damage.join("; ");
         tracing::error!(kind = %owner.owner.kind, name = %owner.owner.name, %damage,
             "an owner's row is damaged in the database");
-        owner.owner.failure_reason = format!("damaged in the database: {damage}");
+        owner.owner.failure_reason = Some(format!("damaged in the database: {damage}"));
     }
     Ok(owner)
 }
@@ -436,7 +438,7 @@ pub fn update_owner(conn: &Connection, row: &OwnerRow, now: UnixMs) -> rusqlite:
         o.post_operation_items.as_ref().map(to_json),
         now,
         completed,
-        o.failure_reason
+        o.failure_reason.as_deref().unwrap_or("")
     ])?;
     Ok(())
 }
@@ -649,13 +651,13 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
         updated: time(state.updated_ms),
         plugin_updated: time(state.plugin_updated_ms),
         next_attempt_at: time(state.next_attempt_ms),
-        error: state.error,
+        error: Some(state.error).filter(|e| !e.is_empty()),
         n_completed: state.n_completed,
         n_total: state.n_total,
         operation_units: state.operation_units,
         description: state.description,
         attempts: state.attempts,
-        last_error: state.last_error,
+        last_error: Some(state.last_error).filter(|e| !e.is_empty()),
     })
 }
 

@@ -10,22 +10,6 @@ use opmon_client::{
     ApiVersion, GoDuration, OperationPhase, OwnerKind, OwnerPhase, PluginKind, Timestamp,
 };
 
-fn go_duration(text: &str) -> Result<GoDuration, String> {
-    text.parse::<GoDuration>().map_err(|e| e.to_string())
-}
-
-fn owner_phase(text: &str) -> Result<OwnerPhase, String> {
-    text.parse()
-}
-
-fn operation_phase(text: &str) -> Result<OperationPhase, String> {
-    text.parse()
-}
-
-fn plugin_kind(text: &str) -> Result<PluginKind, String> {
-    text.parse()
-}
-
 fn rfc3339(text: &str) -> Result<Timestamp, String> {
     Timestamp::parse(text, &time::format_description::well_known::Rfc3339)
         .map_err(|e| format!("not an RFC 3339 time such as 2026-01-02T15:04:05Z ({e})"))
@@ -41,10 +25,6 @@ fn user_id(text: &str) -> Result<u32, String> {
         Ok(None) => Err(format!("no user named {text:?}")),
         Err(e) => Err(format!("looking up user {text:?}: {e}")),
     }
-}
-
-fn api_version(text: &str) -> Result<ApiVersion, String> {
-    text.parse()
 }
 
 /// The command line as the user sees it: [`Cli`], with what differs between `backup`
@@ -73,34 +53,19 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    let plugins = || ArgValueCompleter::new(complete::snapshotters);
     Cli::command()
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
-            backup
-                .mut_subcommand("start", |start| {
-                    start.mut_arg("finalize", |finalize| finalize.hide(true))
-                })
-                .mut_subcommand("add-operation", |add| {
-                    add.mut_arg("plugin", |arg| arg.add(plugins()))
-                })
-        })
-        .mut_subcommand("restore", |restore| {
-            restore.mut_subcommand("add-operation", |add| {
-                add.mut_arg("plugin", |arg| arg.add(plugins()))
-            })
-        })
-        .mut_subcommand("snapshotter", |snapshotter| {
-            snapshotter.mut_subcommand("unregister", |unregister| {
-                unregister.mut_arg("name", |arg| arg.add(plugins()))
+            backup.mut_subcommand("start", |start| {
+                start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
 }
 
-/// Shell completion of names, asked of the agent at `OPMON_SOCKET` (or the default
-/// socket) while the user presses tab. An agent that cannot be reached within a second
-/// completes nothing.
+/// Shell completion of names, asked of the agent the line being completed names
+/// (`--socket`, `--agent-uid`, else their variables) while the user presses tab. An
+/// agent that cannot be reached within a second completes nothing.
 mod complete {
     use std::ffi::OsStr;
     use std::time::Duration;
@@ -111,16 +76,15 @@ mod complete {
     fn ask<T, F: std::future::Future<Output = Option<T>>>(
         call: impl FnOnce(Client) -> F,
     ) -> Option<T> {
-        let socket = std::env::var_os(super::SOCKET_VARIABLE)
-            .filter(|s| !s.is_empty())
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(opmon_client::default_socket_path);
+        let (socket, agent_uid) = super::AGENT.get()?.clone();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .ok()?;
         runtime.block_on(async {
-            let client = Client::builder(socket)
+            let client = agent_uid
+                .iter()
+                .fold(Client::builder(socket), |b, &uid| b.agent_uid(uid))
                 .connect_timeout(Duration::from_secs(1))
                 .call_timeout(Duration::from_secs(1))
                 .connect()
@@ -156,19 +120,71 @@ mod complete {
     }
 }
 
-/// Parses the command line and the environment. `OPMON_SOCKET=` (set but empty) means
-/// unset, as an empty variable does for most tools, rather than "a socket named ''".
-pub fn parse() -> Cli {
-    if std::env::var_os(SOCKET_VARIABLE).is_some_and(|v| v.is_empty()) {
-        // Before any other thread exists: nothing else reads the environment yet.
-        std::env::remove_var(SOCKET_VARIABLE);
+/// The agent completion asks: set by [`completing`] from the words being completed.
+static AGENT: std::sync::OnceLock<(PathBuf, Vec<u32>)> = std::sync::OnceLock::new();
+
+/// The command for `COMPLETE=<shell> opmon -- <words>`: its name completers ask the
+/// agent that `<words>` (as far as they parse) or the environment name.
+pub fn completing() -> clap::Command {
+    let words: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip_while(|w| w != "--")
+        .skip(1)
+        .collect();
+    let matches = command().ignore_errors(true).try_get_matches_from(words);
+    let (socket, agent_uid) = matches
+        .map(|m| {
+            let socket = m.get_one::<PathBuf>("socket").cloned();
+            let uids = m.get_many::<u32>("agent_uid").into_iter().flatten();
+            (socket, uids.copied().collect())
+        })
+        .unwrap_or_default();
+    if let Ok(agent) = from_environment(socket, agent_uid) {
+        let _ = AGENT.set(agent);
     }
-    let matches = command().get_matches();
-    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    command()
 }
 
-/// The variable that names the agent's socket, as the agent's own setting does.
-const SOCKET_VARIABLE: &str = "OPMON_SOCKET";
+/// Parses the command line, then the environment for what it left out.
+pub fn parse() -> Cli {
+    let matches = command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    match from_environment(cli.socket.take(), std::mem::take(&mut cli.agent_uid)) {
+        Ok((socket, agent_uid)) => {
+            cli.socket = Some(socket);
+            cli.agent_uid = agent_uid;
+        }
+        Err(e) => Cli::command()
+            .error(clap::error::ErrorKind::ValueValidation, e)
+            .exit(),
+    }
+    cli
+}
+
+/// `--socket` and `--agent-uid` as typed, else `OPMON_SOCKET` and `OPMON_AGENT_UID`,
+/// else the default socket. The variables are read here rather than by clap, so that an
+/// error names the variable a bad value came from and a usage line shows only what was
+/// typed. A variable set but empty means unset, as for most tools.
+fn from_environment(
+    socket: Option<PathBuf>,
+    agent_uid: Vec<u32>,
+) -> Result<(PathBuf, Vec<u32>), String> {
+    let variable = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    let socket = socket
+        .or_else(|| variable("OPMON_SOCKET").map(PathBuf::from))
+        .unwrap_or_else(opmon_client::default_socket_path);
+    if !agent_uid.is_empty() {
+        return Ok((socket, agent_uid));
+    }
+    let agent_uid = match variable("OPMON_AGENT_UID") {
+        None => Vec::new(),
+        Some(users) => users
+            .to_string_lossy()
+            .split(',')
+            .map(|user| user_id(user).map_err(|e| format!("OPMON_AGENT_UID: {e}")))
+            .collect::<Result<_, _>>()?,
+    };
+    Ok((socket, agent_uid))
+}
 
 /// opmon: drive and watch the opmon agent's backups, restores and snapshotters.
 ///
@@ -177,13 +193,14 @@ const SOCKET_VARIABLE: &str = "OPMON_SOCKET";
 #[derive(Parser, Debug)]
 #[command(name = "opmon", version, about, long_about)]
 pub struct Cli {
-    /// The agent's socket [default: as the agent resolves it].
-    #[arg(long, env = "OPMON_SOCKET", global = true)]
+    /// The agent's socket [env: OPMON_SOCKET] [default: as the agent resolves it].
+    #[arg(long, global = true)]
     pub socket: Option<PathBuf>,
 
     /// Users (names or uids) trusted to serve the socket besides root and yourself: the
-    /// agent's user when it is neither. A socket served by anyone else is refused.
-    #[arg(long, env = "OPMON_AGENT_UID", value_delimiter = ',', value_parser = user_id, global = true)]
+    /// agent's user when it is neither. A socket served by anyone else is refused
+    /// [env: OPMON_AGENT_UID].
+    #[arg(long, value_delimiter = ',', value_parser = user_id, global = true)]
     pub agent_uid: Vec<u32>,
 
     /// How reads are printed; json is exactly the API's result.
@@ -237,7 +254,7 @@ pub enum OwnerCommand {
         #[arg(long)]
         uid: String,
         /// Go duration, e.g. 4h0m0s [default: the agent's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         item_operation_timeout: Option<GoDuration>,
         /// Restores only: pass through Finalizing and wait for `finalize`.
         #[arg(long)]
@@ -256,11 +273,11 @@ pub enum OwnerCommand {
         instance: Option<String>,
         /// Cancel and fail an operation whose progress stands still this long (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         start_timeout: Option<GoDuration>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
@@ -287,7 +304,7 @@ pub enum OwnerCommand {
     /// Owners, by name, a page at a time.
     List {
         /// Only these phases (repeatable).
-        #[arg(long = "phase", value_parser = owner_phase)]
+        #[arg(long = "phase")]
         phases: Vec<OwnerPhase>,
         /// At most this many (default 100, at most 1000).
         #[arg(long)]
@@ -301,7 +318,7 @@ pub enum OwnerCommand {
         /// The backup's or restore's name.
         name: String,
         /// Only operations in these phases (repeatable).
-        #[arg(long = "phase", value_parser = operation_phase)]
+        #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
     },
     /// The owner, readable, ending with its recent events; with --details, each
@@ -333,7 +350,7 @@ pub enum OwnerCommand {
         #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
         until: Until,
         /// Give up after this long (Go duration) with exit code 3 [default: never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         timeout: Option<GoDuration>,
     },
     /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
@@ -394,10 +411,10 @@ pub struct AddOperation {
     #[arg(long, conflicts_with_all = ["plugin", "item", "operation_id"])]
     pub file: Option<PathBuf>,
     /// Plugin name, domain/name.
-    #[arg(long, required_unless_present = "file")]
+    #[arg(long, required_unless_present = "file", add = ArgValueCompleter::new(complete::snapshotters))]
     pub plugin: Option<String>,
     /// Plugin kind [default: BackupItemAction for backups, RestoreItemAction for restores].
-    #[arg(long, value_parser = plugin_kind)]
+    #[arg(long)]
     pub plugin_kind: Option<PluginKind>,
     /// The item, RESOURCE[.GROUP]/NAMESPACE/NAME or RESOURCE[.GROUP]/NAME (cluster-scoped).
     #[arg(long, required_unless_present = "file")]
@@ -436,7 +453,7 @@ pub enum SnapshotterCommand {
         name: String,
         /// v2: it answers Progress and Cancel; v1: it has no Progress, and its
         /// operations complete at their first poll.
-        #[arg(long, value_parser = api_version, default_value = "v2")]
+        #[arg(long, default_value = "v2")]
         api_version: ApiVersion,
         /// Its JSON-RPC socket (`--socket` is the agent's); a relative path is resolved
         /// against the current directory.
@@ -456,20 +473,20 @@ pub enum SnapshotterCommand {
         command: Vec<String>,
         /// Cancel and fail an operation whose progress stands still this long [default:
         /// never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created
         /// [default: never].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         start_timeout: Option<GoDuration>,
         /// Transient errors retried per operation [default: 5].
         #[arg(long)]
         retry_attempts: Option<u32>,
         /// Delay before the first retry, doubled each time up to 5m [default: 1s].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         retry_backoff: Option<GoDuration>,
         /// How long an operation may fail transiently before it fails [default: 10m].
-        #[arg(long, value_parser = go_duration)]
+        #[arg(long)]
         retry_within: Option<GoDuration>,
     },
     /// All snapshotters.
@@ -477,6 +494,7 @@ pub enum SnapshotterCommand {
     /// Removes one.
     Unregister {
         /// The plugin name it serves.
+        #[arg(add = ArgValueCompleter::new(complete::snapshotters))]
         name: String,
     },
 }

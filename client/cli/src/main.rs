@@ -43,7 +43,7 @@ type Outcome = Result<u8, String>;
 fn main() -> ExitCode {
     // `COMPLETE=<shell> opmon -- <words>`: the shell asking for completions (see
     // `opmon completions`); answered and exited here.
-    clap_complete::CompleteEnv::with_factory(args::command).complete();
+    clap_complete::CompleteEnv::with_factory(args::completing).complete();
     let cli = args::parse();
     let fields = args::Fields::of(&cli.command);
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -82,10 +82,7 @@ async fn run(cli: Cli) -> Outcome {
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
-    let socket = cli
-        .socket
-        .clone()
-        .unwrap_or_else(opmon_client::default_socket_path);
+    let socket = cli.socket.clone().unwrap_or_default();
     let client = cli
         .agent_uid
         .iter()

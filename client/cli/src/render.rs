@@ -85,31 +85,18 @@ fn velero_item(r: &ResourceIdentifier) -> String {
     )
 }
 
-/// Left-aligned columns separated by two spaces.
+/// Left-aligned columns separated by two spaces: [`tabwrite`] of the rows, each line
+/// without trailing spaces.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    let mut text = headers.join("\t");
     for row in rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+        text.push('\n');
+        text.push_str(&row.join("\t"));
     }
-    let mut out = String::new();
-    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
-        let mut text = String::new();
-        for (i, (cell, w)) in cells.zip(&widths).enumerate() {
-            if i > 0 {
-                text.push_str("  ");
-            }
-            let _ = write!(text, "{cell:<w$}");
-        }
-        out.push_str(text.trim_end());
-        out.push('\n');
-    };
-    line(&mut out, &mut headers.iter().copied());
-    for row in rows {
-        line(&mut out, &mut row.iter().map(String::as_str));
-    }
-    out
+    tabwrite(&text)
+        .lines()
+        .map(|line| format!("{}\n", line.trim_end()))
+        .collect()
 }
 
 /// Owners as `kubectl get` lists objects: how old each is in the `AGE` column.
@@ -265,7 +252,7 @@ pub fn events(events: &[Event], omitted: usize, now: Timestamp) -> String {
                 .unwrap_or_else(|| "-".into());
             vec![
                 age(e.time, now),
-                clean(&e.reason).into_owned(),
+                e.reason.to_string(),
                 event_source(e),
                 operation,
                 clean(&e.message).into_owned(),
@@ -292,7 +279,7 @@ pub fn event_list(events: &[Event]) -> String {
             vec![
                 e.seq.to_string(),
                 velero_time(e.time),
-                clean(&e.reason).into_owned(),
+                e.reason.to_string(),
                 event_source(e),
                 e.operation
                     .as_ref()
@@ -338,7 +325,7 @@ pub fn operations(ops: &[Operation]) -> String {
                 item(&op.resource),
                 op.phase.to_string(),
                 progress(op),
-                clean(&op.error).into_owned(),
+                clean(op.error.as_deref().unwrap_or("")).into_owned(),
             ]
         })
         .collect();
@@ -421,19 +408,14 @@ fn velero_time(t: Timestamp) -> String {
             .to_zoned_datetime(local_zone())
             .strftime("%Y-%m-%d %H:%M:%S %z %Z")
             .to_string(),
-        // Outside jiff's range (not a time the agent stores): UTC, as before.
-        Err(_) => {
-            let t = t.to_offset(time::UtcOffset::UTC);
-            format!(
-                "{:04}-{:02}-{:02} {:02}:{:02}:{:02} +0000 UTC",
-                t.year(),
-                u8::from(t.month()),
-                t.day(),
-                t.hour(),
-                t.minute(),
-                t.second()
-            )
-        }
+        // Outside jiff's range (a time a snapshotter reported at the ends of `time`'s):
+        // UTC, in the same form.
+        Err(_) => t
+            .to_offset(time::UtcOffset::UTC)
+            .format(time::macros::format_description!(
+                "[year]-[month]-[day] [hour]:[minute]:[second] +0000 UTC"
+            ))
+            .unwrap_or_default(),
     }
 }
 
@@ -467,8 +449,8 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
         let _ = writeln!(out, "\t\t\t{}", velero_item(i));
     }
     let _ = writeln!(out, "\t\tPhase:\t{}", op.phase);
-    if !op.error.is_empty() {
-        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(&op.error));
+    if let Some(error) = &op.error {
+        let _ = writeln!(out, "\t\tOperation Error:\t{}", clean(error));
     }
     if op.n_total > 0 || op.n_completed > 0 {
         let _ = writeln!(
@@ -499,7 +481,7 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
             out,
             "\t\tTransient errors:\t{} retried, the last: {}",
             op.attempts,
-            clean(&op.last_error)
+            clean(op.last_error.as_deref().unwrap_or(""))
         );
     }
     if let Some(t) = op.next_attempt_at {
@@ -521,8 +503,8 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) ->
     let _ = writeln!(out, "Kind:\t{}", owner.kind);
     let _ = writeln!(out, "UID:\t{}", clean(&owner.uid));
     let _ = writeln!(out, "Phase:\t{}", owner.phase);
-    if !owner.failure_reason.is_empty() {
-        let _ = writeln!(out, "Failure Reason:\t{}", clean(&owner.failure_reason));
+    if let Some(reason) = &owner.failure_reason {
+        let _ = writeln!(out, "Failure Reason:\t{}", clean(reason));
     }
     if let Some(server) = &owner.server {
         let _ = writeln!(
@@ -702,6 +684,22 @@ mod tests {
     use opmon_client::{OperationPhase, PluginKind, PluginRef};
     use time::macros::datetime;
 
+    #[test]
+    fn times_past_the_time_zone_database_print_in_utc_in_the_same_form() {
+        assert_eq!(
+            velero_time(datetime!(2026-11-22 09:57:45 UTC)),
+            "2026-11-22 09:57:45 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(9999-12-31 23:59:59 UTC)),
+            "9999-12-31 23:59:59 +0000 UTC"
+        );
+        assert_eq!(
+            velero_time(datetime!(-9999-01-01 00:00:05 UTC)),
+            "-9999-01-01 00:00:05 +0000 UTC"
+        );
+    }
+
     fn op(n: i64, total: i64) -> Operation {
         Operation {
             plugin: PluginRef {
@@ -712,7 +710,7 @@ mod tests {
             operation_id: "copy-1".into(),
             post_operation_items: vec![],
             phase: OperationPhase::InProgress,
-            error: String::new(),
+            error: None,
             n_completed: n,
             n_total: total,
             operation_units: "bytes".into(),
@@ -723,7 +721,7 @@ mod tests {
             plugin_updated: Some(datetime!(2026-01-01 0:00:10 UTC)),
             cancel_requested: false,
             attempts: 0,
-            last_error: String::new(),
+            last_error: None,
             next_attempt_at: None,
             // What the agent would say of n units in the 10 s since the start.
             rate: (n > 0).then(|| n as f64 / 10.0),
@@ -885,7 +883,7 @@ mod tests {
         let event = |seq: u64, reason: &str, caller, message: &str| Event {
             seq,
             time: NOW - time::Duration::seconds(90),
-            reason: reason.into(),
+            reason: reason.parse().unwrap_or(opmon_client::EventReason::Unknown),
             operation: None,
             caller,
             message: message.into(),
@@ -940,7 +938,7 @@ mod tests {
             operations_failed: failed,
             post_operation_items: None,
             server: None,
-            failure_reason: String::new(),
+            failure_reason: None,
             created: datetime!(2026-01-01 0:00 UTC),
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,
@@ -977,7 +975,7 @@ mod tests {
         failed.operation_id = "copy-2".into();
         failed.resource = parse_item("persistentvolumes/pv-1").unwrap();
         failed.phase = OperationPhase::Failed;
-        failed.error = "disk\u{1b}[2J gone\nforged".into();
+        failed.error = Some("disk\u{1b}[2J gone\nforged".into());
         failed.started = None;
         failed.plugin_updated = None;
         let text = describe(
@@ -1014,7 +1012,7 @@ mod tests {
     fn describe_details_say_what_an_operation_is_waiting_for() {
         let mut retrying = op(10, 100);
         retrying.attempts = 2;
-        retrying.last_error = "snapshotter busy\u{1b}[2J".into();
+        retrying.last_error = Some("snapshotter busy\u{1b}[2J".into());
         retrying.next_attempt_at = Some(datetime!(2026-01-01 0:00:14 UTC));
         retrying.cancel_requested = true;
         let text = describe(
@@ -1097,7 +1095,7 @@ mod tests {
     fn cells_from_outside_cannot_drive_the_terminal() {
         let mut evil = op(1, 2);
         evil.operation_id = "id\u{1b}]0;title\u{7}".into();
-        evil.error = "line\r\nforged\tcell".into();
+        evil.error = Some("line\r\nforged\tcell".into());
         let table = operations(&[evil]);
         assert!(
             !table.chars().any(|c| c.is_control() && c != '\n'),

@@ -126,7 +126,7 @@ impl View for Lines {
         }
         for op in &update.operations {
             let error = if op.phase == OperationPhase::Failed {
-                format!(": {}", clean(&op.error))
+                format!(": {}", clean(op.error.as_deref().unwrap_or("")))
             } else {
                 String::new()
             };
@@ -286,11 +286,14 @@ impl View for Bars {
             bar.set_position(op.n_completed.max(0) as u64);
             match op.phase {
                 OperationPhase::Completed => bar.finish_with_message("completed"),
-                OperationPhase::Failed => {
-                    bar.abandon_with_message(format!("failed: {}", clean(&op.error)))
-                }
+                OperationPhase::Failed => bar.abandon_with_message(format!(
+                    "failed: {}",
+                    clean(op.error.as_deref().unwrap_or(""))
+                )),
                 // Its error already says `canceled: <reason>`.
-                OperationPhase::Canceled => bar.abandon_with_message(clean(&op.error).into_owned()),
+                OperationPhase::Canceled => {
+                    bar.abandon_with_message(clean(op.error.as_deref().unwrap_or("")).into_owned())
+                }
                 _ => bar.set_message(match render::rate_and_eta(op, now) {
                     Some(rate) => format!("{}  {rate}", op.phase),
                     None => op.phase.to_string(),

@@ -6,6 +6,12 @@
 // completed; a Progress error fails the operation; Cancel once the Backup's
 // itemOperationTimeout has passed since the operation was created).
 //
+// With -delete it does what Velero's backup deletion controller does instead
+// (pkg/controller/backup_deletion_controller.go, internal/delete): it dispenses every
+// DeleteItemAction listed, asks each its AppliesTo, and calls Execute with the item and
+// the Backup (phase Deleting) for every item of the backup a selector matches, logging
+// an error and going on.
+//
 // It prints one JSON object per line on stdout: what it listed, AppliesTo, Execute,
 // each Progress, and the operation's end as Velero records it.
 package main
@@ -15,8 +21,10 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
+	"strings"
 	"time"
 
 	hclog "github.com/hashicorp/go-hclog"
@@ -85,6 +93,8 @@ func main() {
 	created := flag.String("created", "", "when the operation was created (RFC 3339), with -resume")
 	polls := flag.Int("polls", 0, "stop after this many Progress calls, as a Velero that restarts (0: never)")
 	executeOnly := flag.Bool("execute-only", false, "stop after Execute, as a Velero that restarts while the backup is InProgress")
+	deleteItems := flag.String("delete", "", "delete the backup instead: its items, resource/namespace/name separated by commas")
+	object := flag.String("object", "", "store this text as an object instead, in chunks of 5 bytes, and read it and a missing object back (the ObjectStore -name)")
 	flag.Parse()
 
 	kind, ownerKind := "BackupItemActionV2", "Backup"
@@ -98,6 +108,12 @@ func main() {
 		}},
 		"RestoreItemActionV2": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
 			return v2.NewRestoreItemActionClient(c)
+		}},
+		"DeleteItemAction": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
+			return generated.NewDeleteItemActionClient(c)
+		}},
+		"ObjectStore": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
+			return generated.NewObjectStoreClient(c)
 		}},
 	}
 	// Velero passes its own flags to every plugin.
@@ -128,6 +144,14 @@ func main() {
 	}
 	for _, p := range listed.Plugins {
 		emit("listed", map[string]interface{}{"kind": p.Kind, "name": p.Name, "command": p.Command})
+	}
+	if *object != "" {
+		storeObject(rpc, *name, *object)
+		return
+	}
+	if *deleteItems != "" {
+		deleteBackup(rpc, listed.Plugins, *owner, *uid, *timeout, strings.Split(*deleteItems, ","))
+		return
 	}
 	raw, err = rpc.Dispense(kind)
 	if err != nil {
@@ -258,5 +282,124 @@ func main() {
 			return
 		}
 		time.Sleep(*interval)
+	}
+}
+
+// The kinds of the resources the tests' backups hold.
+var kinds = map[string]string{"persistentvolumeclaims": "PersistentVolumeClaim", "pods": "Pod", "configmaps": "ConfigMap"}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s || x == "*" {
+			return true
+		}
+	}
+	return false
+}
+
+// deleteBackup: the DeleteItemAction part of Velero's backup deletion.
+func deleteBackup(rpc plugin.ClientProtocol, listed []*generated.PluginIdentifier, name, uid string, timeout time.Duration, items []string) {
+	backupJSON, _ := json.Marshal(map[string]interface{}{
+		"apiVersion": "velero.io/v1", "kind": "Backup",
+		"metadata": map[string]interface{}{"name": name, "namespace": "velero", "uid": uid},
+		"spec":     map[string]interface{}{"itemOperationTimeout": timeout.String()},
+		"status":   map[string]interface{}{"phase": "Deleting"},
+	})
+	ctx := context.Background()
+	raw, err := rpc.Dispense("DeleteItemAction")
+	if err != nil {
+		fail("dispensing DeleteItemAction: %v", err)
+	}
+	c := raw.(generated.DeleteItemActionClient)
+	for _, p := range listed {
+		if p.Kind != "DeleteItemAction" {
+			continue
+		}
+		a, err := c.AppliesTo(ctx, &generated.DeleteItemActionAppliesToRequest{Plugin: p.Name})
+		if err != nil {
+			fail("AppliesTo of %s: %s", p.Name, message(err))
+		}
+		selector := a.ResourceSelector
+		if selector == nil {
+			selector = &generated.ResourceSelector{}
+		}
+		emit("deleteAppliesTo", map[string]interface{}{"name": p.Name, "includedResources": selector.IncludedResources})
+		for _, item := range items {
+			parts := strings.SplitN(item, "/", 3)
+			if len(parts) != 3 {
+				fail("an item is resource/namespace/name: %q", item)
+			}
+			if len(selector.IncludedResources) > 0 && !contains(selector.IncludedResources, parts[0]) {
+				continue
+			}
+			if len(selector.IncludedNamespaces) > 0 && !contains(selector.IncludedNamespaces, parts[1]) {
+				continue
+			}
+			itemJSON, _ := json.Marshal(map[string]interface{}{
+				"apiVersion": "v1", "kind": kinds[parts[0]],
+				"metadata": map[string]interface{}{"name": parts[2], "namespace": parts[1]},
+			})
+			fields := map[string]interface{}{"name": p.Name, "item": item}
+			if _, err := c.Execute(ctx, &generated.DeleteItemActionExecuteRequest{Plugin: p.Name, Item: itemJSON, Backup: backupJSON}); err != nil {
+				// Velero logs a plugin's error and goes on with the deletion.
+				fields["error"] = message(err)
+			}
+			emit("deleteExecuted", fields)
+		}
+	}
+}
+
+// storeObject: what Velero's backup store does with an ObjectStore: Init, PutObject
+// (the body streamed in chunks), GetObject (read back as streamed).
+func storeObject(rpc plugin.ClientProtocol, name, text string) {
+	ctx := context.Background()
+	raw, err := rpc.Dispense("ObjectStore")
+	if err != nil {
+		fail("dispensing ObjectStore: %v", err)
+	}
+	c := raw.(generated.ObjectStoreClient)
+	if _, err := c.Init(ctx, &generated.ObjectStoreInitRequest{Plugin: name, Config: map[string]string{"bucket": "b"}}); err != nil {
+		fail("Init: %s", message(err))
+	}
+	put, err := c.PutObject(ctx)
+	if err != nil {
+		fail("PutObject: %s", message(err))
+	}
+	body := []byte(text)
+	for len(body) > 0 {
+		n := 5
+		if n > len(body) {
+			n = len(body)
+		}
+		if err := put.Send(&generated.PutObjectRequest{Plugin: name, Bucket: "b", Key: "k/1", Body: body[:n]}); err != nil {
+			fail("PutObject: %s", message(err))
+		}
+		body = body[n:]
+	}
+	if _, err := put.CloseAndRecv(); err != nil {
+		fail("PutObject: %s", message(err))
+	}
+	for _, key := range []string{"k/1", "k/missing"} {
+		get, err := c.GetObject(ctx, &generated.GetObjectRequest{Plugin: name, Bucket: "b", Key: key})
+		if err != nil {
+			fail("GetObject: %s", message(err))
+		}
+		var data []byte
+		chunks := 0
+		fields := map[string]interface{}{"key": key}
+		for {
+			b, err := get.Recv()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				fields["error"] = message(err)
+				break
+			}
+			data = append(data, b.Data...)
+			chunks++
+		}
+		fields["data"], fields["chunks"] = string(data), chunks
+		emit("object", fields)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -41,6 +42,8 @@ var served = []*generated.PluginIdentifier{
 	{Command: os.Args[0], Kind: "BackupItemActionV2", Name: "example.io/backup-a"},
 	{Command: os.Args[0], Kind: "BackupItemActionV2", Name: "example.io/backup-b"},
 	{Command: os.Args[0], Kind: "RestoreItemActionV2", Name: "example.io/restore-a"},
+	{Command: os.Args[0], Kind: "DeleteItemAction", Name: "example.io/delete-a"},
+	{Command: os.Args[0], Kind: "ObjectStore", Name: "example.io/store"},
 }
 
 var journalLock sync.Mutex
@@ -245,6 +248,8 @@ func main() {
 			"PluginLister":        grpcPlugin{register: func(s *grpc.Server) { generated.RegisterPluginListerServer(s, listerServer{}) }},
 			"BackupItemActionV2":  grpcPlugin{register: func(s *grpc.Server) { v2.RegisterBackupItemActionServer(s, backupServer{}) }},
 			"RestoreItemActionV2": grpcPlugin{register: func(s *grpc.Server) { v2.RegisterRestoreItemActionServer(s, restoreServer{}) }},
+			"DeleteItemAction":    grpcPlugin{register: func(s *grpc.Server) { generated.RegisterDeleteItemActionServer(s, deleteServer{}) }},
+			"ObjectStore":         grpcPlugin{register: func(s *grpc.Server) { generated.RegisterObjectStoreServer(s, objectServer{}) }},
 		},
 		GRPCServer: plugin.DefaultGRPCServer,
 	})
@@ -318,4 +323,92 @@ func (restoreServer) Execute(_ context.Context, r *v2.RestoreItemActionExecuteRe
 		return nil, err
 	}
 	return &v2.RestoreItemActionExecuteResponse{Item: item, OperationID: id}, nil
+}
+
+// A DeleteItemAction of the original's own, which the stand-in passes on: it records
+// each item and Backup it is called with.
+type deleteServer struct{}
+
+func (deleteServer) AppliesTo(_ context.Context, r *generated.DeleteItemActionAppliesToRequest) (*generated.DeleteItemActionAppliesToResponse, error) {
+	s, err := appliesTo("DeleteItemAction", r.Plugin)
+	if err != nil {
+		return nil, err
+	}
+	return &generated.DeleteItemActionAppliesToResponse{ResourceSelector: s}, nil
+}
+
+func (deleteServer) Execute(_ context.Context, r *generated.DeleteItemActionExecuteRequest) (*generated.Empty, error) {
+	var item, backup struct {
+		Metadata struct {
+			Name string `json:"name"`
+		} `json:"metadata"`
+	}
+	if err := json.Unmarshal(r.Item, &item); err != nil {
+		return nil, veleroError("decoding the item: " + err.Error())
+	}
+	if err := json.Unmarshal(r.Backup, &backup); err != nil {
+		return nil, veleroError("decoding the backup: " + err.Error())
+	}
+	record("delete DeleteItemAction %s %s Backup/%s", r.Plugin, item.Metadata.Name, backup.Metadata.Name)
+	if !servedAs(r.Plugin, "DeleteItemAction") {
+		return nil, veleroError(fmt.Sprintf("%s is not a DeleteItemAction plugin of this binary", r.Plugin))
+	}
+	return &generated.Empty{}, nil
+}
+
+// An ObjectStore, the kind whose calls stream: objects are files in the state
+// directory, taken in chunk by chunk and given back in chunks of 4 bytes.
+type objectServer struct{}
+
+func objectPath(bucket, key string) string {
+	return state("object-" + strings.ReplaceAll(bucket+"-"+key, "/", "_"))
+}
+
+func (objectServer) Init(_ context.Context, r *generated.ObjectStoreInitRequest) (*generated.Empty, error) {
+	record("init ObjectStore %s bucket=%s", r.Plugin, r.Config["bucket"])
+	if !servedAs(r.Plugin, "ObjectStore") {
+		return nil, veleroError(fmt.Sprintf("%s is not an ObjectStore plugin of this binary", r.Plugin))
+	}
+	return &generated.Empty{}, nil
+}
+
+func (objectServer) PutObject(stream generated.ObjectStore_PutObjectServer) error {
+	var body []byte
+	var bucket, key string
+	chunks := 0
+	for {
+		r, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		bucket, key = r.Bucket, r.Key
+		body = append(body, r.Body...)
+		chunks++
+	}
+	record("put ObjectStore %s/%s %d chunks %d bytes", bucket, key, chunks, len(body))
+	if err := os.WriteFile(objectPath(bucket, key), body, 0o644); err != nil {
+		return veleroError(err.Error())
+	}
+	return stream.SendAndClose(&generated.Empty{})
+}
+
+func (objectServer) GetObject(r *generated.GetObjectRequest, stream generated.ObjectStore_GetObjectServer) error {
+	body, err := os.ReadFile(objectPath(r.Bucket, r.Key))
+	if err != nil {
+		return veleroError(fmt.Sprintf("no object %s/%s", r.Bucket, r.Key))
+	}
+	for len(body) > 0 {
+		n := 4
+		if n > len(body) {
+			n = len(body)
+		}
+		if err := stream.Send(&generated.Bytes{Data: body[:n]}); err != nil {
+			return err
+		}
+		body = body[n:]
+	}
+	return nil
 }

@@ -198,3 +198,43 @@ pub struct HealthCheckResponse {
     #[prost(int32, tag = "1")]
     pub status: i32,
 }
+
+/// DeleteItemAction (proto package `generated`): the stand-in serves one of its own
+/// (Velero's backup deletion calls it with the Backup) and passes the original's on.
+pub const DELETE_APPLIES_TO: &str = "/generated.DeleteItemAction/AppliesTo";
+pub const DELETE_EXECUTE: &str = "/generated.DeleteItemAction/Execute";
+/// The AppliesTo of the two asynchronous kinds, whose selectors the stand-in's own
+/// DeleteItemAction takes as its own.
+pub const BACKUP_APPLIES_TO: &str = "/v2.BackupItemAction/AppliesTo";
+pub const RESTORE_APPLIES_TO: &str = "/v2.RestoreItemAction/AppliesTo";
+pub const KIND_DELETE: &str = "DeleteItemAction";
+
+/// Every AppliesTo request, and the first field of every plugin call: which of the
+/// binary's plugins it is for.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PluginRequest {
+    #[prost(string, tag = "1")]
+    pub plugin: String,
+}
+
+/// The AppliesTo responses of every item action kind: field 1 is the selector.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AppliesToResponse {
+    #[prost(message, optional, tag = "1")]
+    pub resource_selector: Option<ResourceSelector>,
+}
+
+/// `generated.ResourceSelector`: empty lists mean every namespace or resource.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ResourceSelector {
+    #[prost(string, repeated, tag = "1")]
+    pub included_namespaces: Vec<String>,
+    #[prost(string, repeated, tag = "2")]
+    pub excluded_namespaces: Vec<String>,
+    #[prost(string, repeated, tag = "3")]
+    pub included_resources: Vec<String>,
+    #[prost(string, repeated, tag = "4")]
+    pub excluded_resources: Vec<String>,
+    #[prost(string, tag = "5")]
+    pub selector: String,
+}
