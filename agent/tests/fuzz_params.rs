@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{CommandFactory, FromArgMatches};
+use clap::FromArgMatches;
 use jsonrpsee::RpcModule;
 use opmon_agent::config::{self, Args};
 use opmon_agent::core::Core;
@@ -745,7 +745,7 @@ impl Harness {
             "--call-deadline".into(),
             "2s".into(),
         ];
-        let matches = Args::command().try_get_matches_from(argv).unwrap();
+        let matches = config::command().try_get_matches_from(argv).unwrap();
         let args = Args::from_arg_matches(&matches).unwrap();
         let settings = config::resolve(args, &matches).unwrap();
         std::fs::create_dir_all(&settings.state_dir).unwrap();

@@ -177,11 +177,9 @@ impl Core {
         let now = UnixMs::now();
         let name = p.name.clone();
         let requested = p.operations.len() as u64;
-        // Every check comes before the first change; after it only a storage failure
-        // can stop the request, so it needs no savepoint of its own.
         let added = self
             .store
-            .write_checks_first(move |conn| {
+            .write(move |conn| {
                 let (id, phase, attempted) = queries::owner_phase_by_name(conn, kind, &p.name)?
                     .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, p.name.clone())))?;
                 require_phase_in_progress(kind, &p.name, phase, "addOperations")?;

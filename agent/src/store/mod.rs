@@ -33,7 +33,6 @@ pub use self::durable::log_sqlite_errors;
 use self::durable::Durability;
 pub use self::tally::Counts;
 use self::tally::Tally;
-pub use self::writer::Isolation;
 pub use self::writer::StorageCause;
 use self::writer::Writer;
 
@@ -240,29 +239,7 @@ impl Store {
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
-        self.write_as(work, Isolation::Savepoint).await
-    }
-
-    /// [`write`](Self::write) for `work` that makes every check before its first change
-    /// and can then fail only on a storage failure ([`Isolation::ChecksFirst`]): it runs
-    /// without a savepoint of its own, and a failure after a change costs the group its
-    /// transaction.
-    pub async fn write_checks_first<T, E, F>(&self, work: F) -> Result<T, E>
-    where
-        T: Send + 'static,
-        E: From<StorageFailure> + StorageCause + Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
-    {
-        self.write_as(work, Isolation::ChecksFirst).await
-    }
-
-    async fn write_as<T, E, F>(&self, work: F, isolation: Isolation) -> Result<T, E>
-    where
-        T: Send + 'static,
-        E: From<StorageFailure> + StorageCause + Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
-    {
-        self.writer.write(work, isolation).await
+        self.writer.write(work).await
     }
 
     /// Runs `work` on a read connection, on the blocking pool, once one of the

@@ -3,11 +3,7 @@
 //! One thread owns the only read-write connection. Requests queue up while a
 //! transaction runs; the next transaction takes all of them at once, so concurrent
 //! requests share one commit and one fsync. Each request runs in its own savepoint: one
-//! that fails is rolled back alone and does not spoil the others. A request that makes
-//! every check before its first change ([`Isolation::ChecksFirst`]) runs without one:
-//! it fails either before changing anything, which spoils nothing, or on a storage
-//! failure after a change, which costs the group its transaction (the requests run in
-//! it so far are answered with that failure). The writer commits
+//! that fails is rolled back alone and does not spoil the others. The writer commits
 //! with `synchronous=NORMAL` and hands the replies to the [`durable`](super::durable)
 //! syncer, which fsyncs the WAL and only then sends them, while the writer goes on
 //! with the next group. Invariant: a request's reply is sent only after the transaction
@@ -55,23 +51,9 @@ impl StorageCause for StorageFailure {
     }
 }
 
-/// How a request is kept apart from the others in its group transaction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isolation {
-    /// In a savepoint of its own: a failure at any point undoes its changes alone.
-    Savepoint,
-    /// Without one: the request makes every check before its first change, so only a
-    /// storage failure can stop it after a change, and then the whole transaction is
-    /// rolled back. The savepoint's cost, about 3 µs of a one-operation
-    /// `addOperations`'s 25 on the writer (the statements that open and release it,
-    /// and a copy of every page the request changes first), is saved.
-    ChecksFirst,
-}
-
 struct TypedJob<T, E, F> {
     work: F,
     reply: oneshot::Sender<Result<T, E>>,
-    isolation: Isolation,
 }
 
 struct TypedPending<T, E> {
@@ -86,14 +68,7 @@ where
     F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
 {
     fn run(self: Box<Self>, conn: &Connection) -> (Box<dyn Pending>, Option<StorageFailure>) {
-        let TypedJob {
-            work,
-            reply,
-            isolation,
-        } = *self;
-        if isolation == Isolation::ChecksFirst {
-            return run_checks_first(conn, work, reply);
-        }
+        let TypedJob { work, reply } = *self;
         let result = match execute_cached(conn, "SAVEPOINT request") {
             Err(e) => Err(E::from(StorageFailure::from(e))),
             Ok(()) => {
@@ -131,44 +106,6 @@ where
     fn abort(self: Box<Self>, error: StorageFailure) {
         let _ = self.reply.send(Err(E::from(error)));
     }
-}
-
-/// Runs an [`Isolation::ChecksFirst`] request. A failure after a change (SQLite counts
-/// every row a statement or its triggers changed) rolls the transaction back, unless
-/// SQLite already did: either way the transaction is lost.
-fn run_checks_first<T, E, F>(
-    conn: &Connection,
-    work: F,
-    reply: oneshot::Sender<Result<T, E>>,
-) -> (Box<dyn Pending>, Option<StorageFailure>)
-where
-    T: Send + 'static,
-    E: From<StorageFailure> + StorageCause + Send + 'static,
-    F: FnOnce(&Connection) -> Result<T, E>,
-{
-    let before = conn.total_changes();
-    let result = work(conn);
-    let lost = match &result {
-        Ok(_) if conn.is_autocommit() => Some(StorageFailure {
-            message: "the transaction ended inside a request".into(),
-            disk_full: false,
-        }),
-        Ok(_) => None,
-        Err(e) if conn.is_autocommit() => Some(e.storage_cause()),
-        Err(e) if conn.total_changes() != before => {
-            let cause = e.storage_cause();
-            if let Err(rollback) = conn.execute_batch("ROLLBACK") {
-                tracing::error!(error = %rollback, "rolling back a group transaction");
-            }
-            Some(cause)
-        }
-        Err(_) => None,
-    };
-    let result = match &lost {
-        Some(cause) => Err(E::from(cause.clone())),
-        None => result,
-    };
-    (Box::new(TypedPending { result, reply }), lost)
 }
 
 impl<T: Send, E: From<StorageFailure> + Send> Pending for TypedPending<T, E> {
@@ -223,21 +160,17 @@ impl Writer {
         }
     }
 
-    /// Runs `work` in the next group transaction, kept apart from the others as
-    /// `isolation` says; resolves once that transaction is on disk (with `work`'s
-    /// result) or has failed (with the commit's error).
-    pub async fn write<T, E, F>(&self, work: F, isolation: Isolation) -> Result<T, E>
+    /// Runs `work` in the next group transaction, in a savepoint of its own; resolves
+    /// once that transaction is on disk (with `work`'s result) or has failed (with the
+    /// commit's error).
+    pub async fn write<T, E, F>(&self, work: F) -> Result<T, E>
     where
         T: Send + 'static,
         E: From<StorageFailure> + StorageCause + Send + 'static,
         F: FnOnce(&Connection) -> Result<T, E> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        let job: Box<dyn Job> = Box::new(TypedJob {
-            work,
-            reply,
-            isolation,
-        });
+        let job: Box<dyn Job> = Box::new(TypedJob { work, reply });
         // Counted and sent under the queue's lock, which `queued` takes too: a count
         // read there is of requests the writer can take.
         let sent = match lock(&self.queue).as_ref() {
