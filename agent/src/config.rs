@@ -195,13 +195,13 @@ settings! {
     /// counted); all peers together may register as many as the open-file limit allows
     max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
     /// calls one peer uid may have running at once (methods that mostly wait aside)
-    max_calls_per_uid: u32 = 16, shown Shown::Value, check between(1, 4096);
+    max_calls_per_uid: u32 = 32, shown Shown::Value, check between(1, 4096);
     /// bytes of request bodies one peer uid may have being read or held by their calls
     /// (at least `max_request_size` is allowed)
     max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
-    /// bytes of answers one peer uid may have made and not yet read; past it its answers
-    /// of 1 MiB or more are refused and its batches stop, until it reads
+    /// bytes of answers one peer uid may have made and not yet read; past it its large
+    /// answers wait for it to read and its batches stop
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// or `"json"`

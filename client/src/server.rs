@@ -22,10 +22,13 @@
 //!   within `request_body_timeout`;
 //! - answer bytes not yet written: each answer (and each subscription notification) is
 //!   charged to its connection and peer until the stream has written it. A WebSocket
-//!   connection runs one call at a time once it owes `unread_bytes_per_connection`, and
-//!   is not read while it owes that much or has `calls_per_connection` calls unfinished;
-//!   an answer of 1 MiB or more made while its peer owes `unread_bytes_per_peer` is
-//!   replaced by a refusal naming the quota, and a batch stops before its next call;
+//!   connection runs its calls (methods that mostly wait aside) and sends its
+//!   subscriptions' updates one at a time, each once it owes less than
+//!   `unread_bytes_per_connection`, and is not read while it owes that much or has
+//!   `calls_per_connection` calls unfinished. While a peer owes `unread_bytes_per_peer`,
+//!   an answer of 1 MiB or more of a method declared safe to send again is dropped and
+//!   made again once it owes less, and a batch stops before its next call; listings
+//!   (whose answers grow with what is stored) are made [`LISTINGS_PER_PEER`] at once;
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -52,8 +55,8 @@ use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
 use jsonrpsee::server::{
-    serve_with_graceful_shutdown, stop_channel, BatchRequestConfig, BatchResponseBuilder,
-    HttpBody, HttpResponse, MethodCallback, MethodResponse, Methods, ServerConfig,
+    serve_with_graceful_shutdown, stop_channel, BatchRequestConfig, BatchResponseBuilder, HttpBody,
+    HttpResponse, MethodCallback, MethodResponse, Methods, ServerConfig,
 };
 use jsonrpsee::types::{ErrorObject, ErrorObjectOwned, Request};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -74,8 +77,12 @@ pub type MetricsPage = Arc<
 pub const MAX_CONNECTIONS: u32 = 4096;
 
 /// An answer at least this large, made while its peer owes `unread_bytes_per_peer`, is
-/// refused; smaller ones (a status, a get) are always given.
+/// made again later (if its method may be); smaller ones (a status, a get) are given.
 pub const LARGE_ANSWER: u64 = 1024 * 1024;
+
+/// An HTTP body of at most this many bytes is not charged to its peer's request bytes
+/// (a connection holds at most one).
+pub const SMALL_BODY: u64 = 64 * 1024;
 
 /// Most of a refused request body read (and dropped) past the limit after its 413, so a
 /// client still sending it reads the answer instead of a broken pipe.
@@ -147,7 +154,7 @@ impl Default for ServeConfig {
             write_stall_timeout: Some(Duration::from_secs(30)),
             request_body_timeout: Some(Duration::from_secs(30)),
             calls_in_flight: 64,
-            calls_per_peer: 16,
+            calls_per_peer: 32,
             calls_per_connection: 16,
             request_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_peer: 64 * 1024 * 1024,
@@ -330,11 +337,13 @@ enum Unread {
 /// Reads a request body whole, up to `max_body` bytes, within `timeout`.
 async fn read_body(
     mut body: hyper::body::Incoming,
+    declared: Option<u64>,
     max_body: u32,
     timeout: Option<Duration>,
 ) -> Result<hyper::body::Bytes, Unread> {
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-    let mut collected = Vec::new();
+    // Set aside as declared: the body is charged that much already.
+    let mut collected = Vec::with_capacity(declared.unwrap_or(0) as usize);
     loop {
         let frame = match deadline {
             Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
@@ -376,8 +385,9 @@ fn has_invalid_id(body: &[u8]) -> bool {
         })
     };
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
-        Some(b'[') => serde_json::from_slice::<Vec<Probe<'_>>>(body)
-            .is_ok_and(|calls| calls.iter().any(bad)),
+        Some(b'[') => {
+            serde_json::from_slice::<Vec<Probe<'_>>>(body).is_ok_and(|calls| calls.iter().any(bad))
+        }
         _ => serde_json::from_slice::<Probe<'_>>(body).is_ok_and(|call| bad(&call)),
     }
 }
@@ -395,10 +405,29 @@ pub enum Transport {
 struct Peer {
     operator: bool,
     calls: Arc<Semaphore>,
+    /// Listings being made (`LISTINGS_PER_PEER` at once).
+    listings: Arc<Semaphore>,
     /// Request bytes being read or held by their calls, one permit a byte.
     request_bytes: Arc<Semaphore>,
     /// Answer bytes made and not yet written, over the peer's connections.
     owed: AtomicU64,
+    /// Notified as `owed` goes down.
+    paid: tokio::sync::Notify,
+}
+
+impl Peer {
+    /// Once the peer owes less than `quota`, or `conn` has ended.
+    async fn room(&self, quota: u64, conn: &Connection) {
+        loop {
+            let paid = self.paid.notified();
+            tokio::pin!(paid);
+            paid.as_mut().enable();
+            if self.owed.load(Ordering::Relaxed) < quota || conn.ended() {
+                return;
+            }
+            paid.await;
+        }
+    }
 }
 
 /// The peers with a connection open, by uid.
@@ -421,8 +450,10 @@ impl Peers {
         let peer = Arc::new(Peer {
             operator: uid == 0 || uid == self.own_uid,
             calls: Arc::new(Semaphore::new(config.calls_per_peer.max(1))),
+            listings: Arc::new(Semaphore::new(LISTINGS_PER_PEER)),
             request_bytes: Arc::new(Semaphore::new(bytes)),
             owed: AtomicU64::new(0),
+            paid: tokio::sync::Notify::new(),
         });
         by_uid.insert(uid, Arc::downgrade(&peer));
         peer
@@ -441,6 +472,8 @@ pub struct Connection {
     /// Set once a request has been routed: only a connection's first may open a
     /// WebSocket, so its frames start where that request's head ends.
     routed: AtomicBool,
+    /// Bytes came after the first request's head before it was routed.
+    early: AtomicBool,
     failed: AtomicBool,
     turn: tokio::sync::Mutex<()>,
     room_changed: tokio::sync::Notify,
@@ -450,10 +483,10 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Charges `bytes` handed over to be written.
-    pub fn owe(&self, bytes: usize) {
+    /// Charges `bytes` handed over to be written; returns what the peer owed before.
+    pub fn owe(&self, bytes: usize) -> u64 {
         self.owed.fetch_add(bytes as u64, Ordering::Relaxed);
-        self.peer.owed.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.peer.owed.fetch_add(bytes as u64, Ordering::Relaxed)
     }
 
     /// Gives back what `written` bytes paid of the charge.
@@ -468,6 +501,7 @@ impl Connection {
         let paid = was.min(written);
         if paid > 0 {
             self.peer.owed.fetch_sub(paid, Ordering::Relaxed);
+            self.peer.paid.notify_waiters();
             self.room_changed.notify_waiters();
             if self.websocket.load(Ordering::Relaxed) {
                 self.wake_reader();
@@ -498,11 +532,17 @@ impl Connection {
     fn fail(&self) {
         self.failed.store(true, Ordering::Relaxed);
         self.room_changed.notify_waiters();
+        self.peer.paid.notify_waiters();
         self.wake_reader();
     }
 
     fn wake_reader(&self) {
-        if let Some(waker) = self.reader.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        if let Some(waker) = self
+            .reader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
             waker.wake_by_ref();
         }
     }
@@ -524,6 +564,7 @@ impl Drop for Connection {
     fn drop(&mut self) {
         let owed = self.owed.load(Ordering::Relaxed);
         self.peer.owed.fetch_sub(owed, Ordering::Relaxed);
+        self.peer.paid.notify_waiters();
     }
 }
 
@@ -532,7 +573,9 @@ struct Running(Option<Arc<Connection>>);
 
 impl Running {
     fn of(conn: Option<&Arc<Connection>>, transport: Option<Transport>) -> Running {
-        let conn = conn.filter(|_| transport == Some(Transport::WebSocket)).cloned();
+        let conn = conn
+            .filter(|_| transport == Some(Transport::WebSocket))
+            .cloned();
         if let Some(conn) = &conn {
             conn.running.fetch_add(1, Ordering::Relaxed);
         }
@@ -560,6 +603,9 @@ struct Metered {
     idle_at: Option<Pin<Box<tokio::time::Sleep>>>,
     stall_at: Option<Pin<Box<tokio::time::Sleep>>>,
     text: TextCheck,
+    /// When the WebSocket message being read must have ended.
+    message_at: Option<Pin<Box<tokio::time::Sleep>>>,
+    message_timeout: Option<Duration>,
 }
 
 /// Arms `timer` for `after` if it is not, and says whether it has run out.
@@ -581,7 +627,11 @@ impl Metered {
         io::Error::new(io::ErrorKind::TimedOut, "the connection failed")
     }
 
-    fn wrote(&mut self, result: Poll<io::Result<usize>>, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    fn wrote(
+        &mut self,
+        result: Poll<io::Result<usize>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<usize>> {
         match result {
             Poll::Ready(Ok(n)) => {
                 self.stall_at = None;
@@ -609,9 +659,11 @@ impl Metered {
 /// answers it as any bad request). It reads headers and unmasks text payloads only.
 #[derive(Default)]
 struct TextCheck {
-    /// The opening request's head has ended (`\r\n\r\n` seen; `crlf` of it so far).
+    /// The opening request's head has ended (an empty line seen; `line` bytes of the
+    /// current one so far), and how many bytes came after it.
     opened: bool,
-    crlf: u8,
+    line: usize,
+    after: u64,
     head: Vec<u8>,
     /// Payload bytes left of the current frame, and where its mask stands.
     left: u64,
@@ -623,24 +675,31 @@ struct TextCheck {
     fin: bool,
     /// The start of a character the last bytes left incomplete.
     carry: Vec<u8>,
-    /// A text message was not UTF-8.
-    bad: bool,
+    /// Why the connection must close (RFC 6455's code): a text message that was not
+    /// UTF-8 (1007), a frame without a mask (1002).
+    bad: Option<u16>,
+    /// A data message has begun and not ended; the current frame is a control one.
+    in_message: bool,
+    control: bool,
 }
 
 impl TextCheck {
     /// Takes the next bytes read; false once a text message is not UTF-8.
     fn feed(&mut self, mut bytes: &[u8]) -> bool {
         while !self.opened {
-            let Some((&b, rest)) = bytes.split_first() else { return true };
-            bytes = rest;
-            self.crlf = match (self.crlf, b) {
-                (0 | 2, b'\r') => self.crlf + 1,
-                (1 | 3, b'\n') => self.crlf + 1,
-                (_, b'\r') => 1,
-                _ => 0,
+            let Some((&b, rest)) = bytes.split_first() else {
+                return true;
             };
-            self.opened = self.crlf == 4;
+            bytes = rest;
+            // The head ends with an empty line, whether its lines end in CRLF or LF.
+            match b {
+                b'\n' if self.line == 0 => self.opened = true,
+                b'\n' => self.line = 0,
+                b'\r' => {}
+                _ => self.line += 1,
+            }
         }
+        self.after += bytes.len() as u64;
         while let Some((&b, rest)) = bytes.split_first() {
             if self.left == 0 {
                 // Between frames: a header byte.
@@ -651,10 +710,17 @@ impl TextCheck {
                 }
                 continue;
             }
-            let n = bytes.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+            let n = bytes
+                .len()
+                .min(usize::try_from(self.left).unwrap_or(usize::MAX));
             if self.checking {
                 let mut text = std::mem::take(&mut self.carry);
-                text.extend(bytes[..n].iter().enumerate().map(|(i, b)| b ^ self.mask[(self.at + i) % 4]));
+                text.extend(
+                    bytes[..n]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, b)| b ^ self.mask[(self.at + i) % 4]),
+                );
                 match std::str::from_utf8(&text) {
                     Ok(_) => {}
                     Err(e) if e.error_len().is_some() => return false,
@@ -673,25 +739,36 @@ impl TextCheck {
 
     /// Whether the header is whole; if it has just become so, starts its frame.
     fn frame_started(&mut self) -> bool {
-        let [first, second, ..] = self.head[..] else { return false };
+        let [first, second, ..] = self.head[..] else {
+            return false;
+        };
         let length_bytes = match second & 0x7f {
             126 => 2,
             127 => 8,
             _ => 0,
         };
         let mask_bytes = if second & 0x80 != 0 { 4 } else { 0 };
+        if mask_bytes == 0 {
+            self.bad = self.bad.or(Some(1002));
+        }
         if self.head.len() < 2 + length_bytes + mask_bytes {
             return false;
         }
         let length = match length_bytes {
             0 => u64::from(second & 0x7f),
-            n => self.head[2..2 + n].iter().fold(0, |l, b| l << 8 | u64::from(*b)),
+            n => self.head[2..2 + n]
+                .iter()
+                .fold(0, |l, b| l << 8 | u64::from(*b)),
         };
         self.mask = [0; 4];
         self.mask[..mask_bytes].copy_from_slice(&self.head[2 + length_bytes..][..mask_bytes]);
         self.head.clear();
         let opcode = first & 0x0f;
         self.fin = first & 0x80 != 0;
+        self.control = opcode >= 8;
+        if !self.control {
+            self.in_message = true;
+        }
         self.checking = match opcode {
             1 => {
                 self.carry.clear();
@@ -716,13 +793,20 @@ impl TextCheck {
         if self.checking && self.fin {
             self.in_text = false;
         }
+        if self.fin && self.in_message && !self.control {
+            self.in_message = false;
+        }
         self.checking = false;
         ok
     }
 }
 
 impl AsyncRead for Metered {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if this.conn.ended() {
             return Poll::Ready(Err(this.failed()));
@@ -735,8 +819,9 @@ impl AsyncRead for Metered {
             }
         }
         if this.conn.full() && !this.conn.ended() {
-            // The time it is not read is not the peer's idleness.
+            // The time it is not read is not the peer's idleness, nor its slowness.
             this.idle_at = None;
+            this.message_at = None;
             return Poll::Pending;
         }
         let before = buf.filled().len();
@@ -746,18 +831,34 @@ impl AsyncRead for Metered {
                     this.idle_at = None;
                 }
                 let websocket = this.conn.websocket.load(Ordering::Relaxed);
-                if !this.conn.routed.load(Ordering::Relaxed) || websocket {
+                let routed = this.conn.routed.load(Ordering::Relaxed);
+                if !routed || websocket {
                     // Until the first request is routed, its bytes may be a WebSocket's.
-                    this.text.bad |= !this.text.feed(&buf.filled()[before..]);
+                    if !this.text.feed(&buf.filled()[before..]) {
+                        this.text.bad = this.text.bad.or(Some(1007));
+                    }
+                    if !routed && this.text.after > 0 {
+                        this.conn.early.store(true, Ordering::Relaxed);
+                    }
                 }
-                if this.text.bad && websocket {
-                    // RFC 6455 §8.1: text that is not UTF-8 fails the connection, 1007.
-                    let _ = this.inner.try_write(&[0x88, 0x02, 0x03, 0xEF]);
+                if let (Some(code), true) = (this.text.bad, websocket) {
+                    // RFC 6455: text that is not UTF-8 (1007) or a frame without a mask
+                    // (1002) fails the connection.
+                    let [high, low] = code.to_be_bytes();
+                    let _ = this.inner.try_write(&[0x88, 0x02, high, low]);
                     this.conn.fail();
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::InvalidData,
-                        "a WebSocket text message that is not UTF-8",
+                        "a WebSocket frame without a mask, or text that is not UTF-8",
                     )));
+                }
+                // A message begun must end within the body timeout.
+                if !(websocket && this.text.in_message) {
+                    this.message_at = None;
+                } else if this.message_at.is_none() {
+                    if let Some(after) = this.message_timeout {
+                        this.message_at = Some(Box::pin(tokio::time::sleep(after)));
+                    }
                 }
                 Poll::Ready(Ok(()))
             }
@@ -765,9 +866,18 @@ impl AsyncRead for Metered {
                 this.conn.fail();
                 Poll::Ready(Err(e))
             }
-            Poll::Pending if ran_out(&mut this.idle_at, this.idle, cx) => {
+            Poll::Pending
+                if ran_out(&mut this.idle_at, this.idle, cx)
+                    || this
+                        .message_at
+                        .as_mut()
+                        .is_some_and(|at| at.as_mut().poll(cx).is_ready()) =>
+            {
                 this.conn.fail();
-                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer sent nothing")))
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer sent nothing, or not the rest of its message",
+                )))
             }
             Poll::Pending => Poll::Pending,
         }
@@ -775,7 +885,11 @@ impl AsyncRead for Metered {
 }
 
 impl AsyncWrite for Metered {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if this.conn.ended() {
             return Poll::Ready(Err(this.failed()));
@@ -819,6 +933,35 @@ static WAITING: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
         .collect()
 });
 
+/// The methods whose answers grow with what is stored (a page of owners, an owner's
+/// operations, records or events): making one takes several times its size, so one
+/// peer makes [`LISTINGS_PER_PEER`] at once.
+static LISTINGS: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
+    use crate::methods::{Events, ItemOperations, List, Method, Operations};
+    [
+        &List::DECL,
+        &Operations::DECL,
+        &ItemOperations::DECL,
+        &Events::DECL,
+    ]
+    .iter()
+    .flat_map(|d| d.names().iter().copied())
+    .collect()
+});
+
+/// Listings one peer has made at once.
+pub const LISTINGS_PER_PEER: usize = 2;
+
+/// The methods declared safe to send again (`methods::Retry::Always`): a large answer of
+/// one is made again rather than kept past its peer's quota.
+static AGAIN: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
+    crate::methods::ALL
+        .iter()
+        .filter(|d| d.retry == crate::methods::Retry::Always)
+        .flat_map(|d| d.names().iter().copied())
+        .collect()
+});
+
 /// The RPC middleware `serve` puts first: charges each call to its peer's budget (see
 /// the module's doc) and rewords jsonrpsee's errors a client cannot act on.
 #[derive(Clone)]
@@ -842,12 +985,18 @@ type Places = (Option<OwnedSemaphorePermit>, Vec<OwnedSemaphorePermit>);
 
 impl Rules {
     /// A place among the calls in flight for a call of `conn`'s peer.
-    async fn place(&self, conn: Option<&Arc<Connection>>) -> Places {
+    async fn place(&self, conn: Option<&Arc<Connection>>, method: &str) -> Places {
         let Some(peer) = conn.map(|c| &c.peer) else {
-            return (None, self.all.clone().acquire_owned().await.into_iter().collect());
+            return (
+                None,
+                self.all.clone().acquire_owned().await.into_iter().collect(),
+            );
         };
+        let mut held = Vec::with_capacity(3);
+        if LISTINGS.contains(method) {
+            held.extend(peer.listings.clone().acquire_owned().await.ok());
+        }
         let own = peer.calls.clone().acquire_owned().await.ok();
-        let mut held = Vec::with_capacity(2);
         if !peer.operator {
             held.extend(self.others.clone().acquire_owned().await.ok());
         }
@@ -884,7 +1033,11 @@ impl Rules {
     /// The error for calling `method` in a batch, if it cannot be: a subscription's
     /// notifications would go out before the batch's answer that names it.
     fn batch_refusal(&self, method: &str) -> Option<ErrorObjectOwned> {
-        matches!(self.methods.method(method), Some(MethodCallback::Subscription(_))).then(|| {
+        matches!(
+            self.methods.method(method),
+            Some(MethodCallback::Subscription(_))
+        )
+        .then(|| {
             ErrorObject::owned(
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
                 format!(
@@ -963,29 +1116,42 @@ where
                 (Some(conn), Some(Transport::WebSocket)) => Some(conn.room().await),
                 _ => None,
             };
-            let id = request.id().into_owned();
-            let places = rules.place(conn.as_ref()).await;
-            let response = inner.call(request).await;
-            drop(places);
-            let Some(conn) = &conn else { return response };
-            let length = response.as_json().get().len();
-            if length as u64 >= LARGE_ANSWER {
-                if let Some(owed) = conn.over_quota(rules.unread_bytes_per_peer) {
-                    let refused = rules.over_quota(owed, &format!("an answer of {length} bytes"));
-                    let refused = MethodResponse::error(id, refused);
-                    conn.owe(refused.as_json().get().len());
-                    return refused;
+            let Some(conn) = &conn else {
+                let _places = rules.place(None, "").await;
+                return inner.call(request).await;
+            };
+            let again = AGAIN.contains(request.method_name());
+            loop {
+                let places = rules.place(Some(conn), request.method_name()).await;
+                let response = inner.call(request.clone()).await;
+                drop(places);
+                let length = response.as_json().get().len();
+                // Counted first, so answers made at once cannot all pass the quota together.
+                let owed = conn.owe(length);
+                if length as u64 >= LARGE_ANSWER
+                    && owed >= rules.unread_bytes_per_peer
+                    && again
+                    && !conn.ended()
+                {
+                    // A large answer of a call that may be made again is not kept while
+                    // its peer owes its quota: it is made again once the peer has read.
+                    conn.paid(length);
+                    drop(response);
+                    conn.peer.room(rules.unread_bytes_per_peer, conn).await;
+                    continue;
                 }
+                return response;
             }
-            conn.owe(length);
-            response
         }
     }
 
     /// A batch runs its calls one after another, each taking its place as it runs, and
     /// stops before its next call once its connection has ended, its answer would pass
     /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
-    fn batch<'a>(&self, mut requests: Batch<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
+    fn batch<'a>(
+        &self,
+        mut requests: Batch<'a>,
+    ) -> impl Future<Output = MethodResponse> + Send + 'a {
         let inner = self.inner.clone();
         let rules = self.rules.clone();
         async move {
@@ -1023,7 +1189,10 @@ where
                         stopped = Some(MethodResponse::notification());
                         break;
                     }
-                    if let Some(owed) = conn.over_quota(rules.unread_bytes_per_peer).filter(|_| charged > 0) {
+                    if let Some(owed) = conn
+                        .over_quota(rules.unread_bytes_per_peer)
+                        .filter(|_| charged > 0)
+                    {
                         let why = rules.over_quota(
                             owed,
                             &format!("this batch stopped at call {} of its {answered}", run + 1),
@@ -1036,7 +1205,7 @@ where
                     Ok(BatchEntry::Call(call)) => {
                         let places = match WAITING.contains(call.method_name()) {
                             true => None,
-                            false => Some(rules.place(conn.as_ref()).await),
+                            false => Some(rules.place(conn.as_ref(), call.method_name()).await),
                         };
                         let response = inner.call(call).await;
                         drop(places);
@@ -1088,7 +1257,10 @@ where
         }
     }
 
-    fn notification<'a>(&self, n: Notification<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
+    fn notification<'a>(
+        &self,
+        n: Notification<'a>,
+    ) -> impl Future<Output = MethodResponse> + Send + 'a {
         let inner = self.inner.clone();
         async move {
             // jsonrpsee runs no notification, and takes a request whose id is not a
@@ -1150,22 +1322,28 @@ where
     if upgrade {
         let has_body = parts.headers.contains_key(hyper::header::TRANSFER_ENCODING)
             || declared_length(&parts.headers).is_some_and(|length| length > 0);
-        if !first || has_body {
+        // Frames are checked from where the opening head ends (see `TextCheck`).
+        if !first || has_body || conn.early.load(Ordering::Relaxed) {
             return Ok(closing(rpc_error(
                 hyper::StatusCode::BAD_REQUEST,
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
-                "a WebSocket is opened by the first request of a connection, without a body; \
-                 open a new connection",
+                "a WebSocket is opened by the first request of a connection, without a body, \
+                 and its client sends nothing more until the 101 answer (RFC 6455, 4.1); open \
+                 a new connection and wait for the 101",
             )));
         }
         parts.extensions.insert(Transport::WebSocket);
         conn.websocket.store(true, Ordering::Relaxed);
-        return ws.call(hyper::Request::from_parts(parts, HttpBody::new(body))).await;
+        return ws
+            .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
+            .await;
     }
     parts.extensions.insert(Transport::Http);
     if parts.method != hyper::Method::POST {
         // jsonrpsee answers with 405 and what it wants.
-        return http.call(hyper::Request::from_parts(parts, HttpBody::new(body))).await;
+        return http
+            .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
+            .await;
     }
     let max_body = shared.max_body;
     let drain_bound = u64::from(max_body) + u64::from(max_body).max(MIN_DRAIN);
@@ -1174,7 +1352,10 @@ where
         return Ok(rpc_error(
             hyper::StatusCode::UNSUPPORTED_MEDIA_TYPE,
             jsonrpsee::types::error::INVALID_REQUEST_CODE,
-            &format!("Content-Type: {} is not accepted; send application/json", shown(&text, 100)),
+            &format!(
+                "Content-Type: {} is not accepted; send application/json",
+                shown(&text, 100)
+            ),
         ));
     }
     let declared = declared_length(&parts.headers);
@@ -1184,9 +1365,19 @@ where
     }
     // Charged before it is read, so a peer's bodies that come slowly (or never) hold
     // its own quota, no one else's; one of unknown length is charged the most it may be.
-    let charge = declared.unwrap_or(u64::from(max_body)).max(1) as u32;
-    let mut held = conn.peer.request_bytes.clone().acquire_many_owned(charge).await.ok();
-    let bytes = match read_body(body, max_body, shared.body_timeout).await {
+    // A small body is not charged: a connection holds at most one.
+    let charge = declared.unwrap_or(u64::from(max_body));
+    let mut held = match charge > SMALL_BODY {
+        true => conn
+            .peer
+            .request_bytes
+            .clone()
+            .acquire_many_owned(charge as u32)
+            .await
+            .ok(),
+        false => None,
+    };
+    let bytes = match read_body(body, declared, max_body, shared.body_timeout).await {
         Ok(bytes) => bytes,
         Err(Unread::TooBig(body, read)) => {
             drain(body, &parts.headers, read, drain_bound);
@@ -1213,12 +1404,13 @@ where
         // What was set aside for a body of unknown length and did not come.
         drop(held.split(held.num_permits().saturating_sub(bytes.len().max(1))));
     }
-    let sent = bytes.clone();
+    // Kept (a reference) to tell a bad id from a notification; a small body only.
+    let sent = (bytes.len() as u64 <= SMALL_BODY).then(|| bytes.clone());
     let body = HttpBody::new(http_body_util::Full::new(bytes));
     let mut response = http.call(hyper::Request::from_parts(parts, body)).await?;
     drop(held);
     if response.extensions().get::<Unanswered>().is_some() {
-        if has_invalid_id(&sent) {
+        if sent.as_deref().is_some_and(has_invalid_id) {
             return Ok(rpc_error(
                 hyper::StatusCode::BAD_REQUEST,
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
@@ -1261,7 +1453,7 @@ impl Admission for AdmitAll {
 }
 
 /// Serves `methods` on `listener` until `shutdown` resolves, then drains. Every call
-/// passes through [`Guard`], then `rpc_middleware` (`RpcServiceBuilder::new()` for none).
+/// passes through `rpc_middleware` (`RpcServiceBuilder::new()` for none), then [`Guard`].
 pub async fn serve<L>(
     listener: UnixListener,
     methods: impl Into<Methods>,
@@ -1284,7 +1476,9 @@ pub async fn serve<L>(
     let rules = Arc::new(Rules {
         methods: methods.clone(),
         all: Arc::new(Semaphore::new(config.calls_in_flight.max(1))),
-        others: Arc::new(Semaphore::new(config.calls_in_flight.saturating_sub(reserve).max(1))),
+        others: Arc::new(Semaphore::new(
+            config.calls_in_flight.saturating_sub(reserve).max(1),
+        )),
         max_batch_response: config.max_batch_response_bytes as usize,
         unread_bytes_per_peer: config.unread_bytes_per_peer,
     });
@@ -1359,6 +1553,7 @@ pub async fn serve<L>(
             running: AtomicUsize::new(0),
             websocket: AtomicBool::new(false),
             routed: AtomicBool::new(false),
+            early: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             turn: tokio::sync::Mutex::new(()),
             room_changed: tokio::sync::Notify::new(),
@@ -1374,12 +1569,25 @@ pub async fn serve<L>(
             idle_at: None,
             stall_at: None,
             text: TextCheck::default(),
+            message_at: None,
+            message_timeout: config.request_body_timeout,
         };
-        let http = http_builder.clone().build(methods.clone(), stop_handle.clone());
-        let ws = ws_builder.clone().build(methods.clone(), stop_handle.clone());
+        let http = http_builder
+            .clone()
+            .build(methods.clone(), stop_handle.clone());
+        let ws = ws_builder
+            .clone()
+            .build(methods.clone(), stop_handle.clone());
         let shared = shared.clone();
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-            route(request, http.clone(), ws.clone(), shared.clone(), conn.clone(), caller)
+            route(
+                request,
+                http.clone(),
+                ws.clone(),
+                shared.clone(),
+                conn.clone(),
+                caller,
+            )
         });
         let stopped = stop_handle.clone().shutdown();
         connections.spawn(async move {

@@ -213,6 +213,7 @@ fn the_limits_are_the_codes_constants() {
         ),
         ("calls in flight", format!("{}", serve.calls_in_flight)),
         ("calls per uid", format!("{}", serve.calls_per_peer)),
+        ("listings per uid", format!("{}", server::LISTINGS_PER_PEER)),
         (
             "request bytes per uid",
             format!("{} bytes", serve.request_bytes_per_peer),
