@@ -465,7 +465,11 @@ impl Peers {
 /// carry it; a subscription takes [`Connection::room`] before it sends.
 pub struct Connection {
     peer: Arc<Peer>,
+    /// Bytes of answers not yet written whole (an answer counts whole until its last
+    /// byte is written: its buffer lives that long).
     owed: AtomicU64,
+    /// The answers handed over, oldest first: their sizes and what is left to write.
+    queued: Mutex<std::collections::VecDeque<(u64, u64)>>,
     /// WebSocket calls read and not finished.
     running: AtomicUsize,
     websocket: AtomicBool,
@@ -483,24 +487,51 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Charges `bytes` handed over to be written; returns what the peer owed before.
+    /// Charges an answer of `bytes` handed over to be written; returns what the peer
+    /// owed before.
     pub fn owe(&self, bytes: usize) -> u64 {
-        self.owed.fetch_add(bytes as u64, Ordering::Relaxed);
-        self.peer.owed.fetch_add(bytes as u64, Ordering::Relaxed)
+        let bytes = bytes as u64;
+        self.lock_queued().push_back((bytes, bytes));
+        self.owed.fetch_add(bytes, Ordering::Relaxed);
+        self.peer.owed.fetch_add(bytes, Ordering::Relaxed)
     }
 
-    /// Gives back what `written` bytes paid of the charge.
+    /// Takes back the charge of the answer handed over last (it was not handed over).
+    fn take_back(&self) {
+        let last = self.lock_queued().pop_back();
+        if let Some((bytes, _)) = last {
+            self.released(bytes);
+        }
+    }
+
+    fn lock_queued(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, u64)>> {
+        self.queued.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `written` bytes went out: answers written whole are no longer charged.
     fn paid(&self, written: usize) {
-        let written = written as u64;
-        let was = self
-            .owed
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |o| {
-                Some(o.saturating_sub(written))
-            })
-            .unwrap_or_else(|o| o);
-        let paid = was.min(written);
-        if paid > 0 {
-            self.peer.owed.fetch_sub(paid, Ordering::Relaxed);
+        let mut written = written as u64;
+        let mut whole = 0;
+        {
+            let mut queued = self.lock_queued();
+            while let Some((bytes, left)) = queued.front_mut() {
+                let n = written.min(*left);
+                *left -= n;
+                written -= n;
+                if *left > 0 {
+                    break;
+                }
+                whole += *bytes;
+                queued.pop_front();
+            }
+        }
+        self.released(whole);
+    }
+
+    fn released(&self, bytes: u64) {
+        if bytes > 0 {
+            self.owed.fetch_sub(bytes, Ordering::Relaxed);
+            self.peer.owed.fetch_sub(bytes, Ordering::Relaxed);
             self.peer.paid.notify_waiters();
             self.room_changed.notify_waiters();
             if self.websocket.load(Ordering::Relaxed) {
@@ -1135,7 +1166,7 @@ where
                 {
                     // A large answer of a call that may be made again is not kept while
                     // its peer owes its quota: it is made again once the peer has read.
-                    conn.paid(length);
+                    conn.take_back();
                     drop(response);
                     conn.peer.room(rules.unread_bytes_per_peer, conn).await;
                     continue;
@@ -1236,7 +1267,7 @@ where
                 }
                 // Counted as it grows, so batches made at once see each other.
                 if let Some(conn) = &conn {
-                    conn.owe(length);
+                    conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
                 }
                 charged += length;
                 tokio::task::coop::consume_budget().await;
@@ -1248,7 +1279,8 @@ where
             };
             if let Some(conn) = &conn {
                 // What was counted becomes the answer's length (or is given back).
-                conn.paid(charged);
+                conn.peer.owed.fetch_sub(charged as u64, Ordering::Relaxed);
+                conn.peer.paid.notify_waiters();
                 if !response.is_notification() {
                     conn.owe(response.as_json().get().len());
                 }
@@ -1550,6 +1582,7 @@ pub async fn serve<L>(
         let conn = Arc::new(Connection {
             peer: peers.get(caller.map_or(u32::MAX, |c| c.uid), &config),
             owed: AtomicU64::new(0),
+            queued: Mutex::new(std::collections::VecDeque::new()),
             running: AtomicUsize::new(0),
             websocket: AtomicBool::new(false),
             routed: AtomicBool::new(false),
