@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use opmon_agent::{config, filework, phase, storage_dir, store};
-use opmon_client::server::{self, ServeConfig};
+use opmon_client::server::ServeConfig;
 use opmon_client::{openrpc, OwnerKind};
 
 fn repo() -> PathBuf {
