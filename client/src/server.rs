@@ -631,7 +631,10 @@ struct Metered {
     conn: Arc<Connection>,
     idle: Option<Duration>,
     stall: Option<Duration>,
+    /// One timer for the idle timeout, moved on lazily from the last read (a timer per
+    /// read would cost more than the read).
     idle_at: Option<Pin<Box<tokio::time::Sleep>>>,
+    last_read: tokio::time::Instant,
     stall_at: Option<Pin<Box<tokio::time::Sleep>>>,
     text: TextCheck,
     /// When the WebSocket message being read must have ended.
@@ -654,6 +657,22 @@ fn ran_out(
 }
 
 impl Metered {
+    /// Whether the peer has sent nothing for `idle` (arming the timer if need be).
+    fn idle_ran_out(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(idle) = self.idle else { return false };
+        let due = self.last_read + idle;
+        let timer = self
+            .idle_at
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        while timer.as_mut().poll(cx).is_ready() {
+            if tokio::time::Instant::now() >= self.last_read + idle {
+                return true;
+            }
+            timer.as_mut().reset(self.last_read + idle);
+        }
+        false
+    }
+
     fn failed(&self) -> io::Error {
         io::Error::new(io::ErrorKind::TimedOut, "the connection failed")
     }
@@ -851,7 +870,7 @@ impl AsyncRead for Metered {
         }
         if this.conn.full() && !this.conn.ended() {
             // The time it is not read is not the peer's idleness, nor its slowness.
-            this.idle_at = None;
+            this.last_read = tokio::time::Instant::now();
             this.message_at = None;
             return Poll::Pending;
         }
@@ -859,7 +878,7 @@ impl AsyncRead for Metered {
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
-                    this.idle_at = None;
+                    this.last_read = tokio::time::Instant::now();
                 }
                 let websocket = this.conn.websocket.load(Ordering::Relaxed);
                 let routed = this.conn.routed.load(Ordering::Relaxed);
@@ -898,7 +917,7 @@ impl AsyncRead for Metered {
                 Poll::Ready(Err(e))
             }
             Poll::Pending
-                if ran_out(&mut this.idle_at, this.idle, cx)
+                if this.idle_ran_out(cx)
                     || this
                         .message_at
                         .as_mut()
@@ -1600,6 +1619,7 @@ pub async fn serve<L>(
             idle: config.idle_timeout,
             stall: config.write_stall_timeout,
             idle_at: None,
+            last_read: tokio::time::Instant::now(),
             stall_at: None,
             text: TextCheck::default(),
             message_at: None,

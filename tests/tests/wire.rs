@@ -725,7 +725,7 @@ fn many_full_websockets_announcing_large_messages_leave_others_large_requests_re
 /// that stopped reading: it keeps its connection past the agent's write stall timeout
 /// (30 s) and gets the whole answer. Takes about 45 s.
 #[test]
-#[ignore = "not fixed (#33): the stall check counts what the peer read by SIOCOUTQ, which on a Unix socket drops only once a whole buffer of the agent's large writes is read; a peer reading 8 KiB every 10 s of a 15 MB answer is closed after 30 s"]
+#[ignore = "not fixed (#33): a write that makes no progress for 30 s fails the connection, and on a Unix socket a large write makes progress only once the peer has read a whole buffer of it; a peer reading 8 KiB every 10 s of a 15 MB answer is closed after 30 s"]
 fn a_client_that_reads_slowly_is_not_taken_for_one_that_stopped() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);
