@@ -942,6 +942,21 @@ impl Values {
     }
 }
 
+/// `snapshotter.register`'s words for its fields, as the config file spells its keys.
+fn file_keys(message: &str) -> String {
+    [
+        ("veleroPlugin", "velero_plugin"),
+        ("apiVersion", "api_version"),
+        ("stallTimeout", "stall_timeout"),
+        ("startTimeout", "start_timeout"),
+        ("retryAttempts", "retry_attempts"),
+        ("retryBackoff", "retry_backoff"),
+        ("retryWithin", "retry_within"),
+    ]
+    .iter()
+    .fold(message.to_string(), |m, (api, key)| m.replace(api, key))
+}
+
 /// The config file's `[[snapshotter]]` tables, each checked as `snapshotter.register`
 /// checks one (its name made canonical), so a bad table stops the agent (or refuses a
 /// reload) before anything is opened.
@@ -980,8 +995,9 @@ fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>,
                     "config snapshotter {given}: retry_backoff: must be greater than zero"
                 ));
             }
-            crate::api::check_snapshotter(&mut s)
-                .map_err(|e| format!("config snapshotter {given}: {e}"))?;
+            crate::api::check_snapshotter(&mut s).map_err(|e| {
+                format!("config snapshotter {given}: {}", file_keys(&e.to_string()))
+            })?;
             Ok(s)
         })
         .collect::<Result<_, String>>()?;
@@ -1037,11 +1053,63 @@ fn read_config_file(path: &Path) -> Result<String, String> {
 /// Refuses `OPMON_*` variables that are not settings (see [`check_environment`]).
 pub fn load() -> Result<(Settings, CommandLine), String> {
     drop_empty_variables();
-    let matches = command().get_matches();
+    let matches = command()
+        .try_get_matches()
+        .unwrap_or_else(|e| name_the_variable(e, std::env::args_os()).exit());
     let args = Args::from_arg_matches(&matches).map_err(|e| e.to_string())?;
     check_environment(std::env::vars_os())?;
     let command_line = CommandLine { args, matches };
     command_line.resolve().map(|s| (s, command_line))
+}
+
+/// Clap's error for a bad value, naming the variable rather than the flag when the
+/// value came from the environment (`OPMON_POLL_INTERVAL=fast` was not typed as
+/// `--poll-interval`), as the errors of the config file name its key.
+fn name_the_variable(
+    error: clap::Error,
+    typed: impl Iterator<Item = std::ffi::OsString>,
+) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        error.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return error;
+    }
+    let Some(ContextValue::String(arg)) = error.get(ContextKind::InvalidArg) else {
+        return error;
+    };
+    let Some(flag) = arg.split_whitespace().next() else {
+        return error;
+    };
+    let declared = declarations();
+    let Some(declared) = declared.iter().find(|d| d.flag() == flag) else {
+        return error;
+    };
+    let typed = typed.skip(1).any(|word| {
+        let word = word.to_string_lossy();
+        word == flag || word.starts_with(&format!("{flag}="))
+    });
+    if typed {
+        return error;
+    }
+    let value = match error.get(ContextKind::InvalidValue) {
+        Some(ContextValue::String(value)) => value.clone(),
+        _ => String::new(),
+    };
+    let why = match std::error::Error::source(&error) {
+        Some(source) => source.to_string(),
+        None => match error.get(ContextKind::ValidValue) {
+            Some(ContextValue::Strings(valid)) => {
+                format!("{value:?} is not one of {}", valid.join(", "))
+            }
+            _ => format!("{value:?} is not valid"),
+        },
+    };
+    command().error(
+        ErrorKind::ValueValidation,
+        format!("{}: {why}", declared.variable()),
+    )
 }
 
 /// Removes the `OPMON_*` variables that are set but empty: an empty variable means unset
@@ -1407,7 +1475,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             e,
-            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and veleroPlugin"
+            "config snapshotter example.io/both: socket: a v2 snapshotter needs exactly one of socket, command and velero_plugin"
         );
         let s = settings(
             &[],

@@ -30,8 +30,8 @@ use crate::store::{StorageFailure, Store};
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Checkpoint {
-    /// SQLite, automatically, whenever the WAL passes
-    /// [`CHECKPOINT_PAGES`](crate::store::CHECKPOINT_PAGES) (4,000).
+    // The doc lines are `--help`'s text, so they name store::CHECKPOINT_PAGES by value.
+    /// SQLite, automatically, whenever the WAL passes 4,000 pages.
     Sqlite,
     /// Someone else (Litestream): the agent never checkpoints while it runs.
     External,

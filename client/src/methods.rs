@@ -259,7 +259,7 @@ declare! {
         // Same name and uid again returns the owner.
         retry: Always, waits: false, errors: [INVALID_PARAMS, ALREADY_EXISTS, STORAGE_FAILURE],
         summary: "Starts monitoring a {kind} in InProgress; the same name and uid again returns it.",
-        details: "Same name with another uid: 1002. `finalize` is for restores only.",
+        details: "Same name with another uid: 1002. `finalize`: whether it waits in Finalizing for `finalize` (default: true for a backup, the `restore_finalize` setting for a restore).",
     }
     /// `addOperations`.
     owner AddOperations = "addOperations", types::AddOperationsParams => types::AddOperationsResult as "counts" {

@@ -106,8 +106,7 @@ pub fn kubernetes_tree(without_replica_env: bool) -> tempfile::TempDir {
 }
 
 /// `kubectl kustomize DIR`: its exit status, standard output and standard error. Needs
-/// kubectl (Debian package kubernetes-client; kubectl 1.20's kustomize needs no
-/// cluster).
+/// kubectl (Debian package kubernetes-client; its kustomize needs no cluster).
 pub fn kustomize(dir: &Path) -> (bool, String, String) {
     let out = Command::new("kubectl")
         .arg("kustomize")
@@ -137,6 +136,11 @@ pub fn rendered(name: &str) -> Vec<Value> {
         assert!(
             ok,
             "kubectl kustomize container/kubernetes/{dir} failed:\n{err}"
+        );
+        // What `kubectl apply -k` would print to the user too (deprecated fields).
+        assert!(
+            err.is_empty(),
+            "kubectl kustomize container/kubernetes/{dir} warned:\n{err}"
         );
         docs.extend(parse_yaml(&out, dir));
     }

@@ -1356,3 +1356,166 @@ async fn describe_prints_times_in_the_local_zone_as_velero_does() {
         assert!(text.contains(&want), "TZ={tz}: no {want:?} in\n{text}");
     }
 }
+
+/// `opmon status` against `socket`, and what it printed on stderr.
+fn status_at(socket: &std::path::Path, uid: Option<u32>) -> (Option<i32>, String) {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(workspace_binary("opmon"));
+    command
+        .env_remove("OPMON_SOCKET")
+        .arg("--socket")
+        .arg(socket);
+    if let Some(uid) = uid {
+        command.uid(uid).gid(uid);
+    }
+    let out = command.arg("status").output().expect("running opmon");
+    (out.status.code(), text(&out).1)
+}
+
+#[test]
+fn an_unreachable_agent_is_explained_by_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("agent.sock");
+    let (code, stderr) = status_at(&missing, None);
+    assert_eq!(code, Some(2));
+    assert_eq!(
+        stderr,
+        format!(
+            "opmon: cannot connect to the opmon agent at {}: No such file or directory (os error 2). \
+             Is the agent running? Start opmon-agent, or give its socket with --socket or OPMON_SOCKET.\n",
+            missing.display()
+        )
+    );
+    // A directory typed for the socket.
+    let (_, stderr) = status_at(dir.path(), None);
+    assert!(
+        stderr.ends_with(
+            "It is not a socket: --socket and OPMON_SOCKET name the agent's socket file.\n"
+        ),
+        "{stderr}"
+    );
+    // The socket file a killed agent leaves behind.
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let (_, stderr) = status_at(&stale, None);
+    assert!(
+        stderr.ends_with(
+            "Connection refused (os error 111). Nothing listens on it: the agent has stopped.\n"
+        ),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_user_the_socket_keeps_out_is_told_which_settings_let_users_in() {
+    if !opmon_tests::root_or_skip("to run the CLI as another uid") {
+        return;
+    }
+    let f = Fixture::new(&[]).await;
+    let (code, stderr) = status_at(&f.agent.socket, Some(65534));
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.ends_with(
+            "Permission denied (os error 13). This user may not open the socket or its \
+             directory: the agent's socket_mode and socket_group say who may \
+             (docs/operations.md, \"Access and trust\").\n"
+        ),
+        "{stderr}"
+    );
+}
+
+/// `--help` of `program` and of each of its subcommands, recursively: (the command
+/// line, its text).
+fn every_help(program: &str, words: &mut Vec<String>, found: &mut Vec<(String, String)>) {
+    let out = Command::new(workspace_binary(program))
+        .env_remove("OPMON_SOCKET")
+        .args(words.iter())
+        .arg("--help")
+        .output()
+        .expect("running --help");
+    let (help, stderr) = text(&out);
+    assert!(out.status.success(), "{program} {words:?} --help: {stderr}");
+    let subcommands: Vec<String> = help
+        .split("\nCommands:\n")
+        .nth(1)
+        .map(|rest| {
+            rest.lines()
+                .take_while(|line| line.starts_with("  "))
+                .filter_map(|line| line.split_whitespace().next())
+                .filter(|name| *name != "help")
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    found.push((format!("{program} {}", words.join(" ")), help));
+    for name in subcommands {
+        words.push(name);
+        every_help(program, words, found);
+        words.pop();
+    }
+}
+
+#[test]
+fn help_is_plain_text_without_rustdoc_markup() {
+    let mut helps = Vec::new();
+    every_help("opmon", &mut Vec::new(), &mut helps);
+    every_help("opmon-agent", &mut Vec::new(), &mut helps);
+    assert!(helps.len() > 20, "{} help texts", helps.len());
+    for (command, help) in helps {
+        // Doc comments become --help: an intra-doc link shows as its markup.
+        assert!(
+            !help.contains("](crate::") && !help.contains("[`"),
+            "{command} --help:\n{help}"
+        );
+    }
+}
+
+#[test]
+fn the_agents_bad_variables_are_named_as_variables_not_as_flags() {
+    let agent = |env: &[(&str, &str)], args: &[&str]| {
+        let out = opmon_tests::agent_command()
+            .envs(env.iter().copied())
+            .args(args)
+            .arg("--print-config")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+        text(&out).1
+    };
+    let stderr = agent(&[("OPMON_POLL_INTERVAL", "fast")], &[]);
+    assert!(
+        stderr.starts_with(
+            "error: OPMON_POLL_INTERVAL: invalid duration \"fast\": expected a number\n"
+        ),
+        "{stderr}"
+    );
+    let stderr = agent(&[("OPMON_LOG_FORMAT", "xml")], &[]);
+    assert!(
+        stderr.starts_with("error: OPMON_LOG_FORMAT: \"xml\" is not one of human, json\n"),
+        "{stderr}"
+    );
+    // Typed, the flag is named, whatever the variable says.
+    let stderr = agent(
+        &[("OPMON_POLL_INTERVAL", "fast")],
+        &["--poll-interval=slow"],
+    );
+    assert!(
+        stderr.starts_with("error: invalid value 'slow' for '--poll-interval <POLL_INTERVAL>'"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn each_commands_own_options_come_before_the_global_ones() {
+    let mut helps = Vec::new();
+    every_help("opmon", &mut Vec::new(), &mut helps);
+    for (command, help) in helps {
+        let (own, global) = help
+            .split_once("\nGlobal options:\n")
+            .unwrap_or_else(|| panic!("{command} --help has no global options:\n{help}"));
+        assert!(
+            !own.contains("--socket <") && global.contains("--socket <SOCKET>"),
+            "{command} --help:\n{help}"
+        );
+    }
+}

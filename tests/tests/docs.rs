@@ -447,12 +447,13 @@ fn the_variables_the_docs_name_are_read_by_a_program() {
     );
 }
 
-/// The `opmon …` commands of `text`: lines of its code blocks that start with `opmon `
-/// (or `$ opmon `), joined across `\` continuations, and prose code spans that are a
-/// command rather than a synopsis (no `<…>`, `[…]`, `a|b` or `…` for words). Each with
-/// whether it is a line to run: in prose, `opmon backup wait` may name a command
-/// without its arguments.
-fn opmon_commands(text: &str) -> Vec<(String, bool)> {
+/// The commands of `program` in `text`: lines of its code blocks that start with
+/// `program ` (or `$ program `), joined across `\` continuations, and prose code spans
+/// that are a command rather than a synopsis (no `<…>`, `[…]`, `a|b` or `…` for words).
+/// Each with whether it is a line to run: in prose, `opmon backup wait` may name a
+/// command without its arguments.
+fn commands_of(program: &str, text: &str) -> Vec<(String, bool)> {
+    let start = format!("{program} ");
     let mut commands = Vec::new();
     let mut fenced = false;
     let mut lines = text.lines();
@@ -464,7 +465,7 @@ fn opmon_commands(text: &str) -> Vec<(String, bool)> {
         if fenced {
             let line = line.trim_start();
             let line = line.strip_prefix("$ ").unwrap_or(line);
-            if line.starts_with("opmon ") {
+            if line.starts_with(&start) {
                 let mut command = line.to_string();
                 while command.ends_with('\\') {
                     command.pop();
@@ -476,7 +477,7 @@ fn opmon_commands(text: &str) -> Vec<(String, bool)> {
         }
         for (i, span) in line.split('`').enumerate() {
             let synopsis = span.contains(['<', '[', '|']) || span.split(' ').any(|w| w == "…");
-            if i % 2 == 1 && span.starts_with("opmon ") && !synopsis {
+            if i % 2 == 1 && span.starts_with(&start) && !synopsis {
                 commands.push((span.to_string(), false));
             }
         }
@@ -484,32 +485,62 @@ fn opmon_commands(text: &str) -> Vec<(String, bool)> {
     commands
 }
 
+/// The words of `command` after the program's name, up to the first pipe, list
+/// operator or redirection; shell expansions stay literal.
+fn arguments(command: &str) -> Option<Vec<String>> {
+    let words = shlex::split(command)?;
+    let operator = |w: &String| {
+        ["|", "||", "&&", ";", "&"].contains(&w.as_str())
+            || w.starts_with(['>', '<'])
+            || w.starts_with("2>")
+    };
+    Some(
+        words
+            .into_iter()
+            .skip(1)
+            .take_while(|w| !operator(w))
+            .collect(),
+    )
+}
+
 #[test]
-fn every_opmon_command_the_docs_print_is_one_the_cli_takes() {
+fn every_command_the_docs_print_is_one_the_cli_or_the_agent_takes() {
     let opmon = opmon_tests::workspace_binary("opmon");
+    let agent = opmon_tests::workspace_binary("opmon-agent");
+    let dir = tempfile::tempdir().expect("a directory to run in");
     let mut checked = 0;
     let mut refused = Vec::new();
     for file in markdown_files() {
-        for (command, is_line) in opmon_commands(&read(&file)) {
-            let words = shlex::split(&command)
+        let text = read(&file);
+        let agent_lines = commands_of("opmon-agent", &text)
+            .into_iter()
+            .map(|c| (c, true));
+        let opmon_lines = commands_of("opmon", &text).into_iter().map(|c| (c, false));
+        for ((command, is_line), is_agent) in agent_lines.chain(opmon_lines) {
+            let words = arguments(&command)
                 .unwrap_or_else(|| panic!("{}: {command}: unbalanced quotes", file.display()));
-            // Up to the first pipe or list operator; shell expansions stay literal.
-            let words: Vec<&String> = words
-                .iter()
-                .skip(1)
-                .take_while(|w| !["|", "||", "&&", ";", ">", "2>&1"].contains(&w.as_str()))
-                .collect();
-            let out = std::process::Command::new(&opmon)
-                .args(&words)
-                .env("OPMON_SOCKET", "/nonexistent/opmon.sock")
-                .env_remove("OPMON_AGENT_UID")
-                .env_remove("COMPLETE")
-                .stdin(std::process::Stdio::null())
-                .output()
-                .expect("running opmon");
+            let out = if is_agent {
+                // Only what it would run with: --print-config starts nothing.
+                let mut agent = opmon_tests::agent_command_of(&agent);
+                agent.args(&words);
+                if !words.iter().any(|w| w == "--print-config" || w == "--help") {
+                    agent.arg("--print-config");
+                }
+                agent.current_dir(dir.path()).output()
+            } else {
+                std::process::Command::new(&opmon)
+                    .args(&words)
+                    .env("OPMON_SOCKET", "/nonexistent/opmon.sock")
+                    .env_remove("OPMON_AGENT_UID")
+                    .env_remove("COMPLETE")
+                    .stdin(std::process::Stdio::null())
+                    .current_dir(dir.path())
+                    .output()
+            }
+            .expect("running the command");
             checked += 1;
             // clap's own refusals start with `error:`; anything past parsing (here, the
-            // missing agent) is the command's.
+            // missing agent or file) is the command's.
             let stderr = String::from_utf8_lossy(&out.stderr);
             let named = !is_line && stderr.contains("required arguments were not provided");
             if stderr.starts_with("error:") && !named {
@@ -518,12 +549,12 @@ fn every_opmon_command_the_docs_print_is_one_the_cli_takes() {
         }
     }
     assert!(
-        checked >= 20,
+        checked >= 25,
         "only {checked} commands found: the parser lost them"
     );
     assert!(
         refused.is_empty(),
-        "the docs print commands the CLI refuses:\n{}",
+        "the docs print commands that are refused:\n{}",
         refused.join("\n")
     );
 }
@@ -533,11 +564,15 @@ fn a_command_the_cli_refuses_is_found() {
     let text = "```sh\n$ opmon backup strat b \\\n  --uid u\n```\nRun `opmon backup get NAME` \
                 or `opmon backup|restore start NAME`.\n";
     assert_eq!(
-        opmon_commands(text),
+        commands_of("opmon", text),
         [
             ("opmon backup strat b   --uid u".to_string(), true),
             ("opmon backup get NAME".to_string(), false)
         ]
+    );
+    assert_eq!(
+        arguments(r#"opmon-agent --state-dir "$demo/state" 2>"$demo/agent.log" &"#),
+        Some(vec!["--state-dir".to_string(), "$demo/state".to_string()])
     );
     let out = std::process::Command::new(opmon_tests::workspace_binary("opmon"))
         .args(["backup", "strat", "b", "--uid", "u"])
@@ -601,4 +636,60 @@ fn the_retry_table_of_the_client_page_is_the_methods_declarations() {
         unnamed.is_empty(),
         "docs/client.md's retry table lacks {unnamed:?}"
     );
+}
+
+/// A table's column names: its header split where two or more spaces are.
+fn columns(header: &str) -> Vec<String> {
+    header
+        .trim()
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn the_tables_the_docs_print_have_the_clis_columns() {
+    let f = opmon_tests::Fixture::new(&[]).await;
+    let opmon = |args: &[&str]| {
+        let out = std::process::Command::new(opmon_tests::workspace_binary("opmon"))
+            .env_remove("OPMON_SOCKET")
+            .arg("--socket")
+            .arg(&f.agent.socket)
+            .args(args)
+            .output()
+            .expect("running opmon");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut checked = 0;
+    for path in markdown_files() {
+        let text = read(&path);
+        let lines: Vec<&str> = text.lines().collect();
+        for pair in lines.windows(2) {
+            let Some(command) = pair[0].trim().strip_prefix("$ opmon ") else {
+                continue;
+            };
+            let args: Vec<&str> = command.split_whitespace().collect();
+            // The owner a doc's command reads, so that the CLI prints its table.
+            if let ["backup" | "restore", _, name, ..] = args[..] {
+                opmon(&[args[0], "start", name, "--uid", "docs"]);
+            }
+            let printed = opmon(&args);
+            let header = printed.lines().next().unwrap_or_default();
+            // The doc may leave columns out, never add or reorder them.
+            let mut cli = columns(header).into_iter();
+            for column in columns(pair[1]) {
+                assert!(
+                    cli.any(|c| c == column),
+                    "{}: `$ opmon {command}` prints {header:?}, not the column {column:?} \
+                     the doc shows in {:?}",
+                    path.display(),
+                    pair[1]
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "{checked} tables checked");
 }

@@ -752,3 +752,41 @@ async fn a_damaged_owner_row_is_reported_on_that_owner_and_the_others_are_served
         "{log}"
     );
 }
+
+/// A snapshotter that is down fails every cancel the same way: the agent's log says so
+/// in a line per group naming the count, not in a line per operation (20,000 lines for
+/// a backup of 20,000 operations, before).
+#[tokio::test]
+async fn cancels_that_a_dead_snapshotter_fails_are_logged_once_with_their_count() {
+    const OPS: usize = 300;
+    let mut f = Fixture::new(&["--call-deadline", "2s"]).await;
+    let mut http = opmon_tests::RawHttp::connect(&f.agent.socket);
+    start_with(&mut http, "b", operations(PLUGIN, "never", OPS));
+    let ended = http.call(&request(
+        "backup.endInProgress",
+        serde_json::json!({"name": "b"}),
+    ));
+    assert_eq!(
+        ended["result"]["phase"], "WaitingForPluginOperations",
+        "{ended}"
+    );
+    f.snapshotter.kill9();
+    let deleted = http.call(&request("backup.delete", serde_json::json!({"name": "b"})));
+    assert!(deleted["result"].is_object(), "{deleted}");
+    let log = f.agent.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" WARN ") && l.contains("cancel failed"))
+        .collect();
+    let counted: usize = lines
+        .iter()
+        .filter_map(|l| l.split("failed=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<usize>().ok())
+        .sum();
+    assert!(
+        !lines.is_empty() && lines.len() <= 4,
+        "{} lines say cancel failed:\n{log}",
+        lines.len()
+    );
+    assert_eq!(counted, OPS, "the lines count every failed cancel:\n{log}");
+}

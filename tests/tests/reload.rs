@@ -185,7 +185,7 @@ async fn sighup_reloads_snapshotter_tables_and_log_level_and_nothing_else() {
     agent.hangup();
     agent.wait_for_lines("reload refused", 2);
     assert!(
-        agent.log().contains("reload refused, the running configuration is unchanged: config snapshotter example.io/fourth: socket: a v2 snapshotter needs exactly one of socket, command and veleroPlugin"),
+        agent.log().contains("reload refused, the running configuration is unchanged: config snapshotter example.io/fourth: socket: a v2 snapshotter needs exactly one of socket, command and velero_plugin"),
         "{}",
         agent.log()
     );

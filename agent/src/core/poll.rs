@@ -692,10 +692,17 @@ impl Poller {
         deadline: tokio::time::Instant,
     ) -> Option<Vec<i64>> {
         let Some(remote) = self.remotes.get(plugin) else {
+            // One line for the group, whatever its size: the operations are in the
+            // owner's events and the debug lines.
             for t in &targets {
-                tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                tracing::debug!(owner = %t.owner.name, operation = %t.operation_id,
                     plugin, "cannot cancel: no snapshotter registered");
             }
+            tracing::warn!(
+                plugin,
+                operations = targets.len(),
+                "cannot cancel: no snapshotter registered"
+            );
             return None;
         };
         let answers = match &*remote {
@@ -705,6 +712,7 @@ impl Poller {
         };
         let mut abandoned = 0;
         let mut errors = 0;
+        let mut first_error = None;
         let mut confirmed = Vec::new();
         for (t, answer) in targets.iter().zip(&answers) {
             match answer {
@@ -712,8 +720,9 @@ impl Poller {
                 Some(Err(e)) => {
                     errors += 1;
                     let error = phase::bounded(e.message().to_string(), phase::MAX_ERROR);
-                    tracing::warn!(owner = %t.owner.name, operation = %t.operation_id,
+                    tracing::debug!(owner = %t.owner.name, operation = %t.operation_id,
                         %error, "cancel failed");
+                    first_error.get_or_insert((t, error));
                 }
                 None => {
                     abandoned += 1;
@@ -721,6 +730,12 @@ impl Poller {
                         "cancel abandoned");
                 }
             }
+        }
+        // A snapshotter that is down fails every cancel of the group the same way: one
+        // line names the count and the first, not one line per operation.
+        if let Some((t, error)) = first_error {
+            tracing::warn!(snapshotter = plugin, failed = errors, owner = %t.owner.name,
+                operation = %t.operation_id, %error, "cancel failed");
         }
         if abandoned > 0 {
             tracing::warn!(snapshotter = plugin, abandoned, deadline = %opmon_client::GoDuration(self.calls.deadline),

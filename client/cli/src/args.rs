@@ -186,6 +186,9 @@ fn from_environment(
     Ok((socket, agent_uid))
 }
 
+/// The heading of the options every command takes, so that each command's own come first.
+const GLOBAL: &str = "Global options";
+
 /// opmon: drive and watch the opmon agent's backups, restores and snapshotters.
 ///
 /// Exit codes: 0 success; 1 the owner is PartiallyFailed (or on its way there);
@@ -194,17 +197,24 @@ fn from_environment(
 #[command(name = "opmon", version, about, long_about)]
 pub struct Cli {
     /// The agent's socket [env: OPMON_SOCKET] [default: as the agent resolves it].
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = GLOBAL)]
     pub socket: Option<PathBuf>,
 
     /// Users (names or uids) trusted to serve the socket besides root and yourself: the
     /// agent's user when it is neither. A socket served by anyone else is refused
     /// [env: OPMON_AGENT_UID].
-    #[arg(long, value_delimiter = ',', value_parser = user_id, global = true)]
+    #[arg(long, value_delimiter = ',', value_parser = user_id, global = true, help_heading = GLOBAL)]
     pub agent_uid: Vec<u32>,
 
     /// How reads are printed; json is exactly the API's result.
-    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table, global = true)]
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_enum,
+        default_value_t = Output::Table,
+        global = true,
+        help_heading = GLOBAL
+    )]
     pub output: Output,
 
     #[command(subcommand)]

@@ -82,6 +82,7 @@ async fn run(cli: Cli) -> Outcome {
         out::emit(&String::from_utf8_lossy(&script))?;
         return Ok(0);
     }
+    // `args::parse` has filled it in from the variable or the default.
     let socket = cli.socket.clone().unwrap_or_default();
     let client = cli
         .agent_uid
@@ -89,7 +90,7 @@ async fn run(cli: Cli) -> Outcome {
         .fold(Client::builder(&socket), |b, &uid| b.agent_uid(uid))
         .connect()
         .await
-        .map_err(|e| e.chain())?;
+        .map_err(|e| unreachable_agent(&socket, &e))?;
     let out = cli.output;
     match cli.command {
         Command::Status => {
@@ -111,6 +112,32 @@ async fn run(cli: Cli) -> Outcome {
         }
         Command::Completions { .. } => Ok(0),
     }
+}
+
+/// The error of a first connection, with what a person can do about its usual causes.
+fn unreachable_agent(socket: &Path, error: &opmon_client::Error) -> String {
+    use std::io::ErrorKind;
+    use std::os::unix::fs::FileTypeExt;
+    let opmon_client::Error::Connect { source, .. } = error else {
+        return error.chain();
+    };
+    let hint = match source.kind() {
+        ErrorKind::NotFound => {
+            "Is the agent running? Start opmon-agent, or give its socket with --socket or OPMON_SOCKET"
+        }
+        ErrorKind::PermissionDenied => {
+            "This user may not open the socket or its directory: the agent's socket_mode and \
+             socket_group say who may (docs/operations.md, \"Access and trust\")"
+        }
+        ErrorKind::ConnectionRefused
+            if std::fs::metadata(socket).is_ok_and(|m| !m.file_type().is_socket()) =>
+        {
+            "It is not a socket: --socket and OPMON_SOCKET name the agent's socket file"
+        }
+        ErrorKind::ConnectionRefused => "Nothing listens on it: the agent has stopped",
+        _ => return error.chain(),
+    };
+    format!("{}. {hint}.", error.chain())
 }
 
 /// Calls the declared method `M`, named for owners of `kind`, with its typed `params`;

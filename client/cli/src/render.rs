@@ -484,6 +484,11 @@ fn describe_operation(out: &mut String, op: &Operation, now: Timestamp) {
             clean(op.last_error.as_deref().unwrap_or(""))
         );
     }
+    // With no retry, the last error is why the snapshotter could not be reached: an
+    // operation that waits for it looks otherwise as if it were running.
+    if let (0, Some(error)) = (op.attempts, &op.last_error) {
+        let _ = writeln!(out, "\t\tLast error:\t{}", clean(error));
+    }
     if let Some(t) = op.next_attempt_at {
         let _ = writeln!(out, "\t\tNext attempt:\t{}", velero_time(t));
     }
@@ -1005,6 +1010,23 @@ mod tests {
              \x20   Phase:                      Failed\n\
              \x20   Operation Error:            disk\\x1b[2J gone\\nforged\n\
              \x20   Created:                    2026-01-01 00:00:00 +0000 UTC\n"
+        );
+    }
+
+    #[test]
+    fn describe_details_say_why_a_snapshotter_could_not_be_reached() {
+        let mut waiting = op(10, 100);
+        waiting.last_error =
+            Some("snapshotter example.io/x at /run/x.sock: Connection refused".into());
+        let text = describe(
+            &owner(opmon_client::OwnerKind::Backup, 1, 0, 0),
+            Some(&[waiting]),
+            NOW,
+        );
+        assert_eq!(
+            text.lines().last(),
+            Some("    Last error:                 snapshotter example.io/x at /run/x.sock: Connection refused"),
+            "{text}"
         );
     }
 
