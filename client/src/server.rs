@@ -17,9 +17,10 @@
 //!   own leave a quarter of the total to those two); a method declared as mostly
 //!   waiting (`methods::Decl::waits`) takes no place, and a batch takes one place per
 //!   call as it runs them one after another;
-//! - request bytes: an HTTP body is charged to its peer from before it is read until its
-//!   answer is made (so a waiting call holds its bytes, not a read), and must come whole
-//!   within `request_body_timeout`;
+//! - request bytes: an HTTP body over [`SMALL_BODY`] is charged to its peer from before
+//!   it is read until its answer is made (so a waiting call holds its bytes, not a
+//!   read); any body, and any WebSocket message, must come whole within
+//!   `request_body_timeout`;
 //! - answer bytes not yet written: each answer (and each subscription notification) is
 //!   charged to its connection and peer until the stream has written it. A WebSocket
 //!   connection runs its calls (methods that mostly wait aside) and sends its
@@ -31,6 +32,10 @@
 //!   (whose answers grow with what is stored) are made [`LISTINGS_PER_PEER`] at once;
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
+//!
+//! A WebSocket's frame headers are followed on the stream (`TextCheck`) for what
+//! soketto lets through: text that is not UTF-8 closes it with 1007, a frame without a
+//! mask with 1002, and an upgrade with bytes sent before its 101 is refused.
 //!
 //! Errors jsonrpsee words for itself are reworded where a client could not act on them:
 //! an unknown method is named, a subscription over plain HTTP says it needs a WebSocket,
