@@ -416,18 +416,37 @@ struct Peer {
     request_bytes: Arc<Semaphore>,
     /// Answer bytes made and not yet written, over the peer's connections.
     owed: AtomicU64,
-    /// Notified as `owed` goes down.
+    /// Notified as `owed` goes down, if `waiting` says anyone waits for it.
     paid: tokio::sync::Notify,
+    waiting: AtomicUsize,
+}
+
+/// Counts a waiter for as long as it waits.
+struct Waited<'a>(&'a AtomicUsize);
+
+impl Drop for Waited<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Peer {
+    /// Wakes those waiting for the peer to owe less (few ever do: no lock otherwise).
+    fn notify_paid(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.paid.notify_waiters();
+        }
+    }
+
     /// Once the peer owes less than `quota`, or `conn` has ended.
     async fn room(&self, quota: u64, conn: &Connection) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waited = Waited(&self.waiting);
         loop {
             let paid = self.paid.notified();
             tokio::pin!(paid);
             paid.as_mut().enable();
-            if self.owed.load(Ordering::Relaxed) < quota || conn.ended() {
+            if self.owed.load(Ordering::SeqCst) < quota || conn.ended() {
                 return;
             }
             paid.await;
@@ -459,6 +478,7 @@ impl Peers {
             request_bytes: Arc::new(Semaphore::new(bytes)),
             owed: AtomicU64::new(0),
             paid: tokio::sync::Notify::new(),
+            waiting: AtomicUsize::new(0),
         });
         by_uid.insert(uid, Arc::downgrade(&peer));
         peer
@@ -536,8 +556,8 @@ impl Connection {
     fn released(&self, bytes: u64) {
         if bytes > 0 {
             self.owed.fetch_sub(bytes, Ordering::Relaxed);
-            self.peer.owed.fetch_sub(bytes, Ordering::Relaxed);
-            self.peer.paid.notify_waiters();
+            self.peer.owed.fetch_sub(bytes, Ordering::SeqCst);
+            self.peer.notify_paid();
             self.room_changed.notify_waiters();
             if self.websocket.load(Ordering::Relaxed) {
                 self.wake_reader();
@@ -568,7 +588,7 @@ impl Connection {
     fn fail(&self) {
         self.failed.store(true, Ordering::Relaxed);
         self.room_changed.notify_waiters();
-        self.peer.paid.notify_waiters();
+        self.peer.notify_paid();
         self.wake_reader();
     }
 
@@ -599,8 +619,8 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         let owed = self.owed.load(Ordering::Relaxed);
-        self.peer.owed.fetch_sub(owed, Ordering::Relaxed);
-        self.peer.paid.notify_waiters();
+        self.peer.owed.fetch_sub(owed, Ordering::SeqCst);
+        self.peer.notify_paid();
     }
 }
 
@@ -866,8 +886,9 @@ impl AsyncRead for Metered {
         if this.conn.ended() {
             return Poll::Ready(Err(this.failed()));
         }
-        // Woken when the connection has room again, or fails (though no byte comes).
-        {
+        // Woken when the connection has room again, or fails (though no byte comes); an
+        // HTTP connection's one task reads and writes, so it finds out by itself.
+        if this.conn.websocket.load(Ordering::Relaxed) {
             let mut reader = this.conn.reader.lock().unwrap_or_else(|p| p.into_inner());
             if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 *reader = Some(cx.waker().clone());
@@ -1303,8 +1324,8 @@ where
             };
             if let Some(conn) = &conn {
                 // What was counted becomes the answer's length (or is given back).
-                conn.peer.owed.fetch_sub(charged as u64, Ordering::Relaxed);
-                conn.peer.paid.notify_waiters();
+                conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
+                conn.peer.notify_paid();
                 if !response.is_notification() {
                     conn.owe(response.as_json().get().len());
                 }
