@@ -452,12 +452,19 @@ impl Inner {
                 }
                 other => return Err(self.failure_error(method, other)),
             };
+            // The agent went away after this client reached it and did not come back:
+            // say for how long it was waited for, not only the last refusal.
+            let gone = |error| Error::AgentGone {
+                path: self.path.clone(),
+                after: timeout,
+                source: Box::new(error),
+            };
             if Instant::now() >= deadline {
-                return Err(error);
+                return Err(gone(error));
             }
             backoff.sleep(deadline).await;
             if Instant::now() >= deadline {
-                return Err(error);
+                return Err(gone(error));
             }
         }
     }

@@ -65,8 +65,8 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// A subscription's connection broke and the agent did not come back within the
-    /// call timeout.
+    /// The agent this client had reached went away (a call could not be sent, or a
+    /// subscription's connection broke) and did not come back within the call timeout.
     #[error("lost the opmon agent at {} and it did not come back within {}", path.display(), GoDuration(*after))]
     AgentGone {
         path: PathBuf,

@@ -133,6 +133,18 @@ async fn connect_and_calls_to_a_stopped_agent_time_out_naming_the_socket() {
         source.downcast_ref::<std::io::Error>().unwrap().kind(),
         std::io::ErrorKind::ConnectionRefused
     );
+    // The client that had reached it tries again until its call timeout, then says
+    // for how long, not only the last refusal.
+    let e = client.status().await.unwrap_err();
+    assert!(matches!(e, Error::AgentGone { .. }), "{e:?}");
+    assert_eq!(
+        e.chain(),
+        format!(
+            "lost the opmon agent at {0} and it did not come back within 500ms: \
+             cannot connect to the opmon agent at {0}: Connection refused (os error 111)",
+            f.agent.socket.display()
+        )
+    );
 }
 
 #[tokio::test]
