@@ -20,15 +20,16 @@
 //!   refusal is counted and logged within a [`LogThrottle`], so a refused peer cannot
 //!   flood the log.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use opmon_client::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::budget::{Charge, PerUid};
 use crate::metrics::Metrics;
-use crate::sync::lock;
 
 /// Connections kept for the agent's own uid and root when other uids have taken the
 /// rest.
@@ -79,36 +80,11 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
     Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
-/// Open connections by peer uid.
-#[derive(Default)]
-struct Open {
-    by_uid: HashMap<u32, u32>,
-    /// Held by uids other than the agent's own and root.
-    others: u32,
-}
-
-/// Gives back a connection's slot when the connection ends.
+/// A connection's slot: its charge to its uid, and its place among other uids' if it
+/// has one; given back when the connection ends.
 pub struct Slot {
-    open: Arc<Mutex<Open>>,
-    uid: u32,
-    operator: bool,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        {
-            let mut open = lock(&self.open);
-            if let Some(n) = open.by_uid.get_mut(&self.uid) {
-                *n -= 1;
-                if *n == 0 {
-                    open.by_uid.remove(&self.uid);
-                }
-            }
-            if !self.operator {
-                open.others = open.others.saturating_sub(1);
-            }
-        }
-    }
+    _uid: Charge,
+    _other: Option<OwnedSemaphorePermit>,
 }
 
 pub struct PeerCheck {
@@ -116,10 +92,10 @@ pub struct PeerCheck {
     operators: [u32; 2],
     uids: HashSet<u32>,
     gids: HashSet<u32>,
-    per_uid: u32,
-    /// How many connections uids other than the operators may hold together.
+    per_uid: Arc<PerUid>,
+    /// Connections uids other than the operators may hold together.
+    others: Arc<Semaphore>,
     others_limit: u32,
-    open: Arc<Mutex<Open>>,
     log: LogThrottle,
     metrics: Arc<Metrics>,
 }
@@ -134,13 +110,14 @@ impl PeerCheck {
         max_connections: u32,
         metrics: Arc<Metrics>,
     ) -> PeerCheck {
+        let others_limit = max_connections.saturating_sub(OPERATOR_RESERVE).max(1);
         PeerCheck {
             operators: [nix::unistd::geteuid().as_raw(), 0],
             uids: uids.iter().copied().collect(),
             gids: gids.iter().copied().collect(),
-            per_uid,
-            others_limit: max_connections.saturating_sub(OPERATOR_RESERVE).max(1),
-            open: Arc::default(),
+            per_uid: PerUid::new("max_connections_per_uid", "connections", per_uid),
+            others: Arc::new(Semaphore::new(others_limit as usize)),
+            others_limit,
             log: LogThrottle::default(),
             metrics,
         }
@@ -177,34 +154,20 @@ impl PeerCheck {
 
     /// Takes a connection slot for `uid`, or says which limit it is over.
     fn take_slot(&self, uid: u32) -> Result<Slot, Refusal> {
-        let operator = self.operators.contains(&uid);
-        let mut open = lock(&self.open);
-        let held = open.by_uid.get(&uid).copied().unwrap_or(0);
-        if held >= self.per_uid {
-            return Err(refused(
-                hyper::StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "uid {uid} already has {held} connections open, the most max_connections_per_uid allows"
-                ),
-            ));
-        }
-        if !operator && open.others >= self.others_limit {
-            return Err(refused(
-                hyper::StatusCode::TOO_MANY_REQUESTS,
-                format!(
+        let too_many = |message| refused(hyper::StatusCode::TOO_MANY_REQUESTS, message);
+        let charge = self.per_uid.charge(uid).map_err(too_many)?;
+        let other = match self.operators.contains(&uid) {
+            true => None,
+            false => Some(self.others.clone().try_acquire_owned().map_err(|_| {
+                too_many(format!(
                     "other uids hold {} connections, all the agent takes from uids other than its own and root",
-                    open.others
-                ),
-            ));
-        }
-        *open.by_uid.entry(uid).or_insert(0) += 1;
-        if !operator {
-            open.others += 1;
-        }
+                    self.others_limit
+                ))
+            })?),
+        };
         Ok(Slot {
-            open: self.open.clone(),
-            uid,
-            operator,
+            _uid: charge,
+            _other: other,
         })
     }
 }
@@ -295,7 +258,7 @@ mod tests {
         assert_eq!(over.status, hyper::StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(
             over.message,
-            "uid 1000 already has 2 connections open, the most max_connections_per_uid allows"
+            "uid 1000 already holds 2 connections, the most max_connections_per_uid allows"
         );
         // Another uid is not affected; a closed connection frees its slot.
         assert!(c.take_slot(1001).is_ok());

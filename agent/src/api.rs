@@ -12,7 +12,7 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, Method};
-use opmon_client::server::Outbox;
+use opmon_client::server::Connection;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
@@ -615,10 +615,10 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                         return Ok(());
                     }
                 };
-                // The connection's outbox, when served by `server::serve`: updates are
-                // rendered and handed over only while it has room, one subscription at
-                // a time, so a peer that does not read holds the server to the bound.
-                let outbox = extensions.get::<Arc<Outbox>>().cloned();
+                // The connection, when served by `server::serve`: an update is made and
+                // handed over only while it owes little, one subscription at a time, so a
+                // peer that does not read holds the server to the bound.
+                let conn = extensions.get::<Arc<Connection>>().cloned();
                 let sink = pending.accept().await?;
                 loop {
                     let more = tokio::select! {
@@ -628,10 +628,10 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     if !more {
                         return Ok(());
                     }
-                    let turn = match &outbox {
-                        Some(outbox) => tokio::select! {
+                    let turn = match &conn {
+                        Some(conn) => tokio::select! {
                             _ = sink.closed() => return Ok(()),
-                            turn = outbox.turn() => Some(turn),
+                            turn = conn.room() => Some(turn),
                         },
                         None => None,
                     };
@@ -640,8 +640,8 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                         Some(Ok(update)) => {
                             opmon_client::traffic::notification(sink.method_name(), &update.json);
                             sink.send(update.json.clone()).await?;
-                            if let Some(outbox) = &outbox {
-                                outbox.push(update.json.get().len());
+                            if let Some(conn) = &conn {
+                                conn.owe(update.json.get().len());
                             }
                         }
                         Some(Err(e)) => return Err(e.to_string().into()),
@@ -651,34 +651,6 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             },
         )
         .unwrap_or_else(|e| panic!("method {subscribe} registered twice: {e}"));
-}
-
-/// The methods that mostly wait (for a change, for snapshotters, for file work) while
-/// holding little memory, as declared: they take no place among the calls in flight
-/// (`opmon_client::server::ServeConfig::unmetered_methods`), so a few long `wait`s do not
-/// hold up everyone else.
-pub fn waiting_methods() -> Vec<String> {
-    methods::ALL
-        .iter()
-        .filter(|d| d.waits)
-        .flat_map(|d| d.names().iter().map(|n| n.to_string()))
-        .collect()
-}
-
-/// The methods whose answers grow with what is stored (an owner's operations, a page
-/// of owners or events): their calls count as large from the first
-/// (`opmon_client::server::ServeConfig::listing_methods`), so many clients asking at once
-/// for a listing that has grown large are made a few at a time.
-pub fn listing_methods() -> Vec<String> {
-    [
-        &methods::List::DECL,
-        &methods::Operations::DECL,
-        &methods::ItemOperations::DECL,
-        &methods::Events::DECL,
-    ]
-    .iter()
-    .flat_map(|d| d.names().iter().map(|n| n.to_string()))
-    .collect()
 }
 
 /// Every method of the agent, bound to `core`: the handler of each declaration in

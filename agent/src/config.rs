@@ -196,6 +196,16 @@ settings! {
     /// snapshotters one peer uid may register over the API (the config file's are not
     /// counted); all peers together may register as many as the open-file limit allows
     max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
+    /// calls one peer uid may have running at once (methods that mostly wait aside)
+    max_calls_per_uid: u32 = 32, shown Shown::Value, check between(1, 4096);
+    /// bytes of request bodies one peer uid may have being read or held by their calls
+    /// (at least `max_request_size` is allowed)
+    max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
+        check between(1, u32::MAX);
+    /// bytes of answers one peer uid may have made and not yet read; past it its large
+    /// answers wait for it to read and its batches stop
+    max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
+        check between(1, u32::MAX);
     /// or `"json"`
     log_format: LogFormat = LogFormat::Human, shown Shown::Value, check any;
     /// a level or `tracing` directives (`info,opmon_agent=debug`); a bare word that is
@@ -628,6 +638,9 @@ pub struct Settings {
     pub allowed_uids: Vec<u32>,
     pub allowed_gids: Vec<u32>,
     pub max_connections_per_uid: u32,
+    pub max_calls_per_uid: u32,
+    pub max_request_bytes_per_uid: u32,
+    pub max_unread_bytes_per_uid: u32,
     pub log_format: LogFormat,
     pub log_level: String,
     pub metrics_listen: Option<SocketAddr>,
@@ -888,6 +901,9 @@ impl Values {
             allowed_uids: self.allowed_uids.value,
             allowed_gids: self.allowed_gids.value,
             max_connections_per_uid: self.max_connections_per_uid.value,
+            max_calls_per_uid: self.max_calls_per_uid.value,
+            max_request_bytes_per_uid: self.max_request_bytes_per_uid.value,
+            max_unread_bytes_per_uid: self.max_unread_bytes_per_uid.value,
             log_format: self.log_format.value,
             log_level: self.log_level.value,
             metrics_listen,

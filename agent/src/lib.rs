@@ -243,8 +243,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         idle_timeout: Some(settings.idle_timeout),
         metrics: Some(page),
         max_connections: totals.connections,
-        unmetered_methods: api::waiting_methods(),
-        listing_methods: api::listing_methods(),
+        calls_per_peer: settings.max_calls_per_uid as usize,
+        request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
+        unread_bytes_per_peer: u64::from(settings.max_unread_bytes_per_uid),
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(

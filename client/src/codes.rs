@@ -101,7 +101,7 @@ error_table! {
         INVALID_PARAMS = -32602, InvalidParams, "Invalid params", "the params are wrong; the message starts with the offending field's path (`operations[3].resource.name: ...`)";
         /// The connection is not admitted (the agent's admission check, in the
         /// implementation-defined server error range).
-        REFUSED = -32003, Refused, "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections they may (HTTP 429)";
+        REFUSED = -32003, Refused, "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections they may (HTTP 429); or a call would take the uid past a quota (the message names it), among them max_unread_bytes_per_uid: a batch stops before its next call while the uid has that much unread";
         /// JSON-RPC: a bug in the agent.
         INTERNAL_ERROR = -32603, InternalError, "Internal error", "a bug in the agent: report it with the agent's log";
         /// jsonrpsee's limit of subscriptions on one WebSocket connection.
@@ -110,8 +110,10 @@ error_table! {
         OVERSIZED_REQUEST = -32007, OversizedRequest, "Request is too big", "the request is over max_request_size (HTTP 413)";
         /// The response would be over the agent's limit.
         OVERSIZED_RESPONSE = -32008, OversizedResponse, "Response is too big", "the response would be over 256 MiB";
+        /// A batch of more calls than the agent takes.
+        OVERSIZED_BATCH_REQUEST = -32010, OversizedBatchRequest, "The batch request was too large", "a batch of more than 10000 calls: none is run";
         /// A batch's answer grew too large.
-        OVERSIZED_BATCH_RESPONSE = -32011, OversizedBatchResponse, "the answer to this batch grew past 16777216 bytes", "a batch's answer would be over 16 MiB, or the agent came to hold more than 64 MiB of answers its clients have not read while the batch ran (the message says which): the batch is answered with this one error (id null) instead of a list, and its calls after the cut are not run";
+        OVERSIZED_BATCH_RESPONSE = -32011, OversizedBatchResponse, "the answer to this batch grew past 16777216 bytes", "a batch's answer would be over 16 MiB: the batch is answered with this one error (id null) instead of a list, and its calls after the cut are not run";
         /// The named owner (or snapshotter) does not exist.
         NOT_FOUND = 1001, NotFound, "not found", "the named owner or snapshotter does not exist";
         /// The name is taken by another owner (different uid).

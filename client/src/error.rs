@@ -198,7 +198,7 @@ impl Error {
     }
 
     /// The request or its answer was over a limit of the agent (codes -32007, -32008,
-    /// -32011, or HTTP 413).
+    /// -32010, -32011, or HTTP 413).
     ///
     /// ```
     /// # use opmon_client::{codes::Code, Error};
@@ -208,7 +208,12 @@ impl Error {
     pub fn is_too_big(&self) -> bool {
         matches!(
             self.rpc_code(),
-            Some(Code::OversizedRequest | Code::OversizedResponse | Code::OversizedBatchResponse)
+            Some(
+                Code::OversizedRequest
+                    | Code::OversizedResponse
+                    | Code::OversizedBatchRequest
+                    | Code::OversizedBatchResponse
+            )
         ) || matches!(self, Error::Http { status: 413, .. })
     }
 

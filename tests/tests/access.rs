@@ -371,7 +371,7 @@ fn one_uid_cannot_take_every_connection() {
     let mut greedy = Holder::start(&agent.socket, 1000, 8);
     assert_eq!(
         greedy.send("more"),
-        r#"HTTP/1.1 429 Too Many Requests|{"jsonrpc":"2.0","id":null,"error":{"code":-32003,"message":"uid 1000 already has 8 connections open, the most max_connections_per_uid allows"}}"#
+        r#"HTTP/1.1 429 Too Many Requests|{"jsonrpc":"2.0","id":null,"error":{"code":-32003,"message":"uid 1000 already holds 8 connections, the most max_connections_per_uid allows"}}"#
     );
     // Everyone else still gets in: another allowed uid, and root (the operator).
     let out = agent.cli_status(1001, 1001, &[]);

@@ -56,7 +56,6 @@ fn ids_that_are_not_a_string_a_number_or_null_are_answered_invalid_with_id_null(
 
 /// The same over WebSocket.
 #[test]
-#[ignore = "not fixed yet (#34 item 6): jsonrpsee 0.26's WebSocket loop takes such a request for a notification, and no hook of it sees the id"]
 fn ids_that_are_not_a_string_a_number_or_null_are_answered_invalid_over_websocket() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);

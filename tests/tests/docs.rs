@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use opmon_agent::{config, filework, phase, storage_dir, store};
-use opmon_client::server::{self, ServeConfig};
+use opmon_client::server::ServeConfig;
 use opmon_client::{openrpc, OwnerKind};
 
 fn repo() -> PathBuf {
@@ -270,27 +270,19 @@ fn the_limits_on_the_operations_page_are_the_codes() {
             seconds(serve.request_body_timeout)
         ),
         format!(
-            "one over {} must come at {}/s or faster after its first {}",
-            size(server::SMALL_BODY),
-            size(server::LARGE_BODY_RATE),
-            seconds(Some(server::LARGE_BODY_GRACE))
-        ),
-        format!(
             "`max_connections_per_uid` ({})",
             config::DEFAULT_MAX_CONNECTIONS_PER_UID
         ),
-        format!("At most {} calls run at once", serve.max_calls_in_flight),
-        format!(
-            "({}, {} unanswered WebSocket calls)",
-            size(serve.max_queued_bytes),
-            serve.max_calls_per_connection
-        ),
+        format!("At most {} calls run at once", serve.calls_in_flight),
+        format!("{} for one uid", serve.calls_per_peer),
         format!(
             "disconnected after {} of reading nothing",
             seconds(serve.write_stall_timeout)
         ),
-        format!("made {} at a time", server::LARGE_MAKING_AT_ONCE),
-        format!("hold {} of answers", size(serve.max_queued_bytes_total)),
+        format!(
+            "holds {} of answers it has not read",
+            size(serve.unread_bytes_per_peer)
+        ),
         format!(
             "whose answer would pass {}",
             size(u64::from(serve.max_batch_response_bytes))

@@ -91,6 +91,7 @@ fn the_error_table_lists_exactly_the_codes_answered() {
         jsonrpsee::types::error::INTERNAL_ERROR_CODE,
         jsonrpsee::types::error::TOO_MANY_SUBSCRIPTIONS_CODE,
         jsonrpsee::types::error::OVERSIZED_RESPONSE_CODE,
+        jsonrpsee::types::error::TOO_BIG_BATCH_REQUEST_CODE,
         jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
     ] {
         assert!(
@@ -186,24 +187,21 @@ fn the_limits_are_the_codes_constants() {
             format!("{} seconds", api::MAX_WAIT.as_secs()),
         ),
         ("request", format!("{} bytes", serve.max_request_body_size)),
+        (
+            "WebSocket message",
+            format!("{} bytes", serve.max_message_size),
+        ),
         ("oversized drain", format!("{} bytes", server::MIN_DRAIN)),
-        ("small body", format!("{} bytes", server::SMALL_BODY)),
-        (
-            "large bodies at once",
-            format!("{}", server::LARGE_BODIES_AT_ONCE),
-        ),
         ("body deadline", seconds(serve.request_body_timeout)),
-        (
-            "large body pace",
-            format!("{} bytes/s", server::LARGE_BODY_RATE),
-        ),
-        ("large body grace", seconds(Some(server::LARGE_BODY_GRACE))),
-        ("long id", format!("{} bytes", server::MAX_ID)),
-        ("large message hold", seconds(Some(server::LARGE_READ_HOLD))),
         (
             "response",
             format!("{} bytes", serve.max_response_body_size),
         ),
+        (
+            "batch answer",
+            format!("{} bytes", serve.max_batch_response_bytes),
+        ),
+        ("batch calls", format!("{}", serve.max_batch_len)),
         ("connections", format!("{}", server::MAX_CONNECTIONS)),
         (
             "operator reserve",
@@ -213,29 +211,30 @@ fn the_limits_are_the_codes_constants() {
             "connections per uid",
             format!("{}", config::DEFAULT_MAX_CONNECTIONS_PER_UID),
         ),
-        ("calls in flight", format!("{}", serve.max_calls_in_flight)),
+        ("calls in flight", format!("{}", serve.calls_in_flight)),
+        ("calls per uid", format!("{}", serve.calls_per_peer)),
+        ("listings per uid", format!("{}", server::LISTINGS_PER_PEER)),
         (
-            "batch answer",
-            format!("{} bytes", serve.max_batch_response_bytes),
+            "request bytes per uid",
+            format!("{} bytes", serve.request_bytes_per_peer),
         ),
         (
-            "unanswered calls per connection",
-            format!("{}", serve.max_calls_per_connection),
+            "unread bytes per uid",
+            format!("{} bytes", serve.unread_bytes_per_peer),
         ),
         (
-            "queued bytes per connection",
-            format!("{} bytes", serve.max_queued_bytes),
+            "unread bytes per connection",
+            format!("{} bytes", serve.unread_bytes_per_connection),
         ),
         (
-            "queued bytes in all",
-            format!("{} bytes", serve.max_queued_bytes_total),
-        ),
-        ("small backlog", format!("{} bytes", server::SMALL_BACKLOG)),
-        (
-            "large answers made at once",
-            format!("{}", server::LARGE_MAKING_AT_ONCE),
+            "unfinished calls per connection",
+            format!("{}", serve.calls_per_connection),
         ),
         ("write stall", seconds(serve.write_stall_timeout)),
+        (
+            "subscriptions per connection",
+            format!("{}", serve.max_subscriptions_per_connection),
+        ),
         (
             "progress notifications",
             format!("{} seconds", changes::PROGRESS_EVERY.as_secs()),
