@@ -276,7 +276,7 @@ fn the_limits_on_the_operations_page_are_the_codes() {
         format!("At most {} calls run at once", serve.calls_in_flight),
         format!("{} for one uid", serve.calls_per_peer),
         format!(
-            "disconnected after {} of reading nothing",
+            "disconnected once {} pass without the agent's write",
             seconds(serve.write_stall_timeout)
         ),
         format!(
