@@ -24,7 +24,7 @@ use std::collections::HashSet;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use opmon_client::server::{Admission, LogThrottle, Refusal};
+use opmon_snapshotter::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 

@@ -12,13 +12,13 @@ use std::time::Duration;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, Method};
-use opmon_client::server::Connection;
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
     OwnerKind, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
     MAX_CHANGED_OPERATIONS,
 };
+use opmon_snapshotter::server::Connection;
 use serde::de::DeserializeOwned;
 use time::OffsetDateTime;
 
@@ -638,7 +638,10 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     match updates.take().await {
                         None => return Ok(()),
                         Some(Ok(update)) => {
-                            opmon_client::traffic::notification(sink.method_name(), &update.json);
+                            opmon_snapshotter::traffic::notification(
+                                sink.method_name(),
+                                &update.json,
+                            );
                             sink.send(update.json.clone()).await?;
                             if let Some(conn) = &conn {
                                 conn.owe(update.json.get().len());

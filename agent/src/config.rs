@@ -190,7 +190,7 @@ settings! {
     allowed_gids: Vec<u32> = Vec::new(), shown Shown::Text("none"), check any;
     /// connections one peer uid may hold at once (at most 4096, the agent's total)
     max_connections_per_uid: u32 = DEFAULT_MAX_CONNECTIONS_PER_UID, shown Shown::Value,
-        check between(1, opmon_client::server::MAX_CONNECTIONS);
+        check between(1, opmon_snapshotter::server::MAX_CONNECTIONS);
     /// subscriptions one peer uid may hold at once, over all of its connections
     max_subscriptions_per_uid: u32 = 1024, shown Shown::Value, check between(1, 1_000_000);
     /// snapshotters one peer uid may register over the API (the config file's are not

@@ -33,7 +33,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use jsonrpsee::server::middleware::rpc::RpcServiceBuilder;
-use opmon_client::server::{self, ServeConfig};
+use opmon_snapshotter::server::{self, ServeConfig};
 
 use crate::access::PeerCheck;
 use crate::config::Settings;
@@ -164,7 +164,7 @@ async fn serve_metrics_tcp(
 pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), String> {
     // First of all, so SIGTERM during start-up still means a clean stop, and SIGHUP
     // (whose default action ends the process) waits for the reloader.
-    let terminated = opmon_client::snapshotter::termination();
+    let terminated = opmon_snapshotter::termination();
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
     // Before anything opens a descriptor: the totals that need them follow from it.
@@ -266,7 +266,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         }
     });
     let counting = RpcServiceBuilder::new()
-        .layer_fn(opmon_client::traffic::Traffic::layer)
+        .layer_fn(opmon_snapshotter::traffic::Traffic::layer)
         .layer_fn(CountRequests::layer(metrics));
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::debug!(error = %e, "notifying systemd failed");

@@ -621,12 +621,12 @@ pub const TCP_CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
 /// [`TCP_CONNECTION_LIFETIME`]. Anything else gets 404.
 pub async fn serve_tcp(
     listener: tokio::net::TcpListener,
-    page: opmon_client::server::MetricsPage,
+    page: opmon_snapshotter::server::MetricsPage,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
     let places = Arc::new(tokio::sync::Semaphore::new(TCP_CONNECTIONS));
     let connections = tokio_util::task::TaskTracker::new();
-    let accept_errors = opmon_client::server::LogThrottle::default();
+    let accept_errors = opmon_snapshotter::server::LogThrottle::default();
     loop {
         let place = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -661,7 +661,7 @@ pub async fn serve_tcp(
                         let response = if request.method() == hyper::Method::GET
                             && request.uri().path() == "/metrics"
                         {
-                            opmon_client::server::metrics_response(&page, &request).await
+                            opmon_snapshotter::server::metrics_response(&page, &request).await
                         } else {
                             let mut response = jsonrpsee::server::HttpResponse::new(
                                 jsonrpsee::server::HttpBody::from(

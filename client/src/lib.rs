@@ -8,19 +8,11 @@ pub mod error;
 pub mod methods;
 pub mod openrpc;
 mod paths;
-#[cfg(feature = "server")]
-pub mod server;
-#[cfg(feature = "snapshotter")]
-pub mod snapshotter;
-#[cfg(feature = "snapshotter")]
-mod store;
 mod subscription;
 #[cfg(feature = "internal")]
 pub mod text;
 #[cfg(not(feature = "internal"))]
 mod text;
-#[cfg(feature = "server")]
-pub mod traffic;
 pub mod types;
 #[cfg(feature = "internal")]
 pub mod validate;

@@ -9,8 +9,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use opmon_agent::{config, filework, phase, storage_dir, store};
-use opmon_client::server::ServeConfig;
 use opmon_client::{openrpc, OwnerKind};
+use opmon_snapshotter::server::ServeConfig;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,4 +1,4 @@
-//! End-to-end: the `qemu-img-snapshotter` example (client/examples) copying real qcow2
+//! End-to-end: the `qemu-img-snapshotter` example (client/snapshotter/examples) copying real qcow2
 //! images with the real `qemu-img`, driven through the real agent: progress, cancel,
 //! restarts, internal snapshots and bad input.
 //!

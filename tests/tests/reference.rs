@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use opmon_agent::{access, api, changes, config, filework, phase, storage_dir};
-use opmon_client::server::{self, ServeConfig};
 use opmon_client::{codes, methods, openrpc, validate, OwnerKind};
+use opmon_snapshotter::server::{self, ServeConfig};
 
 fn reference() -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../client/REFERENCE.md");

@@ -1,4 +1,4 @@
-//! End-to-end: the `restic-snapshotter` example (client/examples) with the real
+//! End-to-end: the `restic-snapshotter` example (client/snapshotter/examples) with the real
 //! `restic` (Debian's 0.14): a backup's progress and snapshot ID, a restore equal to
 //! its source, a cancel that leaves the repository unlocked and usable, a restic that
 //! fails or dies, and a snapshotter restart that loses no operation.

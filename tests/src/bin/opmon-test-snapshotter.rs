@@ -32,10 +32,10 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use opmon_client::snapshotter::{
+use opmon_client::{OperationProgress, OperationRef};
+use opmon_snapshotter::{
     rpc_module, serve_methods, termination, Hints, OperationHandler, SnapshotterError,
 };
-use opmon_client::{OperationProgress, OperationRef};
 use time::OffsetDateTime;
 
 /// What `evil-` operations report: a terminal escape (clear screen, recolour), a

@@ -10,8 +10,8 @@
 
 use std::time::{Duration, Instant};
 
-use opmon_client::snapshotter::Hints;
 use opmon_client::{Client, OwnerPhase, WaitUntil};
+use opmon_snapshotter::Hints;
 
 use crate::agent::Spec;
 use crate::register::{add_operations, end_in_progress, operation, start_backups};

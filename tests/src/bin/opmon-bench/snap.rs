@@ -21,8 +21,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opmon_client::snapshotter::{serve_until, OperationHandler, SnapshotterError};
 use opmon_client::{ApiVersion, Client, OperationProgress, OperationRef, Snapshotter};
+use opmon_snapshotter::{serve_until, OperationHandler, SnapshotterError};
 use time::OffsetDateTime;
 use tokio::sync::{oneshot, watch, Notify};
 

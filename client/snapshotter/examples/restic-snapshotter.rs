@@ -36,12 +36,12 @@ use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
 use opmon_client::error::chain;
-use opmon_client::snapshotter::child::{die_with_parent, last_line, last_line_of};
-use opmon_client::snapshotter::{
+use opmon_client::{OperationProgress, OperationRef, Timestamp};
+use opmon_snapshotter::child::{die_with_parent, last_line, last_line_of};
+use opmon_snapshotter::{
     rpc_module, serve_methods, termination, Hints, OperationHandler, OperationStore,
     SnapshotterError,
 };
-use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};

@@ -7,7 +7,7 @@
 //! it, start a copy with its own `start` command and hand the operation ID to a backup:
 //!
 //! ```sh
-//! cargo build -p opmon-client --example qemu-img-snapshotter
+//! cargo build -p opmon-snapshotter --example qemu-img-snapshotter
 //! Q=target/debug/examples/qemu-img-snapshotter
 //! $Q serve --socket /tmp/qemu-img.sock --state-dir /tmp/qis/state --backup-dir /tmp/qis/backups \
 //!    --agent-socket "$OPMON_SOCKET" --plugin example.io/qemu-img &
@@ -51,12 +51,12 @@ use jsonrpsee::types::error::INTERNAL_ERROR_CODE;
 use jsonrpsee::types::ErrorObjectOwned;
 use opmon_client::codes;
 use opmon_client::error::chain;
-use opmon_client::snapshotter::child::{die_with_parent, last_line, last_line_of};
-use opmon_client::snapshotter::{
+use opmon_client::{OperationProgress, OperationRef, Timestamp};
+use opmon_snapshotter::child::{die_with_parent, last_line, last_line_of};
+use opmon_snapshotter::{
     rpc_module, serve_methods, termination, Hints, OperationHandler, OperationStore,
     SnapshotterError,
 };
-use opmon_client::{OperationProgress, OperationRef, Timestamp};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncReadExt};

@@ -1,40 +1,8 @@
-//! The snapshotter SDK (feature `snapshotter`): implement [`OperationHandler`], call
-//! [`serve_and_register`] (or [`serve`], and register yourself), and the agent can poll
-//! and cancel your operations over a Unix socket. (The registration record the agent
-//! keeps is the API type [`crate::Snapshotter`].) Report `updated` with each progress:
-//! the agent's rates and ETAs come from it ([`OperationHandler::progress`]).
-//!
-//! The wire protocol is docs/architecture.md's "snapshotter protocol": JSON-RPC 2.0 over HTTP
-//! POST `/` (or WebSocket) with `operation.progress` and `operation.cancel`, batches
-//! allowed. Errors map to the protocol's codes: [`ErrorKind::OperationsNotSupported`]
-//! is 2001, [`ErrorKind::InvalidOperationId`] is 2002, and
-//! [`ErrorKind::Transient`] is 2003 with `data: {"retryable": true}`: the agent
-//! asks again later (with backoff, within the snapshotter's retry budget) instead of
-//! failing the operation.
-//!
-//! ```no_run
-//! use opmon_client::snapshotter::{serve, OperationHandler, SnapshotterError};
-//! use opmon_client::{OperationProgress, OperationRef};
-//!
-//! struct Instant;
-//!
-//! impl OperationHandler for Instant {
-//!     async fn progress(&self, op: OperationRef) -> Result<OperationProgress, SnapshotterError> {
-//!         if !op.operation_id.starts_with("copy-") {
-//!             return Err(SnapshotterError::invalid_operation_id(op.operation_id));
-//!         }
-//!         Ok(OperationProgress { completed: true, n_completed: 1, n_total: 1, ..Default::default() })
-//!     }
-//!
-//!     async fn cancel(&self, _op: OperationRef) -> Result<(), SnapshotterError> {
-//!         Ok(())
-//!     }
-//! }
-//!
-//! # async fn demo() -> std::io::Result<()> {
-//! serve("/run/my-snapshotter.sock", Instant).await
-//! # }
-//! ```
+#![doc = include_str!("../README.md")]
+
+pub mod server;
+mod store;
+pub mod traffic;
 
 use std::future::Future;
 use std::io;
@@ -51,9 +19,9 @@ pub use jsonrpsee::RpcModule;
 
 pub use crate::store::{child, OperationStore, StoreError};
 
-use crate::server::{self, AdmitAll, ServeConfig};
-use crate::types::{OperationProgress, OperationRef};
-use crate::{codes, methods};
+use crate::server::{AdmitAll, ServeConfig};
+use opmon_client::types::{OperationProgress, OperationRef};
+use opmon_client::{codes, methods};
 
 /// What kind of failure a [`SnapshotterError`] is: the agent acts on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +45,7 @@ pub enum ErrorKind {
 /// gets the message followed by the causes' messages.
 ///
 /// ```
-/// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+/// use opmon_snapshotter::{ErrorKind, SnapshotterError};
 /// let io = std::io::Error::other("connection reset");
 /// let e = SnapshotterError::transient("reading the copy's state").caused_by(io);
 /// assert_eq!(e.kind(), ErrorKind::Transient);
@@ -105,7 +73,7 @@ impl SnapshotterError {
     /// The item is not this snapshotter's (code 2001).
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// let e = SnapshotterError::operations_not_supported("not a qcow2 volume");
     /// assert_eq!(e.kind(), ErrorKind::OperationsNotSupported);
     /// ```
@@ -116,7 +84,7 @@ impl SnapshotterError {
     /// The operation ID is unknown (code 2002); `message` is usually the ID.
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// let e = SnapshotterError::invalid_operation_id("copy-42");
     /// assert_eq!(e.to_string(), "invalid operation ID: copy-42");
     /// ```
@@ -127,7 +95,7 @@ impl SnapshotterError {
     /// A failure that may pass: the agent asks again later (code 2003).
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// let e = SnapshotterError::transient("the backend is busy");
     /// assert_eq!(e.kind(), ErrorKind::Transient);
     /// ```
@@ -138,7 +106,7 @@ impl SnapshotterError {
     /// Any other failure: the operation fails with the message.
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// let e = SnapshotterError::other("the disk is gone");
     /// assert_eq!(e.kind(), ErrorKind::Other);
     /// ```
@@ -150,7 +118,7 @@ impl SnapshotterError {
     /// its message sent to the agent after this one's).
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// let e = SnapshotterError::other("reading the copy").caused_by(std::io::Error::other("EIO"));
     /// assert!(std::error::Error::source(&e).is_some());
     /// ```
@@ -165,7 +133,7 @@ impl SnapshotterError {
     /// What kind of failure it is.
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// assert_eq!(SnapshotterError::transient("busy").kind(), ErrorKind::Transient);
     /// ```
     pub fn kind(&self) -> ErrorKind {
@@ -175,7 +143,7 @@ impl SnapshotterError {
     /// The message, without its causes.
     ///
     /// ```
-    /// use opmon_client::snapshotter::{ErrorKind, SnapshotterError};
+    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
     /// assert_eq!(SnapshotterError::invalid_operation_id("copy-42").message(), "copy-42");
     /// ```
     pub fn message(&self) -> &str {
@@ -194,7 +162,7 @@ impl SnapshotterError {
 
     /// The message and its causes', as the agent gets it.
     fn chain(&self) -> String {
-        crate::error::chain(self)
+        opmon_client::error::chain(self)
     }
 }
 
@@ -247,7 +215,7 @@ pub trait OperationHandler: Send + Sync + 'static {
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -289,7 +257,7 @@ pub fn rpc_module<S: OperationHandler>(snapshotter: S) -> RpcModule<S> {
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -314,7 +282,7 @@ pub async fn serve<S: OperationHandler>(
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -350,7 +318,7 @@ pub enum ServeError {
     Register {
         name: String,
         #[source]
-        source: crate::Error,
+        source: opmon_client::Error,
     },
 }
 
@@ -365,7 +333,7 @@ pub enum ServeError {
 /// the agent did not take the registration (nothing is served then).
 ///
 /// ```no_run
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -380,8 +348,8 @@ pub enum ServeError {
 /// # Ok(()) }
 /// ```
 pub async fn serve_and_register<S: OperationHandler>(
-    agent: &crate::Client,
-    registration: crate::Snapshotter,
+    agent: &opmon_client::Client,
+    registration: opmon_client::Snapshotter,
     socket: impl AsRef<Path>,
     snapshotter: S,
 ) -> Result<(), ServeError> {
@@ -397,7 +365,7 @@ pub async fn serve_and_register<S: OperationHandler>(
 /// the agent did not take the registration (nothing is served then).
 ///
 /// ```no_run
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -416,8 +384,8 @@ pub async fn serve_and_register<S: OperationHandler>(
 /// # Ok(()) }
 /// ```
 pub async fn serve_methods_and_register(
-    agent: &crate::Client,
-    registration: crate::Snapshotter,
+    agent: &opmon_client::Client,
+    registration: opmon_client::Snapshotter,
     socket: impl AsRef<Path>,
     methods: impl Into<jsonrpsee::Methods> + Send + 'static,
 ) -> Result<(), ServeError> {
@@ -428,8 +396,8 @@ pub async fn serve_methods_and_register(
             socket: socket.to_path_buf(),
             source,
         })?;
-    let registration = crate::Snapshotter {
-        api_version: crate::ApiVersion::V2,
+    let registration = opmon_client::Snapshotter {
+        api_version: opmon_client::ApiVersion::V2,
         socket: Some(socket.to_path_buf()),
         command: None,
         ..registration
@@ -454,7 +422,7 @@ pub async fn serve_methods_and_register(
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// # use opmon_client::snapshotter::*;
+/// # use opmon_snapshotter::*;
 /// # use opmon_client::{OperationProgress, OperationRef};
 /// # struct Copier;
 /// # impl OperationHandler for Copier {
@@ -507,7 +475,7 @@ async fn serve_listener(
 ///
 /// ```no_run
 /// # async fn demo() {
-/// use opmon_client::snapshotter::Hints;
+/// use opmon_snapshotter::Hints;
 /// let hints = Hints::new("/run/opmon/agent.sock", "example.io/copier");
 /// // … when copy-1 finishes:
 /// hints.changed("copy-1");
@@ -538,7 +506,7 @@ impl Hints {
     /// No errors.
     ///
     /// ```
-    /// let hints = opmon_client::snapshotter::Hints::none();
+    /// let hints = opmon_snapshotter::Hints::none();
     /// hints.changed("copy-1"); // goes nowhere
     /// ```
     pub fn none() -> Hints {
@@ -552,7 +520,7 @@ impl Hints {
     ///
     /// ```no_run
     /// # async fn demo() {
-    /// let hints = opmon_client::snapshotter::Hints::new(opmon_client::default_socket_path(), "example.io/copier");
+    /// let hints = opmon_snapshotter::Hints::new(opmon_client::default_socket_path(), "example.io/copier");
     /// # }
     /// ```
     pub fn new(agent_socket: impl AsRef<Path>, plugin: impl Into<String>) -> Hints {
@@ -575,7 +543,7 @@ impl Hints {
     /// No errors (see [`Hints`]).
     ///
     /// ```no_run
-    /// # fn demo(hints: opmon_client::snapshotter::Hints) {
+    /// # fn demo(hints: opmon_snapshotter::Hints) {
     /// hints.changed("copy-1");
     /// # }
     /// ```
@@ -588,7 +556,7 @@ impl Hints {
     /// No errors (see [`Hints`]).
     ///
     /// ```no_run
-    /// # fn demo(hints: opmon_client::snapshotter::Hints) {
+    /// # fn demo(hints: opmon_snapshotter::Hints) {
     /// hints.all_changed();
     /// # }
     /// ```
@@ -605,7 +573,9 @@ impl Hints {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             match (pending.as_mut(), id) {
                 // Bounded: past one call's worth, all of them.
-                (Some(ids), Some(id)) if ids.len() < crate::types::MAX_CHANGED_OPERATIONS => {
+                (Some(ids), Some(id))
+                    if ids.len() < opmon_client::types::MAX_CHANGED_OPERATIONS =>
+                {
                     ids.insert(id.to_string());
                 }
                 (Some(ids), Some(id)) if ids.contains(id) => {}
@@ -622,7 +592,7 @@ async fn send_hints(
     inner: std::sync::Weak<HintsInner>,
     wake: Arc<tokio::sync::Notify>,
 ) {
-    let mut client: Option<crate::Client> = None;
+    let mut client: Option<opmon_client::Client> = None;
     loop {
         wake.notified().await;
         let Some(inner) = inner.upgrade() else { return };
@@ -639,7 +609,7 @@ async fn send_hints(
         let plugin = inner.plugin.clone();
         drop(inner);
         if client.is_none() {
-            client = crate::Client::connect(&socket).await.ok();
+            client = opmon_client::Client::connect(&socket).await.ok();
         }
         let Some(c) = &client else {
             tracing::debug!(socket = %socket.display(), "hint dropped: cannot connect to the agent");
@@ -667,7 +637,7 @@ async fn send_hints(
 ///
 /// ```no_run
 /// # async fn demo() {
-/// let stop = opmon_client::snapshotter::termination();
+/// let stop = opmon_snapshotter::termination();
 /// // … start up …
 /// stop.await;
 /// # }

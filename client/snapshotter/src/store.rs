@@ -1,6 +1,6 @@
 //! What a snapshotter that starts its own operations (a `copy.start` of its own) needs
 //! to keep them across restarts and to run them as child processes: re-exported by
-//! [`crate::snapshotter`].
+//! [`crate`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -83,12 +83,12 @@ struct Inner<R> {
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use opmon_client::snapshotter::OperationStore;
+/// use opmon_snapshotter::OperationStore;
 ///
 /// #[derive(Clone, serde::Serialize, serde::Deserialize)]
 /// struct Copy { disk: String, done: bool }
 ///
-/// # async fn demo() -> Result<(), opmon_client::snapshotter::StoreError> {
+/// # async fn demo() -> Result<(), opmon_snapshotter::StoreError> {
 /// let store = Arc::new(OperationStore::<Copy>::open("/var/lib/copier".as_ref())?);
 /// let id = store.insert("copy", Copy { disk: "/vm/a.qcow2".into(), done: false }).await?;
 /// store.launch(&id, {
@@ -116,8 +116,8 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// [`StoreError::Invalid`] or [`StoreError::Version`] naming the file otherwise.
     ///
     /// ```no_run
-    /// use opmon_client::snapshotter::OperationStore;
-    /// # fn demo() -> Result<(), opmon_client::snapshotter::StoreError> {
+    /// use opmon_snapshotter::OperationStore;
+    /// # fn demo() -> Result<(), opmon_snapshotter::StoreError> {
     /// let store = OperationStore::<String>::open("/var/lib/copier".as_ref())?;
     /// # Ok(()) }
     /// ```
@@ -172,7 +172,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// The record of operation `id`.
     ///
     /// ```no_run
-    /// # fn demo(store: &opmon_client::snapshotter::OperationStore<String>) {
+    /// # fn demo(store: &opmon_snapshotter::OperationStore<String>) {
     /// let known = store.get("copy-1").is_some();
     /// # }
     /// ```
@@ -183,7 +183,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// Changes the record of `id` in memory only (progress, which a restart may lose).
     ///
     /// ```no_run
-    /// # fn demo(store: &opmon_client::snapshotter::OperationStore<u64>) {
+    /// # fn demo(store: &opmon_snapshotter::OperationStore<u64>) {
     /// store.update("copy-1", |bytes| *bytes += 4096);
     /// # }
     /// ```
@@ -197,7 +197,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// snapshotter last stopped, say, to start them again.
     ///
     /// ```no_run
-    /// # fn demo(store: &opmon_client::snapshotter::OperationStore<bool>) {
+    /// # fn demo(store: &opmon_snapshotter::OperationStore<bool>) {
     /// let unfinished = store.ids(|done| !done);
     /// # }
     /// ```
@@ -218,7 +218,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// [`StoreError::Io`] if the state file could not be written.
     ///
     /// ```no_run
-    /// # async fn demo(store: &opmon_client::snapshotter::OperationStore<String>) -> Result<(), opmon_client::snapshotter::StoreError> {
+    /// # async fn demo(store: &opmon_snapshotter::OperationStore<String>) -> Result<(), opmon_snapshotter::StoreError> {
     /// let id = store.insert("copy", "/vm/a.qcow2".to_string()).await?;
     /// assert!(id.starts_with("copy-"));
     /// # Ok(()) }
@@ -226,7 +226,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     pub async fn insert(&self, prefix: &str, record: R) -> Result<String, StoreError> {
         let id = {
             let mut inner = self.lock();
-            let mut n = time::OffsetDateTime::now_utc().unix_timestamp_nanos();
+            let mut n = opmon_client::time::OffsetDateTime::now_utc().unix_timestamp_nanos();
             let id = loop {
                 let id = format!("{prefix}-{n:x}");
                 if !inner.records.contains_key(&id) {
@@ -252,7 +252,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// [`StoreError::Io`] if the state file could not be written.
     ///
     /// ```no_run
-    /// # async fn demo(store: &opmon_client::snapshotter::OperationStore<bool>) {
+    /// # async fn demo(store: &opmon_snapshotter::OperationStore<bool>) {
     /// if let Err(e) = store.finish("copy-1", |done| *done = true).await {
     ///     eprintln!("copy-1: saving its outcome: {e}");
     /// }
@@ -299,7 +299,7 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
     /// should end with [`finish`](Self::finish).
     ///
     /// ```no_run
-    /// # fn demo(store: std::sync::Arc<opmon_client::snapshotter::OperationStore<bool>>) {
+    /// # fn demo(store: std::sync::Arc<opmon_snapshotter::OperationStore<bool>>) {
     /// store.launch("copy-1", |stopped| async move {
     ///     let _ = stopped.await;
     /// });
@@ -320,10 +320,10 @@ impl<R: Clone + Serialize + DeserializeOwned + Send + 'static> OperationStore<R>
 
     /// Stops operation `id` if it runs and returns once its task has ended (with its
     /// [`finish`](Self::finish)); a finished or unknown operation is left alone. For
-    /// [`crate::snapshotter::OperationHandler::cancel`].
+    /// [`crate::OperationHandler::cancel`].
     ///
     /// ```no_run
-    /// # async fn demo(store: &opmon_client::snapshotter::OperationStore<bool>) {
+    /// # async fn demo(store: &opmon_snapshotter::OperationStore<bool>) {
     /// store.stop("copy-1").await;
     /// # }
     /// ```
@@ -362,7 +362,7 @@ pub mod child {
     ///
     /// ```no_run
     /// let mut command = tokio::process::Command::new("qemu-img");
-    /// opmon_client::snapshotter::child::die_with_parent(&mut command);
+    /// opmon_snapshotter::child::die_with_parent(&mut command);
     /// ```
     pub fn die_with_parent(command: &mut Command) {
         #[cfg(target_os = "linux")]
@@ -388,7 +388,7 @@ pub mod child {
     /// The last non-empty line of `text`, trimmed.
     ///
     /// ```
-    /// use opmon_client::snapshotter::child::last_line;
+    /// use opmon_snapshotter::child::last_line;
     /// assert_eq!(last_line("warming up\nFatal: disk full\n\n").as_deref(), Some("Fatal: disk full"));
     /// ```
     pub fn last_line(text: &str) -> Option<String> {
@@ -404,7 +404,7 @@ pub mod child {
     ///
     /// ```no_run
     /// # async fn demo(mut child: tokio::process::Child) {
-    /// let last = opmon_client::snapshotter::child::last_line_of(child.stderr.take()).await;
+    /// let last = opmon_snapshotter::child::last_line_of(child.stderr.take()).await;
     /// # }
     /// ```
     pub async fn last_line_of(stream: Option<impl AsyncRead + Unpin>) -> Option<String> {

@@ -1002,7 +1002,7 @@ impl AsyncWrite for Metered {
 
 /// The methods declared as mostly waiting: they take no place among the calls in flight.
 static WAITING: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    crate::methods::ALL
+    opmon_client::methods::ALL
         .iter()
         .filter(|d| d.waits)
         .flat_map(|d| d.names().iter().copied())
@@ -1013,7 +1013,7 @@ static WAITING: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
 /// operations, records or events): making one takes several times its size, so one
 /// peer makes [`LISTINGS_PER_PEER`] at once.
 static LISTINGS: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    use crate::methods::{Events, ItemOperations, List, Method, Operations};
+    use opmon_client::methods::{Events, ItemOperations, List, Method, Operations};
     [
         &List::DECL,
         &Operations::DECL,
@@ -1031,9 +1031,9 @@ pub const LISTINGS_PER_PEER: usize = 2;
 /// The methods declared safe to send again (`methods::Retry::Always`): a large answer of
 /// one is made again rather than kept past its peer's quota.
 static AGAIN: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    crate::methods::ALL
+    opmon_client::methods::ALL
         .iter()
-        .filter(|d| d.retry == crate::methods::Retry::Always)
+        .filter(|d| d.retry == opmon_client::methods::Retry::Always)
         .flat_map(|d| d.names().iter().copied())
         .collect()
 });
@@ -1378,7 +1378,7 @@ async fn route<H, W>(
     mut ws: W,
     shared: Arc<Shared>,
     conn: Arc<Connection>,
-    caller: Option<crate::types::Caller>,
+    caller: Option<opmon_client::types::Caller>,
 ) -> Result<HttpResponse, BoxError>
 where
     H: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
@@ -1620,10 +1620,13 @@ pub async fn serve<L>(
             }
         };
         // What the kernel recorded when the peer connected.
-        let caller = stream.peer_cred().ok().map(|cred| crate::types::Caller {
-            uid: cred.uid(),
-            pid: cred.pid().unwrap_or(0),
-        });
+        let caller = stream
+            .peer_cred()
+            .ok()
+            .map(|cred| opmon_client::types::Caller {
+                uid: cred.uid(),
+                pid: cred.pid().unwrap_or(0),
+            });
         let conn = Arc::new(Connection {
             peer: peers.get(caller.map_or(u32::MAX, |c| c.uid), &config),
             owed: AtomicU64::new(0),
