@@ -479,11 +479,12 @@ pub fn observe_within(
                 next.progressed_ms = Some(now_ms);
             }
             if p.completed {
-                if p.err.is_empty() {
-                    next.phase = OperationPhase::Completed;
-                } else {
-                    next.phase = OperationPhase::Failed;
-                    next.error = bounded(p.err, MAX_ERROR);
+                match p.err.filter(|err| !err.is_empty()) {
+                    None => next.phase = OperationPhase::Completed,
+                    Some(err) => {
+                        next.phase = OperationPhase::Failed;
+                        next.error = bounded(err, MAX_ERROR);
+                    }
                 }
             } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
                 cancel = true;
@@ -611,7 +612,7 @@ mod tests {
     fn progress(completed: bool, err: &str) -> OperationProgress {
         OperationProgress {
             completed,
-            err: err.into(),
+            err: Some(err.into()).filter(|err: &String| !err.is_empty()),
             n_completed: 5,
             n_total: 10,
             operation_units: "byte".into(),

@@ -287,8 +287,11 @@ pub struct PluginRef {
 pub struct OperationProgress {
     /// True once the operation has finished, successfully or not.
     pub completed: bool,
-    /// Set when the operation failed.
-    pub err: String,
+    /// Why the operation failed; `None` if it did not. The wire carries `""` for none (as
+    /// Velero's `OperationProgress.Err`), which this client reads as `None`.
+    #[serde(with = "empty_is_none")]
+    #[cfg_attr(feature = "schema", schemars(with = "String"))]
+    pub err: Option<String>,
     pub n_completed: i64,
     pub n_total: i64,
     pub operation_units: String,
@@ -1506,6 +1509,23 @@ impl Snapshotter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_progress_without_an_error_reads_none_and_writes_the_empty_string() {
+        for wire in [
+            r#"{"completed":true,"err":""}"#,
+            r#"{"completed":true,"err":null}"#,
+            r#"{"completed":true}"#,
+        ] {
+            let p: OperationProgress = serde_json::from_str(wire).unwrap();
+            assert_eq!(p.err, None, "{wire}");
+            assert_eq!(serde_json::to_value(&p).unwrap()["err"], "", "{wire}");
+        }
+        let failed: OperationProgress =
+            serde_json::from_str(r#"{"completed":true,"err":"disk full"}"#).unwrap();
+        assert_eq!(failed.err.as_deref(), Some("disk full"));
+        assert_eq!(serde_json::to_value(&failed).unwrap()["err"], "disk full");
+    }
 
     #[test]
     fn phases_round_trip_through_their_wire_names() {

@@ -215,7 +215,7 @@ fn a_backup_reports_restics_bytes_and_its_snapshot_and_restores_equal() {
     let s = Setup::new(16);
     let id = s.start_backup();
     let done = s.finished(&id);
-    assert_eq!(done.err, "", "{}", s.log());
+    assert_eq!(done.err, None, "{}", s.log());
     assert_eq!(done.n_total, 16 << 20);
     assert_eq!(done.n_completed, done.n_total);
     let snapshot = done
@@ -237,7 +237,7 @@ fn a_backup_reports_restics_bytes_and_its_snapshot_and_restores_equal() {
         .unwrap()
         .to_string();
     let restored = s.finished(&restore);
-    assert_eq!(restored.err, "");
+    assert_eq!(restored.err, None);
     assert_eq!(restored.n_total, 16 << 20);
     let diff = Command::new("diff")
         .arg("-r")
@@ -280,12 +280,12 @@ fn a_cancel_stops_restic_with_its_lock_released_and_a_later_backup_works() {
     assert!(answer.get("error").is_none(), "{answer}");
     let p = s.progress(&id);
     assert!(p.completed);
-    assert_eq!(p.err, "canceled");
+    assert_eq!(p.err.as_deref(), Some("canceled"));
     assert_eq!(s.locks(), 0, "restic left its lock");
     let check = restic(s.dir.path(), &["check"]);
     assert!(check.status.success(), "{check:?}");
     let again = s.start_backup();
-    assert_eq!(s.finished(&again).err, "", "{}", s.log());
+    assert_eq!(s.finished(&again).err, None, "{}", s.log());
 }
 
 #[test]
@@ -298,14 +298,22 @@ fn a_restic_that_fails_or_dies_fails_the_operation_with_its_last_error_line() {
     std::fs::write(s.path("password"), "not-the-password\n").unwrap();
     let id = s.start_backup();
     let p = s.finished(&id);
-    assert_eq!(p.err, "Fatal: wrong password or no key found");
+    assert_eq!(
+        p.err.as_deref(),
+        Some("Fatal: wrong password or no key found")
+    );
     std::fs::write(s.path("password"), "opmon-test\n").unwrap();
     // restic killed in the middle.
     let id = s.start_backup();
     let pid = s.stopped_restic();
     kill(pid, Signal::SIGKILL).unwrap();
     let p = s.finished(&id);
-    assert!(p.err.contains("signal: 9"), "{p:?}");
+    assert!(
+        p.err
+            .as_deref()
+            .is_some_and(|err| err.contains("signal: 9")),
+        "{p:?}"
+    );
     s.kill9();
 }
 
@@ -331,7 +339,7 @@ fn a_restarted_snapshotter_keeps_its_operations_and_runs_the_interrupted_ones_ag
     s.serve();
     assert_eq!(s.progress(&first).description, done.description);
     let again = s.finished(&second);
-    assert_eq!(again.err, "", "{}", s.log());
+    assert_eq!(again.err, None, "{}", s.log());
     assert!(again.description.starts_with("snapshot "), "{again:?}");
     // The killed restic's lock is gone: commands that lock exclusively work again.
     let check = restic(s.dir.path(), &["check"]);

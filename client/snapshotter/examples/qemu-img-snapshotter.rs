@@ -182,8 +182,8 @@ impl CopyRecord {
         OperationProgress {
             completed: self.status != CopyStatus::Running,
             err: match &self.status {
-                CopyStatus::Failed { error } => error.clone(),
-                _ => String::new(),
+                CopyStatus::Failed { error } => Some(error.clone()),
+                _ => None,
             },
             n_completed: self.n_completed,
             n_total: self.n_total,

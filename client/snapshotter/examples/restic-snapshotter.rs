@@ -170,8 +170,8 @@ impl Record {
         OperationProgress {
             completed: self.status != Status::Running,
             err: match &self.status {
-                Status::Failed { error } => error.clone(),
-                _ => String::new(),
+                Status::Failed { error } => Some(error.clone()),
+                _ => None,
             },
             n_completed: self.n_completed,
             n_total: self.n_total,

@@ -78,7 +78,7 @@ impl Scripted {
     fn progress(n: i64, completed: bool, err: &str) -> OperationProgress {
         OperationProgress {
             completed,
-            err: err.into(),
+            err: Some(err.into()).filter(|err: &String| !err.is_empty()),
             n_completed: n,
             n_total: 100,
             operation_units: "byte".into(),
@@ -151,7 +151,7 @@ impl OperationHandler for Scripted {
         } else if id.starts_with("odd-") {
             Ok(OperationProgress {
                 completed: true,
-                err: "copy <failed> & \"gave up\": ü 🦀 \u{2028}\tline\u{2029}".into(),
+                err: Some("copy <failed> & \"gave up\": ü 🦀 \u{2028}\tline\u{2029}".into()),
                 description: "<b>fast</b> & ☃".into(),
                 started: Some(OffsetDateTime::UNIX_EPOCH),
                 updated: Some(time::macros::datetime!(2026-11-22 09:57:45.678 UTC)),
@@ -180,7 +180,7 @@ impl OperationHandler for Scripted {
             );
             Ok(OperationProgress {
                 completed: false,
-                err: String::new(),
+                err: None,
                 n_completed: n,
                 n_total: if id.starts_with("pace-nototal-") {
                     0

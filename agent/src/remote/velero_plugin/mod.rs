@@ -267,7 +267,7 @@ fn request<C: Call>(op: &C) -> wire::OperationRequest {
 fn progress(p: wire::OperationProgress) -> Result<OperationProgress, String> {
     Ok(OperationProgress {
         completed: p.completed,
-        err: p.err,
+        err: Some(p.err).filter(|err| !err.is_empty()),
         n_completed: p.n_completed,
         n_total: p.n_total,
         operation_units: p.operation_units,

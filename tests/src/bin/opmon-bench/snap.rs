@@ -122,7 +122,7 @@ impl OperationHandler for Snap {
         }
         Ok(OperationProgress {
             completed: false,
-            err: String::new(),
+            err: None,
             n_completed: value,
             n_total: 1 << 40,
             operation_units: "bytes".into(),
