@@ -287,8 +287,7 @@ pub struct PluginRef {
 pub struct OperationProgress {
     /// True once the operation has finished, successfully or not.
     pub completed: bool,
-    /// Why the operation failed; `None` if it did not. The wire carries `""` for none (as
-    /// Velero's `OperationProgress.Err`), which this client reads as `None`.
+    /// Why the operation failed; empty if it did not (which this client reads as `None`).
     #[serde(with = "empty_is_none")]
     #[cfg_attr(feature = "schema", schemars(with = "String"))]
     pub err: Option<String>,
