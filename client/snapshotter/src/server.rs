@@ -949,6 +949,9 @@ impl AsyncRead for Metered {
                         .as_mut()
                         .is_some_and(|at| at.as_mut().poll(cx).is_ready()) =>
             {
+                // Operators read this at debug level (and the reload test checks that
+                // the level is applied by it).
+                tracing::debug!("closed an idle connection");
                 this.conn.fail();
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
