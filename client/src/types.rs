@@ -125,7 +125,7 @@ macro_rules! wire_enum {
 }
 
 wire_enum! {
-    /// The phase of a backup or restore, with Velero's names (seeds/001).
+    /// The phase of a backup or restore, with the names Velero gives them.
     OwnerPhase {
         /// Exists for compatibility; the agent never creates an owner in it.
         New,
@@ -275,7 +275,7 @@ pub struct PluginRef {
     pub name: String,
 }
 
-/// What a snapshotter reports for one operation (seeds/001 `OperationProgress`).
+/// What a snapshotter reports for one operation (Velero's `OperationProgress`).
 ///
 /// `started` and `updated` follow Velero: absent, `null` or Go's zero time
 /// (`0001-01-01T00:00:00Z`, what a Go `time.Time{}` encodes to) mean unknown; any other
