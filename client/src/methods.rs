@@ -308,9 +308,9 @@ declare! {
     /// `finalize`.
     owner Finalize = "finalize", types::FinalizeParams => types::FinalizeResult as "finalized" {
         // A finalized owner answers with the first finalize's result.
-        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED],
+        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED, REFUSED],
         summary: "Finalizes the {kind}: Finalizing goes to Completed, FinalizingPartiallyFailed to PartiallyFailed.",
-        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`.",
+        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`. A peer uid may have `max_finalizes_per_uid` finalizes running or waiting at once: one more is refused at once with -32003 naming the setting.",
     }
     /// `delete`.
     owner Delete = "delete", types::NameParams => types::DeleteResult as "deleted" {
