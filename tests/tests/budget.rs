@@ -628,7 +628,7 @@ impl CallerAs {
             \x20       print(tag, answer.split(b'\\r\\n\\r\\n', 1)[-1].decode().replace('\\n', ' '), flush=True)\n\
             for line in sys.stdin:\n\
             \x20   tag, body = line.rstrip('\\n').split(' ', 1)\n\
-            \x20   threading.Thread(target=call, args=(tag, body)).start()\n";
+            \x20   threading.Thread(target=call, args=(tag, body), daemon=True).start()\n";
         let mut child = Command::new("setpriv")
             .arg(format!("--reuid={uid}"))
             .arg(format!("--regid={uid}"))
@@ -665,8 +665,19 @@ impl CallerAs {
 
 impl Drop for CallerAs {
     fn drop(&mut self) {
-        drop(self.child.stdin.take());
+        // Its calls may still be waiting (a test that failed): they end with it.
+        let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A child killed when dropped, however the test ends.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -681,7 +692,7 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut agent = agent_with_nofile(
+    let _agent = Killed(agent_with_nofile(
         dir.path(),
         1024,
         1024,
@@ -691,7 +702,7 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
             "--max-finalizes-per-uid",
             "2",
         ],
-    );
+    ));
     let socket = dir.path().join("run/agent.sock");
     let storage = dir.path().join("state/storage");
     std::fs::create_dir_all(storage.join("slow")).unwrap();
@@ -743,7 +754,4 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
     first.send("a2", &finalize("a2", "small.tar.gz"));
     let (_, again) = first.answer();
     assert_eq!(again["result"]["owner"]["phase"], json!("Completed"), "{again}");
-    drop((first, second, slow));
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
