@@ -240,9 +240,14 @@ mod tests {
     #[test]
     fn other_uids_leave_a_quarter_of_the_total_to_the_operator() {
         let budget = Budget::new("max_finalizes_per_uid", "finalizes", 8, 8);
-        let others: Vec<Held> = (0..6).map(|n| budget.take(Some(70_000 + n)).unwrap()).collect();
+        let others: Vec<Held> = (0..6)
+            .map(|n| budget.take(Some(70_000 + n)).unwrap())
+            .collect();
         let refused = budget.take(Some(70_100)).unwrap_err();
-        assert!(refused.starts_with("other uids hold 6 finalizes"), "{refused}");
+        assert!(
+            refused.starts_with("other uids hold 6 finalizes"),
+            "{refused}"
+        );
         let root: Vec<Held> = (0..2).map(|_| budget.take(Some(0)).unwrap()).collect();
         assert_eq!(
             budget.take(Some(0)).unwrap_err(),

@@ -599,7 +599,10 @@ impl Drop for HeldFiles {
     fn drop(&mut self) {
         self.release();
         // Lazily: a reader still holding a file must not keep the mount after the test.
-        let _ = Command::new("umount").arg("-l").arg(&self.mountpoint).status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mountpoint)
+            .status();
         let _ = self.child.wait();
     }
 }
@@ -739,7 +742,11 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
     let mut second = CallerAs::start(64002, &socket);
     second.send("b0", &finalize("b0", "small.tar.gz"));
     let (_, done) = second.answer();
-    assert_eq!(done["result"]["owner"]["phase"], json!("Completed"), "{done}");
+    assert_eq!(
+        done["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{done}"
+    );
 
     slow.release();
     let mut ended: Vec<(String, Value)> = vec![first.answer(), first.answer()];
@@ -753,5 +760,9 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
     }
     first.send("a2", &finalize("a2", "small.tar.gz"));
     let (_, again) = first.answer();
-    assert_eq!(again["result"]["owner"]["phase"], json!("Completed"), "{again}");
+    assert_eq!(
+        again["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{again}"
+    );
 }
