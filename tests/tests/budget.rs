@@ -10,13 +10,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use opmon_tests::raw::{agent_pid, read_head, websocket, ws_answer, ws_recv, ws_send};
+use opmon_tests::raw::{agent_pid, read_head, request, websocket, ws_answer, ws_recv, ws_send};
 use opmon_tests::{agent_command, journal, operation, Agent, RawHttp, SdkSnapshotter};
 use serde_json::{json, Value};
-
-fn request(method: &str, params: Value) -> String {
-    json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
-}
 
 /// `{"jsonrpc":"2.0","id":ID,"method":"backup.start",…}` starting backup `name`.
 fn start_with_id(id: &str, name: &str) -> String {
