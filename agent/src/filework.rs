@@ -196,3 +196,42 @@ impl FileWork {
         self.admission.held()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job past its deadline may still be running (stuck in a system call): its
+    /// thread keeps its uid's charge, so a peer cannot queue more by giving up on
+    /// calls, and the quota counts threads that are really there.
+    #[tokio::test]
+    async fn a_job_past_its_deadline_keeps_its_charge_until_its_thread_ends() {
+        let pool = FileWork::start(1);
+        let admitted = pool.admit(Some(70_000)).unwrap();
+        let (gate, stuck) = std::sync::mpsc::channel::<()>();
+        let late = pool
+            .run(
+                &admitted,
+                "a stuck job",
+                Duration::from_millis(1),
+                move |_| {
+                    let _ = stuck.recv();
+                    Ok(())
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(late.to_string().contains("did not finish"), "{late}");
+        drop(admitted);
+        let refused = pool.admit(Some(70_000)).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "uid 70000 already holds 1 finalizes, the most max_finalizes_per_uid allows"
+        );
+        assert!(
+            pool.admit(Some(70_001)).is_ok(),
+            "another uid's quota is its own"
+        );
+        drop(gate);
+    }
+}
