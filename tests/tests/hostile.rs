@@ -415,7 +415,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
         for i in 0..SUBSCRIPTIONS {
             let call = json!({"jsonrpc": "2.0", "id": i, "method": "backup.subscribe",
                               "params": {"name": "big"}});
-            if ws_send(&mut writer, &call.to_string()).is_err() {
+            if ws_send(&mut writer, call.to_string()).is_err() {
                 return i;
             }
         }
@@ -511,7 +511,7 @@ fn batches_of_notifications_only_over_websocket_hold_no_call_places() {
     let status = http.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");
     for (i, ws) in connections.iter_mut().enumerate() {
-        ws_send(ws, &request("agent.status", json!({}))).unwrap();
+        ws_send(ws, request("agent.status", json!({}))).unwrap();
         let answer: Value = serde_json::from_slice(&ws_recv(ws).1).unwrap();
         assert!(
             answer["result"]["version"].is_string(),
@@ -1063,7 +1063,7 @@ fn subscriptions_are_refused_in_a_batch() {
         {"jsonrpc": "2.0", "id": 1, "method": "backup.subscribe", "params": {"name": "b1"}},
         {"jsonrpc": "2.0", "id": 2, "method": "agent.status"},
     ]);
-    ws_send(&mut ws, &batch.to_string()).unwrap();
+    ws_send(&mut ws, batch.to_string()).unwrap();
     let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
     let answers = answer.as_array().unwrap_or_else(|| panic!("{answer}"));
     assert_eq!(answers.len(), 2, "{answer}");
@@ -1092,7 +1092,7 @@ fn a_batch_stops_once_its_client_has_gone() {
         })
         .collect();
     let mut ws = websocket(&agent.socket);
-    ws_send(&mut ws, &Value::Array(calls).to_string()).unwrap();
+    ws_send(&mut ws, Value::Array(calls).to_string()).unwrap();
     let mut http = RawHttp::connect(&agent.socket);
     let mut started = || {
         let status = http.call(&request("agent.status", json!({})));
