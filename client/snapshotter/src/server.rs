@@ -11,7 +11,7 @@
 //! body, within a fixed time and byte budget.
 //!
 //! The limits are jsonrpsee's own ([`ServeConfig`] names which) plus one budget per
-//! peer, the uid of the connection (SO_PEERCRED), charged by the [`Guard`] middleware
+//! peer, the uid of the connection (SO_PEERCRED), charged by the `Guard` middleware
 //! and the stream each connection is served on:
 //! - calls running at once, per peer and in all (uids other than root and the agent's
 //!   own leave a quarter of the total to those two); a method declared as mostly
@@ -59,6 +59,8 @@ use jsonrpsee::core::BoxError;
 use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
+
+use crate::traffic;
 use jsonrpsee::server::{
     serve_with_graceful_shutdown, stop_channel, BatchRequestConfig, BatchResponseBuilder, HttpBody,
     HttpResponse, MethodCallback, MethodResponse, Methods, ServerConfig,
@@ -142,7 +144,13 @@ pub struct ServeConfig {
     pub unread_bytes_per_connection: u64,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
+    /// If set, told of every answer: its method (`batch` for a batch) and its error code
+    /// (0 for a result).
+    pub answered: Option<Answered>,
 }
+
+/// See [`ServeConfig::answered`].
+pub type Answered = Arc<dyn Fn(&str, i32) + Send + Sync>;
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -165,6 +173,7 @@ impl Default for ServeConfig {
             unread_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_connection: 1024 * 1024,
             metrics: None,
+            answered: None,
         }
     }
 }
@@ -1041,11 +1050,12 @@ static AGAIN: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
         .collect()
 });
 
-/// The RPC middleware `serve` puts first: charges each call to its peer's budget (see
-/// the module's doc) and rewords jsonrpsee's errors a client cannot act on.
+/// The RPC middleware of every call: charges it to its peer's budget (see the module's
+/// doc), rewords jsonrpsee's errors a client cannot act on, logs the exchange
+/// ([`crate::traffic`]) and tells [`ServeConfig::answered`].
 #[derive(Clone)]
-pub struct Guard<S> {
-    inner: S,
+struct Guard {
+    inner: RpcService,
     rules: Arc<Rules>,
 }
 
@@ -1057,12 +1067,23 @@ struct Rules {
     others: Arc<Semaphore>,
     max_batch_response: usize,
     unread_bytes_per_peer: u64,
+    answered: Option<Answered>,
 }
 
 /// What a running call holds.
 type Places = (Option<OwnedSemaphorePermit>, Vec<OwnedSemaphorePermit>);
 
 impl Rules {
+    /// Logs an exchange whose request was `shown`, and tells `answered` of it.
+    fn answered(&self, method: &str, shown: Option<String>, response: &MethodResponse) {
+        if let Some(text) = shown.filter(|_| !response.is_notification()) {
+            traffic::exchange(&text, response.as_json());
+        }
+        if let Some(answered) = &self.answered {
+            answered(method, response.as_error_code().unwrap_or(0));
+        }
+    }
+
     /// A place among the calls in flight for a call of `conn`'s peer.
     async fn place(&self, conn: Option<&Arc<Connection>>, method: &str) -> Places {
         let Some(peer) = conn.map(|c| &c.peer) else {
@@ -1161,179 +1182,43 @@ fn marked(mut response: MethodResponse) -> MethodResponse {
     response
 }
 
-impl<S> RpcServiceT for Guard<S>
-where
-    S: RpcServiceT<
-            MethodResponse = MethodResponse,
-            BatchResponse = MethodResponse,
-            NotificationResponse = MethodResponse,
-        > + Clone
-        + Send
-        + Sync
-        + 'static,
-{
+impl RpcServiceT for Guard {
     type MethodResponse = MethodResponse;
     type NotificationResponse = MethodResponse;
     type BatchResponse = MethodResponse;
 
     fn call<'a>(&self, request: Request<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let rules = self.rules.clone();
+        let guard = self.clone();
+        let shown = traffic::enabled()
+            .then(|| serde_json::to_string(&request).ok())
+            .flatten();
         async move {
-            let transport = request.extensions().get::<Transport>().copied();
-            let conn = request.extensions().get::<Arc<Connection>>().cloned();
-            let _running = Running::of(conn.as_ref(), transport);
-            if let Some(e) = rules.refusal(request.method_name(), transport) {
-                return MethodResponse::error(request.id().into_owned(), e);
-            }
-            if WAITING.contains(request.method_name()) {
-                return inner.call(request).await;
-            }
-            // A WebSocket's calls are made one at a time once it owes its room: a peer
-            // that reads nothing holds one answer in the making, not one per call.
-            let _turn = match (&conn, transport) {
-                (Some(conn), Some(Transport::WebSocket)) => Some(conn.room().await),
-                _ => None,
-            };
-            let Some(conn) = &conn else {
-                let _places = rules.place(None, "").await;
-                return inner.call(request).await;
-            };
-            let again = AGAIN.contains(request.method_name());
-            loop {
-                let places = rules.place(Some(conn), request.method_name()).await;
-                let response = inner.call(request.clone()).await;
-                drop(places);
-                let length = response.as_json().get().len();
-                // Counted first, so answers made at once cannot all pass the quota together.
-                let owed = conn.owe(length);
-                if length as u64 >= LARGE_ANSWER
-                    && owed >= rules.unread_bytes_per_peer
-                    && again
-                    && !conn.ended()
-                {
-                    // A large answer of a call that may be made again is not kept while
-                    // its peer owes its quota: it is made again once the peer has read.
-                    conn.take_back();
-                    drop(response);
-                    conn.peer.room(rules.unread_bytes_per_peer, conn).await;
-                    continue;
-                }
-                return response;
-            }
+            let method = request.method_name().to_string();
+            let response = guard.clone().charged(request).await;
+            guard.rules.answered(&method, shown, &response);
+            response
         }
     }
 
-    /// A batch runs its calls one after another, each taking its place as it runs, and
-    /// stops before its next call once its connection has ended, its answer would pass
-    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
-    fn batch<'a>(
-        &self,
-        mut requests: Batch<'a>,
-    ) -> impl Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let rules = self.rules.clone();
+    fn batch<'a>(&self, batch: Batch<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
+        let guard = self.clone();
+        // The calls of the batch (entries that did not parse have no request to show).
+        let shown = traffic::enabled()
+            .then(|| {
+                let calls: Vec<&Request<'a>> = batch
+                    .iter()
+                    .filter_map(|entry| match entry {
+                        Ok(BatchEntry::Call(request)) => Some(request),
+                        _ => None,
+                    })
+                    .collect();
+                serde_json::to_string(&calls).ok()
+            })
+            .flatten();
         async move {
-            let transport = requests.extensions().get::<Transport>().copied();
-            let conn = requests.extensions().get::<Arc<Connection>>().cloned();
-            let _running = Running::of(conn.as_ref(), transport);
-            for entry in requests.iter_mut() {
-                if let Ok(BatchEntry::Call(call)) = entry {
-                    let refusal = rules
-                        .refusal(call.method_name(), transport)
-                        .or_else(|| rules.batch_refusal(call.method_name()));
-                    if let Some(e) = refusal {
-                        *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
-                    }
-                }
-            }
-            let answered = requests
-                .iter()
-                .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
-                .count();
-            let metered = requests.iter().any(|entry| {
-                matches!(entry, Ok(BatchEntry::Call(call)) if !WAITING.contains(call.method_name()))
-            });
-            let _turn = match (&conn, transport) {
-                (Some(conn), Some(Transport::WebSocket)) if metered => Some(conn.room().await),
-                _ => None,
-            };
-            let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
-            let mut charged = 0;
-            let mut notified = false;
-            let mut stopped = None;
-            for (run, entry) in requests.into_iter().enumerate() {
-                if let Some(conn) = &conn {
-                    if conn.ended() {
-                        stopped = Some(MethodResponse::notification());
-                        break;
-                    }
-                    if let Some(owed) = conn
-                        .over_quota(rules.unread_bytes_per_peer)
-                        .filter(|_| charged > 0)
-                    {
-                        let why = rules.over_quota(
-                            owed,
-                            &format!("this batch stopped at call {} of its {answered}", run + 1),
-                        );
-                        stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
-                        break;
-                    }
-                }
-                let response = match entry {
-                    Ok(BatchEntry::Call(call)) => {
-                        let places = match WAITING.contains(call.method_name()) {
-                            true => None,
-                            false => Some(rules.place(conn.as_ref(), call.method_name()).await),
-                        };
-                        let response = inner.call(call).await;
-                        drop(places);
-                        response
-                    }
-                    Ok(BatchEntry::Notification(n)) => {
-                        notified = true;
-                        inner.notification(n).await;
-                        continue;
-                    }
-                    Err(e) => {
-                        let (e, id) = e.into_parts();
-                        MethodResponse::error(id, e)
-                    }
-                };
-                let length = response.as_json().get().len();
-                if answer.append(response).is_err() {
-                    stopped = Some(stopped_batch(
-                        jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
-                        format!(
-                            "the answer to this batch grew past {} bytes at call {} of its \
-                             {answered}, so the rest were not run; send fewer calls in a batch",
-                            rules.max_batch_response,
-                            run + 1
-                        ),
-                    ));
-                    break;
-                }
-                // Counted as it grows, so batches made at once see each other.
-                if let Some(conn) = &conn {
-                    conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
-                }
-                charged += length;
-                tokio::task::coop::consume_budget().await;
-            }
-            let response = match stopped {
-                Some(stopped) => stopped,
-                None if answer.is_empty() && notified => MethodResponse::notification(),
-                None => MethodResponse::from_batch(answer.finish()),
-            };
-            if let Some(conn) = &conn {
-                // What was counted becomes the answer's length (or is given back).
-                conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
-                conn.peer.notify_paid();
-                if !response.is_notification() {
-                    conn.owe(response.as_json().get().len());
-                }
-            }
-            marked(response)
+            let response = guard.clone().charged_batch(batch).await;
+            guard.rules.answered("batch", shown, &response);
+            response
         }
     }
 
@@ -1362,6 +1247,161 @@ where
             }
             marked(inner.notification(n).await)
         }
+    }
+}
+
+impl Guard {
+    /// Runs a call charged to its peer.
+    async fn charged(self, request: Request<'_>) -> MethodResponse {
+        let Guard { inner, rules } = self;
+        let transport = request.extensions().get::<Transport>().copied();
+        let conn = request.extensions().get::<Arc<Connection>>().cloned();
+        let _running = Running::of(conn.as_ref(), transport);
+        if let Some(e) = rules.refusal(request.method_name(), transport) {
+            return MethodResponse::error(request.id().into_owned(), e);
+        }
+        if WAITING.contains(request.method_name()) {
+            return inner.call(request).await;
+        }
+        // A WebSocket's calls are made one at a time once it owes its room: a peer
+        // that reads nothing holds one answer in the making, not one per call.
+        let _turn = match (&conn, transport) {
+            (Some(conn), Some(Transport::WebSocket)) => Some(conn.room().await),
+            _ => None,
+        };
+        let Some(conn) = &conn else {
+            let _places = rules.place(None, "").await;
+            return inner.call(request).await;
+        };
+        let again = AGAIN.contains(request.method_name());
+        loop {
+            let places = rules.place(Some(conn), request.method_name()).await;
+            let response = inner.call(request.clone()).await;
+            drop(places);
+            let length = response.as_json().get().len();
+            // Counted first, so answers made at once cannot all pass the quota together.
+            let owed = conn.owe(length);
+            if length as u64 >= LARGE_ANSWER
+                && owed >= rules.unread_bytes_per_peer
+                && again
+                && !conn.ended()
+            {
+                // A large answer of a call that may be made again is not kept while
+                // its peer owes its quota: it is made again once the peer has read.
+                conn.take_back();
+                drop(response);
+                conn.peer.room(rules.unread_bytes_per_peer, conn).await;
+                continue;
+            }
+            return response;
+        }
+    }
+
+    /// Runs a batch's calls one after another, each taking its place as it runs, and
+    /// stops before its next call once its connection has ended, its answer would pass
+    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
+    async fn charged_batch(self, mut requests: Batch<'_>) -> MethodResponse {
+        let Guard { inner, rules } = self;
+        let transport = requests.extensions().get::<Transport>().copied();
+        let conn = requests.extensions().get::<Arc<Connection>>().cloned();
+        let _running = Running::of(conn.as_ref(), transport);
+        for entry in requests.iter_mut() {
+            if let Ok(BatchEntry::Call(call)) = entry {
+                let refusal = rules
+                    .refusal(call.method_name(), transport)
+                    .or_else(|| rules.batch_refusal(call.method_name()));
+                if let Some(e) = refusal {
+                    *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
+                }
+            }
+        }
+        let answered = requests
+            .iter()
+            .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
+            .count();
+        let metered = requests.iter().any(|entry| {
+            matches!(entry, Ok(BatchEntry::Call(call)) if !WAITING.contains(call.method_name()))
+        });
+        let _turn = match (&conn, transport) {
+            (Some(conn), Some(Transport::WebSocket)) if metered => Some(conn.room().await),
+            _ => None,
+        };
+        let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
+        let mut charged = 0;
+        let mut notified = false;
+        let mut stopped = None;
+        for (run, entry) in requests.into_iter().enumerate() {
+            if let Some(conn) = &conn {
+                if conn.ended() {
+                    stopped = Some(MethodResponse::notification());
+                    break;
+                }
+                if let Some(owed) = conn
+                    .over_quota(rules.unread_bytes_per_peer)
+                    .filter(|_| charged > 0)
+                {
+                    let why = rules.over_quota(
+                        owed,
+                        &format!("this batch stopped at call {} of its {answered}", run + 1),
+                    );
+                    stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
+                    break;
+                }
+            }
+            let response = match entry {
+                Ok(BatchEntry::Call(call)) => {
+                    let places = match WAITING.contains(call.method_name()) {
+                        true => None,
+                        false => Some(rules.place(conn.as_ref(), call.method_name()).await),
+                    };
+                    let response = inner.call(call).await;
+                    drop(places);
+                    response
+                }
+                Ok(BatchEntry::Notification(n)) => {
+                    notified = true;
+                    inner.notification(n).await;
+                    continue;
+                }
+                Err(e) => {
+                    let (e, id) = e.into_parts();
+                    MethodResponse::error(id, e)
+                }
+            };
+            let length = response.as_json().get().len();
+            if answer.append(response).is_err() {
+                stopped = Some(stopped_batch(
+                    jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
+                    format!(
+                        "the answer to this batch grew past {} bytes at call {} of its \
+                         {answered}, so the rest were not run; send fewer calls in a batch",
+                        rules.max_batch_response,
+                        run + 1
+                    ),
+                ));
+                break;
+            }
+            // Counted as it grows, so batches made at once see each other.
+            if let Some(conn) = &conn {
+                conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
+            }
+            charged += length;
+            tokio::task::coop::consume_budget().await;
+        }
+        let response = match stopped {
+            Some(stopped) => stopped,
+            None if answer.is_empty() && notified => MethodResponse::notification(),
+            None => MethodResponse::from_batch(answer.finish()),
+        };
+        if let Some(conn) = &conn {
+            // What was counted becomes the answer's length (or is given back).
+            conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
+            conn.peer.notify_paid();
+            if !response.is_notification() {
+                conn.owe(response.as_json().get().len());
+            }
+        }
+        marked(response)
     }
 }
 
@@ -1532,25 +1572,14 @@ impl Admission for AdmitAll {
     }
 }
 
-/// Serves `methods` on `listener` until `shutdown` resolves, then drains. Every call
-/// passes through `rpc_middleware` (`RpcServiceBuilder::new()` for none), then [`Guard`].
-pub async fn serve<L>(
+/// Serves `methods` on `listener` until `shutdown` resolves, then drains.
+pub async fn serve(
     listener: UnixListener,
     methods: impl Into<Methods>,
     config: ServeConfig,
-    rpc_middleware: RpcServiceBuilder<L>,
     admission: impl Admission,
     shutdown: impl Future<Output = ()>,
-) where
-    L: tower::Layer<Guard<RpcService>> + Clone + Send + Sync + 'static,
-    L::Service: RpcServiceT<
-            MethodResponse = MethodResponse,
-            BatchResponse = MethodResponse,
-            NotificationResponse = MethodResponse,
-        > + Send
-        + Sync
-        + 'static,
-{
+) {
     let methods: Methods = methods.into();
     let reserve = (config.calls_in_flight / 4).max(1);
     let rules = Arc::new(Rules {
@@ -1561,8 +1590,9 @@ pub async fn serve<L>(
         )),
         max_batch_response: config.max_batch_response_bytes as usize,
         unread_bytes_per_peer: config.unread_bytes_per_peer,
+        answered: config.answered.clone(),
     });
-    let guarded = rpc_middleware.layer_fn(move |inner| Guard {
+    let guarded = RpcServiceBuilder::new().layer_fn(move |inner| Guard {
         inner,
         rules: rules.clone(),
     });
