@@ -29,7 +29,7 @@
 //!   `calls_per_connection` calls unfinished. While a peer owes `unread_bytes_per_peer`,
 //!   an answer of 1 MiB or more of a method declared safe to send again is dropped and
 //!   made again once it owes less, and a batch stops before its next call; listings
-//!   (whose answers grow with what is stored) are made [`LISTINGS_PER_PEER`] at once;
+//!   (methods declared `grows`) are made [`LISTINGS_PER_PEER`] at once;
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -42,14 +42,14 @@
 //! a wrong `Content-Type` names the header. A notification gets an empty body over HTTP;
 //! a request whose id is not a string, an integer or null gets -32600 with id null.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -59,6 +59,8 @@ use jsonrpsee::core::BoxError;
 use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
+
+use opmon_client::methods::{Decl, Retry};
 
 use crate::traffic;
 use jsonrpsee::server::{
@@ -1012,43 +1014,16 @@ impl AsyncWrite for Metered {
     }
 }
 
-/// The methods declared as mostly waiting: they take no place among the calls in flight.
-static WAITING: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    opmon_client::methods::ALL
-        .iter()
-        .filter(|d| d.waits)
-        .flat_map(|d| d.names().iter().copied())
-        .collect()
-});
-
-/// The methods whose answers grow with what is stored (a page of owners, an owner's
-/// operations, records or events): making one takes several times its size, so one
-/// peer makes [`LISTINGS_PER_PEER`] at once.
-static LISTINGS: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    use opmon_client::methods::{Events, ItemOperations, List, Method, Operations};
-    [
-        &List::DECL,
-        &Operations::DECL,
-        &ItemOperations::DECL,
-        &Events::DECL,
-    ]
-    .iter()
-    .flat_map(|d| d.names().iter().copied())
-    .collect()
-});
-
-/// Listings one peer has made at once.
+/// Listings (methods declared as `grows`) one peer has made at once.
 pub const LISTINGS_PER_PEER: usize = 2;
 
-/// The methods declared safe to send again (`methods::Retry::Always`): a large answer of
-/// one is made again rather than kept past its peer's quota.
-static AGAIN: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    opmon_client::methods::ALL
-        .iter()
-        .filter(|d| d.retry == opmon_client::methods::Retry::Always)
-        .flat_map(|d| d.names().iter().copied())
-        .collect()
-});
+/// The declaration of `method` (a snapshotter's own methods have none): one that
+/// `waits` takes no place among the calls in flight, one that `grows` is made
+/// [`LISTINGS_PER_PEER`] at once per peer, and a large answer of one safe to send again
+/// (`Retry::Always`) is made again rather than kept past its peer's quota.
+fn declared(method: &str) -> Option<&'static Decl> {
+    opmon_client::methods::decl_of(method)
+}
 
 /// The RPC middleware of every call: charges it to its peer's budget (see the module's
 /// doc), rewords jsonrpsee's errors a client cannot act on, logs the exchange
@@ -1085,7 +1060,7 @@ impl Rules {
     }
 
     /// A place among the calls in flight for a call of `conn`'s peer.
-    async fn place(&self, conn: Option<&Arc<Connection>>, method: &str) -> Places {
+    async fn place(&self, conn: Option<&Arc<Connection>>, grows: bool) -> Places {
         let Some(peer) = conn.map(|c| &c.peer) else {
             return (
                 None,
@@ -1093,7 +1068,7 @@ impl Rules {
             );
         };
         let mut held = Vec::with_capacity(3);
-        if LISTINGS.contains(method) {
+        if grows {
             held.extend(peer.listings.clone().acquire_owned().await.ok());
         }
         let own = peer.calls.clone().acquire_owned().await.ok();
@@ -1260,7 +1235,8 @@ impl Guard {
         if let Some(e) = rules.refusal(request.method_name(), transport) {
             return MethodResponse::error(request.id().into_owned(), e);
         }
-        if WAITING.contains(request.method_name()) {
+        let decl = declared(request.method_name());
+        if decl.is_some_and(|d| d.waits) {
             return inner.call(request).await;
         }
         // A WebSocket's calls are made one at a time once it owes its room: a peer
@@ -1270,12 +1246,13 @@ impl Guard {
             _ => None,
         };
         let Some(conn) = &conn else {
-            let _places = rules.place(None, "").await;
+            let _places = rules.place(None, false).await;
             return inner.call(request).await;
         };
-        let again = AGAIN.contains(request.method_name());
+        let again = decl.is_some_and(|d| d.retry == Retry::Always);
+        let grows = decl.is_some_and(|d| d.grows);
         loop {
-            let places = rules.place(Some(conn), request.method_name()).await;
+            let places = rules.place(Some(conn), grows).await;
             let response = inner.call(request.clone()).await;
             drop(places);
             let length = response.as_json().get().len();
@@ -1320,7 +1297,7 @@ impl Guard {
             .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
             .count();
         let metered = requests.iter().any(|entry| {
-            matches!(entry, Ok(BatchEntry::Call(call)) if !WAITING.contains(call.method_name()))
+            matches!(entry, Ok(BatchEntry::Call(call)) if !declared(call.method_name()).is_some_and(|d| d.waits))
         });
         let _turn = match (&conn, transport) {
             (Some(conn), Some(Transport::WebSocket)) if metered => Some(conn.room().await),
@@ -1350,9 +1327,9 @@ impl Guard {
             }
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
-                    let places = match WAITING.contains(call.method_name()) {
-                        true => None,
-                        false => Some(rules.place(conn.as_ref(), call.method_name()).await),
+                    let places = match declared(call.method_name()) {
+                        Some(d) if d.waits => None,
+                        d => Some(rules.place(conn.as_ref(), d.is_some_and(|d| d.grows)).await),
                     };
                     let response = inner.call(call).await;
                     drop(places);
