@@ -70,7 +70,7 @@ use jsonrpsee::server::{
 use jsonrpsee::types::{ErrorObject, ErrorObjectOwned, Request};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
@@ -410,13 +410,6 @@ fn has_invalid_id(body: &[u8]) -> bool {
 
 const INVALID_ID: &str = "Invalid request: an id must be a string, an integer or null";
 
-/// Which transport a call came by; set on every request `serve` routes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    Http,
-    WebSocket,
-}
-
 /// What one peer (a uid) holds, against its quotas.
 struct Peer {
     operator: bool,
@@ -570,7 +563,7 @@ impl Connection {
             self.peer.owed.fetch_sub(bytes, Ordering::SeqCst);
             self.peer.notify_paid();
             self.room_changed.notify_waiters();
-            if self.websocket.load(Ordering::Relaxed) {
+            if self.websocket() {
                 self.wake_reader();
             }
         }
@@ -614,9 +607,14 @@ impl Connection {
         }
     }
 
+    /// Whether it was upgraded to a WebSocket (by its first request).
+    fn websocket(&self) -> bool {
+        self.websocket.load(Ordering::Relaxed)
+    }
+
     /// Whether a WebSocket connection should not be read now.
     fn full(&self) -> bool {
-        self.websocket.load(Ordering::Relaxed)
+        self.websocket()
             && (self.running.load(Ordering::Relaxed) >= self.calls
                 || self.owed.load(Ordering::Relaxed) >= self.room)
     }
@@ -639,10 +637,8 @@ impl Drop for Connection {
 struct Running(Option<Arc<Connection>>);
 
 impl Running {
-    fn of(conn: Option<&Arc<Connection>>, transport: Option<Transport>) -> Running {
-        let conn = conn
-            .filter(|_| transport == Some(Transport::WebSocket))
-            .cloned();
+    fn of(conn: &Arc<Connection>) -> Running {
+        let conn = conn.websocket().then(|| conn.clone());
         if let Some(conn) = &conn {
             conn.running.fetch_add(1, Ordering::Relaxed);
         }
@@ -899,7 +895,7 @@ impl AsyncRead for Metered {
         }
         // Woken when the connection has room again, or fails (though no byte comes); an
         // HTTP connection's one task reads and writes, so it finds out by itself.
-        if this.conn.websocket.load(Ordering::Relaxed) {
+        if this.conn.websocket() {
             let mut reader = this.conn.reader.lock().unwrap_or_else(|p| p.into_inner());
             if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 *reader = Some(cx.waker().clone());
@@ -917,7 +913,7 @@ impl AsyncRead for Metered {
                 if buf.filled().len() > before {
                     this.last_read = tokio::time::Instant::now();
                 }
-                let websocket = this.conn.websocket.load(Ordering::Relaxed);
+                let websocket = this.conn.websocket();
                 let routed = this.conn.routed.load(Ordering::Relaxed);
                 if !routed || websocket {
                     // Until the first request is routed, its bytes may be a WebSocket's.
@@ -1045,9 +1041,6 @@ struct Rules {
     answered: Option<Answered>,
 }
 
-/// What a running call holds.
-type Places = (Option<OwnedSemaphorePermit>, Vec<OwnedSemaphorePermit>);
-
 impl Rules {
     /// Logs an exchange whose request was `shown`, and tells `answered` of it.
     fn answered(&self, method: &str, shown: Option<String>, response: &MethodResponse) {
@@ -1059,28 +1052,31 @@ impl Rules {
         }
     }
 
-    /// A place among the calls in flight for a call of `conn`'s peer.
-    async fn place(&self, conn: Option<&Arc<Connection>>, grows: bool) -> Places {
-        let Some(peer) = conn.map(|c| &c.peer) else {
-            return (
-                None,
-                self.all.clone().acquire_owned().await.into_iter().collect(),
-            );
-        };
-        let mut held = Vec::with_capacity(3);
-        if grows {
-            held.extend(peer.listings.clone().acquire_owned().await.ok());
+    /// Runs `call` of `peer`, declared `decl`, in a place among the calls in flight
+    /// (none if it waits).
+    async fn run(
+        &self,
+        inner: &RpcService,
+        peer: &Peer,
+        decl: Option<&Decl>,
+        call: Request<'_>,
+    ) -> MethodResponse {
+        let mut places = Vec::with_capacity(4);
+        if !decl.is_some_and(|d| d.waits) {
+            if decl.is_some_and(|d| d.grows) {
+                places.extend(peer.listings.clone().acquire_owned().await.ok());
+            }
+            places.extend(peer.calls.clone().acquire_owned().await.ok());
+            if !peer.operator {
+                places.extend(self.others.clone().acquire_owned().await.ok());
+            }
+            places.extend(self.all.clone().acquire_owned().await.ok());
         }
-        let own = peer.calls.clone().acquire_owned().await.ok();
-        if !peer.operator {
-            held.extend(self.others.clone().acquire_owned().await.ok());
-        }
-        held.extend(self.all.clone().acquire_owned().await.ok());
-        (own, held)
+        inner.call(call).await
     }
 
-    /// The error for calling `method` by `transport`, if it cannot be called so.
-    fn refusal(&self, method: &str, transport: Option<Transport>) -> Option<ErrorObjectOwned> {
+    /// The error for calling `method` on `conn`, if it cannot be called so.
+    fn refusal(&self, method: &str, conn: &Connection) -> Option<ErrorObjectOwned> {
         let code = jsonrpsee::types::error::METHOD_NOT_FOUND_CODE;
         match self.methods.method(method) {
             None => Some(ErrorObject::owned(
@@ -1089,7 +1085,7 @@ impl Rules {
                 None::<()>,
             )),
             Some(MethodCallback::Subscription(_) | MethodCallback::Unsubscription(_))
-                if transport == Some(Transport::Http) =>
+                if !conn.websocket() =>
             {
                 Some(ErrorObject::owned(
                     code,
@@ -1207,7 +1203,10 @@ impl RpcServiceT for Guard {
             // string, an integer or null for one; over HTTP `route` tells the two apart
             // from the body, over WebSocket no hook sees it, so every lone notification
             // is answered as an invalid request.
-            if n.extensions().get::<Transport>() == Some(&Transport::WebSocket) {
+            if n.extensions()
+                .get::<Arc<Connection>>()
+                .is_some_and(|c| c.websocket())
+            {
                 return MethodResponse::error(
                     jsonrpsee::types::Id::Null,
                     ErrorObject::owned(
@@ -1229,10 +1228,12 @@ impl Guard {
     /// Runs a call charged to its peer.
     async fn charged(self, request: Request<'_>) -> MethodResponse {
         let Guard { inner, rules } = self;
-        let transport = request.extensions().get::<Transport>().copied();
-        let conn = request.extensions().get::<Arc<Connection>>().cloned();
-        let _running = Running::of(conn.as_ref(), transport);
-        if let Some(e) = rules.refusal(request.method_name(), transport) {
+        // `route` puts it on every request.
+        let Some(conn) = request.extensions().get::<Arc<Connection>>().cloned() else {
+            return inner.call(request).await;
+        };
+        let _running = Running::of(&conn);
+        if let Some(e) = rules.refusal(request.method_name(), &conn) {
             return MethodResponse::error(request.id().into_owned(), e);
         }
         let decl = declared(request.method_name());
@@ -1241,33 +1242,25 @@ impl Guard {
         }
         // A WebSocket's calls are made one at a time once it owes its room: a peer
         // that reads nothing holds one answer in the making, not one per call.
-        let _turn = match (&conn, transport) {
-            (Some(conn), Some(Transport::WebSocket)) => Some(conn.room().await),
-            _ => None,
+        let _turn = match conn.websocket() {
+            true => Some(conn.room().await),
+            false => None,
         };
-        let Some(conn) = &conn else {
-            let _places = rules.place(None, false).await;
-            return inner.call(request).await;
-        };
-        let again = decl.is_some_and(|d| d.retry == Retry::Always);
-        let grows = decl.is_some_and(|d| d.grows);
         loop {
-            let places = rules.place(Some(conn), grows).await;
-            let response = inner.call(request.clone()).await;
-            drop(places);
+            let response = rules.run(&inner, &conn.peer, decl, request.clone()).await;
             let length = response.as_json().get().len();
             // Counted first, so answers made at once cannot all pass the quota together.
             let owed = conn.owe(length);
             if length as u64 >= LARGE_ANSWER
                 && owed >= rules.unread_bytes_per_peer
-                && again
+                && decl.is_some_and(|d| d.retry == Retry::Always)
                 && !conn.ended()
             {
                 // A large answer of a call that may be made again is not kept while
                 // its peer owes its quota: it is made again once the peer has read.
                 conn.take_back();
                 drop(response);
-                conn.peer.room(rules.unread_bytes_per_peer, conn).await;
+                conn.peer.room(rules.unread_bytes_per_peer, &conn).await;
                 continue;
             }
             return response;
@@ -1279,13 +1272,14 @@ impl Guard {
     /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
     async fn charged_batch(self, mut requests: Batch<'_>) -> MethodResponse {
         let Guard { inner, rules } = self;
-        let transport = requests.extensions().get::<Transport>().copied();
-        let conn = requests.extensions().get::<Arc<Connection>>().cloned();
-        let _running = Running::of(conn.as_ref(), transport);
+        let Some(conn) = requests.extensions().get::<Arc<Connection>>().cloned() else {
+            return inner.batch(requests).await;
+        };
+        let _running = Running::of(&conn);
         for entry in requests.iter_mut() {
             if let Ok(BatchEntry::Call(call)) = entry {
                 let refusal = rules
-                    .refusal(call.method_name(), transport)
+                    .refusal(call.method_name(), &conn)
                     .or_else(|| rules.batch_refusal(call.method_name()));
                 if let Some(e) = refusal {
                     *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
@@ -1299,41 +1293,34 @@ impl Guard {
         let metered = requests.iter().any(|entry| {
             matches!(entry, Ok(BatchEntry::Call(call)) if !declared(call.method_name()).is_some_and(|d| d.waits))
         });
-        let _turn = match (&conn, transport) {
-            (Some(conn), Some(Transport::WebSocket)) if metered => Some(conn.room().await),
-            _ => None,
+        let _turn = match conn.websocket() && metered {
+            true => Some(conn.room().await),
+            false => None,
         };
         let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
         let mut charged = 0;
         let mut notified = false;
         let mut stopped = None;
         for (run, entry) in requests.into_iter().enumerate() {
-            if let Some(conn) = &conn {
-                if conn.ended() {
-                    stopped = Some(MethodResponse::notification());
-                    break;
-                }
-                if let Some(owed) = conn
-                    .over_quota(rules.unread_bytes_per_peer)
-                    .filter(|_| charged > 0)
-                {
-                    let why = rules.over_quota(
-                        owed,
-                        &format!("this batch stopped at call {} of its {answered}", run + 1),
-                    );
-                    stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
-                    break;
-                }
+            if conn.ended() {
+                stopped = Some(MethodResponse::notification());
+                break;
+            }
+            if let Some(owed) = conn
+                .over_quota(rules.unread_bytes_per_peer)
+                .filter(|_| charged > 0)
+            {
+                let why = rules.over_quota(
+                    owed,
+                    &format!("this batch stopped at call {} of its {answered}", run + 1),
+                );
+                stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
+                break;
             }
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
-                    let places = match declared(call.method_name()) {
-                        Some(d) if d.waits => None,
-                        d => Some(rules.place(conn.as_ref(), d.is_some_and(|d| d.grows)).await),
-                    };
-                    let response = inner.call(call).await;
-                    drop(places);
-                    response
+                    let decl = declared(call.method_name());
+                    rules.run(&inner, &conn.peer, decl, call).await
                 }
                 Ok(BatchEntry::Notification(n)) => {
                     notified = true;
@@ -1359,9 +1346,7 @@ impl Guard {
                 break;
             }
             // Counted as it grows, so batches made at once see each other.
-            if let Some(conn) = &conn {
-                conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
-            }
+            conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
             charged += length;
             tokio::task::coop::consume_budget().await;
         }
@@ -1370,13 +1355,11 @@ impl Guard {
             None if answer.is_empty() && notified => MethodResponse::notification(),
             None => MethodResponse::from_batch(answer.finish()),
         };
-        if let Some(conn) = &conn {
-            // What was counted becomes the answer's length (or is given back).
-            conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
-            conn.peer.notify_paid();
-            if !response.is_notification() {
-                conn.owe(response.as_json().get().len());
-            }
+        // What was counted becomes the answer's length (or is given back).
+        conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
+        conn.peer.notify_paid();
+        if !response.is_notification() {
+            conn.owe(response.as_json().get().len());
         }
         marked(response)
     }
@@ -1429,13 +1412,11 @@ where
                  a new connection and wait for the 101",
             )));
         }
-        parts.extensions.insert(Transport::WebSocket);
         conn.websocket.store(true, Ordering::Relaxed);
         return ws
             .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
             .await;
     }
-    parts.extensions.insert(Transport::Http);
     if parts.method != hyper::Method::POST {
         // jsonrpsee answers with 405 and what it wants.
         return http
