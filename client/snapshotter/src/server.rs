@@ -1036,9 +1036,7 @@ struct Rules {
     /// than root and the agent's own, which are left the difference.
     all: Arc<Semaphore>,
     others: Arc<Semaphore>,
-    max_batch_response: usize,
-    unread_bytes_per_peer: u64,
-    answered: Option<Answered>,
+    config: Arc<ServeConfig>,
 }
 
 impl Rules {
@@ -1047,7 +1045,7 @@ impl Rules {
         if let Some(text) = shown.filter(|_| !response.is_notification()) {
             traffic::exchange(&text, response.as_json());
         }
-        if let Some(answered) = &self.answered {
+        if let Some(answered) = &self.config.answered {
             answered(method, response.as_error_code().unwrap_or(0));
         }
     }
@@ -1126,7 +1124,7 @@ impl Rules {
             format!(
                 "{what}: this peer has {owed} bytes of answers it has not read, past its quota \
                  of {} (max_unread_bytes_per_uid); read them, then ask again",
-                self.unread_bytes_per_peer
+                self.config.unread_bytes_per_peer
             ),
             None::<()>,
         )
@@ -1252,7 +1250,7 @@ impl Guard {
             // Counted first, so answers made at once cannot all pass the quota together.
             let owed = conn.owe(length);
             if length as u64 >= LARGE_ANSWER
-                && owed >= rules.unread_bytes_per_peer
+                && owed >= rules.config.unread_bytes_per_peer
                 && decl.is_some_and(|d| d.retry == Retry::Always)
                 && !conn.ended()
             {
@@ -1260,7 +1258,9 @@ impl Guard {
                 // its peer owes its quota: it is made again once the peer has read.
                 conn.take_back();
                 drop(response);
-                conn.peer.room(rules.unread_bytes_per_peer, &conn).await;
+                conn.peer
+                    .room(rules.config.unread_bytes_per_peer, &conn)
+                    .await;
                 continue;
             }
             return response;
@@ -1297,7 +1297,8 @@ impl Guard {
             true => Some(conn.room().await),
             false => None,
         };
-        let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
+        let mut answer =
+            BatchResponseBuilder::new_with_limit(rules.config.max_batch_response_bytes as usize);
         let mut charged = 0;
         let mut notified = false;
         let mut stopped = None;
@@ -1307,7 +1308,7 @@ impl Guard {
                 break;
             }
             if let Some(owed) = conn
-                .over_quota(rules.unread_bytes_per_peer)
+                .over_quota(rules.config.unread_bytes_per_peer)
                 .filter(|_| charged > 0)
             {
                 let why = rules.over_quota(
@@ -1339,7 +1340,7 @@ impl Guard {
                     format!(
                         "the answer to this batch grew past {} bytes at call {} of its \
                          {answered}, so the rest were not run; send fewer calls in a batch",
-                        rules.max_batch_response,
+                        rules.config.max_batch_response_bytes,
                         run + 1
                     ),
                 ));
@@ -1365,21 +1366,14 @@ impl Guard {
     }
 }
 
-/// What routing needs of the server's configuration.
-struct Shared {
-    page: Option<MetricsPage>,
-    max_body: u32,
-    body_timeout: Option<Duration>,
-}
-
 /// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
-/// A POST's body is charged to its peer and read here, up to `max_body` and within
-/// `body_timeout`, and stays charged until its answer is made.
+/// A POST's body is charged to its peer and read here, up to `max_request_body_size`
+/// and within `request_body_timeout`, and stays charged until its answer is made.
 async fn route<H, W>(
     request: hyper::Request<hyper::body::Incoming>,
     mut http: H,
     mut ws: W,
-    shared: Arc<Shared>,
+    config: Arc<ServeConfig>,
     conn: Arc<Connection>,
     caller: Option<opmon_client::types::Caller>,
 ) -> Result<HttpResponse, BoxError>
@@ -1387,7 +1381,7 @@ where
     H: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
     W: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
 {
-    if let Some(page) = &shared.page {
+    if let Some(page) = &config.metrics {
         if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
             return Ok(metrics_response(page, &request).await);
         }
@@ -1423,7 +1417,7 @@ where
             .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
             .await;
     }
-    let max_body = shared.max_body;
+    let max_body = config.max_request_body_size;
     let drain_bound = u64::from(max_body) + u64::from(max_body).max(MIN_DRAIN);
     if let Err(text) = accept_content_type(&mut parts.headers) {
         drain(body, &parts.headers, 0, drain_bound);
@@ -1455,7 +1449,7 @@ where
             .ok(),
         false => None,
     };
-    let bytes = match read_body(body, declared, max_body, shared.body_timeout).await {
+    let bytes = match read_body(body, declared, max_body, config.request_body_timeout).await {
         Ok(bytes) => bytes,
         Err(Unread::TooBig(body, read)) => {
             drain(body, &parts.headers, read, drain_bound);
@@ -1466,7 +1460,10 @@ where
                 Some(length) => format!("{got} of its {length} bytes came"),
                 None => format!("{got} bytes came, not its last chunk"),
             };
-            let timeout = shared.body_timeout.unwrap_or_default().as_secs_f64();
+            let timeout = config
+                .request_body_timeout
+                .unwrap_or_default()
+                .as_secs_f64();
             return Ok(closing(rpc_error(
                 hyper::StatusCode::REQUEST_TIMEOUT,
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
@@ -1539,6 +1536,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let methods: Methods = methods.into();
+    let config = Arc::new(config);
     let reserve = (config.calls_in_flight / 4).max(1);
     let rules = Arc::new(Rules {
         methods: methods.clone(),
@@ -1546,9 +1544,7 @@ pub async fn serve(
         others: Arc::new(Semaphore::new(
             config.calls_in_flight.saturating_sub(reserve).max(1),
         )),
-        max_batch_response: config.max_batch_response_bytes as usize,
-        unread_bytes_per_peer: config.unread_bytes_per_peer,
-        answered: config.answered.clone(),
+        config: config.clone(),
     });
     let guarded = RpcServiceBuilder::new().layer_fn(move |inner| Guard {
         inner,
@@ -1573,11 +1569,6 @@ pub async fn serve(
     };
     let http_builder = stock(config.max_request_body_size);
     let ws_builder = stock(config.max_message_size.min(config.max_request_body_size));
-    let shared = Arc::new(Shared {
-        page: config.metrics.clone(),
-        max_body: config.max_request_body_size,
-        body_timeout: config.request_body_timeout,
-    });
     let peers = Peers {
         by_uid: Mutex::new(HashMap::new()),
         own_uid: nix::unistd::geteuid().as_raw(),
@@ -1651,13 +1642,13 @@ pub async fn serve(
         let ws = ws_builder
             .clone()
             .build(methods.clone(), stop_handle.clone());
-        let shared = shared.clone();
+        let config = config.clone();
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
             route(
                 request,
                 http.clone(),
                 ws.clone(),
-                shared.clone(),
+                config.clone(),
                 conn.clone(),
                 caller,
             )
