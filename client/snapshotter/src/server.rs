@@ -26,10 +26,10 @@
 //!   connection runs its calls (methods that mostly wait aside) and sends its
 //!   subscriptions' updates one at a time, each once it owes less than
 //!   `unread_bytes_per_connection`, and is not read while it owes that much or has
-//!   `calls_per_connection` calls unfinished. While a peer owes `unread_bytes_per_peer`,
-//!   an answer of 1 MiB or more of a method declared safe to send again is dropped and
-//!   made again once it owes less, and a batch stops before its next call; listings
-//!   (methods declared `grows`) are made [`LISTINGS_PER_PEER`] at once;
+//!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
+//!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
+//!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
+//!   before its next call while the peer owes that much;
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -60,7 +60,7 @@ use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
 
-use opmon_client::methods::{Decl, Retry};
+use opmon_client::methods::Decl;
 
 use crate::traffic;
 use jsonrpsee::server::{
@@ -84,10 +84,6 @@ pub type MetricsPage = Arc<
 
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
-
-/// An answer at least this large, made while its peer owes `unread_bytes_per_peer`, is
-/// made again later (if its method may be); smaller ones (a status, a get) are given.
-pub const LARGE_ANSWER: u64 = 1024 * 1024;
 
 /// An HTTP body of at most this many bytes is not charged to its peer's request bytes
 /// (a connection holds at most one).
@@ -523,14 +519,6 @@ impl Connection {
         self.lock_queued().push_back((bytes, bytes));
         self.owed.fetch_add(bytes, Ordering::Relaxed);
         self.peer.owed.fetch_add(bytes, Ordering::Relaxed)
-    }
-
-    /// Takes back the charge of the answer handed over last (it was not handed over).
-    fn take_back(&self) {
-        let last = self.lock_queued().pop_back();
-        if let Some((bytes, _)) = last {
-            self.released(bytes);
-        }
     }
 
     fn lock_queued(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, u64)>> {
@@ -1014,9 +1002,7 @@ impl AsyncWrite for Metered {
 pub const LISTINGS_PER_PEER: usize = 2;
 
 /// The declaration of `method` (a snapshotter's own methods have none): one that
-/// `waits` takes no place among the calls in flight, one that `grows` is made
-/// [`LISTINGS_PER_PEER`] at once per peer, and a large answer of one safe to send again
-/// (`Retry::Always`) is made again rather than kept past its peer's quota.
+/// `waits` takes no place among the calls in flight, one that `grows` is a listing.
 fn declared(method: &str) -> Option<&'static Decl> {
     opmon_client::methods::decl_of(method)
 }
@@ -1050,19 +1036,23 @@ impl Rules {
         }
     }
 
-    /// Runs `call` of `peer`, declared `decl`, in a place among the calls in flight
-    /// (none if it waits).
+    /// Runs `call` of `conn`, declared `decl`, in a place among the calls in flight
+    /// (none if it waits). A listing takes its peer's turn, then waits until the peer
+    /// owes less than its quota: what one peer holds unread passes the quota by at most
+    /// [`LISTINGS_PER_PEER`] answers.
     async fn run(
         &self,
         inner: &RpcService,
-        peer: &Peer,
+        conn: &Connection,
         decl: Option<&Decl>,
         call: Request<'_>,
     ) -> MethodResponse {
+        let peer = &conn.peer;
         let mut places = Vec::with_capacity(4);
         if !decl.is_some_and(|d| d.waits) {
             if decl.is_some_and(|d| d.grows) {
                 places.extend(peer.listings.clone().acquire_owned().await.ok());
+                peer.room(self.config.unread_bytes_per_peer, conn).await;
             }
             places.extend(peer.calls.clone().acquire_owned().await.ok());
             if !peer.operator {
@@ -1244,27 +1234,9 @@ impl Guard {
             true => Some(conn.room().await),
             false => None,
         };
-        loop {
-            let response = rules.run(&inner, &conn.peer, decl, request.clone()).await;
-            let length = response.as_json().get().len();
-            // Counted first, so answers made at once cannot all pass the quota together.
-            let owed = conn.owe(length);
-            if length as u64 >= LARGE_ANSWER
-                && owed >= rules.config.unread_bytes_per_peer
-                && decl.is_some_and(|d| d.retry == Retry::Always)
-                && !conn.ended()
-            {
-                // A large answer of a call that may be made again is not kept while
-                // its peer owes its quota: it is made again once the peer has read.
-                conn.take_back();
-                drop(response);
-                conn.peer
-                    .room(rules.config.unread_bytes_per_peer, &conn)
-                    .await;
-                continue;
-            }
-            return response;
-        }
+        let response = rules.run(&inner, &conn, decl, request).await;
+        conn.owe(response.as_json().get().len());
+        response
     }
 
     /// Runs a batch's calls one after another, each taking its place as it runs, and
@@ -1321,7 +1293,7 @@ impl Guard {
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
                     let decl = declared(call.method_name());
-                    rules.run(&inner, &conn.peer, decl, call).await
+                    rules.run(&inner, &conn, decl, call).await
                 }
                 Ok(BatchEntry::Notification(n)) => {
                     notified = true;
