@@ -11,10 +11,9 @@
 //!   agent's user) out.
 //! - A peer is admitted if its uid is allowed, or its primary or any supplementary
 //!   group is in `allowed_gids`. The groups are those the peer had when it connected.
-//! - No uid holds more than `max_connections_per_uid` connections at once, and uids
-//!   other than the agent's own and root together hold at most
-//!   `max_connections - OPERATOR_RESERVE`, so other users cannot take every connection
-//!   from the operator.
+//! - Connections are a [`Budget`]: no uid holds more than `max_connections_per_uid` at
+//!   once, and uids other than the agent's own and root together hold at most three
+//!   quarters of them, so other users cannot take every connection from the operator.
 //! - A refused peer gets HTTP 403 (not allowed) or 429 (over a limit) with a JSON-RPC
 //!   error naming the rule (answered by the server within a bounded time), and the
 //!   refusal is counted and logged within a [`LogThrottle`], so a refused peer cannot
@@ -26,14 +25,9 @@ use std::sync::Arc;
 
 use opmon_snapshotter::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::budget::{Charge, PerUid};
+use crate::budget::{Budget, Held};
 use crate::metrics::Metrics;
-
-/// Connections kept for the agent's own uid and root when other uids have taken the
-/// rest.
-pub const OPERATOR_RESERVE: u32 = 64;
 
 /// JSON-RPC error code of a refused connection (the implementation-defined server
 /// error range of JSON-RPC 2.0).
@@ -80,22 +74,15 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
     Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
-/// A connection's slot: its charge to its uid, and its place among other uids' if it
-/// has one; given back when the connection ends.
-pub struct Slot {
-    _uid: Charge,
-    _other: Option<OwnedSemaphorePermit>,
-}
+/// A connection's slot in the connections' budget, given back when the connection ends.
+pub type Slot = Held;
 
 pub struct PeerCheck {
     /// The agent's own uid and root: always admitted.
     operators: [u32; 2],
     uids: HashSet<u32>,
     gids: HashSet<u32>,
-    per_uid: Arc<PerUid>,
-    /// Connections uids other than the operators may hold together.
-    others: Arc<Semaphore>,
-    others_limit: u32,
+    connections: Budget,
     log: LogThrottle,
     metrics: Arc<Metrics>,
 }
@@ -110,14 +97,16 @@ impl PeerCheck {
         max_connections: u32,
         metrics: Arc<Metrics>,
     ) -> PeerCheck {
-        let others_limit = max_connections.saturating_sub(OPERATOR_RESERVE).max(1);
         PeerCheck {
             operators: [nix::unistd::geteuid().as_raw(), 0],
             uids: uids.iter().copied().collect(),
             gids: gids.iter().copied().collect(),
-            per_uid: PerUid::new("max_connections_per_uid", "connections", per_uid),
-            others: Arc::new(Semaphore::new(others_limit as usize)),
-            others_limit,
+            connections: Budget::new(
+                "max_connections_per_uid",
+                "connections",
+                per_uid,
+                max_connections as usize,
+            ),
             log: LogThrottle::default(),
             metrics,
         }
@@ -154,21 +143,9 @@ impl PeerCheck {
 
     /// Takes a connection slot for `uid`, or says which limit it is over.
     fn take_slot(&self, uid: u32) -> Result<Slot, Refusal> {
-        let too_many = |message| refused(hyper::StatusCode::TOO_MANY_REQUESTS, message);
-        let charge = self.per_uid.charge(uid).map_err(too_many)?;
-        let other = match self.operators.contains(&uid) {
-            true => None,
-            false => Some(self.others.clone().try_acquire_owned().map_err(|_| {
-                too_many(format!(
-                    "other uids hold {} connections, all the agent takes from uids other than its own and root",
-                    self.others_limit
-                ))
-            })?),
-        };
-        Ok(Slot {
-            _uid: charge,
-            _other: other,
-        })
+        self.connections
+            .take(Some(uid))
+            .map_err(|message| refused(hyper::StatusCode::TOO_MANY_REQUESTS, message))
     }
 }
 
@@ -281,13 +258,13 @@ mod tests {
 
     #[test]
     fn other_uids_leave_the_reserve_to_the_operator() {
-        let max = OPERATOR_RESERVE + 2;
-        let c = check(&[], &[], 10, max);
-        let _held: Vec<Slot> = (0..2).map(|i| c.take_slot(1000 + i).unwrap()).collect();
-        let over = c.take_slot(1002).err().unwrap();
+        let c = check(&[], &[], 10, 8);
+        let _held: Vec<Slot> = (0..6).map(|i| c.take_slot(1000 + i).unwrap()).collect();
+        let over = c.take_slot(1006).err().unwrap();
         assert_eq!(
             over.message,
-            "other uids hold 2 connections, all the agent takes from uids other than its own and root"
+            "other uids hold 6 connections, all the agent takes from uids other than its own \
+             and root; try again later"
         );
         assert!(c.take_slot(0).is_ok(), "root still gets in");
     }

@@ -4,13 +4,14 @@
 //!
 //! Invariants:
 //! - Every quota is per uid, root and the agent's own included: quotas bound what one
-//!   peer holds, the totals and the operator reserve (`access::OPERATOR_RESERVE` of the
-//!   connections, a quarter of a [`Budget`]'s total) keep room for the operator.
+//!   peer holds; the totals keep room for the operator: uids other than root and the
+//!   agent's own take at most three quarters of any [`Budget`]'s total (connections,
+//!   finalizes; the server's calls in flight follow the same rule).
 //! - A charge is given back when its [`Charge`] is dropped, however the work ends.
-//! - Totals that need descriptors (connections, registered snapshotters' connections)
-//!   add up to less than the descriptor limit, with [`OWN_DESCRIPTORS`] left for the
-//!   database, finalize's files and the log: no combination of quotas runs the
-//!   descriptors out.
+//! - Totals that need descriptors (connections, registered snapshotters' connections,
+//!   finalizes' files) add up to less than the descriptor limit, with [`OWN_DESCRIPTORS`]
+//!   left for the database and the log: no combination of quotas runs the descriptors
+//!   out.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,8 +21,12 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::sync::lock;
 
 /// Descriptors kept for the agent's own work: the database and its WAL, the pool of
-/// readers, finalize's files, the listener, the log.
+/// readers, the listener, the log.
 pub const OWN_DESCRIPTORS: u64 = 128;
+
+/// Descriptors one finalize may hold at once: its input, the output's directory and its
+/// temporary file, and the item-operations file it writes.
+pub const FINALIZE_DESCRIPTORS: u64 = 4;
 
 /// Raises the soft limit on open files to the hard limit, and returns the soft limit in
 /// force (the hard one if raising failed, which cannot happen for an unprivileged raise
@@ -52,18 +57,30 @@ pub struct Totals {
     /// Snapshotters registered over the API at once, over all peers (each may hold
     /// `per_snapshotter` descriptors while polled).
     pub snapshotters: usize,
+    /// Finalizes running or waiting at once, over all peers (each may hold
+    /// [`FINALIZE_DESCRIPTORS`]).
+    pub finalizes: usize,
 }
 
 impl Totals {
-    /// A quarter of what is left after [`OWN_DESCRIPTORS`] goes to snapshotters, the
-    /// rest to connections (at most `max_connections`).
-    pub fn of(descriptors: u64, per_snapshotter: usize, max_connections: u32) -> Totals {
-        let free = descriptors.saturating_sub(OWN_DESCRIPTORS).max(8);
+    /// Of what is left after [`OWN_DESCRIPTORS`]: up to a quarter to finalizes (at most
+    /// `max_finalizes`), a quarter of the rest to snapshotters, the rest to connections
+    /// (at most `max_connections`).
+    pub fn of(
+        descriptors: u64,
+        per_snapshotter: usize,
+        max_connections: u32,
+        max_finalizes: usize,
+    ) -> Totals {
+        let free = descriptors.saturating_sub(OWN_DESCRIPTORS).max(16);
+        let finalizes = (free / 4 / FINALIZE_DESCRIPTORS).clamp(1, max_finalizes.max(1) as u64);
+        let free = free - finalizes * FINALIZE_DESCRIPTORS;
         let for_snapshotters = free / 4;
         let per = per_snapshotter.max(1) as u64;
         Totals {
             connections: (free - for_snapshotters).min(u64::from(max_connections)) as u32,
             snapshotters: (for_snapshotters / per).max(1) as usize,
+            finalizes: finalizes as usize,
         }
     }
 }
@@ -230,11 +247,15 @@ mod tests {
 
     #[test]
     fn totals_leave_the_agents_own_descriptors() {
-        let t = Totals::of(1024, 4, 4096);
-        assert_eq!(t.connections, 672);
-        assert_eq!(t.snapshotters, 56);
-        assert!(u64::from(t.connections) + t.snapshotters as u64 * 4 + OWN_DESCRIPTORS <= 1024);
-        assert_eq!(Totals::of(1 << 20, 4, 4096).connections, 4096);
+        let t = Totals::of(1024, 4, 4096, 64);
+        assert_eq!((t.connections, t.snapshotters, t.finalizes), (504, 42, 56));
+        let used = u64::from(t.connections)
+            + t.snapshotters as u64 * 4
+            + t.finalizes as u64 * FINALIZE_DESCRIPTORS
+            + OWN_DESCRIPTORS;
+        assert!(used <= 1024, "{used}");
+        let t = Totals::of(1 << 20, 4, 4096, 64);
+        assert_eq!((t.connections, t.finalizes), (4096, 64));
     }
 
     #[test]

@@ -926,6 +926,8 @@ impl Values {
                     dirs: self.finalize_dirs.value,
                     deadline: self.finalize_deadline.value.0,
                     per_uid: self.max_finalizes_per_uid.value,
+                    // Set at start from the descriptor limit.
+                    total: crate::filework::MAX_ADMITTED,
                     state_dir: Some(state_dir.clone()),
                     socket: Some(socket.clone()),
                 },

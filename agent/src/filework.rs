@@ -4,7 +4,7 @@
 //!
 //! Invariants:
 //! - work is [`FileWork::admit`]ted before it starts, charged to its peer's uid: at most
-//!   `max_finalizes_per_uid` per uid and [`MAX_ADMITTED`] in all, of which uids other
+//!   `max_finalizes_per_uid` per uid and [`MAX_ADMITTED`] in all (fewer when descriptors are few: `budget::Totals`), of which uids other
 //!   than root and the agent's own take at most three quarters; one more is refused at
 //!   once with a message naming the limit. The charge is held by the work and by each
 //!   of its jobs' threads, so it is given back only once the work and its threads have
@@ -33,7 +33,8 @@ use crate::confine::{remove_leftover, TempOutput};
 use crate::error::Error;
 use crate::sync::lock;
 
-/// Finalizes running or waiting at once, over all peers; more are refused.
+/// Finalizes running or waiting at once, over all peers, when descriptors allow; more
+/// are refused.
 pub const MAX_ADMITTED: usize = 64;
 
 /// Work admitted: its charge, held until the work and every thread it started end.
@@ -86,10 +87,10 @@ pub struct FileWork {
 }
 
 impl FileWork {
-    /// File work of at most `per_uid` finalizes per peer uid at once.
-    pub fn start(per_uid: u32) -> FileWork {
+    /// File work of at most `per_uid` finalizes per peer uid and `total` in all at once.
+    pub fn start(per_uid: u32, total: usize) -> FileWork {
         FileWork {
-            admission: Budget::new("max_finalizes_per_uid", "finalizes", per_uid, MAX_ADMITTED),
+            admission: Budget::new("max_finalizes_per_uid", "finalizes", per_uid, total),
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
                 running: Mutex::new(HashMap::new()),
@@ -206,7 +207,7 @@ mod tests {
     /// calls, and the quota counts threads that are really there.
     #[tokio::test]
     async fn a_job_past_its_deadline_keeps_its_charge_until_its_thread_ends() {
-        let pool = FileWork::start(1);
+        let pool = FileWork::start(1, MAX_ADMITTED);
         let admitted = pool.admit(Some(70_000)).unwrap();
         let (gate, stuck) = std::sync::mpsc::channel::<()>();
         let late = pool

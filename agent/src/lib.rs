@@ -179,9 +179,11 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             settings.core.calls.socket_concurrency
         },
         server::MAX_CONNECTIONS,
+        filework::MAX_ADMITTED,
     );
     let mut settings = settings;
     settings.core.max_snapshotters = totals.snapshotters;
+    settings.core.finalize.total = totals.finalizes;
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }

@@ -762,3 +762,75 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
         "{again}"
     );
 }
+
+/// Finalizes hold descriptors (their input, output and item-operations files), so their
+/// total follows from what the agent may open: with 200 open files the agent takes 4 at
+/// once, of which other uids hold at most 3, and root's finalize is still run. (Before,
+/// the total was 64 whatever the limit, and finalizes could take the descriptors the
+/// database needs.)
+#[test]
+fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
+    if !opmon_tests::root_or_skip("to run clients as another uid and mount a FUSE file system") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(
+        dir.path(),
+        200,
+        200,
+        &["--allowed-uids", "64001", "--max-finalizes-per-uid", "8"],
+    ));
+    let socket = dir.path().join("run/agent.sock");
+    let storage = dir.path().join("state/storage");
+    std::fs::create_dir_all(storage.join("slow")).unwrap();
+    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
+    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 3, &storage.join("slow"));
+    let mut http = RawHttp::connect(&socket);
+    for name in ["a0", "a1", "a2", "a3", "r0"] {
+        http.call(&request("backup.start", json!({"name": name, "uid": name})));
+        let ended = http.call(&request("backup.endInProgress", json!({"name": name})));
+        assert_eq!(ended["result"]["phase"], json!("Finalizing"), "{ended}");
+    }
+    let finalize = |name: &str, input: &str| {
+        request(
+            "backup.finalize",
+            json!({"name": name, "contents": {"input": input, "output": format!("out/{name}.tar.gz")}}),
+        )
+    };
+    let mut peer = CallerAs::start(64001, &socket);
+    for n in 0..3 {
+        peer.send(
+            &format!("a{n}"),
+            &finalize(&format!("a{n}"), &format!("slow/held-{n}.tar.gz")),
+        );
+    }
+    slow.wait_for_readers(3);
+
+    peer.send("a3", &finalize("a3", "small.tar.gz"));
+    let (tag, refused) = peer.answer();
+    assert_eq!(tag, "a3", "{refused}");
+    assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
+    assert_eq!(
+        refused["error"]["message"],
+        json!(
+            "other uids hold 3 finalizes, all the agent takes from uids other than its own \
+             and root; try again later"
+        ),
+        "{refused}"
+    );
+    let done = http.call(&finalize("r0", "small.tar.gz"));
+    assert_eq!(
+        done["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{done}"
+    );
+    slow.release();
+    for _ in 0..3 {
+        let (tag, answer) = peer.answer();
+        assert_eq!(
+            answer["result"]["owner"]["phase"],
+            json!("Completed"),
+            "{tag}: {answer}"
+        );
+    }
+}

@@ -204,10 +204,6 @@ fn the_limits_are_the_codes_constants() {
         ("batch calls", format!("{}", serve.max_batch_len)),
         ("connections", format!("{}", server::MAX_CONNECTIONS)),
         (
-            "operator reserve",
-            format!("{} connections", access::OPERATOR_RESERVE),
-        ),
-        (
             "connections per uid",
             format!("{}", config::DEFAULT_MAX_CONNECTIONS_PER_UID),
         ),
