@@ -183,13 +183,17 @@ impl<R: Read> Read for Bounded<R> {
 /// The decompressed tar stream as the tar crate reads it. While `keeping` is set it
 /// keeps a copy of what is read: the crate skips the padding after an entry's data
 /// when it reads the next header, and an untouched entry is copied with its padding
-/// as it was. `ended` says the stream ran out, so a failed read means a truncated
-/// archive whatever the crate calls it.
+/// as it was. It tells the crate's errors apart: after `ended` (the stream ran out) a
+/// failed read means a truncated archive, after `failed` the stream's own error (gzip,
+/// size limit) is the reason; otherwise the crate found a header it cannot read.
 #[derive(Clone, Default)]
 struct Tap {
     kept: Rc<RefCell<Vec<u8>>>,
     keeping: Rc<Cell<bool>>,
     ended: Rc<Cell<bool>>,
+    failed: Rc<Cell<bool>>,
+    /// Bytes read so far.
+    offset: Rc<Cell<u64>>,
 }
 
 struct Tapped<R> {
@@ -199,10 +203,14 @@ struct Tapped<R> {
 
 impl<R: Read> Read for Tapped<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        let n = self
+            .inner
+            .read(buf)
+            .inspect_err(|_| self.tap.failed.set(true))?;
         if n == 0 && !buf.is_empty() {
             self.tap.ended.set(true);
         }
+        self.tap.offset.set(self.tap.offset.get() + n as u64);
         if self.tap.keeping.get() {
             self.tap.kept.borrow_mut().extend_from_slice(&buf[..n]);
         }
@@ -637,6 +645,7 @@ fn copy<R: Read>(
         if stop.load(Ordering::Relaxed) {
             return Err(RewriteError::Stopped);
         }
+        let at = tap.offset.get() + padding.0 as u64;
         tap.keeping.set(true);
         let next = entries.next();
         tap.keeping.set(false);
@@ -651,8 +660,14 @@ fn copy<R: Read>(
             break;
         };
         let mut entry = entry.map_err(|e| {
-            let after = last.as_ref().map(|p| [b"after ".as_slice(), p].concat());
-            read_error(after.as_deref(), e, tap.ended.get())
+            if tap.ended.get() || tap.failed.get() {
+                let after = last.as_ref().map(|p| [b"after ".as_slice(), p].concat());
+                read_error(after.as_deref(), e, tap.ended.get())
+            } else {
+                RewriteError::Archive(format!(
+                    "the header at byte {at} is not valid: {e} (not a tar archive, or corrupt)"
+                ))
+            }
         })?;
         let tail = &read[..padding.0.min(read.len())];
         match padding.1 {
@@ -1632,5 +1647,111 @@ mod tests {
             Updates::new(&twice).err().unwrap(),
             "updatedItems[1].resource: the same item is listed twice"
         );
+    }
+
+    #[test]
+    fn a_pax_size_past_the_header_s_octal_field_is_refused_not_misread() {
+        // Extractors honour the PAX size (8 GiB here, Go writes 0 in the header); the
+        // tar crate's raw mode would take the header's, so it is refused.
+        let mut tar = pax(&[("size", "8589934592")]);
+        tar.extend(raw(b"resources/huge.json", b'0', "", b""));
+        assert_eq!(
+            refusal(tar),
+            "entry resources/huge.json: its PAX size 8589934592 differs from its header's size 0"
+        );
+    }
+
+    #[test]
+    fn size_fields_are_read_only_in_forms_every_reader_agrees_on() {
+        // Base-256 (GNU) within 64 bits: read, and the entry copied as it was.
+        let mut v = raw(b"resources/ok.json", b'0', "", b"{}");
+        v[124..136].copy_from_slice(&[0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        let (_, out) = run(&gz(&finish(v.clone())), &[], u64::MAX).unwrap();
+        assert_eq!(gunzip(&out)[..v.len()], v[..]);
+        // Negative: Go and Python read it so, the crate its last eight bytes alone.
+        v[124..136].copy_from_slice(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 2]);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        assert_eq!(
+            refusal(v.clone()),
+            "entry resources/ok.json: size: a base-256 number readers take differently"
+        );
+        // An empty field: Go and Python read 0, the crate cannot read it.
+        v[124..136].fill(0);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        let e = refusal(v);
+        assert!(
+            e.starts_with("the header at byte 0 is not valid: ") && e.contains("resources/ok.json"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn pax_records_are_refused_unless_every_reader_splits_them_alike() {
+        // A newline inside a value: Go and Python go by the record's length, the tar
+        // crate splits at the newline.
+        let record = b"21 comment=two\nlines\n";
+        assert_eq!(record.len(), 21);
+        let mut tar = raw(b"PaxHeaders.0/x", b'x', "", record);
+        tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
+        assert!(
+            refusal(tar).starts_with("entry resources/ok.json: its PAX header: "),
+            "refused, naming the entry"
+        );
+        // Text after the last record.
+        let mut data = pax_record("mtime", b"1");
+        data.extend_from_slice(b"\n");
+        let mut tar = raw(b"PaxHeaders.0/x", b'x', "", &data);
+        tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
+        assert_eq!(
+            refusal(tar),
+            "entry resources/ok.json: its PAX header: PAX records that are not one whole \
+             record a line"
+        );
+    }
+
+    #[test]
+    fn padding_is_copied_as_it_was() {
+        let mut entry = raw(b"resources/a.json", b'0', "", b"{}");
+        entry[BLOCK + 2..].fill(b'p');
+        let mut tar = raw(b"././@LongLink", b'L', "", b"resources/b.json\0");
+        tar[BLOCK + 17..].fill(b'q');
+        tar.extend(raw(b"resources/b.json", b'0', "", b"{}"));
+        tar.splice(0..0, entry);
+        let (_, out) = run(&gz(&finish(tar.clone())), &[], u64::MAX).unwrap();
+        assert_eq!(gunzip(&out)[..tar.len()], tar[..]);
+    }
+
+    #[test]
+    fn a_header_that_is_not_one_is_refused_saying_where() {
+        let mut tar = raw(b"resources/a.json", b'0', "", b"{}");
+        tar.extend(raw(b"resources/b.json", b'0', "", b"{}"));
+        tar[2 * BLOCK] ^= 1;
+        assert_eq!(
+            refusal(tar),
+            "the header at byte 1024 is not valid: archive header checksum mismatch (not a \
+             tar archive, or corrupt)"
+        );
+    }
+
+    #[test]
+    fn an_updated_item_s_resource_may_not_be_a_relative_directory() {
+        for dots in [".", ".."] {
+            let mut item = pvc_update("a", json!({"apiVersion": "v1"}));
+            item.resource.resource = dots.into();
+            assert_eq!(
+                Updates::new(&[item]).err().unwrap(),
+                format!(
+                    "updatedItems[0].resource.resource: must not be {dots:?} (it names a \
+                     directory of the tarball)"
+                )
+            );
+        }
     }
 }
