@@ -186,33 +186,31 @@ impl<R: Read> Read for Bounded<R> {
 /// as it was. It tells the crate's errors apart: after `ended` (the stream ran out) a
 /// failed read means a truncated archive, after `failed` the stream's own error (gzip,
 /// size limit) is the reason; otherwise the crate found a header it cannot read.
-#[derive(Clone, Default)]
+#[derive(Default)]
 struct Tap {
-    kept: Rc<RefCell<Vec<u8>>>,
-    keeping: Rc<Cell<bool>>,
-    ended: Rc<Cell<bool>>,
-    failed: Rc<Cell<bool>>,
+    kept: RefCell<Vec<u8>>,
+    keeping: Cell<bool>,
+    ended: Cell<bool>,
+    failed: Cell<bool>,
     /// Bytes read so far.
-    offset: Rc<Cell<u64>>,
+    offset: Cell<u64>,
 }
 
 struct Tapped<R> {
     inner: R,
-    tap: Tap,
+    tap: Rc<Tap>,
 }
 
 impl<R: Read> Read for Tapped<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self
-            .inner
-            .read(buf)
-            .inspect_err(|_| self.tap.failed.set(true))?;
+        let tap = &self.tap;
+        let n = self.inner.read(buf).inspect_err(|_| tap.failed.set(true))?;
         if n == 0 && !buf.is_empty() {
-            self.tap.ended.set(true);
+            tap.ended.set(true);
         }
-        self.tap.offset.set(self.tap.offset.get() + n as u64);
-        if self.tap.keeping.get() {
-            self.tap.kept.borrow_mut().extend_from_slice(&buf[..n]);
+        tap.offset.set(tap.offset.get() + n as u64);
+        if tap.keeping.get() {
+            tap.kept.borrow_mut().extend_from_slice(&buf[..n]);
         }
         Ok(n)
     }
@@ -618,7 +616,7 @@ fn copy<R: Read>(
         left: max_decompressed,
         limit: max_decompressed,
     };
-    let tap = Tap::default();
+    let tap = Rc::new(Tap::default());
     let mut archive = Archive::new(Tapped {
         inner: io::BufReader::with_capacity(256 * 1024, source),
         tap: tap.clone(),
@@ -649,14 +647,22 @@ fn copy<R: Read>(
         tap.keeping.set(true);
         let next = entries.next();
         tap.keeping.set(false);
+        // What the crate read: the last record's padding, then a header.
         let read = std::mem::take(&mut *tap.kept.borrow_mut());
+        let tail = &read[..padding.0.min(read.len())];
+        match padding.1 {
+            Padding::Out => out.write_all(tail).map_err(write_error)?,
+            Padding::Pending { global } => {
+                pending.all.extend_from_slice(tail);
+                if global {
+                    pending.global.extend_from_slice(tail);
+                }
+            }
+            Padding::Dropped => {}
+        }
         let Some(entry) = next else {
             // The end of the archive (GNU tar and Python stop at the first zero block,
             // Go wants a second; anything after it is not copied), or of the input.
-            if let Padding::Out = padding.1 {
-                out.write_all(&read[..padding.0.min(read.len())])
-                    .map_err(write_error)?;
-            }
             break;
         };
         let mut entry = entry.map_err(|e| {
@@ -669,17 +675,6 @@ fn copy<R: Read>(
                 ))
             }
         })?;
-        let tail = &read[..padding.0.min(read.len())];
-        match padding.1 {
-            Padding::Out => out.write_all(tail).map_err(write_error)?,
-            Padding::Pending { global } => {
-                pending.all.extend_from_slice(tail);
-                if global {
-                    pending.global.extend_from_slice(tail);
-                }
-            }
-            Padding::Dropped => {}
-        }
         let header = entry.header().clone();
         let kind = header.entry_type().as_byte();
         let names = HeaderNames::of(&header);
@@ -909,7 +904,6 @@ fn copy<R: Read>(
     // nothing: a gzip member's CRC and length are in its trailer, checked only once it
     // is read, and a corrupt input must not come out as a valid output with a fresh
     // CRC. The decompressed bound still holds.
-    drop(entries);
     let mut rest = archive.into_inner();
     loop {
         if stop.load(Ordering::Relaxed) {
