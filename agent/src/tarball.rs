@@ -686,9 +686,12 @@ fn copy<R: Read>(
         if matches!(kind, b'L' | b'K' | b'x' | b'g') {
             if header.as_ustar().is_none() && header.as_gnu().is_none() {
                 // Python takes it as an extension whatever the magic, the tar crate
-                // as an entry of an unknown type.
+                // as an entry of an unknown type, named as an entry would be.
+                let pax_path = pending.pax.as_ref().and_then(|p| p.path.as_deref());
                 return Err(reject(
-                    &names.raw,
+                    (pending.long_name.as_deref())
+                        .or(pax_path)
+                        .unwrap_or(&names.go),
                     format!(
                         "a header extension ({}) in a header without the ustar or GNU magic \
                          (readers disagree on whether it is one)",
