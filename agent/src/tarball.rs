@@ -272,13 +272,11 @@ struct Pax {
 /// path). `global` refuses the records GNU tar would apply to every later entry and Go
 /// ignores.
 fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
-    let lines = data.strip_suffix(b"\n").unwrap_or(data);
-    if !data.is_empty()
-        && (lines.len() == data.len()
-            || lines
-                .split(|b| *b == b'\n')
-                .any(|l| !l.first().is_some_and(u8::is_ascii_digit)))
-    {
+    let whole_lines = data.is_empty()
+        || data.strip_suffix(b"\n").is_some_and(|lines| {
+            (lines.split(|b| *b == b'\n')).all(|l| l.first().is_some_and(u8::is_ascii_digit))
+        });
+    if !whole_lines {
         return Err("PAX records that are not one whole record a line".into());
     }
     let mut pax = Pax::default();
