@@ -4,8 +4,8 @@
 //!
 //! Invariants:
 //! - Every quota is per uid, root and the agent's own included: quotas bound what one
-//!   peer holds, the totals and the operator reserve (`access::OPERATOR_RESERVE`) keep
-//!   room for the operator.
+//!   peer holds, the totals and the operator reserve (`access::OPERATOR_RESERVE` of the
+//!   connections, a quarter of a [`Budget`]'s total) keep room for the operator.
 //! - A charge is given back when its [`Charge`] is dropped, however the work ends.
 //! - Totals that need descriptors (connections, registered snapshotters' connections)
 //!   add up to less than the descriptor limit, with [`OWN_DESCRIPTORS`] left for the
@@ -14,6 +14,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::sync::lock;
 
@@ -135,6 +137,78 @@ impl PerUid {
     }
 }
 
+/// Whether `uid` is root or the agent's own: the operator, for whom the totals keep a
+/// reserve.
+pub fn is_operator(uid: u32) -> bool {
+    uid == 0 || uid == nix::unistd::geteuid().as_raw()
+}
+
+/// A resource charged per uid against its quota, within a total over all peers of
+/// which uids other than the operator's take at most three quarters.
+pub struct Budget {
+    per_uid: Arc<PerUid>,
+    all: Arc<Semaphore>,
+    others: Arc<Semaphore>,
+    total: usize,
+    others_limit: usize,
+}
+
+/// One unit of a [`Budget`] held, given back on drop.
+#[derive(Debug)]
+pub struct Held {
+    _uid: Option<Charge>,
+    _all: OwnedSemaphorePermit,
+    _other: Option<OwnedSemaphorePermit>,
+}
+
+impl Budget {
+    /// `quota` per uid (named by `setting`) of `total` in all.
+    pub fn new(setting: &'static str, what: &'static str, quota: u32, total: usize) -> Budget {
+        let total = total.max(1);
+        let others_limit = total.saturating_sub(total / 4).max(1);
+        Budget {
+            per_uid: PerUid::new(setting, what, quota),
+            all: Arc::new(Semaphore::new(total)),
+            others: Arc::new(Semaphore::new(others_limit)),
+            total,
+            others_limit,
+        }
+    }
+
+    /// Takes one unit for `uid` (`None`: a call from within the agent, charged to no
+    /// uid), or says which limit it is over.
+    pub fn take(&self, uid: Option<u32>) -> Result<Held, String> {
+        let what = self.per_uid.what;
+        let charge = uid.map(|uid| self.per_uid.charge(uid)).transpose()?;
+        let other = match uid.is_some_and(is_operator) {
+            true => None,
+            false => Some(self.others.clone().try_acquire_owned().map_err(|_| {
+                format!(
+                    "other uids hold {} {what}, all the agent takes from uids other than \
+                     its own and root; try again later",
+                    self.others_limit
+                )
+            })?),
+        };
+        let all = self.all.clone().try_acquire_owned().map_err(|_| {
+            format!(
+                "{} {what} are held, the most the agent takes at once; try again later",
+                self.total
+            )
+        })?;
+        Ok(Held {
+            _uid: charge,
+            _all: all,
+            _other: other,
+        })
+    }
+
+    /// Units held now, over all peers.
+    pub fn held(&self) -> usize {
+        self.total - self.all.available_permits()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,5 +235,25 @@ mod tests {
         assert_eq!(t.snapshotters, 56);
         assert!(u64::from(t.connections) + t.snapshotters as u64 * 4 + OWN_DESCRIPTORS <= 1024);
         assert_eq!(Totals::of(1 << 20, 4, 4096).connections, 4096);
+    }
+
+    #[test]
+    fn other_uids_leave_a_quarter_of_the_total_to_the_operator() {
+        let budget = Budget::new("max_finalizes_per_uid", "finalizes", 8, 8);
+        let others: Vec<Held> = (0..6)
+            .map(|n| budget.take(Some(70_000 + n)).unwrap())
+            .collect();
+        let refused = budget.take(Some(70_100)).unwrap_err();
+        assert!(
+            refused.starts_with("other uids hold 6 finalizes"),
+            "{refused}"
+        );
+        let root: Vec<Held> = (0..2).map(|_| budget.take(Some(0)).unwrap()).collect();
+        assert_eq!(
+            budget.take(Some(0)).unwrap_err(),
+            "8 finalizes are held, the most the agent takes at once; try again later"
+        );
+        drop((others, root));
+        assert_eq!(budget.held(), 0);
     }
 }

@@ -196,14 +196,18 @@ settings! {
     /// snapshotters one peer uid may register over the API (the config file's are not
     /// counted); all peers together may register as many as the open-file limit allows
     max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
+    /// finalizes one peer uid may have running or waiting at once (of 64 in all, a
+    /// quarter of them kept for root and the agent's own uid)
+    max_finalizes_per_uid: u32 = 8, shown Shown::Value,
+        check between(1, crate::filework::MAX_ADMITTED as u32);
     /// calls one peer uid may have running at once (methods that mostly wait aside)
     max_calls_per_uid: u32 = 32, shown Shown::Value, check between(1, 4096);
     /// bytes of request bodies one peer uid may have being read or held by their calls
     /// (at least `max_request_size` is allowed)
     max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
-    /// bytes of answers one peer uid may have made and not yet read; past it its large
-    /// answers wait for it to read and its batches stop
+    /// bytes of answers one peer uid may have made and not yet read; past it its
+    /// listings wait for it to read and its batches stop
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// or `"json"`
@@ -921,6 +925,7 @@ impl Values {
                 finalize: crate::core::FinalizeSettings {
                     dirs: self.finalize_dirs.value,
                     deadline: self.finalize_deadline.value.0,
+                    per_uid: self.max_finalizes_per_uid.value,
                     state_dir: Some(state_dir.clone()),
                     socket: Some(socket.clone()),
                 },

@@ -3,8 +3,13 @@
 //! reads need.
 //!
 //! Invariants:
-//! - each job runs on a thread of its own, at most [`MAX_ADMITTED`] at once; one more is
-//!   refused at once with a message saying so. No job waits behind another: a small
+//! - work is [`FileWork::admit`]ted before it starts, charged to its peer's uid: at most
+//!   `max_finalizes_per_uid` per uid and [`MAX_ADMITTED`] in all, of which uids other
+//!   than root and the agent's own take at most three quarters; one more is refused at
+//!   once with a message naming the limit. The charge is held by the work and by each
+//!   of its jobs' threads, so it is given back only once the work and its threads have
+//!   all ended (success, failure, deadline, a caller gone, shutdown);
+//! - each job runs on a thread of its own. No job waits behind another: a small
 //!   finalize is not held up by large ones (the kernel shares the CPU between them, and
 //!   what one rewrite may write is bounded by `max_decompressed_size`);
 //! - every job has a deadline, counted from its submission: past it the caller gets an
@@ -21,14 +26,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::oneshot;
 
+use crate::budget::{Budget, Held};
 use crate::confine::{remove_leftover, TempOutput};
 use crate::error::Error;
 use crate::sync::lock;
 
-/// Jobs running at once; more are refused.
+/// Finalizes running or waiting at once, over all peers; more are refused.
 pub const MAX_ADMITTED: usize = 64;
+
+/// Work admitted: its charge, held until the work and every thread it started end.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    _held: Arc<Held>,
+}
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
@@ -68,15 +80,16 @@ struct Shared {
 
 /// The file work of the agent.
 pub struct FileWork {
-    admission: Arc<Semaphore>,
+    admission: Budget,
     shared: Arc<Shared>,
     next_id: AtomicU64,
 }
 
 impl FileWork {
-    pub fn start() -> FileWork {
+    /// File work of at most `per_uid` finalizes per peer uid at once.
+    pub fn start(per_uid: u32) -> FileWork {
         FileWork {
-            admission: Arc::new(Semaphore::new(MAX_ADMITTED)),
+            admission: Budget::new("max_finalizes_per_uid", "finalizes", per_uid, MAX_ADMITTED),
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
                 running: Mutex::new(HashMap::new()),
@@ -86,10 +99,23 @@ impl FileWork {
         }
     }
 
-    /// Runs `work` on a thread of its own and waits for it, at most `deadline` (`what`
-    /// names it in the error).
+    /// Admits a finalize of peer `uid` (`None`: from within the agent), or refuses it
+    /// naming the limit it is over.
+    pub fn admit(&self, uid: Option<u32>) -> Result<Admitted, Error> {
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            return Err(Error::Finalize("the agent is shutting down".into()));
+        }
+        let held = self.admission.take(uid).map_err(Error::OverQuota)?;
+        Ok(Admitted {
+            _held: Arc::new(held),
+        })
+    }
+
+    /// Runs `work` of `admitted` on a thread of its own and waits for it, at most
+    /// `deadline` (`what` names it in the error).
     pub async fn run<T: Send + 'static>(
         &self,
+        admitted: &Admitted,
         what: &str,
         deadline: Duration,
         work: impl FnOnce(&JobContext) -> Result<T, Error> + Send + 'static,
@@ -97,13 +123,7 @@ impl FileWork {
         if self.shared.stopping.load(Ordering::SeqCst) {
             return Err(Error::Finalize("the agent is shutting down".into()));
         }
-        let permit: OwnedSemaphorePermit =
-            self.admission.clone().try_acquire_owned().map_err(|_| {
-                Error::Finalize(format!(
-                    "{MAX_ADMITTED} finalizes are running or waiting, the most the agent \
-                     takes at once; try again later"
-                ))
-            })?;
+        let permit = admitted.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let ctx = JobContext {
             stop: Arc::new(AtomicBool::new(false)),
@@ -171,8 +191,47 @@ impl FileWork {
         }
     }
 
-    /// Jobs running or waiting.
+    /// Finalizes admitted whose work or threads have not all ended.
     pub fn admitted(&self) -> usize {
-        MAX_ADMITTED - self.admission.available_permits()
+        self.admission.held()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job past its deadline may still be running (stuck in a system call): its
+    /// thread keeps its uid's charge, so a peer cannot queue more by giving up on
+    /// calls, and the quota counts threads that are really there.
+    #[tokio::test]
+    async fn a_job_past_its_deadline_keeps_its_charge_until_its_thread_ends() {
+        let pool = FileWork::start(1);
+        let admitted = pool.admit(Some(70_000)).unwrap();
+        let (gate, stuck) = std::sync::mpsc::channel::<()>();
+        let late = pool
+            .run(
+                &admitted,
+                "a stuck job",
+                Duration::from_millis(1),
+                move |_| {
+                    let _ = stuck.recv();
+                    Ok(())
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(late.to_string().contains("did not finish"), "{late}");
+        drop(admitted);
+        let refused = pool.admit(Some(70_000)).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "uid 70000 already holds 1 finalizes, the most max_finalizes_per_uid allows"
+        );
+        assert!(
+            pool.admit(Some(70_001)).is_ok(),
+            "another uid's quota is its own"
+        );
+        drop(gate);
     }
 }

@@ -32,13 +32,12 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use jsonrpsee::server::middleware::rpc::RpcServiceBuilder;
 use opmon_snapshotter::server::{self, ServeConfig};
 
 use crate::access::PeerCheck;
 use crate::config::Settings;
 use crate::core::Core;
-use crate::metrics::{CountRequests, Metrics};
+use crate::metrics::Metrics;
 use crate::store::Store;
 
 /// Creates `dir` (and parents) with `mode` if it does not exist yet.
@@ -242,6 +241,10 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         max_request_body_size: settings.max_request_size,
         idle_timeout: Some(settings.idle_timeout),
         metrics: Some(page),
+        answered: Some(Arc::new({
+            let metrics = metrics.clone();
+            move |method: &str, code| metrics.rpc(method, code)
+        })),
         max_connections: totals.connections,
         calls_per_peer: settings.max_calls_per_uid as usize,
         request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
@@ -265,9 +268,6 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             }
         }
     });
-    let counting = RpcServiceBuilder::new()
-        .layer_fn(opmon_snapshotter::traffic::Traffic::layer)
-        .layer_fn(CountRequests::layer(metrics));
     if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
         tracing::debug!(error = %e, "notifying systemd failed");
     }
@@ -289,7 +289,6 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         listener,
         api::rpc_module(core.clone()),
         config,
-        counting,
         admission,
         shutdown,
     )

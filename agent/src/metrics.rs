@@ -17,9 +17,6 @@ use crate::clock::UnixMs;
 use crate::phase::OperationState;
 use crate::store::packed;
 use crate::sync::lock;
-use jsonrpsee::server::middleware::rpc::RpcServiceT;
-use jsonrpsee::server::MethodResponse;
-use jsonrpsee::types::Request;
 use opmon_client::{codes, AgentStatus, OwnerPhase};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -457,7 +454,7 @@ impl Metrics {
         self.refused_connections.inc();
     }
 
-    fn rpc(&self, method: &str, code: i32) {
+    pub fn rpc(&self, method: &str, code: i32) {
         let method = if code == codes::METHOD_NOT_FOUND {
             "unknown" // keep arbitrary names out of the label set
         } else {
@@ -694,72 +691,6 @@ pub async fn serve_tcp(
     }
     connections.close();
     connections.wait().await;
-}
-
-/// RPC middleware counting requests by method and result code.
-#[derive(Clone)]
-pub struct CountRequests<S> {
-    inner: S,
-    metrics: Arc<Metrics>,
-}
-
-impl<S> CountRequests<S> {
-    pub fn layer(metrics: Arc<Metrics>) -> impl Fn(S) -> CountRequests<S> + Clone {
-        move |inner| CountRequests {
-            inner,
-            metrics: metrics.clone(),
-        }
-    }
-}
-
-impl<S> RpcServiceT for CountRequests<S>
-where
-    S: RpcServiceT<
-            MethodResponse = MethodResponse,
-            BatchResponse = MethodResponse,
-            NotificationResponse = MethodResponse,
-        > + Clone
-        + Send
-        + Sync
-        + 'static,
-{
-    type MethodResponse = MethodResponse;
-    type NotificationResponse = MethodResponse;
-    type BatchResponse = MethodResponse;
-
-    fn call<'a>(
-        &self,
-        request: Request<'a>,
-    ) -> impl std::future::Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let metrics = self.metrics.clone();
-        let method = request.method_name().to_string();
-        async move {
-            let response = inner.call(request).await;
-            metrics.rpc(&method, response.as_error_code().unwrap_or(0));
-            response
-        }
-    }
-
-    fn batch<'a>(
-        &self,
-        requests: jsonrpsee::core::middleware::Batch<'a>,
-    ) -> impl std::future::Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let metrics = self.metrics.clone();
-        async move {
-            let response = inner.batch(requests).await;
-            metrics.rpc("batch", response.as_error_code().unwrap_or(0));
-            response
-        }
-    }
-
-    fn notification<'a>(
-        &self,
-        n: jsonrpsee::core::middleware::Notification<'a>,
-    ) -> impl std::future::Future<Output = MethodResponse> + Send + 'a {
-        self.inner.notification(n)
-    }
 }
 
 #[cfg(test)]

@@ -132,6 +132,10 @@ pub struct Decl {
     /// Whether the method mostly waits (for a change, for snapshotters, for file work)
     /// while holding little memory.
     pub waits: bool,
+    /// Whether its answer grows with what is stored (a page of owners, an owner's
+    /// operations, records or events): making one takes several times its size, so the
+    /// server makes few at once for one peer.
+    pub grows: bool,
     /// The error codes it can answer with ([`crate::codes`]).
     pub errors: &'static [i32],
     /// One line: what it does. `{kind}` stands for `backup` or `restore`.
@@ -213,7 +217,7 @@ macro_rules! declare {
     ($(
         $(#[doc = $doc:literal])*
         $scope:ident $ty:ident = $verb:literal, $params:ty => $result:ty as $rname:literal {
-            retry: $retry:ident, waits: $waits:literal, errors: [$($err:expr),*],
+            retry: $retry:ident, waits: $waits:literal, grows: $grows:literal, errors: [$($err:expr),*],
             summary: $summary:literal $(, details: $details:literal)? $(,)?
         }
     )+) => {
@@ -230,6 +234,7 @@ macro_rules! declare {
                     owner_names: declare!(@names $scope $verb),
                     retry: Retry::$retry,
                     waits: $waits,
+                    grows: $grows,
                     errors: &[$($err),*],
                     summary: $summary,
                     details: declare!(@details $($details)?),
@@ -251,123 +256,123 @@ macro_rules! declare {
 declare! {
     /// `agent.status`.
     agent Status = "agent.status", types::NoParams => types::AgentStatus as "status" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
         summary: "The agent's version, API version, optional features, uptime and counts.",
     }
     /// `start`.
     owner Start = "start", types::StartParams => types::Owner as "owner" {
         // Same name and uid again returns the owner.
-        retry: Always, waits: false, errors: [INVALID_PARAMS, ALREADY_EXISTS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, ALREADY_EXISTS, STORAGE_FAILURE],
         summary: "Starts monitoring a {kind} in InProgress; the same name and uid again returns it.",
         details: "Same name with another uid: 1002. `finalize`: whether it waits in Finalizing for `finalize` (default: true for a backup, the `restore_finalize` setting for a restore).",
     }
     /// `addOperations`.
     owner AddOperations = "addOperations", types::AddOperationsParams => types::AddOperationsResult as "counts" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
         summary: "Adds the operations the plugins returned for a {kind}; only while InProgress.",
         details: "Idempotent on an operation's plugin, ID and item: repeats count as alreadyKnown.",
     }
     /// `endInProgress`.
     owner EndInProgress = "endInProgress", types::EndInProgressParams => types::Owner as "owner" {
-        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        retry: IfNotSent, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
         summary: "Ends the {kind}'s InProgress phase with the backup server's verdict; returns the owner in its new phase.",
         details: "A repeat answers 1003: the owner is no longer InProgress.",
     }
     /// `get`.
     owner Get = "get", types::NameParams => types::Owner as "owner" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "The {kind}.",
     }
     /// `list`.
     owner List = "list", types::ListParams => types::OwnerList as "page" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, STORAGE_FAILURE],
         summary: "A page of {kind}s in name order, optionally of some phases.",
     }
     /// `operations`.
     owner Operations = "operations", types::OperationsParams => Vec<types::Operation> as "operations" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "The {kind}'s operations, optionally of some phases.",
     }
     /// `wait`.
     owner Wait = "wait", types::WaitParams => types::WaitResult as "wait" {
         // Repeated with the time that is left.
-        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "Waits (at most `timeout`, at most 10m0s) until the {kind} is ready to finalize or terminal.",
     }
     /// `itemOperations`.
     owner ItemOperations = "itemOperations", types::NameParams => Vec<types::ItemOperation> as "records" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "The records of the {kind}'s -itemoperations.json.gz, as Velero writes them.",
     }
     /// `events`.
     owner Events = "events", types::EventsParams => types::EventList as "page" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "A page of the {kind}'s history, oldest first: phase changes, failures and the calls that changed it, with their callers.",
         details: "Paged by seq: pass the previous page's next as after. limit: default 100, at most 1000. Each owner keeps its latest 1000 events; they are removed with it.",
     }
     /// `finalize`.
     owner Finalize = "finalize", types::FinalizeParams => types::FinalizeResult as "finalized" {
         // A finalized owner answers with the first finalize's result.
-        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED],
+        retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED, REFUSED],
         summary: "Finalizes the {kind}: Finalizing goes to Completed, FinalizingPartiallyFailed to PartiallyFailed.",
-        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`.",
+        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`. A peer uid may have `max_finalizes_per_uid` finalizes running or waiting at once: one more is refused at once with -32003 naming the setting.",
     }
     /// `delete`.
     owner Delete = "delete", types::NameParams => types::DeleteResult as "deleted" {
         // A repeat could delete an owner re-created under the same name meanwhile.
-        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: IfNotSent, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "Deletes the {kind}, cancelling its unfinished operations.",
     }
     /// `cancel`.
     owner Cancel = "cancel", types::CancelParams => types::CancelResult as "canceled" {
         // A repeat answers 1003 (already canceled, or the owner Failed by the first).
-        retry: IfNotSent, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
+        retry: IfNotSent, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE],
         summary: "Cancels the {kind} (it ends Failed with the reason) or, with `operations`, only those operations (they end Canceled).",
         details: "Allowed while InProgress or WaitingForPluginOperations*; otherwise 1003 naming the phase. A chosen operation that is finished: 1003 naming its phase; one the owner lacks: 1001; an ID two items share without its resource: -32602. Cancel is sent after the commit and waited for at most one call deadline (`unconfirmed` counts the ones not confirmed); `cancelRequested` is true on the operations meanwhile. Not safe to repeat: a repeat answers 1003.",
     }
     /// `subscribe`: WebSocket only; the client resubscribes after a reconnect. Its
     /// notifications are [`changed`].
     owner Subscribe = "subscribe", types::NameParams => types::SubscriptionId as "subscription" {
-        retry: Always, waits: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE, METHOD_NOT_FOUND, INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS],
+        retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE, METHOD_NOT_FOUND, INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS],
         summary: "WebSocket only: a notification `{kind}.changed` per change of the {kind} until it is terminal.",
         details: "The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601; in a batch: -32600 (call it on its own). A deleted owner ends the subscription with an error notification. See x-notification.",
     }
     /// `unsubscribe`: takes the subscription id by position (jsonrpsee's own method).
     owner Unsubscribe = "unsubscribe", types::NoParams => bool as "unsubscribed" {
-        retry: Always, waits: false, errors: [],
+        retry: Always, waits: false, grows: false, errors: [],
         summary: "Ends a subscription made with {kind}.subscribe on this connection; true if it existed.",
         details: "Takes the subscription id by position: `[id]`. Never an error: an unknown id answers false.",
     }
     /// `server.started`.
     agent ServerStarted = "server.started", types::ServerStartedParams => types::ServerStartedResult as "failed" {
         // Fails only owners of other instances: a repeat fails nothing more.
-        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
         summary: "A backup server (re)started as `instance`: fails the InProgress owners its other instances started.",
     }
     /// `snapshotter.register`.
     agent RegisterSnapshotter = "snapshotter.register", types::Snapshotter => types::Snapshotter as "snapshotter" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
         summary: "Registers (or replaces) the snapshotter that owns the operations of plugin `name`; persisted.",
     }
     /// `snapshotter.list`.
     agent ListSnapshotters = "snapshotter.list", types::NoParams => Vec<types::Snapshotter> as "snapshotters" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, STORAGE_FAILURE],
         summary: "The registered snapshotters.",
     }
     /// `snapshotter.unregister`.
     agent UnregisterSnapshotter = "snapshotter.unregister", types::NameParams => types::Snapshotter as "snapshotter" {
-        retry: IfNotSent, waits: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
+        retry: IfNotSent, waits: false, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
         summary: "Unregisters a snapshotter; returns what was registered.",
     }
     /// `snapshotter.changed`.
     agent SnapshotterChanged = "snapshotter.changed", types::SnapshotterChangedParams => () as "result" {
         // A hint changes nothing by itself: a repeat at most polls once more.
-        retry: Always, waits: false, errors: [INVALID_PARAMS, NOT_FOUND],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, NOT_FOUND],
         summary: "A snapshotter's hint that operations of `plugin` changed: the agent polls them at once (hints that arrive meanwhile are merged, and hinted polls take a bounded share of the agent's time). The hint itself changes nothing; the poll's answers do.",
     }
     /// `rpc.discover`.
     agent Discover = "rpc.discover", types::NoParams => serde_json::Map<String, serde_json::Value> as "openrpc" {
-        retry: Always, waits: false, errors: [INVALID_PARAMS],
+        retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS],
         summary: "This OpenRPC document.",
         details: "The result is the document client/openrpc/opmon.json of the agent's version.",
     }

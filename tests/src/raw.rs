@@ -7,7 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// A WebSocket upgrade request, as a client sends it (the key is RFC 6455's example).
 pub const WEBSOCKET_UPGRADE: &str = "GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
@@ -18,6 +18,11 @@ pub const TEXT: u8 = 1;
 pub const CLOSE: u8 = 8;
 pub const PING: u8 = 9;
 pub const PONG: u8 = 10;
+
+/// A JSON-RPC request with id 1.
+pub fn request(method: &str, params: Value) -> String {
+    json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
+}
 
 /// The agent's pid, from the lock file it holds next to its database.
 pub fn agent_pid(state_dir: &Path) -> u32 {
@@ -117,10 +122,10 @@ pub fn json_body(response: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {response:?}"))
 }
 
-/// A connection to `socket` upgraded to WebSocket.
+/// A connection to `socket` upgraded to WebSocket (a 60 s read timeout, as [`send`]).
 pub fn websocket(socket: &Path) -> UnixStream {
     let mut ws = UnixStream::connect(socket).expect("connecting");
-    ws.set_read_timeout(Some(Duration::from_secs(30)))
+    ws.set_read_timeout(Some(Duration::from_secs(60)))
         .expect("read timeout");
     ws.write_all(WEBSOCKET_UPGRADE.as_bytes())
         .expect("writing the upgrade");
@@ -152,8 +157,24 @@ pub fn frame(fin: bool, opcode: u8, payload: &[u8], masked: bool) -> Vec<u8> {
 }
 
 /// Writes `payload` as one masked WebSocket text frame.
-pub fn ws_send(stream: &mut UnixStream, payload: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&frame(true, TEXT, payload, true))
+pub fn ws_send(stream: &mut UnixStream, payload: impl AsRef<[u8]>) -> std::io::Result<()> {
+    stream.write_all(&frame(true, TEXT, payload.as_ref(), true))
+}
+
+/// Sends `messages` on `ws` from a thread of its own, until one cannot be sent: the
+/// agent may stop reading the connection while its answers wait to be read.
+pub fn send_from_thread(
+    ws: &UnixStream,
+    messages: impl Iterator<Item = String> + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let mut writer = ws.try_clone().expect("cloning the connection");
+    std::thread::spawn(move || {
+        for message in messages {
+            if ws_send(&mut writer, message).is_err() {
+                return;
+            }
+        }
+    })
 }
 
 /// Reads one WebSocket frame: its opcode and payload.

@@ -10,13 +10,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use opmon_tests::raw::{agent_pid, read_head, websocket, ws_answer, ws_recv, ws_send};
+use opmon_tests::raw::{agent_pid, read_head, request, websocket, ws_answer, ws_recv, ws_send};
 use opmon_tests::{agent_command, journal, operation, Agent, RawHttp, SdkSnapshotter};
 use serde_json::{json, Value};
-
-fn request(method: &str, params: Value) -> String {
-    json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
-}
 
 /// `{"jsonrpc":"2.0","id":ID,"method":"backup.start",…}` starting backup `name`.
 fn start_with_id(id: &str, name: &str) -> String {
@@ -535,5 +531,234 @@ fn idle_connections_of_allowed_uids_leave_the_operator_and_the_database_served()
     assert!(
         !log.contains("unable to open database file"),
         "the database could not be opened:\n{log}"
+    );
+}
+
+/// Files whose reads wait until [`HeldFiles::release`] (`tests/fuse/held-files.py`): a
+/// disk that is slow for exactly as long as the test wants. Unmounted when dropped.
+struct HeldFiles {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    mountpoint: std::path::PathBuf,
+}
+
+impl HeldFiles {
+    /// Serves `held-0.tar.gz`… (`count` of them, each with `source`'s bytes) at
+    /// `mountpoint`.
+    fn mount(source: &Path, count: usize, mountpoint: &Path) -> HeldFiles {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuse/held-files.py");
+        let mut child = Command::new("/usr/bin/python3")
+            .arg(script)
+            .arg(source)
+            .arg(count.to_string())
+            .arg(mountpoint)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("running tests/fuse/held-files.py");
+        let stdout = child.stdout.take().expect("piped");
+        let mut held = HeldFiles {
+            child,
+            lines: BufReader::new(stdout).lines(),
+            mountpoint: mountpoint.to_path_buf(),
+        };
+        assert_eq!(held.next_line(), "mounted", "held-files.py did not mount");
+        held
+    }
+
+    fn next_line(&mut self) -> String {
+        match self.lines.next() {
+            Some(Ok(line)) => line,
+            other => panic!("held-files.py ended ({other:?}): is python3-fuse installed?"),
+        }
+    }
+
+    /// Returns once reads of `count` different files are waiting.
+    fn wait_for_readers(&mut self, count: usize) {
+        let mut waiting = std::collections::HashSet::new();
+        while waiting.len() < count {
+            let line = self.next_line();
+            let name = line.strip_prefix("held ").expect("`held NAME`").to_string();
+            waiting.insert(name);
+        }
+    }
+
+    /// Lets every read through, now and after.
+    fn release(&mut self) {
+        if let Some(mut stdin) = self.child.stdin.take() {
+            let _ = writeln!(stdin, "release");
+        }
+    }
+}
+
+impl Drop for HeldFiles {
+    fn drop(&mut self) {
+        self.release();
+        // Lazily: a reader still holding a file must not keep the mount after the test.
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mountpoint)
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// A process as `uid` that posts each line `TAG BODY` of its stdin on a connection of
+/// its own to `socket`, and prints `TAG ANSWER` when the answer comes.
+struct CallerAs {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl CallerAs {
+    fn start(uid: u32, socket: &Path) -> CallerAs {
+        let script = "import socket, sys, threading\n\
+            out = threading.Lock()\n\
+            def call(tag, body):\n\
+            \x20   s = socket.socket(socket.AF_UNIX)\n\
+            \x20   s.connect(sys.argv[1])\n\
+            \x20   body = body.encode()\n\
+            \x20   s.sendall(b'POST / HTTP/1.1\\r\\nHost: localhost\\r\\nContent-Type: application/json\\r\\n'\n\
+            \x20             + b'Content-Length: %d\\r\\nConnection: close\\r\\n\\r\\n' % len(body) + body)\n\
+            \x20   answer = b''\n\
+            \x20   while chunk := s.recv(65536):\n\
+            \x20       answer += chunk\n\
+            \x20   with out:\n\
+            \x20       print(tag, answer.split(b'\\r\\n\\r\\n', 1)[-1].decode().replace('\\n', ' '), flush=True)\n\
+            for line in sys.stdin:\n\
+            \x20   tag, body = line.rstrip('\\n').split(' ', 1)\n\
+            \x20   threading.Thread(target=call, args=(tag, body), daemon=True).start()\n";
+        let mut child = Command::new("setpriv")
+            .arg(format!("--reuid={uid}"))
+            .arg(format!("--regid={uid}"))
+            .arg("--clear-groups")
+            .args(["--", "/usr/bin/python3", "-c", script])
+            .arg(socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("running python3 as another uid");
+        let stdout = child.stdout.take().expect("piped");
+        CallerAs {
+            child,
+            lines: BufReader::new(stdout).lines(),
+        }
+    }
+
+    fn send(&mut self, tag: &str, body: &str) {
+        let stdin = self.child.stdin.as_mut().expect("piped");
+        writeln!(stdin, "{tag} {body}").expect("writing to the caller");
+    }
+
+    /// The next answer to come, with its tag.
+    fn answer(&mut self) -> (String, Value) {
+        let line = match self.lines.next() {
+            Some(Ok(line)) => line,
+            other => panic!("the caller ended ({other:?})"),
+        };
+        let (tag, text) = line.split_once(' ').expect("`TAG ANSWER`");
+        let answer = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        (tag.to_string(), answer)
+    }
+}
+
+impl Drop for CallerAs {
+    fn drop(&mut self) {
+        // Its calls may still be waiting (a test that failed): they end with it.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A child killed when dropped, however the test ends.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One peer cannot take every finalize (each can hold a thread and files for minutes on
+/// a large tarball): a uid holding its `max_finalizes_per_uid` finalizes, stuck reading
+/// a disk that does not answer, is refused one more naming the setting, while another
+/// uid's finalize is run and answered; once its finalizes end, it may finalize again.
+/// (Before, the agent took 64 finalizes from anyone, and one uid could take them all.)
+#[test]
+fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() {
+    if !opmon_tests::root_or_skip("to run clients as other uids and mount a FUSE file system") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(
+        dir.path(),
+        1024,
+        1024,
+        &[
+            "--allowed-uids",
+            "64001,64002",
+            "--max-finalizes-per-uid",
+            "2",
+        ],
+    ));
+    let socket = dir.path().join("run/agent.sock");
+    let storage = dir.path().join("state/storage");
+    std::fs::create_dir_all(storage.join("slow")).unwrap();
+    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
+    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 2, &storage.join("slow"));
+    let mut http = RawHttp::connect(&socket);
+    for name in ["a0", "a1", "a2", "b0"] {
+        http.call(&request("backup.start", json!({"name": name, "uid": name})));
+        let ended = http.call(&request("backup.endInProgress", json!({"name": name})));
+        assert_eq!(ended["result"]["phase"], json!("Finalizing"), "{ended}");
+    }
+    let finalize = |name: &str, input: &str| {
+        request(
+            "backup.finalize",
+            json!({"name": name, "contents": {"input": input, "output": format!("out/{name}.tar.gz")}}),
+        )
+    };
+    let mut first = CallerAs::start(64001, &socket);
+    first.send("a0", &finalize("a0", "slow/held-0.tar.gz"));
+    first.send("a1", &finalize("a1", "slow/held-1.tar.gz"));
+    // Both are reading their input: admitted, and held until the disk answers.
+    slow.wait_for_readers(2);
+
+    first.send("a2", &finalize("a2", "small.tar.gz"));
+    let (tag, refused) = first.answer();
+    assert_eq!(tag, "a2", "{refused}");
+    assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
+    assert_eq!(
+        refused["error"]["message"],
+        json!("uid 64001 already holds 2 finalizes, the most max_finalizes_per_uid allows"),
+        "{refused}"
+    );
+
+    let mut second = CallerAs::start(64002, &socket);
+    second.send("b0", &finalize("b0", "small.tar.gz"));
+    let (_, done) = second.answer();
+    assert_eq!(
+        done["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{done}"
+    );
+
+    slow.release();
+    let mut ended: Vec<(String, Value)> = vec![first.answer(), first.answer()];
+    ended.sort_by(|a, b| a.0.cmp(&b.0));
+    for (tag, answer) in &ended {
+        assert_eq!(
+            answer["result"]["owner"]["phase"],
+            json!("Completed"),
+            "{tag}: {answer}"
+        );
+    }
+    first.send("a2", &finalize("a2", "small.tar.gz"));
+    let (_, again) = first.answer();
+    assert_eq!(
+        again["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{again}"
     );
 }

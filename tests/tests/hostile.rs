@@ -8,48 +8,14 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use opmon_tests::raw::{
+    content_length, open_sockets, post_head, quiescent, read_head, request, send_from_thread,
+    status_bytes, websocket, ws_recv, ws_send, WEBSOCKET_UPGRADE,
+};
 use opmon_tests::{operation, Agent, RawHttp};
 use serde_json::{json, Value};
 
 const PLUGIN: &str = "example.io/unregistered";
-
-fn request(method: &str, params: Value) -> String {
-    json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string()
-}
-
-/// The agent's pid, from the lock file it holds next to its database.
-fn agent_pid(agent: &Agent) -> u32 {
-    let lock = agent.state_dir.join("agent.db.lock");
-    let text = std::fs::read_to_string(&lock)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", lock.display()));
-    text.trim()
-        .parse()
-        .unwrap_or_else(|e| panic!("{} holds {text:?}: {e}", lock.display()))
-}
-
-/// The resident set size of `pid`, in bytes.
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib * 1024
-}
-
-/// How many sockets `pid` has open: its listener and its connections. (Other
-/// descriptors come and go with its pool of database connections.)
-fn open_sockets(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .expect("reading /proc/<pid>/fd")
-        .flatten()
-        .filter(|e| {
-            std::fs::read_link(e.path())
-                .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
-        })
-        .count()
-}
 
 /// Whether `condition` comes to hold within `within` (the harness's polling).
 fn eventually(within: Duration, condition: impl FnMut() -> bool) -> bool {
@@ -84,7 +50,7 @@ fn a_client_hanging_up_mid_request_leaves_all_of_its_batch_or_none() {
     const OPS: usize = 2000;
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let mut http = RawHttp::connect(&agent.socket);
     // Answered, so accepted: the baseline counts this connection.
     http.call(&request("agent.status", json!({})));
@@ -114,11 +80,7 @@ fn a_client_hanging_up_mid_request_leaves_all_of_its_batch_or_none() {
             json!({"name": name, "operations": ops}),
         )
         .into_bytes();
-        let head = format!(
-            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
+        let head = post_head(body.len()).into_bytes();
         let (head_part, body_part) = match cut {
             Cut::Head => (&head[..head.len() / 2], &body[..0]),
             Cut::NoBody => (&head[..], &body[..0]),
@@ -194,24 +156,6 @@ fn raise_open_files(want: u64) {
     );
 }
 
-const WEBSOCKET_UPGRADE: &str = "GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
-
-/// Reads until the end of an HTTP response head.
-fn read_head(stream: &mut UnixStream) -> String {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            other => panic!(
-                "reading a response head: {other:?} after {:?}",
-                String::from_utf8_lossy(&head)
-            ),
-        }
-    }
-    String::from_utf8_lossy(&head).into_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are_served() {
     const IDLE: usize = 1000;
@@ -221,7 +165,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     // Every connection here is this process's uid: lift the per-uid limit (access.rs
     // tests it) to see what a thousand idle connections cost.
     let agent = Agent::start(dir.path(), &["--max-connections-per-uid", "4096"]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
 
     // Warm up with a few requests, so the baseline includes what any serving agent
     // has allocated.
@@ -237,7 +181,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
         )
         .await
         .unwrap();
-    let baseline_rss = rss(pid);
+    let baseline_rss = status_bytes(pid, "VmRSS:");
     let baseline_sockets = open_sockets(pid);
 
     // The idle crowd: silent connections, keep-alive connections idle after one
@@ -246,19 +190,14 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     let held: Vec<(&'static str, UnixStream)> = tokio::task::spawn_blocking(move || {
         let mut held = Vec::with_capacity(IDLE);
         for i in 0..IDLE {
-            let mut s = UnixStream::connect(&socket)
-                .unwrap_or_else(|e| panic!("connection {i}: {e}"));
+            let mut s =
+                UnixStream::connect(&socket).unwrap_or_else(|e| panic!("connection {i}: {e}"));
             s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
             let kind = match i % 10 {
                 0..=3 => "silent",
                 4..=6 => {
                     let body = request("agent.status", json!({}));
-                    write!(
-                        s,
-                        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                        body.len()
-                    )
-                    .unwrap();
+                    write!(s, "{}{body}", post_head(body.len())).unwrap();
                     let head = read_head(&mut s);
                     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
                     let length = content_length(&head).expect("content-length");
@@ -311,7 +250,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
     assert_eq!(status.unfinished_operations, 100, "warm's operations");
     let took = served.elapsed();
 
-    let held_rss = rss(pid);
+    let held_rss = status_bytes(pid, "VmRSS:");
     let fds = open_sockets(pid);
     println!(
         "agent RSS: {:.1} MiB before, {:.1} MiB with {IDLE} idle connections ({fds} sockets); \
@@ -343,10 +282,7 @@ async fn a_thousand_idle_connections_are_held_in_bounded_memory_while_others_are
                 "host\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
                 body.len()
             ),
-            _ => format!(
-                "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            ),
+            _ => format!("{}{body}", post_head(body.len())),
         };
         s.write_all(answer.as_bytes()).unwrap();
         let head = read_head(s);
@@ -380,12 +316,7 @@ fn requests_over_the_default_size_limit_are_refused_without_reading_them_whole()
     // A declared length past the limit, with a fraction of the body sent.
     let mut s = UnixStream::connect(&agent.socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        LIMIT + 1
-    )
-    .unwrap();
+    write!(s, "{}", post_head(LIMIT + 1)).unwrap();
     // The agent may refuse and close before this part of the body is written.
     if let Err(e) = s.write_all(&chunk) {
         assert!(
@@ -447,124 +378,15 @@ fn requests_over_the_default_size_limit_are_refused_without_reading_them_whole()
     assert_eq!(answer["result"]["items"], json!([]), "nothing was stored");
 }
 
-/// A field of `/proc/<pid>/status`, in bytes (the `kB` values).
-fn status_bytes(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("{field} in /proc/<pid>/status"));
-    kib * 1024
-}
-
-/// The CPU time `pid` has used, in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("reading stat");
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0)
-}
-
-/// Waits until `pid` has done (almost) no work for half a second: whatever it was busy
-/// with is finished or blocked.
-fn quiescent(pid: u32, within: Duration) {
-    let deadline = Instant::now() + within;
-    let mut last = cpu_ticks(pid);
-    let mut calm = 0;
-    while calm < 5 {
-        assert!(Instant::now() < deadline, "the agent never came to rest");
-        std::thread::sleep(Duration::from_millis(100));
-        let now = cpu_ticks(pid);
-        calm = if now - last <= 1 { calm + 1 } else { 0 };
-        last = now;
-    }
-}
-
 /// An agent in `dir` once at rest, with its pid and how many sockets it has open then
 /// (the start's readiness probe connected and left: once the agent is at rest, it has
 /// closed that connection too).
 fn at_rest(dir: &std::path::Path) -> (Agent, u32, usize) {
     let agent = Agent::start(dir, &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     quiescent(pid, Duration::from_secs(30));
     let baseline = open_sockets(pid);
     (agent, pid, baseline)
-}
-
-/// The `Content-Length` of a response head.
-fn content_length(head: &str) -> Option<usize> {
-    head.lines().find_map(|l| {
-        l.to_ascii_lowercase()
-            .strip_prefix("content-length:")
-            .and_then(|v| v.trim().parse().ok())
-    })
-}
-
-/// A connection to `socket` upgraded to WebSocket.
-fn websocket(socket: &std::path::Path) -> UnixStream {
-    let mut ws = UnixStream::connect(socket).unwrap();
-    ws.write_all(WEBSOCKET_UPGRADE.as_bytes()).unwrap();
-    let head = read_head(&mut ws);
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    ws
-}
-
-/// Writes `text` as one masked WebSocket text frame (mask key 0: the payload as is).
-fn ws_send(stream: &mut UnixStream, text: &str) -> std::io::Result<()> {
-    let n = text.len();
-    let mut frame = vec![0x81u8];
-    if n < 126 {
-        frame.push(0x80 | n as u8);
-    } else if n < 65536 {
-        frame.push(0x80 | 126);
-        frame.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        frame.push(0x80 | 127);
-        frame.extend_from_slice(&(n as u64).to_be_bytes());
-    }
-    frame.extend_from_slice(&[0, 0, 0, 0]);
-    frame.extend_from_slice(text.as_bytes());
-    stream.write_all(&frame)
-}
-
-/// Sends `frames` on `ws` from a thread of its own, until one cannot be sent: the agent
-/// may stop reading the connection while its answers wait to be read.
-fn send_from_thread(
-    ws: &UnixStream,
-    frames: impl Iterator<Item = String> + Send + 'static,
-) -> std::thread::JoinHandle<()> {
-    let mut writer = ws.try_clone().unwrap();
-    std::thread::spawn(move || {
-        for frame in frames {
-            if ws_send(&mut writer, &frame).is_err() {
-                return;
-            }
-        }
-    })
-}
-
-/// Reads one WebSocket frame's payload.
-fn ws_recv(stream: &mut UnixStream) -> Vec<u8> {
-    let mut head = [0u8; 2];
-    stream.read_exact(&mut head).expect("frame head");
-    let n = match head[1] & 0x7f {
-        126 => {
-            let mut b = [0u8; 2];
-            stream.read_exact(&mut b).unwrap();
-            u16::from_be_bytes(b) as usize
-        }
-        127 => {
-            let mut b = [0u8; 8];
-            stream.read_exact(&mut b).unwrap();
-            u64::from_be_bytes(b) as usize
-        }
-        n => n as usize,
-    };
-    let mut payload = vec![0; n];
-    stream.read_exact(&mut payload).expect("frame payload");
-    payload
 }
 
 #[test]
@@ -572,7 +394,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
     const SUBSCRIPTIONS: usize = 256;
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
     // Each update carries every operation: about 650 KB.
@@ -584,7 +406,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
         json!({"name": "big", "operations": ops}),
     ));
     assert_eq!(added["result"]["added"], 600);
-    let baseline = rss(pid);
+    let baseline = status_bytes(pid, "VmRSS:");
 
     let mut ws = websocket(&agent.socket);
     // The agent may stop reading this connection: send from a thread of its own.
@@ -593,7 +415,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
         for i in 0..SUBSCRIPTIONS {
             let call = json!({"jsonrpc": "2.0", "id": i, "method": "backup.subscribe",
                               "params": {"name": "big"}});
-            if ws_send(&mut writer, &call.to_string()).is_err() {
+            if ws_send(&mut writer, call.to_string()).is_err() {
                 return i;
             }
         }
@@ -618,7 +440,7 @@ fn subscriptions_a_client_never_reads_hold_the_agent_to_a_bound() {
     ws.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let (mut answers, mut updates) = (0, 0);
     while updates < 32 {
-        let message: serde_json::Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+        let message: serde_json::Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
         if message.get("id").is_some() {
             assert!(
                 message["result"].is_number() || message["result"].is_string(),
@@ -689,8 +511,8 @@ fn batches_of_notifications_only_over_websocket_hold_no_call_places() {
     let status = http.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");
     for (i, ws) in connections.iter_mut().enumerate() {
-        ws_send(ws, &request("agent.status", json!({}))).unwrap();
-        let answer: Value = serde_json::from_slice(&ws_recv(ws)).unwrap();
+        ws_send(ws, request("agent.status", json!({}))).unwrap();
+        let answer: Value = serde_json::from_slice(&ws_recv(ws).1).unwrap();
         assert!(
             answer["result"]["version"].is_string(),
             "connection {i}: {answer}"
@@ -706,7 +528,7 @@ fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
     let dir = tempfile::tempdir().unwrap();
     // All clients are this test's uid: lift the per-uid limit so memory is what is tested.
     let agent = Agent::start(dir.path(), &["--max-connections-per-uid", "1024"]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let mut http = RawHttp::connect(&agent.socket);
     for i in 0..OWNERS {
         let name = format!("backup-{i:04}-{}", "n".repeat(220));
@@ -720,7 +542,7 @@ fn many_concurrent_large_lists_are_served_within_a_memory_ceiling() {
     let one = http.call(&list);
     let items = one["result"]["items"].as_array().map(Vec::len);
     assert_eq!(items, Some(OWNERS));
-    let baseline = rss(pid);
+    let baseline = status_bytes(pid, "VmRSS:");
 
     // Every client sends its request before any reads an answer.
     let post = format!(
@@ -931,13 +753,7 @@ fn batches_of_waits_take_no_place() {
     let mut held = Vec::new();
     for batch in std::iter::repeat_n(&waits, 40).chain(std::iter::repeat_n(&mixed, 40)) {
         let mut s = UnixStream::connect(&agent.socket).unwrap();
-        write!(
-            s,
-            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{batch}",
-            batch.len()
-        )
-        .unwrap();
+        write!(s, "{}{batch}", post_head(batch.len())).unwrap();
         held.push(s);
         let mut ws = websocket(&agent.socket);
         ws_send(&mut ws, batch).unwrap();
@@ -982,7 +798,7 @@ fn assert_batch_refused(answer: &Value) {
 fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let batch = discover_batch(1000);
 
     let mut http = RawHttp::connect(&agent.socket);
@@ -996,7 +812,7 @@ fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
         assert!(status["result"]["version"].is_string(), "{status}");
     }
     for i in 0..16 {
-        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1)
             .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
         assert_batch_refused(&answer);
     }
@@ -1039,7 +855,7 @@ fn connections_that_read_nothing_are_held_to_a_bound_over_all_of_them() {
     const CLIENTS: usize = 24;
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let batch = discover_batch(200);
     let clients: Vec<UnixStream> = (0..CLIENTS)
         .map(|_| {
@@ -1067,7 +883,7 @@ fn connections_that_read_nothing_are_held_to_a_bound_over_all_of_them() {
         .map(|mut ws| {
             std::thread::spawn(move || {
                 (0..2)
-                    .map(|_| serde_json::from_slice::<Value>(&ws_recv(&mut ws)).unwrap())
+                    .map(|_| serde_json::from_slice::<Value>(&ws_recv(&mut ws).1).unwrap())
                     .collect::<Vec<_>>()
             })
         })
@@ -1090,7 +906,7 @@ fn connections_that_read_nothing_are_held_to_a_bound_over_all_of_them() {
     // Everything read, the agent's count is back down: a batch as large runs whole.
     let mut ws = websocket(&agent.socket);
     ws_send(&mut ws, &batch).unwrap();
-    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
     assert_eq!(answer.as_array().map(Vec::len), Some(200), "{answer:.200}");
 }
 
@@ -1105,7 +921,7 @@ fn many_batches_in_the_making_are_held_to_the_bound_over_all_of_them() {
     const CLIENTS: usize = 240;
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let batch = discover_batch(14);
     let mut clients: Vec<UnixStream> = (0..CLIENTS).map(|_| websocket(&agent.socket)).collect();
     for ws in &mut clients {
@@ -1121,7 +937,9 @@ fn many_batches_in_the_making_are_held_to_the_bound_over_all_of_them() {
     let readers: Vec<_> = clients
         .into_iter()
         .map(|mut ws| {
-            std::thread::spawn(move || serde_json::from_slice::<Value>(&ws_recv(&mut ws)).unwrap())
+            std::thread::spawn(move || {
+                serde_json::from_slice::<Value>(&ws_recv(&mut ws).1).unwrap()
+            })
         })
         .collect();
     let mut stopped = 0;
@@ -1145,11 +963,7 @@ fn http_peers_that_read_none_of_their_answers_hold_no_places() {
     let dir = tempfile::tempdir().unwrap();
     let (agent, pid, baseline) = at_rest(dir.path());
     let call = request("rpc.discover", json!({}));
-    let one = format!(
-        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{call}",
-        call.len()
-    );
+    let one = format!("{}{call}", post_head(call.len()));
     let pipelined = one.repeat(100);
     let mut held = Vec::new();
     for _ in 0..40 {
@@ -1182,10 +996,7 @@ fn requests_whose_bodies_do_not_come_hold_no_places() {
     let mut held = Vec::new();
     for declared in [200; 40].into_iter().chain([1_000_000; 8]) {
         let mut s = UnixStream::connect(&agent.socket).unwrap();
-        let head = format!(
-            "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Content-Length: {declared}\r\n\r\n{{"
-        );
+        let head = format!("{}{{", post_head(declared));
         s.write_all(head.as_bytes()).unwrap();
         held.push(s);
     }
@@ -1229,7 +1040,7 @@ fn a_client_that_sends_several_large_batches_before_reading_gets_every_answer() 
         ws_send(&mut ws, &batch).expect("the agent reads every batch");
     }
     for i in 0..3 {
-        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1)
             .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
         let answers = answer
             .as_array()
@@ -1252,8 +1063,8 @@ fn subscriptions_are_refused_in_a_batch() {
         {"jsonrpc": "2.0", "id": 1, "method": "backup.subscribe", "params": {"name": "b1"}},
         {"jsonrpc": "2.0", "id": 2, "method": "agent.status"},
     ]);
-    ws_send(&mut ws, &batch.to_string()).unwrap();
-    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws)).unwrap();
+    ws_send(&mut ws, batch.to_string()).unwrap();
+    let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
     let answers = answer.as_array().unwrap_or_else(|| panic!("{answer}"));
     assert_eq!(answers.len(), 2, "{answer}");
     assert_eq!(answers[0]["id"], 1);
@@ -1281,7 +1092,7 @@ fn a_batch_stops_once_its_client_has_gone() {
         })
         .collect();
     let mut ws = websocket(&agent.socket);
-    ws_send(&mut ws, &Value::Array(calls).to_string()).unwrap();
+    ws_send(&mut ws, Value::Array(calls).to_string()).unwrap();
     let mut http = RawHttp::connect(&agent.socket);
     let mut started = || {
         let status = http.call(&request("agent.status", json!({})));
@@ -1294,7 +1105,7 @@ fn a_batch_stops_once_its_client_has_gone() {
         "the batch never started"
     );
     drop(ws);
-    quiescent(agent_pid(&agent), Duration::from_secs(120));
+    quiescent(agent.pid(), Duration::from_secs(120));
     let started = started();
     assert!(
         started < 3000,
@@ -1311,7 +1122,7 @@ fn a_batch_stops_once_its_client_has_gone() {
 fn calls_already_read_wait_for_room_before_they_run() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let batch = discover_batch(200);
     let mut ws = websocket(&agent.socket);
     send_from_thread(&ws, std::iter::repeat_n(batch, 16))
@@ -1325,7 +1136,7 @@ fn calls_already_read_wait_for_room_before_they_run() {
         peak >> 20
     );
     for i in 0..16 {
-        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws))
+        let answer: Value = serde_json::from_slice(&ws_recv(&mut ws).1)
             .unwrap_or_else(|e| panic!("answer {i} is not JSON: {e}"));
         let answers = answer.as_array().unwrap_or_else(|| panic!("answer {i}"));
         assert_eq!(answers.len(), 200, "answer {i}");
@@ -1342,7 +1153,7 @@ fn calls_already_read_wait_for_room_before_they_run() {
 fn unread_lists_are_held_to_the_bound(first: usize, ops: usize, clients: usize) {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start_untraced(dir.path(), &[]);
-    let pid = agent_pid(&agent);
+    let pid = agent.pid();
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
     let list = request("backup.operations", json!({"name": "big"}));

@@ -13,8 +13,10 @@
 //!   place and the new owner is not completed;
 //! - an output is never another owner's finalized output: finalizes naming one output
 //!   hold its lock from that check until the result is stored;
-//! - file work (open, rewrite, rename) runs on the [`FileWork`] pool under the
-//!   `finalize_deadline`, confined by [`Confinement`]; shutdown stops it.
+//! - a finalize is admitted (charged to its caller's uid, `max_finalizes_per_uid`) before
+//!   it waits for its turn, or refused at once; its file work (open, rewrite, rename)
+//!   runs on the [`FileWork`] pool under the `finalize_deadline`, confined by
+//!   [`Confinement`]; shutdown stops it.
 
 use std::io::BufWriter;
 use std::path::PathBuf;
@@ -29,7 +31,7 @@ use crate::changes::Urgency;
 use crate::clock::UnixMs;
 use crate::confine::Confinement;
 use crate::error::{Error, NotFound, WrongPhase};
-use crate::filework::FileWork;
+use crate::filework::{Admitted, FileWork};
 use crate::phase;
 use crate::store::events::{self, NewEvent};
 use crate::store::queries;
@@ -43,6 +45,8 @@ pub struct FinalizeSettings {
     pub dirs: Vec<PathBuf>,
     /// How long one finalize's file work may take.
     pub deadline: Duration,
+    /// Finalizes one peer uid may have running or waiting at once.
+    pub per_uid: u32,
     /// The agent's own places, which finalize never touches.
     pub state_dir: Option<PathBuf>,
     pub socket: Option<PathBuf>,
@@ -53,6 +57,7 @@ impl Default for FinalizeSettings {
         FinalizeSettings {
             dirs: Vec::new(),
             deadline: Duration::from_secs(3600),
+            per_uid: 8,
             state_dir: None,
             socket: None,
         }
@@ -81,7 +86,7 @@ impl Finalizer {
                 settings.state_dir.as_deref(),
                 settings.socket.as_deref(),
             ),
-            pool: FileWork::start(),
+            pool: FileWork::start(settings.per_uid),
             deadline: settings.deadline,
             turns: NameLocks::default(),
             outputs: KeyedLocks::default(),
@@ -146,10 +151,13 @@ impl Core {
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
+        let admitted = self.finalizer.pool.admit(caller.map(|c| c.uid))?;
         let name = p.name.clone();
         let mut bound = None;
         let began = std::time::Instant::now();
-        let result = self.finalize_once(kind, p, caller, &mut bound).await;
+        let result = self
+            .finalize_once(kind, p, caller, &admitted, &mut bound)
+            .await;
         self.metrics.finalized(began.elapsed());
         if let Err(Error::Finalize(message)) = &result {
             // Only the caller hears the error: the log and the owner's history keep it
@@ -189,6 +197,7 @@ impl Core {
         kind: OwnerKind,
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
+        admitted: &Admitted,
         bound_to: &mut Option<Bound>,
     ) -> Result<FinalizeResult, Error> {
         let _turn = self.finalizer.turns.lock(kind, &p.name).await;
@@ -238,13 +247,15 @@ impl Core {
         let mut _output = None;
         if let Some(contents) = &p.contents {
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
-            let (source, target) = self.resolve(contents).await?;
+            let (source, target) = self.resolve(admitted, contents).await?;
             // Refused before the input is read if another owner's result already names
             // it; checked again below, under the output's lock, for one finalized
             // meanwhile.
             self.check_output(kind, &p.name, &bound, &target.path, &contents.output)
                 .await?;
-            let (temp, outcome) = self.rewrite(contents, source, target, updates).await?;
+            let (temp, outcome) = self
+                .rewrite(admitted, contents, source, target, updates)
+                .await?;
             let claim = self.finalizer.outputs.lock_key(temp.path().to_path_buf());
             _output = Some(claim.await);
             // Still the owner this started for? Otherwise the output never appears. Nor
@@ -256,6 +267,7 @@ impl Core {
                 .finalizer
                 .pool
                 .run(
+                    admitted,
                     &format!("renaming {shown} into place"),
                     self.finalizer.deadline,
                     move |_| {
@@ -350,6 +362,7 @@ impl Core {
     /// the agent's own files or temporary names would clash with.
     async fn resolve(
         &self,
+        admitted: &Admitted,
         contents: &opmon_client::Contents,
     ) -> Result<(std::fs::File, crate::confine::OutputTarget), Error> {
         let confinement = self.finalizer.confinement.clone();
@@ -358,7 +371,7 @@ impl Core {
         let what = format!("opening {}", input.display());
         self.finalizer
             .pool
-            .run(&what, self.finalizer.deadline, move |_| {
+            .run(admitted, &what, self.finalizer.deadline, move |_| {
                 let (source, _) = confinement.open_input("contents.input", &input)?;
                 let target = confinement.output("contents.output", &output)?;
                 let named = target.path.file_name().map(|n| n.to_string_lossy());
@@ -385,6 +398,7 @@ impl Core {
 
     async fn rewrite(
         &self,
+        admitted: &Admitted,
         contents: &opmon_client::Contents,
         source: std::fs::File,
         target: crate::confine::OutputTarget,
@@ -395,7 +409,7 @@ impl Core {
         let what = format!("the rewrite of {}", input.display());
         self.finalizer
             .pool
-            .run(&what, self.finalizer.deadline, move |job| {
+            .run(admitted, &what, self.finalizer.deadline, move |job| {
                 let mut temp = target.create_temp().map_err(|e| {
                     Error::Finalize(format!(
                         "contents.output {}: creating a temporary file beside it: {e}",

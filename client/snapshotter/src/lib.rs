@@ -456,8 +456,6 @@ async fn serve_listener(
         listener,
         methods,
         ServeConfig::default(),
-        jsonrpsee::server::middleware::rpc::RpcServiceBuilder::new()
-            .layer_fn(crate::traffic::Traffic::layer),
         AdmitAll,
         shutdown,
     )

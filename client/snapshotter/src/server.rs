@@ -11,7 +11,7 @@
 //! body, within a fixed time and byte budget.
 //!
 //! The limits are jsonrpsee's own ([`ServeConfig`] names which) plus one budget per
-//! peer, the uid of the connection (SO_PEERCRED), charged by the [`Guard`] middleware
+//! peer, the uid of the connection (SO_PEERCRED), charged by the `Guard` middleware
 //! and the stream each connection is served on:
 //! - calls running at once, per peer and in all (uids other than root and the agent's
 //!   own leave a quarter of the total to those two); a method declared as mostly
@@ -26,10 +26,10 @@
 //!   connection runs its calls (methods that mostly wait aside) and sends its
 //!   subscriptions' updates one at a time, each once it owes less than
 //!   `unread_bytes_per_connection`, and is not read while it owes that much or has
-//!   `calls_per_connection` calls unfinished. While a peer owes `unread_bytes_per_peer`,
-//!   an answer of 1 MiB or more of a method declared safe to send again is dropped and
-//!   made again once it owes less, and a batch stops before its next call; listings
-//!   (whose answers grow with what is stored) are made [`LISTINGS_PER_PEER`] at once;
+//!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
+//!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
+//!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
+//!   before its next call while the peer owes that much;
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -42,14 +42,14 @@
 //! a wrong `Content-Type` names the header. A notification gets an empty body over HTTP;
 //! a request whose id is not a string, an integer or null gets -32600 with id null.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -59,6 +59,10 @@ use jsonrpsee::core::BoxError;
 use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
+
+use opmon_client::methods::Decl;
+
+use crate::traffic;
 use jsonrpsee::server::{
     serve_with_graceful_shutdown, stop_channel, BatchRequestConfig, BatchResponseBuilder, HttpBody,
     HttpResponse, MethodCallback, MethodResponse, Methods, ServerConfig,
@@ -66,7 +70,7 @@ use jsonrpsee::server::{
 use jsonrpsee::types::{ErrorObject, ErrorObjectOwned, Request};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
@@ -80,10 +84,6 @@ pub type MetricsPage = Arc<
 
 /// Connections served at once by default.
 pub const MAX_CONNECTIONS: u32 = 4096;
-
-/// An answer at least this large, made while its peer owes `unread_bytes_per_peer`, is
-/// made again later (if its method may be); smaller ones (a status, a get) are given.
-pub const LARGE_ANSWER: u64 = 1024 * 1024;
 
 /// An HTTP body of at most this many bytes is not charged to its peer's request bytes
 /// (a connection holds at most one).
@@ -142,7 +142,13 @@ pub struct ServeConfig {
     pub unread_bytes_per_connection: u64,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
+    /// If set, told of every answer: its method (`batch` for a batch) and its error code
+    /// (0 for a result).
+    pub answered: Option<Answered>,
 }
+
+/// See [`ServeConfig::answered`].
+pub type Answered = Arc<dyn Fn(&str, i32) + Send + Sync>;
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -165,6 +171,7 @@ impl Default for ServeConfig {
             unread_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_connection: 1024 * 1024,
             metrics: None,
+            answered: None,
         }
     }
 }
@@ -399,13 +406,6 @@ fn has_invalid_id(body: &[u8]) -> bool {
 
 const INVALID_ID: &str = "Invalid request: an id must be a string, an integer or null";
 
-/// Which transport a call came by; set on every request `serve` routes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    Http,
-    WebSocket,
-}
-
 /// What one peer (a uid) holds, against its quotas.
 struct Peer {
     operator: bool,
@@ -521,14 +521,6 @@ impl Connection {
         self.peer.owed.fetch_add(bytes, Ordering::Relaxed)
     }
 
-    /// Takes back the charge of the answer handed over last (it was not handed over).
-    fn take_back(&self) {
-        let last = self.lock_queued().pop_back();
-        if let Some((bytes, _)) = last {
-            self.released(bytes);
-        }
-    }
-
     fn lock_queued(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, u64)>> {
         self.queued.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -559,7 +551,7 @@ impl Connection {
             self.peer.owed.fetch_sub(bytes, Ordering::SeqCst);
             self.peer.notify_paid();
             self.room_changed.notify_waiters();
-            if self.websocket.load(Ordering::Relaxed) {
+            if self.websocket() {
                 self.wake_reader();
             }
         }
@@ -603,9 +595,14 @@ impl Connection {
         }
     }
 
+    /// Whether it was upgraded to a WebSocket (by its first request).
+    fn websocket(&self) -> bool {
+        self.websocket.load(Ordering::Relaxed)
+    }
+
     /// Whether a WebSocket connection should not be read now.
     fn full(&self) -> bool {
-        self.websocket.load(Ordering::Relaxed)
+        self.websocket()
             && (self.running.load(Ordering::Relaxed) >= self.calls
                 || self.owed.load(Ordering::Relaxed) >= self.room)
     }
@@ -628,10 +625,8 @@ impl Drop for Connection {
 struct Running(Option<Arc<Connection>>);
 
 impl Running {
-    fn of(conn: Option<&Arc<Connection>>, transport: Option<Transport>) -> Running {
-        let conn = conn
-            .filter(|_| transport == Some(Transport::WebSocket))
-            .cloned();
+    fn of(conn: &Arc<Connection>) -> Running {
+        let conn = conn.websocket().then(|| conn.clone());
         if let Some(conn) = &conn {
             conn.running.fetch_add(1, Ordering::Relaxed);
         }
@@ -888,7 +883,7 @@ impl AsyncRead for Metered {
         }
         // Woken when the connection has room again, or fails (though no byte comes); an
         // HTTP connection's one task reads and writes, so it finds out by itself.
-        if this.conn.websocket.load(Ordering::Relaxed) {
+        if this.conn.websocket() {
             let mut reader = this.conn.reader.lock().unwrap_or_else(|p| p.into_inner());
             if !reader.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                 *reader = Some(cx.waker().clone());
@@ -906,7 +901,7 @@ impl AsyncRead for Metered {
                 if buf.filled().len() > before {
                     this.last_read = tokio::time::Instant::now();
                 }
-                let websocket = this.conn.websocket.load(Ordering::Relaxed);
+                let websocket = this.conn.websocket();
                 let routed = this.conn.routed.load(Ordering::Relaxed);
                 if !routed || websocket {
                     // Until the first request is routed, its bytes may be a WebSocket's.
@@ -1003,49 +998,21 @@ impl AsyncWrite for Metered {
     }
 }
 
-/// The methods declared as mostly waiting: they take no place among the calls in flight.
-static WAITING: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    opmon_client::methods::ALL
-        .iter()
-        .filter(|d| d.waits)
-        .flat_map(|d| d.names().iter().copied())
-        .collect()
-});
-
-/// The methods whose answers grow with what is stored (a page of owners, an owner's
-/// operations, records or events): making one takes several times its size, so one
-/// peer makes [`LISTINGS_PER_PEER`] at once.
-static LISTINGS: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    use opmon_client::methods::{Events, ItemOperations, List, Method, Operations};
-    [
-        &List::DECL,
-        &Operations::DECL,
-        &ItemOperations::DECL,
-        &Events::DECL,
-    ]
-    .iter()
-    .flat_map(|d| d.names().iter().copied())
-    .collect()
-});
-
-/// Listings one peer has made at once.
+/// Listings (methods declared as `grows`) one peer has made at once.
 pub const LISTINGS_PER_PEER: usize = 2;
 
-/// The methods declared safe to send again (`methods::Retry::Always`): a large answer of
-/// one is made again rather than kept past its peer's quota.
-static AGAIN: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
-    opmon_client::methods::ALL
-        .iter()
-        .filter(|d| d.retry == opmon_client::methods::Retry::Always)
-        .flat_map(|d| d.names().iter().copied())
-        .collect()
-});
+/// The declaration of `method` (a snapshotter's own methods have none): one that
+/// `waits` takes no place among the calls in flight, one that `grows` is a listing.
+fn declared(method: &str) -> Option<&'static Decl> {
+    opmon_client::methods::decl_of(method)
+}
 
-/// The RPC middleware `serve` puts first: charges each call to its peer's budget (see
-/// the module's doc) and rewords jsonrpsee's errors a client cannot act on.
+/// The RPC middleware of every call: charges it to its peer's budget (see the module's
+/// doc), rewords jsonrpsee's errors a client cannot act on, logs the exchange
+/// ([`crate::traffic`]) and tells [`ServeConfig::answered`].
 #[derive(Clone)]
-pub struct Guard<S> {
-    inner: S,
+struct Guard {
+    inner: RpcService,
     rules: Arc<Rules>,
 }
 
@@ -1055,36 +1022,49 @@ struct Rules {
     /// than root and the agent's own, which are left the difference.
     all: Arc<Semaphore>,
     others: Arc<Semaphore>,
-    max_batch_response: usize,
-    unread_bytes_per_peer: u64,
+    config: Arc<ServeConfig>,
 }
 
-/// What a running call holds.
-type Places = (Option<OwnedSemaphorePermit>, Vec<OwnedSemaphorePermit>);
-
 impl Rules {
-    /// A place among the calls in flight for a call of `conn`'s peer.
-    async fn place(&self, conn: Option<&Arc<Connection>>, method: &str) -> Places {
-        let Some(peer) = conn.map(|c| &c.peer) else {
-            return (
-                None,
-                self.all.clone().acquire_owned().await.into_iter().collect(),
-            );
-        };
-        let mut held = Vec::with_capacity(3);
-        if LISTINGS.contains(method) {
-            held.extend(peer.listings.clone().acquire_owned().await.ok());
+    /// Logs an exchange whose request was `shown`, and tells `answered` of it.
+    fn answered(&self, method: &str, shown: Option<String>, response: &MethodResponse) {
+        if let Some(text) = shown.filter(|_| !response.is_notification()) {
+            traffic::exchange(&text, response.as_json());
         }
-        let own = peer.calls.clone().acquire_owned().await.ok();
-        if !peer.operator {
-            held.extend(self.others.clone().acquire_owned().await.ok());
+        if let Some(answered) = &self.config.answered {
+            answered(method, response.as_error_code().unwrap_or(0));
         }
-        held.extend(self.all.clone().acquire_owned().await.ok());
-        (own, held)
     }
 
-    /// The error for calling `method` by `transport`, if it cannot be called so.
-    fn refusal(&self, method: &str, transport: Option<Transport>) -> Option<ErrorObjectOwned> {
+    /// Runs `call` of `conn`, declared `decl`, in a place among the calls in flight
+    /// (none if it waits). A listing takes its peer's turn, then waits until the peer
+    /// owes less than its quota: what one peer holds unread passes the quota by at most
+    /// [`LISTINGS_PER_PEER`] answers.
+    async fn run(
+        &self,
+        inner: &RpcService,
+        conn: &Connection,
+        decl: Option<&Decl>,
+        call: Request<'_>,
+    ) -> MethodResponse {
+        let peer = &conn.peer;
+        let mut places = Vec::with_capacity(4);
+        if !decl.is_some_and(|d| d.waits) {
+            if decl.is_some_and(|d| d.grows) {
+                places.extend(peer.listings.clone().acquire_owned().await.ok());
+                peer.room(self.config.unread_bytes_per_peer, conn).await;
+            }
+            places.extend(peer.calls.clone().acquire_owned().await.ok());
+            if !peer.operator {
+                places.extend(self.others.clone().acquire_owned().await.ok());
+            }
+            places.extend(self.all.clone().acquire_owned().await.ok());
+        }
+        inner.call(call).await
+    }
+
+    /// The error for calling `method` on `conn`, if it cannot be called so.
+    fn refusal(&self, method: &str, conn: &Connection) -> Option<ErrorObjectOwned> {
         let code = jsonrpsee::types::error::METHOD_NOT_FOUND_CODE;
         match self.methods.method(method) {
             None => Some(ErrorObject::owned(
@@ -1093,7 +1073,7 @@ impl Rules {
                 None::<()>,
             )),
             Some(MethodCallback::Subscription(_) | MethodCallback::Unsubscription(_))
-                if transport == Some(Transport::Http) =>
+                if !conn.websocket() =>
             {
                 Some(ErrorObject::owned(
                     code,
@@ -1134,7 +1114,7 @@ impl Rules {
             format!(
                 "{what}: this peer has {owed} bytes of answers it has not read, past its quota \
                  of {} (max_unread_bytes_per_uid); read them, then ask again",
-                self.unread_bytes_per_peer
+                self.config.unread_bytes_per_peer
             ),
             None::<()>,
         )
@@ -1161,179 +1141,43 @@ fn marked(mut response: MethodResponse) -> MethodResponse {
     response
 }
 
-impl<S> RpcServiceT for Guard<S>
-where
-    S: RpcServiceT<
-            MethodResponse = MethodResponse,
-            BatchResponse = MethodResponse,
-            NotificationResponse = MethodResponse,
-        > + Clone
-        + Send
-        + Sync
-        + 'static,
-{
+impl RpcServiceT for Guard {
     type MethodResponse = MethodResponse;
     type NotificationResponse = MethodResponse;
     type BatchResponse = MethodResponse;
 
     fn call<'a>(&self, request: Request<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let rules = self.rules.clone();
+        let guard = self.clone();
+        let shown = traffic::enabled()
+            .then(|| serde_json::to_string(&request).ok())
+            .flatten();
         async move {
-            let transport = request.extensions().get::<Transport>().copied();
-            let conn = request.extensions().get::<Arc<Connection>>().cloned();
-            let _running = Running::of(conn.as_ref(), transport);
-            if let Some(e) = rules.refusal(request.method_name(), transport) {
-                return MethodResponse::error(request.id().into_owned(), e);
-            }
-            if WAITING.contains(request.method_name()) {
-                return inner.call(request).await;
-            }
-            // A WebSocket's calls are made one at a time once it owes its room: a peer
-            // that reads nothing holds one answer in the making, not one per call.
-            let _turn = match (&conn, transport) {
-                (Some(conn), Some(Transport::WebSocket)) => Some(conn.room().await),
-                _ => None,
-            };
-            let Some(conn) = &conn else {
-                let _places = rules.place(None, "").await;
-                return inner.call(request).await;
-            };
-            let again = AGAIN.contains(request.method_name());
-            loop {
-                let places = rules.place(Some(conn), request.method_name()).await;
-                let response = inner.call(request.clone()).await;
-                drop(places);
-                let length = response.as_json().get().len();
-                // Counted first, so answers made at once cannot all pass the quota together.
-                let owed = conn.owe(length);
-                if length as u64 >= LARGE_ANSWER
-                    && owed >= rules.unread_bytes_per_peer
-                    && again
-                    && !conn.ended()
-                {
-                    // A large answer of a call that may be made again is not kept while
-                    // its peer owes its quota: it is made again once the peer has read.
-                    conn.take_back();
-                    drop(response);
-                    conn.peer.room(rules.unread_bytes_per_peer, conn).await;
-                    continue;
-                }
-                return response;
-            }
+            let method = request.method_name().to_string();
+            let response = guard.clone().charged(request).await;
+            guard.rules.answered(&method, shown, &response);
+            response
         }
     }
 
-    /// A batch runs its calls one after another, each taking its place as it runs, and
-    /// stops before its next call once its connection has ended, its answer would pass
-    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
-    fn batch<'a>(
-        &self,
-        mut requests: Batch<'a>,
-    ) -> impl Future<Output = MethodResponse> + Send + 'a {
-        let inner = self.inner.clone();
-        let rules = self.rules.clone();
+    fn batch<'a>(&self, batch: Batch<'a>) -> impl Future<Output = MethodResponse> + Send + 'a {
+        let guard = self.clone();
+        // The calls of the batch (entries that did not parse have no request to show).
+        let shown = traffic::enabled()
+            .then(|| {
+                let calls: Vec<&Request<'a>> = batch
+                    .iter()
+                    .filter_map(|entry| match entry {
+                        Ok(BatchEntry::Call(request)) => Some(request),
+                        _ => None,
+                    })
+                    .collect();
+                serde_json::to_string(&calls).ok()
+            })
+            .flatten();
         async move {
-            let transport = requests.extensions().get::<Transport>().copied();
-            let conn = requests.extensions().get::<Arc<Connection>>().cloned();
-            let _running = Running::of(conn.as_ref(), transport);
-            for entry in requests.iter_mut() {
-                if let Ok(BatchEntry::Call(call)) = entry {
-                    let refusal = rules
-                        .refusal(call.method_name(), transport)
-                        .or_else(|| rules.batch_refusal(call.method_name()));
-                    if let Some(e) = refusal {
-                        *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
-                    }
-                }
-            }
-            let answered = requests
-                .iter()
-                .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
-                .count();
-            let metered = requests.iter().any(|entry| {
-                matches!(entry, Ok(BatchEntry::Call(call)) if !WAITING.contains(call.method_name()))
-            });
-            let _turn = match (&conn, transport) {
-                (Some(conn), Some(Transport::WebSocket)) if metered => Some(conn.room().await),
-                _ => None,
-            };
-            let mut answer = BatchResponseBuilder::new_with_limit(rules.max_batch_response);
-            let mut charged = 0;
-            let mut notified = false;
-            let mut stopped = None;
-            for (run, entry) in requests.into_iter().enumerate() {
-                if let Some(conn) = &conn {
-                    if conn.ended() {
-                        stopped = Some(MethodResponse::notification());
-                        break;
-                    }
-                    if let Some(owed) = conn
-                        .over_quota(rules.unread_bytes_per_peer)
-                        .filter(|_| charged > 0)
-                    {
-                        let why = rules.over_quota(
-                            owed,
-                            &format!("this batch stopped at call {} of its {answered}", run + 1),
-                        );
-                        stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
-                        break;
-                    }
-                }
-                let response = match entry {
-                    Ok(BatchEntry::Call(call)) => {
-                        let places = match WAITING.contains(call.method_name()) {
-                            true => None,
-                            false => Some(rules.place(conn.as_ref(), call.method_name()).await),
-                        };
-                        let response = inner.call(call).await;
-                        drop(places);
-                        response
-                    }
-                    Ok(BatchEntry::Notification(n)) => {
-                        notified = true;
-                        inner.notification(n).await;
-                        continue;
-                    }
-                    Err(e) => {
-                        let (e, id) = e.into_parts();
-                        MethodResponse::error(id, e)
-                    }
-                };
-                let length = response.as_json().get().len();
-                if answer.append(response).is_err() {
-                    stopped = Some(stopped_batch(
-                        jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
-                        format!(
-                            "the answer to this batch grew past {} bytes at call {} of its \
-                             {answered}, so the rest were not run; send fewer calls in a batch",
-                            rules.max_batch_response,
-                            run + 1
-                        ),
-                    ));
-                    break;
-                }
-                // Counted as it grows, so batches made at once see each other.
-                if let Some(conn) = &conn {
-                    conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
-                }
-                charged += length;
-                tokio::task::coop::consume_budget().await;
-            }
-            let response = match stopped {
-                Some(stopped) => stopped,
-                None if answer.is_empty() && notified => MethodResponse::notification(),
-                None => MethodResponse::from_batch(answer.finish()),
-            };
-            if let Some(conn) = &conn {
-                // What was counted becomes the answer's length (or is given back).
-                conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
-                conn.peer.notify_paid();
-                if !response.is_notification() {
-                    conn.owe(response.as_json().get().len());
-                }
-            }
-            marked(response)
+            let response = guard.clone().charged_batch(batch).await;
+            guard.rules.answered("batch", shown, &response);
+            response
         }
     }
 
@@ -1347,7 +1191,10 @@ where
             // string, an integer or null for one; over HTTP `route` tells the two apart
             // from the body, over WebSocket no hook sees it, so every lone notification
             // is answered as an invalid request.
-            if n.extensions().get::<Transport>() == Some(&Transport::WebSocket) {
+            if n.extensions()
+                .get::<Arc<Connection>>()
+                .is_some_and(|c| c.websocket())
+            {
                 return MethodResponse::error(
                     jsonrpsee::types::Id::Null,
                     ErrorObject::owned(
@@ -1365,21 +1212,140 @@ where
     }
 }
 
-/// What routing needs of the server's configuration.
-struct Shared {
-    page: Option<MetricsPage>,
-    max_body: u32,
-    body_timeout: Option<Duration>,
+impl Guard {
+    /// Runs a call charged to its peer.
+    async fn charged(self, request: Request<'_>) -> MethodResponse {
+        let Guard { inner, rules } = self;
+        // `route` puts it on every request.
+        let Some(conn) = request.extensions().get::<Arc<Connection>>().cloned() else {
+            return inner.call(request).await;
+        };
+        let _running = Running::of(&conn);
+        if let Some(e) = rules.refusal(request.method_name(), &conn) {
+            return MethodResponse::error(request.id().into_owned(), e);
+        }
+        let decl = declared(request.method_name());
+        if decl.is_some_and(|d| d.waits) {
+            return inner.call(request).await;
+        }
+        // A WebSocket's calls are made one at a time once it owes its room: a peer
+        // that reads nothing holds one answer in the making, not one per call.
+        let _turn = match conn.websocket() {
+            true => Some(conn.room().await),
+            false => None,
+        };
+        let response = rules.run(&inner, &conn, decl, request).await;
+        conn.owe(response.as_json().get().len());
+        response
+    }
+
+    /// Runs a batch's calls one after another, each taking its place as it runs, and
+    /// stops before its next call once its connection has ended, its answer would pass
+    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
+    async fn charged_batch(self, mut requests: Batch<'_>) -> MethodResponse {
+        let Guard { inner, rules } = self;
+        let Some(conn) = requests.extensions().get::<Arc<Connection>>().cloned() else {
+            return inner.batch(requests).await;
+        };
+        let _running = Running::of(&conn);
+        for entry in requests.iter_mut() {
+            if let Ok(BatchEntry::Call(call)) = entry {
+                let refusal = rules
+                    .refusal(call.method_name(), &conn)
+                    .or_else(|| rules.batch_refusal(call.method_name()));
+                if let Some(e) = refusal {
+                    *entry = Err(BatchEntryErr::new(call.id().into_owned(), e));
+                }
+            }
+        }
+        let answered = requests
+            .iter()
+            .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
+            .count();
+        let metered = requests.iter().any(|entry| {
+            matches!(entry, Ok(BatchEntry::Call(call)) if !declared(call.method_name()).is_some_and(|d| d.waits))
+        });
+        let _turn = match conn.websocket() && metered {
+            true => Some(conn.room().await),
+            false => None,
+        };
+        let mut answer =
+            BatchResponseBuilder::new_with_limit(rules.config.max_batch_response_bytes as usize);
+        let mut charged = 0;
+        let mut notified = false;
+        let mut stopped = None;
+        for (run, entry) in requests.into_iter().enumerate() {
+            if conn.ended() {
+                stopped = Some(MethodResponse::notification());
+                break;
+            }
+            if let Some(owed) = conn
+                .over_quota(rules.config.unread_bytes_per_peer)
+                .filter(|_| charged > 0)
+            {
+                let why = rules.over_quota(
+                    owed,
+                    &format!("this batch stopped at call {} of its {answered}", run + 1),
+                );
+                stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
+                break;
+            }
+            let response = match entry {
+                Ok(BatchEntry::Call(call)) => {
+                    let decl = declared(call.method_name());
+                    rules.run(&inner, &conn, decl, call).await
+                }
+                Ok(BatchEntry::Notification(n)) => {
+                    notified = true;
+                    inner.notification(n).await;
+                    continue;
+                }
+                Err(e) => {
+                    let (e, id) = e.into_parts();
+                    MethodResponse::error(id, e)
+                }
+            };
+            let length = response.as_json().get().len();
+            if answer.append(response).is_err() {
+                stopped = Some(stopped_batch(
+                    jsonrpsee::types::error::TOO_BIG_BATCH_RESPONSE_CODE,
+                    format!(
+                        "the answer to this batch grew past {} bytes at call {} of its \
+                         {answered}, so the rest were not run; send fewer calls in a batch",
+                        rules.config.max_batch_response_bytes,
+                        run + 1
+                    ),
+                ));
+                break;
+            }
+            // Counted as it grows, so batches made at once see each other.
+            conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
+            charged += length;
+            tokio::task::coop::consume_budget().await;
+        }
+        let response = match stopped {
+            Some(stopped) => stopped,
+            None if answer.is_empty() && notified => MethodResponse::notification(),
+            None => MethodResponse::from_batch(answer.finish()),
+        };
+        // What was counted becomes the answer's length (or is given back).
+        conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
+        conn.peer.notify_paid();
+        if !response.is_notification() {
+            conn.owe(response.as_json().get().len());
+        }
+        marked(response)
+    }
 }
 
 /// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
-/// A POST's body is charged to its peer and read here, up to `max_body` and within
-/// `body_timeout`, and stays charged until its answer is made.
+/// A POST's body is charged to its peer and read here, up to `max_request_body_size`
+/// and within `request_body_timeout`, and stays charged until its answer is made.
 async fn route<H, W>(
     request: hyper::Request<hyper::body::Incoming>,
     mut http: H,
     mut ws: W,
-    shared: Arc<Shared>,
+    config: Arc<ServeConfig>,
     conn: Arc<Connection>,
     caller: Option<opmon_client::types::Caller>,
 ) -> Result<HttpResponse, BoxError>
@@ -1387,7 +1353,7 @@ where
     H: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
     W: Service<hyper::Request<HttpBody>, Response = HttpResponse, Error = BoxError>,
 {
-    if let Some(page) = &shared.page {
+    if let Some(page) = &config.metrics {
         if request.method() == hyper::Method::GET && request.uri().path() == "/metrics" {
             return Ok(metrics_response(page, &request).await);
         }
@@ -1412,20 +1378,18 @@ where
                  a new connection and wait for the 101",
             )));
         }
-        parts.extensions.insert(Transport::WebSocket);
         conn.websocket.store(true, Ordering::Relaxed);
         return ws
             .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
             .await;
     }
-    parts.extensions.insert(Transport::Http);
     if parts.method != hyper::Method::POST {
         // jsonrpsee answers with 405 and what it wants.
         return http
             .call(hyper::Request::from_parts(parts, HttpBody::new(body)))
             .await;
     }
-    let max_body = shared.max_body;
+    let max_body = config.max_request_body_size;
     let drain_bound = u64::from(max_body) + u64::from(max_body).max(MIN_DRAIN);
     if let Err(text) = accept_content_type(&mut parts.headers) {
         drain(body, &parts.headers, 0, drain_bound);
@@ -1457,7 +1421,7 @@ where
             .ok(),
         false => None,
     };
-    let bytes = match read_body(body, declared, max_body, shared.body_timeout).await {
+    let bytes = match read_body(body, declared, max_body, config.request_body_timeout).await {
         Ok(bytes) => bytes,
         Err(Unread::TooBig(body, read)) => {
             drain(body, &parts.headers, read, drain_bound);
@@ -1468,7 +1432,10 @@ where
                 Some(length) => format!("{got} of its {length} bytes came"),
                 None => format!("{got} bytes came, not its last chunk"),
             };
-            let timeout = shared.body_timeout.unwrap_or_default().as_secs_f64();
+            let timeout = config
+                .request_body_timeout
+                .unwrap_or_default()
+                .as_secs_f64();
             return Ok(closing(rpc_error(
                 hyper::StatusCode::REQUEST_TIMEOUT,
                 jsonrpsee::types::error::INVALID_REQUEST_CODE,
@@ -1532,26 +1499,16 @@ impl Admission for AdmitAll {
     }
 }
 
-/// Serves `methods` on `listener` until `shutdown` resolves, then drains. Every call
-/// passes through `rpc_middleware` (`RpcServiceBuilder::new()` for none), then [`Guard`].
-pub async fn serve<L>(
+/// Serves `methods` on `listener` until `shutdown` resolves, then drains.
+pub async fn serve(
     listener: UnixListener,
     methods: impl Into<Methods>,
     config: ServeConfig,
-    rpc_middleware: RpcServiceBuilder<L>,
     admission: impl Admission,
     shutdown: impl Future<Output = ()>,
-) where
-    L: tower::Layer<Guard<RpcService>> + Clone + Send + Sync + 'static,
-    L::Service: RpcServiceT<
-            MethodResponse = MethodResponse,
-            BatchResponse = MethodResponse,
-            NotificationResponse = MethodResponse,
-        > + Send
-        + Sync
-        + 'static,
-{
+) {
     let methods: Methods = methods.into();
+    let config = Arc::new(config);
     let reserve = (config.calls_in_flight / 4).max(1);
     let rules = Arc::new(Rules {
         methods: methods.clone(),
@@ -1559,10 +1516,9 @@ pub async fn serve<L>(
         others: Arc::new(Semaphore::new(
             config.calls_in_flight.saturating_sub(reserve).max(1),
         )),
-        max_batch_response: config.max_batch_response_bytes as usize,
-        unread_bytes_per_peer: config.unread_bytes_per_peer,
+        config: config.clone(),
     });
-    let guarded = rpc_middleware.layer_fn(move |inner| Guard {
+    let guarded = RpcServiceBuilder::new().layer_fn(move |inner| Guard {
         inner,
         rules: rules.clone(),
     });
@@ -1585,11 +1541,6 @@ pub async fn serve<L>(
     };
     let http_builder = stock(config.max_request_body_size);
     let ws_builder = stock(config.max_message_size.min(config.max_request_body_size));
-    let shared = Arc::new(Shared {
-        page: config.metrics.clone(),
-        max_body: config.max_request_body_size,
-        body_timeout: config.request_body_timeout,
-    });
     let peers = Peers {
         by_uid: Mutex::new(HashMap::new()),
         own_uid: nix::unistd::geteuid().as_raw(),
@@ -1663,13 +1614,13 @@ pub async fn serve<L>(
         let ws = ws_builder
             .clone()
             .build(methods.clone(), stop_handle.clone());
-        let shared = shared.clone();
+        let config = config.clone();
         let service = tower::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
             route(
                 request,
                 http.clone(),
                 ws.clone(),
-                shared.clone(),
+                config.clone(),
                 conn.clone(),
                 caller,
             )
