@@ -277,7 +277,11 @@ fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
             (lines.split(|b| *b == b'\n')).all(|l| l.first().is_some_and(u8::is_ascii_digit))
         });
     if !whole_lines {
-        return Err("PAX records that are not one whole record a line".into());
+        return Err(
+            "a newline inside a PAX record, or text that is no record (readers split them \
+             differently)"
+                .into(),
+        );
     }
     let mut pax = Pax::default();
     for record in PaxExtensions::new(data) {
@@ -1706,8 +1710,8 @@ mod tests {
         tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
         assert_eq!(
             refusal(tar),
-            "entry resources/ok.json: its PAX header: PAX records that are not one whole \
-             record a line"
+            "entry resources/ok.json: its PAX header: a newline inside a PAX record, or text \
+             that is no record (readers split them differently)"
         );
     }
 
