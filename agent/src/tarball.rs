@@ -4,23 +4,30 @@
 //! or its `<version>-preferredversion` path is replaced by the item's new content under
 //! a fresh header (the header Velero's Go `tar.Writer` writes: USTAR, mode 0755, uid and
 //! gid 0, mtime now); paths of updated items the tarball lacks are appended, each on its
-//! own; every other entry is copied byte for byte, header extensions included, in order.
-//! Other version directories (`v1/` when the item is `v2`) are left as they were.
+//! own; every other entry is copied byte for byte, header extensions and padding
+//! included, in order. Other version directories (`v1/` when the item is `v2`) are left
+//! as they were.
 //!
 //! The archive is streamed (gzip → tar → tar → parallel gzip), never held: memory stays
-//! bounded whatever its size. The tar stream is parsed here, block by block, so that the
-//! checks see what extractors see: GNU tar, Go's `archive/tar` and Python's `tarfile`
-//! all honour a PAX `size` record, so does this reader (otherwise an entry's "data"
-//! could hide headers they read); every name any of them could use for an entry (header
-//! name, ustar prefix read either way, GNU long name, PAX `path`) is checked; and forms
-//! they read differently (a GNU long name with a PAX path, two long names, a PAX size
-//! that contradicts the header, GNU sparse records, a global header that renames, a
-//! directory with data) are refused. Refused too: absolute paths, `..`, links, devices,
-//! FIFOs, a truncated archive, and a decompressed size past the configured limit.
-//! Reading stops at the first end-of-archive block: nothing after it is copied.
+//! bounded whatever its size. The tar crate reads it in raw mode, header by header
+//! (extensions included), and the checks here make sure they see what extractors see:
+//! every name any of GNU tar, Go's `archive/tar` and Python's `tarfile` could use for
+//! an entry (header name, ustar prefix read either way, GNU long name, PAX `path`) is
+//! checked, and forms they read differently (a GNU long name with a PAX path, two long
+//! names, GNU sparse records, a global header that renames, a directory with data) are
+//! refused. Where the crate reads a form otherwise than they do it is refused too,
+//! never misread: a PAX `size` that differs from the header's (extractors honour it,
+//! the crate's raw mode does not; a Velero tarball's entries are small JSON files,
+//! never past the 8 GiB a header's size field holds), numeric text only some of them
+//! accept, PAX records split otherwise than by their lengths. Refused as well: absolute
+//! paths, `..`, links, devices, FIFOs, a truncated archive, and a decompressed size
+//! past the configured limit. Reading stops at the first end-of-archive block: nothing
+//! after it is copied.
 
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use flate2::read::MultiGzDecoder;
@@ -28,6 +35,7 @@ use gzp::deflate::Gzip;
 use gzp::par::compress::ParCompressBuilder;
 use gzp::ZWriter;
 use opmon_client::UpdatedItem;
+use tar::{Archive, EntryType, Header, PaxExtensions};
 
 /// Largest GNU long-name or PAX header accepted, in bytes (Go's reader has the same
 /// limit for its "special files").
@@ -35,10 +43,6 @@ const MAX_EXTENSION: u64 = 1024 * 1024;
 const BLOCK: usize = 512;
 /// The gzip level of the output: `gzip -6`, Go's default, what Velero writes.
 const LEVEL: u32 = 6;
-/// The largest size a 12-byte header field holds in octal (11 digits): beyond it a
-/// PAX `size` record is the only way to state the size, and the header's own field
-/// may hold anything.
-const OCTAL_SIZE_LIMIT: u64 = 8u64.pow(11);
 
 /// The new content of each updated item, by the entry names Velero writes it under.
 pub struct Updates {
@@ -90,6 +94,15 @@ impl Updates {
         for (i, item) in items.iter().enumerate() {
             opmon_client::validate::resource(&item.resource)
                 .map_err(|(field, e)| format!("updatedItems[{i}].resource.{field}: {e}"))?;
+            if matches!(item.resource.resource.as_str(), "." | "..") {
+                // The only field whose rule lets it be a path component other than a
+                // name: the agent would write a `..` entry itself.
+                return Err(format!(
+                    "updatedItems[{i}].resource.resource: must not be {:?} (it names a \
+                     directory of the tarball)",
+                    item.resource.resource
+                ));
+            }
             let Some(object) = item.object.as_object() else {
                 return Err(format!("updatedItems[{i}].object: must be a JSON object"));
             };
@@ -167,6 +180,42 @@ impl<R: Read> Read for Bounded<R> {
     }
 }
 
+/// The decompressed tar stream as the tar crate reads it. While `keeping` is set it
+/// keeps a copy of what is read: the crate skips the padding after an entry's data
+/// when it reads the next header, and an untouched entry is copied with its padding
+/// as it was. It tells the crate's errors apart: after `ended` (the stream ran out) a
+/// failed read means a truncated archive, after `failed` the stream's own error (gzip,
+/// size limit) is the reason; otherwise the crate found a header it cannot read.
+#[derive(Default)]
+struct Tap {
+    kept: RefCell<Vec<u8>>,
+    keeping: Cell<bool>,
+    ended: Cell<bool>,
+    failed: Cell<bool>,
+    /// Bytes read so far.
+    offset: Cell<u64>,
+}
+
+struct Tapped<R> {
+    inner: R,
+    tap: Rc<Tap>,
+}
+
+impl<R: Read> Read for Tapped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let tap = &self.tap;
+        let n = self.inner.read(buf).inspect_err(|_| tap.failed.set(true))?;
+        if n == 0 && !buf.is_empty() {
+            tap.ended.set(true);
+        }
+        tap.offset.set(tap.offset.get() + n as u64);
+        if tap.keeping.get() {
+            tap.kept.borrow_mut().extend_from_slice(&buf[..n]);
+        }
+        Ok(n)
+    }
+}
+
 fn reject(entry: &[u8], reason: impl Into<String>) -> RewriteError {
     RewriteError::Entry {
         entry: String::from_utf8_lossy(entry).into_owned(),
@@ -187,59 +236,25 @@ fn show(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// The header's checksum matches, computed over unsigned bytes. (GNU tar, Go and
-/// Python also accept the sum over signed bytes some old tars wrote; the tar crate does
-/// not, so such a header is refused rather than read one way.)
-fn checksum_ok(h: &[u8; BLOCK]) -> bool {
-    let Ok(stored) = parse_octal(&h[148..156]) else {
-        return false;
-    };
-    let sum: u64 = h
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            if (148..156).contains(&i) {
-                u64::from(b' ')
-            } else {
-                u64::from(*b)
-            }
-        })
-        .sum();
-    stored == sum
-}
-
-/// An octal numeric field in the one form every reader agrees on: optional leading
-/// spaces, octal digits, then only NULs and spaces. (Python's `int()` would also take
-/// `+` and `_`, Go's parser neither; such a field is refused, not guessed at.)
-fn parse_octal(field: &[u8]) -> Result<u64, String> {
-    let text = field.iter().skip_while(|b| **b == b' ');
-    let mut value: u64 = 0;
-    let mut digits = true;
-    for b in text {
-        match b {
-            b'0'..=b'7' if digits => {
-                value = value
-                    .checked_mul(8)
-                    .and_then(|v| v.checked_add(u64::from(b - b'0')))
-                    .ok_or("the number overflows")?;
-            }
-            0 | b' ' => digits = false,
-            _ => return Err(format!("{:?} is not an octal number", show(field))),
-        }
+/// Refuses a size field the tar crate reads otherwise than Go and Python: octal text
+/// other than digits between leading spaces and trailing NULs or spaces (the crate
+/// also takes `+`, tabs, or digits cut off by a NUL), or base-256 beyond the eight
+/// bytes the crate reads (or negative).
+fn check_size_field(field: &[u8; 12]) -> Result<(), String> {
+    if field[0] & 0x80 != 0 {
+        return match field[..4] {
+            [0x80, 0, 0, 0] => Ok(()),
+            _ => Err("a base-256 number readers take differently".into()),
+        };
     }
-    Ok(value)
-}
-
-/// The size field: octal, or GNU base-256 (first byte 0x80).
-fn parse_size(field: &[u8]) -> Result<u64, String> {
-    match field.first() {
-        Some(0x80) => field[1..].iter().try_fold(0u64, |v, b| {
-            v.checked_mul(256)
-                .map(|v| v | u64::from(*b))
-                .ok_or_else(|| "the size overflows".to_string())
-        }),
-        Some(b) if b & 0x80 != 0 => Err("a negative size".into()),
-        _ => parse_octal(field),
+    let mut rest = field
+        .iter()
+        .skip_while(|b| **b == b' ')
+        .skip_while(|b| matches!(b, b'0'..=b'7'));
+    if rest.all(|b| matches!(b, 0 | b' ')) {
+        Ok(())
+    } else {
+        Err(format!("{:?} is not an octal number", show(field)))
     }
 }
 
@@ -250,32 +265,31 @@ struct Pax {
     size: Option<u64>,
 }
 
-/// Parses PAX records strictly (`"<len> <key>=<value>\n"`, lengths exact, nothing
-/// after the last one), as Go's reader requires; `global` refuses the records GNU tar
-/// would apply to every later entry and Go ignores. `what` names the header in errors.
+/// Reads PAX records with the tar crate, refusing what extractors read otherwise:
+/// text that is not whole records, one a line, each starting with its length (the
+/// crate splits at newlines and stops at an empty line; Go and Python go by the
+/// lengths and refuse the rest); what Go refuses (an empty key, a NUL in a key or a
+/// path). `global` refuses the records GNU tar would apply to every later entry and Go
+/// ignores.
 fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
+    let whole_lines = data.is_empty()
+        || data.strip_suffix(b"\n").is_some_and(|lines| {
+            (lines.split(|b| *b == b'\n')).all(|l| l.first().is_some_and(u8::is_ascii_digit))
+        });
+    if !whole_lines {
+        return Err(
+            "a newline inside a PAX record, or text that is no record (readers split them \
+             differently)"
+                .into(),
+        );
+    }
     let mut pax = Pax::default();
-    let mut rest = data;
-    while !rest.is_empty() {
-        let space = rest
-            .iter()
-            .position(|b| *b == b' ')
-            .ok_or("a PAX record without a length")?;
-        let len: usize = std::str::from_utf8(&rest[..space])
-            .ok()
-            .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|t| t.parse().ok())
-            .ok_or("a PAX record with an unreadable length")?;
-        if len <= space + 1 || len > rest.len() || rest[len - 1] != b'\n' {
-            return Err("a PAX record whose length does not match its text".into());
-        }
-        let record = &rest[space + 1..len - 1];
-        rest = &rest[len..];
-        let eq = record
-            .iter()
-            .position(|b| *b == b'=')
-            .ok_or("a PAX record without '='")?;
-        let (key, value) = (&record[..eq], &record[eq + 1..]);
+    for record in PaxExtensions::new(data) {
+        let record = record.map_err(|_| {
+            "a PAX record whose length does not match its text (or with a newline in it)"
+                .to_string()
+        })?;
+        let (key, value) = (record.key_bytes(), record.value_bytes());
         if key.is_empty() || key.contains(&0) {
             return Err("a PAX record with an invalid key".into());
         }
@@ -301,11 +315,6 @@ fn parse_pax(data: &[u8], global: bool) -> Result<Pax, String> {
                 }
                 if value.contains(&0) {
                     return Err("a NUL byte in the PAX path".into());
-                }
-                if value.contains(&b'\n') {
-                    // Readers that split records at newlines (the tar crate, for one)
-                    // would read another path than those that go by the length.
-                    return Err("a newline in the PAX path".into());
                 }
                 if pax.path.replace(value.to_vec()).is_some() {
                     return Err("the PAX header repeats path".into());
@@ -370,17 +379,15 @@ fn join_prefix(prefix: &[u8], name: &[u8]) -> Vec<u8> {
 }
 
 impl HeaderNames {
-    fn of(h: &[u8; BLOCK]) -> HeaderNames {
-        let raw = nts(&h[..100]).to_vec();
-        let ustar = &h[257..263] == b"ustar\0" && &h[263..265] == b"00";
-        let star = &h[508..512] == b"tar\0";
-        let go = if ustar {
-            let prefix = if star { &h[345..476] } else { &h[345..500] };
-            join_prefix(nts(prefix), &raw)
-        } else {
-            raw.clone()
+    fn of(h: &Header) -> HeaderNames {
+        let raw = nts(&h.as_old().name).to_vec();
+        let star = &h.as_bytes()[508..] == b"tar\0";
+        let go = match h.as_ustar() {
+            Some(u) if star => join_prefix(nts(&u.prefix[..131]), &raw),
+            Some(u) => join_prefix(nts(&u.prefix), &raw),
+            None => raw.clone(),
         };
-        let python = join_prefix(nts(&h[345..500]), &raw);
+        let python = join_prefix(nts(&h.as_bytes()[345..500]), &raw);
         HeaderNames { raw, go, python }
     }
 }
@@ -415,97 +422,13 @@ fn check_type(entry: &[u8], kind: u8) -> Result<(), RewriteError> {
     Err(reject(entry, refused))
 }
 
-/// Reads the decompressed tar stream in blocks, counting where it is.
-struct Blocks<R> {
-    inner: R,
-    offset: u64,
-}
-
-impl<R: Read> Blocks<R> {
-    /// Fills `buf`; `Ok(false)` at a clean end of the stream before any byte.
-    fn fill(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        let mut got = 0;
-        while got < buf.len() {
-            match self.inner.read(&mut buf[got..]) {
-                Ok(0) if got == 0 => return Ok(false),
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("the archive ends {} bytes short", buf.len() - got),
-                    ))
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.offset += got as u64;
-        Ok(true)
-    }
-
-    /// Reads what follows the end of the archive to the end of the input, copying
-    /// nothing: a gzip member's CRC and length are in its trailer, checked only once it
-    /// is read, and a corrupt input must not come out as a valid output with a fresh
-    /// CRC. The decompressed bound still holds; stops early once `stop` is set.
-    fn verify_rest(&mut self, buf: &mut [u8], stop: &AtomicBool) -> Result<(), RewriteError> {
-        loop {
-            if stop.load(Ordering::Relaxed) {
-                return Err(RewriteError::Stopped);
-            }
-            match self.inner.read(buf) {
-                Ok(0) => return Ok(()),
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    let reason = match e.kind() {
-                        io::ErrorKind::UnexpectedEof => format!(
-                            "the gzip stream ends early: it is truncated, or followed by \
-                             bytes that are not gzip ({e})"
-                        ),
-                        _ => e.to_string(),
-                    };
-                    return Err(RewriteError::Archive(format!(
-                        "after the end of the archive: {reason}"
-                    )));
-                }
-            }
-        }
-    }
-
-    /// Reads `left` bytes of entry `name`'s data (through `buf`), handing each piece
-    /// to `sink`; stops early once `stop` is set.
-    fn pass(
-        &mut self,
-        mut left: u64,
-        buf: &mut [u8],
-        stop: &AtomicBool,
-        name: &[u8],
-        mut sink: impl FnMut(&[u8]) -> Result<(), RewriteError>,
-    ) -> Result<(), RewriteError> {
-        while left > 0 {
-            if stop.load(Ordering::Relaxed) {
-                return Err(RewriteError::Stopped);
-            }
-            let n = left.min(buf.len() as u64) as usize;
-            let piece = &mut buf[..n];
-            self.fill(piece)
-                .and_then(|got| {
-                    got.then_some(())
-                        .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "no data"))
-                })
-                .map_err(|e| read_error(Some(name), e))?;
-            sink(piece)?;
-            left -= n as u64;
-        }
-        Ok(())
-    }
-}
-
-/// Describes an I/O failure while reading at `entry` (or between entries).
-fn read_error(entry: Option<&[u8]>, e: io::Error) -> RewriteError {
-    let reason = match e.kind() {
-        io::ErrorKind::UnexpectedEof => format!("the archive is truncated ({e})"),
-        _ => e.to_string(),
+/// Describes a read failure at `entry` (or between entries); `ended` says the input
+/// ran out.
+fn read_error(entry: Option<&[u8]>, e: io::Error, ended: bool) -> RewriteError {
+    let reason = if ended || e.kind() == io::ErrorKind::UnexpectedEof {
+        format!("the archive is truncated ({e})")
+    } else {
+        e.to_string()
     };
     match entry {
         Some(entry) => reject(entry, reason),
@@ -513,152 +436,115 @@ fn read_error(entry: Option<&[u8]>, e: io::Error) -> RewriteError {
     }
 }
 
+/// Reads `left` bytes of entry `name`'s data from `data` (through `buf`), handing each
+/// piece to `sink`; stops early once `stop` is set.
+fn pass(
+    data: &mut impl Read,
+    mut left: u64,
+    buf: &mut [u8],
+    stop: &AtomicBool,
+    name: &[u8],
+    ended: &Cell<bool>,
+    mut sink: impl FnMut(&[u8]) -> Result<(), RewriteError>,
+) -> Result<(), RewriteError> {
+    while left > 0 {
+        if stop.load(Ordering::Relaxed) {
+            return Err(RewriteError::Stopped);
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        let piece = &mut buf[..n];
+        let n = match data.read(piece) {
+            Ok(0) => {
+                let e = io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("{left} bytes of its data are missing"),
+                );
+                return Err(read_error(Some(name), e, true));
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(read_error(Some(name), e, ended.get())),
+        };
+        sink(&piece[..n])?;
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+/// Go's checksum field (six octal digits, a NUL, a space; the tar crate writes seven
+/// digits and a NUL) set in `h`, whose bytes are returned.
+fn go_checksum(mut h: Header) -> [u8; BLOCK] {
+    h.as_old_mut().cksum = [b' '; 8];
+    let sum: u32 = h.as_bytes().iter().map(|b| u32::from(*b)).sum();
+    h.as_old_mut()
+        .cksum
+        .copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    *h.as_bytes()
+}
+
 /// The header Velero's finalize writes for an item: what Go's `tar.Writer` makes of
 /// `tar.Header{Name, Size, Typeflag: TypeReg, Mode: 0755, ModTime: time.Now()}` (with
 /// the mtime rounded to the second, as Go does for a header of unset format): USTAR
 /// when the name fits the name field or splits into prefix and name, else a PAX header
 /// with a `path` record before a USTAR one. Byte for byte, checksum format included.
-pub fn velero_header(name: &str, size: u64, mtime: u64) -> Vec<u8> {
-    let ascii = name.bytes().all(|b| b != 0 && b < 0x80);
-    let mut out = Vec::with_capacity(2 * BLOCK);
-    if ascii && name.len() <= 100 {
-        out.extend_from_slice(&ustar_block(b'0', name.as_bytes(), b"", 0o755, size, mtime));
-    } else if let Some((prefix, rest)) = split_ustar(name).filter(|_| ascii) {
-        out.extend_from_slice(&ustar_block(
-            b'0',
-            rest.as_bytes(),
-            prefix.as_bytes(),
-            0o755,
-            size,
-            mtime,
-        ));
-    } else {
-        let record = pax_record("path", name.as_bytes());
-        let (dir, file) = match name.rfind('/') {
-            Some(i) => (&name[..=i], &name[i + 1..]),
-            None => ("", name),
-        };
-        // Go: path.Join(dir, "PaxHeaders.0", file), ASCII only, cut to the field.
-        let mut pax_name: Vec<u8> = format!("{dir}PaxHeaders.0/{file}")
-            .chars()
-            .filter(|c| c.is_ascii() && *c != '\0')
-            .map(|c| c as u8)
-            .collect();
-        pax_name.truncate(100);
-        while pax_name.last() == Some(&b'/') {
-            pax_name.pop();
-        }
-        let mut h = ustar_block(b'x', &pax_name, b"", 0, record.len() as u64, 0);
-        // Go's raw extension header leaves the owner names and device numbers empty.
-        h[329..345].fill(0);
-        set_checksum(&mut h);
-        out.extend_from_slice(&h);
-        out.extend_from_slice(&record);
-        pad(&mut out, record.len());
-        let ascii_name: Vec<u8> = name
-            .chars()
-            .filter(|c| c.is_ascii() && *c != '\0')
-            .map(|c| c as u8)
-            .collect();
-        out.extend_from_slice(&ustar_block(b'0', &ascii_name, b"", 0o755, size, mtime));
+pub fn velero_header(name: &str, size: u64, mtime: u64) -> io::Result<Vec<u8>> {
+    let regular = || -> io::Result<Header> {
+        let mut h = Header::new_ustar();
+        h.set_entry_type(EntryType::Regular);
+        h.set_mode(0o755);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(size);
+        h.set_mtime(mtime);
+        h.set_device_major(0)?;
+        h.set_device_minor(0)?;
+        Ok(h)
+    };
+    // The crate splits a long path between the prefix and name fields where Go's
+    // `splitUSTARPath` does for paths of plain components (an item's path has no `.`,
+    // `..` or empty one); Go writes a non-ASCII name in PAX only.
+    let mut h = regular()?;
+    if name.is_ascii() && h.set_path(name).is_ok() {
+        return Ok(go_checksum(h).to_vec());
     }
-    out
-}
-
-/// Go's `splitUSTARPath`: a prefix of at most 155 bytes and a name of at most 100,
-/// split at a slash.
-fn split_ustar(name: &str) -> Option<(&str, &str)> {
-    let mut length = name.len();
-    if length <= 100 {
-        return None;
+    // Go's PAX form: the `path` record (formatted by the crate as Go formats it) under
+    // an extension header named `<dir>/PaxHeaders.0/<file>`, mode, owner and mtime 0
+    // and no device numbers; then the header with the name cut to its field, in ASCII.
+    let mut records = tar::Builder::new(Vec::new());
+    records.append_pax_extensions([("path", name.as_bytes())])?;
+    let mut out = records.into_inner()?;
+    out.truncate(out.len() - 2 * BLOCK);
+    let (dir, file) = name.rsplit_once('/').unwrap_or(("", name));
+    let mut extension_name: Vec<u8> = format!("{dir}/PaxHeaders.0/{file}")
+        .trim_start_matches('/')
+        .bytes()
+        .filter(u8::is_ascii)
+        .take(100)
+        .collect();
+    while extension_name.last() == Some(&b'/') {
+        extension_name.pop();
     }
-    if length > 156 {
-        length = 156;
-    } else if name.as_bytes()[length - 1] == b'/' {
-        length -= 1;
-    }
-    let i = name[..length].rfind('/')?;
-    let (nlen, plen) = (name.len() - i - 1, i);
-    if i == 0 || nlen > 100 || nlen == 0 || plen > 155 {
-        return None;
-    }
-    Some((&name[..i], &name[i + 1..]))
-}
-
-/// One PAX record, its length counting itself.
-fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
-    let body = key.len() + value.len() + 3;
-    let mut len = body + body.to_string().len();
-    if (len).to_string().len() + body != len {
-        len = body + len.to_string().len();
-    }
-    let mut v = format!("{len} {key}=").into_bytes();
-    v.extend_from_slice(value);
-    v.push(b'\n');
-    v
-}
-
-/// Go's `formatOctal`: zero-padded digits and a NUL.
-fn octal(field: &mut [u8], value: u64) {
-    let text = format!("{value:o}");
-    let width = field.len() - 1;
-    let text = format!("{text:0>width$}");
-    field[..width].copy_from_slice(&text.as_bytes()[text.len() - width..]);
-    field[width] = 0;
-}
-
-/// Go's `formatString`: the bytes, NUL-terminated when shorter than the field; a name
-/// cut at the field's end loses a trailing slash there.
-fn string_field(field: &mut [u8], value: &[u8]) {
-    let n = value.len().min(field.len());
-    field[..n].copy_from_slice(&value[..n]);
-    if value.len() < field.len() {
-        field[value.len()] = 0;
-    }
-    if value.len() > field.len() && field[field.len() - 1] == b'/' {
-        let kept = value[..field.len()]
+    let mut x = Header::from_byte_slice(&out[..BLOCK]).clone();
+    x.as_old_mut().name[..extension_name.len()].copy_from_slice(&extension_name);
+    x.set_mode(0);
+    x.set_uid(0);
+    x.set_gid(0);
+    out[..BLOCK].copy_from_slice(&go_checksum(x));
+    let mut h = regular()?;
+    let ascii: Vec<u8> = name.bytes().filter(u8::is_ascii).collect();
+    let field = &mut h.as_old_mut().name;
+    let n = ascii.len().min(field.len());
+    field[..n].copy_from_slice(&ascii[..n]);
+    // Go ends a cut name before the slashes it would end with.
+    if ascii.len() > field.len() && field[n - 1] == b'/' {
+        let kept = field[..n - 1]
             .iter()
             .rposition(|b| *b != b'/')
             .map_or(0, |i| i + 1);
         field[kept] = 0;
     }
-}
-
-fn ustar_block(
-    kind: u8,
-    name: &[u8],
-    prefix: &[u8],
-    mode: u64,
-    size: u64,
-    mtime: u64,
-) -> [u8; BLOCK] {
-    let mut h = [0u8; BLOCK];
-    string_field(&mut h[..100], name);
-    octal(&mut h[100..108], mode);
-    octal(&mut h[108..116], 0);
-    octal(&mut h[116..124], 0);
-    octal(&mut h[124..136], size);
-    octal(&mut h[136..148], mtime);
-    h[156] = kind;
-    h[257..263].copy_from_slice(b"ustar\0");
-    h[263..265].copy_from_slice(b"00");
-    octal(&mut h[329..337], 0);
-    octal(&mut h[337..345], 0);
-    string_field(&mut h[345..500], prefix);
-    set_checksum(&mut h);
-    h
-}
-
-/// Go's checksum field: six octal digits, a NUL, a space.
-fn set_checksum(h: &mut [u8; BLOCK]) {
-    h[148..156].fill(b' ');
-    let sum: u64 = h.iter().map(|b| u64::from(*b)).sum();
-    octal(&mut h[148..155], sum);
-    h[155] = b' ';
-}
-
-fn pad(out: &mut Vec<u8>, len: usize) {
-    out.resize(out.len() + (BLOCK - len % BLOCK) % BLOCK, 0);
+    out.extend_from_slice(&go_checksum(h));
+    Ok(out)
 }
 
 /// Threads compressing the output: both cores of a small node, at most four.
@@ -711,6 +597,14 @@ pub fn rewrite_until<R: Read, W: Write + Send>(
     })
 }
 
+/// Where the padding after a record's data goes, once the crate has read it.
+#[derive(Clone, Copy)]
+enum Padding {
+    Out,
+    Pending { global: bool },
+    Dropped,
+}
+
 /// The tar-to-tar copy under [`rewrite_until`].
 fn copy<R: Read>(
     input: R,
@@ -724,10 +618,11 @@ fn copy<R: Read>(
         left: max_decompressed,
         limit: max_decompressed,
     };
-    let mut blocks = Blocks {
+    let tap = Rc::new(Tap::default());
+    let mut archive = Archive::new(Tapped {
         inner: io::BufReader::with_capacity(256 * 1024, source),
-        offset: 0,
-    };
+        tap: tap.clone(),
+    });
     let write_error = |e: io::Error| RewriteError::Archive(format!("writing the output: {e}"));
     let mut outcome = Outcome::default();
     let mut present = vec![false; updates.paths.len()];
@@ -740,46 +635,65 @@ fn copy<R: Read>(
     let mut pending = Pending::default();
     let mut last: Option<Vec<u8>> = None;
     let mut buf = vec![0u8; 64 * 1024];
-    let mut header = [0u8; BLOCK];
+    // The padding still to come after the last record's data, and where it goes.
+    let mut padding = (0usize, Padding::Dropped);
+    let mut entries = archive
+        .entries()
+        .map_err(|e| RewriteError::Archive(e.to_string()))?
+        .raw(true);
     loop {
         if stop.load(Ordering::Relaxed) {
             return Err(RewriteError::Stopped);
         }
-        let at = blocks.offset;
-        let after = last.as_ref().map(|p| {
-            let mut v = b"after ".to_vec();
-            v.extend_from_slice(p);
-            v
-        });
-        if !blocks
-            .fill(&mut header)
-            .map_err(|e| read_error(after.as_deref(), e))?
-        {
+        let at = tap.offset.get() + padding.0 as u64;
+        tap.keeping.set(true);
+        let next = entries.next();
+        tap.keeping.set(false);
+        // What the crate read: the last record's padding, then a header.
+        let read = std::mem::take(&mut *tap.kept.borrow_mut());
+        let tail = &read[..padding.0.min(read.len())];
+        match padding.1 {
+            Padding::Out => out.write_all(tail).map_err(write_error)?,
+            Padding::Pending { global } => {
+                pending.all.extend_from_slice(tail);
+                if global {
+                    pending.global.extend_from_slice(tail);
+                }
+            }
+            Padding::Dropped => {}
+        }
+        let Some(entry) = next else {
+            // The end of the archive (GNU tar and Python stop at the first zero block,
+            // Go wants a second; anything after it is not copied), or of the input.
             break;
-        }
-        if header.iter().all(|b| *b == 0) {
-            // The end of the archive. GNU tar and Python stop at the first zero block,
-            // Go wants a second; anything after it is not copied.
-            blocks.verify_rest(&mut buf, stop)?;
-            break;
-        }
-        if !checksum_ok(&header) {
-            return Err(RewriteError::Archive(format!(
-                "the header at byte {at} has a bad checksum (not a tar archive, or corrupt)"
-            )));
-        }
-        let kind = header[156];
+        };
+        let mut entry = entry.map_err(|e| {
+            if tap.ended.get() || tap.failed.get() {
+                let after = last.as_ref().map(|p| [b"after ".as_slice(), p].concat());
+                read_error(after.as_deref(), e, tap.ended.get())
+            } else {
+                RewriteError::Archive(format!(
+                    "the header at byte {at} is not valid: {e} (not a tar archive, or corrupt)"
+                ))
+            }
+        })?;
+        let header = entry.header().clone();
+        let kind = header.entry_type().as_byte();
         let names = HeaderNames::of(&header);
-        let header_size =
-            parse_size(&header[124..136]).map_err(|e| reject(&names.raw, format!("size: {e}")));
+        let size = check_size_field(&header.as_old().size)
+            .map(|()| entry.size())
+            .map_err(|e| reject(&names.raw, format!("size: {e}")));
+        padding.0 = (BLOCK - (entry.size() % BLOCK as u64) as usize) % BLOCK;
 
         if matches!(kind, b'L' | b'K' | b'x' | b'g') {
-            let magic = &header[257..265];
-            if magic != b"ustar\x0000" && magic != b"ustar  \0" {
+            if header.as_ustar().is_none() && header.as_gnu().is_none() {
                 // Python takes it as an extension whatever the magic, the tar crate
-                // as an entry of an unknown type.
+                // as an entry of an unknown type, named as an entry would be.
+                let pax_path = pending.pax.as_ref().and_then(|p| p.path.as_deref());
                 return Err(reject(
-                    &names.raw,
+                    (pending.long_name.as_deref())
+                        .or(pax_path)
+                        .unwrap_or(&names.go),
                     format!(
                         "a header extension ({}) in a header without the ustar or GNU magic \
                          (readers disagree on whether it is one)",
@@ -787,7 +701,7 @@ fn copy<R: Read>(
                     ),
                 ));
             }
-            let size = header_size?;
+            let size = size?;
             if size > MAX_EXTENSION {
                 return Err(RewriteError::Archive(format!(
                     "a header extension ({}) of {size} bytes is larger than the {MAX_EXTENSION} allowed",
@@ -809,40 +723,45 @@ fn copy<R: Read>(
                 ));
             }
             pending.held += size;
-            let padded = (size as usize).div_ceil(BLOCK) * BLOCK;
-            let mut data = vec![0u8; padded];
-            let got = blocks
-                .fill(&mut data)
-                .map_err(|e| read_error(Some(b"(header extension)"), e))?;
-            if !got && padded > 0 {
-                return Err(read_error(
-                    Some(b"(header extension)"),
-                    io::Error::new(io::ErrorKind::UnexpectedEof, "no data after its header"),
-                ));
-            }
-            let body = &data[..size as usize];
-            pending.all.extend_from_slice(&header);
+            let mut data = Vec::with_capacity(size as usize);
+            let name = b"(header extension)";
+            pass(
+                &mut entry,
+                size,
+                &mut buf,
+                stop,
+                name,
+                &tap.ended,
+                |piece| {
+                    data.extend_from_slice(piece);
+                    Ok(())
+                },
+            )?;
+            pending.all.extend_from_slice(header.as_bytes());
             pending.all.extend_from_slice(&data);
             if kind == b'g' {
-                pending.global.extend_from_slice(&header);
+                pending.global.extend_from_slice(header.as_bytes());
                 pending.global.extend_from_slice(&data);
             }
+            padding.1 = Padding::Pending {
+                global: kind == b'g',
+            };
             match kind {
                 b'L' => {
                     pending.long_names += 1;
-                    pending.long_name = Some(nts(body).to_vec());
+                    pending.long_name = Some(nts(&data).to_vec());
                 }
                 b'K' => pending.long_links += 1,
                 b'x' => {
                     pending.pax_headers += 1;
                     // A refusal waits for the entry, so it can name it.
-                    match parse_pax(body, false) {
+                    match parse_pax(&data, false) {
                         Ok(pax) => pending.pax = Some(pax),
                         Err(e) => pending.pax_error = Some(e),
                     }
                 }
                 _ => {
-                    parse_pax(body, true).map_err(|e| reject(&names.raw, e))?;
+                    parse_pax(&data, true).map_err(|e| reject(&names.raw, e))?;
                 }
             }
             continue;
@@ -863,7 +782,8 @@ fn copy<R: Read>(
             .unwrap_or_else(|| names.go.clone());
         if name.is_empty() {
             return Err(RewriteError::Archive(format!(
-                "the entry at byte {at} has no name"
+                "the entry at byte {} has no name",
+                entry.raw_header_position()
             )));
         }
         check_name(&name, &name, None)?;
@@ -919,17 +839,13 @@ fn copy<R: Read>(
             ));
         }
         check_type(&name, kind)?;
-        let header_size = header_size?;
-        let size = match pax.size {
-            Some(pax_size) if pax_size != header_size && pax_size < OCTAL_SIZE_LIMIT => {
-                return Err(reject(
-                    &name,
-                    format!("its PAX size {pax_size} differs from its header's size {header_size}"),
-                ));
-            }
-            Some(pax_size) => pax_size,
-            None => header_size,
-        };
+        let size = size?;
+        if let Some(pax_size) = pax.size.filter(|s| *s != size) {
+            return Err(reject(
+                &name,
+                format!("its PAX size {pax_size} differs from its header's size {size}"),
+            ));
+        }
         // Go and Python read an old-style regular entry whose name ends in '/' as a
         // directory, and directories as having no data.
         let directory = kind == b'5'
@@ -950,29 +866,34 @@ fn copy<R: Read>(
             .ok()
             .filter(|_| !directory)
             .and_then(|n| path_index.get(n).map(|i| (n, *i)));
-        let left = size.div_ceil(BLOCK as u64) * BLOCK as u64;
         match replacement {
             Some((path, i)) => {
                 let content = &updates.contents[updates.paths[path]];
                 let now = time::OffsetDateTime::now_utc().unix_timestamp().max(0) as u64;
                 out.write_all(&taken.global).map_err(write_error)?;
-                out.write_all(&velero_header(path, content.len() as u64, now))
-                    .map_err(write_error)?;
-                out.write_all(content).map_err(write_error)?;
-                out.write_all(&vec![0u8; (BLOCK - content.len() % BLOCK) % BLOCK])
-                    .map_err(write_error)?;
+                write_item(out, path, content, now).map_err(write_error)?;
                 present[i] = true;
                 outcome.replaced += 1;
                 // The old content is read (not copied) so a truncated archive is
                 // still noticed.
-                blocks.pass(left, &mut buf, stop, &name, |_| Ok(()))?;
+                pass(&mut entry, size, &mut buf, stop, &name, &tap.ended, |_| {
+                    Ok(())
+                })?;
+                padding.1 = Padding::Dropped;
             }
             None => {
                 out.write_all(&taken.all).map_err(write_error)?;
-                out.write_all(&header).map_err(write_error)?;
-                blocks.pass(left, &mut buf, stop, &name, |data| {
-                    out.write_all(data).map_err(write_error)
-                })?;
+                out.write_all(header.as_bytes()).map_err(write_error)?;
+                pass(
+                    &mut entry,
+                    size,
+                    &mut buf,
+                    stop,
+                    &name,
+                    &tap.ended,
+                    |data| out.write_all(data).map_err(write_error),
+                )?;
+                padding.1 = Padding::Out;
             }
         }
         last = Some(name);
@@ -984,21 +905,49 @@ fn copy<R: Read>(
             "the archive ends with a header extension and no entry after it".into(),
         ));
     }
+    // What follows the end of the archive is read to the end of the input, copying
+    // nothing: a gzip member's CRC and length are in its trailer, checked only once it
+    // is read, and a corrupt input must not come out as a valid output with a fresh
+    // CRC. The decompressed bound still holds.
+    let mut rest = archive.into_inner();
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Err(RewriteError::Stopped);
+        }
+        match rest.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                let reason = match e.kind() {
+                    io::ErrorKind::UnexpectedEof => format!(
+                        "the gzip stream ends early: it is truncated, or followed by bytes \
+                         that are not gzip ({e})"
+                    ),
+                    _ => e.to_string(),
+                };
+                return Err(RewriteError::Archive(format!(
+                    "after the end of the archive: {reason}"
+                )));
+            }
+        }
+    }
     let now = time::OffsetDateTime::now_utc().unix_timestamp().max(0) as u64;
     for (i, (path, index)) in updates.paths.iter().enumerate() {
-        if present[i] {
-            continue;
+        if !present[i] {
+            write_item(out, path, &updates.contents[*index], now).map_err(write_error)?;
+            outcome.added += 1;
         }
-        let content = &updates.contents[*index];
-        out.write_all(&velero_header(path, content.len() as u64, now))
-            .map_err(write_error)?;
-        out.write_all(content).map_err(write_error)?;
-        out.write_all(&vec![0u8; (BLOCK - content.len() % BLOCK) % BLOCK])
-            .map_err(write_error)?;
-        outcome.added += 1;
     }
     out.write_all(&[0u8; 2 * BLOCK]).map_err(write_error)?;
     Ok(outcome)
+}
+
+/// An item as Velero writes it: its header, its content, zeros to the block's end.
+fn write_item(out: &mut impl Write, path: &str, content: &[u8], now: u64) -> io::Result<()> {
+    out.write_all(&velero_header(path, content.len() as u64, now)?)?;
+    out.write_all(content)?;
+    out.write_all(&[0u8; BLOCK][..(BLOCK - content.len() % BLOCK) % BLOCK])
 }
 
 #[cfg(test)]
@@ -1060,6 +1009,15 @@ mod tests {
         h.set_cksum();
         v[..BLOCK].copy_from_slice(h.as_bytes());
         v
+    }
+
+    /// One PAX record, as the tar crate formats it.
+    fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([(key, value)]).unwrap();
+        let v = b.into_inner().unwrap();
+        let size = Header::from_byte_slice(&v[..BLOCK]).size().unwrap() as usize;
+        v[BLOCK..BLOCK + size].to_vec()
     }
 
     fn pax(records: &[(&str, &str)]) -> Vec<u8> {
@@ -1306,10 +1264,10 @@ mod tests {
 
     #[test]
     fn velero_header_splits_long_names_into_the_prefix_and_uses_pax_past_it() {
-        let short = velero_header("resources/a/namespaces/n/x.json", 2, 1_700_000_000);
+        let short = velero_header("resources/a/namespaces/n/x.json", 2, 1_700_000_000).unwrap();
         assert_eq!(short.len(), BLOCK);
         let long = format!("resources/{}/namespaces/app/x.json", "r".repeat(120));
-        let split = velero_header(&long, 2, 1_700_000_000);
+        let split = velero_header(&long, 2, 1_700_000_000).unwrap();
         assert_eq!(split.len(), BLOCK);
         let h = Header::from_byte_slice(&split);
         assert_eq!(h.path_bytes(), long.as_bytes());
@@ -1318,7 +1276,7 @@ mod tests {
             "r".repeat(120),
             "n".repeat(120)
         );
-        let pax = velero_header(&longer, 2, 1_700_000_000);
+        let pax = velero_header(&longer, 2, 1_700_000_000).unwrap();
         assert_eq!(pax.len(), 3 * BLOCK);
         assert_eq!(pax[156], b'x');
         let whole = [pax.clone(), vec![0; 2 + 510 + 1024]].concat();
@@ -1688,5 +1646,111 @@ mod tests {
             Updates::new(&twice).err().unwrap(),
             "updatedItems[1].resource: the same item is listed twice"
         );
+    }
+
+    #[test]
+    fn a_pax_size_past_the_header_s_octal_field_is_refused_not_misread() {
+        // Extractors honour the PAX size (8 GiB here, Go writes 0 in the header); the
+        // tar crate's raw mode would take the header's, so it is refused.
+        let mut tar = pax(&[("size", "8589934592")]);
+        tar.extend(raw(b"resources/huge.json", b'0', "", b""));
+        assert_eq!(
+            refusal(tar),
+            "entry resources/huge.json: its PAX size 8589934592 differs from its header's size 0"
+        );
+    }
+
+    #[test]
+    fn size_fields_are_read_only_in_forms_every_reader_agrees_on() {
+        // Base-256 (GNU) within 64 bits: read, and the entry copied as it was.
+        let mut v = raw(b"resources/ok.json", b'0', "", b"{}");
+        v[124..136].copy_from_slice(&[0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        let (_, out) = run(&gz(&finish(v.clone())), &[], u64::MAX).unwrap();
+        assert_eq!(gunzip(&out)[..v.len()], v[..]);
+        // Negative: Go and Python read it so, the crate its last eight bytes alone.
+        v[124..136].copy_from_slice(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 2]);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        assert_eq!(
+            refusal(v.clone()),
+            "entry resources/ok.json: size: a base-256 number readers take differently"
+        );
+        // An empty field: Go and Python read 0, the crate cannot read it.
+        v[124..136].fill(0);
+        let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+        h.set_cksum();
+        v[..BLOCK].copy_from_slice(h.as_bytes());
+        let e = refusal(v);
+        assert!(
+            e.starts_with("the header at byte 0 is not valid: ") && e.contains("resources/ok.json"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn pax_records_are_refused_unless_every_reader_splits_them_alike() {
+        // A newline inside a value: Go and Python go by the record's length, the tar
+        // crate splits at the newline.
+        let record = b"21 comment=two\nlines\n";
+        assert_eq!(record.len(), 21);
+        let mut tar = raw(b"PaxHeaders.0/x", b'x', "", record);
+        tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
+        assert!(
+            refusal(tar).starts_with("entry resources/ok.json: its PAX header: "),
+            "refused, naming the entry"
+        );
+        // Text after the last record.
+        let mut data = pax_record("mtime", b"1");
+        data.extend_from_slice(b"\n");
+        let mut tar = raw(b"PaxHeaders.0/x", b'x', "", &data);
+        tar.extend(raw(b"resources/ok.json", b'0', "", b"{}"));
+        assert_eq!(
+            refusal(tar),
+            "entry resources/ok.json: its PAX header: a newline inside a PAX record, or text \
+             that is no record (readers split them differently)"
+        );
+    }
+
+    #[test]
+    fn padding_is_copied_as_it_was() {
+        let mut entry = raw(b"resources/a.json", b'0', "", b"{}");
+        entry[BLOCK + 2..].fill(b'p');
+        let mut tar = raw(b"././@LongLink", b'L', "", b"resources/b.json\0");
+        tar[BLOCK + 17..].fill(b'q');
+        tar.extend(raw(b"resources/b.json", b'0', "", b"{}"));
+        tar.splice(0..0, entry);
+        let (_, out) = run(&gz(&finish(tar.clone())), &[], u64::MAX).unwrap();
+        assert_eq!(gunzip(&out)[..tar.len()], tar[..]);
+    }
+
+    #[test]
+    fn a_header_that_is_not_one_is_refused_saying_where() {
+        let mut tar = raw(b"resources/a.json", b'0', "", b"{}");
+        tar.extend(raw(b"resources/b.json", b'0', "", b"{}"));
+        tar[2 * BLOCK] ^= 1;
+        assert_eq!(
+            refusal(tar),
+            "the header at byte 1024 is not valid: archive header checksum mismatch (not a \
+             tar archive, or corrupt)"
+        );
+    }
+
+    #[test]
+    fn an_updated_item_s_resource_may_not_be_a_relative_directory() {
+        for dots in [".", ".."] {
+            let mut item = pvc_update("a", json!({"apiVersion": "v1"}));
+            item.resource.resource = dots.into();
+            assert_eq!(
+                Updates::new(&[item]).err().unwrap(),
+                format!(
+                    "updatedItems[0].resource.resource: must not be {dots:?} (it names a \
+                     directory of the tarball)"
+                )
+            );
+        }
     }
 }
