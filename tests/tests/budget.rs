@@ -879,4 +879,11 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
     let mut http = RawHttp::connect(&socket);
     let mine = http.call(&register(3));
     assert!(mine["result"].is_object(), "root's registration: {mine}");
+    // The operator is told why so few are taken.
+    let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
+    assert!(
+        log.contains("the agent may open only 200 files")
+            && log.contains("connections=42 finalizes=4 snapshotters=3"),
+        "{log}"
+    );
 }
