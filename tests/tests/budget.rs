@@ -10,7 +10,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use opmon_tests::raw::{agent_pid, read_head, request, websocket, ws_answer, ws_recv, ws_send};
+use opmon_tests::raw::{
+    agent_pid, frame, read_head, request, websocket, ws_answer, ws_closed, ws_recv, ws_send,
+};
 use opmon_tests::{agent_command, journal, operation, Agent, RawHttp, SdkSnapshotter};
 use serde_json::{json, Value};
 
@@ -85,6 +87,44 @@ fn a_websocket_text_frame_that_is_not_utf8_is_closed_with_1007() {
     );
     assert!(payload.len() >= 2, "the close frame has a status code");
     assert_eq!(u16::from_be_bytes([payload[0], payload[1]]), 1007);
+    let mut http = RawHttp::connect(&agent.socket);
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+}
+
+/// A WebSocket frame against RFC 6455 (5.2, 5.4, 5.5) closes the connection with 1002
+/// (protocol error), as an unmasked one does: a reserved bit or opcode, a fragmented or
+/// oversized control frame, a continuation with no message begun, a new message inside
+/// one. (Before, all but the unmasked frame were closed with 1000, as if all was well.)
+#[test]
+fn websocket_frames_against_the_protocol_are_closed_with_1002() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_untraced(dir.path(), &[]);
+    let call = request("agent.status", json!({}));
+    let cases: [(&str, Vec<u8>); 6] = [
+        ("RSV1 set", {
+            let mut f = frame(true, 0x1, call.as_bytes(), true);
+            f[0] |= 0x40;
+            f
+        }),
+        ("reserved opcode 3", frame(true, 0x3, b"x", true)),
+        ("fragmented ping", frame(false, 0x9, b"x", true)),
+        ("ping of 126 bytes", frame(true, 0x9, &[b'x'; 126], true)),
+        (
+            "continuation first",
+            frame(true, 0x0, call.as_bytes(), true),
+        ),
+        ("text inside a text message", {
+            let mut f = frame(false, 0x1, &call.as_bytes()[..5], true);
+            f.extend(frame(true, 0x1, call.as_bytes(), true));
+            f
+        }),
+    ];
+    for (what, bytes) in cases {
+        let mut ws = websocket(&agent.socket);
+        ws.write_all(&bytes).unwrap();
+        assert_eq!(ws_closed(&mut ws), Some(1002), "{what}");
+    }
     let mut http = RawHttp::connect(&agent.socket);
     let status = http.call(&request("agent.status", json!({})));
     assert!(status["result"]["version"].is_string(), "{status}");

@@ -755,7 +755,7 @@ struct TextCheck {
     /// The start of a character the last bytes left incomplete.
     carry: Vec<u8>,
     /// Why the connection must close (RFC 6455's code): a text message that was not
-    /// UTF-8 (1007), a frame without a mask (1002).
+    /// UTF-8 (1007), a frame without a mask or otherwise against the protocol (1002).
     bad: Option<u16>,
     /// A data message has begun and not ended; the current frame is a control one.
     in_message: bool,
@@ -844,6 +844,17 @@ impl TextCheck {
         self.head.clear();
         let opcode = first & 0x0f;
         self.fin = first & 0x80 != 0;
+        // RFC 6455 5.2, 5.4, 5.5: no extension was agreed (no RSV bit), only the defined
+        // opcodes, control frames whole and at most 125 bytes, a continuation only in
+        // a message, a new message only once the last has ended.
+        let broken = first & 0x70 != 0
+            || matches!(opcode, 3..=7 | 0xb..=0xf)
+            || (opcode >= 8 && (!self.fin || length > 125))
+            || (opcode == 0 && !self.in_message)
+            || (matches!(opcode, 1 | 2) && self.in_message);
+        if broken {
+            self.bad = self.bad.or(Some(1002));
+        }
         self.control = opcode >= 8;
         if !self.control {
             self.in_message = true;
@@ -922,14 +933,14 @@ impl AsyncRead for Metered {
                     }
                 }
                 if let (Some(code), true) = (this.text.bad, websocket) {
-                    // RFC 6455: text that is not UTF-8 (1007) or a frame without a mask
-                    // (1002) fails the connection.
+                    // RFC 6455: text that is not UTF-8 (1007) or a frame against the
+                    // protocol (1002) fails the connection.
                     let [high, low] = code.to_be_bytes();
                     let _ = this.inner.try_write(&[0x88, 0x02, high, low]);
                     this.conn.fail();
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::InvalidData,
-                        "a WebSocket frame without a mask, or text that is not UTF-8",
+                        "a WebSocket frame against RFC 6455, or text that is not UTF-8",
                     )));
                 }
                 // A message begun must end within the body timeout.
