@@ -561,7 +561,11 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         kind,
         move |core, p: FinalizeParams, caller| async move {
             check_finalize(kind, &p)?;
-            core.finalize(kind, p, caller).await
+            // Runs to its end whether or not its caller waits for it: one that hung up
+            // finds the result stored (a repeat returns it), not the work thrown away.
+            tokio::spawn(async move { core.finalize(kind, p, caller).await })
+                .await
+                .map_err(|e| Error::Finalize(format!("the finalize ended abnormally: {e}")))?
         },
     );
     register_called::<methods::Cancel, _, _>(

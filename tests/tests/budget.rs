@@ -927,3 +927,57 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
         "{log}"
     );
 }
+
+/// A finalize whose caller hangs up runs to its end: the backup is completed and a
+/// repeat returns the stored result. (Before, the work was done and thrown away, and
+/// the backup stayed Finalizing with nothing said.)
+#[test]
+fn a_finalize_whose_caller_hangs_up_still_completes_its_backup() {
+    if !opmon_tests::root_or_skip("to mount a FUSE file system") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(dir.path(), 1024, 1024, &[]));
+    let socket = dir.path().join("run/agent.sock");
+    let storage = dir.path().join("state/storage");
+    std::fs::create_dir_all(storage.join("slow")).unwrap();
+    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
+    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 1, &storage.join("slow"));
+    let mut http = RawHttp::connect(&socket);
+    http.call(&request("backup.start", json!({"name": "b", "uid": "b"})));
+    http.call(&request("backup.endInProgress", json!({"name": "b"})));
+    let finalize = request(
+        "backup.finalize",
+        json!({"name": "b", "contents": {"input": "slow/held-0.tar.gz", "output": "out/b.tar.gz"}}),
+    );
+    let pid = agent_pid(&dir.path().join("state"));
+    let mut caller = CallerAs::start(0, &socket);
+    caller.send("b", &finalize);
+    slow.wait_for_readers(1);
+    let sockets = opmon_tests::raw::open_sockets(pid);
+    drop(caller);
+    // The agent has seen its caller go before the disk answers.
+    opmon_tests::eventually(
+        "the agent closes the caller's connection",
+        Duration::from_secs(60),
+        || opmon_tests::raw::open_sockets(pid) < sockets,
+    );
+    slow.release();
+    let wait = request(
+        "backup.wait",
+        json!({"name": "b", "until": "terminal", "timeout": "60s"}),
+    );
+    let done = http.call(&wait);
+    assert_eq!(
+        done["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{done}"
+    );
+    let again = http.call(&finalize);
+    assert_eq!(
+        again["result"]["owner"]["phase"],
+        json!("Completed"),
+        "{again}"
+    );
+    assert!(storage.join("out/b.tar.gz").is_file());
+}
