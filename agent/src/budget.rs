@@ -173,16 +173,25 @@ pub struct Budget {
 /// One unit of a [`Budget`] held, given back on drop.
 #[derive(Debug)]
 pub struct Held {
-    _uid: Option<Charge>,
+    uid: Option<Charge>,
     _all: OwnedSemaphorePermit,
     _other: Option<OwnedSemaphorePermit>,
+}
+
+impl Held {
+    /// The uid charged, if any.
+    pub fn uid(&self) -> Option<u32> {
+        self.uid.as_ref().map(Charge::uid)
+    }
 }
 
 impl Budget {
     /// `quota` per uid (named by `setting`) of `total` in all.
     pub fn new(setting: &'static str, what: &'static str, quota: u32, total: usize) -> Budget {
-        let total = total.max(1);
-        let others_limit = total.saturating_sub(total / 4).max(1);
+        let total = total.clamp(1, Semaphore::MAX_PERMITS);
+        // A quarter, and at least one of any total the operator can share.
+        let reserve = (total / 4).max(usize::from(total > 1));
+        let others_limit = total - reserve;
         Budget {
             per_uid: PerUid::new(setting, what, quota),
             all: Arc::new(Semaphore::new(total)),
@@ -209,18 +218,20 @@ impl Budget {
         };
         let all = self.all.clone().try_acquire_owned().map_err(|_| {
             format!(
-                "{} {what} are held, the most the agent takes at once; try again later",
+                "{} {what} are held, all the agent takes at once (its open-file limit sets \
+                 how many); try again later",
                 self.total
             )
         })?;
         Ok(Held {
-            _uid: charge,
+            uid: charge,
             _all: all,
             _other: other,
         })
     }
 
     /// Units held now, over all peers.
+
     pub fn held(&self) -> usize {
         self.total - self.all.available_permits()
     }
@@ -272,7 +283,8 @@ mod tests {
         let root: Vec<Held> = (0..2).map(|_| budget.take(Some(0)).unwrap()).collect();
         assert_eq!(
             budget.take(Some(0)).unwrap_err(),
-            "8 finalizes are held, the most the agent takes at once; try again later"
+            "8 finalizes are held, all the agent takes at once (its open-file limit sets how \
+             many); try again later"
         );
         drop((others, root));
         assert_eq!(budget.held(), 0);

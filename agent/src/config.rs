@@ -207,7 +207,7 @@ settings! {
     max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// bytes of answers one peer uid may have made and not yet read; past it its
-    /// listings wait for it to read and its batches stop
+    /// listings and WebSocket calls wait for it to read and its batches stop
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// or `"json"`

@@ -187,6 +187,26 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+    if descriptors < 2 * budget::OWN_DESCRIPTORS {
+        tracing::warn!(
+            descriptors,
+            connections = totals.connections,
+            finalizes = totals.finalizes,
+            snapshotters = totals.snapshotters,
+            "the agent may open only {descriptors} files and keeps {} for its database and \
+             log: few are left for peers; raise the limit (LimitNOFILE= in the unit, \
+             ulimit -n)",
+            budget::OWN_DESCRIPTORS
+        );
+    } else {
+        tracing::info!(
+            descriptors,
+            connections = totals.connections,
+            finalizes = totals.finalizes,
+            snapshotters = totals.snapshotters,
+            "totals derived from the open-file limit"
+        );
+    }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     store::log_sqlite_errors();
     let db = settings.database();

@@ -258,6 +258,36 @@ fn check_size_field(field: &[u8; 12]) -> Result<(), String> {
     }
 }
 
+/// Refuses a header whose other numeric fields Go's reader (Velero's) or Python's
+/// cannot parse: Go fails the archive there, Python stops reading at it. Both take
+/// octal digits between spaces and NULs, or base-256.
+fn check_numbers(h: &Header) -> Result<(), String> {
+    let b = h.as_bytes();
+    let fields = [
+        ("mode", &b[100..108]),
+        ("uid", &b[108..116]),
+        ("gid", &b[116..124]),
+        ("mtime", &b[136..148]),
+        ("devmajor", &b[329..337]),
+        ("devminor", &b[337..345]),
+    ];
+    for (what, field) in fields {
+        if matches!(field[0], 0x80 | 0xff) {
+            continue;
+        }
+        let ends = |c: &u8| matches!(c, 0 | b' ');
+        let start = field.iter().position(|c| !ends(c)).unwrap_or(field.len());
+        let end = field
+            .iter()
+            .rposition(|c| !ends(c))
+            .map_or(start, |i| i + 1);
+        if !field[start..end].iter().all(|c| matches!(c, b'0'..=b'7')) {
+            return Err(format!("{what}: {:?} is not an octal number", show(field)));
+        }
+    }
+    Ok(())
+}
+
 /// What a PAX extended header says about the entry after it.
 #[derive(Default)]
 struct Pax {
@@ -683,6 +713,7 @@ fn copy<R: Read>(
         let size = check_size_field(&header.as_old().size)
             .map(|()| entry.size())
             .map_err(|e| reject(&names.raw, format!("size: {e}")));
+        check_numbers(&header).map_err(|e| reject(&names.raw, e))?;
         padding.0 = (BLOCK - (entry.size() % BLOCK as u64) as usize) % BLOCK;
 
         if matches!(kind, b'L' | b'K' | b'x' | b'g') {
@@ -846,12 +877,16 @@ fn copy<R: Read>(
                 format!("its PAX size {pax_size} differs from its header's size {size}"),
             ));
         }
-        // Go and Python read an old-style regular entry whose name ends in '/' as a
-        // directory, and directories as having no data.
+        // Go and Python read an old-style regular entry (type NUL) whose name ends in
+        // '/' as a directory (Python its header's name, before a long name replaces it),
+        // GNU tar any regular entry whose whole name does; and directories as having no
+        // data. A type '0' entry's header name is only the start of its long name.
         let directory = kind == b'5'
-            || [&name, &names.raw, &names.go, &names.python]
-                .iter()
-                .any(|n| n.ends_with(b"/"));
+            || name.ends_with(b"/")
+            || (kind == 0
+                && [&names.raw, &names.go, &names.python]
+                    .iter()
+                    .any(|n| n.ends_with(b"/")));
         if directory && size > 0 {
             return Err(reject(
                 &name,
@@ -1561,6 +1596,47 @@ mod tests {
             refusal(v),
             "entry resources/ok.json: size: \"+0000000002\\0\" is not an octal number"
         );
+    }
+
+    #[test]
+    fn numeric_fields_go_or_python_cannot_parse_are_refused() {
+        for (at, what) in [
+            (100, "mode"),
+            (108, "uid"),
+            (136, "mtime"),
+            (329, "devmajor"),
+        ] {
+            let mut v = raw(b"resources/ok.json", b'0', "", b"{}");
+            v[at..at + 7].copy_from_slice(b"zzzzzzz");
+            let mut h = Header::from_byte_slice(&v[..BLOCK]).clone();
+            h.set_cksum();
+            v[..BLOCK].copy_from_slice(h.as_bytes());
+            let refused = refusal(v);
+            assert!(
+                refused.starts_with(&format!("entry resources/ok.json: {what}: \"zzzzzzz"))
+                    && refused.ends_with("is not an octal number"),
+                "{refused}"
+            );
+        }
+    }
+
+    /// GNU tar's default format cuts a long name into the header's name field, whose
+    /// 100th byte may be a '/': the entry is still a file to every reader.
+    #[test]
+    fn a_long_name_cut_at_a_slash_in_the_header_is_a_file() {
+        let name = format!(
+            "resources/deployments.apps/namespaces/{}/web.json",
+            "n".repeat(61)
+        );
+        assert_eq!(name.as_bytes()[99], b'/');
+        let tar = finish(tar_of(&[(name.as_str(), b"{\"kind\":1}")]));
+        assert_eq!(
+            &tar[BLOCK * 2 + 99..BLOCK * 2 + 100],
+            b"/",
+            "the header name is cut there"
+        );
+        let out = run(&gz(&tar), &[], u64::MAX).unwrap().1;
+        assert_eq!(entries(&out), vec![(name, b"{\"kind\":1}".to_vec())]);
     }
 
     #[test]

@@ -834,3 +834,56 @@ fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
         );
     }
 }
+
+/// Snapshotter registrations over the API hold descriptors once polled, so their total
+/// follows the open-file limit, and other uids leave the operator its share of it: with
+/// 200 open files the agent takes 3, a peer uid gets 2, and root still registers one.
+/// (Before, one peer could take them all and root was refused.)
+#[test]
+fn snapshotter_registrations_leave_roots_share_of_the_total() {
+    if !opmon_tests::root_or_skip("to run a client as another uid") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(
+        dir.path(),
+        200,
+        200,
+        &["--allowed-uids", "64001"],
+    ));
+    let socket = dir.path().join("run/agent.sock");
+    let register = |n: usize| {
+        request(
+            "snapshotter.register",
+            json!({"name": format!("example.io/p{n}"), "apiVersion": "v2",
+                   "socket": format!("/nonexistent/p{n}.sock")}),
+        )
+    };
+    let mut peer = CallerAs::start(64001, &socket);
+    for n in 0..2 {
+        peer.send(&format!("p{n}"), &register(n));
+        let (tag, answer) = peer.answer();
+        assert!(answer["result"].is_object(), "{tag}: {answer}");
+    }
+    peer.send("p2", &register(2));
+    let (_, refused) = peer.answer();
+    assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
+    assert_eq!(
+        refused["error"]["message"],
+        json!(
+            "other uids hold 2 snapshotters, all the agent takes from uids other than its own \
+             and root; try again later"
+        ),
+        "{refused}"
+    );
+    let mut http = RawHttp::connect(&socket);
+    let mine = http.call(&register(3));
+    assert!(mine["result"].is_object(), "root's registration: {mine}");
+    // The operator is told why so few are taken.
+    let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
+    assert!(
+        log.contains("the agent may open only 200 files")
+            && log.contains("connections=42 finalizes=4 snapshotters=3"),
+        "{log}"
+    );
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use opmon_tests::raw::{
     content_length, open_sockets, post_head, quiescent, read_head, request, send_from_thread,
-    status_bytes, websocket, ws_recv, ws_send, WEBSOCKET_UPGRADE,
+    status_bytes, websocket, ws_answer, ws_recv, ws_send, WEBSOCKET_UPGRADE,
 };
 use opmon_tests::{operation, Agent, RawHttp};
 use serde_json::{json, Value};
@@ -1319,4 +1319,40 @@ fn websocket_headers_of_large_messages_that_never_come_keep_the_agent_under_its_
         eventually(Duration::from_secs(30), || open_sockets(pid) == baseline),
         "the stalled connections' sockets were not all closed"
     );
+}
+
+/// A uid's unread answers are bounded by its quota over all its WebSocket connections,
+/// not by each connection's room: 64 connections that each send 40 `rpc.discover`
+/// (116 KB answers) and read nothing leave the agent holding about the uid's 4 MiB
+/// quota, not 64 connections × 1 MiB (before, three uids of 256 such connections took
+/// the agent from 17 MB to 800 MB), and HTTP calls are still answered.
+#[test]
+fn unread_answers_over_many_websockets_are_held_to_the_uids_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &["--max-unread-bytes-per-uid", "4194304"]);
+    let pid = agent.pid();
+    let mut http = RawHttp::connect(&agent.socket);
+    http.call(&request("rpc.discover", json!({})));
+    let baseline = status_bytes(pid, "VmRSS:");
+    let call = request("rpc.discover", json!({}));
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        let mut ws = websocket(&agent.socket);
+        for _ in 0..40 {
+            ws_send(&mut ws, &call).unwrap();
+        }
+        held.push(ws);
+    }
+    quiescent(pid, Duration::from_secs(120));
+    let grown = status_bytes(pid, "VmRSS:").saturating_sub(baseline);
+    let status = http.call(&request("agent.status", json!({})));
+    assert!(status["result"]["version"].is_string(), "{status}");
+    assert!(
+        grown < 40 << 20,
+        "64 connections that read nothing grew the agent by {} MiB",
+        grown >> 20
+    );
+    // What was held is answered once read.
+    let answer = ws_answer(&mut held[0]);
+    assert!(answer["result"]["openrpc"].is_string(), "{answer:.200}");
 }

@@ -153,7 +153,10 @@ impl Core {
             settings.unreachable_grace,
             metrics.clone(),
         );
-        let registrations = snapshotters::Registrations::new(settings.max_snapshotters_per_uid);
+        let registrations = snapshotters::Registrations::new(
+            settings.max_snapshotters_per_uid,
+            settings.max_snapshotters,
+        );
         let subscriptions = crate::budget::PerUid::new(
             "max_subscriptions_per_uid",
             "subscriptions",

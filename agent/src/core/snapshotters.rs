@@ -3,9 +3,10 @@
 
 //!
 //! A registration over the API is charged to the peer uid that made it (each one costs
-//! connections or processes once polled): at most `max_snapshotters_per_uid` per uid and
-//! `max_snapshotters` in all. The config file's registrations are the operator's and
-//! are not charged. Charges are kept in memory: after a restart, the registrations
+//! connections or processes once polled), in a [`Budget`]: at most
+//! `max_snapshotters_per_uid` per uid and `max_snapshotters` in all, of which uids other
+//! than root and the agent's own take at most three quarters. The config file's
+//! registrations are the operator's and are not charged. Charges are kept in memory: after a restart, the registrations
 //! stored earlier count for no one.
 
 use std::collections::HashMap;
@@ -14,21 +15,21 @@ use std::sync::Mutex;
 use opmon_client::Snapshotter;
 
 use super::Core;
-use crate::budget::{Charge, PerUid};
+use crate::budget::{Budget, Held};
 use crate::error::{Error, NotFound};
 use crate::store::queries;
 use crate::sync::lock;
 
 /// Who registered which snapshotter over the API.
 pub(super) struct Registrations {
-    per_uid: std::sync::Arc<PerUid>,
-    by_name: Mutex<HashMap<String, Charge>>,
+    budget: Budget,
+    by_name: Mutex<HashMap<String, Held>>,
 }
 
 impl Registrations {
-    pub(super) fn new(per_uid: u32) -> Registrations {
+    pub(super) fn new(per_uid: u32, total: usize) -> Registrations {
         Registrations {
-            per_uid: PerUid::new("max_snapshotters_per_uid", "snapshotters", per_uid),
+            budget: Budget::new("max_snapshotters_per_uid", "snapshotters", per_uid, total),
             by_name: Mutex::new(HashMap::new()),
         }
     }
@@ -53,22 +54,14 @@ impl Core {
         let name = s.name.clone();
         let charge = {
             let by_name = lock(&self.registrations.by_name);
-            let replaced = by_name.get(&name).map(|c| c.uid());
+            let replaced = by_name.get(&name).and_then(Held::uid);
             if replaced == Some(uid) {
                 None
             } else {
-                let known = self.poller.remotes.get(&name).is_some();
-                if !known && by_name.len() >= self.settings.max_snapshotters {
-                    return Err(Error::OverQuota(format!(
-                        "{} snapshotters are registered over the API, the most the agent's \
-                         open-file limit allows",
-                        by_name.len()
-                    )));
-                }
                 Some(
                     self.registrations
-                        .per_uid
-                        .charge(uid)
+                        .budget
+                        .take(Some(uid))
                         .map_err(Error::OverQuota)?,
                 )
             }

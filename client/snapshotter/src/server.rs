@@ -25,7 +25,8 @@
 //!   charged to its connection and peer until the stream has written it. A WebSocket
 //!   connection runs its calls (methods that mostly wait aside) and sends its
 //!   subscriptions' updates one at a time, each once it owes less than
-//!   `unread_bytes_per_connection`, and is not read while it owes that much or has
+//!   `unread_bytes_per_connection` and its peer less than `unread_bytes_per_peer`, and
+//!   is not read while it owes that much or has
 //!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
 //!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
 //!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
@@ -440,6 +441,9 @@ impl Peer {
 
     /// Once the peer owes less than `quota`, or `conn` has ended.
     async fn room(&self, quota: u64, conn: &Connection) {
+        if self.owed.load(Ordering::SeqCst) < quota {
+            return;
+        }
         self.waiting.fetch_add(1, Ordering::SeqCst);
         let _waited = Waited(&self.waiting);
         loop {
@@ -508,6 +512,8 @@ pub struct Connection {
     room_changed: tokio::sync::Notify,
     reader: Mutex<Option<Waker>>,
     room: u64,
+    /// The peer's quota of unread bytes over all its connections.
+    peer_quota: u64,
     calls: usize,
 }
 
@@ -557,8 +563,9 @@ impl Connection {
         }
     }
 
-    /// The connection's turn to make an answer, once it owes less than its room (or
-    /// has failed: the caller finds out). Subscriptions send holding it.
+    /// The connection's turn to make an answer, once it owes less than its room and its
+    /// peer less than its quota over all its connections (or it has failed: the caller
+    /// finds out). Subscriptions send holding it.
     pub async fn room(&self) -> tokio::sync::MutexGuard<'_, ()> {
         let turn = self.turn.lock().await;
         loop {
@@ -566,10 +573,12 @@ impl Connection {
             tokio::pin!(changed);
             changed.as_mut().enable();
             if self.owed.load(Ordering::Relaxed) < self.room || self.ended() {
-                return turn;
+                break;
             }
             changed.await;
         }
+        self.peer.room(self.peer_quota, self).await;
+        turn
     }
 
     /// Whether the connection has failed (its peer went away or stopped reading).
@@ -1594,6 +1603,7 @@ pub async fn serve(
             room_changed: tokio::sync::Notify::new(),
             reader: Mutex::new(None),
             room: config.unread_bytes_per_connection,
+            peer_quota: config.unread_bytes_per_peer,
             calls: config.calls_per_connection.max(1),
         });
         let stream = Metered {
