@@ -231,7 +231,6 @@ impl Budget {
     }
 
     /// Units held now, over all peers.
-
     pub fn held(&self) -> usize {
         self.total - self.all.available_permits()
     }

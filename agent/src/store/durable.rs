@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use super::writer::Pending;
 use super::StorageFailure;
@@ -79,6 +79,9 @@ pub struct Durability {
     /// The number of the last commit the writer has begun.
     begun: AtomicU64,
     synced: watch::Sender<Synced>,
+    /// Told once `synced` holds a failure. [`lost`](Self::lost) waits on it rather than
+    /// on `synced`, which changes at every sync and would wake its waiter each time.
+    failing: Notify,
 }
 
 impl Default for Durability {
@@ -86,6 +89,7 @@ impl Default for Durability {
         Durability {
             begun: AtomicU64::new(0),
             synced: watch::Sender::new(Synced::default()),
+            failing: Notify::new(),
         }
     }
 }
@@ -127,15 +131,15 @@ impl Durability {
 
     /// Resolves when an fsync has failed, with why.
     pub async fn lost(&self) -> StorageFailure {
-        let mut rx = self.synced.subscribe();
-        let failed = match rx.wait_for(|s| s.failed.is_some()).await {
-            Ok(s) => s.failed.clone(),
-            Err(_) => None,
-        };
-        match failed {
-            Some(e) => e,
-            // The sender lives as long as `self`: never reached.
-            None => std::future::pending().await,
+        loop {
+            let told = self.failing.notified();
+            tokio::pin!(told);
+            // Registered before the check, so a failure stored after it still wakes us.
+            told.as_mut().enable();
+            if let Some(e) = self.failure() {
+                return e;
+            }
+            told.await;
         }
     }
 
@@ -229,9 +233,12 @@ pub(super) fn run(
             None => durability
                 .synced
                 .send_modify(|s| s.durable = s.durable.max(last)),
-            Some(e) => durability.synced.send_modify(|s| {
-                s.failed.get_or_insert_with(|| e.clone());
-            }),
+            Some(e) => {
+                durability.synced.send_modify(|s| {
+                    s.failed.get_or_insert_with(|| e.clone());
+                });
+                durability.failing.notify_waiters();
+            }
         }
         for batch in round {
             if failed.is_none() && batch.wrote {
