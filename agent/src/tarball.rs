@@ -94,15 +94,6 @@ impl Updates {
         for (i, item) in items.iter().enumerate() {
             opmon_client::validate::resource(&item.resource)
                 .map_err(|(field, e)| format!("updatedItems[{i}].resource.{field}: {e}"))?;
-            if matches!(item.resource.resource.as_str(), "." | "..") {
-                // The only field whose rule lets it be a path component other than a
-                // name: the agent would write a `..` entry itself.
-                return Err(format!(
-                    "updatedItems[{i}].resource.resource: must not be {:?} (it names a \
-                     directory of the tarball)",
-                    item.resource.resource
-                ));
-            }
             let Some(object) = item.object.as_object() else {
                 return Err(format!("updatedItems[{i}].object: must be a JSON object"));
             };
@@ -114,6 +105,10 @@ impl Updates {
                 .ok_or_else(|| {
                     format!("updatedItems[{i}].object.apiVersion: must be set, e.g. \"v1\"")
                 })?;
+            // The version names a directory of the tarball (`v1-preferredversion`).
+            opmon_client::validate::dns_label(version).map_err(|e| {
+                format!("updatedItems[{i}].object.apiVersion: its version {version:?} {e}")
+            })?;
             // As Velero writes items: Go's json.Marshal, HTML-safe.
             let content = crate::gojson::marshal(&item.object)
                 .map_err(|e| format!("updatedItems[{i}].object: {e}"))?;
@@ -1822,10 +1817,23 @@ mod tests {
             item.resource.resource = dots.into();
             assert_eq!(
                 Updates::new(&[item]).err().unwrap(),
-                format!(
-                    "updatedItems[0].resource.resource: must not be {dots:?} (it names a \
-                     directory of the tarball)"
-                )
+                "updatedItems[0].resource.resource: must be a resource name (letters, digits, \
+                 '-' and '.')"
+            );
+        }
+    }
+
+    #[test]
+    fn an_updated_item_s_version_must_be_one_kubernetes_could_name() {
+        for version in ["v1\n", "..", "V1 beta"] {
+            let item = pvc_update("a", json!({"apiVersion": format!("apps/{version}")}));
+            let refused = Updates::new(&[item]).err().unwrap();
+            assert!(
+                refused.starts_with(&format!(
+                    "updatedItems[0].object.apiVersion: its version {version:?} must be a DNS \
+                     label"
+                )),
+                "{refused}"
             );
         }
     }

@@ -234,7 +234,8 @@ pub fn resource(r: &ResourceIdentifier) -> Result<(), (&'static str, String)> {
     if !r.group.is_empty() {
         dns_subdomain(&r.group).map_err(|e| ("group", e))?;
     }
-    let resource_ok = !r.resource.is_empty()
+    // `.` and `..` fit the characters but name directories (of a backup tarball).
+    let resource_ok = !matches!(r.resource.as_str(), "" | "." | "..")
         && r.resource.len() <= 253
         && r.resource
             .bytes()
