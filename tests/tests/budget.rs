@@ -720,6 +720,50 @@ impl Drop for Killed {
     }
 }
 
+/// An agent (run as root, with `nofile` open files and `flags`) whose backups `names`
+/// are Finalizing, with `held` tarballs `slow/held-N.tar.gz` whose reads wait until the
+/// test releases them and one that does not, `small.tar.gz`, in its storage directory.
+struct Finalizing {
+    slow: HeldFiles,
+    http: RawHttp,
+    socket: std::path::PathBuf,
+    storage: std::path::PathBuf,
+    _agent: Killed,
+    dir: tempfile::TempDir,
+}
+
+fn finalizing(nofile: u64, flags: &[&str], held: usize, names: &[&str]) -> Finalizing {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Killed(agent_with_nofile(dir.path(), nofile, nofile, flags));
+    let socket = dir.path().join("run/agent.sock");
+    let storage = dir.path().join("state/storage");
+    std::fs::create_dir_all(storage.join("slow")).unwrap();
+    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
+    let slow = HeldFiles::mount(&storage.join("small.tar.gz"), held, &storage.join("slow"));
+    let mut http = RawHttp::connect(&socket);
+    for name in names {
+        http.call(&request("backup.start", json!({"name": name, "uid": name})));
+        let ended = http.call(&request("backup.endInProgress", json!({"name": name})));
+        assert_eq!(ended["result"]["phase"], json!("Finalizing"), "{ended}");
+    }
+    Finalizing {
+        slow,
+        http,
+        socket,
+        storage,
+        _agent: agent,
+        dir,
+    }
+}
+
+/// `backup.finalize` of `name`, reading `input` beneath the storage directory.
+fn finalize(name: &str, input: &str) -> String {
+    request(
+        "backup.finalize",
+        json!({"name": name, "contents": {"input": input, "output": format!("out/{name}.tar.gz")}}),
+    )
+}
+
 /// One peer cannot take every finalize (each can hold a thread and files for minutes on
 /// a large tarball): a uid holding its `max_finalizes_per_uid` finalizes, stuck reading
 /// a disk that does not answer, is refused one more naming the setting, while another
@@ -730,10 +774,13 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
     if !opmon_tests::root_or_skip("to run clients as other uids and mount a FUSE file system") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let _agent = Killed(agent_with_nofile(
-        dir.path(),
-        1024,
+    let Finalizing {
+        mut slow,
+        socket,
+        _agent,
+        dir: _dir,
+        ..
+    } = finalizing(
         1024,
         &[
             "--allowed-uids",
@@ -741,24 +788,9 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
             "--max-finalizes-per-uid",
             "2",
         ],
-    ));
-    let socket = dir.path().join("run/agent.sock");
-    let storage = dir.path().join("state/storage");
-    std::fs::create_dir_all(storage.join("slow")).unwrap();
-    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
-    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 2, &storage.join("slow"));
-    let mut http = RawHttp::connect(&socket);
-    for name in ["a0", "a1", "a2", "b0"] {
-        http.call(&request("backup.start", json!({"name": name, "uid": name})));
-        let ended = http.call(&request("backup.endInProgress", json!({"name": name})));
-        assert_eq!(ended["result"]["phase"], json!("Finalizing"), "{ended}");
-    }
-    let finalize = |name: &str, input: &str| {
-        request(
-            "backup.finalize",
-            json!({"name": name, "contents": {"input": input, "output": format!("out/{name}.tar.gz")}}),
-        )
-    };
+        2,
+        &["a0", "a1", "a2", "b0"],
+    );
     let mut first = CallerAs::start(64001, &socket);
     first.send("a0", &finalize("a0", "slow/held-0.tar.gz"));
     first.send("a1", &finalize("a1", "slow/held-1.tar.gz"));
@@ -813,30 +845,19 @@ fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
     if !opmon_tests::root_or_skip("to run clients as another uid and mount a FUSE file system") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let _agent = Killed(agent_with_nofile(
-        dir.path(),
-        200,
+    let Finalizing {
+        mut slow,
+        mut http,
+        socket,
+        _agent,
+        dir: _dir,
+        ..
+    } = finalizing(
         200,
         &["--allowed-uids", "64001", "--max-finalizes-per-uid", "8"],
-    ));
-    let socket = dir.path().join("run/agent.sock");
-    let storage = dir.path().join("state/storage");
-    std::fs::create_dir_all(storage.join("slow")).unwrap();
-    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
-    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 3, &storage.join("slow"));
-    let mut http = RawHttp::connect(&socket);
-    for name in ["a0", "a1", "a2", "a3", "r0"] {
-        http.call(&request("backup.start", json!({"name": name, "uid": name})));
-        let ended = http.call(&request("backup.endInProgress", json!({"name": name})));
-        assert_eq!(ended["result"]["phase"], json!("Finalizing"), "{ended}");
-    }
-    let finalize = |name: &str, input: &str| {
-        request(
-            "backup.finalize",
-            json!({"name": name, "contents": {"input": input, "output": format!("out/{name}.tar.gz")}}),
-        )
-    };
+        3,
+        &["a0", "a1", "a2", "a3", "r0"],
+    );
     let mut peer = CallerAs::start(64001, &socket);
     for n in 0..3 {
         peer.send(
@@ -936,20 +957,15 @@ fn a_finalize_whose_caller_hangs_up_still_completes_its_backup() {
     if !opmon_tests::root_or_skip("to mount a FUSE file system") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let _agent = Killed(agent_with_nofile(dir.path(), 1024, 1024, &[]));
-    let socket = dir.path().join("run/agent.sock");
-    let storage = dir.path().join("state/storage");
-    std::fs::create_dir_all(storage.join("slow")).unwrap();
-    opmon_tests::tarballs::write_zeros_tarball(&storage.join("small.tar.gz"), 16);
-    let mut slow = HeldFiles::mount(&storage.join("small.tar.gz"), 1, &storage.join("slow"));
-    let mut http = RawHttp::connect(&socket);
-    http.call(&request("backup.start", json!({"name": "b", "uid": "b"})));
-    http.call(&request("backup.endInProgress", json!({"name": "b"})));
-    let finalize = request(
-        "backup.finalize",
-        json!({"name": "b", "contents": {"input": "slow/held-0.tar.gz", "output": "out/b.tar.gz"}}),
-    );
+    let Finalizing {
+        mut slow,
+        mut http,
+        socket,
+        storage,
+        dir,
+        _agent,
+    } = finalizing(1024, &[], 1, &["b"]);
+    let finalize = finalize("b", "slow/held-0.tar.gz");
     let pid = agent_pid(&dir.path().join("state"));
     let mut caller = CallerAs::start(0, &socket);
     caller.send("b", &finalize);
