@@ -138,6 +138,12 @@ impl PerUid {
 
     /// Charges one unit to `uid`, or says which quota it is over.
     pub fn charge(self: &Arc<Self>, uid: u32) -> Result<Charge, String> {
+        self.charge_within(uid, u32::MAX, "")
+    }
+
+    /// [`charge`](Self::charge), with the quota lowered to `share` (and `why` said)
+    /// where that is less.
+    fn charge_within(self: &Arc<Self>, uid: u32, share: u32, why: &str) -> Result<Charge, String> {
         let mut held = lock(&self.held);
         let n = held.entry(uid).or_insert(0);
         if *n >= self.quota {
@@ -145,6 +151,9 @@ impl PerUid {
                 "uid {uid} already holds {n} {}, the most {} allows",
                 self.what, self.setting
             ));
+        }
+        if *n >= share {
+            return Err(format!("uid {uid} already holds {n} {}, {why}", self.what));
         }
         *n += 1;
         Ok(Charge {
@@ -168,6 +177,9 @@ pub struct Budget {
     others: Arc<Semaphore>,
     total: usize,
     others_limit: usize,
+    /// What one uid other than the operator's may hold, whatever its quota: a quarter
+    /// of the others' share, so that one or two peers cannot take it all.
+    share: u32,
 }
 
 /// One unit of a [`Budget`] held, given back on drop.
@@ -198,6 +210,7 @@ impl Budget {
             others: Arc::new(Semaphore::new(others_limit)),
             total,
             others_limit,
+            share: u32::try_from(others_limit / 4).unwrap_or(u32::MAX).max(1),
         }
     }
 
@@ -205,8 +218,17 @@ impl Budget {
     /// uid), or says which limit it is over.
     pub fn take(&self, uid: Option<u32>) -> Result<Held, String> {
         let what = self.per_uid.what;
-        let charge = uid.map(|uid| self.per_uid.charge(uid)).transpose()?;
-        let other = match uid.is_some_and(is_operator) {
+        let operator = uid.is_some_and(is_operator);
+        let share = if operator { u32::MAX } else { self.share };
+        let why = format!(
+            "a quarter of what uids other than root and the agent's own may hold together \
+             ({}, which its open-file limit sets); try again later",
+            self.others_limit
+        );
+        let charge = uid
+            .map(|uid| self.per_uid.charge_within(uid, share, &why))
+            .transpose()?;
+        let other = match operator {
             true => None,
             false => Some(self.others.clone().try_acquire_owned().map_err(|_| {
                 format!(
@@ -266,6 +288,26 @@ mod tests {
         assert!(used <= 1024, "{used}");
         let t = Totals::of(1 << 20, 4, 4096, 64);
         assert_eq!((t.connections, t.finalizes), (4096, 64));
+    }
+
+    #[test]
+    fn one_other_uid_takes_at_most_a_quarter_of_the_others_share() {
+        let budget = Budget::new("max_connections_per_uid", "connections", 100, 100);
+        let held: Vec<Held> = (0..18)
+            .map(|_| budget.take(Some(70_000)).unwrap())
+            .collect();
+        assert_eq!(
+            budget.take(Some(70_000)).unwrap_err(),
+            "uid 70000 already holds 18 connections, a quarter of what uids other than root \
+             and the agent's own may hold together (75, which its open-file limit sets); try \
+             again later"
+        );
+        assert!(
+            budget.take(Some(70_001)).is_ok(),
+            "another uid has its own share"
+        );
+        let root: Vec<Held> = (0..30).map(|_| budget.take(Some(0)).unwrap()).collect();
+        drop((held, root));
     }
 
     #[test]

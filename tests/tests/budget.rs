@@ -837,12 +837,12 @@ fn finalizes_of_one_peer_are_bounded_while_another_peers_finalize_is_answered() 
 
 /// Finalizes hold descriptors (their input, output and item-operations files), so their
 /// total follows from what the agent may open: with 200 open files the agent takes 4 at
-/// once, of which other uids hold at most 3, and root's finalize is still run. (Before,
-/// the total was 64 whatever the limit, and finalizes could take the descriptors the
-/// database needs.)
+/// once, of which other uids hold at most 3 and one uid at most a quarter of those (one),
+/// and root's finalize is still run. (Before, the total was 64 whatever the limit, and
+/// one peer could take every finalize from the others.)
 #[test]
-fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
-    if !opmon_tests::root_or_skip("to run clients as another uid and mount a FUSE file system") {
+fn finalizes_in_all_follow_the_open_file_limit_and_are_shared_among_peers() {
+    if !opmon_tests::root_or_skip("to run clients as other uids and mount a FUSE file system") {
         return;
     }
     let Finalizing {
@@ -854,30 +854,39 @@ fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
         ..
     } = finalizing(
         200,
-        &["--allowed-uids", "64001", "--max-finalizes-per-uid", "8"],
+        &["--allowed-uids", "64001,64002,64003,64004"],
         3,
-        &["a0", "a1", "a2", "a3", "r0"],
+        &["a0", "a1", "a2", "a3", "a4", "r0"],
     );
-    let mut peer = CallerAs::start(64001, &socket);
-    for n in 0..3 {
-        peer.send(
-            &format!("a{n}"),
-            &finalize(&format!("a{n}"), &format!("slow/held-{n}.tar.gz")),
-        );
-    }
+    let mut peers: Vec<CallerAs> = (0..3)
+        .map(|n| {
+            let mut peer = CallerAs::start(64001 + n, &socket);
+            let name = format!("a{n}");
+            peer.send(&name, &finalize(&name, &format!("slow/held-{n}.tar.gz")));
+            peer
+        })
+        .collect();
     slow.wait_for_readers(3);
 
-    peer.send("a3", &finalize("a3", "small.tar.gz"));
-    let (tag, refused) = peer.answer();
-    assert_eq!(tag, "a3", "{refused}");
-    assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
-    assert_eq!(
-        refused["error"]["message"],
-        json!(
-            "other uids hold 3 finalizes, all the agent takes from uids other than its own \
-             and root; try again later"
-        ),
-        "{refused}"
+    let refused_with = |peer: &mut CallerAs, name: &str, message: &str| {
+        peer.send(name, &finalize(name, "small.tar.gz"));
+        let (tag, refused) = peer.answer();
+        assert_eq!(tag, name, "{refused}");
+        assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
+        assert_eq!(refused["error"]["message"], json!(message), "{refused}");
+    };
+    refused_with(
+        &mut peers[0],
+        "a3",
+        "uid 64001 already holds 1 finalizes, a quarter of what uids other than root and the \
+         agent's own may hold together (3, which its open-file limit sets); try again later",
+    );
+    let mut fourth = CallerAs::start(64004, &socket);
+    refused_with(
+        &mut fourth,
+        "a4",
+        "other uids hold 3 finalizes, all the agent takes from uids other than its own and \
+         root; try again later",
     );
     let done = http.call(&finalize("r0", "small.tar.gz"));
     assert_eq!(
@@ -886,7 +895,7 @@ fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
         "{done}"
     );
     slow.release();
-    for _ in 0..3 {
+    for peer in &mut peers {
         let (tag, answer) = peer.answer();
         assert_eq!(
             answer["result"]["owner"]["phase"],
@@ -898,8 +907,8 @@ fn finalizes_in_all_follow_the_open_file_limit_and_keep_roots_share() {
 
 /// Snapshotter registrations over the API hold descriptors once polled, so their total
 /// follows the open-file limit, and other uids leave the operator its share of it: with
-/// 200 open files the agent takes 3, a peer uid gets 2, and root still registers one.
-/// (Before, one peer could take them all and root was refused.)
+/// 200 open files the agent takes 3, other uids 2 of them, one uid 1, and root still
+/// registers one. (Before, one peer could take them all and root was refused.)
 #[test]
 fn snapshotter_registrations_leave_roots_share_of_the_total() {
     if !opmon_tests::root_or_skip("to run a client as another uid") {
@@ -910,7 +919,7 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
         dir.path(),
         200,
         200,
-        &["--allowed-uids", "64001"],
+        &["--allowed-uids", "64001,64002,64003"],
     ));
     let socket = dir.path().join("run/agent.sock");
     let register = |n: usize| {
@@ -920,25 +929,32 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
                    "socket": format!("/nonexistent/p{n}.sock")}),
         )
     };
-    let mut peer = CallerAs::start(64001, &socket);
-    for n in 0..2 {
+    let answer = |uid: u32, n: usize| {
+        let mut peer = CallerAs::start(uid, &socket);
         peer.send(&format!("p{n}"), &register(n));
-        let (tag, answer) = peer.answer();
-        assert!(answer["result"].is_object(), "{tag}: {answer}");
-    }
-    peer.send("p2", &register(2));
-    let (_, refused) = peer.answer();
-    assert_eq!(refused["error"]["code"], json!(-32003), "{refused}");
+        peer.answer().1
+    };
+    let refusal = |answer: Value| {
+        assert_eq!(answer["error"]["code"], json!(-32003), "{answer}");
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(answer(64001, 0)["result"].is_object());
     assert_eq!(
-        refused["error"]["message"],
-        json!(
-            "other uids hold 2 snapshotters, all the agent takes from uids other than its own \
-             and root; try again later"
-        ),
-        "{refused}"
+        refusal(answer(64001, 1)),
+        "uid 64001 already holds 1 snapshotters, a quarter of what uids other than root and \
+         the agent's own may hold together (2, which its open-file limit sets); try again later"
+    );
+    assert!(answer(64002, 2)["result"].is_object());
+    assert_eq!(
+        refusal(answer(64003, 3)),
+        "other uids hold 2 snapshotters, all the agent takes from uids other than its own and \
+         root; try again later"
     );
     let mut http = RawHttp::connect(&socket);
-    let mine = http.call(&register(3));
+    let mine = http.call(&register(4));
     assert!(mine["result"].is_object(), "root's registration: {mine}");
     // The operator is told why so few are taken.
     let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
