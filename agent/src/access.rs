@@ -26,7 +26,7 @@ use std::sync::Arc;
 use opmon_snapshotter::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
 
-use crate::budget::{Budget, Held};
+use crate::budget::{is_operator, Budget, Held};
 use crate::metrics::Metrics;
 
 /// JSON-RPC error code of a refused connection (the implementation-defined server
@@ -78,8 +78,6 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
 pub type Slot = Held;
 
 pub struct PeerCheck {
-    /// The agent's own uid and root: always admitted.
-    operators: [u32; 2],
     uids: HashSet<u32>,
     gids: HashSet<u32>,
     connections: Budget,
@@ -98,7 +96,6 @@ impl PeerCheck {
         metrics: Arc<Metrics>,
     ) -> PeerCheck {
         PeerCheck {
-            operators: [nix::unistd::geteuid().as_raw(), 0],
             uids: uids.iter().copied().collect(),
             gids: gids.iter().copied().collect(),
             connections: Budget::new(
@@ -126,7 +123,7 @@ impl PeerCheck {
         gid: u32,
         groups: impl FnOnce() -> std::io::Result<Vec<u32>>,
     ) -> bool {
-        if self.operators.contains(&uid) || self.uids.contains(&uid) || self.gids.contains(&gid) {
+        if is_operator(uid) || self.uids.contains(&uid) || self.gids.contains(&gid) {
             return true;
         }
         if self.gids.is_empty() {

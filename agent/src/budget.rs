@@ -138,12 +138,17 @@ impl PerUid {
 
     /// Charges one unit to `uid`, or says which quota it is over.
     pub fn charge(self: &Arc<Self>, uid: u32) -> Result<Charge, String> {
-        self.charge_within(uid, u32::MAX, "")
+        self.charge_within(uid, u32::MAX, String::new)
     }
 
     /// [`charge`](Self::charge), with the quota lowered to `share` (and `why` said)
     /// where that is less.
-    fn charge_within(self: &Arc<Self>, uid: u32, share: u32, why: &str) -> Result<Charge, String> {
+    fn charge_within(
+        self: &Arc<Self>,
+        uid: u32,
+        share: u32,
+        why: impl FnOnce() -> String,
+    ) -> Result<Charge, String> {
         let mut held = lock(&self.held);
         let n = held.entry(uid).or_insert(0);
         if *n >= self.quota {
@@ -153,7 +158,11 @@ impl PerUid {
             ));
         }
         if *n >= share {
-            return Err(format!("uid {uid} already holds {n} {}, {why}", self.what));
+            return Err(format!(
+                "uid {uid} already holds {n} {}, {}",
+                self.what,
+                why()
+            ));
         }
         *n += 1;
         Ok(Charge {
@@ -166,7 +175,9 @@ impl PerUid {
 /// Whether `uid` is root or the agent's own: the operator, for whom the totals keep a
 /// reserve.
 pub fn is_operator(uid: u32) -> bool {
-    uid == 0 || uid == nix::unistd::geteuid().as_raw()
+    static OWN: std::sync::LazyLock<u32> =
+        std::sync::LazyLock::new(|| nix::unistd::geteuid().as_raw());
+    uid == 0 || uid == *OWN
 }
 
 /// A resource charged per uid against its quota, within a total over all peers of
@@ -220,13 +231,15 @@ impl Budget {
         let what = self.per_uid.what;
         let operator = uid.is_some_and(is_operator);
         let share = if operator { u32::MAX } else { self.share };
-        let why = format!(
-            "a quarter of what uids other than root and the agent's own may hold together \
-             ({}, which its open-file limit sets); try again later",
-            self.others_limit
-        );
+        let why = || {
+            format!(
+                "a quarter of what uids other than root and the agent's own may hold \
+                 together ({}, which its open-file limit sets); try again later",
+                self.others_limit
+            )
+        };
         let charge = uid
-            .map(|uid| self.per_uid.charge_within(uid, share, &why))
+            .map(|uid| self.per_uid.charge_within(uid, share, why))
             .transpose()?;
         let other = match operator {
             true => None,

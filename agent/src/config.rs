@@ -196,8 +196,9 @@ settings! {
     /// snapshotters one peer uid may register over the API (the config file's are not
     /// counted); all peers together may register as many as the open-file limit allows
     max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
-    /// finalizes one peer uid may have running or waiting at once (of 64 in all, a
-    /// quarter of them kept for root and the agent's own uid)
+    /// finalizes one peer uid may have running or waiting at once (of at most 64 in all,
+    /// fewer at a low open-file limit, a quarter of them kept for root and the agent's
+    /// own uid)
     max_finalizes_per_uid: u32 = 8, shown Shown::Value,
         check between(1, crate::filework::MAX_ADMITTED as u32);
     /// calls one peer uid may have running at once (methods that mostly wait aside)

@@ -6,8 +6,8 @@
 //! connections or processes once polled), in a [`Budget`]: at most
 //! `max_snapshotters_per_uid` per uid and `max_snapshotters` in all, of which uids other
 //! than root and the agent's own take at most three quarters. The config file's
-//! registrations are the operator's and are not charged. Charges are kept in memory: after a restart, the registrations
-//! stored earlier count for no one.
+//! registrations are the operator's and are not charged. Charges are kept in memory:
+//! after a restart, the registrations stored earlier count for no one.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
