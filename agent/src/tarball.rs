@@ -255,10 +255,12 @@ fn check_size_field(field: &[u8; 12]) -> Result<(), String> {
 
 /// Refuses a header whose other numeric fields Go's reader (Velero's) or Python's
 /// cannot parse: Go fails the archive there, Python stops reading at it. Both take
-/// octal digits between spaces and NULs, or base-256.
+/// octal digits between spaces and NULs, or base-256 (not for the checksum, which Go
+/// reads as octal only; the tar crate also takes a `+` or tabs there).
 fn check_numbers(h: &Header) -> Result<(), String> {
     let b = h.as_bytes();
     let fields = [
+        ("checksum", &b[148..156]),
         ("mode", &b[100..108]),
         ("uid", &b[108..116]),
         ("gid", &b[116..124]),
@@ -267,7 +269,7 @@ fn check_numbers(h: &Header) -> Result<(), String> {
         ("devminor", &b[337..345]),
     ];
     for (what, field) in fields {
-        if matches!(field[0], 0x80 | 0xff) {
+        if matches!(field[0], 0x80 | 0xff) && what != "checksum" {
             continue;
         }
         let ends = |c: &u8| matches!(c, 0 | b' ');
@@ -1591,6 +1593,26 @@ mod tests {
             refusal(v),
             "entry resources/ok.json: size: \"+0000000002\\0\" is not an octal number"
         );
+    }
+
+    #[test]
+    fn a_checksum_go_cannot_parse_is_refused() {
+        // The crate reads these as the right sum; Go's reader fails the archive.
+        for field in [*b"+012345\0", *b"\t012345\0"] {
+            let mut v = raw(b"resources/ok.json", b'0', "", b"{}");
+            let h = Header::from_byte_slice(&v[..BLOCK]).clone();
+            let sum = format!("{:06o}", h.cksum().unwrap());
+            let mut field = field;
+            field[1..7].copy_from_slice(sum.as_bytes());
+            v[148..156].copy_from_slice(&field);
+            assert_eq!(
+                refusal(v),
+                format!(
+                    "entry resources/ok.json: checksum: {:?} is not an octal number",
+                    show(&field)
+                )
+            );
+        }
     }
 
     #[test]
