@@ -9,7 +9,9 @@
 //! as they were.
 //!
 //! The archive is streamed (gzip → tar → tar → parallel gzip), never held: memory stays
-//! bounded whatever its size. The tar crate reads it in raw mode, header by header
+//! bounded whatever its size. Its threads compute on CPU turns of the finalize's uid
+//! ([`Cpu`]): a turn is given back before every wait (a read of the input, a write of
+//! the output, a block's compression) and every few MiB. The tar crate reads it in raw mode, header by header
 //! (extensions included), and the checks here make sure they see what extractors see:
 //! every name any of GNU tar, Go's `archive/tar` and Python's `tarfile` could use for
 //! an entry (header name, ustar prefix read either way, GNU long name, PAX `path`) is
@@ -25,17 +27,19 @@
 //! after it is copied.
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use flate2::read::MultiGzDecoder;
-use gzp::deflate::Gzip;
-use gzp::par::compress::ParCompressBuilder;
-use gzp::ZWriter;
+use flate2::{Compress, Compression, Crc, FlushCompress, Status};
 use opmon_client::UpdatedItem;
 use tar::{Archive, EntryType, Header, PaxExtensions};
+
+use crate::filework::Cpu;
 
 /// Largest GNU long-name or PAX header accepted, in bytes (Go's reader has the same
 /// limit for its "special files").
@@ -43,6 +47,12 @@ const MAX_EXTENSION: u64 = 1024 * 1024;
 const BLOCK: usize = 512;
 /// The gzip level of the output: `gzip -6`, Go's default, what Velero writes.
 const LEVEL: u32 = 6;
+/// Decompressed bytes read on one CPU turn before the next is waited for.
+const TURN_BYTES: u64 = 4 << 20;
+/// Bytes of the output compressed apart (pigz's block size), each on a turn.
+const GZ_BLOCK: usize = 128 * 1024;
+/// The deflate window: a block is primed with this much of the data before it.
+const WINDOW: usize = 32 * 1024;
 
 /// The new content of each updated item, by the entry names Velero writes it under.
 pub struct Updates {
@@ -154,14 +164,16 @@ pub enum RewriteError {
 }
 
 /// Counts decompressed bytes and fails past the limit: a gzip bomb stops here, not on
-/// the disk.
-struct Bounded<R> {
+/// the disk. Every [`TURN_BYTES`] the reading thread lets a waiting peer compute.
+struct Bounded<'a, R> {
     inner: R,
     left: u64,
     limit: u64,
+    cpu: &'a Cpu,
+    on_turn: u64,
 }
 
-impl<R: Read> Read for Bounded<R> {
+impl<R: Read> Read for Bounded<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         if n as u64 > self.left {
@@ -171,7 +183,163 @@ impl<R: Read> Read for Bounded<R> {
             )));
         }
         self.left -= n as u64;
+        self.on_turn += n as u64;
+        if self.on_turn >= TURN_BYTES {
+            self.on_turn = 0;
+            self.cpu.next_turn()?;
+        }
         Ok(n)
+    }
+}
+
+/// The compressed input, read without a CPU turn: a disk that does not answer holds
+/// no one else's work.
+struct Input<'a, R> {
+    inner: R,
+    cpu: &'a Cpu,
+}
+
+impl<R: Read> Read for Input<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.cpu.pause();
+        let n = self.inner.read(buf);
+        self.cpu.compute()?;
+        n
+    }
+}
+
+/// One gzip member at level 6 written as pigz writes it: the data cut in blocks, each
+/// deflated on a thread of its own (on a CPU turn) primed with the window before it and
+/// ended by a sync flush (the last by the end of the stream), their CRCs combined; at
+/// most `threads` blocks in flight. The writing thread gives its turn back while it
+/// waits for them and writes.
+struct ParGz<'a, W: Write> {
+    out: W,
+    cpu: &'a Cpu,
+    threads: usize,
+    block: Vec<u8>,
+    window: Vec<u8>,
+    pending: VecDeque<JoinHandle<io::Result<(Vec<u8>, Crc)>>>,
+    crc: Crc,
+    started: bool,
+}
+
+impl<'a, W: Write> ParGz<'a, W> {
+    fn new(out: W, cpu: &'a Cpu) -> Self {
+        ParGz {
+            out,
+            cpu,
+            threads: compress_threads(),
+            block: Vec::with_capacity(GZ_BLOCK),
+            window: Vec::new(),
+            pending: VecDeque::new(),
+            crc: Crc::new(),
+            started: false,
+        }
+    }
+
+    /// Hands the block to a thread of its own; the caller holds no turn after the last.
+    fn send(&mut self, last: bool) -> io::Result<()> {
+        let block = std::mem::replace(&mut self.block, Vec::with_capacity(GZ_BLOCK));
+        let tail = block[block.len().saturating_sub(WINDOW)..].to_vec();
+        let window = std::mem::replace(&mut self.window, tail);
+        self.cpu.pause();
+        while self.pending.len() >= self.threads {
+            self.write_front()?;
+        }
+        let cpu = self.cpu.for_thread();
+        let thread = std::thread::Builder::new()
+            .name("opmon-gzip".into())
+            .spawn(move || {
+                cpu.compute()?;
+                let mut crc = Crc::new();
+                crc.update(&block);
+                Ok((deflate(&block, &window, last)?, crc))
+            })?;
+        self.pending.push_back(thread);
+        if !last {
+            self.cpu.compute()?;
+        }
+        Ok(())
+    }
+
+    fn write_front(&mut self) -> io::Result<()> {
+        let Some(thread) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        let (deflated, crc) = thread
+            .join()
+            .map_err(|_| io::Error::other("a compression thread panicked"))??;
+        if !self.started {
+            // Magic, deflate, no flags, no mtime, no extra flags, OS unknown.
+            self.out
+                .write_all(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff])?;
+            self.started = true;
+        }
+        self.crc.combine(&crc);
+        self.out.write_all(&deflated)
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.send(true)?;
+        while !self.pending.is_empty() {
+            self.write_front()?;
+        }
+        self.out.write_all(&self.crc.sum().to_le_bytes())?;
+        self.out.write_all(&self.crc.amount().to_le_bytes())?;
+        self.out.flush()
+    }
+}
+
+impl<W: Write> Write for ParGz<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = buf.len().min(GZ_BLOCK - self.block.len());
+        self.block.extend_from_slice(&buf[..n]);
+        if self.block.len() == GZ_BLOCK {
+            self.send(false)?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<W: Write> Drop for ParGz<'_, W> {
+    /// A rewrite's threads end with it (a stopped job's at once: they wait for no turn).
+    fn drop(&mut self) {
+        self.cpu.pause();
+        for thread in self.pending.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Raw deflate of `block` at [`LEVEL`], primed with `window`, ended by a sync flush or,
+/// when `last`, by the end of the stream.
+fn deflate(block: &[u8], window: &[u8], last: bool) -> io::Result<Vec<u8>> {
+    let mut z = Compress::new(Compression::new(LEVEL), false);
+    if !window.is_empty() {
+        z.set_dictionary(window).map_err(io::Error::other)?;
+    }
+    let flush = if last {
+        FlushCompress::Finish
+    } else {
+        FlushCompress::Sync
+    };
+    let mut out = Vec::with_capacity(block.len() + block.len() / 8 + 64);
+    loop {
+        let done = z.total_in() as usize;
+        let status = z
+            .compress_vec(&block[done..], &mut out, flush)
+            .map_err(io::Error::other)?;
+        // Flushed once its input is in and room was left; ended at StreamEnd.
+        let flushed = !last && z.total_in() as usize == block.len() && out.len() < out.capacity();
+        if status == Status::StreamEnd || flushed {
+            return Ok(out);
+        }
+        out.reserve(out.capacity().max(4096));
     }
 }
 
@@ -464,18 +632,18 @@ fn read_error(entry: Option<&[u8]>, e: io::Error, ended: bool) -> RewriteError {
 }
 
 /// Reads `left` bytes of entry `name`'s data from `data` (through `buf`), handing each
-/// piece to `sink`; stops early once `stop` is set.
+/// piece to `sink`; stops early once the job is stopped.
 fn pass(
     data: &mut impl Read,
     mut left: u64,
     buf: &mut [u8],
-    stop: &AtomicBool,
+    cpu: &Cpu,
     name: &[u8],
     ended: &Cell<bool>,
     mut sink: impl FnMut(&[u8]) -> Result<(), RewriteError>,
 ) -> Result<(), RewriteError> {
     while left > 0 {
-        if stop.load(Ordering::Relaxed) {
+        if cpu.stopped() {
             return Err(RewriteError::Stopped);
         }
         let n = left.min(buf.len() as u64) as usize;
@@ -574,7 +742,7 @@ pub fn velero_header(name: &str, size: u64, mtime: u64) -> io::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Threads compressing the output: both cores of a small node, at most four.
+/// Blocks compressed at once: both cores of a small node, at most four.
 fn compress_threads() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
@@ -585,43 +753,50 @@ fn compress_threads() -> usize {
 /// Rewrites the gzipped tarball `input` into `output` (one gzip member, level 6,
 /// compressed on several threads). `output` gets nothing useful on error; the caller
 /// discards it.
-pub fn rewrite<R: Read, W: Write + Send>(
+pub fn rewrite<R: Read, W: Write>(
     input: R,
     output: W,
     updates: &Updates,
     max_decompressed: u64,
 ) -> Result<Outcome, RewriteError> {
-    rewrite_until(
-        input,
-        output,
-        updates,
-        max_decompressed,
-        &AtomicBool::new(false),
-    )
+    let cpu = Cpu::alone(Arc::new(AtomicBool::new(false)));
+    rewrite_until(input, output, updates, max_decompressed, &cpu)
 }
 
-/// [`rewrite`], giving up with [`RewriteError::Stopped`] soon after `stop` is raised.
-pub fn rewrite_until<R: Read, W: Write + Send>(
+/// [`rewrite`] on the CPU turns of `cpu`, giving up with [`RewriteError::Stopped`] soon
+/// after its job is stopped.
+pub fn rewrite_until<R: Read, W: Write>(
     input: R,
     output: W,
     updates: &Updates,
     max_decompressed: u64,
-    stop: &AtomicBool,
+    cpu: &Cpu,
 ) -> Result<Outcome, RewriteError> {
-    std::thread::scope(|scope| {
-        let mut gz = ParCompressBuilder::<Gzip>::new()
-            .num_threads(compress_threads())
-            .map_err(|e| RewriteError::Archive(format!("starting the compressor: {e}")))?
-            .compression_level(gzp::Compression::new(LEVEL))
-            .from_borrowed_writer(output, scope);
-        let result = copy(input, &mut gz, updates, max_decompressed, stop);
-        // Finished in every case: dropping the compressor unfinished would panic on a
-        // write error.
-        let finished = gz.finish();
-        let outcome = result?;
-        finished.map_err(|e| RewriteError::Archive(format!("writing the output: {e}")))?;
-        Ok(outcome)
-    })
+    let mut gz = ParGz::new(output, cpu);
+    let result = cpu
+        .compute()
+        .map_err(|_| RewriteError::Stopped)
+        .and_then(|()| {
+            copy(
+                Input { inner: input, cpu },
+                &mut gz,
+                updates,
+                max_decompressed,
+                cpu,
+            )
+        })
+        .and_then(|outcome| {
+            gz.finish()
+                .map_err(|e| RewriteError::Archive(format!("writing the output: {e}")))?;
+            Ok(outcome)
+        });
+    cpu.pause();
+    drop(gz);
+    match result {
+        // What failed once the job was stopped failed because of it.
+        Err(_) if cpu.stopped() => Err(RewriteError::Stopped),
+        result => result,
+    }
 }
 
 /// Where the padding after a record's data goes, once the crate has read it.
@@ -638,12 +813,14 @@ fn copy<R: Read>(
     out: &mut impl Write,
     updates: &Updates,
     max_decompressed: u64,
-    stop: &AtomicBool,
+    cpu: &Cpu,
 ) -> Result<Outcome, RewriteError> {
     let source = Bounded {
         inner: MultiGzDecoder::new(io::BufReader::with_capacity(256 * 1024, input)),
         left: max_decompressed,
         limit: max_decompressed,
+        cpu,
+        on_turn: 0,
     };
     let tap = Rc::new(Tap::default());
     let mut archive = Archive::new(Tapped {
@@ -669,7 +846,7 @@ fn copy<R: Read>(
         .map_err(|e| RewriteError::Archive(e.to_string()))?
         .raw(true);
     loop {
-        if stop.load(Ordering::Relaxed) {
+        if cpu.stopped() {
             return Err(RewriteError::Stopped);
         }
         let at = tap.offset.get() + padding.0 as u64;
@@ -753,18 +930,10 @@ fn copy<R: Read>(
             pending.held += size;
             let mut data = Vec::with_capacity(size as usize);
             let name = b"(header extension)";
-            pass(
-                &mut entry,
-                size,
-                &mut buf,
-                stop,
-                name,
-                &tap.ended,
-                |piece| {
-                    data.extend_from_slice(piece);
-                    Ok(())
-                },
-            )?;
+            pass(&mut entry, size, &mut buf, cpu, name, &tap.ended, |piece| {
+                data.extend_from_slice(piece);
+                Ok(())
+            })?;
             pending.all.extend_from_slice(header.as_bytes());
             pending.all.extend_from_slice(&data);
             if kind == b'g' {
@@ -908,7 +1077,7 @@ fn copy<R: Read>(
                 outcome.replaced += 1;
                 // The old content is read (not copied) so a truncated archive is
                 // still noticed.
-                pass(&mut entry, size, &mut buf, stop, &name, &tap.ended, |_| {
+                pass(&mut entry, size, &mut buf, cpu, &name, &tap.ended, |_| {
                     Ok(())
                 })?;
                 padding.1 = Padding::Dropped;
@@ -916,15 +1085,9 @@ fn copy<R: Read>(
             None => {
                 out.write_all(&taken.all).map_err(write_error)?;
                 out.write_all(header.as_bytes()).map_err(write_error)?;
-                pass(
-                    &mut entry,
-                    size,
-                    &mut buf,
-                    stop,
-                    &name,
-                    &tap.ended,
-                    |data| out.write_all(data).map_err(write_error),
-                )?;
+                pass(&mut entry, size, &mut buf, cpu, &name, &tap.ended, |data| {
+                    out.write_all(data).map_err(write_error)
+                })?;
                 padding.1 = Padding::Out;
             }
         }
@@ -943,7 +1106,7 @@ fn copy<R: Read>(
     // CRC. The decompressed bound still holds.
     let mut rest = archive.into_inner();
     loop {
-        if stop.load(Ordering::Relaxed) {
+        if cpu.stopped() {
             return Err(RewriteError::Stopped);
         }
         match rest.read(&mut buf) {
@@ -1714,9 +1877,9 @@ mod tests {
     #[test]
     fn a_raised_stop_flag_ends_the_rewrite() {
         let input = gz(&tar_of(&[("resources/pods/namespaces/ns/p.json", b"{}")]));
-        let stop = AtomicBool::new(true);
+        let cpu = Cpu::alone(Arc::new(AtomicBool::new(true)));
         let updates = Updates::new(&[]).unwrap();
-        let err = rewrite_until(&input[..], Vec::new(), &updates, u64::MAX, &stop).unwrap_err();
+        let err = rewrite_until(&input[..], Vec::new(), &updates, u64::MAX, &cpu).unwrap_err();
         assert!(matches!(err, RewriteError::Stopped), "{err}");
     }
 
