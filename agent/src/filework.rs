@@ -19,8 +19,8 @@
 //!   many finalizes take no more than another's one (root's and the agent's own are
 //!   peers like the others here);
 //! - every job has a deadline, counted from its submission: past it the caller gets an
-//!   error, the job's stop flag is raised (a rewrite checks it every 64 KiB) and its
-//!   temporary output is removed;
+//!   error, the job's stop flag is raised (a rewrite checks it every 64 KiB, a thread
+//!   waiting for a turn stops waiting) and its temporary output is removed;
 //! - [`FileWork::stop`] (shutdown) raises every job's stop flag and removes every
 //!   temporary output still registered, even one whose thread is stuck in a system
 //!   call; nothing waits for such a thread, and the process's exit ends it.

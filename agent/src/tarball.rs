@@ -27,10 +27,11 @@
 //! after it is copied.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -208,82 +209,102 @@ impl<R: Read> Read for Input<'_, R> {
     }
 }
 
+/// A block to compress: its data, the window before it, whether it ends the stream.
+type Job = (Vec<u8>, Vec<u8>, bool);
+type Done = io::Result<(Vec<u8>, Crc)>;
+
 /// One gzip member at level 6 written as pigz writes it: the data cut in blocks, each
-/// deflated on a thread of its own (on a CPU turn) primed with the window before it and
-/// ended by a sync flush (the last by the end of the stream), their CRCs combined; at
-/// most `threads` blocks in flight. The writing thread gives its turn back while it
-/// waits for them and writes.
+/// deflated primed with the window before it and ended by a sync flush (the last by the
+/// end of the stream), their CRCs combined. Blocks go round to the workers of this
+/// rewrite, each computing on a CPU turn per block; at most two per worker are in
+/// flight. The writing thread gives its turn back while it waits for them and writes.
 struct ParGz<'a, W: Write> {
     out: W,
     cpu: &'a Cpu,
-    threads: usize,
+    workers: Vec<(Sender<Job>, Receiver<Done>)>,
+    threads: Vec<JoinHandle<()>>,
+    /// Blocks sent and written; block `n` goes to worker `n % workers`.
+    sent: usize,
+    written: usize,
     block: Vec<u8>,
     window: Vec<u8>,
-    pending: VecDeque<JoinHandle<io::Result<(Vec<u8>, Crc)>>>,
     crc: Crc,
-    started: bool,
 }
 
 impl<'a, W: Write> ParGz<'a, W> {
-    fn new(out: W, cpu: &'a Cpu) -> Self {
-        ParGz {
+    fn new(mut out: W, cpu: &'a Cpu) -> io::Result<Self> {
+        // Magic, deflate, no flags, no mtime, no extra flags, OS unknown.
+        out.write_all(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff])?;
+        let mut gz = ParGz {
             out,
             cpu,
-            threads: compress_threads(),
+            workers: Vec::new(),
+            threads: Vec::new(),
+            sent: 0,
+            written: 0,
             block: Vec::with_capacity(GZ_BLOCK),
             window: Vec::new(),
-            pending: VecDeque::new(),
             crc: Crc::new(),
-            started: false,
+        };
+        for _ in 0..compress_threads() {
+            let (jobs, inbox) = mpsc::channel::<Job>();
+            let (outbox, done) = mpsc::channel::<Done>();
+            let cpu = cpu.for_thread();
+            let thread = std::thread::Builder::new()
+                .name("opmon-gzip".into())
+                .spawn(move || {
+                    let mut z = Compress::new(Compression::new(LEVEL), false);
+                    for (block, window, last) in inbox {
+                        let result = cpu.compute().and_then(|()| {
+                            let mut crc = Crc::new();
+                            crc.update(&block);
+                            Ok((deflate(&mut z, &block, &window, last)?, crc))
+                        });
+                        cpu.pause();
+                        if outbox.send(result).is_err() {
+                            return;
+                        }
+                    }
+                })?;
+            gz.workers.push((jobs, done));
+            gz.threads.push(thread);
         }
+        Ok(gz)
     }
 
-    /// Hands the block to a thread of its own; the caller holds no turn after the last.
+    /// Hands the block to the next worker; the caller holds no turn after the last.
     fn send(&mut self, last: bool) -> io::Result<()> {
         let block = std::mem::replace(&mut self.block, Vec::with_capacity(GZ_BLOCK));
         let tail = block[block.len().saturating_sub(WINDOW)..].to_vec();
         let window = std::mem::replace(&mut self.window, tail);
         self.cpu.pause();
-        while self.pending.len() >= self.threads {
-            self.write_front()?;
+        while self.sent - self.written >= 2 * self.workers.len() {
+            self.write_next()?;
         }
-        let cpu = self.cpu.for_thread();
-        let thread = std::thread::Builder::new()
-            .name("opmon-gzip".into())
-            .spawn(move || {
-                cpu.compute()?;
-                let mut crc = Crc::new();
-                crc.update(&block);
-                Ok((deflate(&block, &window, last)?, crc))
-            })?;
-        self.pending.push_back(thread);
+        let (jobs, _) = &self.workers[self.sent % self.workers.len()];
+        jobs.send((block, window, last))
+            .map_err(|_| io::Error::other("a compression thread ended"))?;
+        self.sent += 1;
         if !last {
             self.cpu.compute()?;
         }
         Ok(())
     }
 
-    fn write_front(&mut self) -> io::Result<()> {
-        let Some(thread) = self.pending.pop_front() else {
-            return Ok(());
-        };
-        let (deflated, crc) = thread
-            .join()
-            .map_err(|_| io::Error::other("a compression thread panicked"))??;
-        if !self.started {
-            // Magic, deflate, no flags, no mtime, no extra flags, OS unknown.
-            self.out
-                .write_all(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff])?;
-            self.started = true;
-        }
+    fn write_next(&mut self) -> io::Result<()> {
+        let (_, done) = &self.workers[self.written % self.workers.len()];
+        let (deflated, crc) = done
+            .recv()
+            .map_err(|_| io::Error::other("a compression thread ended"))??;
+        self.written += 1;
         self.crc.combine(&crc);
         self.out.write_all(&deflated)
     }
 
     fn finish(&mut self) -> io::Result<()> {
         self.send(true)?;
-        while !self.pending.is_empty() {
-            self.write_front()?;
+        while self.written < self.sent {
+            self.write_next()?;
         }
         self.out.write_all(&self.crc.sum().to_le_bytes())?;
         self.out.write_all(&self.crc.amount().to_le_bytes())?;
@@ -310,16 +331,17 @@ impl<W: Write> Drop for ParGz<'_, W> {
     /// A rewrite's threads end with it (a stopped job's at once: they wait for no turn).
     fn drop(&mut self) {
         self.cpu.pause();
-        for thread in self.pending.drain(..) {
+        self.workers.clear();
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }
 }
 
-/// Raw deflate of `block` at [`LEVEL`], primed with `window`, ended by a sync flush or,
-/// when `last`, by the end of the stream.
-fn deflate(block: &[u8], window: &[u8], last: bool) -> io::Result<Vec<u8>> {
-    let mut z = Compress::new(Compression::new(LEVEL), false);
+/// Raw deflate of `block` at [`LEVEL`] with `z`, primed with `window`, ended by a sync
+/// flush or, when `last`, by the end of the stream.
+fn deflate(z: &mut Compress, block: &[u8], window: &[u8], last: bool) -> io::Result<Vec<u8>> {
+    z.reset();
     if !window.is_empty() {
         z.set_dictionary(window).map_err(io::Error::other)?;
     }
@@ -772,7 +794,8 @@ pub fn rewrite_until<R: Read, W: Write>(
     max_decompressed: u64,
     cpu: &Cpu,
 ) -> Result<Outcome, RewriteError> {
-    let mut gz = ParGz::new(output, cpu);
+    let mut gz = ParGz::new(output, cpu)
+        .map_err(|e| RewriteError::Archive(format!("starting the compressor: {e}")))?;
     let result = cpu
         .compute()
         .map_err(|_| RewriteError::Stopped)
