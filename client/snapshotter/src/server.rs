@@ -1575,7 +1575,13 @@ pub async fn serve(
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
-    let accept_errors = LogThrottle::default();
+    let accept_errors = LogThrottle::new(|unlogged, window| {
+        tracing::warn!(
+            unlogged,
+            ?window,
+            "accepting connections failed: more than are logged one by one"
+        )
+    });
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -1585,7 +1591,7 @@ pub async fn serve(
                 Err(e) => {
                     // Out of descriptors or similar: keep serving the connections we
                     // have, and try again shortly rather than spinning.
-                    accept_errors.log("accepting connections failed", || {
+                    accept_errors.log(|| {
                         tracing::warn!(error = %e, "accepting a connection failed");
                     });
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1669,14 +1675,57 @@ pub async fn serve(
 
 /// A log line that can repeat once per failure (a descriptor error, a refused peer):
 /// the first [`LogThrottle::PER_WINDOW`] of every [`LogThrottle::WINDOW`] are logged,
-/// then one line says how many were not, so a peer cannot flood the log.
+/// then one line says how many were not, so a peer cannot flood the log. That line is
+/// written when the window ends (or at the next occurrence, or when the throttle is
+/// dropped, whichever comes first), by the caller's [`Summary`], under its target.
 pub struct LogThrottle {
-    state: Mutex<(std::time::Instant, u32, u32)>,
+    shared: Arc<Throttled>,
 }
 
-impl Default for LogThrottle {
-    fn default() -> Self {
-        LogThrottle::starting(std::time::Instant::now())
+/// Writes the line saying that `unlogged` occurrences in a window of `window` were not
+/// logged one by one.
+pub type Summary = fn(unlogged: u32, window: Duration);
+
+struct Throttled {
+    window: Mutex<Window>,
+    summary: Summary,
+}
+
+struct Window {
+    start: tokio::time::Instant,
+    logged: u32,
+    unlogged: u32,
+    /// A timer will write the summary of the window that opened at `start`.
+    armed: bool,
+}
+
+impl Throttled {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.window.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The count of the window opened at `start`, once it has ended, if not yet said.
+    fn ended(&self, start: tokio::time::Instant) {
+        let unlogged = {
+            let mut window = self.lock();
+            if window.start != start {
+                return;
+            }
+            window.armed = false;
+            std::mem::take(&mut window.unlogged)
+        };
+        if unlogged > 0 {
+            (self.summary)(unlogged, LogThrottle::WINDOW);
+        }
+    }
+}
+
+impl Drop for Throttled {
+    fn drop(&mut self) {
+        let unlogged = self.lock().unlogged;
+        if unlogged > 0 {
+            (self.summary)(unlogged, LogThrottle::WINDOW);
+        }
     }
 }
 
@@ -1684,38 +1733,73 @@ impl LogThrottle {
     pub const PER_WINDOW: u32 = 20;
     pub const WINDOW: Duration = Duration::from_secs(10);
 
+    /// A throttle whose summaries `summary` writes.
+    pub fn new(summary: Summary) -> LogThrottle {
+        LogThrottle::starting(tokio::time::Instant::now(), summary)
+    }
+
     /// A throttle whose first window opens at `start`.
-    pub fn starting(start: std::time::Instant) -> LogThrottle {
+    pub fn starting(start: tokio::time::Instant, summary: Summary) -> LogThrottle {
         LogThrottle {
-            state: Mutex::new((start, 0, 0)),
+            shared: Arc::new(Throttled {
+                window: Mutex::new(Window {
+                    start,
+                    logged: 0,
+                    unlogged: 0,
+                    armed: false,
+                }),
+                summary,
+            }),
         }
     }
 
     /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged (for the caller to say in one line).
-    pub fn note(&self, now: std::time::Instant) -> (bool, u32) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (start, logged, unlogged) = &mut *state;
+    /// that just ended left unlogged and no timer said (for the caller to say in one
+    /// line); if this one is not logged, when a timer should say the window's count.
+    fn note_at(&self, now: tokio::time::Instant) -> (bool, u32, Option<tokio::time::Instant>) {
+        let mut window = self.shared.lock();
         let mut ended_unlogged = 0;
-        if now.duration_since(*start) >= Self::WINDOW {
-            ended_unlogged = *unlogged;
-            (*start, *logged, *unlogged) = (now, 0, 0);
+        if now.duration_since(window.start) >= Self::WINDOW {
+            ended_unlogged = window.unlogged;
+            *window = Window {
+                start: now,
+                logged: 0,
+                unlogged: 0,
+                armed: false,
+            };
         }
-        if *logged < Self::PER_WINDOW {
-            *logged += 1;
-            (true, ended_unlogged)
-        } else {
-            *unlogged += 1;
-            (false, ended_unlogged)
+        if window.logged < Self::PER_WINDOW {
+            window.logged += 1;
+            return (true, ended_unlogged, None);
         }
+        window.unlogged += 1;
+        let timer = (!window.armed).then_some(window.start);
+        window.armed = true;
+        (false, ended_unlogged, timer)
     }
 
-    /// Logs with `line` within the budget, and the count of what the last window left
-    /// out as a warning `what`.
-    pub fn log(&self, what: &str, line: impl FnOnce()) {
-        let (own_line, unlogged) = self.note(std::time::Instant::now());
+    /// Whether this occurrence gets its own line, and how many occurrences the window
+    /// that just ended left unlogged (for the caller to say in one line).
+    pub fn note(&self, now: tokio::time::Instant) -> (bool, u32) {
+        let (own_line, unlogged, _) = self.note_at(now);
+        (own_line, unlogged)
+    }
+
+    /// Logs with `line` within the budget; the count of what a window left out is
+    /// written once it ends.
+    pub fn log(&self, line: impl FnOnce()) {
+        let (own_line, unlogged, timer) = self.note_at(tokio::time::Instant::now());
         if unlogged > 0 {
-            tracing::warn!(unlogged, window = ?Self::WINDOW, "{what}: more than are logged one by one");
+            (self.shared.summary)(unlogged, Self::WINDOW);
+        }
+        if let (Some(start), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current()) {
+            let shared = Arc::downgrade(&self.shared);
+            runtime.spawn(async move {
+                tokio::time::sleep_until(start + Self::WINDOW).await;
+                if let Some(shared) = shared.upgrade() {
+                    shared.ended(start);
+                }
+            });
         }
         if own_line {
             line();
