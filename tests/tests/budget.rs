@@ -1106,8 +1106,10 @@ fn a_batch_whose_own_answers_pass_the_unread_quota_is_answered_whole() {
     let socket = dir.path().join("run/agent.sock");
     let mut http = RawHttp::connect(&socket);
     let starts: Vec<Value> = (0..40)
-        .map(|n| json!({"jsonrpc": "2.0", "id": n, "method": "backup.start",
-                        "params": {"name": format!("backup-{n:04}"), "uid": format!("uid-{n}")}}))
+        .map(|n| {
+            json!({"jsonrpc": "2.0", "id": n, "method": "backup.start",
+                        "params": {"name": format!("backup-{n:04}"), "uid": format!("uid-{n}")}})
+        })
         .collect();
     let started = http.call(&Value::from(starts).to_string());
     assert_eq!(started.as_array().map(Vec::len), Some(40), "{started}");
@@ -1177,10 +1179,7 @@ fn refusals_not_logged_one_by_one_are_counted_in_the_log_once_they_stop() {
             n.parse::<usize>().unwrap()
         })
         .sum();
-    assert!(
-        own_lines <= 40,
-        "bounded lines: {own_lines}"
-    );
+    assert!(own_lines <= 40, "bounded lines: {own_lines}");
     assert_eq!(own_lines + unlogged, REFUSALS, "{log}");
     assert!(
         summaries.iter().all(|l| l.contains("opmon_agent::access")),

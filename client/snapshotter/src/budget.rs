@@ -51,7 +51,10 @@ impl Drop for Charge {
         drop(self.permit.take());
         // A uid that holds and awaits nothing more leaves the map.
         let mut held = self.of.lock();
-        if held.get(&self.uid).is_some_and(|s| Arc::strong_count(s) == 1) {
+        if held
+            .get(&self.uid)
+            .is_some_and(|s| Arc::strong_count(s) == 1)
+        {
             held.remove(&self.uid);
         }
     }
