@@ -104,7 +104,13 @@ impl PeerCheck {
                 per_uid,
                 max_connections as usize,
             ),
-            log: LogThrottle::default(),
+            log: LogThrottle::new(|unlogged, window| {
+                tracing::warn!(
+                    unlogged,
+                    ?window,
+                    "refused connections: more than are logged one by one"
+                )
+            }),
             metrics,
         }
     }
@@ -112,7 +118,7 @@ impl PeerCheck {
     /// Counts a refusal and logs it within the log's budget.
     fn refused(&self, line: impl FnOnce()) {
         self.metrics.refused();
-        self.log.log("refused connections", line);
+        self.log.log(line);
     }
 
     /// Whether a peer with `uid`, primary `gid` and supplementary groups (read only if
@@ -242,8 +248,8 @@ mod tests {
 
     #[test]
     fn refusals_past_the_budget_are_summed_up_once_the_window_ends() {
-        let start = std::time::Instant::now();
-        let log = LogThrottle::starting(start);
+        let start = tokio::time::Instant::now();
+        let log = LogThrottle::starting(start, |_, _| {});
         let own_lines = (0..LogThrottle::PER_WINDOW + 5)
             .filter(|_| log.note(start).0)
             .count();
@@ -251,6 +257,34 @@ mod tests {
         // The next window opens with the sum of the last one's unlogged refusals.
         assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 5));
         assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_windows_count_is_written_when_it_ends_though_no_refusal_follows() {
+        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+        static SAID: AtomicU32 = AtomicU32::new(0);
+        static AT_DROP: AtomicU32 = AtomicU32::new(0);
+        let log = LogThrottle::new(|unlogged, _| {
+            SAID.fetch_add(unlogged, SeqCst);
+        });
+        for _ in 0..LogThrottle::PER_WINDOW + 7 {
+            log.log(|| {});
+        }
+        assert_eq!(SAID.load(SeqCst), 0, "said before the window ended");
+        // The paused clock runs the window's timer, then this.
+        tokio::time::sleep(LogThrottle::WINDOW * 2).await;
+        assert_eq!(SAID.load(SeqCst), 7);
+
+        let log = LogThrottle::new(|unlogged, _| {
+            AT_DROP.fetch_add(unlogged, SeqCst);
+        });
+        for _ in 0..LogThrottle::PER_WINDOW + 3 {
+            log.log(|| {});
+        }
+        drop(log);
+        assert_eq!(AT_DROP.load(SeqCst), 3, "said when the throttle is dropped");
+        tokio::time::sleep(LogThrottle::WINDOW * 2).await;
+        assert_eq!(AT_DROP.load(SeqCst), 3, "and only once");
     }
 
     #[test]

@@ -201,14 +201,17 @@ settings! {
     /// own uid)
     max_finalizes_per_uid: u32 = 8, shown Shown::Value,
         check between(1, crate::filework::MAX_ADMITTED as u32);
-    /// calls one peer uid may have running at once (methods that mostly wait aside)
+    /// calls one peer uid may have running at once (methods that mostly wait aside; of
+    /// 64 in all, a quarter kept for root and the agent's own uid, and any other uid
+    /// runs at most a quarter of the rest, 12)
     max_calls_per_uid: u32 = 32, shown Shown::Value, check between(1, 4096);
     /// bytes of request bodies one peer uid may have being read or held by their calls
     /// (at least `max_request_size` is allowed)
     max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// bytes of answers one peer uid may have made and not yet read; past it its
-    /// listings and WebSocket calls wait for it to read and its batches stop
+    /// listings and WebSocket calls wait for it to read and its batches stop (a
+    /// batch's own answers do not count)
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
     /// or `"json"`

@@ -623,7 +623,13 @@ pub async fn serve_tcp(
 ) {
     let places = Arc::new(tokio::sync::Semaphore::new(TCP_CONNECTIONS));
     let connections = tokio_util::task::TaskTracker::new();
-    let accept_errors = opmon_snapshotter::server::LogThrottle::default();
+    let accept_errors = opmon_snapshotter::server::LogThrottle::new(|unlogged, window| {
+        tracing::warn!(
+            unlogged,
+            ?window,
+            "accepting metrics connections failed: more than are logged one by one"
+        )
+    });
     loop {
         let place = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -639,7 +645,7 @@ pub async fn serve_tcp(
                 Err(e) => {
                     // Out of descriptors, most likely: wait rather than spin, and say
                     // so within the throttle that the socket's listener uses too.
-                    accept_errors.log("accepting metrics connections failed", || {
+                    accept_errors.log(|| {
                         tracing::warn!(error = %e, "accepting a metrics connection failed");
                     });
                     tokio::time::sleep(Duration::from_millis(100)).await;

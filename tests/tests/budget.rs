@@ -1013,3 +1013,176 @@ fn a_finalize_whose_caller_hangs_up_still_completes_its_backup() {
     );
     assert!(storage.join("out/b.tar.gz").is_file());
 }
+
+/// Calls in flight are one more budget per peer: with the agent's writer held (another
+/// process holds the database's write lock, so every write waits), three other uids
+/// each holding as many calls as they can leave a fourth uid's call answered, and the
+/// held calls complete once the lock is let go. (Before, one uid took 32 of the 48
+/// places other uids share and a second the other 16: a third uid's call waited until
+/// the held writes failed on the lock's timeout.)
+#[test]
+fn other_uids_holding_every_call_they_may_leave_a_further_uid_answered() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(
+        dir.path(),
+        4096,
+        4096,
+        &["--allowed-uids", "64001,64002,64003,64004"],
+    ));
+    let socket = dir.path().join("run/agent.sock");
+    let mut http = RawHttp::connect(&socket);
+    http.call(&request("backup.start", json!({"name": "b0", "uid": "b0"})));
+    // The writer waits up to its busy timeout (10 s) for the lock: the test lets it go
+    // long before, and every held call then completes.
+    let script = "import sqlite3, sys\n\
+        db = sqlite3.connect(sys.argv[1], isolation_level=None)\n\
+        db.execute('BEGIN IMMEDIATE')\n\
+        print('locked', flush=True)\n\
+        sys.stdin.read()\n\
+        db.execute('ROLLBACK')\n";
+    let mut lock = Command::new("/usr/bin/python3")
+        .args(["-c", script])
+        .arg(dir.path().join("state/agent.db"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("running python3");
+    let mut line = String::new();
+    BufReader::new(lock.stdout.as_mut().expect("piped"))
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "locked");
+    let mut lock = Killed(lock);
+
+    let pid = agent_pid(&dir.path().join("state"));
+    let before = opmon_tests::raw::open_sockets(pid);
+    let mut holders: Vec<CallerAs> = (0..3)
+        .map(|n| {
+            let mut peer = CallerAs::start(64001 + n, &socket);
+            for call in 0..32 {
+                let name = format!("u{n}-{call}");
+                peer.send(&name, &start_with_id("1", &name));
+            }
+            peer
+        })
+        .collect();
+    // Their calls are in: the agent holds their connections.
+    opmon_tests::eventually(
+        "the agent holds the 96 calls' connections",
+        Duration::from_secs(60),
+        || opmon_tests::raw::open_sockets(pid) >= before + 96,
+    );
+    let mut further = CallerAs::start(64004, &socket);
+    further.send("get", &request("backup.get", json!({"name": "b0"})));
+    let (_, got) = further.answer();
+    assert_eq!(got["result"]["name"], json!("b0"), "{got}");
+
+    drop(lock.0.stdin.take());
+    let _ = lock.0.wait();
+    for holder in &mut holders {
+        for _ in 0..32 {
+            let (tag, answer) = holder.answer();
+            assert_eq!(answer["result"]["name"], json!(tag), "{tag}: {answer}");
+        }
+    }
+}
+
+/// A batch of listings whose own answers are over the uid's quota of unread bytes is
+/// answered whole: what it has made and not yet sent does not hold it back. (Before,
+/// it stopped at its second call with -32003 and its made answers were thrown away:
+/// such a batch could never succeed.)
+#[test]
+fn a_batch_whose_own_answers_pass_the_unread_quota_is_answered_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = Killed(agent_with_nofile(
+        dir.path(),
+        1024,
+        1024,
+        &["--max-unread-bytes-per-uid", "4096"],
+    ));
+    let socket = dir.path().join("run/agent.sock");
+    let mut http = RawHttp::connect(&socket);
+    let starts: Vec<Value> = (0..40)
+        .map(|n| {
+            json!({"jsonrpc": "2.0", "id": n, "method": "backup.start",
+                        "params": {"name": format!("backup-{n:04}"), "uid": format!("uid-{n}")}})
+        })
+        .collect();
+    let started = http.call(&Value::from(starts).to_string());
+    assert_eq!(started.as_array().map(Vec::len), Some(40), "{started}");
+    let list = http.call(&request("backup.list", json!({})));
+    assert!(
+        list.to_string().len() > 4096,
+        "one list is over the quota: {list}"
+    );
+    let lists: Vec<Value> = (0..10)
+        .map(|n| json!({"jsonrpc": "2.0", "id": n, "method": "backup.list", "params": {}}))
+        .collect();
+    let answered = http.call(&Value::from(lists).to_string());
+    let answers = answered.as_array().unwrap_or_else(|| panic!("{answered}"));
+    assert_eq!(answers.len(), 10);
+    for answer in answers {
+        assert_eq!(answer["result"], list["result"], "{answer}");
+    }
+}
+
+/// Refused peers' log lines are bounded, and what was not logged one by one is still
+/// counted in the log: after a flood of refusals that then stops, the log says how many
+/// were not logged (at the latest when the agent stops), under the agent's own target.
+/// (Before, the last window's count was never written if no refusal followed, and the
+/// count was logged as the server library's.)
+#[test]
+fn refusals_not_logged_one_by_one_are_counted_in_the_log_once_they_stop() {
+    if !opmon_tests::root_or_skip("to connect as a uid that is not allowed") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = agent_with_nofile(dir.path(), 1024, 1024, &[]);
+    let pid = agent_pid(&dir.path().join("state"));
+    let socket = dir.path().join("run/agent.sock");
+    const REFUSALS: usize = 60;
+    let script = "import socket, sys\n\
+        for _ in range(int(sys.argv[2])):\n\
+        \x20   s = socket.socket(socket.AF_UNIX)\n\
+        \x20   s.connect(sys.argv[1])\n\
+        \x20   s.sendall(b'POST / HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 2\\r\\n\\r\\n{}')\n\
+        \x20   assert b' 403 ' in s.recv(65536)\n\
+        \x20   s.close()\n";
+    let flood = Command::new("setpriv")
+        .args(["--reuid=64009", "--regid=64009", "--clear-groups"])
+        .args(["--", "/usr/bin/python3", "-c", script])
+        .arg(&socket)
+        .arg(REFUSALS.to_string())
+        .status()
+        .expect("running python3 as another uid");
+    assert!(flood.success());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let _ = agent.wait();
+    let log = std::fs::read_to_string(dir.path().join("agent.log")).unwrap();
+    let own_lines = log.matches("refused a connection").count();
+    let summaries: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("more than are logged one by one"))
+        .collect();
+    let unlogged: usize = summaries
+        .iter()
+        .map(|l| {
+            let (_, n) = l.split_once("unlogged=").expect("unlogged=N");
+            let n: String = n.chars().take_while(char::is_ascii_digit).collect();
+            n.parse::<usize>().unwrap()
+        })
+        .sum();
+    assert!(own_lines <= 40, "bounded lines: {own_lines}");
+    assert_eq!(own_lines + unlogged, REFUSALS, "{log}");
+    assert!(
+        summaries.iter().all(|l| l.contains("opmon_agent::access")),
+        "{summaries:?}"
+    );
+}

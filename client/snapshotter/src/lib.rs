@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod budget;
 pub mod server;
 mod store;
 pub mod traffic;

@@ -13,10 +13,11 @@
 //! The limits are jsonrpsee's own ([`ServeConfig`] names which) plus one budget per
 //! peer, the uid of the connection (SO_PEERCRED), charged by the `Guard` middleware
 //! and the stream each connection is served on:
-//! - calls running at once, per peer and in all (uids other than root and the agent's
-//!   own leave a quarter of the total to those two); a method declared as mostly
-//!   waiting (`methods::Decl::waits`) takes no place, and a batch takes one place per
-//!   call as it runs them one after another;
+//! - calls running at once: a [`Budget`] (`calls_per_peer` per peer of
+//!   `calls_in_flight`, a quarter kept for root and the process's own uid, one other
+//!   uid at most a quarter of the rest) whose places a call waits for; a method
+//!   declared as mostly waiting (`methods::Decl::waits`) takes no place, and a batch
+//!   takes one place per call as it runs them one after another;
 //! - request bytes: an HTTP body over [`SMALL_BODY`] is charged to its peer from before
 //!   it is read until its answer is made (so a waiting call holds its bytes, not a
 //!   read); any body, and any WebSocket message, must come whole within
@@ -30,7 +31,8 @@
 //!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
 //!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
 //!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
-//!   before its next call while the peer owes that much;
+//!   before its next call while the peer owes that much besides the batch's own
+//!   answers (which `max_batch_response_bytes` bounds);
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -73,6 +75,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
+
+use crate::budget::Budget;
 use tower::Service;
 
 /// Renders the page served at `GET /metrics`, given the request's `Accept` header:
@@ -129,9 +133,11 @@ pub struct ServeConfig {
     pub write_stall_timeout: Option<Duration>,
     /// An HTTP body not whole this long after its read began is answered with 408.
     pub request_body_timeout: Option<Duration>,
-    /// Calls running at once over all peers.
+    /// Calls running at once over all peers, of which uids other than root and the
+    /// process's own take at most three quarters.
     pub calls_in_flight: usize,
-    /// Calls running at once for one peer.
+    /// Calls running at once for one peer (for one other than root and the process's
+    /// own, at most a quarter of the others' share of `calls_in_flight`).
     pub calls_per_peer: usize,
     /// Calls one WebSocket connection may have unfinished before it is not read.
     pub calls_per_connection: usize,
@@ -409,8 +415,7 @@ const INVALID_ID: &str = "Invalid request: an id must be a string, an integer or
 
 /// What one peer (a uid) holds, against its quotas.
 struct Peer {
-    operator: bool,
-    calls: Arc<Semaphore>,
+    uid: u32,
     /// Listings being made (`LISTINGS_PER_PEER` at once).
     listings: Arc<Semaphore>,
     /// Request bytes being read or held by their calls, one permit a byte.
@@ -461,7 +466,6 @@ impl Peer {
 /// The peers with a connection open, by uid.
 struct Peers {
     by_uid: Mutex<HashMap<u32, Weak<Peer>>>,
-    own_uid: u32,
 }
 
 impl Peers {
@@ -476,8 +480,7 @@ impl Peers {
             .max(u64::from(config.max_request_body_size))
             .min(Semaphore::MAX_PERMITS as u64) as usize;
         let peer = Arc::new(Peer {
-            operator: uid == 0 || uid == self.own_uid,
-            calls: Arc::new(Semaphore::new(config.calls_per_peer.max(1))),
+            uid,
             listings: Arc::new(Semaphore::new(LISTINGS_PER_PEER)),
             request_bytes: Arc::new(Semaphore::new(bytes)),
             owed: AtomicU64::new(0),
@@ -1038,10 +1041,8 @@ struct Guard {
 
 struct Rules {
     methods: Methods,
-    /// Places among the calls in flight: `all` for everyone, `others` for uids other
-    /// than root and the agent's own, which are left the difference.
-    all: Arc<Semaphore>,
-    others: Arc<Semaphore>,
+    /// Places among the calls in flight, waited for.
+    calls: Budget,
     config: Arc<ServeConfig>,
 }
 
@@ -1057,30 +1058,32 @@ impl Rules {
     }
 
     /// Runs `call` of `conn`, declared `decl`, in a place among the calls in flight
-    /// (none if it waits). A listing takes its peer's turn, then waits until the peer
-    /// owes less than its quota: what one peer holds unread passes the quota by at most
-    /// [`LISTINGS_PER_PEER`] answers.
+    /// (none if it waits), the peer's share of them waited for. A listing takes its
+    /// peer's turn, then waits until the peer owes less than its quota, not counting
+    /// `own` bytes its batch has made: what one peer holds unread passes the quota by at
+    /// most [`LISTINGS_PER_PEER`] answers, or a batch's answer.
     async fn run(
         &self,
         inner: &RpcService,
         conn: &Connection,
         decl: Option<&Decl>,
         call: Request<'_>,
+        own: u64,
     ) -> MethodResponse {
         let peer = &conn.peer;
-        let mut places = Vec::with_capacity(4);
+        let mut listing = None;
+        let mut place = None;
         if !decl.is_some_and(|d| d.waits) {
             if decl.is_some_and(|d| d.grows) {
-                places.extend(peer.listings.clone().acquire_owned().await.ok());
-                peer.room(self.config.unread_bytes_per_peer, conn).await;
+                listing = peer.listings.clone().acquire_owned().await.ok();
+                let quota = self.config.unread_bytes_per_peer.saturating_add(own);
+                peer.room(quota, conn).await;
             }
-            places.extend(peer.calls.clone().acquire_owned().await.ok());
-            if !peer.operator {
-                places.extend(self.others.clone().acquire_owned().await.ok());
-            }
-            places.extend(self.all.clone().acquire_owned().await.ok());
+            place = Some(self.calls.acquire(Some(peer.uid)).await);
         }
-        inner.call(call).await
+        let response = inner.call(call).await;
+        drop((place, listing));
+        response
     }
 
     /// The error for calling `method` on `conn`, if it cannot be called so.
@@ -1254,14 +1257,15 @@ impl Guard {
             true => Some(conn.room().await),
             false => None,
         };
-        let response = rules.run(&inner, &conn, decl, request).await;
+        let response = rules.run(&inner, &conn, decl, request, 0).await;
         conn.owe(response.as_json().get().len());
         response
     }
 
     /// Runs a batch's calls one after another, each taking its place as it runs, and
     /// stops before its next call once its connection has ended, its answer would pass
-    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer`.
+    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer` besides
+    /// this batch's own answers.
     async fn charged_batch(self, mut requests: Batch<'_>) -> MethodResponse {
         let Guard { inner, rules } = self;
         let Some(conn) = requests.extensions().get::<Arc<Connection>>().cloned() else {
@@ -1299,12 +1303,15 @@ impl Guard {
                 stopped = Some(MethodResponse::notification());
                 break;
             }
+            // The batch's own answers, made and not yet sent, do not count: a batch
+            // whose answer is over the quota is bounded by `max_batch_response_bytes`.
+            let quota = rules.config.unread_bytes_per_peer;
             if let Some(owed) = conn
-                .over_quota(rules.config.unread_bytes_per_peer)
+                .over_quota(quota.saturating_add(charged as u64))
                 .filter(|_| charged > 0)
             {
                 let why = rules.over_quota(
-                    owed,
+                    owed - charged as u64,
                     &format!("this batch stopped at call {} of its {answered}", run + 1),
                 );
                 stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
@@ -1313,7 +1320,7 @@ impl Guard {
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
                     let decl = declared(call.method_name());
-                    rules.run(&inner, &conn, decl, call).await
+                    rules.run(&inner, &conn, decl, call, charged as u64).await
                 }
                 Ok(BatchEntry::Notification(n)) => {
                     notified = true;
@@ -1529,13 +1536,14 @@ pub async fn serve(
 ) {
     let methods: Methods = methods.into();
     let config = Arc::new(config);
-    let reserve = (config.calls_in_flight / 4).max(1);
     let rules = Arc::new(Rules {
         methods: methods.clone(),
-        all: Arc::new(Semaphore::new(config.calls_in_flight.max(1))),
-        others: Arc::new(Semaphore::new(
-            config.calls_in_flight.saturating_sub(reserve).max(1),
-        )),
+        calls: Budget::new(
+            "max_calls_per_uid",
+            "calls",
+            u32::try_from(config.calls_per_peer).unwrap_or(u32::MAX),
+            config.calls_in_flight,
+        ),
         config: config.clone(),
     });
     let guarded = RpcServiceBuilder::new().layer_fn(move |inner| Guard {
@@ -1563,12 +1571,17 @@ pub async fn serve(
     let ws_builder = stock(config.max_message_size.min(config.max_request_body_size));
     let peers = Peers {
         by_uid: Mutex::new(HashMap::new()),
-        own_uid: nix::unistd::geteuid().as_raw(),
     };
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
-    let accept_errors = LogThrottle::default();
+    let accept_errors = LogThrottle::new(|unlogged, window| {
+        tracing::warn!(
+            unlogged,
+            ?window,
+            "accepting connections failed: more than are logged one by one"
+        )
+    });
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -1578,7 +1591,7 @@ pub async fn serve(
                 Err(e) => {
                     // Out of descriptors or similar: keep serving the connections we
                     // have, and try again shortly rather than spinning.
-                    accept_errors.log("accepting connections failed", || {
+                    accept_errors.log(|| {
                         tracing::warn!(error = %e, "accepting a connection failed");
                     });
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1662,14 +1675,57 @@ pub async fn serve(
 
 /// A log line that can repeat once per failure (a descriptor error, a refused peer):
 /// the first [`LogThrottle::PER_WINDOW`] of every [`LogThrottle::WINDOW`] are logged,
-/// then one line says how many were not, so a peer cannot flood the log.
+/// then one line says how many were not, so a peer cannot flood the log. That line is
+/// written when the window ends (or at the next occurrence, or when the throttle is
+/// dropped, whichever comes first), by the caller's [`Summary`], under its target.
 pub struct LogThrottle {
-    state: Mutex<(std::time::Instant, u32, u32)>,
+    shared: Arc<Throttled>,
 }
 
-impl Default for LogThrottle {
-    fn default() -> Self {
-        LogThrottle::starting(std::time::Instant::now())
+/// Writes the line saying that `unlogged` occurrences in a window of `window` were not
+/// logged one by one.
+pub type Summary = fn(unlogged: u32, window: Duration);
+
+struct Throttled {
+    window: Mutex<Window>,
+    summary: Summary,
+}
+
+struct Window {
+    start: tokio::time::Instant,
+    logged: u32,
+    unlogged: u32,
+    /// A timer will write the summary of the window that opened at `start`.
+    armed: bool,
+}
+
+impl Throttled {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.window.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The count of the window opened at `start`, once it has ended, if not yet said.
+    fn ended(&self, start: tokio::time::Instant) {
+        let unlogged = {
+            let mut window = self.lock();
+            if window.start != start {
+                return;
+            }
+            window.armed = false;
+            std::mem::take(&mut window.unlogged)
+        };
+        if unlogged > 0 {
+            (self.summary)(unlogged, LogThrottle::WINDOW);
+        }
+    }
+}
+
+impl Drop for Throttled {
+    fn drop(&mut self) {
+        let unlogged = self.lock().unlogged;
+        if unlogged > 0 {
+            (self.summary)(unlogged, LogThrottle::WINDOW);
+        }
     }
 }
 
@@ -1677,38 +1733,73 @@ impl LogThrottle {
     pub const PER_WINDOW: u32 = 20;
     pub const WINDOW: Duration = Duration::from_secs(10);
 
+    /// A throttle whose summaries `summary` writes.
+    pub fn new(summary: Summary) -> LogThrottle {
+        LogThrottle::starting(tokio::time::Instant::now(), summary)
+    }
+
     /// A throttle whose first window opens at `start`.
-    pub fn starting(start: std::time::Instant) -> LogThrottle {
+    pub fn starting(start: tokio::time::Instant, summary: Summary) -> LogThrottle {
         LogThrottle {
-            state: Mutex::new((start, 0, 0)),
+            shared: Arc::new(Throttled {
+                window: Mutex::new(Window {
+                    start,
+                    logged: 0,
+                    unlogged: 0,
+                    armed: false,
+                }),
+                summary,
+            }),
         }
     }
 
     /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged (for the caller to say in one line).
-    pub fn note(&self, now: std::time::Instant) -> (bool, u32) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let (start, logged, unlogged) = &mut *state;
+    /// that just ended left unlogged and no timer said (for the caller to say in one
+    /// line); if this one is not logged, when a timer should say the window's count.
+    fn note_at(&self, now: tokio::time::Instant) -> (bool, u32, Option<tokio::time::Instant>) {
+        let mut window = self.shared.lock();
         let mut ended_unlogged = 0;
-        if now.duration_since(*start) >= Self::WINDOW {
-            ended_unlogged = *unlogged;
-            (*start, *logged, *unlogged) = (now, 0, 0);
+        if now.duration_since(window.start) >= Self::WINDOW {
+            ended_unlogged = window.unlogged;
+            *window = Window {
+                start: now,
+                logged: 0,
+                unlogged: 0,
+                armed: false,
+            };
         }
-        if *logged < Self::PER_WINDOW {
-            *logged += 1;
-            (true, ended_unlogged)
-        } else {
-            *unlogged += 1;
-            (false, ended_unlogged)
+        if window.logged < Self::PER_WINDOW {
+            window.logged += 1;
+            return (true, ended_unlogged, None);
         }
+        window.unlogged += 1;
+        let timer = (!window.armed).then_some(window.start);
+        window.armed = true;
+        (false, ended_unlogged, timer)
     }
 
-    /// Logs with `line` within the budget, and the count of what the last window left
-    /// out as a warning `what`.
-    pub fn log(&self, what: &str, line: impl FnOnce()) {
-        let (own_line, unlogged) = self.note(std::time::Instant::now());
+    /// Whether this occurrence gets its own line, and how many occurrences the window
+    /// that just ended left unlogged (for the caller to say in one line).
+    pub fn note(&self, now: tokio::time::Instant) -> (bool, u32) {
+        let (own_line, unlogged, _) = self.note_at(now);
+        (own_line, unlogged)
+    }
+
+    /// Logs with `line` within the budget; the count of what a window left out is
+    /// written once it ends.
+    pub fn log(&self, line: impl FnOnce()) {
+        let (own_line, unlogged, timer) = self.note_at(tokio::time::Instant::now());
         if unlogged > 0 {
-            tracing::warn!(unlogged, window = ?Self::WINDOW, "{what}: more than are logged one by one");
+            (self.shared.summary)(unlogged, Self::WINDOW);
+        }
+        if let (Some(start), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current()) {
+            let shared = Arc::downgrade(&self.shared);
+            runtime.spawn(async move {
+                tokio::time::sleep_until(start + Self::WINDOW).await;
+                if let Some(shared) = shared.upgrade() {
+                    shared.ended(start);
+                }
+            });
         }
         if own_line {
             line();
