@@ -25,7 +25,7 @@
 //!   temporary output still registered, even one whose thread is stuck in a system
 //!   call; nothing waits for such a thread, and the process's exit ends it.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::io;
@@ -137,18 +137,15 @@ impl Turns {
         Turns::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
     }
 
-    /// Waits for a turn of `uid`; `None` once `stop` is raised (and [`Turns::wake`]
+    /// Waits for a turn of `uid`; false once `stop` is raised (and [`Turns::wake`]
     /// called) before one came.
-    fn take(self: &Arc<Self>, uid: Option<u32>, stop: &AtomicBool) -> Option<Turn> {
+    fn take(&self, uid: Option<u32>, stop: &AtomicBool) -> bool {
         let granted = Arc::new(AtomicBool::new(false));
         {
             let mut state = lock(&self.state);
             if state.free > 0 {
                 state.give(uid);
-                return Some(Turn {
-                    turns: self.clone(),
-                    uid,
-                });
+                return true;
             }
             state
                 .peers
@@ -169,17 +166,24 @@ impl Turns {
                         peer.waiting.retain(|w| !Arc::ptr_eq(&w.granted, &granted));
                     }
                     state.forget_if_idle(uid);
-                    return None;
+                    return false;
                 }
             }
             if granted.load(Ordering::SeqCst) {
-                return Some(Turn {
-                    turns: self.clone(),
-                    uid,
-                });
+                return true;
             }
             std::thread::park();
         }
+    }
+
+    fn give_back(&self, uid: Option<u32>) {
+        let mut state = lock(&self.state);
+        state.free += 1;
+        if let Some(peer) = state.peers.get_mut(&uid) {
+            peer.held = peer.held.saturating_sub(1);
+        }
+        state.forget_if_idle(uid);
+        state.hand_out();
     }
 
     /// Wakes every waiting thread to look at its stop flag.
@@ -199,53 +203,35 @@ impl Turns {
     }
 }
 
-/// A turn held; given back when dropped.
-pub struct Turn {
-    turns: Arc<Turns>,
-    uid: Option<u32>,
-}
-
-impl Drop for Turn {
-    fn drop(&mut self) {
-        let mut state = lock(&self.turns.state);
-        state.free += 1;
-        if let Some(peer) = state.peers.get_mut(&self.uid) {
-            peer.held = peer.held.saturating_sub(1);
-        }
-        state.forget_if_idle(self.uid);
-        state.hand_out();
-    }
-}
-
 /// One thread's share of the CPU in a job: it computes only while [`Cpu::compute`] has
-/// given it a turn, and gives it back ([`Cpu::pause`]) before it waits.
+/// given it a turn, and gives it back ([`Cpu::pause`], or when dropped) before it waits.
 pub struct Cpu {
     turns: Arc<Turns>,
     uid: Option<u32>,
     stop: Arc<AtomicBool>,
-    turn: RefCell<Option<Turn>>,
+    holding: Cell<bool>,
 }
 
 impl Cpu {
+    fn new(turns: Arc<Turns>, uid: Option<u32>, stop: Arc<AtomicBool>) -> Cpu {
+        let holding = Cell::new(false);
+        Cpu {
+            turns,
+            uid,
+            stop,
+            holding,
+        }
+    }
+
     /// A thread with turns of its own, as many as the machine has, shared with no one
     /// (tools and tests); `stop` ends its waits.
     pub fn alone(stop: Arc<AtomicBool>) -> Cpu {
-        Cpu {
-            turns: Turns::of_machine(),
-            uid: None,
-            stop,
-            turn: RefCell::new(None),
-        }
+        Cpu::new(Turns::of_machine(), None, stop)
     }
 
     /// Another thread of the same job.
     pub fn for_thread(&self) -> Cpu {
-        Cpu {
-            turns: self.turns.clone(),
-            uid: self.uid,
-            stop: self.stop.clone(),
-            turn: RefCell::new(None),
-        }
+        Cpu::new(self.turns.clone(), self.uid, self.stop.clone())
     }
 
     /// Raised on the deadline or at shutdown.
@@ -256,26 +242,30 @@ impl Cpu {
     /// Holds a turn from now on, waiting for one if need be; an error once the job is
     /// stopped.
     pub fn compute(&self) -> io::Result<()> {
-        if self.turn.borrow().is_some() {
-            return Ok(());
+        if !self.holding.get() && !self.turns.take(self.uid, &self.stop) {
+            return Err(io::Error::other("stopped"));
         }
-        let turn = self
-            .turns
-            .take(self.uid, &self.stop)
-            .ok_or_else(|| io::Error::other("stopped"))?;
-        *self.turn.borrow_mut() = Some(turn);
+        self.holding.set(true);
         Ok(())
     }
 
     /// Gives the turn back: the thread is about to wait.
     pub fn pause(&self) {
-        self.turn.borrow_mut().take();
+        if self.holding.replace(false) {
+            self.turns.give_back(self.uid);
+        }
     }
 
     /// Gives the turn back and waits for the next: a peer waiting goes first.
     pub fn next_turn(&self) -> io::Result<()> {
         self.pause();
         self.compute()
+    }
+}
+
+impl Drop for Cpu {
+    fn drop(&mut self) {
+        self.pause();
     }
 }
 
@@ -294,12 +284,7 @@ pub struct JobContext {
 impl JobContext {
     /// The job thread's share of the CPU (its other threads take theirs from it).
     pub fn cpu(&self) -> Cpu {
-        Cpu {
-            turns: self.shared.turns.clone(),
-            uid: self.uid,
-            stop: self.stop.clone(),
-            turn: RefCell::new(None),
-        }
+        Cpu::new(self.shared.turns.clone(), self.uid, self.stop.clone())
     }
 
     /// Registers `temp` so shutdown removes it even if this job never returns.
@@ -457,14 +442,14 @@ mod tests {
     fn a_freed_turn_goes_to_the_uid_that_waited_without_one() {
         let turns = Turns::new(1);
         let never = Arc::new(AtomicBool::new(false));
-        let first = turns.take(Some(1), &never).unwrap();
+        assert!(turns.take(Some(1), &never));
         let order = Arc::new(Mutex::new(Vec::new()));
         let spawn = |uid: u32| {
             let (turns, never, order) = (turns.clone(), never.clone(), order.clone());
             std::thread::spawn(move || {
-                let turn = turns.take(Some(uid), &never).unwrap();
+                assert!(turns.take(Some(uid), &never));
                 lock(&order).push(uid);
-                drop(turn);
+                turns.give_back(Some(uid));
             })
         };
         let mut threads = Vec::new();
@@ -475,7 +460,7 @@ mod tests {
                 std::thread::yield_now();
             }
         }
-        drop(first);
+        turns.give_back(Some(1));
         for thread in threads {
             thread.join().unwrap();
         }
@@ -487,11 +472,11 @@ mod tests {
     fn a_stopped_job_stops_waiting_for_a_turn() {
         let turns = Turns::new(1);
         let never = AtomicBool::new(false);
-        let _held = turns.take(Some(1), &never).unwrap();
+        assert!(turns.take(Some(1), &never));
         let stop = Arc::new(AtomicBool::new(false));
         let waiting = {
             let (turns, stop) = (turns.clone(), stop.clone());
-            std::thread::spawn(move || turns.take(Some(2), &stop).is_none())
+            std::thread::spawn(move || !turns.take(Some(2), &stop))
         };
         while turns.waiting() == 0 {
             std::thread::yield_now();

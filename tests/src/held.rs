@@ -76,8 +76,9 @@ impl HeldFiles {
         let mut waiting = std::collections::HashSet::new();
         while waiting.len() < count {
             let line = self.next_line();
-            let name = line.strip_prefix("held ").expect("`held NAME`").to_string();
-            waiting.insert(name);
+            let name = line.strip_prefix("held ");
+            let name = name.unwrap_or_else(|| panic!("held-files.py said {line:?}"));
+            waiting.insert(name.to_string());
         }
     }
 
