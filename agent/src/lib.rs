@@ -305,7 +305,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
                 tracing::error!(error = %lost, "stopping: the database cannot be made durable");
             }
         }
-        stopper.stop_file_work();
+        stopper.stop_requests();
     };
     server::serve(
         listener,

@@ -147,6 +147,9 @@ pub struct ServeConfig {
     pub unread_bytes_per_peer: u64,
     /// Answer bytes one connection may have unwritten before it waits to run more.
     pub unread_bytes_per_connection: u64,
+    /// Once `shutdown` is done, how long calls in flight have to finish; the connections
+    /// of those still running are then closed without their answers.
+    pub stop_timeout: Duration,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
     /// If set, told of every answer: its method (`batch` for a batch) and its error code
@@ -177,6 +180,7 @@ impl Default for ServeConfig {
             request_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_connection: 1024 * 1024,
+            stop_timeout: Duration::from_secs(10),
             metrics: None,
             answered: None,
         }
@@ -1670,7 +1674,16 @@ pub async fn serve(
     drop(listener);
     let _ = server_handle.stop();
     connections.close();
-    connections.wait().await;
+    if tokio::time::timeout(config.stop_timeout, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = connections.len(),
+            "stopping: connections with calls still running after {}s are closed unanswered",
+            config.stop_timeout.as_secs()
+        );
+    }
 }
 
 /// A log line that can repeat once per failure (a descriptor error, a refused peer):
