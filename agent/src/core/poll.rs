@@ -158,15 +158,19 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
     let (t, next) = (&c.target, &c.next);
     match why {
         Why::RetryScheduled => {
-            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
-                operation = %t.operation_id, attempt = next.attempts,
-                reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
-                "transient error; retrying");
+            OPERATION_LINES.log((t.plugin.name.clone(), "retrying", ""), || {
+                tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                    operation = %t.operation_id, attempt = next.attempts,
+                    reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
+                    "transient error; retrying")
+            });
         }
         Why::Recovered => {
-            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
-                operation = %t.operation_id, attempts = next.attempts,
-                "answered again after transient errors");
+            OPERATION_LINES.log((t.plugin.name.clone(), "recovered", ""), || {
+                tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                    operation = %t.operation_id, attempts = next.attempts,
+                    "answered again after transient errors")
+            });
         }
         _ => {}
     }
@@ -226,7 +230,7 @@ impl Ended {
                 continue;
             }
             let by = if e.outcome == Outcome::Failed { e.by } else { "" };
-            ENDINGS.log((plugin.clone(), e.outcome.as_str(), by), || match e.outcome {
+            OPERATION_LINES.log((plugin.clone(), e.outcome.as_str(), by), || match e.outcome {
                 Outcome::Completed => {}
                 Outcome::Stalled => {
                     tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
@@ -246,15 +250,16 @@ impl Ended {
     }
 }
 
-/// The lines of operations that did not complete, per plugin, outcome and cause: one
-/// plugin's failures cannot silence another's, nor a flood of them fill the log.
-static ENDINGS: LazyLock<LogThrottles<(String, &'static str, &'static str)>> =
+/// The lines of operations retried, recovered or ended without completing, per plugin,
+/// outcome and cause: one plugin's failures cannot silence another's, nor a flood of
+/// them fill the log.
+static OPERATION_LINES: LazyLock<LogThrottles<(String, &'static str, &'static str)>> =
     LazyLock::new(|| {
         LogThrottles::new(|key: Option<&(String, _, &str)>, unlogged, window| match key {
             Some((plugin, outcome, by)) => tracing::warn!(%plugin, outcome, by, unlogged, ?window,
                 "{unlogged} more operations of plugin {plugin} {outcome} not logged one by one; their owners' events have them"),
             None => tracing::warn!(unlogged, ?window,
-                "{unlogged} more operations of other plugins ended not logged one by one; their owners' events have them"),
+                "{unlogged} more lines of operations of other plugins not logged one by one; their owners' events have them"),
         })
     });
 
