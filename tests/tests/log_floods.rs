@@ -58,11 +58,12 @@ fn a_plugin_flooding_stderr_is_logged_within_a_bound_with_a_count() {
 }
 
 /// 300 operations of a plugin nobody registered fail at once: a bounded number of
-/// "operation failed" lines, then one line with the count of the rest.
+/// "operation failed" lines, and one line with the count of the rest, written at the
+/// latest when the agent stops.
 #[test]
 fn operations_failing_for_one_cause_are_logged_within_a_bound_with_a_count() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &[]);
+    let mut agent = Agent::start(dir.path(), &[]);
     let mut http = RawHttp::connect(&agent.socket);
     let count = 300;
     let started = http.call(&request(
@@ -84,12 +85,15 @@ fn operations_failing_for_one_cause_are_logged_within_a_bound_with_a_count() {
     assert_eq!(added["result"]["added"], count, "{added}");
     let ended = http.call(&request("backup.endInProgress", json!({"name": "b1"})));
     assert!(ended.get("result").is_some(), "{ended}");
-    // The count is written when the throttle's window ends.
-    let log = eventually("the count of the failures not logged", LONG, || {
-        let log = agent.log_text();
-        log.contains("more operations of plugin example.io/nobody failed not logged one by one")
-            .then_some(log)
+    eventually("the operations fail", LONG, || {
+        let operations = http.call(&request("backup.operations", json!({"name": "b1"})));
+        let all = operations["result"].as_array().cloned().unwrap_or_default();
+        (all.len() == count && all.iter().all(|o| o["phase"] == "Failed")).then_some(())
     });
+    // The count not yet written when the agent stops is written as it stops.
+    drop(http);
+    assert!(agent.terminate().success());
+    let log = agent.log_text();
     let failed: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("operation failed") && l.contains("example.io/nobody"))
@@ -97,13 +101,9 @@ fn operations_failing_for_one_cause_are_logged_within_a_bound_with_a_count() {
     assert!(failed.len() <= BOUND, "{} failure lines", failed.len());
     let summaries: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("more operations of plugin example.io/nobody failed"))
+        .filter(|l| l.contains("more operations of plugin example.io/nobody failed not logged one by one"))
         .collect();
     assert_eq!(failed.len() + unlogged(&summaries), count, "{summaries:?}");
-    let operations = http.call(&request("backup.operations", json!({"name": "b1"})));
-    let all = operations["result"].as_array().cloned().unwrap_or_default();
-    assert_eq!(all.len(), count);
-    assert!(all.iter().all(|o| o["phase"] == "Failed"), "{operations}");
 }
 
 /// A command snapshotter that floods stderr and never answers: the call ends at its

@@ -786,6 +786,13 @@ impl Poller {
 }
 
 impl Core {
+    /// Writes the counts of operation and reachability lines not logged one by one yet,
+    /// once the sweeps have stopped.
+    pub fn write_log_counts(&self) {
+        OPERATION_LINES.flush();
+        REACHABILITY.flush();
+    }
+
     /// Commits polled changes and settles the waiting owners they touched.
     pub(super) async fn commit_sweep(&self, changes: Vec<OperationChange>) -> Result<(), Error> {
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.

@@ -160,6 +160,21 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> LogThrottles<K> {
         }
     }
 
+    /// Writes now the counts every key's window has left out so far (at shutdown, for a
+    /// throttle that is never dropped).
+    pub fn flush(&self) {
+        let counts: Vec<(Option<K>, u32)> = self
+            .shared
+            .lock()
+            .iter_mut()
+            .filter(|(_, w)| w.unlogged > 0)
+            .map(|(key, w)| (key.clone(), std::mem::take(&mut w.unlogged)))
+            .collect();
+        for (key, unlogged) in counts {
+            (self.shared.summary)(key.as_ref(), unlogged, LogThrottle::WINDOW);
+        }
+    }
+
     /// `key`'s lines have ended (a stream closed): the count its window left out is
     /// written now, and the key is forgotten.
     pub fn finish(&self, key: &K) {
