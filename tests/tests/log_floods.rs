@@ -20,7 +20,14 @@ fn request(method: &str, params: Value) -> String {
 fn unlogged(lines: &[&str]) -> usize {
     lines
         .iter()
-        .filter_map(|l| l.split("unlogged=").nth(1)?.split(' ').next()?.parse::<usize>().ok())
+        .filter_map(|l| {
+            l.split("unlogged=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
         .sum()
 }
 
@@ -44,7 +51,11 @@ fn a_plugin_flooding_stderr_is_logged_within_a_bound_with_a_count() {
         .lines()
         .filter(|l| l.contains("stream=\"stderr\"") && l.contains("velero_plugin=sh"))
         .collect();
-    assert!(own.len() <= BOUND, "{} lines of the plugin logged", own.len());
+    assert!(
+        own.len() <= BOUND,
+        "{} lines of the plugin logged",
+        own.len()
+    );
     let summaries: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("velero plugin sh's stderr not logged one by one"))
@@ -101,7 +112,9 @@ fn operations_failing_for_one_cause_are_logged_within_a_bound_with_a_count() {
     assert!(failed.len() <= BOUND, "{} failure lines", failed.len());
     let summaries: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("more operations of plugin example.io/nobody failed not logged one by one"))
+        .filter(|l| {
+            l.contains("more operations of plugin example.io/nobody failed not logged one by one")
+        })
         .collect();
     assert_eq!(failed.len() + unlogged(&summaries), count, "{summaries:?}");
 }

@@ -229,21 +229,27 @@ impl Ended {
                 tracing::debug!(%owner, %plugin, %operation, "operation completed");
                 continue;
             }
-            let by = if e.outcome == Outcome::Failed { e.by } else { "" };
-            OPERATION_LINES.log((plugin.clone(), e.outcome.as_str(), by), || match e.outcome {
-                Outcome::Completed => {}
-                Outcome::Stalled => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
-                }
-                Outcome::TimedOut => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
-                }
-                Outcome::Canceled => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
-                }
-                Outcome::Failed => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
+            let by = if e.outcome == Outcome::Failed {
+                e.by
+            } else {
+                ""
+            };
+            OPERATION_LINES.log((plugin.clone(), e.outcome.as_str(), by), || {
+                match e.outcome {
+                    Outcome::Completed => {}
+                    Outcome::Stalled => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+                    }
+                    Outcome::TimedOut => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+                    }
+                    Outcome::Canceled => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+                    }
+                    Outcome::Failed => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
                         "operation failed");
+                    }
                 }
             });
         }
@@ -255,24 +261,29 @@ impl Ended {
 /// them fill the log.
 static OPERATION_LINES: LazyLock<LogThrottles<(String, &'static str, &'static str)>> =
     LazyLock::new(|| {
-        LogThrottles::new(|key: Option<&(String, _, &str)>, unlogged, window| match key {
+        LogThrottles::new(|key: Option<&(String, _, &str)>, unlogged, window| {
+            match key {
             Some((plugin, outcome, by)) => tracing::warn!(%plugin, outcome, by, unlogged, ?window,
                 "{unlogged} more operations of plugin {plugin} {outcome} not logged one by one; their owners' events have them"),
             None => tracing::warn!(unlogged, ?window,
                 "{unlogged} more lines of operations of other plugins not logged one by one; their owners' events have them"),
+        }
         })
     });
 
 /// A snapshotter's reachability changes, per plugin: one that flaps cannot fill the log.
 static REACHABILITY: LazyLock<LogThrottles<String>> = LazyLock::new(|| {
     LogThrottles::new(|plugin: Option<&String>, unlogged, window| {
-        tracing::warn!(snapshotter = plugin.map_or("(others)", String::as_str), unlogged, ?window,
-            "{unlogged} more changes of reachability not logged one by one")
+        tracing::warn!(
+            snapshotter = plugin.map_or("(others)", String::as_str),
+            unlogged,
+            ?window,
+            "{unlogged} more changes of reachability not logged one by one"
+        )
     })
 });
 
-impl Ended {
-}
+impl Ended {}
 
 /// The events of a polled operation's change: what a limit decided (a deadline passed,
 /// a retry scheduled or spent, a recovery), and the phase change unless the limit's

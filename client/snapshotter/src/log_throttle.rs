@@ -145,8 +145,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> LogThrottles<K> {
         if unlogged > 0 {
             (self.shared.summary)(Some(&shown), unlogged, LogThrottle::WINDOW);
         }
-        if let (Some((slot, start)), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current())
-        {
+        if let (Some((slot, start)), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current()) {
             let shared = Arc::downgrade(&self.shared);
             runtime.spawn(async move {
                 tokio::time::sleep_until(start + LogThrottle::WINDOW).await;
@@ -206,9 +205,8 @@ impl LogThrottle {
 
     /// A throttle whose first window opens at `start`.
     pub fn starting(start: Instant, summary: Summary) -> LogThrottle {
-        let inner = LogThrottles::new(move |_: Option<&()>, unlogged, window| {
-            summary(unlogged, window)
-        });
+        let inner =
+            LogThrottles::new(move |_: Option<&()>, unlogged, window| summary(unlogged, window));
         inner.shared.lock().insert(Some(()), Window::at(start));
         LogThrottle { inner }
     }

@@ -578,8 +578,7 @@ impl Output {
             return;
         }
         self.last.push(text);
-        self.log
-            .log(stream, || log_line(&self.label, stream, text));
+        self.log.log(stream, || log_line(&self.label, stream, text));
     }
 }
 
