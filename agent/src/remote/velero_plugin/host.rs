@@ -235,6 +235,16 @@ impl Host {
         state.last_error = why;
     }
 
+    /// Where its `stream` goes: the log, and `last`.
+    fn output(&self, stream: &'static str, last: &LastLines) -> Output {
+        Output {
+            label: self.label.clone(),
+            stream,
+            log: self.log.clone(),
+            last: last.clone(),
+        }
+    }
+
     /// Starts the binary and connects to it.
     async fn start(&self, output: &LastLines) -> Result<Running, String> {
         let mut command = tokio::process::Command::new(&self.key.path);
@@ -272,12 +282,7 @@ impl Host {
         let pid = child.id().ok_or_else(|| "it exited at once".to_string())?;
         let group = Group(nix::unistd::Pid::from_raw(pid as i32));
         let stderr = child.stderr.take().map(|stderr| {
-            let out = Output {
-                label: self.label.clone(),
-                stream: "stderr",
-                log: self.log.clone(),
-                last: output.clone(),
-            };
+            let out = self.output("stderr", output);
             tokio::spawn(out.log_lines(stderr))
         });
         let Some(stdout) = child.stdout.take() else {
@@ -306,12 +311,7 @@ impl Host {
         }
         // Whatever it prints later is drained into the log, so it never blocks on a full
         // pipe (go-plugin 1.0 plugins write there directly).
-        let out = Output {
-            label: self.label.clone(),
-            stream: "stdout",
-            log: self.log.clone(),
-            last: output.clone(),
-        };
+        let out = self.output("stdout", output);
         tokio::spawn(out.log_lines(stdout));
         let address = handshake(&String::from_utf8_lossy(&line))?;
         let socket = SocketFile(match &address {
@@ -319,12 +319,7 @@ impl Host {
             Address::Tcp(_) => None,
         });
         let channel = connect(address).await?;
-        let out = Output {
-            label: self.label.clone(),
-            stream: "stderr",
-            log: self.log.clone(),
-            last: output.clone(),
-        };
+        let out = self.output("stderr", output);
         tokio::spawn(stream_stdio(out, channel.clone()));
         let served = list_plugins(channel.clone()).await?;
         let exited = Arc::new(AtomicBool::new(false));
