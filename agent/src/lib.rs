@@ -322,6 +322,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     stop_metrics.cancel();
     core.stop();
     let _ = background.await;
+    core.write_log_counts();
     if !activated {
         let _ = std::fs::remove_file(&settings.socket);
     }
