@@ -665,6 +665,9 @@ impl Drop for Running {
 struct Metered {
     inner: UnixStream,
     conn: Arc<Connection>,
+    /// The admission's ticket: held as long as the stream, which outlives hyper's
+    /// connection once it is upgraded to a WebSocket.
+    _ticket: Box<dyn Send>,
     idle: Option<Duration>,
     stall: Option<Duration>,
     /// One timer for the idle timeout, moved on lazily from the last read (a timer per
@@ -1637,6 +1640,7 @@ pub async fn serve(
         let stream = Metered {
             inner: stream,
             conn: conn.clone(),
+            _ticket: Box::new(ticket),
             idle: config.idle_timeout,
             stall: config.write_stall_timeout,
             idle_at: None,
@@ -1665,7 +1669,6 @@ pub async fn serve(
         });
         let stopped = stop_handle.clone().shutdown();
         connections.spawn(async move {
-            let _ticket = ticket;
             if let Err(e) = serve_with_graceful_shutdown(stream, service, stopped).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
