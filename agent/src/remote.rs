@@ -171,25 +171,58 @@ impl Call for OperationRef {
 }
 
 impl Caller {
-    /// Progress of each operation, in order.
-    pub async fn progress<C: Call>(&self, ops: &[C]) -> Vec<Answer<OperationProgress>> {
-        match self {
-            Caller::Socket(s) => s.progress(ops).await,
-            Caller::Refused(why) => ops
-                .iter()
-                .map(|_| Err(CallError::Answered(why.clone())))
-                .collect(),
-            Caller::VeleroPlugin(v) => v.progress(ops).await,
-            Caller::Command(c) => {
-                // Indices rather than references keep the stream's closure free of
-                // higher-ranked lifetimes, so the future stays Send.
-                stream::iter(0..ops.len())
-                    .map(|i| c.progress(ops[i].to_ref()))
-                    .buffered(c.settings.command_concurrency.max(1))
+    /// Progress of each operation, in order. Calls still unanswered at `deadline` (if
+    /// any) are abandoned and answered unreachable, saying so: the caller's wait has a
+    /// bound whatever the snapshotter does.
+    pub async fn progress<C: Call>(
+        &self,
+        ops: &[C],
+        deadline: Option<tokio::time::Instant>,
+    ) -> Vec<Answer<OperationProgress>> {
+        // Each piece of work answers for the ops from its start index on.
+        let mut pieces = match self {
+            Caller::Refused(why) => {
+                return ops
+                    .iter()
+                    .map(|_| Err(CallError::Answered(why.clone())))
                     .collect()
-                    .await
+            }
+            Caller::Socket(s) => s.progress(ops),
+            Caller::VeleroPlugin(v) => {
+                stream::once(async move { (0, v.progress(ops).await) }).boxed()
+            }
+            // Indices rather than references keep the stream's closure free of
+            // higher-ranked lifetimes, so the future stays Send.
+            Caller::Command(c) => stream::iter(0..ops.len())
+                .map(move |i| async move { (i, vec![c.progress(ops[i].to_ref()).await]) })
+                .buffer_unordered(c.settings.command_concurrency.max(1))
+                .boxed(),
+        };
+        let mut answers: Vec<Option<Answer<OperationProgress>>> =
+            ops.iter().map(|_| None).collect();
+        loop {
+            let next = match deadline {
+                Some(at) => tokio::time::timeout_at(at, pieces.next()).await.ok().flatten(),
+                None => pieces.next().await,
+            };
+            let Some((start, piece)) = next else { break };
+            for (slot, answer) in answers[start..].iter_mut().zip(piece) {
+                *slot = Some(answer);
             }
         }
+        // The plugin's name is its snapshotter's.
+        answers
+            .into_iter()
+            .zip(ops)
+            .map(|(a, op)| {
+                a.unwrap_or_else(|| {
+                    Err(CallError::Unreachable(format!(
+                        "snapshotter {} did not answer before the call's deadline",
+                        op.plugin().name
+                    )))
+                })
+            })
+            .collect()
     }
 
     /// Asks the snapshotter to cancel each of `ops`, as Progress is asked (batches to a
@@ -386,32 +419,31 @@ impl ErrorEntry {
 }
 
 impl SocketRemote {
-    async fn progress<C: Call>(&self, ops: &[C]) -> Vec<Answer<OperationProgress>> {
+    /// Progress batches of `ops`, each with the index of its first op.
+    fn progress<'a, C: Call>(
+        &'a self,
+        ops: &'a [C],
+    ) -> futures::stream::BoxStream<'a, (usize, Vec<Answer<OperationProgress>>)> {
         let size = self.settings.batch_size.max(1);
-        let parse = |raw: &RawValue| {
-            serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
-                CallError::Answered(format!(
-                    "snapshotter {} answered an invalid progress: {e}",
-                    self.name
-                ))
+        stream::iter((0..ops.len()).step_by(size))
+            .map(move |start| async move {
+                let parse = |raw: &RawValue| {
+                    serde_json::from_str::<OperationProgress>(raw.get()).map_err(|e| {
+                        CallError::Answered(format!(
+                            "snapshotter {} answered an invalid progress: {e}",
+                            self.name
+                        ))
+                    })
+                };
+                let end = (start + size).min(ops.len());
+                (
+                    start,
+                    self.batch("operation.progress", &ops[start..end], parse)
+                        .await,
+                )
             })
-        };
-        let answers: Vec<Vec<Answer<OperationProgress>>> =
-            stream::iter((0..ops.len()).step_by(size))
-                .map(|start| {
-                    self.batch(
-                        "operation.progress",
-                        &ops[start..(start + size).min(ops.len())],
-                        parse,
-                    )
-                })
-                .buffered(self.settings.socket_concurrency.max(1))
-                .collect()
-                .await;
-        // Sized once: a flattened iterator cannot say how long it is.
-        let mut all = Vec::with_capacity(ops.len());
-        answers.into_iter().for_each(|batch| all.extend(batch));
-        all
+            .buffer_unordered(self.settings.socket_concurrency.max(1))
+            .boxed()
     }
 
     /// Sends one JSON-RPC batch of `method` for `ops`; one answer per op, in order.

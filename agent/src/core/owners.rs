@@ -235,7 +235,11 @@ impl Core {
                 Ok::<_, Error>((row, targets))
             })
             .await?;
-        let changes = self.poller.poll(targets).await;
+        // One call deadline in all: a snapshotter that does not answer leaves its
+        // operations unfinished, saying so in `lastError`, for the sweep to poll on;
+        // it never holds the owner in InProgress.
+        let deadline = tokio::time::Instant::now() + self.poller.calls.deadline;
+        let changes = self.poller.poll(targets, Some(deadline)).await;
         let changed: Vec<i64> = changes.iter().map(|c| c.target.row).collect();
         let now = UnixMs::now();
         let (owner, ended) = self

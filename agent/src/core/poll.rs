@@ -544,11 +544,15 @@ impl Poller {
 
     /// Polls `targets` once and returns what changed. Cancel has been called (and has
     /// answered or run out of time) for every change that needs it.
-    pub async fn poll(&self, targets: Vec<PollTarget>) -> Vec<OperationChange> {
+    pub async fn poll(
+        &self,
+        targets: Vec<PollTarget>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Vec<OperationChange> {
         let groups = by_plugin(targets);
         let polls = groups
             .into_iter()
-            .map(|(plugin, group)| async move { self.poll_group(&plugin, group).await });
+            .map(|(plugin, group)| async move { self.poll_until(&plugin, group, deadline).await });
         futures::future::join_all(polls)
             .await
             .into_iter()
@@ -559,6 +563,17 @@ impl Poller {
     /// Polls the operations of one plugin. Operations backing off after a transient
     /// error are left out until their next attempt is due.
     pub async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<OperationChange> {
+        self.poll_until(plugin, targets, None).await
+    }
+
+    /// [`Poller::poll_group`], its calls still unanswered at `deadline` counted as
+    /// unreachable.
+    async fn poll_until(
+        &self,
+        plugin: &str,
+        targets: Vec<PollTarget>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Vec<OperationChange> {
         let due = UnixMs::now().ms();
         let targets: Vec<PollTarget> = if targets
             .iter()
@@ -591,7 +606,7 @@ impl Poller {
                 let runs = by_object_bytes(&targets);
                 let mut answers = Vec::with_capacity(targets.len());
                 futures::future::join_all(
-                    runs.into_iter().map(|run| remote.progress(&targets[run])),
+                    runs.into_iter().map(|run| remote.progress(&targets[run], deadline)),
                 )
                 .await
                 .into_iter()
