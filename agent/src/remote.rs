@@ -24,7 +24,7 @@ use std::time::Duration;
 use crate::sync::{lock, read, write};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use opmon_client::{
@@ -41,6 +41,96 @@ pub use command::{CommandRemote, COMMAND_PATH, MAX_STDOUT, STDERR_TAIL};
 const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Kept-alive connections per socket snapshotter.
 const POOL_SIZE: usize = 8;
+/// Answer bytes held are charged in units of this size.
+const ANSWER_UNIT: usize = 1 << 20;
+/// Units of answer bytes held at once over all snapshotters: 16 answers of the largest
+/// size. Uids other than root and the agent's own share three quarters, one of them at
+/// most a quarter of that (48 MiB: three of the largest answers).
+const ANSWER_UNITS: usize = 256;
+/// What [`crate::budget::Budget`] leaves of [`ANSWER_UNITS`] to uids other than the
+/// operator's, and to one of them: for messages.
+const ANSWER_UNITS_OF_PEERS: usize = ANSWER_UNITS - ANSWER_UNITS / 4;
+const ANSWER_UNITS_OF_A_PEER: usize = ANSWER_UNITS_OF_PEERS / 4;
+
+/// Room for the bytes of snapshotters' answers while they are read: each answer is
+/// charged, as it arrives, to the uid that registered its snapshotter (the agent's own
+/// for the config file's; none for those stored before a restart) and to one total.
+#[derive(Clone)]
+pub struct AnswerRoom {
+    budget: Arc<crate::budget::Budget>,
+    uid: Option<u32>,
+}
+
+impl Default for AnswerRoom {
+    fn default() -> Self {
+        AnswerRoom {
+            budget: Arc::new(crate::budget::Budget::new(
+                "the agent's room for snapshotters' answers",
+                "MiB of snapshotters' answers",
+                ANSWER_UNITS as u32,
+                ANSWER_UNITS,
+            )),
+            uid: None,
+        }
+    }
+}
+
+impl AnswerRoom {
+    /// The same room, charging `uid`.
+    pub fn charging(&self, uid: Option<u32>) -> AnswerRoom {
+        AnswerRoom {
+            budget: self.budget.clone(),
+            uid,
+        }
+    }
+
+    /// Room for an answer as it arrives, charged in units as its bytes come
+    /// ([`Held::grow`]). Nothing waits for room: an answer that finds none fails its
+    /// call, giving back what it held, and is asked for again at the next poll, so
+    /// that answers half read cannot hold each other (or the calls behind them) up.
+    fn begin(&self) -> Held {
+        Held {
+            room: self.clone(),
+            units: Vec::new(),
+        }
+    }
+}
+
+/// The units an answer being read holds; given back when dropped.
+struct Held {
+    room: AnswerRoom,
+    units: Vec<crate::budget::Held>,
+}
+
+impl Held {
+    /// Makes room for `len` bytes in all, or says whose room is full.
+    fn grow(&mut self, len: usize) -> Result<(), String> {
+        while self.units.len() * ANSWER_UNIT < len.max(1) {
+            let unit = self.room.budget.take(self.room.uid).map_err(|_| {
+                let whose = match self.room.uid {
+                    Some(uid) if !crate::budget::is_operator(uid) => format!(
+                        "the room for answers of snapshotters uid {uid} registered \
+                         ({ANSWER_UNITS_OF_A_PEER} MiB) or for those of all uids other than \
+                         root and the agent's own ({ANSWER_UNITS_OF_PEERS} MiB)"
+                    ),
+                    _ => format!("the agent's room for snapshotters' answers ({ANSWER_UNITS} MiB)"),
+                };
+                format!(
+                    "its answer of {len} bytes so far found no room: {whose} is held by \
+                     answers being read; asked again at the next poll"
+                )
+            })?;
+            self.units.push(unit);
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Held({} MiB of uid {:?})", self.units.len(), self.room.uid)
+    }
+}
 
 /// Tuning shared by all snapshotters.
 #[derive(Clone, Debug)]
@@ -103,7 +193,12 @@ pub enum Caller {
 
 impl Remote {
     pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
-        Remote::with_hosts(s, settings, &velero_plugin::Hosts::default())
+        Remote::with_hosts(
+            s,
+            settings,
+            &velero_plugin::Hosts::default(),
+            AnswerRoom::default(),
+        )
     }
 
     /// As [`Remote::new`], a Velero plugin sharing the process of `hosts` that runs its
@@ -112,6 +207,7 @@ impl Remote {
         s: &Snapshotter,
         settings: &CallSettings,
         hosts: &velero_plugin::Hosts,
+        room: AnswerRoom,
     ) -> Remote {
         if let (ApiVersion::V2, Some(host)) = (s.api_version, hosts.of(s)) {
             return Remote::Called(Caller::VeleroPlugin(velero_plugin::VeleroRemote::new(
@@ -126,12 +222,14 @@ impl Remote {
                 pool: Mutex::new(Vec::new()),
                 settings: settings.clone(),
                 in_flight: Semaphore::new(settings.socket_concurrency.max(1)),
+                room,
             })),
             (_, None, command) => Remote::Called(Caller::Command(CommandRemote {
                 name: s.name.clone(),
                 argv: command.clone().unwrap_or_default(),
                 settings: settings.clone(),
                 running: Semaphore::new(settings.command_concurrency.max(1)),
+                room,
             })),
         }
     }
@@ -285,6 +383,7 @@ pub struct SocketRemote {
     pool: Mutex<Vec<SendRequest<Full<Bytes>>>>,
     settings: CallSettings,
     in_flight: Semaphore,
+    room: AnswerRoom,
 }
 
 #[derive(Deserialize)]
@@ -467,7 +566,7 @@ impl SocketRemote {
         )
         .await
         {
-            Ok(Ok(bytes)) => bytes,
+            Ok(Ok(answer)) => answer,
             Ok(Err(e)) => return ops.iter().map(|_| Err(e.clone())).collect(),
             Err(_) => {
                 let e = CallError::Unreachable(format!(
@@ -478,6 +577,8 @@ impl SocketRemote {
                 return ops.iter().map(|_| Err(e.clone())).collect();
             }
         };
+        // Decoding reads the answer in place, its room held until it is done.
+        let (response, _held) = response;
         self.decode_batch(&response, ops.len(), parse)
     }
 
@@ -623,7 +724,9 @@ impl SocketRemote {
     }
 
     /// POSTs `body` to `/`, reusing a pooled connection when one is idle.
-    async fn post(&self, body: Bytes) -> Result<Bytes, CallError> {
+    /// POSTs `body` to `/`, reusing a pooled connection when one is idle; the answer
+    /// comes with the room it holds.
+    async fn post(&self, body: Bytes) -> Result<(Bytes, Held), CallError> {
         let pooled = lock(&self.pool).pop();
         let mut sender = match pooled {
             Some(s) if !s.is_closed() => s,
@@ -652,22 +755,37 @@ impl SocketRemote {
             .await
             .map_err(|e| unreachable(&e))?;
         let status = response.status();
-        let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some()
-                {
-                    CallError::Answered(format!(
-                        "snapshotter {} answered more than {MAX_RESPONSE_BYTES} bytes",
-                        self.name
-                    ))
-                } else {
-                    unreachable(&format!("reading the answer: {e}"))
+        let too_much = || {
+            CallError::Answered(format!(
+                "snapshotter {} answered more than {MAX_RESPONSE_BYTES} bytes",
+                self.name
+            ))
+        };
+        // The answer's bytes are charged as they arrive; a length said up front is
+        // charged before any is read.
+        let mut held = self.room.begin();
+        let said = response
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        if said.is_some_and(|len| len > MAX_RESPONSE_BYTES) {
+            return Err(too_much());
+        }
+        let full = |e: String| CallError::Unreachable(format!("snapshotter {}: {e}", self.name));
+        held.grow(said.unwrap_or(0)).map_err(full)?;
+        let mut body = response.into_body();
+        let mut bytes = Vec::with_capacity(said.unwrap_or(0));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| unreachable(&format!("reading the answer: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if bytes.len() + data.len() > MAX_RESPONSE_BYTES {
+                    return Err(too_much());
                 }
-            })?
-            .to_bytes();
+                held.grow(bytes.len() + data.len()).map_err(full)?;
+                bytes.extend_from_slice(&data);
+            }
+        }
+        let bytes = Bytes::from(bytes);
         if !sender.is_closed() {
             {
                 let mut pool = lock(&self.pool);
@@ -686,7 +804,7 @@ impl SocketRemote {
                 format!("HTTP status {status}: {said}")
             }));
         }
-        Ok(bytes)
+        Ok((bytes, held))
     }
 
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, CallError> {
@@ -806,6 +924,8 @@ pub struct Registry {
     policies: std::sync::RwLock<std::collections::HashMap<String, Policy>>,
     /// Velero plugin binaries, one process each however many snapshotters name them.
     hosts: velero_plugin::Hosts,
+    /// The room all snapshotters' answers share.
+    room: AnswerRoom,
 }
 
 impl Registry {
@@ -821,14 +941,24 @@ impl Registry {
             .unwrap_or_default()
     }
 
+    /// Registers `s` as stored: who registered it is not known after a restart, so its
+    /// answers are charged to no uid (within the share of uids other than the agent's).
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
-        self.put(s, self.build(s, settings));
+        let remote = Remote::with_hosts(s, settings, &self.hosts, self.room.charging(None));
+        self.put(s, Arc::new(remote));
     }
 
     /// The remote `s` would be, its Velero plugin's process shared with the snapshotters
-    /// registered; [`Registry::put`] registers it.
-    pub fn build(&self, s: &Snapshotter, settings: &CallSettings) -> Arc<Remote> {
-        Arc::new(Remote::with_hosts(s, settings, &self.hosts))
+    /// registered, its answers charged to `uid` (the one registering it; `None`: the
+    /// agent's own); [`Registry::put`] registers it.
+    pub fn build(&self, s: &Snapshotter, settings: &CallSettings, uid: Option<u32>) -> Arc<Remote> {
+        let uid = uid.unwrap_or_else(|| nix::unistd::geteuid().as_raw());
+        Arc::new(Remote::with_hosts(
+            s,
+            settings,
+            &self.hosts,
+            self.room.charging(Some(uid)),
+        ))
     }
 
     pub fn put(&self, s: &Snapshotter, remote: Arc<Remote>) {
@@ -1021,6 +1151,7 @@ mod tests {
                 command_concurrency: 1,
             },
             in_flight: Semaphore::new(1),
+            room: AnswerRoom::default(),
         }
     }
 

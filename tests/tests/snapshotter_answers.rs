@@ -2,10 +2,17 @@
 //! the real agent and real snapshotters on real sockets: a silent snapshotter does not
 //! hold `endInProgress`, and fat answers of a peer's snapshotters are held to a bound.
 
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use opmon_client::{OperationPhase, OwnerPhase, WaitUntil};
-use opmon_tests::{operation, Fixture, PLUGIN};
+use opmon_tests::held::CallerAs;
+use opmon_tests::raw::status_bytes;
+use opmon_tests::{operation, Agent, Fixture, Steps, PLUGIN};
+use serde_json::json;
 
 /// A snapshotter that takes every call and never answers (the fixture's, while its
 /// `HANG` gate exists) holds `endInProgress` one call deadline, not one per round of
@@ -40,4 +47,69 @@ async fn a_silent_snapshotter_does_not_hold_end_in_progress() {
     std::fs::remove_file(f.gates.join("HANG")).unwrap();
     let owner = backup.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
+}
+
+/// Snapshotters a peer registered answer valid JSON padded to 15 MiB, each holding its
+/// last byte until all of them are sent but that byte (or cut off): an agent that held
+/// every answer whole would hold 16 × 15 MiB at once. The answers are charged to the
+/// peer's uid and a total, so the agent's peak stays far under that, and the operations
+/// still complete, a few answers at a time.
+#[tokio::test]
+async fn fat_answers_of_a_peers_snapshotters_are_held_to_its_share() {
+    if !nix::unistd::geteuid().is_root() {
+        assert!(std::env::var_os("CI").is_none(), "must run as root in CI");
+        eprintln!("skipped: needs root to register snapshotters as another uid");
+        return;
+    }
+    const COUNT: usize = 16;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("snapshotters/fat-answers.py");
+    let mut snapshotters = Command::new("/usr/bin/python3")
+        .arg(script)
+        .arg(dir.path())
+        .arg(COUNT.to_string())
+        .arg("15")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("running tests/snapshotters/fat-answers.py");
+    let mut ready = String::new();
+    BufReader::new(snapshotters.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let agent = Agent::start_untraced(
+        dir.path(),
+        &["--allowed-uids", "64001", "--socket-mode", "0666"],
+    );
+    let socket = dir.path().join("run/agent.sock");
+    std::fs::set_permissions(
+        dir.path().join("run"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let mut peer = CallerAs::start(64001, &socket);
+    for i in 0..COUNT {
+        let register = json!({"jsonrpc": "2.0", "id": i, "method": "snapshotter.register",
+            "params": {"name": format!("example.io/fat-{i}"), "apiVersion": "v2",
+                "socket": dir.path().join(format!("fat-{i}.sock"))}});
+        peer.send(&i.to_string(), &register.to_string());
+    }
+    for _ in 0..COUNT {
+        let (tag, answer) = peer.answer();
+        assert!(answer["result"].is_object(), "{tag}: {answer}");
+    }
+    let client = agent.client().await;
+    let ops = (0..COUNT).map(|i| operation(&format!("example.io/fat-{i}"), "op", "a", &[]));
+    let backup = Steps::of(client.backups(), "b").operations(ops);
+    backup.end_in_progress().await;
+    let owner = backup.wait(WaitUntil::ReadyToFinalize).await;
+    assert_eq!(owner.phase, OwnerPhase::Finalizing);
+    let peak = status_bytes(agent.pid(), "VmHWM:");
+    // 16 answers of 15 MiB would be 240 MiB; the peer's share is 48 MiB.
+    assert!(peak < 160 << 20, "the agent's peak resident set: {peak} bytes");
+    drop(snapshotters.stdin.take());
+    let _ = snapshotters.kill();
+    let _ = snapshotters.wait();
 }

@@ -39,7 +39,7 @@ impl Core {
     /// Registers or replaces a snapshotter (already validated) from the config file.
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
         let name = s.name.clone();
-        let s = self.store_snapshotter(s).await?;
+        let s = self.store_snapshotter(s, None).await?;
         lock(&self.registrations.by_name).remove(&name);
         Ok(s)
     }
@@ -66,15 +66,20 @@ impl Core {
                 )
             }
         };
-        let s = self.store_snapshotter(s).await?;
+        let s = self.store_snapshotter(s, Some(uid)).await?;
         if let Some(charge) = charge {
             lock(&self.registrations.by_name).insert(name, charge);
         }
         Ok(s)
     }
 
-    async fn store_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
-        let remote = self.poller.remotes.build(&s, &self.settings.calls);
+    /// Stores `s`, its answers charged to `uid` (`None`: the agent's own).
+    async fn store_snapshotter(
+        &self,
+        s: Snapshotter,
+        uid: Option<u32>,
+    ) -> Result<Snapshotter, Error> {
+        let remote = self.poller.remotes.build(&s, &self.settings.calls, uid);
         // A Velero plugin is started now, so that a binary that does not serve the name
         // is refused here rather than failing every operation later.
         if let crate::remote::Remote::Called(crate::remote::Caller::VeleroPlugin(v)) = &*remote {

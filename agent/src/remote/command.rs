@@ -26,7 +26,7 @@ use opmon_client::OperationRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
-use super::{Answer, CallError, CallSettings};
+use super::{Answer, CallError, CallSettings, Held};
 
 /// `PATH` of a command: a fixed, conventional default rather than the agent's own.
 pub const COMMAND_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -55,6 +55,8 @@ pub struct CommandRemote {
     pub(super) argv: Vec<String>,
     pub(super) settings: CallSettings,
     pub(super) running: Semaphore,
+    /// Where stdout's bytes are charged while read.
+    pub(super) room: super::AnswerRoom,
 }
 
 /// Kills a process group when dropped: however a call ends, nothing of it survives.
@@ -134,6 +136,11 @@ impl CommandRemote {
                 op.operation_id
             ))
         })
+    }
+
+    /// Stdout found no room (see [`super::AnswerRoom`]): asked again later.
+    fn full(&self, why: String) -> CallError {
+        CallError::Unreachable(format!("snapshotter {}: {why}", self.name))
     }
 
     fn failed(&self, message: impl std::fmt::Display) -> CallError {
@@ -226,6 +233,8 @@ impl CommandRemote {
         tokio::pin!(feed);
         let mut fed = false;
         let mut out = Vec::new();
+        // Charged from its first byte on (see [`super::AnswerRoom::begin`]).
+        let mut held: Option<Held> = None;
         let (mut out_open, mut err_open) = (true, true);
         let mut chunk = vec![0u8; 64 * 1024];
         let mut err_chunk = vec![0u8; 64 * 1024];
@@ -239,6 +248,8 @@ impl CommandRemote {
                         if out.len() + n > MAX_STDOUT {
                             return Err(too_much());
                         }
+                        let room = held.get_or_insert_with(|| self.room.begin());
+                        room.grow(out.len() + n).map_err(|e| self.full(e))?;
                         out.extend_from_slice(&chunk[..n]);
                     }
                 },
@@ -253,15 +264,25 @@ impl CommandRemote {
         // The command has exited, so all it wrote is in the pipes now. Take it without
         // waiting for EOF, which a process it left behind may hold back forever.
         let mut over = false;
+        let mut room = held.unwrap_or_else(|| self.room.begin());
+        let mut full = None;
         drain_now(&stdout, &mut chunk, |data| {
             over = out.len() + data.len() > MAX_STDOUT;
-            if !over {
-                out.extend_from_slice(data);
+            if over {
+                return false;
             }
-            !over
+            if let Err(e) = room.grow(out.len() + data.len()) {
+                full = Some(e);
+                return false;
+            }
+            out.extend_from_slice(data);
+            true
         });
         if over {
             return Err(too_much());
+        }
+        if let Some(e) = full {
+            return Err(self.full(e));
         }
         drain_now(&stderr, &mut chunk, |data| {
             err.push(data);
