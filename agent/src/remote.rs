@@ -128,7 +128,12 @@ impl Held {
 
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Held({} MiB of uid {:?})", self.units.len(), self.room.uid)
+        write!(
+            f,
+            "Held({} MiB of uid {:?})",
+            self.units.len(),
+            self.room.uid
+        )
     }
 }
 
@@ -300,7 +305,10 @@ impl Caller {
             ops.iter().map(|_| None).collect();
         loop {
             let next = match deadline {
-                Some(at) => tokio::time::timeout_at(at, pieces.next()).await.ok().flatten(),
+                Some(at) => tokio::time::timeout_at(at, pieces.next())
+                    .await
+                    .ok()
+                    .flatten(),
                 None => pieces.next().await,
             };
             let Some((start, piece)) = next else { break };

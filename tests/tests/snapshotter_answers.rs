@@ -32,7 +32,10 @@ async fn a_silent_snapshotter_does_not_hold_end_in_progress() {
     let took = began.elapsed();
     assert_eq!(owner.phase, OwnerPhase::WaitingForPluginOperations);
     // Generous: the bound is one call deadline (2 s); 12 rounds would be 24 s.
-    assert!(took < Duration::from_secs(16), "endInProgress took {took:?}");
+    assert!(
+        took < Duration::from_secs(16),
+        "endInProgress took {took:?}"
+    );
     let listed = f.client.backups().operations("b").await.unwrap();
     assert_eq!(listed.len(), 12_000);
     for op in &listed {
@@ -108,7 +111,10 @@ async fn fat_answers_of_a_peers_snapshotters_are_held_to_its_share() {
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
     let peak = status_bytes(agent.pid(), "VmHWM:");
     // 16 answers of 15 MiB would be 240 MiB; the peer's share is 48 MiB.
-    assert!(peak < 160 << 20, "the agent's peak resident set: {peak} bytes");
+    assert!(
+        peak < 160 << 20,
+        "the agent's peak resident set: {peak} bytes"
+    );
     drop(snapshotters.stdin.take());
     let _ = snapshotters.kill();
     let _ = snapshotters.wait();

@@ -606,7 +606,8 @@ impl Poller {
                 let runs = by_object_bytes(&targets);
                 let mut answers = Vec::with_capacity(targets.len());
                 futures::future::join_all(
-                    runs.into_iter().map(|run| remote.progress(&targets[run], deadline)),
+                    runs.into_iter()
+                        .map(|run| remote.progress(&targets[run], deadline)),
                 )
                 .await
                 .into_iter()
