@@ -505,14 +505,27 @@ impl Connection {
         }
     }
 
-    /// Charges an answer of `bytes` to the peer's uid and the total before it is handed
-    /// over to be written, once they have room for it (an answer larger than all the
-    /// uid may hold takes all of it): what peers have not read stays within the total.
+    /// Charges an answer of `bytes` to the peer's uid and the total, once they have room
+    /// for it (an answer larger than all the uid may hold takes all of it), before it is
+    /// handed over to be written: what a subscriber has not read stays within both.
     pub async fn owe(&self, bytes: usize) {
-        let bytes = bytes as u64;
         let unread = &self.bytes.unread;
-        let charge = bytes.clamp(1, unread.limit(self.uid)).min(u64::from(u32::MAX)) as u32;
-        let held = unread.acquire_many(Some(self.uid), charge).await;
+        let charge = (bytes as u64).clamp(1, unread.limit(self.uid)).min(u64::from(u32::MAX));
+        let held = unread.acquire_many(Some(self.uid), charge as u32).await;
+        self.queue(bytes, held);
+    }
+
+    /// Charges a call's answer of `bytes` with what its uid and the total have room for
+    /// now: it was begun only while they had room ([`Connection::uid_room`]), so what
+    /// they hold passes them by at most the answers being made.
+    fn owe_made(&self, bytes: usize) {
+        let charge = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        let held = self.bytes.unread.take_up_to(Some(self.uid), charge);
+        self.queue(bytes, held);
+    }
+
+    fn queue(&self, bytes: usize, held: Held) {
+        let bytes = bytes as u64;
         self.lock_queued().push_back((bytes, bytes, held));
         self.owed.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -621,11 +634,12 @@ impl Connection {
                 || self.owed.load(Ordering::Relaxed) >= self.room)
     }
 
-    /// What the peer's uid holds unread besides `own`, if that is all it may.
-    fn over_quota(&self, own: u64) -> Option<u64> {
+    /// What the peer's uid holds unread besides a batch's `own` answers, if that is all
+    /// it may, or if it leaves the batch's answers no room.
+    fn over_quota(&self, own: &Own) -> Option<u64> {
         let unread = &self.bytes.unread;
-        let held = unread.held_by(self.uid).saturating_sub(own);
-        (held >= unread.limit(self.uid)).then_some(held)
+        let held = unread.held_by(self.uid).saturating_sub(own.held());
+        (held >= unread.limit(self.uid) || (own.1 && held > 0)).then_some(held)
     }
 }
 
@@ -1143,15 +1157,16 @@ impl Rules {
     }
 }
 
-/// What a batch's answers have been charged so far.
-struct Own(Vec<Held>);
+/// What a batch's answers have been charged so far, and whether one found no room.
+struct Own(Vec<Held>, bool);
 
 impl Own {
     fn charge(&mut self, conn: &Connection, bytes: usize) {
         let bytes = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
         // Past the uid's room they go uncharged: `max_batch_response_bytes` bounds them.
-        if let Ok(held) = conn.bytes.unread.take_many(Some(conn.uid), bytes) {
-            self.0.push(held);
+        match conn.bytes.unread.take_many(Some(conn.uid), bytes) {
+            Ok(held) => self.0.push(held),
+            Err(_) => self.1 = true,
         }
     }
 
@@ -1274,7 +1289,7 @@ impl Guard {
             false => None,
         };
         let (response, making) = rules.run(&inner, &conn, decl, request, 0).await;
-        conn.owe(response.as_json().get().len()).await;
+        conn.owe_made(response.as_json().get().len());
         drop(making);
         response
     }
@@ -1314,7 +1329,7 @@ impl Guard {
             BatchResponseBuilder::new_with_limit(rules.config.max_batch_response_bytes as usize);
         // The answers made, charged as they come while the uid has room, so batches made
         // at once see each other.
-        let mut own = Own(Vec::new());
+        let mut own = Own(Vec::new(), false);
         let mut charged = 0;
         let mut notified = false;
         let mut stopped = None;
@@ -1325,7 +1340,7 @@ impl Guard {
             }
             // The batch's own answers, made and not yet sent, do not count: a batch
             // whose answer is over the quota is bounded by `max_batch_response_bytes`.
-            if let Some(owed) = conn.over_quota(own.held()).filter(|_| charged > 0) {
+            if let Some(owed) = conn.over_quota(&own).filter(|_| charged > 0) {
                 let why = rules.over_quota(
                     owed,
                     &format!("this batch stopped at call {} of its {answered}", run + 1),
@@ -1376,7 +1391,7 @@ impl Guard {
         // What was counted becomes the answer's length (or is given back).
         drop(own);
         if !response.is_notification() {
-            conn.owe(response.as_json().get().len()).await;
+            conn.owe_made(response.as_json().get().len());
         }
         marked(response)
     }
