@@ -1329,11 +1329,7 @@ fn unread_subscriptions_of_many_uids_are_held_to_the_total() {
 
     // A subscriber that reads gets the state as it is now.
     let mut ws = websocket(&socket);
-    ws_send(
-        &mut ws,
-        &request("backup.subscribe", json!({"name": "big"})),
-    )
-    .unwrap();
+    ws_send(&mut ws, request("backup.subscribe", json!({"name": "big"}))).unwrap();
     ws.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     loop {
         let message: Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
@@ -1369,7 +1365,10 @@ fn stalled_request_bodies_of_many_uids_are_held_to_the_total() {
     ));
     let pid = agent.0.id();
     let socket = dir.path().join("run/agent.sock");
-    call_within(&socket, &request("backup.start", json!({"name": "b", "uid": "u"})));
+    call_within(
+        &socket,
+        &request("backup.start", json!({"name": "b", "uid": "u"})),
+    );
     let baseline = opmon_tests::raw::status_bytes(pid, "VmRSS:");
     let _posters: Vec<Killed> = (64021..=64026)
         .map(|uid| stalled_bodies_as(uid, &socket, 5, 4 << 20))
@@ -1385,7 +1384,10 @@ fn stalled_request_bodies_of_many_uids_are_held_to_the_total() {
     let ops: Vec<Value> = (0..2000).map(padded).collect();
     let added = call_within(
         &socket,
-        &request("backup.addOperations", json!({"name": "b", "operations": ops})),
+        &request(
+            "backup.addOperations",
+            json!({"name": "b", "operations": ops}),
+        ),
     );
     assert_eq!(added["result"]["added"], 2000, "{added}");
 }

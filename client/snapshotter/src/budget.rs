@@ -195,7 +195,9 @@ impl Held {
 
     /// Units held.
     pub fn units(&self) -> usize {
-        self._all.as_ref().map_or(0, OwnedSemaphorePermit::num_permits)
+        self._all
+            .as_ref()
+            .map_or(0, OwnedSemaphorePermit::num_permits)
     }
 
     /// Gives back all but `keep` units.
@@ -293,18 +295,22 @@ impl Budget {
                 }
             })?),
         };
-        let all = self.all.clone().try_acquire_many_owned(n).map_err(|_| match n {
-            1 => format!(
-                "{} {what} are held, all the agent takes at once (its open-file limit sets \
+        let all = self
+            .all
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| match n {
+                1 => format!(
+                    "{} {what} are held, all the agent takes at once (its open-file limit sets \
                  how many); try again later",
-                self.total
-            ),
-            _ => format!(
-                "{} of the {} {what} the agent holds at once are held; try again later",
-                self.total - self.all.available_permits(),
-                self.total
-            ),
-        })?;
+                    self.total
+                ),
+                _ => format!(
+                    "{} of the {} {what} the agent holds at once are held; try again later",
+                    self.total - self.all.available_permits(),
+                    self.total
+                ),
+            })?;
         Ok(Held {
             uid: charge,
             _other: other,
@@ -432,6 +438,30 @@ mod tests {
         );
         drop((others, root));
         assert_eq!(budget.held(), 0);
+    }
+
+    #[test]
+    fn budgets_sharing_a_total_bound_what_all_uids_hold_of_both() {
+        let requests = Budget::new("max_request_bytes_per_uid", "bytes", 1000, 1000);
+        let unread = requests.sharing("max_unread_bytes_per_uid", "bytes", 100);
+        // Other uids share 750, one of them at most 187.
+        let bodies: Vec<Held> = (0..4)
+            .map(|n| requests.take_many(Some(70_000 + n), 150).unwrap())
+            .collect();
+        let answer = unread.take_up_to(Some(70_010), 100);
+        assert_eq!(answer.units(), 100, "the uid's quota of answers");
+        let refused = unread.take_many(Some(70_011), 100).unwrap_err();
+        assert!(
+            refused.starts_with("other uids hold 700 bytes of the 750"),
+            "{refused}"
+        );
+        let rest = unread.take_up_to(Some(70_011), 100);
+        assert_eq!(rest.units(), 50, "what is left");
+        assert!(unread.take_many(Some(0), 100).is_ok(), "root's reserve");
+        drop((bodies, answer));
+        assert_eq!(unread.held_by(70_011), 50);
+        drop(rest);
+        assert_eq!(requests.held(), 0);
     }
 
     #[tokio::test]

@@ -18,21 +18,23 @@
 //!   uid at most a quarter of the rest) whose places a call waits for; a method
 //!   declared as mostly waiting (`methods::Decl::waits`) takes no place, and a batch
 //!   takes one place per call as it runs them one after another;
-//! - request bytes: an HTTP body over [`SMALL_BODY`] is charged to its peer from before
-//!   it is read until its answer is made (so a waiting call holds its bytes, not a
-//!   read); any body, and any WebSocket message, must come whole within
-//!   `request_body_timeout`;
-//! - answer bytes not yet written: each answer (and each subscription notification) is
-//!   charged to its connection and peer until the stream has written it. A WebSocket
-//!   connection runs its calls (methods that mostly wait aside) and sends its
-//!   subscriptions' updates one at a time, each once it owes less than
-//!   `unread_bytes_per_connection` and its peer less than `unread_bytes_per_peer`, and
-//!   is not read while it owes that much or has
-//!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
-//!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
-//!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
-//!   before its next call while the peer owes that much besides the batch's own
-//!   answers (which `max_batch_response_bytes` bounds);
+//! - bytes held for peers (`Bytes`): two [`Budget`]s sharing one total
+//!   (`held_bytes`), so that what all peers make the server hold is bounded whatever
+//!   their number. Request bytes: an HTTP body over [`SMALL_BODY`] is charged to its
+//!   peer from before it is read until its answer is made (so a waiting call holds its
+//!   bytes, not a read); any body, and any WebSocket message, must come whole within
+//!   `request_body_timeout`. Answer bytes: each answer (and each subscription update)
+//!   is charged to its peer until the stream has written it. Listings (methods declared
+//!   `grows`, whose answers are the large ones) and subscription updates are made a few
+//!   at a time over all peers ([`LISTINGS_PER_PEER`] per peer), each begun only while
+//!   its peer and the total have room; an update is sent only once they have room for
+//!   all of it, so a subscriber that does not read holds one update per subscription.
+//!   A WebSocket connection runs its calls (methods that mostly wait aside) and sends
+//!   its subscriptions' updates one at a time, each once it owes less than
+//!   `unread_bytes_per_connection`, and is not read while it owes that much or has
+//!   `calls_per_connection` calls unfinished. A batch stops before its next call while
+//!   its peer has no room for its answers besides the batch's own (which
+//!   `max_batch_response_bytes` bounds);
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -510,7 +512,9 @@ impl Connection {
     /// handed over to be written: what a subscriber has not read stays within both.
     pub async fn owe(&self, bytes: usize) {
         let unread = &self.bytes.unread;
-        let charge = (bytes as u64).clamp(1, unread.limit(self.uid)).min(u64::from(u32::MAX));
+        let charge = (bytes as u64)
+            .clamp(1, unread.limit(self.uid))
+            .min(u64::from(u32::MAX));
         let held = unread.acquire_many(Some(self.uid), charge as u32).await;
         self.queue(bytes, held);
     }
