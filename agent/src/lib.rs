@@ -306,7 +306,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
                 tracing::error!(error = %lost, "stopping: the database cannot be made durable");
             }
         }
-        stopper.stop_file_work();
+        stopper.stop_requests();
     };
     server::serve(
         listener,
@@ -323,6 +323,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     stop_metrics.cancel();
     core.stop();
     let _ = background.await;
+    core.write_log_counts();
     if !activated {
         let _ = std::fs::remove_file(&settings.socket);
     }

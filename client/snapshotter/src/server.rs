@@ -151,6 +151,9 @@ pub struct ServeConfig {
     pub held_bytes: u64,
     /// Answer bytes one connection may have unwritten before it waits to run more.
     pub unread_bytes_per_connection: u64,
+    /// Once `shutdown` is done, how long calls in flight have to finish; the connections
+    /// of those still running are then closed without their answers.
+    pub stop_timeout: Duration,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
     /// If set, told of every answer: its method (`batch` for a batch) and its error code
@@ -182,6 +185,7 @@ impl Default for ServeConfig {
             unread_bytes_per_peer: 64 * 1024 * 1024,
             held_bytes: 512 * 1024 * 1024,
             unread_bytes_per_connection: 1024 * 1024,
+            stop_timeout: Duration::from_secs(10),
             metrics: None,
             answered: None,
         }
@@ -675,6 +679,9 @@ impl Drop for Running {
 struct Metered {
     inner: UnixStream,
     conn: Arc<Connection>,
+    /// The admission's ticket: held as long as the stream, which outlives hyper's
+    /// connection once it is upgraded to a WebSocket.
+    _ticket: Box<dyn Send>,
     idle: Option<Duration>,
     stall: Option<Duration>,
     /// One timer for the idle timeout, moved on lazily from the last read (a timer per
@@ -1665,6 +1672,7 @@ pub async fn serve(
         let stream = Metered {
             inner: stream,
             conn: conn.clone(),
+            _ticket: Box::new(ticket),
             idle: config.idle_timeout,
             stall: config.write_stall_timeout,
             idle_at: None,
@@ -1693,7 +1701,6 @@ pub async fn serve(
         });
         let stopped = stop_handle.clone().shutdown();
         connections.spawn(async move {
-            let _ticket = ticket;
             if let Err(e) = serve_with_graceful_shutdown(stream, service, stopped).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
@@ -1702,142 +1709,19 @@ pub async fn serve(
     drop(listener);
     let _ = server_handle.stop();
     connections.close();
-    connections.wait().await;
-}
-
-/// A log line that can repeat once per failure (a descriptor error, a refused peer):
-/// the first [`LogThrottle::PER_WINDOW`] of every [`LogThrottle::WINDOW`] are logged,
-/// then one line says how many were not, so a peer cannot flood the log. That line is
-/// written when the window ends (or at the next occurrence, or when the throttle is
-/// dropped, whichever comes first), by the caller's [`Summary`], under its target.
-pub struct LogThrottle {
-    shared: Arc<Throttled>,
-}
-
-/// Writes the line saying that `unlogged` occurrences in a window of `window` were not
-/// logged one by one.
-pub type Summary = fn(unlogged: u32, window: Duration);
-
-struct Throttled {
-    window: Mutex<Window>,
-    summary: Summary,
-}
-
-struct Window {
-    start: tokio::time::Instant,
-    logged: u32,
-    unlogged: u32,
-    /// A timer will write the summary of the window that opened at `start`.
-    armed: bool,
-}
-
-impl Throttled {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
-        self.window.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The count of the window opened at `start`, once it has ended, if not yet said.
-    fn ended(&self, start: tokio::time::Instant) {
-        let unlogged = {
-            let mut window = self.lock();
-            if window.start != start {
-                return;
-            }
-            window.armed = false;
-            std::mem::take(&mut window.unlogged)
-        };
-        if unlogged > 0 {
-            (self.summary)(unlogged, LogThrottle::WINDOW);
-        }
+    if tokio::time::timeout(config.stop_timeout, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = connections.len(),
+            "stopping: connections with calls still running after {}s are closed unanswered",
+            config.stop_timeout.as_secs()
+        );
     }
 }
 
-impl Drop for Throttled {
-    fn drop(&mut self) {
-        let unlogged = self.lock().unlogged;
-        if unlogged > 0 {
-            (self.summary)(unlogged, LogThrottle::WINDOW);
-        }
-    }
-}
-
-impl LogThrottle {
-    pub const PER_WINDOW: u32 = 20;
-    pub const WINDOW: Duration = Duration::from_secs(10);
-
-    /// A throttle whose summaries `summary` writes.
-    pub fn new(summary: Summary) -> LogThrottle {
-        LogThrottle::starting(tokio::time::Instant::now(), summary)
-    }
-
-    /// A throttle whose first window opens at `start`.
-    pub fn starting(start: tokio::time::Instant, summary: Summary) -> LogThrottle {
-        LogThrottle {
-            shared: Arc::new(Throttled {
-                window: Mutex::new(Window {
-                    start,
-                    logged: 0,
-                    unlogged: 0,
-                    armed: false,
-                }),
-                summary,
-            }),
-        }
-    }
-
-    /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged and no timer said (for the caller to say in one
-    /// line); if this one is not logged, when a timer should say the window's count.
-    fn note_at(&self, now: tokio::time::Instant) -> (bool, u32, Option<tokio::time::Instant>) {
-        let mut window = self.shared.lock();
-        let mut ended_unlogged = 0;
-        if now.duration_since(window.start) >= Self::WINDOW {
-            ended_unlogged = window.unlogged;
-            *window = Window {
-                start: now,
-                logged: 0,
-                unlogged: 0,
-                armed: false,
-            };
-        }
-        if window.logged < Self::PER_WINDOW {
-            window.logged += 1;
-            return (true, ended_unlogged, None);
-        }
-        window.unlogged += 1;
-        let timer = (!window.armed).then_some(window.start);
-        window.armed = true;
-        (false, ended_unlogged, timer)
-    }
-
-    /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged (for the caller to say in one line).
-    pub fn note(&self, now: tokio::time::Instant) -> (bool, u32) {
-        let (own_line, unlogged, _) = self.note_at(now);
-        (own_line, unlogged)
-    }
-
-    /// Logs with `line` within the budget; the count of what a window left out is
-    /// written once it ends.
-    pub fn log(&self, line: impl FnOnce()) {
-        let (own_line, unlogged, timer) = self.note_at(tokio::time::Instant::now());
-        if unlogged > 0 {
-            (self.shared.summary)(unlogged, Self::WINDOW);
-        }
-        if let (Some(start), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current()) {
-            let shared = Arc::downgrade(&self.shared);
-            runtime.spawn(async move {
-                tokio::time::sleep_until(start + Self::WINDOW).await;
-                if let Some(shared) = shared.upgrade() {
-                    shared.ended(start);
-                }
-            });
-        }
-        if own_line {
-            line();
-        }
-    }
-}
+pub use crate::log_throttle::{LogThrottle, Summary};
 
 /// Refused connections answered at once; past this, more are closed unanswered, so
 /// refused peers cannot make the agent hold more than this many sockets and tasks.
