@@ -635,10 +635,12 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     if !more {
                         return Ok(());
                     }
-                    let turn = match &conn {
+                    // The update is made in one of the few places for large answers and
+                    // charged before it is handed over.
+                    let held = match &conn {
                         Some(conn) => tokio::select! {
                             _ = sink.closed() => return Ok(()),
-                            turn = conn.room() => Some(turn),
+                            held = async { (conn.room().await, conn.making().await) } => Some(held),
                         },
                         None => None,
                     };
@@ -649,14 +651,17 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                                 sink.method_name(),
                                 &update.json,
                             );
-                            sink.send(update.json.clone()).await?;
                             if let Some(conn) = &conn {
-                                conn.owe(update.json.get().len());
+                                tokio::select! {
+                                    _ = sink.closed() => return Ok(()),
+                                    () = conn.owe(update.json.get().len()) => {}
+                                }
                             }
+                            sink.send(update.json.clone()).await?;
                         }
                         Some(Err(e)) => return Err(e.to_string().into()),
                     }
-                    drop(turn);
+                    drop(held);
                 }
             },
         )

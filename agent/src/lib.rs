@@ -271,6 +271,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         calls_per_peer: settings.max_calls_per_uid as usize,
         request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
         unread_bytes_per_peer: u64::from(settings.max_unread_bytes_per_uid),
+        held_bytes: settings.max_held_bytes,
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(

@@ -12,10 +12,8 @@
 //!   variables of [`environment`], nothing of the agent's;
 //! - stdin holds the call's params (the `OperationRef`, as a socket snapshotter gets
 //!   them) followed by EOF;
-//! - at most [`MAX_STDOUT`] bytes of stdout are read (more fails the call); at most
-//!   [`MAX_STDERR`] bytes of stderr are read, of which the last [`STDERR_TAIL`] are
-//!   kept: a command that writes more waits on its own pipe until the deadline, rather
-//!   than the agent spending its time draining it;
+//! - at most [`MAX_STDOUT`] bytes of stdout are read (more fails the call) and the
+//!   last [`STDERR_TAIL`] bytes of stderr are kept;
 //! - the answer is what stdout held when the command exited: a process it left in the
 //!   background that keeps the pipe open does not hold the answer back.
 
@@ -34,8 +32,6 @@ pub const COMMAND_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 pub const MAX_STDOUT: usize = 16 * 1024 * 1024;
 /// How much of the end of a command's stderr is kept for its error message.
 pub const STDERR_TAIL: usize = 64 * 1024;
-/// Most stderr read from one call.
-pub const MAX_STDERR: usize = 1024 * 1024;
 
 /// The environment of a call for `op`: exactly these variables.
 pub fn environment(op: &OperationRef) -> [(&'static str, String); 6] {
@@ -69,18 +65,12 @@ impl Drop for Group {
     }
 }
 
-/// The last `STDERR_TAIL` bytes written to stderr, and how many were read in all.
+/// The last `STDERR_TAIL` bytes written to stderr.
 #[derive(Default)]
-struct Tail(Vec<u8>, usize);
+struct Tail(Vec<u8>);
 
 impl Tail {
-    /// Whether more may be read.
-    fn open(&self) -> bool {
-        self.1 < MAX_STDERR
-    }
-
     fn push(&mut self, data: &[u8]) {
-        self.1 += data.len();
         self.0.extend_from_slice(data);
         if self.0.len() > 2 * STDERR_TAIL {
             let cut = self.0.len() - STDERR_TAIL;
@@ -191,16 +181,9 @@ impl CommandRemote {
         let _group = child
             .id()
             .map(|pid| Group(nix::unistd::Pid::from_raw(pid as i32)));
-        let mut err = Tail::default();
-        let call = self.converse(&mut child, &input, verb, op, &mut err);
+        let call = self.converse(&mut child, &input, verb, op);
         match tokio::time::timeout(self.settings.deadline, call).await {
             Ok(answer) => answer,
-            Err(_) if !err.open() => Err(CallError::Unreachable(format!(
-                "snapshotter {} did not answer within {} (more than {MAX_STDERR} bytes on stderr; the last line read: {})",
-                self.name,
-                opmon_client::GoDuration(self.settings.deadline),
-                err.last_line()
-            ))),
             Err(_) => Err(CallError::Unreachable(format!(
                 "snapshotter {} did not answer within {}",
                 self.name,
@@ -218,7 +201,6 @@ impl CommandRemote {
         input: &[u8],
         verb: &str,
         op: &OperationRef,
-        err: &mut Tail,
     ) -> Answer<Vec<u8>> {
         let (Some(mut stdin), Some(mut stdout), Some(mut stderr)) =
             (child.stdin.take(), child.stdout.take(), child.stderr.take())
@@ -235,6 +217,7 @@ impl CommandRemote {
         let mut out = Vec::new();
         // Charged from its first byte on (see [`super::AnswerRoom::begin`]).
         let mut held: Option<Held> = None;
+        let mut err = Tail::default();
         let (mut out_open, mut err_open) = (true, true);
         let mut chunk = vec![0u8; 64 * 1024];
         let mut err_chunk = vec![0u8; 64 * 1024];
@@ -253,7 +236,7 @@ impl CommandRemote {
                         out.extend_from_slice(&chunk[..n]);
                     }
                 },
-                read = stderr.read(&mut err_chunk), if err_open && err.open() => match read {
+                read = stderr.read(&mut err_chunk), if err_open => match read {
                     Ok(0) | Err(_) => err_open = false,
                     Ok(n) => err.push(&err_chunk[..n]),
                 },
@@ -286,7 +269,7 @@ impl CommandRemote {
         }
         drain_now(&stderr, &mut chunk, |data| {
             err.push(data);
-            err.open()
+            true
         });
         if status.success() {
             return Ok(out);
