@@ -200,18 +200,20 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
-    let tasks = limits.tasks.map_or("unbounded".to_string(), |t| t.to_string());
+    let tasks = limits
+        .tasks
+        .map_or("unbounded".to_string(), |t| t.to_string());
     let processes = totals
         .processes
         .map_or("unbounded".to_string(), |p| p.to_string());
     if descriptors < 2 * budget::OWN_DESCRIPTORS {
         tracing::warn!(
             descriptors,
-            tasks,
+            tasks = %tasks,
             connections = totals.connections,
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
-            processes,
+            processes = %processes,
             "the agent may open only {descriptors} files and keeps {} for its database and \
              log: few are left for peers; raise the limit (LimitNOFILE= in the unit, \
              ulimit -n)",
@@ -220,11 +222,11 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     } else if limits.tasks.is_some_and(|t| t < 2 * limits.own_tasks) {
         tracing::warn!(
             descriptors,
-            tasks,
+            tasks = %tasks,
             connections = totals.connections,
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
-            processes,
+            processes = %processes,
             "the agent's user may have only {tasks} tasks and the agent keeps {} for its \
              own threads: few are left for snapshotters' processes; raise the limit \
              (TasksMax= in the unit, ulimit -u)",
@@ -233,11 +235,11 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     } else {
         tracing::info!(
             descriptors,
-            tasks,
+            tasks = %tasks,
             connections = totals.connections,
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
-            processes,
+            processes = %processes,
             "totals derived from the open-file and task limits"
         );
     }
