@@ -660,30 +660,40 @@ impl Drop for Answering {
     }
 }
 
+/// What [`Slots::take`] did for a new connection.
+enum Taken {
+    /// A place: what displaces the new connection in its turn.
+    Place(tokio_util::sync::CancellationToken),
+    /// None free: it displaced the connection that had been idle this long, whose
+    /// place is free once that connection is closed.
+    Displaced(Duration),
+    /// None free: a displaced connection is still closing.
+    Closing,
+    /// None free: every connection is being answered.
+    AllAnswering,
+}
+
 impl Slots {
-    /// Takes a place for a connection from `peer`, displacing the idle connection of
-    /// the address that holds the most places (the one idle longest among them) when
-    /// all are taken; `None` when every connection is being answered. Returns what
-    /// displaces the new connection in its turn and, if one was displaced, how long it
-    /// had been idle.
-    fn take(
-        &self,
-        id: u64,
-        peer: std::net::IpAddr,
-    ) -> Option<(tokio_util::sync::CancellationToken, Option<Duration>)> {
+    /// Takes a place for a connection from `peer` if one is free. If not, displaces the
+    /// idle connection of the address that holds the most places (the one idle longest
+    /// among them), unless one displaced is still closing: a displaced connection
+    /// keeps its place until its descriptor is closed, so the places bound descriptors.
+    fn take(&self, id: u64, peer: std::net::IpAddr) -> Taken {
         let mut slots = lock(&self.slots);
-        let mut displaced = None;
         if slots.len() >= TCP_CONNECTIONS {
+            if slots.iter().any(|s| s.displace.is_cancelled()) {
+                return Taken::Closing;
+            }
             let held_by = |ip: std::net::IpAddr| slots.iter().filter(|s| s.peer == ip).count();
-            let victim = slots
+            let Some(victim) = slots
                 .iter()
-                .enumerate()
-                .filter(|(_, s)| s.answering == 0)
-                .max_by_key(|(_, s)| (held_by(s.peer), s.idle_since.elapsed()))
-                .map(|(i, _)| i)?;
-            let victim = slots.swap_remove(victim);
+                .filter(|s| s.answering == 0)
+                .max_by_key(|s| (held_by(s.peer), s.idle_since.elapsed()))
+            else {
+                return Taken::AllAnswering;
+            };
             victim.displace.cancel();
-            displaced = Some(victim.idle_since.elapsed());
+            return Taken::Displaced(victim.idle_since.elapsed());
         }
         let displace = tokio_util::sync::CancellationToken::new();
         slots.push(Slot {
@@ -693,7 +703,7 @@ impl Slots {
             idle_since: Instant::now(),
             displace: displace.clone(),
         });
-        Some((displace, displaced))
+        Taken::Place(displace)
     }
 
     fn leave(&self, id: u64) {
@@ -758,8 +768,9 @@ pub async fn serve_tcp(
             let changed = slots.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some((displace, displaced)) = slots.take(id, peer.ip()) {
-                if let Some(idle) = displaced {
+            match slots.take(id, peer.ip()) {
+                Taken::Place(displace) => break Some(displace),
+                Taken::Displaced(idle) => {
                     displaced_total += 1;
                     displacements.log(|| {
                         tracing::warn!(
@@ -771,19 +782,20 @@ pub async fn serve_tcp(
                         );
                     });
                 }
-                break Some(displace);
-            }
-            if !waited {
-                waited = true;
-                waited_total += 1;
-                displacements.log(|| {
-                    tracing::warn!(
-                        %peer,
-                        waited = waited_total,
-                        "the metrics listener's {TCP_CONNECTIONS} connections are all being \
-                         answered: a new one waits for the first to end"
-                    );
-                });
+                Taken::Closing => {}
+                Taken::AllAnswering if !waited => {
+                    waited = true;
+                    waited_total += 1;
+                    displacements.log(|| {
+                        tracing::warn!(
+                            %peer,
+                            waited = waited_total,
+                            "the metrics listener's {TCP_CONNECTIONS} connections are all \
+                             being answered: a new one waits for the first to end"
+                        );
+                    });
+                }
+                Taken::AllAnswering => {}
             }
             tokio::select! {
                 _ = shutdown.cancelled() => break None,
