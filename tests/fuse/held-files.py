@@ -24,10 +24,14 @@ names = {f"/held-{n}.tar.gz" for n in range(count)}
 released = threading.Event()
 reported = set()
 lock = threading.Lock()
+said = threading.Lock()
 
 
 def say(line):
-    print(line, flush=True)
+    # One line at a time: print writes the text and its newline apart, and reads of
+    # several files come on threads of their own.
+    with said:
+        print(line, flush=True)
 
 
 def wait_for_release():

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use opmon_client::{Client, NewOperation, OwnerKind, PluginKind, PluginRef, ResourceIdentifier};
 
 pub mod deploy;
+pub mod held;
 pub mod raw;
 pub mod traffic;
 pub mod velero;
