@@ -38,8 +38,9 @@ pub const TASKS_PER_COMMAND: u64 = 2;
 /// Tasks a Velero plugin binary is counted as: a Go program's runtime threads.
 pub const TASKS_PER_VELERO_PLUGIN: u64 = 16;
 
-/// Threads one finalize may hold (its job's, and one stuck past its deadline).
-pub const FINALIZE_TASKS: u64 = 2;
+/// Threads one finalize may hold: its job's, the rewrite's compressing threads (at
+/// most 4) and one stuck past its deadline.
+pub const FINALIZE_TASKS: u64 = 6;
 
 /// Tasks kept for the agent's own threads apart from finalizes': the runtime's workers
 /// and blocking pool, the database writer, the log.
@@ -210,7 +211,7 @@ mod tests {
         };
         // The shipped unit: 65,536 descriptors alone would allow 678 snapshotters.
         let t = Totals::of(limits(65536, Some(4096)), per, 4096, 64);
-        assert_eq!((t.snapshotters, t.processes), (181, Some(1934)));
+        assert_eq!((t.snapshotters, t.processes), (169, Some(1806)));
         assert!(t.snapshotters as u64 * 16 <= (4096 - 100 - 64 * FINALIZE_TASKS) / 4 * 3);
         let t = Totals::of(limits(65536, None), per, 4096, 64);
         assert_eq!(t.snapshotters, 678);

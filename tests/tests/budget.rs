@@ -1189,8 +1189,8 @@ fn refusals_not_logged_one_by_one_are_counted_in_the_log_once_they_stop() {
 
 /// Outside4 P1: command snapshotters of some uids that hold their processes cannot make
 /// another uid's command fail to fork. The agent runs as uid 64020 under a task limit of
-/// 400 (`RLIMIT_NPROC`, as `TasksMax=` would set), with 20,000 open files (which alone
-/// would let each peer register 38 snapshotters of 8 processes). Two uids register as
+/// 600 and one per CPU (`RLIMIT_NPROC`, as `TasksMax=` would set), with 20,000 open
+/// files (which alone would let each peer register 38 snapshotters of 8 processes). Two uids register as
 /// many command snapshotters as they may, each process held on a FIFO; then a third
 /// uid's command, which itself starts a program, completes its operation. (Before, the
 /// others' processes took the limit: "Cannot fork", exit status 2, the operation failed
@@ -1221,6 +1221,9 @@ fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() 
     std::fs::write(&started, "").unwrap();
     std::fs::set_permissions(&started, std::fs::Permissions::from_mode(0o666)).unwrap();
     let log = std::fs::File::create(root.join("agent.log")).unwrap();
+    // The agent keeps one task per CPU for itself: the others' share is the same on any
+    // machine.
+    let nproc = 600 + std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let mut cmd = agent_command();
     cmd.arg("--socket")
         .arg(root.join("run/agent.sock"))
@@ -1237,9 +1240,9 @@ fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() 
         .stderr(log);
     // SAFETY: these calls are async-signal-safe and allocate nothing.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             setrlimit(Resource::RLIMIT_NOFILE, 20_000, 20_000)?;
-            setrlimit(Resource::RLIMIT_NPROC, 400, 400)?;
+            setrlimit(Resource::RLIMIT_NPROC, nproc, nproc)?;
             nix::unistd::setgroups(&[])?;
             nix::unistd::setgid(nix::unistd::Gid::from_raw(AGENT))?;
             nix::unistd::setuid(nix::unistd::Uid::from_raw(AGENT))?;
@@ -1361,7 +1364,8 @@ fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() 
         .find(|l| l.contains("totals derived from the open-file and task limits"))
         .unwrap_or_else(|| panic!("no totals line: {log}"));
     assert!(
-        totals.contains("descriptors=20000 tasks=400 ") && totals.contains("processes="),
+        totals.contains(&format!("descriptors=20000 tasks={nproc} "))
+            && totals.contains("processes="),
         "{totals}"
     );
 }
