@@ -200,6 +200,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+    let own_tasks = limits.own_tasks + totals.finalizes as u64 * budget::FINALIZE_TASKS;
     let tasks = limits
         .tasks
         .map_or("unbounded".to_string(), |t| t.to_string());
@@ -219,7 +220,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
              ulimit -n)",
             budget::OWN_DESCRIPTORS
         );
-    } else if limits.tasks.is_some_and(|t| t < 2 * limits.own_tasks) {
+    } else if limits.tasks.is_some_and(|t| t < 2 * own_tasks) {
         tracing::warn!(
             descriptors,
             tasks = %tasks,
@@ -227,10 +228,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
             processes = %processes,
-            "the agent's user may have only {tasks} tasks and the agent keeps {} for its \
-             own threads: few are left for snapshotters' processes; raise the limit \
-             (TasksMax= in the unit, ulimit -u)",
-            limits.own_tasks
+            "the agent's user may have only {tasks} tasks and the agent keeps {own_tasks} \
+             for its own threads: few are left for snapshotters' processes; raise the limit \
+             (TasksMax= in the unit, ulimit -u)"
         );
     } else {
         tracing::info!(

@@ -1359,12 +1359,14 @@ fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() 
     assert_eq!(ops["result"][0]["phase"], json!("Completed"), "{ops}");
     assert!(!fork_failed(), "a fork failed");
     let log = std::fs::read_to_string(&agent_log).unwrap();
+    // Few tasks are left at this limit: the operator is told so, with the totals.
     let totals = log
         .lines()
-        .find(|l| l.contains("totals derived from the open-file and task limits"))
-        .unwrap_or_else(|| panic!("no totals line: {log}"));
+        .find(|l| l.contains("few are left for snapshotters' processes"))
+        .unwrap_or_else(|| panic!("no line on the task limit: {log}"));
     assert!(
         totals.contains(&format!("descriptors=20000 tasks={nproc} "))
+            && totals.contains("snapshotters=")
             && totals.contains("processes="),
         "{totals}"
     );
