@@ -489,9 +489,12 @@ where
                 let parsed: M::Params = parse(&params)?;
                 // The call may wait long (for the disk, a snapshotter): without its text.
                 drop(params);
-                handler(core, parsed, caller)
-                    .await
-                    .map_err(ErrorObjectOwned::from)
+                match handler(core, parsed, caller).await {
+                    // Given up at shutdown: no answer, as if the agent had died, so that
+                    // the client repeats it once the agent is back.
+                    Err(Error::Stopping) => std::future::pending().await,
+                    result => result.map_err(ErrorObjectOwned::from),
+                }
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));
@@ -632,10 +635,12 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     if !more {
                         return Ok(());
                     }
-                    let turn = match &conn {
+                    // The update is made in one of the few places for large answers and
+                    // charged before it is handed over.
+                    let held = match &conn {
                         Some(conn) => tokio::select! {
                             _ = sink.closed() => return Ok(()),
-                            turn = conn.room() => Some(turn),
+                            held = async { (conn.room().await, conn.making().await) } => Some(held),
                         },
                         None => None,
                     };
@@ -646,14 +651,17 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                                 sink.method_name(),
                                 &update.json,
                             );
-                            sink.send(update.json.clone()).await?;
                             if let Some(conn) = &conn {
-                                conn.owe(update.json.get().len());
+                                tokio::select! {
+                                    _ = sink.closed() => return Ok(()),
+                                    () = conn.owe(update.json.get().len()) => {}
+                                }
                             }
+                            sink.send(update.json.clone()).await?;
                         }
                         Some(Err(e)) => return Err(e.to_string().into()),
                     }
-                    drop(turn);
+                    drop(held);
                 }
             },
         )

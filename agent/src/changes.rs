@@ -33,9 +33,10 @@ pub type Changed = Arc<OwnerChange>;
 pub struct OwnerChange {
     /// The rows of the owner's operations that changed (empty when only the owner did).
     pub rows: Vec<i64>,
-    /// The subscription notification for this change, built once by the first
-    /// subscriber that needs it and sent as is by the others.
-    pub rendered: tokio::sync::OnceCell<Arc<Rendered>>,
+    /// The subscription notification for this change, built by the first subscriber
+    /// that needs it and sent as is by the others while one holds it: held weakly, as
+    /// the channel keeps its last changes long after they were sent.
+    pub rendered: tokio::sync::Mutex<std::sync::Weak<Rendered>>,
 }
 
 /// A subscription notification, serialized.
@@ -87,7 +88,7 @@ fn announce(watched: &mut HashMap<Key, Watched>, key: &Key, rows: Vec<i64>) {
     };
     let change = OwnerChange {
         rows,
-        rendered: tokio::sync::OnceCell::new(),
+        rendered: Default::default(),
     };
     if w.sender.send(Arc::new(change)).is_err() {
         watched.remove(key);

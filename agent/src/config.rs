@@ -214,6 +214,15 @@ settings! {
     /// batch's own answers do not count)
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
+    /// bytes held for all peers together: request bodies being read or held and
+    /// answers not yet read, over every uid's connections and subscriptions (a quarter
+    /// kept for root and the agent's own uid, any other uid at most a quarter of the
+    /// rest)
+    max_held_bytes: u64 = 512 * 1024 * 1024, shown Shown::ValueAnd("(512 MiB)"),
+        check |b: &u64| match *b >= 1 << 20 {
+            true => Ok(()),
+            false => Err("must be at least 1048576 (1 MiB)".to_string()),
+        };
     /// or `"json"`
     log_format: LogFormat = LogFormat::Human, shown Shown::Value, check any;
     /// a level or `tracing` directives (`info,opmon_agent=debug`); a bare word that is
@@ -649,6 +658,7 @@ pub struct Settings {
     pub max_calls_per_uid: u32,
     pub max_request_bytes_per_uid: u32,
     pub max_unread_bytes_per_uid: u32,
+    pub max_held_bytes: u64,
     pub log_format: LogFormat,
     pub log_level: String,
     pub metrics_listen: Option<SocketAddr>,
@@ -912,6 +922,7 @@ impl Values {
             max_calls_per_uid: self.max_calls_per_uid.value,
             max_request_bytes_per_uid: self.max_request_bytes_per_uid.value,
             max_unread_bytes_per_uid: self.max_unread_bytes_per_uid.value,
+            max_held_bytes: self.max_held_bytes.value,
             log_format: self.log_format.value,
             log_level: self.log_level.value,
             metrics_listen,

@@ -34,6 +34,11 @@ pub enum Error {
     /// setting.
     #[error("{0}")]
     OverQuota(String),
+    /// The agent is stopping and gave the call up. The call is not answered, as if the
+    /// agent had died, so that a client repeats it once the agent is back (only calls
+    /// safe to repeat end so).
+    #[error("the agent stopped before the call completed; repeat it once the agent is back")]
+    Stopping,
 }
 
 /// What was not there (error 1001). The message is made here, when the error is shown.
@@ -119,6 +124,8 @@ impl Error {
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
             Error::OverQuota(_) => crate::access::REFUSED,
+            // Not answered (`api`); a code only for completeness.
+            Error::Stopping => codes::FINALIZE_FAILED,
         }
     }
 }

@@ -334,7 +334,7 @@ impl FileWork {
     /// naming the limit it is over.
     pub fn admit(&self, uid: Option<u32>) -> Result<Admitted, Error> {
         if self.shared.stopping.load(Ordering::SeqCst) {
-            return Err(Error::Finalize("the agent is shutting down".into()));
+            return Err(Error::Stopping);
         }
         let held = self.admission.take(uid).map_err(Error::OverQuota)?;
         Ok(Admitted {
@@ -353,7 +353,7 @@ impl FileWork {
         work: impl FnOnce(&JobContext) -> Result<T, Error> + Send + 'static,
     ) -> Result<T, Error> {
         if self.shared.stopping.load(Ordering::SeqCst) {
-            return Err(Error::Finalize("the agent is shutting down".into()));
+            return Err(Error::Stopping);
         }
         let permit = admitted.clone();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -385,6 +385,8 @@ impl FileWork {
                 Error::Finalize(format!("starting a thread for {what}: {e}"))
             })?;
         match tokio::time::timeout(deadline, rx).await {
+            // Work stopped by shutdown did not fail: it is given up.
+            Ok(Ok(Err(_))) if self.shared.stopping.load(Ordering::SeqCst) => Err(Error::Stopping),
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(Error::Finalize(format!("{what} stopped unexpectedly"))),
             Err(_) => {

@@ -307,6 +307,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         calls_per_peer: settings.max_calls_per_uid as usize,
         request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
         unread_bytes_per_peer: u64::from(settings.max_unread_bytes_per_uid),
+        held_bytes: settings.max_held_bytes,
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(
@@ -341,7 +342,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
                 tracing::error!(error = %lost, "stopping: the database cannot be made durable");
             }
         }
-        stopper.stop_file_work();
+        stopper.stop_requests();
     };
     server::serve(
         listener,
@@ -358,6 +359,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     stop_metrics.cancel();
     core.stop();
     let _ = background.await;
+    core.write_log_counts();
     if !activated {
         let _ = std::fs::remove_file(&settings.socket);
     }

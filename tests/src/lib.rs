@@ -352,12 +352,23 @@ impl Agent {
         }
     }
 
-    /// SIGTERM, then waits for the exit.
+    /// SIGTERM, then waits for the exit ([`LONG`] at most: an agent that does not stop
+    /// is killed and fails the test).
     pub fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("agent is running");
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-        child.wait().expect("waiting for the agent")
+        match try_eventually(LONG, || child.try_wait().expect("waiting for the agent")) {
+            Some(status) => status,
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "the agent did not stop within {LONG:?} of SIGTERM:\n{}",
+                    self.log_text()
+                );
+            }
+        }
     }
 
     /// Sends `signal` to the running agent (SIGSTOP: it keeps its socket but answers

@@ -78,6 +78,17 @@ pub fn send(socket: &Path, bytes: &[u8]) -> UnixStream {
     stream
 }
 
+/// Bytes written on `stream` that the agent has not read yet: on a Unix socket,
+/// TIOCOUTQ counts what still sits in the peer's receive queue.
+pub fn unread_by_agent(stream: &UnixStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ writes one c_int through the pointer, which outlives the call.
+    let r = unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    assert_eq!(r, 0, "TIOCOUTQ: {}", std::io::Error::last_os_error());
+    usize::try_from(queued).unwrap_or(0)
+}
+
 /// Reads until the end of an HTTP response head.
 pub fn read_head(stream: &mut UnixStream) -> String {
     let mut head = Vec::new();

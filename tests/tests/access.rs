@@ -254,13 +254,16 @@ fn a_supplementary_group_in_allowed_gids_lets_a_peer_in() {
 /// A python3 client that, as the uid it runs under, opens `hold` connections and makes
 /// one request on each (so the agent has admitted them), prints `held`, then on each
 /// line of stdin opens one more connection and prints its status line and body
-/// (keeping it if it was admitted), and closes one held connection when told `close`.
+/// (keeping it if it was admitted), and closes one held connection when told `close`;
+/// told `ws`, the one more connection asks for a WebSocket instead (kept if upgraded).
 const HOLDER: &str = r#"
 import socket, sys
 path, hold = sys.argv[1], int(sys.argv[2])
 body = b'{"jsonrpc":"2.0","id":1,"method":"agent.status"}'
-req = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-def ask(s):
+post = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+upgrade = (b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+def ask(s, req=post):
     s.sendall(req)
     data = b""
     while b"\r\n\r\n" not in data:
@@ -295,9 +298,9 @@ for line in sys.stdin:
         continue
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
-    status, body = ask(s)
+    status, body = ask(s, upgrade if line.strip() == "ws" else post)
     print(status + "|" + body, flush=True)
-    if status == "HTTP/1.1 200 OK":
+    if status in ("HTTP/1.1 200 OK", "HTTP/1.1 101 Switching Protocols"):
         held.append(s)
     else:
         s.close()
@@ -391,6 +394,36 @@ fn one_uid_cannot_take_every_connection() {
         assert!(start.elapsed() < LONG, "the slot never came back");
         assert_eq!(greedy.send("close"), "closed");
     }
+}
+
+/// A WebSocket is a connection like any other: its uid's quota counts it for as long as
+/// it is open, past its upgrade.
+#[test]
+fn websocket_connections_count_against_their_uids_connections() {
+    if !opmon_tests::root_or_skip("to run clients as other uids") {
+        return;
+    }
+    let agent = Open::start(
+        0,
+        &[
+            "--allowed-uids",
+            "1000,1001",
+            "--max-connections-per-uid",
+            "8",
+        ],
+    );
+    let mut greedy = Holder::start(&agent.socket, 1000, 0);
+    for _ in 0..8 {
+        let answer = greedy.send("ws");
+        assert!(answer.starts_with("HTTP/1.1 101 "), "{answer}");
+    }
+    let refused = r#"HTTP/1.1 429 Too Many Requests|{"jsonrpc":"2.0","id":null,"error":{"code":-32003,"message":"uid 1000 already holds 8 connections, the most max_connections_per_uid allows"}}"#;
+    assert_eq!(greedy.send("ws"), refused);
+    assert_eq!(greedy.send("more"), refused);
+    let out = agent.cli_status(1001, 1001, &[]);
+    assert!(succeeded(&out), "{}", stderr(&out));
+    let out = agent.cli_status(0, 0, &[]);
+    assert!(succeeded(&out), "{}", stderr(&out));
 }
 
 #[test]

@@ -1371,3 +1371,208 @@ fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() 
         "{totals}"
     );
 }
+
+/// A process as `uid` that runs `script` (Python, given the socket and `args`) and
+/// returns once it printed `open`; it holds what it opened until its stdin closes.
+fn python_as(uid: u32, script: &str, socket: &Path, args: &[String]) -> Killed {
+    let mut child = Command::new("setpriv")
+        .arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg("--clear-groups")
+        .args(["--", "/usr/bin/python3", "-c", script])
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("running python3 as another uid");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("piped"))
+        .read_line(&mut line)
+        .expect("reading the helper");
+    assert_eq!(line.trim(), "open", "the helper as uid {uid} did not start");
+    Killed(child)
+}
+
+/// `count` WebSocket connections as `uid`, each subscribed to backup `name`, none of
+/// them ever read after the upgrade's answer.
+fn unread_subscribers_as(uid: u32, socket: &Path, count: usize, name: &str) -> Killed {
+    let script = "import socket, sys, json\n\
+        held = []\n\
+        for i in range(int(sys.argv[2])):\n\
+        \x20   s = socket.socket(socket.AF_UNIX)\n\
+        \x20   s.connect(sys.argv[1])\n\
+        \x20   s.sendall(b'GET / HTTP/1.1\\r\\nHost: localhost\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n'\n\
+        \x20             b'Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\\r\\nSec-WebSocket-Version: 13\\r\\n\\r\\n')\n\
+        \x20   head = b''\n\
+        \x20   while not head.endswith(b'\\r\\n\\r\\n'):\n\
+        \x20       head += s.recv(1)\n\
+        \x20   assert b' 101 ' in head, head\n\
+        \x20   call = json.dumps({'jsonrpc': '2.0', 'id': i, 'method': 'backup.subscribe', 'params': {'name': sys.argv[3]}}).encode()\n\
+        \x20   s.sendall(bytes([0x81, 0x80 | 126]) + len(call).to_bytes(2, 'big') + bytes(4) + call)\n\
+        \x20   held.append(s)\n\
+        print('open', flush=True)\n\
+        sys.stdin.read()\n";
+    python_as(uid, script, socket, &[count.to_string(), name.to_string()])
+}
+
+/// `count` connections as `uid`, each posting a body of `bytes` bytes all but its last
+/// byte, and then waiting.
+fn stalled_bodies_as(uid: u32, socket: &Path, count: usize, bytes: usize) -> Killed {
+    let script = "import socket, sys, threading\n\
+        def post():\n\
+        \x20   s = socket.socket(socket.AF_UNIX)\n\
+        \x20   s.connect(sys.argv[1])\n\
+        \x20   n = int(sys.argv[3])\n\
+        \x20   s.sendall(b'POST / HTTP/1.1\\r\\nHost: localhost\\r\\nContent-Type: application/json\\r\\n'\n\
+        \x20             + b'Content-Length: %d\\r\\n\\r\\n' % n)\n\
+        \x20   try:\n\
+        \x20       s.sendall(b' ' * (n - 1))\n\
+        \x20   except OSError:\n\
+        \x20       pass\n\
+        \x20   held.append(s)\n\
+        held = []\n\
+        for _ in range(int(sys.argv[2])):\n\
+        \x20   threading.Thread(target=post, daemon=True).start()\n\
+        print('open', flush=True)\n\
+        sys.stdin.read()\n";
+    python_as(uid, script, socket, &[count.to_string(), bytes.to_string()])
+}
+
+/// An operation whose ID is padded, so that an update carrying many is large.
+fn padded(n: usize) -> Value {
+    json!(operation(
+        "example.io/nobody",
+        &format!("{n:05}-{}", "x".repeat(1000)),
+        "data",
+        &[],
+    ))
+}
+
+/// Subscribers that do not read hold the agent to the bytes it may hold for peers,
+/// whatever their number: three uids with 30 WebSocket subscriptions each to a backup
+/// whose updates are 2 MB, and that changes ten times meanwhile, grow the agent by less
+/// than 64 MiB with a total of 16 MiB; root is answered and a reading subscriber gets
+/// the final state. (Before, every subscription made and queued its own update at once
+/// and the change channel kept its last renderings: 90 × 2 MB and more, and an
+/// outside run of 100 subscriptions to a backup of 10,000 operations grew it by 470 MB.)
+#[test]
+fn unread_subscriptions_of_many_uids_are_held_to_the_total() {
+    if !opmon_tests::root_or_skip("to run subscribers as other uids") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Killed(agent_with_nofile(
+        dir.path(),
+        4096,
+        4096,
+        &[
+            "--allowed-uids",
+            "64011,64012,64013",
+            "--max-unread-bytes-per-uid",
+            "4194304",
+            "--max-held-bytes",
+            "16777216",
+        ],
+    ));
+    let pid = agent.0.id();
+    let socket = dir.path().join("run/agent.sock");
+    let mut http = RawHttp::connect(&socket);
+    http.call(&request("backup.start", json!({"name": "big", "uid": "u"})));
+    let ops: Vec<Value> = (0..2000).map(padded).collect();
+    let added = http.call(&request(
+        "backup.addOperations",
+        json!({"name": "big", "operations": ops}),
+    ));
+    assert_eq!(added["result"]["added"], 2000, "{added}");
+    let baseline = opmon_tests::raw::status_bytes(pid, "VmRSS:");
+
+    let _subscribers: Vec<Killed> = (64011..=64013)
+        .map(|uid| unread_subscribers_as(uid, &socket, 30, "big"))
+        .collect();
+    for round in 0..10 {
+        let ops: Vec<Value> = (0..200).map(|n| padded(2000 + round * 200 + n)).collect();
+        let added = call_within(
+            &socket,
+            &request(
+                "backup.addOperations",
+                json!({"name": "big", "operations": ops}),
+            ),
+        );
+        assert_eq!(added["result"]["added"], 200, "{added}");
+    }
+    opmon_tests::raw::quiescent(pid, Duration::from_secs(120));
+    let grown = opmon_tests::raw::status_bytes(pid, "VmHWM:").saturating_sub(baseline);
+    println!("grown by {} MiB", grown >> 20);
+    assert!(
+        grown < 64 << 20,
+        "90 subscriptions that read nothing grew the agent by {} MiB",
+        grown >> 20
+    );
+    let status = call_within(&socket, &request("agent.status", json!({})));
+    assert_eq!(status["result"]["unfinishedOperations"], 4000, "{status}");
+
+    // A subscriber that reads gets the state as it is now.
+    let mut ws = websocket(&socket);
+    ws_send(&mut ws, request("backup.subscribe", json!({"name": "big"}))).unwrap();
+    ws.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    loop {
+        let message: Value = serde_json::from_slice(&ws_recv(&mut ws).1).unwrap();
+        if message.get("id").is_none() {
+            let update = &message["params"]["result"];
+            assert_eq!(update["operations"].as_array().map(Vec::len), Some(4000));
+            break;
+        }
+    }
+}
+
+/// Request bodies that do not come are held to the total over all uids: six uids with
+/// five connections each, stalled one byte short of a 4 MiB body, grow the agent by
+/// less than 56 MiB with a total of 32 MiB (before, each uid held its 64 MiB quota
+/// whatever the number of uids: 120 MiB here, 1 GB with 16 uids and 16 MiB bodies),
+/// and root's large call is answered meanwhile.
+#[test]
+fn stalled_request_bodies_of_many_uids_are_held_to_the_total() {
+    if !opmon_tests::root_or_skip("to post bodies as other uids") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Killed(agent_with_nofile(
+        dir.path(),
+        4096,
+        4096,
+        &[
+            "--allowed-uids",
+            "64021,64022,64023,64024,64025,64026",
+            "--max-held-bytes",
+            "33554432",
+        ],
+    ));
+    let pid = agent.0.id();
+    let socket = dir.path().join("run/agent.sock");
+    call_within(
+        &socket,
+        &request("backup.start", json!({"name": "b", "uid": "u"})),
+    );
+    let baseline = opmon_tests::raw::status_bytes(pid, "VmRSS:");
+    let _posters: Vec<Killed> = (64021..=64026)
+        .map(|uid| stalled_bodies_as(uid, &socket, 5, 4 << 20))
+        .collect();
+    opmon_tests::raw::quiescent(pid, Duration::from_secs(120));
+    let grown = opmon_tests::raw::status_bytes(pid, "VmHWM:").saturating_sub(baseline);
+    println!("grown by {} MiB", grown >> 20);
+    assert!(
+        grown < 56 << 20,
+        "30 stalled bodies of 4 MiB grew the agent by {} MiB",
+        grown >> 20
+    );
+    let ops: Vec<Value> = (0..2000).map(padded).collect();
+    let added = call_within(
+        &socket,
+        &request(
+            "backup.addOperations",
+            json!({"name": "b", "operations": ops}),
+        ),
+    );
+    assert_eq!(added["result"]["added"], 2000, "{added}");
+}

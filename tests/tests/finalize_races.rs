@@ -275,47 +275,69 @@ async fn a_rewrite_past_the_finalize_deadline_fails_and_leaves_nothing() {
     assert_eq!(temporaries(&s.storage.join("out")), Vec::<String>::new());
 }
 
+/// A finalize running at SIGTERM is given up, not failed: its call is not answered (as
+/// if the agent had died), no failure is recorded, its temporary file goes, and the
+/// client's repeat once the agent is back completes the backup.
 #[tokio::test]
-async fn sigterm_ends_the_agent_while_a_rewrite_runs_and_removes_its_temporary_file() {
+async fn a_finalize_running_at_sigterm_is_repeated_by_its_client_and_completes_after_the_restart() {
+    if !opmon_tests::root_or_skip("to mount a FUSE file system") {
+        return;
+    }
     let mut s = setup(&[]);
-    write_zeros_tarball(&s.storage.join("big.tar.gz"), 4096);
+    let held = held_inputs(&s.storage, 1);
     let client = s.agent.client().await;
     finalizing(&client, "b", "u").await;
     let running = {
-        let client = s.agent.client().await;
+        let client = client.clone();
         tokio::spawn(async move {
             client
                 .backups()
                 .request::<opmon_client::methods::Finalize>(params(
                     "b",
-                    "big.tar.gz",
+                    "slow/held-0.tar.gz",
                     "out/b.tar.gz",
                 ))
                 .await
         })
     };
+    let mut held = readers(held, 1).await;
     wait_for_temporary(&s.storage.join("out"), &s.agent).await;
-    // Reads are answered meanwhile.
-    client.status().await.unwrap();
-    assert_eq!(
-        client.backups().get("b").await.unwrap().phase,
-        OwnerPhase::Finalizing
-    );
 
     let status = s.agent.terminate();
     assert!(status.success(), "{status}:\n{}", s.agent.log_text());
-    assert!(
-        running.await.unwrap().is_err(),
-        "the finalize did not complete"
-    );
     assert_eq!(temporaries(&s.storage.join("out")), Vec::<String>::new());
+    assert!(
+        !running.is_finished(),
+        "the client got an answer: {:?}",
+        running.await
+    );
+    assert!(
+        !s.agent.log_text().contains("finalize failed"),
+        "{}",
+        s.agent.log_text()
+    );
+
     s.agent.restart();
+    held.release();
+    let finalized = tokio::time::timeout(opmon_tests::LONG, running)
+        .await
+        .expect("the repeated finalize did not complete")
+        .unwrap();
+    assert!(finalized.is_ok(), "{finalized:?}");
     let client = s.agent.client().await;
     assert_eq!(
         client.backups().get("b").await.unwrap().phase,
-        OwnerPhase::Finalizing
+        OwnerPhase::Completed
     );
-    assert!(!s.storage.join("out/b.tar.gz").exists());
+    assert!(s.storage.join("out/b.tar.gz").exists());
+    let events = client.backups().events("b").await.unwrap();
+    assert!(
+        events
+            .items
+            .iter()
+            .all(|e| e.reason != opmon_client::EventReason::FinalizeFailed),
+        "{events:?}"
+    );
 }
 
 #[tokio::test]

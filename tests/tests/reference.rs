@@ -218,6 +218,7 @@ fn the_limits_are_the_codes_constants() {
             "unread bytes per uid",
             format!("{} bytes", serve.unread_bytes_per_peer),
         ),
+        ("held bytes", format!("{} bytes", serve.held_bytes)),
         (
             "unread bytes per connection",
             format!("{} bytes", serve.unread_bytes_per_connection),

@@ -364,6 +364,37 @@ async fn sigterm_finishes_cleanly_and_the_state_survives() {
     assert_eq!(client.backups().get("kept").await.unwrap().uid, "u");
 }
 
+/// SIGTERM ends a wait at once (a client would have it until its timeout, and every stop
+/// would take that long): it is answered with what it saw, as its timeout would.
+#[tokio::test]
+async fn sigterm_answers_a_running_wait_at_once_and_the_agent_stops() {
+    use opmon_tests::raw;
+    let mut f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    client.backups().start("b", "u").await.unwrap();
+    let body = raw::request(
+        "backup.wait",
+        serde_json::json!({"name": "b", "until": "terminal", "timeout": "10m"}),
+    );
+    let mut waiting = raw::send(
+        &f.agent.socket,
+        format!("{}{body}", raw::post_head(body.len())).as_bytes(),
+    );
+    let read = opmon_tests::try_eventually(LONG, || raw::unread_by_agent(&waiting) == 0);
+    assert!(read.is_some(), "the agent did not read the wait");
+
+    let status = f.agent.terminate();
+    assert!(status.success(), "{status}:\n{}", f.agent.log_text());
+    let answer = raw::json_body(&raw::read_to_close(&mut waiting));
+    assert_eq!(answer["result"]["timedOut"], true, "{answer}");
+    assert_eq!(answer["result"]["owner"]["phase"], "InProgress", "{answer}");
+    assert!(
+        !f.agent.log_text().contains("left unanswered"),
+        "{}",
+        f.agent.log_text()
+    );
+}
+
 #[tokio::test]
 async fn files_and_sockets_get_their_modes_and_a_second_agent_refuses_to_start() {
     let f = Fixture::new(&[]).await;

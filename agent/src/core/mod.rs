@@ -91,6 +91,9 @@ pub struct Core {
     subscriptions: std::sync::Arc<crate::budget::PerUid>,
     sweeps: TaskTracker,
     stopping: CancellationToken,
+    /// Cancelled at SIGTERM, before in-flight requests are waited for: waits answer at
+    /// once and file work stops.
+    requests_stopping: CancellationToken,
     started: Instant,
     /// Finalize's confinement, file-work threads and per-owner turns.
     finalizer: finalize::Finalizer,
@@ -179,6 +182,7 @@ impl Core {
             subscriptions,
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
+            requests_stopping: CancellationToken::new(),
             started: Instant::now(),
             started_at: UnixMs::now(),
             finalizer,
@@ -324,9 +328,11 @@ impl Core {
         self.finalizer.stop();
     }
 
-    /// Stops finalize's file work at once (at SIGTERM, before in-flight requests are
-    /// waited for): running rewrites end and their temporary files are removed.
-    pub fn stop_file_work(&self) {
+    /// Ends what in-flight requests wait for (at SIGTERM, before they are waited for):
+    /// waits answer at once with what they have seen, and finalize's running rewrites
+    /// end, their temporary files removed and their calls unanswered.
+    pub fn stop_requests(&self) {
+        self.requests_stopping.cancel();
         self.finalizer.stop();
     }
 }

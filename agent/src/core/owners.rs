@@ -421,8 +421,13 @@ impl Core {
                     timed_out: false,
                 });
             }
-            match tokio::time::timeout_at(deadline, changed.recv()).await {
-                Err(_) => {
+            let change = tokio::select! {
+                change = tokio::time::timeout_at(deadline, changed.recv()) => change.map_err(|_| ()),
+                // The agent is stopping: the wait ends now, as its timeout would.
+                () = self.requests_stopping.cancelled() => Err(()),
+            };
+            match change {
+                Err(()) => {
                     return Ok(WaitResult {
                         owner,
                         timed_out: true,

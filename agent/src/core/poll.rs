@@ -14,7 +14,9 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use opmon_snapshotter::log_throttle::LogThrottles;
 
 use opmon_client::{EventReason, OperationPhase, OwnerRef};
 use rusqlite::Connection;
@@ -156,15 +158,19 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
     let (t, next) = (&c.target, &c.next);
     match why {
         Why::RetryScheduled => {
-            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
-                operation = %t.operation_id, attempt = next.attempts,
-                reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
-                "transient error; retrying");
+            OPERATION_LINES.log((t.plugin.name.clone(), "retrying", ""), || {
+                tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                    operation = %t.operation_id, attempt = next.attempts,
+                    reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
+                    "transient error; retrying")
+            });
         }
         Why::Recovered => {
-            tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
-                operation = %t.operation_id, attempts = next.attempts,
-                "answered again after transient errors");
+            OPERATION_LINES.log((t.plugin.name.clone(), "recovered", ""), || {
+                tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
+                    operation = %t.operation_id, attempts = next.attempts,
+                    "answered again after transient errors")
+            });
         }
         _ => {}
     }
@@ -212,33 +218,72 @@ impl Ended {
     }
 
     /// Counts and logs the operations that ended: one line each, a WARN for each that
-    /// did not complete.
+    /// did not complete, within a budget per plugin, outcome and cause (each owner's
+    /// events keep every one).
     pub(super) fn report(ended: &[Ended], metrics: &Metrics) {
         use crate::metrics::Outcome;
         for e in ended {
             metrics.ended(&e.plugin, e.outcome);
             let (owner, plugin, operation, reason) = (&e.owner, &e.plugin, &e.operation, &e.reason);
-            match e.outcome {
-                Outcome::Completed => {
-                    tracing::debug!(%owner, %plugin, %operation, "operation completed");
-                }
-                Outcome::Stalled => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
-                }
-                Outcome::TimedOut => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
-                }
-                Outcome::Canceled => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
-                }
-                Outcome::Failed => {
-                    tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
-                        "operation failed");
-                }
+            if e.outcome == Outcome::Completed {
+                tracing::debug!(%owner, %plugin, %operation, "operation completed");
+                continue;
             }
+            let by = if e.outcome == Outcome::Failed {
+                e.by
+            } else {
+                ""
+            };
+            OPERATION_LINES.log((plugin.clone(), e.outcome.as_str(), by), || {
+                match e.outcome {
+                    Outcome::Completed => {}
+                    Outcome::Stalled => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+                    }
+                    Outcome::TimedOut => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+                    }
+                    Outcome::Canceled => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+                    }
+                    Outcome::Failed => {
+                        tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
+                        "operation failed");
+                    }
+                }
+            });
         }
     }
 }
+
+/// The lines of operations retried, recovered or ended without completing, per plugin,
+/// outcome and cause: one plugin's failures cannot silence another's, nor a flood of
+/// them fill the log.
+static OPERATION_LINES: LazyLock<LogThrottles<(String, &'static str, &'static str)>> =
+    LazyLock::new(|| {
+        LogThrottles::new(|key: Option<&(String, _, &str)>, unlogged, window| {
+            match key {
+            Some((plugin, outcome, by)) => tracing::warn!(%plugin, outcome, by, unlogged, ?window,
+                "{unlogged} more operations of plugin {plugin} {outcome} not logged one by one; their owners' events have them"),
+            None => tracing::warn!(unlogged, ?window,
+                "{unlogged} more lines of operations of other plugins not logged one by one; their owners' events have them"),
+        }
+        })
+    });
+
+/// A snapshotter's reachability changes, per plugin: one that flaps cannot fill the log.
+static REACHABILITY: LazyLock<LogThrottles<String>> = LazyLock::new(|| {
+    LogThrottles::new(|plugin: Option<&String>, unlogged, window| {
+        tracing::warn!(
+            snapshotter = plugin.map_or("(others)", String::as_str),
+            unlogged,
+            ?window,
+            "{unlogged} more changes of reachability not logged one by one"
+        )
+    })
+});
+
+impl Ended {}
 
 /// The events of a polled operation's change: what a limit decided (a deadline passed,
 /// a retry scheduled or spent, a recovery), and the phase change unless the limit's
@@ -632,7 +677,9 @@ impl Poller {
         let mut unreachable = lock(&self.unreachable);
         if reached || answers.is_empty() {
             if unreachable.remove(plugin).is_some() {
-                tracing::info!(snapshotter = plugin, "snapshotter reachable again");
+                REACHABILITY.log(plugin.to_string(), || {
+                    tracing::info!(snapshotter = plugin, "snapshotter reachable again")
+                });
             }
             None
         } else {
@@ -643,8 +690,10 @@ impl Poller {
                     // A snapshotter's message may be megabytes: log what would be stored.
                     .map(|e| phase::bounded(e.message().to_string(), phase::MAX_ERROR))
                     .unwrap_or_default();
-                tracing::warn!(snapshotter = plugin, %error,
-                    "snapshotter unreachable; its operations wait for the grace period");
+                REACHABILITY.log(plugin.to_string(), || {
+                    tracing::warn!(snapshotter = plugin, %error,
+                        "snapshotter unreachable; its operations wait for the grace period")
+                });
                 UnixMs::now()
             });
             Some(since)
@@ -748,6 +797,13 @@ impl Poller {
 }
 
 impl Core {
+    /// Writes the counts of operation and reachability lines not logged one by one yet,
+    /// once the sweeps have stopped.
+    pub fn write_log_counts(&self) {
+        OPERATION_LINES.flush();
+        REACHABILITY.flush();
+    }
+
     /// Commits polled changes and settles the waiting owners they touched.
     pub(super) async fn commit_sweep(&self, changes: Vec<OperationChange>) -> Result<(), Error> {
         // Targets come grouped by owner, so consecutive runs gather each owner's rows.

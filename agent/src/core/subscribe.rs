@@ -3,7 +3,8 @@
 //! The first update carries all operations; later ones only those that changed, except
 //! after the subscriber lagged, when it gets everything again. An update for a change
 //! is read and serialized once, by whichever subscriber of the owner gets there
-//! first; the others send the same bytes.
+//! first; the others send the same bytes while any of them still holds it (the change
+//! channel keeps no rendering: its last changes would hold them long after).
 
 use std::sync::Arc;
 
@@ -106,11 +107,19 @@ impl OwnerStream {
         let (core, kind, name) = (&self.core, self.kind, self.name.as_str());
         let update = match pending {
             Pending::Everything { lagged } => core.render(kind, name, None, lagged).await,
-            Pending::One(change) => change
-                .rendered
-                .get_or_try_init(|| core.render(kind, name, Some(&change.rows), false))
-                .await
-                .cloned(),
+            Pending::One(change) => {
+                let mut shared = change.rendered.lock().await;
+                match shared.upgrade() {
+                    Some(rendered) => Ok(rendered),
+                    None => {
+                        let rendered = core.render(kind, name, Some(&change.rows), false).await;
+                        if let Ok(rendered) = &rendered {
+                            *shared = Arc::downgrade(rendered);
+                        }
+                        rendered
+                    }
+                }
+            }
             Pending::Rows(mut rows) => {
                 rows.sort_unstable();
                 rows.dedup();

@@ -112,8 +112,13 @@ impl PerUid {
 
     /// Charges one unit to `uid`, or says which quota it is over.
     pub fn charge(self: &Arc<Self>, uid: u32) -> Result<Charge, String> {
+        self.charge_many(uid, 1)
+    }
+
+    /// Charges `n` units to `uid`, or says which quota it is over.
+    fn charge_many(self: &Arc<Self>, uid: u32, n: u32) -> Result<Charge, String> {
         let places = self.places(uid);
-        match places.clone().try_acquire_owned() {
+        match places.clone().try_acquire_many_owned(n) {
             Ok(permit) => Ok(Charge {
                 permit: Some(permit),
                 of: self.clone(),
@@ -121,8 +126,22 @@ impl PerUid {
             }),
             Err(_) => {
                 let limit = self.limit(uid);
-                let n = (limit as usize).saturating_sub(places.available_permits());
+                let held = (limit as usize).saturating_sub(places.available_permits());
                 let what = self.what;
+                if n > 1 {
+                    let whose = match self.share {
+                        Some((share, others)) if limit == share && share < self.quota => format!(
+                            "a quarter of what uids other than root and the agent's own may \
+                             hold together ({others})"
+                        ),
+                        _ => format!("the most {} allows", self.setting),
+                    };
+                    return Err(format!(
+                        "uid {uid} holds {held} {what}; {n} more would pass {limit}, {whose}; \
+                         try again later"
+                    ));
+                }
+                let n = held;
                 Err(match self.share {
                     Some((share, others)) if limit == share && share < self.quota => format!(
                         "uid {uid} already holds {n} {what}, a quarter of what uids other than \
@@ -138,9 +157,9 @@ impl PerUid {
         }
     }
 
-    /// Charges one unit to `uid` once it is within its quota.
-    pub async fn charge_waiting(self: &Arc<Self>, uid: u32) -> Charge {
-        let permit = self.places(uid).acquire_owned().await.ok();
+    /// Charges `n` units to `uid` once it is within its quota.
+    async fn charge_waiting(self: &Arc<Self>, uid: u32, n: u32) -> Charge {
+        let permit = self.places(uid).acquire_many_owned(n).await.ok();
         Charge {
             permit,
             of: self.clone(),
@@ -173,6 +192,25 @@ impl Held {
     pub fn uid(&self) -> Option<u32> {
         self.uid.as_ref().map(Charge::uid)
     }
+
+    /// Units held.
+    pub fn units(&self) -> usize {
+        self._all
+            .as_ref()
+            .map_or(0, OwnedSemaphorePermit::num_permits)
+    }
+
+    /// Gives back all but `keep` units.
+    pub fn shrink(&mut self, keep: usize) {
+        let permits = [
+            self.uid.as_mut().and_then(|c| c.permit.as_mut()),
+            self._other.as_mut(),
+            self._all.as_mut(),
+        ];
+        for permit in permits.into_iter().flatten() {
+            drop(permit.split(permit.num_permits().saturating_sub(keep)));
+        }
+    }
 }
 
 impl Budget {
@@ -182,13 +220,12 @@ impl Budget {
         // A quarter, and at least one of any total the operator can share.
         let reserve = (total / 4).max(usize::from(total > 1));
         let others_limit = total - reserve;
-        let share = u32::try_from(others_limit / 4).unwrap_or(u32::MAX).max(1);
         Budget {
             per_uid: Arc::new(PerUid {
                 setting,
                 what,
                 quota,
-                share: Some((share, others_limit)),
+                share: Some((Self::share_of(others_limit), others_limit)),
                 held: Mutex::new(HashMap::new()),
             }),
             all: Arc::new(Semaphore::new(total)),
@@ -198,28 +235,82 @@ impl Budget {
         }
     }
 
+    fn share_of(others_limit: usize) -> u32 {
+        u32::try_from(others_limit / 4).unwrap_or(u32::MAX).max(1)
+    }
+
+    /// Another quota per uid (named by `setting`) within the same total: what one uid
+    /// holds of both is bounded by each quota, what all hold by the one total.
+    pub fn sharing(&self, setting: &'static str, what: &'static str, quota: u32) -> Budget {
+        Budget {
+            per_uid: Arc::new(PerUid {
+                setting,
+                what,
+                quota,
+                share: Some((Self::share_of(self.others_limit), self.others_limit)),
+                held: Mutex::new(HashMap::new()),
+            }),
+            all: self.all.clone(),
+            others: self.others.clone(),
+            total: self.total,
+            others_limit: self.others_limit,
+        }
+    }
+
+    /// The most `uid` may ever hold at once: more is never granted.
+    pub fn limit(&self, uid: u32) -> u64 {
+        let limit = u64::from(self.per_uid.limit(uid));
+        match is_operator(uid) {
+            true => limit.min(self.total as u64),
+            false => limit.min(self.others_limit as u64),
+        }
+    }
+
     /// Takes one unit for `uid` (`None`: work of the process's own, charged to no uid
     /// but within the others' share), or says which limit it is over.
     pub fn take(&self, uid: Option<u32>) -> Result<Held, String> {
+        self.take_many(uid, 1)
+    }
+
+    /// Takes `n` units for `uid` at once, or says which limit it is over.
+    pub fn take_many(&self, uid: Option<u32>, n: u32) -> Result<Held, String> {
         let what = self.per_uid.what;
-        let charge = uid.map(|uid| self.per_uid.charge(uid)).transpose()?;
+        let charge = uid
+            .map(|uid| self.per_uid.charge_many(uid, n))
+            .transpose()?;
         let other = match uid.is_some_and(is_operator) {
             true => None,
-            false => Some(self.others.clone().try_acquire_owned().map_err(|_| {
-                format!(
-                    "other uids hold {} {what}, all the agent takes from uids other than \
-                     its own and root; try again later",
-                    self.others_limit
-                )
+            false => Some(self.others.clone().try_acquire_many_owned(n).map_err(|_| {
+                let held = self.others_limit - self.others.available_permits();
+                match n {
+                    1 => format!(
+                        "other uids hold {held} {what}, all the agent takes from uids other \
+                         than its own and root; try again later"
+                    ),
+                    _ => format!(
+                        "other uids hold {held} {what} of the {} the agent takes from uids \
+                         other than its own and root; try again later",
+                        self.others_limit
+                    ),
+                }
             })?),
         };
-        let all = self.all.clone().try_acquire_owned().map_err(|_| {
-            format!(
-                "{} {what} are held, all the agent takes at once (its open-file limit sets \
+        let all = self
+            .all
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| match n {
+                1 => format!(
+                    "{} {what} are held, all the agent takes at once (its open-file limit sets \
                  how many); try again later",
-                self.total
-            )
-        })?;
+                    self.total
+                ),
+                _ => format!(
+                    "{} of the {} {what} the agent holds at once are held; try again later",
+                    self.total - self.all.available_permits(),
+                    self.total
+                ),
+            })?;
         Ok(Held {
             uid: charge,
             _other: other,
@@ -227,22 +318,58 @@ impl Budget {
         })
     }
 
+    /// Takes as many of `n` units for `uid` as there are now, without waiting (none,
+    /// if the uid or the total holds all it may).
+    pub fn take_up_to(&self, uid: Option<u32>, n: u32) -> Held {
+        let mut free = self.all.available_permits();
+        if !uid.is_some_and(is_operator) {
+            free = free.min(self.others.available_permits());
+        }
+        if let Some(uid) = uid {
+            free = free.min(self.per_uid.places(uid).available_permits());
+        }
+        let n = n.min(u32::try_from(free).unwrap_or(u32::MAX));
+        match n {
+            0 => None,
+            n => self.take_many(uid, n).ok(),
+        }
+        .unwrap_or(Held {
+            uid: None,
+            _other: None,
+            _all: None,
+        })
+    }
+
     /// Takes one unit for `uid` once there is one: its own quota first, so that a uid
     /// waiting for its own holds none of the others' places meanwhile.
     pub async fn acquire(&self, uid: Option<u32>) -> Held {
+        self.acquire_many(uid, 1).await
+    }
+
+    /// Takes `n` units for `uid` once there are (see [`Budget::acquire`]); `n` past
+    /// [`Budget::limit`] is never granted: the caller refuses it first.
+    pub async fn acquire_many(&self, uid: Option<u32>, n: u32) -> Held {
         let charge = match uid {
-            Some(uid) => Some(self.per_uid.charge_waiting(uid).await),
+            Some(uid) => Some(self.per_uid.charge_waiting(uid, n).await),
             None => None,
         };
         let other = match uid.is_some_and(is_operator) {
             true => None,
-            false => self.others.clone().acquire_owned().await.ok(),
+            false => self.others.clone().acquire_many_owned(n).await.ok(),
         };
         Held {
             uid: charge,
             _other: other,
-            _all: self.all.clone().acquire_owned().await.ok(),
+            _all: self.all.clone().acquire_many_owned(n).await.ok(),
         }
+    }
+
+    /// Units `uid` holds now.
+    pub fn held_by(&self, uid: u32) -> u64 {
+        let held = self.per_uid.lock();
+        held.get(&uid).map_or(0, |places| {
+            u64::from(self.per_uid.limit(uid)).saturating_sub(places.available_permits() as u64)
+        })
     }
 
     /// Units held now, over all peers.
@@ -311,6 +438,30 @@ mod tests {
         );
         drop((others, root));
         assert_eq!(budget.held(), 0);
+    }
+
+    #[test]
+    fn budgets_sharing_a_total_bound_what_all_uids_hold_of_both() {
+        let requests = Budget::new("max_request_bytes_per_uid", "bytes", 1000, 1000);
+        let unread = requests.sharing("max_unread_bytes_per_uid", "bytes", 100);
+        // Other uids share 750, one of them at most 187.
+        let bodies: Vec<Held> = (0..4)
+            .map(|n| requests.take_many(Some(70_000 + n), 150).unwrap())
+            .collect();
+        let answer = unread.take_up_to(Some(70_010), 100);
+        assert_eq!(answer.units(), 100, "the uid's quota of answers");
+        let refused = unread.take_many(Some(70_011), 100).unwrap_err();
+        assert!(
+            refused.starts_with("other uids hold 700 bytes of the 750"),
+            "{refused}"
+        );
+        let rest = unread.take_up_to(Some(70_011), 100);
+        assert_eq!(rest.units(), 50, "what is left");
+        assert!(unread.take_many(Some(0), 100).is_ok(), "root's reserve");
+        drop((bodies, answer));
+        assert_eq!(unread.held_by(70_011), 50);
+        drop(rest);
+        assert_eq!(requests.held(), 0);
     }
 
     #[tokio::test]

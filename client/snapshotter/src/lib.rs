@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod budget;
+pub mod log_throttle;
 pub mod server;
 mod store;
 pub mod traffic;

@@ -18,21 +18,23 @@
 //!   uid at most a quarter of the rest) whose places a call waits for; a method
 //!   declared as mostly waiting (`methods::Decl::waits`) takes no place, and a batch
 //!   takes one place per call as it runs them one after another;
-//! - request bytes: an HTTP body over [`SMALL_BODY`] is charged to its peer from before
-//!   it is read until its answer is made (so a waiting call holds its bytes, not a
-//!   read); any body, and any WebSocket message, must come whole within
-//!   `request_body_timeout`;
-//! - answer bytes not yet written: each answer (and each subscription notification) is
-//!   charged to its connection and peer until the stream has written it. A WebSocket
-//!   connection runs its calls (methods that mostly wait aside) and sends its
-//!   subscriptions' updates one at a time, each once it owes less than
-//!   `unread_bytes_per_connection` and its peer less than `unread_bytes_per_peer`, and
-//!   is not read while it owes that much or has
-//!   `calls_per_connection` calls unfinished. Listings (methods declared `grows`, whose
-//!   answers are the large ones) are made [`LISTINGS_PER_PEER`] at once per peer, each
-//!   begun only while the peer owes less than `unread_bytes_per_peer`; a batch stops
-//!   before its next call while the peer owes that much besides the batch's own
-//!   answers (which `max_batch_response_bytes` bounds);
+//! - bytes held for peers (`Bytes`): two [`Budget`]s sharing one total
+//!   (`held_bytes`), so that what all peers make the server hold is bounded whatever
+//!   their number. Request bytes: an HTTP body over [`SMALL_BODY`] is charged to its
+//!   peer from before it is read until its answer is made (so a waiting call holds its
+//!   bytes, not a read); any body, and any WebSocket message, must come whole within
+//!   `request_body_timeout`. Answer bytes: each answer (and each subscription update)
+//!   is charged to its peer until the stream has written it. Listings (methods declared
+//!   `grows`, whose answers are the large ones) and subscription updates are made a few
+//!   at a time over all peers ([`LISTINGS_PER_PEER`] per peer), each begun only while
+//!   its peer and the total have room; an update is sent only once they have room for
+//!   all of it, so a subscriber that does not read holds one update per subscription.
+//!   A WebSocket connection runs its calls (methods that mostly wait aside) and sends
+//!   its subscriptions' updates one at a time, each once it owes less than
+//!   `unread_bytes_per_connection`, and is not read while it owes that much or has
+//!   `calls_per_connection` calls unfinished. A batch stops before its next call while
+//!   its peer has no room for its answers besides the batch's own (which
+//!   `max_batch_response_bytes` bounds);
 //! - a peer that takes nothing of what waits for it for `write_stall_timeout`, or sends
 //!   nothing for `idle_timeout`, has its connection closed.
 //!
@@ -45,14 +47,13 @@
 //! a wrong `Content-Type` names the header. A notification gets an empty body over HTTP;
 //! a request whose id is not a string, an integer or null gets -32600 with id null.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -76,7 +77,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
-use crate::budget::Budget;
+use crate::budget::{Budget, Held};
 use tower::Service;
 
 /// Renders the page served at `GET /metrics`, given the request's `Accept` header:
@@ -145,8 +146,14 @@ pub struct ServeConfig {
     pub request_bytes_per_peer: u64,
     /// Answer bytes one peer may have unwritten before its large answers are refused.
     pub unread_bytes_per_peer: u64,
+    /// Bytes held for all peers together: request bodies and answers not yet written
+    /// (each peer's within its quotas, root and the process's own uid keeping a quarter).
+    pub held_bytes: u64,
     /// Answer bytes one connection may have unwritten before it waits to run more.
     pub unread_bytes_per_connection: u64,
+    /// Once `shutdown` is done, how long calls in flight have to finish; the connections
+    /// of those still running are then closed without their answers.
+    pub stop_timeout: Duration,
     /// If set, `GET /metrics` answers with this page (Prometheus text format).
     pub metrics: Option<MetricsPage>,
     /// If set, told of every answer: its method (`batch` for a batch) and its error code
@@ -176,7 +183,9 @@ impl Default for ServeConfig {
             calls_per_connection: 16,
             request_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_peer: 64 * 1024 * 1024,
+            held_bytes: 512 * 1024 * 1024,
             unread_bytes_per_connection: 1024 * 1024,
+            stop_timeout: Duration::from_secs(10),
             metrics: None,
             answered: None,
         }
@@ -413,95 +422,64 @@ fn has_invalid_id(body: &[u8]) -> bool {
 
 const INVALID_ID: &str = "Invalid request: an id must be a string, an integer or null";
 
-/// What one peer (a uid) holds, against its quotas.
-struct Peer {
-    uid: u32,
-    /// Listings being made (`LISTINGS_PER_PEER` at once).
-    listings: Arc<Semaphore>,
-    /// Request bytes being read or held by their calls, one permit a byte.
-    request_bytes: Arc<Semaphore>,
-    /// Answer bytes made and not yet written, over the peer's connections.
-    owed: AtomicU64,
-    /// Notified as `owed` goes down, if `waiting` says anyone waits for it.
-    paid: tokio::sync::Notify,
-    waiting: AtomicUsize,
+/// The bytes a server holds for its peers, each charged to the peer's uid and all of
+/// them to one total (`held_bytes`): request bodies being read or held by their calls,
+/// and answers made and not yet written. Answers that may be large (listings,
+/// subscription updates) are made a few at a time over all peers (`makers`), each
+/// holding its place until its bytes are charged, so what is made and not yet charged
+/// is a few answers whatever the number of peers.
+struct Bytes {
+    requests: Budget,
+    unread: Budget,
+    makers: Budget,
 }
 
-/// Counts a waiter for as long as it waits.
-struct Waited<'a>(&'a AtomicUsize);
-
-impl Drop for Waited<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Peer {
-    /// Wakes those waiting for the peer to owe less (few ever do: no lock otherwise).
-    fn notify_paid(&self) {
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            self.paid.notify_waiters();
-        }
-    }
-
-    /// Once the peer owes less than `quota`, or `conn` has ended.
-    async fn room(&self, quota: u64, conn: &Connection) {
-        if self.owed.load(Ordering::SeqCst) < quota {
-            return;
-        }
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waited = Waited(&self.waiting);
-        loop {
-            let paid = self.paid.notified();
-            tokio::pin!(paid);
-            paid.as_mut().enable();
-            if self.owed.load(Ordering::SeqCst) < quota || conn.ended() {
-                return;
-            }
-            paid.await;
+impl Bytes {
+    fn new(config: &ServeConfig) -> Bytes {
+        let quota = |bytes: u64| u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        let requests = Budget::new(
+            "max_request_bytes_per_uid",
+            "bytes of requests",
+            quota(
+                config
+                    .request_bytes_per_peer
+                    .max(u64::from(config.max_request_body_size)),
+            ),
+            usize::try_from(config.held_bytes).unwrap_or(usize::MAX),
+        );
+        let unread = requests.sharing(
+            "max_unread_bytes_per_uid",
+            "bytes of answers",
+            quota(config.unread_bytes_per_peer),
+        );
+        Bytes {
+            requests,
+            unread,
+            makers: Budget::new(
+                "listings per uid",
+                "listings",
+                LISTINGS_PER_PEER as u32,
+                MAKERS,
+            ),
         }
     }
 }
 
-/// The peers with a connection open, by uid.
-struct Peers {
-    by_uid: Mutex<HashMap<u32, Weak<Peer>>>,
-}
-
-impl Peers {
-    fn get(&self, uid: u32, config: &ServeConfig) -> Arc<Peer> {
-        let mut by_uid = self.by_uid.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(peer) = by_uid.get(&uid).and_then(Weak::upgrade) {
-            return peer;
-        }
-        by_uid.retain(|_, peer| peer.strong_count() > 0);
-        let bytes = config
-            .request_bytes_per_peer
-            .max(u64::from(config.max_request_body_size))
-            .min(Semaphore::MAX_PERMITS as u64) as usize;
-        let peer = Arc::new(Peer {
-            uid,
-            listings: Arc::new(Semaphore::new(LISTINGS_PER_PEER)),
-            request_bytes: Arc::new(Semaphore::new(bytes)),
-            owed: AtomicU64::new(0),
-            paid: tokio::sync::Notify::new(),
-            waiting: AtomicUsize::new(0),
-        });
-        by_uid.insert(uid, Arc::downgrade(&peer));
-        peer
-    }
-}
+/// Large answers (listings, subscription updates) being made at once over all peers.
+const MAKERS: usize = 8;
 
 /// One served connection, as its calls and its stream see it: what it owes its peer
 /// (answers not yet written) and whether it has failed. Every request's extensions
 /// carry it; a subscription takes [`Connection::room`] before it sends.
 pub struct Connection {
-    peer: Arc<Peer>,
+    uid: u32,
+    bytes: Arc<Bytes>,
     /// Bytes of answers not yet written whole (an answer counts whole until its last
     /// byte is written: its buffer lives that long).
     owed: AtomicU64,
-    /// The answers handed over, oldest first: their sizes and what is left to write.
-    queued: Mutex<std::collections::VecDeque<(u64, u64)>>,
+    /// The answers handed over, oldest first: their sizes, what is left to write, and
+    /// their charge.
+    queued: Mutex<std::collections::VecDeque<(u64, u64, Held)>>,
     /// WebSocket calls read and not finished.
     running: AtomicUsize,
     websocket: AtomicBool,
@@ -515,22 +493,54 @@ pub struct Connection {
     room_changed: tokio::sync::Notify,
     reader: Mutex<Option<Waker>>,
     room: u64,
-    /// The peer's quota of unread bytes over all its connections.
-    peer_quota: u64,
     calls: usize,
 }
 
+/// A place among the large answers being made (see `Bytes`), held until the answer's
+/// bytes are charged.
+pub struct Making {
+    _held: Held,
+}
+
 impl Connection {
-    /// Charges an answer of `bytes` handed over to be written; returns what the peer
-    /// owed before.
-    pub fn owe(&self, bytes: usize) -> u64 {
-        let bytes = bytes as u64;
-        self.lock_queued().push_back((bytes, bytes));
-        self.owed.fetch_add(bytes, Ordering::Relaxed);
-        self.peer.owed.fetch_add(bytes, Ordering::Relaxed)
+    /// A place to make a large answer (a subscription's update), once there is one
+    /// for the peer's uid; hold it until the answer is charged ([`Connection::owe`]).
+    pub async fn making(&self) -> Making {
+        Making {
+            _held: self.bytes.makers.acquire(Some(self.uid)).await,
+        }
     }
 
-    fn lock_queued(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, u64)>> {
+    /// Charges an answer of `bytes` to the peer's uid and the total, once they have room
+    /// for it (an answer larger than all the uid may hold takes all of it), before it is
+    /// handed over to be written: what a subscriber has not read stays within both.
+    pub async fn owe(&self, bytes: usize) {
+        let unread = &self.bytes.unread;
+        let charge = (bytes as u64)
+            .clamp(1, unread.limit(self.uid))
+            .min(u64::from(u32::MAX));
+        let held = unread.acquire_many(Some(self.uid), charge as u32).await;
+        self.queue(bytes, held);
+    }
+
+    /// Charges a call's answer of `bytes` with what its uid and the total have room for
+    /// now: it was begun only while they had room ([`Connection::uid_room`]), so what
+    /// they hold passes them by at most the answers being made.
+    fn owe_made(&self, bytes: usize) {
+        let charge = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        let held = self.bytes.unread.take_up_to(Some(self.uid), charge);
+        self.queue(bytes, held);
+    }
+
+    fn queue(&self, bytes: usize, held: Held) {
+        let bytes = bytes as u64;
+        self.lock_queued().push_back((bytes, bytes, held));
+        self.owed.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn lock_queued(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, u64, Held)>> {
         self.queued.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -538,9 +548,10 @@ impl Connection {
     fn paid(&self, written: usize) {
         let mut written = written as u64;
         let mut whole = 0;
+        let mut charges = Vec::new();
         {
             let mut queued = self.lock_queued();
-            while let Some((bytes, left)) = queued.front_mut() {
+            while let Some((bytes, left, _)) = queued.front_mut() {
                 let n = written.min(*left);
                 *left -= n;
                 written -= n;
@@ -548,17 +559,13 @@ impl Connection {
                     break;
                 }
                 whole += *bytes;
-                queued.pop_front();
+                charges.extend(queued.pop_front().map(|(_, _, held)| held));
             }
         }
-        self.released(whole);
-    }
-
-    fn released(&self, bytes: u64) {
-        if bytes > 0 {
-            self.owed.fetch_sub(bytes, Ordering::Relaxed);
-            self.peer.owed.fetch_sub(bytes, Ordering::SeqCst);
-            self.peer.notify_paid();
+        // Given back outside the lock.
+        drop(charges);
+        if whole > 0 {
+            self.owed.fetch_sub(whole, Ordering::Relaxed);
             self.room_changed.notify_waiters();
             if self.websocket() {
                 self.wake_reader();
@@ -567,8 +574,8 @@ impl Connection {
     }
 
     /// The connection's turn to make an answer, once it owes less than its room and its
-    /// peer less than its quota over all its connections (or it has failed: the caller
-    /// finds out). Subscriptions send holding it.
+    /// peer's uid and the total have room for more (or it has failed: the caller finds
+    /// out). Subscriptions send holding it.
     pub async fn room(&self) -> tokio::sync::MutexGuard<'_, ()> {
         let turn = self.turn.lock().await;
         loop {
@@ -580,8 +587,25 @@ impl Connection {
             }
             changed.await;
         }
-        self.peer.room(self.peer_quota, self).await;
+        self.uid_room().await;
         turn
+    }
+
+    /// Once the peer's uid and the total hold less than they may, or the connection has
+    /// ended.
+    async fn uid_room(&self) {
+        loop {
+            let changed = self.room_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.ended() {
+                return;
+            }
+            tokio::select! {
+                _ = self.bytes.unread.acquire_many(Some(self.uid), 1) => return,
+                _ = changed => {}
+            }
+        }
     }
 
     /// Whether the connection has failed (its peer went away or stopped reading).
@@ -592,7 +616,6 @@ impl Connection {
     fn fail(&self) {
         self.failed.store(true, Ordering::Relaxed);
         self.room_changed.notify_waiters();
-        self.peer.notify_paid();
         self.wake_reader();
     }
 
@@ -619,17 +642,12 @@ impl Connection {
                 || self.owed.load(Ordering::Relaxed) >= self.room)
     }
 
-    fn over_quota(&self, quota: u64) -> Option<u64> {
-        let owed = self.peer.owed.load(Ordering::Relaxed);
-        (owed >= quota).then_some(owed)
-    }
-}
-
-impl Drop for Connection {
-    fn drop(&mut self) {
-        let owed = self.owed.load(Ordering::Relaxed);
-        self.peer.owed.fetch_sub(owed, Ordering::SeqCst);
-        self.peer.notify_paid();
+    /// What the peer's uid holds unread besides a batch's `own` answers, if that is all
+    /// it may, or if it leaves the batch's answers no room.
+    fn over_quota(&self, own: &Own) -> Option<u64> {
+        let unread = &self.bytes.unread;
+        let held = unread.held_by(self.uid).saturating_sub(own.held());
+        (held >= unread.limit(self.uid) || (own.1 && held > 0)).then_some(held)
     }
 }
 
@@ -661,6 +679,9 @@ impl Drop for Running {
 struct Metered {
     inner: UnixStream,
     conn: Arc<Connection>,
+    /// The admission's ticket: held as long as the stream, which outlives hyper's
+    /// connection once it is upgraded to a WebSocket.
+    _ticket: Box<dyn Send>,
     idle: Option<Duration>,
     stall: Option<Duration>,
     /// One timer for the idle timeout, moved on lazily from the last read (a timer per
@@ -1069,21 +1090,23 @@ impl Rules {
         decl: Option<&Decl>,
         call: Request<'_>,
         own: u64,
-    ) -> MethodResponse {
-        let peer = &conn.peer;
-        let mut listing = None;
+    ) -> (MethodResponse, Option<Making>) {
+        let mut making = None;
         let mut place = None;
         if !decl.is_some_and(|d| d.waits) {
             if decl.is_some_and(|d| d.grows) {
-                listing = peer.listings.clone().acquire_owned().await.ok();
-                let quota = self.config.unread_bytes_per_peer.saturating_add(own);
-                peer.room(quota, conn).await;
+                making = Some(conn.making().await);
+                // A batch's own answers do not hold it back: it stops before its next
+                // call while its uid holds its quota besides them.
+                if own == 0 {
+                    conn.uid_room().await;
+                }
             }
-            place = Some(self.calls.acquire(Some(peer.uid)).await);
+            place = Some(self.calls.acquire(Some(conn.uid)).await);
         }
         let response = inner.call(call).await;
-        drop((place, listing));
-        response
+        drop(place);
+        (response, making)
     }
 
     /// The error for calling `method` on `conn`, if it cannot be called so.
@@ -1132,6 +1155,7 @@ impl Rules {
     }
 
     fn over_quota(&self, owed: u64, what: &str) -> ErrorObjectOwned {
+        // (the uid's quota; a share of `held_bytes` may be less)
         ErrorObject::owned(
             OVER_QUOTA,
             format!(
@@ -1141,6 +1165,24 @@ impl Rules {
             ),
             None::<()>,
         )
+    }
+}
+
+/// What a batch's answers have been charged so far, and whether one found no room.
+struct Own(Vec<Held>, bool);
+
+impl Own {
+    fn charge(&mut self, conn: &Connection, bytes: usize) {
+        let bytes = u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
+        // Past the uid's room they go uncharged: `max_batch_response_bytes` bounds them.
+        match conn.bytes.unread.take_many(Some(conn.uid), bytes) {
+            Ok(held) => self.0.push(held),
+            Err(_) => self.1 = true,
+        }
+    }
+
+    fn held(&self) -> u64 {
+        self.0.iter().map(|h| h.units() as u64).sum()
     }
 }
 
@@ -1257,8 +1299,9 @@ impl Guard {
             true => Some(conn.room().await),
             false => None,
         };
-        let response = rules.run(&inner, &conn, decl, request, 0).await;
-        conn.owe(response.as_json().get().len());
+        let (response, making) = rules.run(&inner, &conn, decl, request, 0).await;
+        conn.owe_made(response.as_json().get().len());
+        drop(making);
         response
     }
 
@@ -1295,6 +1338,9 @@ impl Guard {
         };
         let mut answer =
             BatchResponseBuilder::new_with_limit(rules.config.max_batch_response_bytes as usize);
+        // The answers made, charged as they come while the uid has room, so batches made
+        // at once see each other.
+        let mut own = Own(Vec::new(), false);
         let mut charged = 0;
         let mut notified = false;
         let mut stopped = None;
@@ -1305,13 +1351,9 @@ impl Guard {
             }
             // The batch's own answers, made and not yet sent, do not count: a batch
             // whose answer is over the quota is bounded by `max_batch_response_bytes`.
-            let quota = rules.config.unread_bytes_per_peer;
-            if let Some(owed) = conn
-                .over_quota(quota.saturating_add(charged as u64))
-                .filter(|_| charged > 0)
-            {
+            if let Some(owed) = conn.over_quota(&own).filter(|_| charged > 0) {
                 let why = rules.over_quota(
-                    owed - charged as u64,
+                    owed,
                     &format!("this batch stopped at call {} of its {answered}", run + 1),
                 );
                 stopped = Some(MethodResponse::error(jsonrpsee::types::Id::Null, why));
@@ -1320,7 +1362,11 @@ impl Guard {
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
                     let decl = declared(call.method_name());
-                    rules.run(&inner, &conn, decl, call, charged as u64).await
+                    let (response, making) =
+                        rules.run(&inner, &conn, decl, call, charged as u64).await;
+                    own.charge(&conn, response.as_json().get().len());
+                    drop(making);
+                    response
                 }
                 Ok(BatchEntry::Notification(n)) => {
                     notified = true;
@@ -1345,8 +1391,6 @@ impl Guard {
                 ));
                 break;
             }
-            // Counted as it grows, so batches made at once see each other.
-            conn.peer.owed.fetch_add(length as u64, Ordering::Relaxed);
             charged += length;
             tokio::task::coop::consume_budget().await;
         }
@@ -1356,10 +1400,9 @@ impl Guard {
             None => MethodResponse::from_batch(answer.finish()),
         };
         // What was counted becomes the answer's length (or is given back).
-        conn.peer.owed.fetch_sub(charged as u64, Ordering::SeqCst);
-        conn.peer.notify_paid();
+        drop(own);
         if !response.is_notification() {
-            conn.owe(response.as_json().get().len());
+            conn.owe_made(response.as_json().get().len());
         }
         marked(response)
     }
@@ -1438,14 +1481,12 @@ where
     // its own quota, no one else's; one of unknown length is charged the most it may be.
     // A small body is not charged: a connection holds at most one.
     let charge = declared.unwrap_or(u64::from(max_body));
+    let requests = &conn.bytes.requests;
     let mut held = match charge > SMALL_BODY {
-        true => conn
-            .peer
-            .request_bytes
-            .clone()
-            .acquire_many_owned(charge as u32)
-            .await
-            .ok(),
+        true => {
+            let charge = charge.min(requests.limit(conn.uid)) as u32;
+            Some(requests.acquire_many(Some(conn.uid), charge).await)
+        }
         false => None,
     };
     let bytes = match read_body(body, declared, max_body, config.request_body_timeout).await {
@@ -1476,7 +1517,7 @@ where
     };
     if let Some(held) = held.as_mut() {
         // What was set aside for a body of unknown length and did not come.
-        drop(held.split(held.num_permits().saturating_sub(bytes.len().max(1))));
+        held.shrink(bytes.len().max(1));
     }
     // Kept (a reference) to tell a bad id from a notification; a small body only.
     let sent = (bytes.len() as u64 <= SMALL_BODY).then(|| bytes.clone());
@@ -1569,9 +1610,7 @@ pub async fn serve(
     };
     let http_builder = stock(config.max_request_body_size);
     let ws_builder = stock(config.max_message_size.min(config.max_request_body_size));
-    let peers = Peers {
-        by_uid: Mutex::new(HashMap::new()),
-    };
+    let bytes = Arc::new(Bytes::new(&config));
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
@@ -1615,7 +1654,8 @@ pub async fn serve(
                 pid: cred.pid().unwrap_or(0),
             });
         let conn = Arc::new(Connection {
-            peer: peers.get(caller.map_or(u32::MAX, |c| c.uid), &config),
+            uid: caller.map_or(u32::MAX, |c| c.uid),
+            bytes: bytes.clone(),
             owed: AtomicU64::new(0),
             queued: Mutex::new(std::collections::VecDeque::new()),
             running: AtomicUsize::new(0),
@@ -1627,12 +1667,12 @@ pub async fn serve(
             room_changed: tokio::sync::Notify::new(),
             reader: Mutex::new(None),
             room: config.unread_bytes_per_connection,
-            peer_quota: config.unread_bytes_per_peer,
             calls: config.calls_per_connection.max(1),
         });
         let stream = Metered {
             inner: stream,
             conn: conn.clone(),
+            _ticket: Box::new(ticket),
             idle: config.idle_timeout,
             stall: config.write_stall_timeout,
             idle_at: None,
@@ -1661,7 +1701,6 @@ pub async fn serve(
         });
         let stopped = stop_handle.clone().shutdown();
         connections.spawn(async move {
-            let _ticket = ticket;
             if let Err(e) = serve_with_graceful_shutdown(stream, service, stopped).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
@@ -1670,142 +1709,19 @@ pub async fn serve(
     drop(listener);
     let _ = server_handle.stop();
     connections.close();
-    connections.wait().await;
-}
-
-/// A log line that can repeat once per failure (a descriptor error, a refused peer):
-/// the first [`LogThrottle::PER_WINDOW`] of every [`LogThrottle::WINDOW`] are logged,
-/// then one line says how many were not, so a peer cannot flood the log. That line is
-/// written when the window ends (or at the next occurrence, or when the throttle is
-/// dropped, whichever comes first), by the caller's [`Summary`], under its target.
-pub struct LogThrottle {
-    shared: Arc<Throttled>,
-}
-
-/// Writes the line saying that `unlogged` occurrences in a window of `window` were not
-/// logged one by one.
-pub type Summary = fn(unlogged: u32, window: Duration);
-
-struct Throttled {
-    window: Mutex<Window>,
-    summary: Summary,
-}
-
-struct Window {
-    start: tokio::time::Instant,
-    logged: u32,
-    unlogged: u32,
-    /// A timer will write the summary of the window that opened at `start`.
-    armed: bool,
-}
-
-impl Throttled {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
-        self.window.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The count of the window opened at `start`, once it has ended, if not yet said.
-    fn ended(&self, start: tokio::time::Instant) {
-        let unlogged = {
-            let mut window = self.lock();
-            if window.start != start {
-                return;
-            }
-            window.armed = false;
-            std::mem::take(&mut window.unlogged)
-        };
-        if unlogged > 0 {
-            (self.summary)(unlogged, LogThrottle::WINDOW);
-        }
+    if tokio::time::timeout(config.stop_timeout, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = connections.len(),
+            "stopping: connections with calls still running after {}s are closed unanswered",
+            config.stop_timeout.as_secs()
+        );
     }
 }
 
-impl Drop for Throttled {
-    fn drop(&mut self) {
-        let unlogged = self.lock().unlogged;
-        if unlogged > 0 {
-            (self.summary)(unlogged, LogThrottle::WINDOW);
-        }
-    }
-}
-
-impl LogThrottle {
-    pub const PER_WINDOW: u32 = 20;
-    pub const WINDOW: Duration = Duration::from_secs(10);
-
-    /// A throttle whose summaries `summary` writes.
-    pub fn new(summary: Summary) -> LogThrottle {
-        LogThrottle::starting(tokio::time::Instant::now(), summary)
-    }
-
-    /// A throttle whose first window opens at `start`.
-    pub fn starting(start: tokio::time::Instant, summary: Summary) -> LogThrottle {
-        LogThrottle {
-            shared: Arc::new(Throttled {
-                window: Mutex::new(Window {
-                    start,
-                    logged: 0,
-                    unlogged: 0,
-                    armed: false,
-                }),
-                summary,
-            }),
-        }
-    }
-
-    /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged and no timer said (for the caller to say in one
-    /// line); if this one is not logged, when a timer should say the window's count.
-    fn note_at(&self, now: tokio::time::Instant) -> (bool, u32, Option<tokio::time::Instant>) {
-        let mut window = self.shared.lock();
-        let mut ended_unlogged = 0;
-        if now.duration_since(window.start) >= Self::WINDOW {
-            ended_unlogged = window.unlogged;
-            *window = Window {
-                start: now,
-                logged: 0,
-                unlogged: 0,
-                armed: false,
-            };
-        }
-        if window.logged < Self::PER_WINDOW {
-            window.logged += 1;
-            return (true, ended_unlogged, None);
-        }
-        window.unlogged += 1;
-        let timer = (!window.armed).then_some(window.start);
-        window.armed = true;
-        (false, ended_unlogged, timer)
-    }
-
-    /// Whether this occurrence gets its own line, and how many occurrences the window
-    /// that just ended left unlogged (for the caller to say in one line).
-    pub fn note(&self, now: tokio::time::Instant) -> (bool, u32) {
-        let (own_line, unlogged, _) = self.note_at(now);
-        (own_line, unlogged)
-    }
-
-    /// Logs with `line` within the budget; the count of what a window left out is
-    /// written once it ends.
-    pub fn log(&self, line: impl FnOnce()) {
-        let (own_line, unlogged, timer) = self.note_at(tokio::time::Instant::now());
-        if unlogged > 0 {
-            (self.shared.summary)(unlogged, Self::WINDOW);
-        }
-        if let (Some(start), Ok(runtime)) = (timer, tokio::runtime::Handle::try_current()) {
-            let shared = Arc::downgrade(&self.shared);
-            runtime.spawn(async move {
-                tokio::time::sleep_until(start + Self::WINDOW).await;
-                if let Some(shared) = shared.upgrade() {
-                    shared.ended(start);
-                }
-            });
-        }
-        if own_line {
-            line();
-        }
-    }
-}
+pub use crate::log_throttle::{LogThrottle, Summary};
 
 /// Refused connections answered at once; past this, more are closed unanswered, so
 /// refused peers cannot make the agent hold more than this many sockets and tasks.

@@ -23,6 +23,7 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 use super::wire;
+use opmon_snapshotter::log_throttle::LogThrottles;
 
 /// What Velero's framework announces in its handshake config (`framework.Handshake`).
 const MAGIC_COOKIE_KEY: &str = "VELERO_PLUGIN";
@@ -38,7 +39,16 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// A binary that ran at least this long before dying is restarted after the first delay.
 const HEALTHY_RUN: Duration = Duration::from_secs(60);
 /// Longest line of a plugin's output logged as one event; longer lines are cut.
-const MAX_LINE: usize = 16 * 1024;
+const MAX_LINE: usize = 4 * 1024;
+/// Bytes of a plugin's output read per second at most, each line counting as at least
+/// [`LINE_COST`]: a plugin that writes faster waits on its own pipe rather than costing
+/// the agent a core.
+const OUTPUT_RATE: usize = 4 * 1024 * 1024;
+const LINE_COST: usize = 256;
+/// Lines of a plugin's output kept for the error of a start that failed, and the
+/// characters kept of each.
+const LAST_LINES: usize = 5;
+const LAST_LINE_CHARS: usize = 200;
 
 /// What makes two snapshotters share one process: the same binary, arguments and
 /// environment.
@@ -55,6 +65,32 @@ pub struct Host {
     /// The binary's file name, for the log.
     label: String,
     state: tokio::sync::Mutex<State>,
+    /// Its output's lines in the log, per stream, within a budget.
+    log: LogThrottles<&'static str>,
+}
+
+/// The last lines a plugin printed, for the error of a start that failed.
+#[derive(Clone, Default)]
+struct LastLines(Arc<std::sync::Mutex<std::collections::VecDeque<String>>>);
+
+impl LastLines {
+    fn push(&self, line: &str) {
+        let mut lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if lines.len() == LAST_LINES {
+            lines.pop_front();
+        }
+        lines.push_back(cut(line, LAST_LINE_CHARS).to_string());
+    }
+
+    /// `; its last output: …`, or nothing if it printed nothing.
+    fn said(&self) -> String {
+        let lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if lines.is_empty() {
+            return String::new();
+        }
+        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+        format!("; its last output: {}", lines.join(" | "))
+    }
 }
 
 #[derive(Default)]
@@ -113,10 +149,17 @@ impl Host {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| key.path.display().to_string());
+        let shown = label.clone();
+        let log = LogThrottles::new(move |stream: Option<&&str>, unlogged, window| {
+            tracing::warn!(velero_plugin = %shown, unlogged, ?window,
+                "{unlogged} lines of velero plugin {shown}'s {} not logged one by one",
+                stream.copied().unwrap_or("output"))
+        });
         Host {
             key,
             label,
             state: tokio::sync::Mutex::new(State::default()),
+            log,
         }
     }
 
@@ -154,7 +197,8 @@ impl Host {
                 ));
             }
         }
-        match tokio::time::timeout(START_TIMEOUT, self.start()).await {
+        let output = LastLines::default();
+        match tokio::time::timeout(START_TIMEOUT, self.start(&output)).await {
             Ok(Ok(running)) => {
                 let connection = Connection {
                     channel: running.channel.clone(),
@@ -170,7 +214,11 @@ impl Host {
                 Err(format!("velero plugin {}: {e}", self.key.path.display()))
             }
             Err(_) => {
-                let e = format!("did not start within {} s", START_TIMEOUT.as_secs());
+                let e = format!(
+                    "did not start within {} s{}",
+                    START_TIMEOUT.as_secs(),
+                    output.said()
+                );
                 self.failed(&mut state, e.clone());
                 Err(format!("velero plugin {}: {e}", self.key.path.display()))
             }
@@ -187,8 +235,18 @@ impl Host {
         state.last_error = why;
     }
 
+    /// Where its `stream` goes: the log, and `last`.
+    fn output(&self, stream: &'static str, last: &LastLines) -> Output {
+        Output {
+            label: self.label.clone(),
+            stream,
+            log: self.log.clone(),
+            last: last.clone(),
+        }
+    }
+
     /// Starts the binary and connects to it.
-    async fn start(&self) -> Result<Running, String> {
+    async fn start(&self, output: &LastLines) -> Result<Running, String> {
         let mut command = tokio::process::Command::new(&self.key.path);
         command
             .args(&self.key.args)
@@ -223,9 +281,10 @@ impl Host {
             .map_err(|e| format!("cannot start it: {e}"))?;
         let pid = child.id().ok_or_else(|| "it exited at once".to_string())?;
         let group = Group(nix::unistd::Pid::from_raw(pid as i32));
-        if let Some(stderr) = child.stderr.take() {
-            tokio::spawn(log_lines(self.label.clone(), "stderr", stderr));
-        }
+        let stderr = child.stderr.take().map(|stderr| {
+            let out = self.output("stderr", output);
+            tokio::spawn(out.log_lines(stderr))
+        });
         let Some(stdout) = child.stdout.take() else {
             return Err("no stdout".into());
         };
@@ -240,20 +299,28 @@ impl Host {
                 .await
                 .map(|s| s.to_string())
                 .unwrap_or_default();
+            // Whatever it left running goes, so its stderr ends and is all read.
+            drop(group);
+            if let Some(stderr) = stderr {
+                let _ = tokio::time::timeout(Duration::from_secs(2), stderr).await;
+            }
             return Err(format!(
-                "it exited before its handshake ({status}); its stderr is in the agent's log"
+                "it exited before its handshake ({status}){}",
+                output.said()
             ));
         }
         // Whatever it prints later is drained into the log, so it never blocks on a full
         // pipe (go-plugin 1.0 plugins write there directly).
-        tokio::spawn(log_lines(self.label.clone(), "stdout", stdout));
+        let out = self.output("stdout", output);
+        tokio::spawn(out.log_lines(stdout));
         let address = handshake(&String::from_utf8_lossy(&line))?;
         let socket = SocketFile(match &address {
             Address::Unix(path) => Some(path.clone()),
             Address::Tcp(_) => None,
         });
         let channel = connect(address).await?;
-        tokio::spawn(stream_stdio(self.label.clone(), channel.clone()));
+        let out = self.output("stderr", output);
+        tokio::spawn(stream_stdio(out, channel.clone()));
         let served = list_plugins(channel.clone()).await?;
         let exited = Arc::new(AtomicBool::new(false));
         tokio::spawn({
@@ -380,7 +447,8 @@ async fn list_plugins(channel: Channel) -> Result<Vec<wire::PluginIdentifier>, S
 /// go-plugin's stdio stream, read into the log for as long as the plugin serves it. A
 /// plugin built with go-plugin 1.2 or later holds its writes to stdout and stderr until
 /// this stream takes them; older ones do not serve it.
-async fn stream_stdio(label: String, channel: Channel) {
+async fn stream_stdio(out: Output, channel: Channel) {
+    let label = &out.label;
     let mut grpc = tonic::client::Grpc::new(channel);
     if grpc.ready().await.is_err() {
         return;
@@ -404,7 +472,9 @@ async fn stream_stdio(label: String, channel: Channel) {
         }
     };
     let mut partial = [Vec::new(), Vec::new()];
+    let mut pace = Pace::default();
     while let Ok(Some(data)) = stream.message().await {
+        pace.read(data.data.len()).await;
         let (stream, buffer) = match data.channel {
             2 => ("stderr", &mut partial[1]),
             _ => ("stdout", &mut partial[0]),
@@ -412,17 +482,42 @@ async fn stream_stdio(label: String, channel: Channel) {
         buffer.extend_from_slice(&data.data);
         while let Some(end) = buffer.iter().position(|&b| b == b'\n') {
             let rest = buffer.split_off(end + 1);
-            log_line(&label, stream, &buffer[..end]);
+            out.line(stream, &buffer[..end]);
             *buffer = rest;
         }
         if buffer.len() > MAX_LINE {
-            log_line(&label, stream, buffer);
+            out.line(stream, buffer);
             buffer.clear();
+        }
+    }
+    out.log.finish(&"stdout");
+    out.log.finish(&"stderr");
+}
+
+/// Keeps reading a plugin's output to [`OUTPUT_RATE`].
+#[derive(Default)]
+struct Pace {
+    since: Option<Instant>,
+    bytes: usize,
+}
+
+impl Pace {
+    async fn read(&mut self, bytes: usize) {
+        let now = Instant::now();
+        let since = *self.since.get_or_insert(now);
+        if now.duration_since(since) >= Duration::from_secs(1) {
+            (self.since, self.bytes) = (Some(now), 0);
+        }
+        self.bytes += bytes;
+        if self.bytes > OUTPUT_RATE {
+            tokio::time::sleep_until(since + Duration::from_secs(1)).await;
+            (self.since, self.bytes) = (None, 0);
         }
     }
 }
 
-/// Reads one line (at most [`MAX_LINE`] bytes of it are kept) into `line`, cleared first.
+/// Reads one line into `line`, cleared first: up to its end or [`MAX_LINE`] bytes, the
+/// rest of a longer line being the next.
 async fn read_line<R: AsyncRead + Unpin>(
     reader: &mut BufReader<R>,
     line: &mut Vec<u8>,
@@ -437,36 +532,54 @@ async fn read_line<R: AsyncRead + Unpin>(
             Some(i) => (i + 1, true),
             None => (buf.len(), false),
         };
-        let room = MAX_LINE.saturating_sub(line.len());
-        line.extend_from_slice(&buf[..take.min(room)]);
+        let take = take.min(MAX_LINE - line.len());
+        line.extend_from_slice(&buf[..take]);
         reader.consume(take);
-        if done {
+        if done || line.len() == MAX_LINE {
             return Ok(());
         }
     }
 }
 
-/// Logs each line of `pipe` until it closes.
-async fn log_lines<R: AsyncRead + Unpin>(label: String, stream: &'static str, pipe: R) {
-    let mut reader = BufReader::new(pipe);
-    let mut line = Vec::new();
-    loop {
-        match read_line(&mut reader, &mut line).await {
-            Ok(()) if line.is_empty() => return,
-            Ok(()) => log_line(&label, stream, &line),
-            Err(_) => return,
+/// Where a plugin's output goes: the log, within the host's budget, and its last lines.
+struct Output {
+    label: String,
+    stream: &'static str,
+    log: LogThrottles<&'static str>,
+    last: LastLines,
+}
+
+impl Output {
+    /// Logs each line of `pipe` until it closes, then what the budget left out.
+    async fn log_lines<R: AsyncRead + Unpin>(self, pipe: R) {
+        let mut reader = BufReader::new(pipe);
+        let mut line = Vec::new();
+        let mut pace = Pace::default();
+        while let Ok(()) = read_line(&mut reader, &mut line).await {
+            if line.is_empty() {
+                break;
+            }
+            pace.read(line.len().max(LINE_COST)).await;
+            self.line(self.stream, &line);
         }
+        self.log.finish(&self.stream);
+    }
+
+    /// One line of output: kept among the last, and logged within the budget.
+    fn line(&self, stream: &'static str, line: &[u8]) {
+        let text = String::from_utf8_lossy(line);
+        let text = text.trim_end();
+        if text.is_empty() {
+            return;
+        }
+        self.last.push(text);
+        self.log.log(stream, || log_line(&self.label, stream, text));
     }
 }
 
 /// One line of a plugin's output into the agent's log, at the level it names when it is
 /// a JSON log entry (hclog's `@level`, logrus's `level`), else at info.
-fn log_line(label: &str, stream: &str, line: &[u8]) {
-    let text = String::from_utf8_lossy(line);
-    let text = text.trim_end();
-    if text.is_empty() {
-        return;
-    }
+fn log_line(label: &str, stream: &str, text: &str) {
     let level = serde_json::from_str::<serde_json::Value>(text)
         .ok()
         .and_then(|v| {
