@@ -879,7 +879,8 @@ fn finalizes_in_all_follow_the_open_file_limit_and_are_shared_among_peers() {
         &mut peers[0],
         "a3",
         "uid 64001 already holds 1 finalizes, a quarter of what uids other than root and the \
-         agent's own may hold together (3, which the agent's open-file and task limits set); try again later",
+         agent's own may hold together (3, which the agent's open-file and task limits set); \
+         try again later",
     );
     let mut fourth = CallerAs::start(64004, &socket);
     refused_with(
@@ -945,7 +946,8 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
     assert_eq!(
         refusal(answer(64001, 1)),
         "uid 64001 already holds 1 snapshotters, a quarter of what uids other than root and \
-         the agent's own may hold together (2, which the agent's open-file and task limits set); try again later"
+         the agent's own may hold together (2, which the agent's open-file and task limits \
+         set); try again later"
     );
     assert!(answer(64002, 2)["result"].is_object());
     assert_eq!(

@@ -406,8 +406,8 @@ mod tests {
         assert_eq!(
             budget.take(Some(70_000)).unwrap_err(),
             "uid 70000 already holds 18 connections, a quarter of what uids other than root \
-             and the agent's own may hold together (75, which the agent's open-file and task limits set); try \
-             again later"
+             and the agent's own may hold together (75, which the agent's open-file and task \
+             limits set); try again later"
         );
         assert!(
             budget.take(Some(70_001)).is_ok(),
