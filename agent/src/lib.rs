@@ -168,43 +168,79 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
     // Before anything opens a descriptor: the totals that need them follow from it.
     let descriptors = budget::raise_open_files();
-    let totals = budget::Totals::of(
+    let limits = budget::Limits {
         descriptors,
+        tasks: budget::task_limit(),
+        own_tasks: budget::own_tasks(),
+    };
+    let calls = &settings.core.calls;
+    let totals = budget::Totals::of(
+        limits,
         // A socket snapshotter holds a connection per batch in flight; a command one
-        // three pipes per process.
+        // three pipes per process, and tasks for each; a Velero plugin a Go program's.
         if settings.core.allow_api_command_snapshotters {
-            (settings.core.calls.command_concurrency * 3)
-                .max(settings.core.calls.socket_concurrency)
+            budget::PerSnapshotter {
+                descriptors: (calls.command_concurrency * 3).max(calls.socket_concurrency),
+                tasks: (calls.command_concurrency as u64 * budget::TASKS_PER_COMMAND)
+                    .max(budget::TASKS_PER_VELERO_PLUGIN),
+            }
         } else {
-            settings.core.calls.socket_concurrency
+            budget::PerSnapshotter {
+                descriptors: calls.socket_concurrency,
+                tasks: 0,
+            }
         },
         server::MAX_CONNECTIONS,
         filework::MAX_ADMITTED,
     );
+    remote::limit_processes(totals.processes);
     let mut settings = settings;
     settings.core.max_snapshotters = totals.snapshotters;
     settings.core.finalize.total = totals.finalizes;
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+    let own_tasks = limits.own_tasks + totals.finalizes as u64 * budget::FINALIZE_TASKS;
+    let tasks = limits
+        .tasks
+        .map_or("unbounded".to_string(), |t| t.to_string());
+    let processes = totals
+        .processes
+        .map_or("unbounded".to_string(), |p| p.to_string());
     if descriptors < 2 * budget::OWN_DESCRIPTORS {
         tracing::warn!(
             descriptors,
+            tasks = %tasks,
             connections = totals.connections,
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
+            processes = %processes,
             "the agent may open only {descriptors} files and keeps {} for its database and \
              log: few are left for peers; raise the limit (LimitNOFILE= in the unit, \
              ulimit -n)",
             budget::OWN_DESCRIPTORS
         );
-    } else {
-        tracing::info!(
+    } else if limits.tasks.is_some_and(|t| t < 2 * own_tasks) {
+        tracing::warn!(
             descriptors,
+            tasks = %tasks,
             connections = totals.connections,
             finalizes = totals.finalizes,
             snapshotters = totals.snapshotters,
-            "totals derived from the open-file limit"
+            processes = %processes,
+            "the agent's user may have only {tasks} tasks and the agent keeps {own_tasks} \
+             for its own threads: few are left for snapshotters' processes; raise the limit \
+             (TasksMax= in the unit, ulimit -u)"
+        );
+    } else {
+        tracing::info!(
+            descriptors,
+            tasks = %tasks,
+            connections = totals.connections,
+            finalizes = totals.finalizes,
+            snapshotters = totals.snapshotters,
+            processes = %processes,
+            "totals derived from the open-file and task limits"
         );
     }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;

@@ -114,7 +114,13 @@ fn main() -> std::process::ExitCode {
             handle.reload(filter).map_err(|e| e.to_string())
         }),
     };
-    let runtime = match tokio::runtime::Runtime::new() {
+    // The blocking pool is bounded so that the agent's own tasks are known
+    // (`budget::own_tasks`): what the task limit leaves goes to snapshotters.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(opmon_agent::budget::BLOCKING_THREADS)
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("opmon-agent: starting the runtime: {e}");

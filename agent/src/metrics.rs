@@ -602,8 +602,8 @@ fn classic_text(openmetrics: &str) -> String {
     out
 }
 
-/// Connections the TCP listener serves at once. More wait in the kernel's accept queue,
-/// holding none of the agent's descriptors: a scraper needs one.
+/// Connections the TCP listener serves at once. When all are taken, a new one displaces
+/// the one idle longest (see [`serve_tcp`]): a scraper needs one.
 pub const TCP_CONNECTIONS: usize = 16;
 /// How long a TCP connection may take to send a request's head, including the wait for
 /// the next request on a kept-alive connection (hyper starts this clock whenever it
@@ -613,15 +613,121 @@ pub const TCP_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// a scraper that keeps its connection alive opens another).
 pub const TCP_CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
 
+/// One connection the TCP listener serves.
+struct Slot {
+    id: u64,
+    peer: std::net::IpAddr,
+    /// Answers being written; when none, the connection is idle (no head yet, or kept
+    /// alive between requests) since `idle_since`.
+    answering: u32,
+    idle_since: Instant,
+    /// Closes the connection when it is displaced.
+    displace: tokio_util::sync::CancellationToken,
+}
+
+/// The TCP listener's connections, and a wake-up for a new one waiting for a place.
+#[derive(Default)]
+struct Slots {
+    slots: Mutex<Vec<Slot>>,
+    changed: tokio::sync::Notify,
+}
+
+/// Marks its connection idle again once its answer's body has been written (dropped).
+struct Answering {
+    slots: Arc<Slots>,
+    id: u64,
+}
+
+impl Answering {
+    fn start(slots: &Arc<Slots>, id: u64) -> Answering {
+        if let Some(slot) = lock(&slots.slots).iter_mut().find(|s| s.id == id) {
+            slot.answering += 1;
+        }
+        Answering {
+            slots: slots.clone(),
+            id,
+        }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        if let Some(slot) = lock(&self.slots.slots).iter_mut().find(|s| s.id == self.id) {
+            slot.answering = slot.answering.saturating_sub(1);
+            slot.idle_since = Instant::now();
+        }
+        self.slots.changed.notify_waiters();
+    }
+}
+
+/// What [`Slots::take`] did for a new connection.
+enum Taken {
+    /// A place: what displaces the new connection in its turn.
+    Place(tokio_util::sync::CancellationToken),
+    /// None free: it displaced the connection that had been idle this long, whose
+    /// place is free once that connection is closed.
+    Displaced(Duration),
+    /// None free: a displaced connection is still closing.
+    Closing,
+    /// None free: every connection is being answered.
+    AllAnswering,
+}
+
+impl Slots {
+    /// Takes a place for a connection from `peer` if one is free. If not, displaces the
+    /// idle connection of the address that holds the most places (the one idle longest
+    /// among them), unless one displaced is still closing: a displaced connection
+    /// keeps its place until its descriptor is closed, so the places bound descriptors.
+    fn take(&self, id: u64, peer: std::net::IpAddr) -> Taken {
+        let mut slots = lock(&self.slots);
+        if slots.len() >= TCP_CONNECTIONS {
+            if slots.iter().any(|s| s.displace.is_cancelled()) {
+                return Taken::Closing;
+            }
+            let held_by = |ip: std::net::IpAddr| slots.iter().filter(|s| s.peer == ip).count();
+            let Some(victim) = slots
+                .iter()
+                .filter(|s| s.answering == 0)
+                .max_by_key(|s| (held_by(s.peer), s.idle_since.elapsed()))
+            else {
+                return Taken::AllAnswering;
+            };
+            victim.displace.cancel();
+            return Taken::Displaced(victim.idle_since.elapsed());
+        }
+        let displace = tokio_util::sync::CancellationToken::new();
+        slots.push(Slot {
+            id,
+            peer,
+            answering: 0,
+            idle_since: Instant::now(),
+            displace: displace.clone(),
+        });
+        Taken::Place(displace)
+    }
+
+    fn leave(&self, id: u64) {
+        lock(&self.slots).retain(|s| s.id != id);
+        self.changed.notify_waiters();
+    }
+}
+
 /// Serves `GET /metrics` from `page` on `listener` until `shutdown`, at most
 /// [`TCP_CONNECTIONS`] connections at once, each within [`TCP_HEADER_TIMEOUT`] and
 /// [`TCP_CONNECTION_LIFETIME`]. Anything else gets 404.
+///
+/// When every place is taken, a new connection displaces an idle one (one that has not
+/// sent its request head, or a kept-alive one between requests): of the source address
+/// holding the most places, the one idle longest. A connection being answered is never
+/// displaced; if all are, the new one waits for the first to end or go idle. So
+/// connections that send nothing cannot keep a scraper out, and displacements are
+/// logged, rate-limited, with their count.
 pub async fn serve_tcp(
     listener: tokio::net::TcpListener,
     page: opmon_snapshotter::server::MetricsPage,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    let places = Arc::new(tokio::sync::Semaphore::new(TCP_CONNECTIONS));
+    let slots = Arc::new(Slots::default());
     let connections = tokio_util::task::TaskTracker::new();
     let accept_errors = opmon_snapshotter::server::LogThrottle::new(|unlogged, window| {
         tracing::warn!(
@@ -630,18 +736,20 @@ pub async fn serve_tcp(
             "accepting metrics connections failed: more than are logged one by one"
         )
     });
+    let displacements = opmon_snapshotter::server::LogThrottle::new(|unlogged, window| {
+        tracing::warn!(
+            unlogged,
+            ?window,
+            "metrics connections displaced or kept waiting: more than are logged one by one"
+        )
+    });
+    let (mut displaced_total, mut waited_total) = (0u64, 0u64);
+    let mut next_id = 0u64;
     loop {
-        let place = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            place = places.clone().acquire_owned() => match place {
-                Ok(place) => place,
-                Err(_) => break,
-            },
-        };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors, most likely: wait rather than spin, and say
                     // so within the throttle that the socket's listener uses too.
@@ -653,13 +761,57 @@ pub async fn serve_tcp(
                 }
             },
         };
+        next_id += 1;
+        let id = next_id;
+        let mut waited = false;
+        let displace = loop {
+            let changed = slots.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match slots.take(id, peer.ip()) {
+                Taken::Place(displace) => break Some(displace),
+                Taken::Displaced(idle) => {
+                    displaced_total += 1;
+                    displacements.log(|| {
+                        tracing::warn!(
+                            %peer,
+                            ?idle,
+                            displaced = displaced_total,
+                            "the metrics listener's {TCP_CONNECTIONS} connections were all \
+                             taken: closed the one idle longest for a new one"
+                        );
+                    });
+                }
+                Taken::Closing => {}
+                Taken::AllAnswering if !waited => {
+                    waited = true;
+                    waited_total += 1;
+                    displacements.log(|| {
+                        tracing::warn!(
+                            %peer,
+                            waited = waited_total,
+                            "the metrics listener's {TCP_CONNECTIONS} connections are all \
+                             being answered: a new one waits for the first to end"
+                        );
+                    });
+                }
+                Taken::AllAnswering => {}
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break None,
+                () = changed => {}
+            }
+        };
+        let Some(displace) = displace else { break };
         let page = page.clone();
         let stop = shutdown.clone();
+        let slots = slots.clone();
         connections.spawn(async move {
-            let _place = place;
+            let answering = slots.clone();
             let service = hyper::service::service_fn(
                 move |request: hyper::Request<hyper::body::Incoming>| {
                     let page = page.clone();
+                    let answer = Answering::start(&answering, id);
                     async move {
                         let response = if request.method() == hyper::Method::GET
                             && request.uri().path() == "/metrics"
@@ -674,6 +826,13 @@ pub async fn serve_tcp(
                             *response.status_mut() = hyper::StatusCode::NOT_FOUND;
                             response
                         };
+                        // The connection is idle again once the body has been written.
+                        let response = response.map(|body| {
+                            http_body_util::BodyExt::map_frame(body, move |frame| {
+                                let _ = &answer;
+                                frame
+                            })
+                        });
                         Ok::<_, std::convert::Infallible>(response)
                     }
                 },
@@ -688,11 +847,13 @@ pub async fn serve_tcp(
             tokio::select! {
                 _ = connection.as_mut() => {}
                 _ = tokio::time::sleep(TCP_CONNECTION_LIFETIME) => {}
+                _ = displace.cancelled() => {}
                 _ = stop.cancelled() => {
                     connection.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(Duration::from_secs(1), connection).await;
                 }
             }
+            slots.leave(id);
         });
     }
     connections.close();

@@ -879,7 +879,8 @@ fn finalizes_in_all_follow_the_open_file_limit_and_are_shared_among_peers() {
         &mut peers[0],
         "a3",
         "uid 64001 already holds 1 finalizes, a quarter of what uids other than root and the \
-         agent's own may hold together (3, which its open-file limit sets); try again later",
+         agent's own may hold together (3, which the agent's open-file and task limits set); \
+         try again later",
     );
     let mut fourth = CallerAs::start(64004, &socket);
     refused_with(
@@ -945,7 +946,8 @@ fn snapshotter_registrations_leave_roots_share_of_the_total() {
     assert_eq!(
         refusal(answer(64001, 1)),
         "uid 64001 already holds 1 snapshotters, a quarter of what uids other than root and \
-         the agent's own may hold together (2, which its open-file limit sets); try again later"
+         the agent's own may hold together (2, which the agent's open-file and task limits \
+         set); try again later"
     );
     assert!(answer(64002, 2)["result"].is_object());
     assert_eq!(
@@ -1184,6 +1186,191 @@ fn refusals_not_logged_one_by_one_are_counted_in_the_log_once_they_stop() {
     assert!(
         summaries.iter().all(|l| l.contains("opmon_agent::access")),
         "{summaries:?}"
+    );
+}
+
+/// Outside4 P1: command snapshotters of some uids that hold their processes cannot make
+/// another uid's command fail to fork. The agent runs as uid 64020 under a task limit of
+/// 600 and one per CPU (`RLIMIT_NPROC`, as `TasksMax=` would set), with 20,000 open
+/// files (which alone would let each peer register 38 snapshotters of 8 processes). Two uids register as
+/// many command snapshotters as they may, each process held on a FIFO; then a third
+/// uid's command, which itself starts a program, completes its operation. (Before, the
+/// others' processes took the limit: "Cannot fork", exit status 2, the operation failed
+/// for good.) The start log names the limit and what follows from it.
+#[test]
+fn command_snapshotters_holding_processes_leave_another_uids_command_its_fork() {
+    use nix::sys::resource::{setrlimit, Resource};
+    if !opmon_tests::root_or_skip("to run the agent and clients as other uids") {
+        return;
+    }
+    const AGENT: u32 = 64020;
+    const LONG: Duration = Duration::from_secs(120);
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for sub in ["run", "state"] {
+        std::fs::create_dir(root.join(sub)).unwrap();
+        nix::unistd::chown(
+            &root.join(sub),
+            Some(nix::unistd::Uid::from_raw(AGENT)),
+            Some(nix::unistd::Gid::from_raw(AGENT)),
+        )
+        .unwrap();
+    }
+    let hold = root.join("hold");
+    nix::unistd::mkfifo(&hold, nix::sys::stat::Mode::from_bits_truncate(0o666)).unwrap();
+    let started = root.join("started");
+    std::fs::write(&started, "").unwrap();
+    std::fs::set_permissions(&started, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let log = std::fs::File::create(root.join("agent.log")).unwrap();
+    // The agent keeps one task per CPU for itself: the others' share is the same on any
+    // machine.
+    let nproc = 600 + std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let mut cmd = agent_command();
+    cmd.arg("--socket")
+        .arg(root.join("run/agent.sock"))
+        .arg("--state-dir")
+        .arg(root.join("state"))
+        .args(["--socket-mode", "0666", "--poll-interval", "1s"])
+        .args(["--call-deadline", "10m"])
+        .args(["--allowed-uids", "64001,64002,64003"])
+        .args(["--allow-api-command-snapshotters", "true"])
+        .env("OPMON_CONFIG", "/dev/null")
+        .env("OPMON_LOG_LEVEL", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    // SAFETY: these calls are async-signal-safe and allocate nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            setrlimit(Resource::RLIMIT_NOFILE, 20_000, 20_000)?;
+            setrlimit(Resource::RLIMIT_NPROC, nproc, nproc)?;
+            nix::unistd::setgroups(&[])?;
+            nix::unistd::setgid(nix::unistd::Gid::from_raw(AGENT))?;
+            nix::unistd::setuid(nix::unistd::Uid::from_raw(AGENT))?;
+            Ok(())
+        });
+    }
+    let _agent = Killed(cmd.spawn().expect("starting the agent"));
+    let socket = root.join("run/agent.sock");
+    opmon_tests::eventually("the agent's socket", LONG, || {
+        UnixStream::connect(&socket).is_ok()
+    });
+    let mut http = RawHttp::connect(&socket);
+    let holding = [
+        "/bin/sh".to_string(),
+        "-c".to_string(),
+        format!(
+            "echo >> {}; read x < {}; exit 75",
+            started.display(),
+            hold.display()
+        ),
+    ];
+    // Each registers what it may; root gives each snapshotter 8 operations to poll.
+    let mut registered = 0;
+    http.call(&request(
+        "backup.start",
+        json!({"name": "held", "uid": "u-held"}),
+    ));
+    for uid in [64001, 64002] {
+        let mut peer = CallerAs::start(uid, &socket);
+        for n in 0..40 {
+            let name = format!("example.io/h{uid}-{n}");
+            peer.send(
+                "r",
+                &request(
+                    "snapshotter.register",
+                    json!({"name": name, "apiVersion": "v2", "command": holding}),
+                ),
+            );
+            let (_, answer) = peer.answer();
+            if answer.get("result").is_none() {
+                assert_eq!(answer["error"]["code"], json!(-32003), "{answer}");
+                break;
+            }
+            registered += 1;
+            let ops: Vec<Value> = (0..8)
+                .map(|i| {
+                    serde_json::to_value(operation(&name, &format!("{name}-{i}"), "d", &[]))
+                        .unwrap()
+                })
+                .collect();
+            let added = http.call(&request(
+                "backup.addOperations",
+                json!({"name": "held", "operations": ops}),
+            ));
+            assert_eq!(added["result"]["added"], json!(8), "{added}");
+        }
+    }
+    assert!(registered >= 2, "{registered} registered");
+    // Ending InProgress polls them, and that call waits on the held commands: it is
+    // sent on a connection of its own and never read.
+    let mut ending = UnixStream::connect(&socket).expect("connecting");
+    let body = request("backup.endInProgress", json!({"name": "held"}));
+    write!(
+        ending,
+        "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // Every process the others may have is running and held, or (an agent that lets
+    // them pass the limit) their forks have begun to fail.
+    let want = registered * 8;
+    let agent_log = root.join("agent.log");
+    let fork_failed = || {
+        std::fs::read_to_string(&agent_log)
+            .unwrap_or_default()
+            .contains("Resource temporarily unavailable")
+    };
+    opmon_tests::eventually(format!("{want} held commands"), LONG, || {
+        std::fs::read_to_string(&started).map_or(0, |s| s.lines().count()) >= want || fork_failed()
+    });
+    // The third uid's command starts `cat`, a fork of its own.
+    let mut victim = CallerAs::start(64003, &socket);
+    victim.send(
+        "v",
+        &request(
+            "snapshotter.register",
+            json!({"name": "example.io/victim", "apiVersion": "v2",
+                   "command": ["/bin/sh", "-c", "cat > /dev/null; echo '{\"completed\":true}'"]}),
+        ),
+    );
+    let (_, answer) = victim.answer();
+    assert!(answer["result"].is_object(), "{answer}");
+    http.call(&request(
+        "backup.start",
+        json!({"name": "victim", "uid": "u-v"}),
+    ));
+    let op = serde_json::to_value(operation("example.io/victim", "v-1", "d", &[])).unwrap();
+    http.call(&request(
+        "backup.addOperations",
+        json!({"name": "victim", "operations": [op]}),
+    ));
+    http.call(&request("backup.endInProgress", json!({"name": "victim"})));
+    let phase = opmon_tests::eventually("the victim's backup past waiting", LONG, || {
+        let got = http.call(&request("backup.get", json!({"name": "victim"})));
+        let phase = got["result"]["phase"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        (phase != "WaitingForPluginOperations").then_some(phase)
+    });
+    let ops = http.call(&request("backup.operations", json!({"name": "victim"})));
+    assert_eq!(phase, "Finalizing", "{ops}");
+    assert_eq!(ops["result"][0]["phase"], json!("Completed"), "{ops}");
+    assert!(!fork_failed(), "a fork failed");
+    let log = std::fs::read_to_string(&agent_log).unwrap();
+    // Few tasks are left at this limit: the operator is told so, with the totals.
+    let totals = log
+        .lines()
+        .find(|l| l.contains("few are left for snapshotters' processes"))
+        .unwrap_or_else(|| panic!("no line on the task limit: {log}"));
+    assert!(
+        totals.contains(&format!("descriptors=20000 tasks={nproc} "))
+            && totals.contains("snapshotters=")
+            && totals.contains("processes="),
+        "{totals}"
     );
 }
 

@@ -145,8 +145,8 @@ impl PerUid {
                 Err(match self.share {
                     Some((share, others)) if limit == share && share < self.quota => format!(
                         "uid {uid} already holds {n} {what}, a quarter of what uids other than \
-                         root and the agent's own may hold together ({others}, which its \
-                         open-file limit sets); try again later"
+                         root and the agent's own may hold together ({others}, which the \
+                         agent's open-file and task limits set); try again later"
                     ),
                     _ => format!(
                         "uid {uid} already holds {n} {what}, the most {} allows",
@@ -301,8 +301,8 @@ impl Budget {
             .try_acquire_many_owned(n)
             .map_err(|_| match n {
                 1 => format!(
-                    "{} {what} are held, all the agent takes at once (its open-file limit sets \
-                 how many); try again later",
+                    "{} {what} are held, all the agent takes at once (its open-file and \
+                 task limits set how many); try again later",
                     self.total
                 ),
                 _ => format!(
@@ -406,8 +406,8 @@ mod tests {
         assert_eq!(
             budget.take(Some(70_000)).unwrap_err(),
             "uid 70000 already holds 18 connections, a quarter of what uids other than root \
-             and the agent's own may hold together (75, which its open-file limit sets); try \
-             again later"
+             and the agent's own may hold together (75, which the agent's open-file and task \
+             limits set); try again later"
         );
         assert!(
             budget.take(Some(70_001)).is_ok(),
@@ -433,8 +433,8 @@ mod tests {
         let root: Vec<Held> = (0..2).map(|_| budget.take(Some(0)).unwrap()).collect();
         assert_eq!(
             budget.take(Some(0)).unwrap_err(),
-            "8 finalizes are held, all the agent takes at once (its open-file limit sets how \
-             many); try again later"
+            "8 finalizes are held, all the agent takes at once (its open-file and task limits \
+             set how many); try again later"
         );
         drop((others, root));
         assert_eq!(budget.held(), 0);
