@@ -207,41 +207,37 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let processes = totals
         .processes
         .map_or("unbounded".to_string(), |p| p.to_string());
+    // One line with the totals: a warning when a limit leaves peers little.
+    macro_rules! totals {
+        ($level:ident, $($message:tt)+) => {
+            tracing::$level!(
+                descriptors,
+                tasks = %tasks,
+                connections = totals.connections,
+                finalizes = totals.finalizes,
+                snapshotters = totals.snapshotters,
+                processes = %processes,
+                $($message)+
+            )
+        };
+    }
     if descriptors < 2 * budget::OWN_DESCRIPTORS {
-        tracing::warn!(
-            descriptors,
-            tasks = %tasks,
-            connections = totals.connections,
-            finalizes = totals.finalizes,
-            snapshotters = totals.snapshotters,
-            processes = %processes,
+        totals!(
+            warn,
             "the agent may open only {descriptors} files and keeps {} for its database and \
              log: few are left for peers; raise the limit (LimitNOFILE= in the unit, \
              ulimit -n)",
             budget::OWN_DESCRIPTORS
         );
     } else if limits.tasks.is_some_and(|t| t < 2 * own_tasks) {
-        tracing::warn!(
-            descriptors,
-            tasks = %tasks,
-            connections = totals.connections,
-            finalizes = totals.finalizes,
-            snapshotters = totals.snapshotters,
-            processes = %processes,
+        totals!(
+            warn,
             "the agent's user may have only {tasks} tasks and the agent keeps {own_tasks} \
              for its own threads: few are left for snapshotters' processes; raise the limit \
              (TasksMax= in the unit, ulimit -u)"
         );
     } else {
-        tracing::info!(
-            descriptors,
-            tasks = %tasks,
-            connections = totals.connections,
-            finalizes = totals.finalizes,
-            snapshotters = totals.snapshotters,
-            processes = %processes,
-            "totals derived from the open-file and task limits"
-        );
+        totals!(info, "totals derived from the open-file and task limits");
     }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     store::log_sqlite_errors();
