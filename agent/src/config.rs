@@ -194,7 +194,8 @@ settings! {
     /// subscriptions one peer uid may hold at once, over all of its connections
     max_subscriptions_per_uid: u32 = 1024, shown Shown::Value, check between(1, 1_000_000);
     /// snapshotters one peer uid may register over the API (the config file's are not
-    /// counted); all peers together may register as many as the open-file limit allows
+    /// counted); all peers together may register as many as the open-file and task
+    /// limits allow
     max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
     /// finalizes one peer uid may have running or waiting at once (of at most 64 in all,
     /// fewer at a low open-file limit, a quarter of them kept for root and the agent's
@@ -214,10 +215,10 @@ settings! {
     /// batch's own answers do not count)
     max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
         check between(1, u32::MAX);
-    /// bytes held for all peers together: request bodies being read or held and
-    /// answers not yet read, over every uid's connections and subscriptions (a quarter
-    /// kept for root and the agent's own uid, any other uid at most a quarter of the
-    /// rest)
+    /// bytes held for all peers together: request bodies being read or held, answers
+    /// not yet read, over every uid's connections and subscriptions, and their
+    /// snapshotters' answers being read (a quarter kept for root and the agent's own
+    /// uid, any other uid at most a quarter of the rest)
     max_held_bytes: u64 = 512 * 1024 * 1024, shown Shown::ValueAnd("(512 MiB)"),
         check |b: &u64| match *b >= 1 << 20 {
             true => Ok(()),
@@ -933,6 +934,7 @@ impl Values {
             warnings,
             provenance,
             core: CoreSettings {
+                max_held_bytes: self.max_held_bytes.value,
                 poll_interval: self.poll_interval.value.0,
                 default_item_operation_timeout: self.item_operation_timeout.value,
                 retention: self.retention.value.0,

@@ -304,6 +304,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
         unread_bytes_per_peer: u64::from(settings.max_unread_bytes_per_uid),
         held_bytes: settings.max_held_bytes,
+        held: Some(core.held_bytes()),
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(

@@ -43,41 +43,44 @@ pub use command::{CommandRemote, COMMAND_PATH, MAX_STDOUT, STDERR_TAIL};
 const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Kept-alive connections per socket snapshotter.
 const POOL_SIZE: usize = 8;
-/// Answer bytes held are charged in units of this size.
-const ANSWER_UNIT: usize = 1 << 20;
-/// Units of answer bytes held at once over all snapshotters: 16 answers of the largest
-/// size. Uids other than root and the agent's own share three quarters, one of them at
-/// most a quarter of that (48 MiB: three of the largest answers).
-const ANSWER_UNITS: usize = 256;
-/// What [`crate::budget::Budget`] leaves of [`ANSWER_UNITS`] to uids other than the
-/// operator's, and to one of them: for messages.
-const ANSWER_UNITS_OF_PEERS: usize = ANSWER_UNITS - ANSWER_UNITS / 4;
-const ANSWER_UNITS_OF_A_PEER: usize = ANSWER_UNITS_OF_PEERS / 4;
+/// What the answers of one uid's snapshotters may hold at once: three of the largest.
+const ANSWER_BYTES_PER_UID: u32 = 3 * MAX_RESPONSE_BYTES as u32;
 
 /// Room for the bytes of snapshotters' answers while they are read: each answer is
 /// charged, as it arrives, to the uid that registered its snapshotter (the agent's own
-/// for the config file's; none for those stored before a restart) and to one total.
+/// for the config file's; none for those stored before a restart) and to the total of
+/// bytes held for peers (`max_held_bytes`).
 #[derive(Clone)]
 pub struct AnswerRoom {
-    budget: Arc<crate::budget::Budget>,
+    budget: crate::budget::Budget,
     uid: Option<u32>,
 }
 
 impl Default for AnswerRoom {
+    /// A room of its own, the default `max_held_bytes`.
     fn default() -> Self {
-        AnswerRoom {
-            budget: Arc::new(crate::budget::Budget::new(
-                "the agent's room for snapshotters' answers",
-                "MiB of snapshotters' answers",
-                ANSWER_UNITS as u32,
-                ANSWER_UNITS,
-            )),
-            uid: None,
-        }
+        AnswerRoom::within(&crate::budget::Budget::new(
+            "max_held_bytes",
+            "bytes",
+            u32::MAX,
+            512 * 1024 * 1024,
+        ))
     }
 }
 
 impl AnswerRoom {
+    /// Room drawn from `total`.
+    pub fn within(total: &crate::budget::Budget) -> AnswerRoom {
+        AnswerRoom {
+            budget: total.sharing(
+                "snapshotters' answers per uid",
+                "bytes of snapshotters' answers",
+                ANSWER_BYTES_PER_UID,
+            ),
+            uid: None,
+        }
+    }
+
     /// The same room, charging `uid`.
     pub fn charging(&self, uid: Option<u32>) -> AnswerRoom {
         AnswerRoom {
@@ -86,56 +89,53 @@ impl AnswerRoom {
         }
     }
 
-    /// Room for an answer as it arrives, charged in units as its bytes come
-    /// ([`Held::grow`]). Nothing waits for room: an answer that finds none fails its
-    /// call, giving back what it held, and is asked for again at the next poll, so
-    /// that answers half read cannot hold each other (or the calls behind them) up.
+    /// Room for an answer as it arrives, charged as its bytes come ([`Held::grow`]).
+    /// Nothing waits for room: an answer that finds none fails its call, giving back
+    /// what it held, and is asked for again at the next poll, so that answers half read
+    /// cannot hold each other (or the calls behind them) up.
     fn begin(&self) -> Held {
         Held {
             room: self.clone(),
-            units: Vec::new(),
+            charged: 0,
+            held: Vec::new(),
         }
     }
 }
 
-/// The units an answer being read holds; given back when dropped.
+/// The bytes an answer being read holds; given back when dropped.
 struct Held {
     room: AnswerRoom,
-    units: Vec<crate::budget::Held>,
+    charged: usize,
+    held: Vec<crate::budget::Held>,
 }
 
 impl Held {
     /// Makes room for `len` bytes in all, or says whose room is full.
     fn grow(&mut self, len: usize) -> Result<(), String> {
-        while self.units.len() * ANSWER_UNIT < len.max(1) {
-            let unit = self.room.budget.take(self.room.uid).map_err(|_| {
-                let whose = match self.room.uid {
-                    Some(uid) if !crate::budget::is_operator(uid) => format!(
-                        "the room for answers of snapshotters uid {uid} registered \
-                         ({ANSWER_UNITS_OF_A_PEER} MiB) or for those of all uids other than \
-                         root and the agent's own ({ANSWER_UNITS_OF_PEERS} MiB)"
-                    ),
-                    _ => format!("the agent's room for snapshotters' answers ({ANSWER_UNITS} MiB)"),
-                };
+        let more = len.max(1).saturating_sub(self.charged);
+        if more == 0 {
+            return Ok(());
+        }
+        let more32 = u32::try_from(more).unwrap_or(u32::MAX);
+        let held = self
+            .room
+            .budget
+            .take_many(self.room.uid, more32)
+            .map_err(|why| {
                 format!(
-                    "its answer of {len} bytes so far found no room: {whose} is held by \
-                     answers being read; asked again at the next poll"
+                    "its answer of {len} bytes so far found no room ({why}); asked again at the \
+                 next poll"
                 )
             })?;
-            self.units.push(unit);
-        }
+        self.held.push(held);
+        self.charged += more;
         Ok(())
     }
 }
 
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Held({} MiB of uid {:?})",
-            self.units.len(),
-            self.room.uid
-        )
+        write!(f, "Held({} bytes of uid {:?})", self.charged, self.room.uid)
     }
 }
 
@@ -199,6 +199,7 @@ pub enum Caller {
 }
 
 impl Remote {
+    #[cfg(test)]
     pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
         Remote::with_hosts(
             s,
@@ -928,7 +929,6 @@ impl Policy {
 }
 
 /// The live snapshotters by plugin name, rebuilt from the database at start.
-#[derive(Default)]
 pub struct Registry {
     remotes: std::sync::RwLock<std::collections::HashMap<String, Arc<Remote>>>,
     policies: std::sync::RwLock<std::collections::HashMap<String, Policy>>,
@@ -939,6 +939,16 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// An empty registry whose snapshotters' answers draw on `room`.
+    pub fn new(room: AnswerRoom) -> Registry {
+        Registry {
+            remotes: Default::default(),
+            policies: Default::default(),
+            hosts: Default::default(),
+            room,
+        }
+    }
+
     pub fn get(&self, plugin: &str) -> Option<Arc<Remote>> {
         read(&self.remotes).get(plugin).cloned()
     }

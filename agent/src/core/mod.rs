@@ -63,6 +63,9 @@ pub struct CoreSettings {
     /// Snapshotters all peers may register over the API (derived from the open-file
     /// limit: see `budget::Totals`).
     pub max_snapshotters: usize,
+    /// Bytes held for all peers together (`max_held_bytes`): what the server holds for
+    /// them and their snapshotters' answers being read.
+    pub max_held_bytes: u64,
 }
 
 pub struct Core {
@@ -99,6 +102,9 @@ pub struct Core {
     finalizer: finalize::Finalizer,
     /// When this agent started: the idle timeout does not count time before.
     started_at: UnixMs,
+    /// The total of bytes held for peers, which the server and snapshotters' answers
+    /// draw from.
+    held_bytes: crate::budget::Budget,
 }
 
 /// Clears `flag` when dropped: a background job's "running" mark, reset however the job
@@ -151,10 +157,17 @@ impl Core {
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
         let finalizer = finalize::Finalizer::new(storage.root(), &settings.finalize);
+        let held_bytes = crate::budget::Budget::new(
+            "max_held_bytes",
+            "bytes",
+            u32::MAX,
+            usize::try_from(settings.max_held_bytes).unwrap_or(usize::MAX),
+        );
         let poller = poll::Poller::new(
             settings.calls.clone(),
             settings.unreachable_grace,
             metrics.clone(),
+            crate::remote::AnswerRoom::within(&held_bytes),
         );
         let registrations = snapshotters::Registrations::new(
             settings.max_snapshotters_per_uid,
@@ -186,6 +199,7 @@ impl Core {
             started: Instant::now(),
             started_at: UnixMs::now(),
             finalizer,
+            held_bytes,
         });
         let registered = core
             .store
@@ -320,6 +334,11 @@ impl Core {
         self.sweeps.close();
         self.sweeps.wait().await;
         self.flush_records_written().await;
+    }
+
+    /// The total of bytes held for peers (`max_held_bytes`), for the server to draw on.
+    pub fn held_bytes(&self) -> crate::budget::Budget {
+        self.held_bytes.clone()
     }
 
     /// Stops the background work; sweeps in flight are abandoned before they commit.

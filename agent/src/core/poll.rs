@@ -521,9 +521,14 @@ impl Drop for SweepTurn<'_> {
 }
 
 impl Poller {
-    pub fn new(calls: CallSettings, unreachable_grace: Duration, metrics: Arc<Metrics>) -> Poller {
+    pub fn new(
+        calls: CallSettings,
+        unreachable_grace: Duration,
+        metrics: Arc<Metrics>,
+        room: crate::remote::AnswerRoom,
+    ) -> Poller {
         Poller {
-            remotes: Registry::default(),
+            remotes: Registry::new(room),
             calls,
             grace_ms: crate::clock::millis(unreachable_grace),
             unreachable: Mutex::default(),

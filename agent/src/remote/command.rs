@@ -28,7 +28,7 @@ use opmon_client::OperationRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
-use super::{Answer, CallError, CallSettings, Held};
+use super::{Answer, CallError, CallSettings};
 
 /// `PATH` of a command: a fixed, conventional default rather than the agent's own.
 pub const COMMAND_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -236,7 +236,7 @@ impl CommandRemote {
         let mut fed = false;
         let mut out = Vec::new();
         // Charged from its first byte on (see [`super::AnswerRoom::begin`]).
-        let mut held: Option<Held> = None;
+        let mut room = self.room.begin();
         let mut err = Tail::default();
         let (mut out_open, mut err_open) = (true, true);
         let mut chunk = vec![0u8; 64 * 1024];
@@ -251,7 +251,6 @@ impl CommandRemote {
                         if out.len() + n > MAX_STDOUT {
                             return Err(too_much());
                         }
-                        let room = held.get_or_insert_with(|| self.room.begin());
                         room.grow(out.len() + n).map_err(|e| self.full(e))?;
                         out.extend_from_slice(&chunk[..n]);
                     }
@@ -267,7 +266,6 @@ impl CommandRemote {
         // The command has exited, so all it wrote is in the pipes now. Take it without
         // waiting for EOF, which a process it left behind may hold back forever.
         let mut over = false;
-        let mut room = held.unwrap_or_else(|| self.room.begin());
         let mut full = None;
         drain_now(&stdout, &mut chunk, |data| {
             over = out.len() + data.len() > MAX_STDOUT;

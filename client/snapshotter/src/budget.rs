@@ -171,6 +171,7 @@ impl PerUid {
 /// A resource charged per uid against its quota, within a total over all peers of
 /// which uids other than the operator's take at most three quarters, and one of them a
 /// quarter of those.
+#[derive(Clone)]
 pub struct Budget {
     per_uid: Arc<PerUid>,
     all: Arc<Semaphore>,

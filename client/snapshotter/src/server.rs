@@ -149,6 +149,9 @@ pub struct ServeConfig {
     /// Bytes held for all peers together: request bodies and answers not yet written
     /// (each peer's within its quotas, root and the process's own uid keeping a quarter).
     pub held_bytes: u64,
+    /// The total `held_bytes` is drawn from, if the caller charges more of its own to
+    /// it (the agent, its snapshotters' answers); else one of `held_bytes` is made.
+    pub held: Option<Budget>,
     /// Answer bytes one connection may have unwritten before it waits to run more.
     pub unread_bytes_per_connection: u64,
     /// Once `shutdown` is done, how long calls in flight have to finish; the connections
@@ -184,6 +187,7 @@ impl Default for ServeConfig {
             request_bytes_per_peer: 64 * 1024 * 1024,
             unread_bytes_per_peer: 64 * 1024 * 1024,
             held_bytes: 512 * 1024 * 1024,
+            held: None,
             unread_bytes_per_connection: 1024 * 1024,
             stop_timeout: Duration::from_secs(10),
             metrics: None,
@@ -437,7 +441,15 @@ struct Bytes {
 impl Bytes {
     fn new(config: &ServeConfig) -> Bytes {
         let quota = |bytes: u64| u32::try_from(bytes).unwrap_or(u32::MAX).max(1);
-        let requests = Budget::new(
+        let total = config.held.clone().unwrap_or_else(|| {
+            Budget::new(
+                "max_held_bytes",
+                "bytes",
+                u32::MAX,
+                usize::try_from(config.held_bytes).unwrap_or(usize::MAX),
+            )
+        });
+        let requests = total.sharing(
             "max_request_bytes_per_uid",
             "bytes of requests",
             quota(
@@ -445,9 +457,8 @@ impl Bytes {
                     .request_bytes_per_peer
                     .max(u64::from(config.max_request_body_size)),
             ),
-            usize::try_from(config.held_bytes).unwrap_or(usize::MAX),
         );
-        let unread = requests.sharing(
+        let unread = total.sharing(
             "max_unread_bytes_per_uid",
             "bytes of answers",
             quota(config.unread_bytes_per_peer),
