@@ -52,7 +52,7 @@ const ANSWER_BYTES_PER_UID: u32 = 3 * MAX_RESPONSE_BYTES as u32;
 /// bytes held for peers (`max_held_bytes`).
 #[derive(Clone)]
 pub struct AnswerRoom {
-    budget: crate::budget::Budget,
+    budget: Arc<crate::budget::Budget>,
     uid: Option<u32>,
 }
 
@@ -72,11 +72,11 @@ impl AnswerRoom {
     /// Room drawn from `total`.
     pub fn within(total: &crate::budget::Budget) -> AnswerRoom {
         AnswerRoom {
-            budget: total.sharing(
+            budget: Arc::new(total.sharing(
                 "snapshotters' answers per uid",
                 "bytes of snapshotters' answers",
                 ANSWER_BYTES_PER_UID,
-            ),
+            )),
             uid: None,
         }
     }
