@@ -385,7 +385,9 @@ impl FileWork {
                 Error::Finalize(format!("starting a thread for {what}: {e}"))
             })?;
         match tokio::time::timeout(deadline, rx).await {
-            // Work stopped by shutdown did not fail: it is given up.
+            // Whatever work ends with once shutdown stopped it (its stop flag raised, its
+            // temporary file removed) is no failure of the finalize: it is given up, and
+            // a failure of its own is answered to the client's repeat.
             Ok(Ok(Err(_))) if self.shared.stopping.load(Ordering::SeqCst) => Err(Error::Stopping),
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(Error::Finalize(format!("{what} stopped unexpectedly"))),

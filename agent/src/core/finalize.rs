@@ -429,7 +429,7 @@ impl Core {
                 match written {
                     Ok(outcome) => Ok((temp, outcome)),
                     Err(RewriteError::Stopped) => Err(Error::Finalize(format!(
-                        "the rewrite of {} was stopped (deadline or shutdown)",
+                        "the rewrite of {} was stopped at the finalize deadline",
                         input.display()
                     ))),
                     Err(e) => Err(Error::Finalize(format!("{}: {e}", input.display()))),

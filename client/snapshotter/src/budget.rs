@@ -322,23 +322,33 @@ impl Budget {
     /// Takes as many of `n` units for `uid` as there are now, without waiting (none,
     /// if the uid or the total holds all it may).
     pub fn take_up_to(&self, uid: Option<u32>, n: u32) -> Held {
-        let mut free = self.all.available_permits();
-        if !uid.is_some_and(is_operator) {
-            free = free.min(self.others.available_permits());
+        // What is free may be taken by another between the look and the take: look again
+        // (a few times: each miss means another took what was free).
+        for _ in 0..8 {
+            let mut free = self.all.available_permits();
+            if !uid.is_some_and(is_operator) {
+                free = free.min(self.others.available_permits());
+            }
+            if let Some(uid) = uid {
+                free = free.min(self.per_uid.places(uid).available_permits());
+            }
+            let n = n.min(u32::try_from(free).unwrap_or(u32::MAX));
+            if n == 0 {
+                return Held {
+                    uid: None,
+                    _other: None,
+                    _all: None,
+                };
+            }
+            if let Ok(held) = self.take_many(uid, n) {
+                return held;
+            }
         }
-        if let Some(uid) = uid {
-            free = free.min(self.per_uid.places(uid).available_permits());
-        }
-        let n = n.min(u32::try_from(free).unwrap_or(u32::MAX));
-        match n {
-            0 => None,
-            n => self.take_many(uid, n).ok(),
-        }
-        .unwrap_or(Held {
+        Held {
             uid: None,
             _other: None,
             _all: None,
-        })
+        }
     }
 
     /// Takes one unit for `uid` once there is one: its own quota first, so that a uid
