@@ -26,7 +26,8 @@
 //!   `request_body_timeout`. Answer bytes: each answer (and each subscription update)
 //!   is charged to its peer until the stream has written it. Listings (methods declared
 //!   `grows`, whose answers are the large ones) and subscription updates are made a few
-//!   at a time over all peers ([`LISTINGS_PER_PEER`] per peer), each begun only while
+//!   at a time over all peers ([`LISTINGS_PER_PEER`] per peer, one for a peer other than
+//!   root and the process's own), each begun only while
 //!   its peer and the total have room; an update is sent only once they have room for
 //!   all of it, so a subscriber that does not read holds one update per subscription.
 //!   A WebSocket connection runs its calls (methods that mostly wait aside) and sends
