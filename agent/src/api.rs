@@ -489,12 +489,9 @@ where
                 let parsed: M::Params = parse(&params)?;
                 // The call may wait long (for the disk, a snapshotter): without its text.
                 drop(params);
-                match handler(core, parsed, caller).await {
-                    // Given up at shutdown: no answer, as if the agent had died, so that
-                    // the client repeats it once the agent is back.
-                    Err(Error::Stopping) => std::future::pending().await,
-                    result => result.map_err(ErrorObjectOwned::from),
-                }
+                handler(core, parsed, caller)
+                    .await
+                    .map_err(ErrorObjectOwned::from)
             }
         })
         .unwrap_or_else(|e| panic!("method {name} registered twice: {e}"));

@@ -124,8 +124,7 @@ impl Error {
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
             Error::OverQuota(_) => crate::access::REFUSED,
-            // Not answered (`api`); a code only for completeness.
-            Error::Stopping => codes::FINALIZE_FAILED,
+            Error::Stopping => opmon_snapshotter::server::GIVEN_UP,
         }
     }
 }

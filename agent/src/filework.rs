@@ -302,6 +302,8 @@ impl JobContext {
 
 struct Shared {
     stopping: AtomicBool,
+    /// Cancelled with `stopping` raised: callers stop waiting for their jobs.
+    stopped: tokio_util::sync::CancellationToken,
     turns: Arc<Turns>,
     /// Stop flags of jobs admitted and not finished.
     running: Mutex<HashMap<u64, Arc<AtomicBool>>>,
@@ -322,6 +324,7 @@ impl FileWork {
             admission: Budget::new("max_finalizes_per_uid", "finalizes", per_uid, total),
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
+                stopped: tokio_util::sync::CancellationToken::new(),
                 turns: Turns::of_machine(),
                 running: Mutex::new(HashMap::new()),
                 leftovers: Mutex::new(HashMap::new()),
@@ -384,7 +387,12 @@ impl FileWork {
                 lock(&self.shared.running).remove(&id);
                 Error::Finalize(format!("starting a thread for {what}: {e}"))
             })?;
-        match tokio::time::timeout(deadline, rx).await {
+        let finished = tokio::select! {
+            finished = tokio::time::timeout(deadline, rx) => finished,
+            // A job's thread may be stuck in a system call: shutdown does not wait for it.
+            () = self.shared.stopped.cancelled() => return Err(Error::Stopping),
+        };
+        match finished {
             // Whatever work ends with once shutdown stopped it (its stop flag raised, its
             // temporary file removed) is no failure of the finalize: it is given up, and
             // a failure of its own is answered to the client's repeat.
@@ -414,6 +422,7 @@ impl FileWork {
     /// refused.
     pub fn stop(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
+        self.shared.stopped.cancel();
         {
             let running = lock(&self.shared.running);
             for flag in running.values() {

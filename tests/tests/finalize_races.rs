@@ -311,11 +311,14 @@ async fn a_finalize_running_at_sigterm_is_repeated_by_its_client_and_completes_a
         "the client got an answer: {:?}",
         running.await
     );
-    assert!(
-        !s.agent.log_text().contains("finalize failed"),
-        "{}",
-        s.agent.log_text()
-    );
+    // Given up at once: the stop does not wait for it as for a call still running.
+    for unexpected in ["finalize failed", "still running after"] {
+        assert!(
+            !s.agent.log_text().contains(unexpected),
+            "{}",
+            s.agent.log_text()
+        );
+    }
 
     s.agent.restart();
     held.release();

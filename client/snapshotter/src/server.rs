@@ -103,6 +103,11 @@ pub const MIN_DRAIN: u64 = 16 * 1024 * 1024;
 /// JSON-RPC code of jsonrpsee's "Request is too big".
 pub const REQUEST_TOO_BIG: i32 = -32007;
 
+/// JSON-RPC code a handler answers with for a call it gave up because the server is
+/// stopping: the call is not answered, as if the process had died (over HTTP its
+/// connection is closed at once), so that a client repeats it once the server is back.
+pub const GIVEN_UP: i32 = -32099;
+
 /// JSON-RPC code of an answer or batch refused for its peer's quota of unread answers
 /// (the same code as a refused connection).
 pub const OVER_QUOTA: i32 = -32003;
@@ -1206,6 +1211,24 @@ fn stopped_batch(code: i32, message: String) -> MethodResponse {
     )
 }
 
+/// Marks a call given up at shutdown ([`GIVEN_UP`]): `route` closes its connection.
+#[derive(Clone, Copy, Debug)]
+struct GivenUp;
+
+/// `response`, unless its call was given up ([`GIVEN_UP`]): then over HTTP it is marked
+/// for `route` to close the connection unanswered, and over WebSocket it is never sent
+/// (the connection ends with the server).
+async fn unless_given_up(conn: &Connection, mut response: MethodResponse) -> MethodResponse {
+    if response.as_error_code() != Some(GIVEN_UP) {
+        return response;
+    }
+    if conn.websocket() {
+        std::future::pending::<()>().await;
+    }
+    response.extensions_mut().insert(GivenUp);
+    response
+}
+
 /// Marks the response jsonrpsee makes for a notification, which JSON-RPC does not
 /// answer: over HTTP its body is left empty (jsonrpsee would send `null`).
 #[derive(Clone, Copy, Debug)]
@@ -1231,7 +1254,10 @@ impl RpcServiceT for Guard {
         async move {
             let method = request.method_name().to_string();
             let response = guard.clone().charged(request).await;
-            guard.rules.answered(&method, shown, &response);
+            // One given up is not answered: nothing to log or count.
+            if response.extensions().get::<GivenUp>().is_none() {
+                guard.rules.answered(&method, shown, &response);
+            }
             response
         }
     }
@@ -1303,7 +1329,7 @@ impl Guard {
         }
         let decl = declared(request.method_name());
         if decl.is_some_and(|d| d.waits) {
-            return inner.call(request).await;
+            return unless_given_up(&conn, inner.call(request).await).await;
         }
         // A WebSocket's calls are made one at a time once it owes its room: a peer
         // that reads nothing holds one answer in the making, not one per call.
@@ -1312,6 +1338,7 @@ impl Guard {
             false => None,
         };
         let (response, making) = rules.run(&inner, &conn, decl, request, 0).await;
+        let response = unless_given_up(&conn, response).await;
         conn.owe_made(response.as_json().get().len());
         drop(making);
         response
@@ -1536,6 +1563,9 @@ where
     let body = HttpBody::new(http_body_util::Full::new(bytes));
     let mut response = http.call(hyper::Request::from_parts(parts, body)).await?;
     drop(held);
+    if response.extensions().get::<GivenUp>().is_some() {
+        return Err(io::Error::other("a call given up at shutdown is not answered").into());
+    }
     if response.extensions().get::<Unanswered>().is_some() {
         if sent.as_deref().is_some_and(has_invalid_id) {
             return Ok(rpc_error(
