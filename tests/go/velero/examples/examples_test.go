@@ -315,6 +315,9 @@ func TestTheExamplesPatchVelerosOwnInstall(t *testing.T) {
 					t.Errorf("%s copies a plugin after the installer", c.Name)
 				}
 			}
+			if len(installer.Env) > 0 {
+				t.Errorf("the installer gets an environment: %v", installer.Env)
+			}
 			for path, name := range map[string]string{"/target": "plugins", "/opmon/plugins": "opmon-plugins"} {
 				if m := mountAt(installer, path); m == nil || m.Name != name {
 					t.Errorf("installer's %s: %v", path, m)
