@@ -17,7 +17,7 @@
 mod command;
 pub mod velero_plugin;
 
-pub use command::limit_processes;
+pub use command::{limit_processes, warn_if_unrunnable};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
