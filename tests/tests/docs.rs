@@ -447,7 +447,7 @@ fn the_variables_the_docs_name_are_read_by_a_program() {
     );
 }
 
-/// The commands of `program` in `text`: lines of its code blocks that start with
+/// The commands of `program` in `text`: lines of its shell code blocks that start with
 /// `program ` (or `$ program `), joined across `\` continuations, and prose code spans
 /// that are a command rather than a synopsis (no `<…>`, `[…]`, `a|b` or `…` for words).
 /// Each with whether it is a line to run: in prose, `opmon backup wait` may name a
@@ -455,11 +455,16 @@ fn the_variables_the_docs_name_are_read_by_a_program() {
 fn commands_of(program: &str, text: &str) -> Vec<(String, bool)> {
     let start = format!("{program} ");
     let mut commands = Vec::new();
-    let mut fenced = false;
+    let (mut fenced, mut shell) = (false, false);
     let mut lines = text.lines();
     while let Some(line) = lines.next() {
-        if line.trim_start().starts_with("```") {
+        if let Some(language) = line.trim_start().strip_prefix("```") {
             fenced = !fenced;
+            // A Go or Rust program's `opmon "opmon/client"` is no command.
+            shell = ["", "sh", "console"].contains(&language);
+            continue;
+        }
+        if fenced && !shell {
             continue;
         }
         if fenced {
