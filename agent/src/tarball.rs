@@ -8,10 +8,8 @@
 //! included, in order. Other version directories (`v1/` when the item is `v2`) are left
 //! as they were.
 //!
-//! The archive is streamed (gzip → tar → tar → parallel gzip), never held: memory stays
-//! bounded whatever its size. Its threads compute on CPU turns of the finalize's uid
-//! ([`Cpu`]): a turn is given back before every wait (a read of the input, a write of
-//! the output, a block's compression) and every few MiB. The tar crate reads it in raw mode, header by header
+//! The archive is streamed (gzip → tar → tar → gzp's parallel gzip), never held: memory
+//! stays bounded whatever its size. The tar crate reads it in raw mode, header by header
 //! (extensions included), and the checks here make sure they see what extractors see:
 //! every name any of GNU tar, Go's `archive/tar` and Python's `tarfile` could use for
 //! an entry (header name, ustar prefix read either way, GNU long name, PAX `path`) is
@@ -30,17 +28,15 @@ use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::rc::Rc;
-use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use flate2::read::MultiGzDecoder;
-use flate2::{Compress, Compression, Crc, FlushCompress, Status};
+use flate2::Compression;
+use gzp::deflate::Gzip;
+use gzp::par::compress::{ParCompress, ParCompressBuilder};
+use gzp::ZWriter;
 use opmon_client::UpdatedItem;
 use tar::{Archive, EntryType, Header, PaxExtensions};
-
-use crate::filework::Cpu;
 
 /// Largest GNU long-name or PAX header accepted, in bytes (Go's reader has the same
 /// limit for its "special files").
@@ -48,12 +44,6 @@ const MAX_EXTENSION: u64 = 1024 * 1024;
 const BLOCK: usize = 512;
 /// The gzip level of the output: `gzip -6`, Go's default, what Velero writes.
 const LEVEL: u32 = 6;
-/// Decompressed bytes read on one CPU turn before the next is waited for.
-const TURN_BYTES: u64 = 4 << 20;
-/// Bytes of the output compressed apart (pigz's block size), each on a turn.
-const GZ_BLOCK: usize = 128 * 1024;
-/// The deflate window: a block is primed with this much of the data before it.
-const WINDOW: usize = 32 * 1024;
 
 /// The new content of each updated item, by the entry names Velero writes it under.
 pub struct Updates {
@@ -165,16 +155,14 @@ pub enum RewriteError {
 }
 
 /// Counts decompressed bytes and fails past the limit: a gzip bomb stops here, not on
-/// the disk. Every [`TURN_BYTES`] the reading thread lets a waiting peer compute.
-struct Bounded<'a, R> {
+/// the disk.
+struct Bounded<R> {
     inner: R,
     left: u64,
     limit: u64,
-    cpu: &'a Cpu,
-    on_turn: u64,
 }
 
-impl<R: Read> Read for Bounded<'_, R> {
+impl<R: Read> Read for Bounded<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         if n as u64 > self.left {
@@ -184,184 +172,7 @@ impl<R: Read> Read for Bounded<'_, R> {
             )));
         }
         self.left -= n as u64;
-        self.on_turn += n as u64;
-        if self.on_turn >= TURN_BYTES {
-            self.on_turn = 0;
-            self.cpu.next_turn()?;
-        }
         Ok(n)
-    }
-}
-
-/// The compressed input, read without a CPU turn: a disk that does not answer holds
-/// no one else's work.
-struct Input<'a, R> {
-    inner: R,
-    cpu: &'a Cpu,
-}
-
-impl<R: Read> Read for Input<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.cpu.pause();
-        let n = self.inner.read(buf);
-        self.cpu.compute()?;
-        n
-    }
-}
-
-/// A block to compress: its data, the window before it, whether it ends the stream.
-type Job = (Vec<u8>, Vec<u8>, bool);
-type Done = io::Result<(Vec<u8>, Crc)>;
-
-/// One gzip member at level 6 written as pigz writes it: the data cut in blocks, each
-/// deflated primed with the window before it and ended by a sync flush (the last by the
-/// end of the stream), their CRCs combined. Blocks go round to the workers of this
-/// rewrite, each computing on a CPU turn per block; at most two per worker are in
-/// flight. The writing thread gives its turn back while it waits for them and writes.
-struct ParGz<'a, W: Write> {
-    out: W,
-    cpu: &'a Cpu,
-    workers: Vec<(Sender<Job>, Receiver<Done>)>,
-    threads: Vec<JoinHandle<()>>,
-    /// Blocks sent and written; block `n` goes to worker `n % workers`.
-    sent: usize,
-    written: usize,
-    block: Vec<u8>,
-    window: Vec<u8>,
-    crc: Crc,
-}
-
-impl<'a, W: Write> ParGz<'a, W> {
-    fn new(mut out: W, cpu: &'a Cpu) -> io::Result<Self> {
-        // Magic, deflate, no flags, no mtime, no extra flags, OS unknown.
-        out.write_all(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff])?;
-        let mut gz = ParGz {
-            out,
-            cpu,
-            workers: Vec::new(),
-            threads: Vec::new(),
-            sent: 0,
-            written: 0,
-            block: Vec::with_capacity(GZ_BLOCK),
-            window: Vec::new(),
-            crc: Crc::new(),
-        };
-        for _ in 0..compress_threads() {
-            let (jobs, inbox) = mpsc::channel::<Job>();
-            let (outbox, done) = mpsc::channel::<Done>();
-            let cpu = cpu.for_thread();
-            let thread = std::thread::Builder::new()
-                .name("opmon-gzip".into())
-                .spawn(move || {
-                    let mut z = Compress::new(Compression::new(LEVEL), false);
-                    for (block, window, last) in inbox {
-                        let result = cpu.compute().and_then(|()| {
-                            let mut crc = Crc::new();
-                            crc.update(&block);
-                            Ok((deflate(&mut z, &block, &window, last)?, crc))
-                        });
-                        cpu.pause();
-                        if outbox.send(result).is_err() {
-                            return;
-                        }
-                    }
-                })?;
-            gz.workers.push((jobs, done));
-            gz.threads.push(thread);
-        }
-        Ok(gz)
-    }
-
-    /// Hands the block to the next worker; the caller holds no turn after the last.
-    fn send(&mut self, last: bool) -> io::Result<()> {
-        let block = std::mem::replace(&mut self.block, Vec::with_capacity(GZ_BLOCK));
-        let tail = block[block.len().saturating_sub(WINDOW)..].to_vec();
-        let window = std::mem::replace(&mut self.window, tail);
-        self.cpu.pause();
-        while self.sent - self.written >= 2 * self.workers.len() {
-            self.write_next()?;
-        }
-        let (jobs, _) = &self.workers[self.sent % self.workers.len()];
-        jobs.send((block, window, last))
-            .map_err(|_| io::Error::other("a compression thread ended"))?;
-        self.sent += 1;
-        if !last {
-            self.cpu.compute()?;
-        }
-        Ok(())
-    }
-
-    fn write_next(&mut self) -> io::Result<()> {
-        let (_, done) = &self.workers[self.written % self.workers.len()];
-        let (deflated, crc) = done
-            .recv()
-            .map_err(|_| io::Error::other("a compression thread ended"))??;
-        self.written += 1;
-        self.crc.combine(&crc);
-        self.out.write_all(&deflated)
-    }
-
-    fn finish(&mut self) -> io::Result<()> {
-        self.send(true)?;
-        while self.written < self.sent {
-            self.write_next()?;
-        }
-        self.out.write_all(&self.crc.sum().to_le_bytes())?;
-        self.out.write_all(&self.crc.amount().to_le_bytes())?;
-        self.out.flush()
-    }
-}
-
-impl<W: Write> Write for ParGz<'_, W> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = buf.len().min(GZ_BLOCK - self.block.len());
-        self.block.extend_from_slice(&buf[..n]);
-        if self.block.len() == GZ_BLOCK {
-            self.send(false)?;
-        }
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<W: Write> Drop for ParGz<'_, W> {
-    /// A rewrite's threads end with it (a stopped job's at once: they wait for no turn).
-    fn drop(&mut self) {
-        self.cpu.pause();
-        self.workers.clear();
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// Raw deflate of `block` at [`LEVEL`] with `z`, primed with `window`, ended by a sync
-/// flush or, when `last`, by the end of the stream.
-fn deflate(z: &mut Compress, block: &[u8], window: &[u8], last: bool) -> io::Result<Vec<u8>> {
-    z.reset();
-    if !window.is_empty() {
-        z.set_dictionary(window).map_err(io::Error::other)?;
-    }
-    let flush = if last {
-        FlushCompress::Finish
-    } else {
-        FlushCompress::Sync
-    };
-    let mut out = Vec::with_capacity(block.len() + block.len() / 8 + 64);
-    loop {
-        let done = z.total_in() as usize;
-        let status = z
-            .compress_vec(&block[done..], &mut out, flush)
-            .map_err(io::Error::other)?;
-        // Flushed once its input is in and room was left; ended at StreamEnd.
-        let flushed = !last && z.total_in() as usize == block.len() && out.len() < out.capacity();
-        if status == Status::StreamEnd || flushed {
-            return Ok(out);
-        }
-        out.reserve(out.capacity().max(4096));
     }
 }
 
@@ -659,13 +470,13 @@ fn pass(
     data: &mut impl Read,
     mut left: u64,
     buf: &mut [u8],
-    cpu: &Cpu,
+    stop: &AtomicBool,
     name: &[u8],
     ended: &Cell<bool>,
     mut sink: impl FnMut(&[u8]) -> Result<(), RewriteError>,
 ) -> Result<(), RewriteError> {
     while left > 0 {
-        if cpu.stopped() {
+        if stop.load(Ordering::Relaxed) {
             return Err(RewriteError::Stopped);
         }
         let n = left.min(buf.len() as u64) as usize;
@@ -764,7 +575,7 @@ pub fn velero_header(name: &str, size: u64, mtime: u64) -> io::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Blocks compressed at once: both cores of a small node, at most four.
+/// Threads compressing the output at once: both cores of a small node, at most four.
 fn compress_threads() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
@@ -775,49 +586,42 @@ fn compress_threads() -> usize {
 /// Rewrites the gzipped tarball `input` into `output` (one gzip member, level 6,
 /// compressed on several threads). `output` gets nothing useful on error; the caller
 /// discards it.
-pub fn rewrite<R: Read, W: Write>(
+pub fn rewrite<R: Read, W: Write + Send>(
     input: R,
     output: W,
     updates: &Updates,
     max_decompressed: u64,
 ) -> Result<Outcome, RewriteError> {
-    let cpu = Cpu::alone(Arc::new(AtomicBool::new(false)));
-    rewrite_until(input, output, updates, max_decompressed, &cpu)
+    rewrite_until(input, output, updates, max_decompressed, &AtomicBool::new(false))
 }
 
-/// [`rewrite`] on the CPU turns of `cpu`, giving up with [`RewriteError::Stopped`] soon
-/// after its job is stopped.
-pub fn rewrite_until<R: Read, W: Write>(
+/// [`rewrite`], giving up with [`RewriteError::Stopped`] soon after `stop` is raised.
+pub fn rewrite_until<R: Read, W: Write + Send>(
     input: R,
     output: W,
     updates: &Updates,
     max_decompressed: u64,
-    cpu: &Cpu,
+    stop: &AtomicBool,
 ) -> Result<Outcome, RewriteError> {
-    let mut gz = ParGz::new(output, cpu)
-        .map_err(|e| RewriteError::Archive(format!("starting the compressor: {e}")))?;
-    let result = cpu
-        .compute()
-        .map_err(|_| RewriteError::Stopped)
-        .and_then(|()| {
-            copy(
-                Input { inner: input, cpu },
-                &mut gz,
-                updates,
-                max_decompressed,
-                cpu,
-            )
-        })
-        .and_then(|outcome| {
-            gz.finish()
-                .map_err(|e| RewriteError::Archive(format!("writing the output: {e}")))?;
-            Ok(outcome)
-        });
-    cpu.pause();
-    drop(gz);
+    let result = std::thread::scope(|scope| {
+        // gzp writes what pigz writes: one gzip member of blocks each primed with the
+        // 32 KiB before it (Go's reader and gzip read it as any other).
+        let mut gz: ParCompress<Gzip, W> = ParCompressBuilder::new()
+            .compression_level(Compression::new(LEVEL))
+            .num_threads(compress_threads())
+            .map_err(|e| RewriteError::Archive(format!("starting the compressor: {e}")))?
+            .from_borrowed_writer(output, scope);
+        let copied = copy(input, &mut gz, updates, max_decompressed, stop);
+        // Finished on failure too, its result ignored: a compressor dropped unfinished
+        // finishes itself and panics on a write error.
+        let finished = gz.finish();
+        let outcome = copied?;
+        finished.map_err(|e| RewriteError::Archive(format!("writing the output: {e}")))?;
+        Ok(outcome)
+    });
     match result {
         // What failed once the job was stopped failed because of it.
-        Err(_) if cpu.stopped() => Err(RewriteError::Stopped),
+        Err(_) if stop.load(Ordering::Relaxed) => Err(RewriteError::Stopped),
         result => result,
     }
 }
@@ -836,14 +640,12 @@ fn copy<R: Read>(
     out: &mut impl Write,
     updates: &Updates,
     max_decompressed: u64,
-    cpu: &Cpu,
+    stop: &AtomicBool,
 ) -> Result<Outcome, RewriteError> {
     let source = Bounded {
         inner: MultiGzDecoder::new(io::BufReader::with_capacity(256 * 1024, input)),
         left: max_decompressed,
         limit: max_decompressed,
-        cpu,
-        on_turn: 0,
     };
     let tap = Rc::new(Tap::default());
     let mut archive = Archive::new(Tapped {
@@ -869,7 +671,7 @@ fn copy<R: Read>(
         .map_err(|e| RewriteError::Archive(e.to_string()))?
         .raw(true);
     loop {
-        if cpu.stopped() {
+        if stop.load(Ordering::Relaxed) {
             return Err(RewriteError::Stopped);
         }
         let at = tap.offset.get() + padding.0 as u64;
@@ -953,7 +755,7 @@ fn copy<R: Read>(
             pending.held += size;
             let mut data = Vec::with_capacity(size as usize);
             let name = b"(header extension)";
-            pass(&mut entry, size, &mut buf, cpu, name, &tap.ended, |piece| {
+            pass(&mut entry, size, &mut buf, stop, name, &tap.ended, |piece| {
                 data.extend_from_slice(piece);
                 Ok(())
             })?;
@@ -1100,7 +902,7 @@ fn copy<R: Read>(
                 outcome.replaced += 1;
                 // The old content is read (not copied) so a truncated archive is
                 // still noticed.
-                pass(&mut entry, size, &mut buf, cpu, &name, &tap.ended, |_| {
+                pass(&mut entry, size, &mut buf, stop, &name, &tap.ended, |_| {
                     Ok(())
                 })?;
                 padding.1 = Padding::Dropped;
@@ -1108,7 +910,7 @@ fn copy<R: Read>(
             None => {
                 out.write_all(&taken.all).map_err(write_error)?;
                 out.write_all(header.as_bytes()).map_err(write_error)?;
-                pass(&mut entry, size, &mut buf, cpu, &name, &tap.ended, |data| {
+                pass(&mut entry, size, &mut buf, stop, &name, &tap.ended, |data| {
                     out.write_all(data).map_err(write_error)
                 })?;
                 padding.1 = Padding::Out;
@@ -1129,7 +931,7 @@ fn copy<R: Read>(
     // CRC. The decompressed bound still holds.
     let mut rest = archive.into_inner();
     loop {
-        if cpu.stopped() {
+        if stop.load(Ordering::Relaxed) {
             return Err(RewriteError::Stopped);
         }
         match rest.read(&mut buf) {
@@ -1900,9 +1702,9 @@ mod tests {
     #[test]
     fn a_raised_stop_flag_ends_the_rewrite() {
         let input = gz(&tar_of(&[("resources/pods/namespaces/ns/p.json", b"{}")]));
-        let cpu = Cpu::alone(Arc::new(AtomicBool::new(true)));
+        let stop = AtomicBool::new(true);
         let updates = Updates::new(&[]).unwrap();
-        let err = rewrite_until(&input[..], Vec::new(), &updates, u64::MAX, &cpu).unwrap_err();
+        let err = rewrite_until(&input[..], Vec::new(), &updates, u64::MAX, &stop).unwrap_err();
         assert!(matches!(err, RewriteError::Stopped), "{err}");
     }
 

@@ -424,7 +424,7 @@ impl Core {
                 let written = {
                     let file = temp.file().map_err(|e| Error::Finalize(e.to_string()))?;
                     let out = BufWriter::with_capacity(256 * 1024, file);
-                    tarball::rewrite_until(source, out, &updates, limit, &job.cpu())
+                    tarball::rewrite_until(source, out, &updates, limit, job.stop())
                 };
                 match written {
                     Ok(outcome) => Ok((temp, outcome)),
