@@ -56,7 +56,19 @@ const LAST_LINE_CHARS: usize = 200;
 pub struct HostKey {
     pub path: PathBuf,
     pub args: Vec<String>,
+    /// Set on top of what the plugin inherits ([`inherited_env`]).
     pub env: BTreeMap<String, String>,
+}
+
+/// The environment a plugin inherits from the process that runs it, as Velero's plugins
+/// inherit Velero's (credential files, `KUBERNETES_SERVICE_*`, `VELERO_NAMESPACE`,
+/// proxies): all of it but go-plugin's own variables, which [`Host::start`] sets for this
+/// plugin (a stand-in started by Velero has Velero's in its environment).
+fn inherited_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
+    std::env::vars_os().filter(|(k, _)| {
+        let k = k.to_string_lossy();
+        k != MAGIC_COOKIE_KEY && !k.starts_with("PLUGIN_")
+    })
 }
 
 /// A plugin binary and, while it runs, its process and gRPC channel.
@@ -251,7 +263,7 @@ impl Host {
         command
             .args(&self.key.args)
             .env_clear()
-            .env("PATH", crate::remote::COMMAND_PATH)
+            .envs(inherited_env())
             .envs(&self.key.env)
             // What go-plugin's client adds to the environment (Velero asks for no
             // multiplexing and no mTLS).
