@@ -313,13 +313,17 @@ impl Declaration {
     fn clap_arg(&self) -> Arg {
         let plain = |text: &str| text.replace('`', "");
         let help = format!("{} [default: {}]", plain(&self.doc), plain(&self.default));
-        (self.arg)(
+        let arg = (self.arg)(
             Arg::new(self.key)
                 .long(self.key.replace('_', "-"))
                 .env(self.variable())
                 .value_name(self.key.to_uppercase())
                 .help(help),
-        )
+        );
+        // `--poll-interval -1s` reaches the duration's parser, which names the setting
+        // and refuses a negative value, rather than clap reading `-1` as a flag.
+        let duration = arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>();
+        arg.allow_hyphen_values(duration)
     }
 }
 

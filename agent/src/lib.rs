@@ -188,6 +188,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         let mut s = s.clone();
         let given = s.name.clone();
         api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
+        remote::warn_if_unrunnable(&s);
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;

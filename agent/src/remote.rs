@@ -17,6 +17,8 @@
 mod command;
 pub mod velero_plugin;
 
+pub use command::warn_if_unrunnable;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -715,7 +715,10 @@ async fn the_client_readmes_example_backs_up_a_disk_as_printed() {
         "client/README.md does not show client/examples/backup.rs as it is"
     );
     let line = "\ncargo run --example backup -- \"$op\"\n";
-    assert!(readme.contains(line), "the README no longer runs it with{line}");
+    assert!(
+        readme.contains(line),
+        "the README no longer runs it with{line}"
+    );
     assert!(readme.contains("it prints `nightly-rust is Completed`"));
 
     let example = example_binary().with_file_name("backup");

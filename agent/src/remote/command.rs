@@ -41,6 +41,46 @@ pub const STDERR_TAIL: usize = 64 * 1024;
 static PLACES: std::sync::LazyLock<Arc<Semaphore>> =
     std::sync::LazyLock::new(|| Arc::new(Semaphore::new(crate::caps::PROCESSES)));
 
+/// Why `program` cannot run as a command's program, looked up as a call looks it up
+/// (a path, else a name on [`COMMAND_PATH`]); `None` if it can run now.
+pub fn unrunnable(program: &str) -> Option<String> {
+    use nix::unistd::{access, AccessFlags};
+    use std::path::{Path, PathBuf};
+    let runs = |path: &Path| path.is_file() && access(path, AccessFlags::X_OK).is_ok();
+    if !program.contains('/') {
+        let found = COMMAND_PATH
+            .split(':')
+            .map(|dir| Path::new(dir).join(program))
+            .any(|path| runs(&path));
+        return (!found)
+            .then(|| format!("no program {program} on the commands' PATH ({COMMAND_PATH})"));
+    }
+    let path = PathBuf::from(program);
+    match std::fs::metadata(&path) {
+        Err(e) => Some(format!("{program}: {e}")),
+        Ok(m) if !m.is_file() => Some(format!("{program} is not a file")),
+        Ok(_) if !runs(&path) => Some(format!("{program} is not executable")),
+        Ok(_) => None,
+    }
+}
+
+/// Warns if the command of snapshotter `s` (from the config file, at start or reload)
+/// cannot run now. Not refused: whether it runs is a fact of the moment (a package or a
+/// volume may bring it later), checked again by every call.
+pub fn warn_if_unrunnable(s: &opmon_client::Snapshotter) {
+    let Some(program) = s.command.as_ref().and_then(|argv| argv.first()) else {
+        return;
+    };
+    if let Some(why) = unrunnable(program) {
+        tracing::warn!(
+            snapshotter = %s.name,
+            program = %program,
+            "the snapshotter's command cannot run: {why}; its operations wait until it can, \
+             and fail once unreachable_grace has passed"
+        );
+    }
+}
+
 /// The environment of a call for `op`: exactly these variables.
 pub fn environment(op: &OperationRef) -> [(&'static str, String); 6] {
     [

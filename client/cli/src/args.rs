@@ -53,7 +53,7 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    Cli::command()
+    durations_take_hyphens(Cli::command())
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
@@ -61,6 +61,27 @@ pub fn command() -> clap::Command {
                 start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
+}
+
+/// `cmd` whose Go duration flags, in every subcommand, take a value starting with `-`:
+/// `--item-operation-timeout -1s` reaches the duration's parser, whose error names the
+/// flag and says negative durations are refused, instead of clap reading `-1` as a flag.
+fn durations_take_hyphens(cmd: clap::Command) -> clap::Command {
+    let durations: Vec<clap::Id> = cmd
+        .get_arguments()
+        .filter(|arg| arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>())
+        .map(|arg| arg.get_id().clone())
+        .collect();
+    let cmd = durations.iter().fold(cmd, |cmd, id| {
+        cmd.mut_arg(id, |arg| arg.allow_hyphen_values(true))
+    });
+    let subcommands: Vec<String> = cmd
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_string())
+        .collect();
+    subcommands.iter().fold(cmd, |cmd, name| {
+        cmd.mut_subcommand(name, durations_take_hyphens)
+    })
 }
 
 /// Shell completion of names, asked of the agent the line being completed names

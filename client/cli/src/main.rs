@@ -121,6 +121,19 @@ fn unreachable_agent(socket: &Path, error: &opmon_client::Error) -> String {
     let opmon_client::Error::Connect { source, .. } = error else {
         return error.chain();
     };
+    // The client's own check of who serves the socket, not the socket's permissions:
+    // root may open any socket, and is told which uid to trust instead.
+    if let Some(refused) = source
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<opmon_client::UntrustedAgent>())
+    {
+        let uid = refused.peer;
+        return format!(
+            "{}. If uid {uid} runs the agent you mean, trust it with --agent-uid {uid} or \
+             OPMON_AGENT_UID={uid}.",
+            error.chain()
+        );
+    }
     let hint = match source.kind() {
         ErrorKind::NotFound => {
             "Is the agent running? Start opmon-agent, or give its socket with --socket or OPMON_SOCKET"

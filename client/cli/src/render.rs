@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::fmt::Write;
 
 use opmon_client::{
-    AgentStatus, Event, GoDuration, ItemOperation, Operation, Owner, OwnerPhase,
+    AgentStatus, Event, GoDuration, ItemOperation, Operation, OperationPhase, Owner, OwnerPhase,
     ResourceIdentifier, ServerStartedResult, Snapshotter, Timestamp,
 };
 
@@ -125,6 +125,15 @@ pub fn owners(list: &[Owner], now: Timestamp) -> String {
         ],
         &rows,
     )
+}
+
+/// The last error of `op` while it is unfinished or after it failed (why it waits, or
+/// what came before its failure), cleaned; `None` if it has none, it is the failure's
+/// own error, or the operation ended otherwise (a completed one keeps an old one).
+pub fn last_error(op: &Operation) -> Option<Cow<'_, str>> {
+    let last = op.last_error.as_deref()?;
+    let shown = op.phase.is_unfinished() || op.phase == OperationPhase::Failed;
+    (shown && op.error.as_deref() != Some(last)).then(|| clean(last))
 }
 
 /// `nCompleted/nTotal units (percent)`, or just the count when the total is unknown.
@@ -326,6 +335,7 @@ pub fn operations(ops: &[Operation]) -> String {
                 op.phase.to_string(),
                 progress(op),
                 clean(op.error.as_deref().unwrap_or("")).into_owned(),
+                last_error(op).unwrap_or_default().into_owned(),
             ]
         })
         .collect();
@@ -337,6 +347,7 @@ pub fn operations(ops: &[Operation]) -> String {
             "PHASE",
             "PROGRESS",
             "ERROR",
+            "LAST ERROR",
         ],
         &rows,
     )
