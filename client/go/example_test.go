@@ -36,7 +36,7 @@ func Example() {
 	}
 	owner, err := backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: "nightly-1"})
 	if errors.Is(err, opmon.ErrOutcomeUnknown) {
-		owner, err = backups.Get(ctx, "nightly-1") // the agent restarted: read back
+		owner, err = backups.Get(ctx, opmon.OwnerParams{Name: "nightly-1"}) // the agent restarted: read back
 	}
 	if err != nil {
 		log.Fatal(err)
@@ -57,7 +57,7 @@ func Example() {
 func ExampleRPCError() {
 	ctx := context.Background()
 	client := opmon.New(opmon.DefaultSocketPath())
-	_, err := client.Backups().Get(ctx, "nightly-1")
+	_, err := client.Backups().Get(ctx, opmon.OwnerParams{Name: "nightly-1"})
 	var rpc *opmon.RPCError
 	switch {
 	case opmon.Code(err) == opmon.CodeNotFound:
