@@ -141,6 +141,26 @@ fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, E
         .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, name.to_string())))
 }
 
+/// The owner `kind` `name` of `uid`, current or retired; without `uid`, the name's
+/// current owner ([`require`]).
+fn require_owner(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+    uid: Option<&str>,
+) -> Result<OwnerRow, Error> {
+    let Some(uid) = uid else {
+        return require(conn, kind, name);
+    };
+    queries::owner_by_uid(conn, kind, name, uid)?.ok_or_else(|| {
+        Error::NotFound(NotFound::OwnerOfUid(
+            kind,
+            name.to_string(),
+            uid.to_string(),
+        ))
+    })
+}
+
 impl Core {
     /// Builds the core on an open store and loads the registered snapshotters.
     pub async fn new(

@@ -152,7 +152,8 @@ impl Core {
     ) -> Result<OwnerStream, Error> {
         // Subscribe before the first read, so no change falls between them.
         let changes = self.changes.subscribe(kind, &name);
-        self.get(kind, name.clone()).await?;
+        self.get(kind, opmon_client::OwnerParams::current(&name))
+            .await?;
         Ok(OwnerStream {
             core: self.clone(),
             kind,
