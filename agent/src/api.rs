@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::edge::server::Connection;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, Method};
@@ -18,7 +19,6 @@ use opmon_client::{
     OwnerKind, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
     MAX_CHANGED_OPERATIONS,
 };
-use opmon_snapshotter::server::Connection;
 use serde::de::DeserializeOwned;
 use time::OffsetDateTime;
 
@@ -594,12 +594,8 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             methods::Unsubscribe::DECL.name(kind),
             move |params, pending, core, extensions| async move {
                 // Held for as long as the subscription lasts.
-                let charge = match extensions.get::<Caller>() {
-                    Some(caller) => core.charge_subscription(caller.uid).map(Some),
-                    None => Ok(None),
-                };
-                let _charge = match charge {
-                    Ok(charge) => charge,
+                let _held = match core.take_subscription() {
+                    Ok(held) => held,
                     Err(e) => {
                         pending.reject(ErrorObjectOwned::from(e)).await;
                         return Ok(());
@@ -644,10 +640,7 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     match updates.take().await {
                         None => return Ok(()),
                         Some(Ok(update)) => {
-                            opmon_snapshotter::traffic::notification(
-                                sink.method_name(),
-                                &update.json,
-                            );
+                            crate::edge::traffic::notification(sink.method_name(), &update.json);
                             if let Some(conn) = &conn {
                                 tokio::select! {
                                     _ = sink.closed() => return Ok(()),
@@ -706,7 +699,7 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
                 return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
             }
             match caller {
-                Some(caller) => core.register_snapshotter_for(s, caller.uid).await,
+                Some(_) => core.register_snapshotter_from_api(s).await,
                 None => core.register_snapshotter(s).await,
             }
         },

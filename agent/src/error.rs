@@ -123,8 +123,8 @@ impl Error {
             Error::WrongPhase(_) => codes::WRONG_PHASE,
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
-            Error::OverQuota(_) => crate::access::REFUSED,
-            Error::Stopping => opmon_snapshotter::server::GIVEN_UP,
+            Error::OverQuota(_) => crate::edge::access::REFUSED,
+            Error::Stopping => crate::edge::server::GIVEN_UP,
         }
     }
 }

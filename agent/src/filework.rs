@@ -3,10 +3,9 @@
 //! reads need.
 //!
 //! Invariants:
-//! - work is [`FileWork::admit`]ted before it starts, charged to its peer's uid: at most
-//!   `max_finalizes_per_uid` per uid and [`MAX_ADMITTED`] in all (fewer when descriptors are few: `budget::Totals`), of which uids other
-//!   than root and the agent's own take at most three quarters; one more is refused at
-//!   once with a message naming the limit. The charge is held by the work and by each
+//! - work is [`FileWork::admit`]ted before it starts: at most [`crate::caps::FINALIZES`]
+//!   over all peers; one more is refused at once with a message naming the limit. The
+//!   charge is held by the work and by each
 //!   of its jobs' threads, so it is given back only once the work and its threads have
 //!   all ended (success, failure, deadline, a caller gone, shutdown);
 //! - each job runs on a thread of its own. No job waits behind another: a small
@@ -28,14 +27,10 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::budget::{Budget, Held};
+use crate::caps::{Cap, Held};
 use crate::confine::{remove_leftover, TempOutput};
 use crate::error::Error;
 use crate::sync::lock;
-
-/// Finalizes running or waiting at once, over all peers, when descriptors allow; more
-/// are refused.
-pub const MAX_ADMITTED: usize = 64;
 
 /// Work admitted: its charge, held until the work and every thread it started end.
 #[derive(Clone, Debug)]
@@ -83,16 +78,16 @@ struct Shared {
 
 /// The file work of the agent.
 pub struct FileWork {
-    admission: Budget,
+    admission: Cap,
     shared: Arc<Shared>,
     next_id: AtomicU64,
 }
 
 impl FileWork {
-    /// File work of at most `per_uid` finalizes per peer uid and `total` in all at once.
-    pub fn start(per_uid: u32, total: usize) -> FileWork {
+    /// File work of at most `total` finalizes at once.
+    pub fn start(total: usize) -> FileWork {
         FileWork {
-            admission: Budget::new("max_finalizes_per_uid", "finalizes", per_uid, total),
+            admission: Cap::new("finalizes", total),
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
                 stopped: tokio_util::sync::CancellationToken::new(),
@@ -109,7 +104,7 @@ impl FileWork {
         if self.shared.stopping.load(Ordering::SeqCst) {
             return Err(Error::Stopping);
         }
-        let held = self.admission.take(uid).map_err(Error::OverQuota)?;
+        let held = self.admission.take().map_err(Error::OverQuota)?;
         Ok(Admitted {
             _held: Arc::new(held),
         })
@@ -216,11 +211,11 @@ mod tests {
     use super::*;
 
     /// A job past its deadline may still be running (stuck in a system call): its
-    /// thread keeps its uid's charge, so a peer cannot queue more by giving up on
-    /// calls, and the quota counts threads that are really there.
+    /// thread keeps its place, so peers cannot queue more by giving up on calls, and
+    /// the cap counts threads that are really there.
     #[tokio::test]
     async fn a_job_past_its_deadline_keeps_its_charge_until_its_thread_ends() {
-        let pool = FileWork::start(1, MAX_ADMITTED);
+        let pool = FileWork::start(1);
         let admitted = pool.admit(Some(70_000)).unwrap();
         let (gate, stuck) = std::sync::mpsc::channel::<()>();
         let late = pool
@@ -240,11 +235,8 @@ mod tests {
         let refused = pool.admit(Some(70_000)).unwrap_err();
         assert_eq!(
             refused.to_string(),
-            "uid 70000 already holds 1 finalizes, the most max_finalizes_per_uid allows"
-        );
-        assert!(
-            pool.admit(Some(70_001)).is_ok(),
-            "another uid's quota is its own"
+            "1 of the 1 finalizes the agent holds at once for all its peers are held; try \
+             again later"
         );
         drop(gate);
     }

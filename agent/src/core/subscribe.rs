@@ -231,9 +231,6 @@ mod tests {
             restore_finalize: false,
             in_progress_idle_timeout: None,
             finalize: Default::default(),
-            max_subscriptions_per_uid: 1024,
-            max_snapshotters_per_uid: 64,
-            max_snapshotters: 64,
         };
         Core::new(
             store,
