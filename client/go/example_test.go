@@ -14,7 +14,7 @@ import (
 func ExampleRPCError() {
 	ctx := context.Background()
 	client := opmon.New(opmon.DefaultSocketPath())
-	_, err := client.Backups().Get(ctx, "nightly-1")
+	_, err := client.Backups().Get(ctx, opmon.OwnerParams{Name: "nightly-1"})
 	var rpc *opmon.RPCError
 	switch {
 	case opmon.Code(err) == opmon.CodeNotFound:

@@ -24,11 +24,17 @@
 //! It keeps no state of its own: a Velero restarted with new plugin processes asks
 //! Progress of operations this process never saw, and gets the same answer.
 //!
-//! Environment (Velero passes its own to plugins; the Deployment sets these):
-//! `OPMON_VELERO_ORIGINAL`, the original binary (default: `opmon/<this file's name>` in
-//! this binary's directory, where Velero's plugin discovery does not look), and
-//! `OPMON_SOCKET`, the agent's socket (default: the client's default path);
-//! `OPMON_VELERO_AGENT_TIMEOUT`, how long to wait for an unreachable agent (`10s`).
+//! The original is not in Velero's plugin directory: Velero's discovery runs every
+//! executable file anywhere under it (subdirectories too) and refuses to start when two
+//! serve one name. `install` moves it to [`ORIGINALS`], a volume of opmon's own that
+//! Velero's container mounts elsewhere, and the stand-in finds it there by its own file
+//! name.
+//!
+//! Environment (Velero passes its own to plugins, and the stand-in passes it on to the
+//! original; the Deployment sets these): `OPMON_VELERO_ORIGINAL`, the original binary
+//! (default: `/opmon/plugins/<this file's name>`), `OPMON_SOCKET`, the agent's socket
+//! (default: the client's default path), and `OPMON_VELERO_AGENT_TIMEOUT`, how long to
+//! wait for an unreachable agent (`10s`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -51,6 +57,10 @@ use tonic::{Request, Response, Status};
 /// (`OPMON_VELERO_AGENT_TIMEOUT`, a Go duration): within Velero's own plugin call
 /// timeouts, and longer than an agent's restart.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Where `install` moves the originals and the stand-in looks for its own: outside
+/// Velero's plugin directory (`/plugins`, read recursively), an emptyDir volume of its
+/// own in Velero's pod.
+const ORIGINALS: &str = "/opmon/plugins";
 /// The backup server the owners belong to, for `server.started`.
 const SERVER: &str = "velero";
 /// The prefix of the stand-in's own DeleteItemAction, whose name goes on with the
@@ -850,8 +860,8 @@ impl<Out: Message + Send + 'static> Codec for RawIn<Out> {
     }
 }
 
-/// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else `opmon/<own name>` in
-/// this binary's directory.
+/// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else its file name (the
+/// stand-in's own) in [`ORIGINALS`].
 fn original_path(own: &Path) -> Result<PathBuf, String> {
     if let Some(path) = std::env::var_os("OPMON_VELERO_ORIGINAL") {
         return Ok(PathBuf::from(path));
@@ -859,8 +869,7 @@ fn original_path(own: &Path) -> Result<PathBuf, String> {
     let name = own
         .file_name()
         .ok_or_else(|| format!("cannot tell this binary's name from {}", own.display()))?;
-    let dir = own.parent().unwrap_or(Path::new("."));
-    Ok(dir.join("opmon").join(name))
+    Ok(Path::new(ORIGINALS).join(name))
 }
 
 async fn run() -> Result<(), String> {
@@ -868,20 +877,17 @@ async fn run() -> Result<(), String> {
     let original = original_path(&own)?;
     if !original.is_file() {
         return Err(format!(
-            "the original plugin {} does not exist (set OPMON_VELERO_ORIGINAL, or copy it \
-             there)",
+            "the original plugin {} does not exist (opmon-velero-plugin install puts it \
+             there; or set OPMON_VELERO_ORIGINAL)",
             original.display()
         ));
     }
-    // The original gets what Velero gave the stand-in: its flags and environment, less
-    // go-plugin's variables, which the host sets itself.
-    let env: BTreeMap<String, String> = std::env::vars()
-        .filter(|(k, _)| k != "VELERO_PLUGIN" && !k.starts_with("PLUGIN_"))
-        .collect();
+    // The original gets what Velero gave the stand-in: its flags, and its environment
+    // (which the host passes on, less go-plugin's variables, which it sets itself).
     let host = Host::new(HostKey {
         path: original.clone(),
         args: std::env::args().skip(1).collect(),
-        env,
+        env: BTreeMap::new(),
     });
     let connection = host.connection().await?;
     let served = connection.served.to_vec();
@@ -977,19 +983,21 @@ async fn run() -> Result<(), String> {
     }
 }
 
-/// `install PATH`: puts the stand-in in the original plugin's place, as an init
-/// container of Velero's pod does after the original's own has copied it into the
-/// plugins volume: the original moves to `opmon/<name>` beside it (where Velero's
-/// plugin discovery does not look), and this binary takes its name. Run again, it
-/// changes nothing, or moves a freshly copied original again.
-fn install(target: &Path) -> Result<String, String> {
+/// `install PLUGIN [ORIGINALS]`: puts the stand-in in the original plugin's place, as an
+/// init container of Velero's pod does after the original's own has copied it into the
+/// plugins volume. The original moves to `ORIGINALS/<its name>` ([`ORIGINALS`] unless
+/// given), outside the directory Velero's discovery reads, and this binary takes its
+/// name. Run again (a restarted pod), it changes nothing, or moves an original its own
+/// init container copied there again. The original is copied before the stand-in
+/// replaces it, each file written whole and renamed into place: stopped at any point,
+/// a run again finishes the work.
+fn install(target: &Path, originals: &Path) -> Result<String, String> {
     let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
     let me = std::fs::read(&own).map_err(|e| format!("reading {}: {e}", own.display()))?;
-    let dir = target.parent().unwrap_or(Path::new("."));
     let name = target
         .file_name()
         .ok_or_else(|| format!("{} names no file", target.display()))?;
-    let original = dir.join("opmon").join(name);
+    let original = originals.join(name);
     let there = match std::fs::read(target) {
         Ok(bytes) => Some(bytes),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -1006,29 +1014,22 @@ fn install(target: &Path) -> Result<String, String> {
             }
             return Ok(format!("{} is already the stand-in", target.display()));
         }
-        Some(_) => {
-            std::fs::create_dir_all(original.parent().unwrap_or(dir))
-                .map_err(|e| format!("creating {}: {e}", dir.join("opmon").display()))?;
-            std::fs::rename(target, &original).map_err(|e| {
-                format!("moving {} to {}: {e}", target.display(), original.display())
-            })?;
+        // Two volumes: a copy, not a rename.
+        Some(bytes) => {
+            std::fs::create_dir_all(originals)
+                .map_err(|e| format!("creating {}: {e}", originals.display()))?;
+            write_whole(&original, &bytes)?
         }
         None if original.is_file() => {}
         None => {
             return Err(format!(
-            "no plugin {} to stand in for: the original's init container must copy it there first",
-            target.display()
-        ))
+                "no plugin {} to stand in for: the original's init container must copy it \
+                 there first",
+                target.display()
+            ))
         }
     }
-    let temporary = dir.join(format!(".{}.opmon-tmp", name.to_string_lossy()));
-    std::fs::write(&temporary, &me)
-        .and_then(|()| {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755))
-        })
-        .and_then(|()| std::fs::rename(&temporary, target))
-        .map_err(|e| format!("writing {}: {e}", target.display()))?;
+    write_whole(target, &me)?;
     Ok(format!(
         "{} stands in for the original, now {}",
         target.display(),
@@ -1036,17 +1037,36 @@ fn install(target: &Path) -> Result<String, String> {
     ))
 }
 
+/// Writes an executable file whole: a temporary beside it (not executable, so that
+/// Velero's discovery never runs it), then renamed over `path`.
+fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let temporary = dir.join(format!(".{name}.opmon-tmp"));
+    std::fs::write(&temporary, bytes)
+        .and_then(|()| std::fs::File::open(&temporary)?.sync_all())
+        .and_then(|()| std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755)))
+        .and_then(|()| std::fs::rename(&temporary, path))
+        .map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("install") {
-        let [_, target] = args.as_slice() else {
-            eprintln!(
-                "usage: opmon-velero-plugin install /target/<the original plugin's file name>"
-            );
-            std::process::exit(2);
+        let (target, originals) = match args.as_slice() {
+            [_, target] => (target.as_str(), ORIGINALS),
+            [_, target, originals] => (target.as_str(), originals.as_str()),
+            _ => {
+                eprintln!(
+                    "usage: opmon-velero-plugin install /target/<the original plugin's file \
+                     name> [<where the original goes: {ORIGINALS}>]"
+                );
+                std::process::exit(2);
+            }
         };
-        match install(Path::new(target)) {
+        match install(Path::new(target), Path::new(originals)) {
             Ok(done) => println!("{done}"),
             Err(e) => {
                 eprintln!("opmon-velero-plugin install: {e}");

@@ -17,12 +17,11 @@
 //! - the answer is what stdout held when the command exited: a process it left in the
 //!   background that keeps the pipe open does not hold the answer back;
 //! - a command starts only once it has one of the agent's process places
-//!   ([`limit_processes`]), so that when the task limit is full it waits for a place
-//!   rather than another snapshotter's command failing to fork.
+//!   ([`crate::caps::PROCESSES`]).
 
 use std::os::fd::AsFd;
 use std::process::Stdio;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use opmon_client::OperationRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -37,16 +36,10 @@ pub const MAX_STDOUT: usize = 16 * 1024 * 1024;
 /// How much of the end of a command's stderr is kept for its error message.
 pub const STDERR_TAIL: usize = 64 * 1024;
 
-/// Command processes running at once over all snapshotters, if bounded: the task limit
-/// is the process's, so its places are too.
-static PLACES: OnceLock<Arc<Semaphore>> = OnceLock::new();
-
-/// Bounds command processes over all snapshotters to `places` (set once, at start).
-pub fn limit_processes(places: Option<usize>) {
-    if let Some(places) = places {
-        let _ = PLACES.set(Arc::new(Semaphore::new(places.max(1))));
-    }
-}
+/// Command processes running at once over all snapshotters ([`crate::caps::PROCESSES`]),
+/// so that a full task limit makes a command wait rather than another's fork fail.
+static PLACES: std::sync::LazyLock<Arc<Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(Semaphore::new(crate::caps::PROCESSES)));
 
 /// Why `program` cannot run as a command's program, looked up as a call looks it up
 /// (a path, else a name on [`COMMAND_PATH`]); `None` if it can run now.
@@ -197,10 +190,7 @@ impl CommandRemote {
     pub(super) async fn run(&self, verb: &str, op: &OperationRef) -> Answer<Vec<u8>> {
         let _permit = self.running.acquire().await;
         // Never closed; held until the call ends and its group is killed.
-        let _place = match PLACES.get() {
-            Some(places) => places.clone().acquire_owned().await.ok(),
-            None => None,
-        };
+        let _place = PLACES.clone().acquire_owned().await.ok();
         let Some((program, args)) = self.argv.split_first() else {
             return Err(self.failed("has an empty command"));
         };

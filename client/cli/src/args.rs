@@ -331,6 +331,16 @@ pub enum OwnerCommand {
     Get {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
+    },
+    /// Every owner that had the name: the current one, then the retired ones (a new
+    /// uid took the name once they had ended), latest retired first.
+    History {
+        /// The backup's or restore's name.
+        name: String,
     },
     /// Owners, by name, a page at a time.
     List {
@@ -348,6 +358,10 @@ pub enum OwnerCommand {
     Operations {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Only operations in these phases (repeatable).
         #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
@@ -357,6 +371,10 @@ pub enum OwnerCommand {
     Describe {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Each operation in full, and every event kept.
         #[arg(long)]
         details: bool,
@@ -366,6 +384,10 @@ pub enum OwnerCommand {
     Events {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Start after this event (the previous page's last SEQ).
         #[arg(long)]
         after: Option<u64>,
@@ -404,11 +426,19 @@ pub enum OwnerCommand {
     ItemOperations {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
     },
     /// Removes it, cancelling unfinished operations.
     Delete {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
     },
     /// Cancels it (it ends Failed), or with --operation only those operations (they
     /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.

@@ -136,6 +136,35 @@ pub fn last_error(op: &Operation) -> Option<Cow<'_, str>> {
     (shown && op.error.as_deref() != Some(last)).then(|| clean(last))
 }
 
+/// The owners that had one name (`history`): by uid, the current one marked so, the
+/// retired ones with the age of their retirement.
+pub fn history(list: &[Owner], now: Timestamp) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|o| {
+            vec![
+                clean(&o.uid).into_owned(),
+                o.phase.to_string(),
+                format!("{}/{}", o.operations_completed, o.operations_attempted),
+                o.operations_failed.to_string(),
+                age(o.created, now),
+                o.retired.map_or_else(|| "current".into(), |t| age(t, now)),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "UID",
+            "PHASE",
+            "OPERATIONS DONE",
+            "FAILED",
+            "AGE",
+            "RETIRED",
+        ],
+        &rows,
+    )
+}
+
 /// `nCompleted/nTotal units (percent)`, or just the count when the total is unknown.
 pub fn progress(op: &Operation) -> String {
     let units = if op.operation_units.is_empty() {
@@ -541,6 +570,9 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) ->
     let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
     if let Some(t) = owner.completed {
         let _ = writeln!(out, "Completed:\t{}", velero_time(t));
+    }
+    if let Some(t) = owner.retired {
+        let _ = writeln!(out, "Retired:\t{} (a new uid has the name)", velero_time(t));
     }
     if let Some(rate) = owner_rate(owner, now) {
         let _ = writeln!(out, "Rate:\t{rate}");
@@ -959,6 +991,7 @@ mod tests {
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,
             progress: None,
+            retired: None,
         }
     }
 

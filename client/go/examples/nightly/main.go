@@ -45,7 +45,7 @@ func main() {
 	}
 	owner, err := backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: name})
 	if errors.Is(err, opmon.ErrOutcomeUnknown) {
-		owner, err = backups.Get(ctx, name) // the agent restarted: read back
+		owner, err = backups.Get(ctx, opmon.OwnerParams{Name: name}) // the agent restarted: read back
 	}
 	if err != nil {
 		log.Fatal(err)
