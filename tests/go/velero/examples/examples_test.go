@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -436,6 +437,74 @@ func checkMaintenanceJob(t *testing.T, deployment *appsv1.Deployment) {
 			t.Errorf("the Job mounts claim %s: on another node than Velero's it cannot", v.PersistentVolumeClaim.ClaimName)
 		case v.HostPath != nil && (v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathDirectory):
 			t.Errorf("the Job mounts host path %s, which may be missing or made by it", v.HostPath.Path)
+		}
+	}
+}
+
+// The Rust tests render the examples over tests/kubernetes/velero.yaml: it must be the
+// Deployment Velero's install makes (OPMON_WRITE_VELERO_YAML=1 writes it so).
+func TestTheRustTestsInputIsVelerosInstall(t *testing.T) {
+	made, err := yaml.Marshal(veleroInstall(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(repoRoot(t), "tests", "kubernetes", "velero.yaml")
+	header := "# The Deployment Velero v1.18.1's install code makes for `velero install --provider aws\n" +
+		"# --plugins velero/velero-plugin-for-aws:v1.13.0 --use-node-agent ...`, written by\n" +
+		"# tests/go/velero/examples (OPMON_WRITE_VELERO_YAML=1): the tests' stand-in for a user's\n" +
+		"# Velero Deployment, which the overlays in container/kubernetes patch. Not an example.\n"
+	if os.Getenv("OPMON_WRITE_VELERO_YAML") == "1" {
+		if err := os.WriteFile(path, append([]byte(header), made...), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(text) != header+string(made) {
+		t.Fatalf("%s is not what Velero's install makes (OPMON_WRITE_VELERO_YAML=1 go test ./examples writes it)", path)
+	}
+}
+
+// The installer and tables docs/velero-with-opmon.md prints ("Installing") are the ones
+// the examples render over Velero's install.
+func TestTheDocumentedInstallStepsAreTheExamples(t *testing.T) {
+	text, err := os.ReadFile(filepath.Join(repoRoot(t), "docs", "velero-with-opmon.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	installing := string(text[bytes.Index(text, []byte("## Installing")):])
+	block := func(lang string) string {
+		_, rest, ok := strings.Cut(installing, "```"+lang+"\n")
+		body, _, closed := strings.Cut(rest, "```")
+		if !ok || !closed {
+			t.Fatalf("no %s block under Installing", lang)
+		}
+		return body
+	}
+	var printed []corev1.Container
+	if err := yaml.UnmarshalStrict([]byte(block("yaml")), &printed); err != nil || len(printed) != 1 {
+		t.Fatalf("the printed installer: %v", err)
+	}
+	velero, err := yaml.Marshal(veleroInstall(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	toml := block("toml")
+	for _, example := range []string{"sidecar", "daemonset-velero"} {
+		r := render(t, example, velero)
+		spec := &r.velero.Spec.Template.Spec
+		at := slices.IndexFunc(spec.InitContainers, func(c corev1.Container) bool { return isInstaller(&c) })
+		installer := spec.InitContainers[at]
+		if installer.Name != printed[0].Name || installer.Image != printed[0].Image ||
+			!slices.Equal(installer.Command, printed[0].Command) ||
+			!reflect.DeepEqual(installer.VolumeMounts, printed[0].VolumeMounts) {
+			t.Errorf("%s installs with %+v; the docs print %+v", example, installer, printed[0])
+		}
+		path := documentedPluginPath(t, example, r.configs)
+		if !strings.Contains(toml, fmt.Sprintf("velero_plugin = %q", path)) {
+			t.Errorf("%s's agent.toml documents velero_plugin %s; the docs print:\n%s", example, path, toml)
 		}
 	}
 }

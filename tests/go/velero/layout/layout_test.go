@@ -11,6 +11,7 @@ package layout_test
 import (
 	"bytes"
 	"context"
+	"debug/elf"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -427,5 +428,71 @@ func TestThePluginSeesUnderTheAgentWhatItSeesUnderVelero(t *testing.T) {
 	}
 	if underAgent.Executable != underVelero.Executable {
 		t.Errorf("the agent runs %s, Velero %s", underAgent.Executable, underVelero.Executable)
+	}
+}
+
+// The stand-in runs inside Velero's image, which has no Rust runtime libraries: it is
+// linked statically (no program interpreter, no shared library), and started in a root
+// that holds nothing but it and the original (and the /proc, /dev and /tmp a container
+// has),
+// it finds the original where the installer puts it by default and serves Velero's
+// manager. Needs unshare and chroot (util-linux, coreutils), run as root in CI.
+func TestStaticStandInServesVeleroFromAnEmptyRoot(t *testing.T) {
+	standin := binary(t, "OPMON_VELERO_STANDIN", "opmon-velero-plugin")
+	file, err := elf.Open(standin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	libraries, err := file.ImportedLibraries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range file.Progs {
+		if p.Type == elf.PT_INTERP {
+			t.Errorf("%s has a program interpreter (build it with cargo rustc … -- -C target-feature=+crt-static)", standin)
+		}
+	}
+	file.Close()
+	if len(libraries) > 0 {
+		t.Fatalf("%s needs %v", standin, libraries)
+	}
+	for _, tool := range []string{"unshare", "chroot", "sh"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s: %v", tool, err)
+		}
+	}
+
+	// Velero's plugin directory and where go-plugin's sockets go (TMPDIR) have the same
+	// paths in the root as outside, as in Velero's container: Velero runs the path a
+	// plugin reports, and dials the socket it names.
+	root, velero, sockets := t.TempDir(), t.TempDir(), t.TempDir()
+	for _, d := range []string{velero, sockets, "opmon/plugins", "proc", "dev"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inRoot := filepath.Join(root, velero, pluginFile)
+	copyFile(t, buildEnvPlugin(t), inRoot)
+	run(t, standin, "install", inRoot, filepath.Join(root, "opmon", "plugins"))
+	// What Velero starts: a file in its plugin directory that runs the stand-in in the
+	// root, in a mount namespace of its own with the host's /proc and /dev (as a
+	// container has them) and the sockets' directory.
+	wrapper := fmt.Sprintf(`#!/bin/sh
+exec unshare --map-root-user --mount sh -c 'mount --rbind /proc "$0/proc" && mount --rbind /dev "$0/dev" && mount --bind %[1]q "$0/%[1]s" && exec chroot "$0" %[2]q "$@"' %[3]q "$@"
+`, sockets, filepath.Join(velero, pluginFile), root)
+	if err := os.WriteFile(filepath.Join(velero, pluginFile), []byte(wrapper), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// The default path, not a test's: /opmon/plugins/<its file name> in the root.
+	t.Setenv("OPMON_VELERO_ORIGINAL", "")
+	os.Unsetenv("OPMON_VELERO_ORIGINAL")
+	t.Setenv("TMPDIR", sockets)
+	t.Setenv("OPMON_SOCKET", filepath.Join(sockets, "no-agent.sock"))
+	v, err := discover(t, velero)
+	if err != nil {
+		t.Fatalf("Velero does not start: %v\n%s", err, v.log)
+	}
+	if got := executeThroughVelero(t, v).Executable; got != "/opmon/plugins/"+pluginFile {
+		t.Errorf("Execute was answered by %s, not the original at /opmon/plugins/%s", got, pluginFile)
 	}
 }
