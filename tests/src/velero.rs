@@ -1,7 +1,8 @@
 //! What the Velero plugin tests share (tests/tests/velero_plugin.rs, velero_standin.rs,
-//! kubernetes.rs): the Go programs built against Debian's go-plugin and gRPC (the test
-//! plugin of tests/go/velero-plugin and Velero's stand-in host of tests/go/velero-host),
-//! and a test directory holding the test plugin's state and journal.
+//! kubernetes.rs, velero_go.rs): the Go module tests/go/velero on Velero's own module
+//! (its test plugin, written on Velero's plugin framework, and its tests), the Go
+//! environment that builds it, and a test directory holding the test plugin's state and
+//! journal.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -9,11 +10,42 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// The Go programs: a Velero plugin (the original, in the stand-in's tests) and a host
-/// doing what Velero's plugin manager and controllers do.
-pub struct GoPrograms {
-    pub plugin: PathBuf,
-    pub host: PathBuf,
+/// The Go module tests/go/velero.
+pub fn module() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("go/velero")
+}
+
+/// Where the Go builds are kept between runs: /var/cache/opmon-ci as root (as in CI),
+/// else the temporary directory.
+fn cache() -> PathBuf {
+    let cache = if nix::unistd::geteuid().is_root() {
+        PathBuf::from("/var/cache/opmon-ci")
+    } else {
+        std::env::temp_dir().join("opmon-ci")
+    };
+    std::fs::create_dir_all(&cache).expect("the build cache");
+    cache
+}
+
+/// `go` for tests/go/velero in module mode: modules come from the Go module proxy, and
+/// as root the module download and the build cache are kept in /var/cache/opmon-ci.
+pub fn go(args: &[&str]) -> Command {
+    let mut command = Command::new("go");
+    command
+        .args(args)
+        .current_dir(module())
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-mod=readonly")
+        // Static, as plugin images ship them: the plugin runs in images without glibc.
+        .env("CGO_ENABLED", "0")
+        .env_remove("GO111MODULE")
+        .env_remove("GOPATH");
+    if nix::unistd::geteuid().is_root() {
+        command
+            .env("GOMODCACHE", cache().join("go-mod"))
+            .env("GOCACHE", cache().join("go-build"));
+    }
+    command
 }
 
 /// Runs `command`, failing the test with its output; a missing tool says what to install.
@@ -29,85 +61,128 @@ fn run(command: &mut Command, what: &str) {
     );
 }
 
-/// Both Go programs, built once (offline, GOPATH mode against Debian's Go packages, the
-/// messages by protoc) and cached by their sources' hash in /var/cache/opmon-ci (as
-/// root, as in CI) or the temporary directory.
-pub fn go_programs() -> &'static GoPrograms {
-    static BUILT: OnceLock<GoPrograms> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
-        let sources = [
-            "velero-plugin/main.go",
-            "velero-plugin/proto/generated.proto",
-            "velero-plugin/proto/v2.proto",
-            "velero-host/main.go",
-        ];
-        let mut hasher = DefaultHasher::new();
-        for f in sources {
-            std::fs::read(go.join(f))
-                .unwrap_or_else(|e| panic!("{f}: {e}"))
-                .hash(&mut hasher);
-        }
-        let cache = if nix::unistd::geteuid().is_root() {
-            PathBuf::from("/var/cache/opmon-ci")
-        } else {
-            std::env::temp_dir().join("opmon-ci")
-        };
-        std::fs::create_dir_all(&cache).expect("the build cache");
-        let done = cache.join(format!("velero-go-{:016x}", hasher.finish()));
-        let programs = GoPrograms {
-            plugin: done.join("velero-plugin"),
-            host: done.join("velero-host"),
-        };
-        if done.exists() {
-            return programs;
-        }
-        let work = tempfile::tempdir_in(&cache).expect("a build directory");
-        let gopath = work.path();
-        let proto = go.join("velero-plugin/proto");
-        std::fs::create_dir_all(gopath.join("src")).expect("GOPATH");
-        for file in ["generated.proto", "v2.proto"] {
+/// The hash of `files` (relative to the module) and of every file in `dirs`.
+fn sources_hash(files: &[&str], dirs: &[&str]) -> u64 {
+    let module = module();
+    let mut paths: Vec<PathBuf> = files.iter().map(|f| module.join(f)).collect();
+    for dir in dirs {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(module.join(dir))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .map(|e| e.expect("a directory entry").path())
+            .collect();
+        entries.sort();
+        paths.extend(entries);
+    }
+    let mut hasher = DefaultHasher::new();
+    for path in paths {
+        path.strip_prefix(&module)
+            .expect("inside")
+            .hash(&mut hasher);
+        std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// The test plugin (tests/go/velero/cmd/test-plugin), built once and cached by its
+/// sources' hash.
+pub fn test_plugin() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let hash = sources_hash(&["go.mod", "go.sum"], &["cmd/test-plugin"]);
+            let done = cache().join(format!("velero-test-plugin-{hash:016x}"));
+            if done.exists() {
+                return done;
+            }
+            let work = tempfile::tempdir_in(cache()).expect("a build directory");
+            let out = work.path().join("test-plugin");
             run(
-                Command::new("protoc")
-                    .arg("-I")
-                    .arg(&proto)
-                    .arg(format!(
-                        "--go_out=plugins=grpc,paths=import:{}",
-                        gopath.join("src").display()
-                    ))
-                    .arg(proto.join(file)),
-                "protoc (apt-get install protobuf-compiler protoc-gen-go-1-3)",
+                go(&["build", "-o"]).arg(&out).arg("./cmd/test-plugin"),
+                "go build ./cmd/test-plugin in tests/go/velero (apt-get install golang-go; \
+             the Go module proxy for Velero's module)",
             );
-        }
-        let out = gopath.join("out");
-        std::fs::create_dir_all(&out).expect("the output directory");
-        for program in ["velero-plugin", "velero-host"] {
-            let package = gopath.join("src/opmontest").join(program);
-            std::fs::create_dir_all(&package).expect("the package directory");
-            std::fs::copy(go.join(program).join("main.go"), package.join("main.go"))
-                .expect("the program's source");
-            run(
-                Command::new("go")
-                    .args(["build", "-o"])
-                    .arg(out.join(program))
-                    .arg(".")
-                    .current_dir(&package)
-                    .env("GO111MODULE", "off")
-                    .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
-                    .env("GOFLAGS", "")
-                    .env("GOPROXY", "off")
-                    .env("GOTOOLCHAIN", "local")
-                    .env("GOCACHE", gopath.join("cache")),
-                "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
+            // Another test binary may have built it meanwhile: either copy will do.
+            if std::fs::rename(&out, &done).is_err() {
+                assert!(done.exists(), "caching {}", done.display());
+            }
+            done
+        })
+        .as_path()
+}
+
+/// The Go host of velero_standin.rs, built once (offline, GOPATH mode against Debian's
+/// Go packages, the messages by protoc) and cached by its sources' hash.
+pub fn velero_host() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
+            let sources = [
+                "velero-plugin/proto/generated.proto",
+                "velero-plugin/proto/v2.proto",
+                "velero-host/main.go",
+            ];
+            let mut hasher = DefaultHasher::new();
+            for f in sources {
+                std::fs::read(go.join(f))
+                    .unwrap_or_else(|e| panic!("{f}: {e}"))
+                    .hash(&mut hasher);
+            }
+            let cache = cache();
+            let done = cache.join(format!("velero-host-{:016x}", hasher.finish()));
+            let host = done.join("velero-host");
+            if done.exists() {
+                return host;
+            }
+            let work = tempfile::tempdir_in(&cache).expect("a build directory");
+            let gopath = work.path();
+            let proto = go.join("velero-plugin/proto");
+            std::fs::create_dir_all(gopath.join("src")).expect("GOPATH");
+            for file in ["generated.proto", "v2.proto"] {
+                run(
+                    Command::new("protoc")
+                        .arg("-I")
+                        .arg(&proto)
+                        .arg(format!(
+                            "--go_out=plugins=grpc,paths=import:{}",
+                            gopath.join("src").display()
+                        ))
+                        .arg(proto.join(file)),
+                    "protoc (apt-get install protobuf-compiler protoc-gen-go-1-3)",
+                );
+            }
+            let out = gopath.join("out");
+            std::fs::create_dir_all(&out).expect("the output directory");
+            for program in ["velero-host"] {
+                let package = gopath.join("src/opmontest").join(program);
+                std::fs::create_dir_all(&package).expect("the package directory");
+                std::fs::copy(go.join(program).join("main.go"), package.join("main.go"))
+                    .expect("the program's source");
+                run(
+                    Command::new("go")
+                        .args(["build", "-o"])
+                        .arg(out.join(program))
+                        .arg(".")
+                        .current_dir(&package)
+                        .env("GO111MODULE", "off")
+                        .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
+                        .env("GOFLAGS", "")
+                        .env("GOPROXY", "off")
+                        .env("GOTOOLCHAIN", "local")
+                        .env("GOCACHE", gopath.join("cache")),
+                    "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
                  golang-google-grpc-dev golang-goprotobuf-dev)",
-            );
-        }
-        // Another test binary may have built them meanwhile: either copy will do.
-        if std::fs::rename(&out, &done).is_err() {
-            assert!(done.exists(), "caching {}", done.display());
-        }
-        programs
-    })
+                );
+            }
+            // Another test binary may have built them meanwhile: either copy will do.
+            if std::fs::rename(&out, &done).is_err() {
+                assert!(done.exists(), "caching {}", done.display());
+            }
+            host
+        })
+        .as_path()
 }
 
 /// A test's directory, with the test plugin's state directory (`OPMON_TEST_STATE`).

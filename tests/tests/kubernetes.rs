@@ -652,7 +652,7 @@ fn deploy_and_back_up(example: &str) {
         Some(plugin_file.as_str()),
         "the agent's table names the plugin the installer stands in for"
     );
-    let original = velero::go_programs().plugin.clone();
+    let original = velero::test_plugin().to_path_buf();
     let image = deploy::image();
     let templates = deploy::pod_templates(&docs);
     let mut node = Node::new();

@@ -1,8 +1,8 @@
-//! End-to-end: Velero plugin binaries as snapshotters. A plugin built in Go with the real
-//! hashicorp go-plugin and gRPC libraries (tests/go/velero-plugin, Debian's go-plugin
-//! 1.0.1) and `opmon-velero-plugin-17`, which speaks go-plugin 1.7's side of the wire
-//! (the seven-field handshake, the stdio stream it holds its output for), run under the
-//! real agent, named by `[[snapshotter]]` tables.
+//! End-to-end: Velero plugin binaries as snapshotters. A plugin written on Velero's own
+//! plugin framework (tests/go/velero/cmd/test-plugin, Velero v1.18.1 with the go-plugin
+//! and gRPC it pins) and `opmon-velero-plugin-17`, which speaks go-plugin 1.7's side of
+//! the wire (the seven-field handshake, the stdio stream it holds its output for), run
+//! under the real agent, named by `[[snapshotter]]` tables.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,9 +16,9 @@ const BACKUP_A: &str = "example.io/backup-a";
 const BACKUP_B: &str = "example.io/backup-b";
 const RESTORE_A: &str = "example.io/restore-a";
 
-/// The Go test plugin (tests/go/velero-plugin), built once.
+/// The Go test plugin (tests/go/velero/cmd/test-plugin), built once.
 fn go_plugin() -> PathBuf {
-    velero::go_programs().plugin.clone()
+    velero::test_plugin().to_path_buf()
 }
 
 /// `opmon-velero-plugin-17`, built by cargo beside the test executables.
@@ -288,8 +288,8 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
         stderr.contains("does not serve example.io/nope")
             && stderr.contains(
                 "it serves: BackupItemActionV2 example.io/backup-a, BackupItemActionV2 \
-                 example.io/backup-b, RestoreItemActionV2 example.io/restore-a, \
-                 DeleteItemAction example.io/delete-a, ObjectStore example.io/store"
+                 example.io/backup-b, ObjectStore example.io/store, RestoreItemActionV2 \
+                 example.io/restore-a, DeleteItemAction example.io/delete-a"
             ),
         "{stderr}"
     );
@@ -380,9 +380,8 @@ fn a_name_the_binary_does_not_serve_is_refused_saying_what_it_serves() {
 }
 
 /// An operation that stops changing is failed at its stall timeout and Cancel reaches
-/// the plugin; a call the plugin never answers ends at the deadline, which the plugin
-/// sees as its context's end, and the operation, still New at its start timeout, is
-/// cancelled in the plugin too.
+/// the plugin; a call the plugin never answers ends at the deadline, and the operation,
+/// still New at its start timeout, is cancelled in the plugin too.
 #[test]
 fn a_stalled_operation_is_cancelled_in_the_plugin_and_a_hung_call_ends_at_the_deadline() {
     let plugin = go_plugin();
@@ -406,9 +405,6 @@ fn a_stalled_operation_is_cancelled_in_the_plugin_and_a_hung_call_ends_at_the_de
         setup
             .journal()
             .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-1".to_string())
-    });
-    eventually("the hung call's deadline reaches the plugin", LONG, || {
-        setup.journal().contains(&"deadline block-1".to_string())
     });
     // Never answered, it is still New at its start timeout: Cancel reaches the plugin.
     eventually(

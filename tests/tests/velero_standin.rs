@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Lines};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 
-use opmon_tests::velero::{go_programs, PluginDir};
+use opmon_tests::velero::{test_plugin, velero_host, PluginDir};
 use opmon_tests::{eventually, without_opmon_env, workspace_binary, Agent, RawHttp};
 use serde_json::{json, Value};
 
@@ -29,7 +29,6 @@ struct World {
 impl World {
     /// `extra`: lines for each table (deadlines, retries).
     fn new(extra: &str) -> World {
-        let go = go_programs();
         let dir = PluginDir::new();
         let state = dir.state();
         let tables: Vec<String> = [BACKUP_A, RESTORE_A]
@@ -38,7 +37,7 @@ impl World {
                 format!(
                     "[[snapshotter]]\nname = \"{name}\"\nvelero_plugin = \"{}\"\n\
                      env = {{ OPMON_TEST_STATE = \"{}\" }}\n{extra}\n",
-                    go.plugin.display(),
+                    test_plugin().display(),
                     state.display()
                 )
             })
@@ -74,15 +73,14 @@ impl World {
     /// The Go host, as Velero runs its plugins: the stand-in is the plugin binary it
     /// finds, the environment is what Velero's Deployment gives it.
     fn host(&self, args: &[&str]) -> Command {
-        let go = go_programs();
-        let mut command = Command::new(&go.host);
+        let mut command = Command::new(velero_host());
         without_opmon_env(&mut command);
         command
             .arg("-plugin")
             .arg(workspace_binary("opmon-velero-plugin"))
             .args(args)
             .env("OPMON_SOCKET", &self.agent.socket)
-            .env("OPMON_VELERO_ORIGINAL", &go.plugin)
+            .env("OPMON_VELERO_ORIGINAL", test_plugin())
             .env("OPMON_TEST_STATE", self.state())
             // Where go-plugin's plugins make their sockets: the stand-in's, and the
             // original's it runs.
@@ -782,7 +780,7 @@ fn an_object_stores_streaming_calls_are_passed_on() {
     assert_eq!(objects[1]["error"], "no object b/k/missing", "{all:?}");
     let journal = world.journal();
     assert!(
-        journal.contains(&"put ObjectStore b/k/1 3 chunks 13 bytes".to_string()),
+        journal.contains(&"put ObjectStore b/k/1 13 bytes".to_string()),
         "{journal:?}"
     );
 }
