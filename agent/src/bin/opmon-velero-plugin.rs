@@ -26,7 +26,7 @@
 //!
 //! The original is not in Velero's plugin directory: Velero's discovery runs every
 //! executable file anywhere under it (subdirectories too) and refuses to start when two
-//! serve one name. `install` moves it to [`ORIGINALS`], a volume of opmon's own that
+//! serve one name. `install` copies it to [`ORIGINALS`], a volume of opmon's own that
 //! Velero's container mounts elsewhere, and the stand-in finds it there by its own file
 //! name.
 //!
@@ -57,7 +57,7 @@ use tonic::{Request, Response, Status};
 /// (`OPMON_VELERO_AGENT_TIMEOUT`, a Go duration): within Velero's own plugin call
 /// timeouts, and longer than an agent's restart.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Where `install` moves the originals and the stand-in looks for its own: outside
+/// Where `install` copies the originals and the stand-in looks for its own: outside
 /// Velero's plugin directory (`/plugins`, read recursively), an emptyDir volume of its
 /// own in Velero's pod.
 const ORIGINALS: &str = "/opmon/plugins";
@@ -985,12 +985,12 @@ async fn run() -> Result<(), String> {
 
 /// `install PLUGIN [ORIGINALS]`: puts the stand-in in the original plugin's place, as an
 /// init container of Velero's pod does after the original's own has copied it into the
-/// plugins volume. The original moves to `ORIGINALS/<its name>` ([`ORIGINALS`] unless
-/// given), outside the directory Velero's discovery reads, and this binary takes its
-/// name. Run again (a restarted pod), it changes nothing, or moves an original its own
-/// init container copied there again. The original is copied before the stand-in
-/// replaces it, each file written whole and renamed into place: stopped at any point,
-/// a run again finishes the work.
+/// plugins volume. The original is copied to `ORIGINALS/<its name>` ([`ORIGINALS`] unless
+/// given; another volume, so not renamed), outside the directory Velero's discovery
+/// reads, and this binary takes its name. Run again (a restarted pod), it changes
+/// nothing, or copies again an original its own init container copied over the
+/// stand-in. The original is copied before the stand-in replaces it, each file written
+/// whole and renamed into place: stopped at any point, a run again finishes the work.
 fn install(target: &Path, originals: &Path) -> Result<String, String> {
     let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
     let me = std::fs::read(&own).map_err(|e| format!("reading {}: {e}", own.display()))?;
