@@ -85,104 +85,45 @@ fn sources_hash(files: &[&str], dirs: &[&str]) -> u64 {
     hasher.finish()
 }
 
-/// The test plugin (tests/go/velero/cmd/test-plugin), built once and cached by its
-/// sources' hash.
-pub fn test_plugin() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let hash = sources_hash(&["go.mod", "go.sum"], &["cmd/test-plugin"]);
-            let done = cache().join(format!("velero-test-plugin-{hash:016x}"));
-            if done.exists() {
-                return done;
-            }
-            let work = tempfile::tempdir_in(cache()).expect("a build directory");
-            let out = work.path().join("test-plugin");
-            run(
-                go(&["build", "-o"]).arg(&out).arg("./cmd/test-plugin"),
-                "go build ./cmd/test-plugin in tests/go/velero (apt-get install golang-go; \
-             the Go module proxy for Velero's module)",
-            );
-            // Another test binary may have built it meanwhile: either copy will do.
-            if std::fs::rename(&out, &done).is_err() {
-                assert!(done.exists(), "caching {}", done.display());
-            }
-            done
-        })
-        .as_path()
+/// The program `tests/go/velero/cmd/<name>`, built once and cached by its sources' hash.
+fn built(name: &str, cell: &'static OnceLock<PathBuf>) -> &'static Path {
+    cell.get_or_init(|| {
+        let hash = sources_hash(&["go.mod", "go.sum"], &[&format!("cmd/{name}")]);
+        let done = cache().join(format!("velero-{name}-{hash:016x}"));
+        if done.exists() {
+            return done;
+        }
+        let work = tempfile::tempdir_in(cache()).expect("a build directory");
+        let out = work.path().join(name);
+        run(
+            go(&["build", "-o"]).arg(&out).arg(format!("./cmd/{name}")),
+            &format!(
+                "go build ./cmd/{name} in tests/go/velero (apt-get install golang-go; \
+                 the Go module proxy for Velero's module)"
+            ),
+        );
+        // Another test binary may have built it meanwhile: either copy will do.
+        if std::fs::rename(&out, &done).is_err() {
+            assert!(done.exists(), "caching {}", done.display());
+        }
+        done
+    })
+    .as_path()
 }
 
-/// The Go host of velero_standin.rs, built once (offline, GOPATH mode against Debian's
-/// Go packages, the messages by protoc) and cached by its sources' hash.
+/// The test plugin (tests/go/velero/cmd/test-plugin), written on Velero's plugin
+/// framework.
+pub fn test_plugin() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    built("test-plugin", &BUILT)
+}
+
+/// The Go host of velero_standin.rs (tests/go/velero/cmd/velero-host): Velero's side of
+/// go-plugin, driven step by step, for what Velero's own controllers cannot be made to
+/// do in a test (a Velero restarted mid-operation, an agent away).
 pub fn velero_host() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let go = Path::new(env!("CARGO_MANIFEST_DIR")).join("go");
-            let sources = [
-                "velero-plugin/proto/generated.proto",
-                "velero-plugin/proto/v2.proto",
-                "velero-host/main.go",
-            ];
-            let mut hasher = DefaultHasher::new();
-            for f in sources {
-                std::fs::read(go.join(f))
-                    .unwrap_or_else(|e| panic!("{f}: {e}"))
-                    .hash(&mut hasher);
-            }
-            let cache = cache();
-            let done = cache.join(format!("velero-host-{:016x}", hasher.finish()));
-            let host = done.join("velero-host");
-            if done.exists() {
-                return host;
-            }
-            let work = tempfile::tempdir_in(&cache).expect("a build directory");
-            let gopath = work.path();
-            let proto = go.join("velero-plugin/proto");
-            std::fs::create_dir_all(gopath.join("src")).expect("GOPATH");
-            for file in ["generated.proto", "v2.proto"] {
-                run(
-                    Command::new("protoc")
-                        .arg("-I")
-                        .arg(&proto)
-                        .arg(format!(
-                            "--go_out=plugins=grpc,paths=import:{}",
-                            gopath.join("src").display()
-                        ))
-                        .arg(proto.join(file)),
-                    "protoc (apt-get install protobuf-compiler protoc-gen-go-1-3)",
-                );
-            }
-            let out = gopath.join("out");
-            std::fs::create_dir_all(&out).expect("the output directory");
-            for program in ["velero-host"] {
-                let package = gopath.join("src/opmontest").join(program);
-                std::fs::create_dir_all(&package).expect("the package directory");
-                std::fs::copy(go.join(program).join("main.go"), package.join("main.go"))
-                    .expect("the program's source");
-                run(
-                    Command::new("go")
-                        .args(["build", "-o"])
-                        .arg(out.join(program))
-                        .arg(".")
-                        .current_dir(&package)
-                        .env("GO111MODULE", "off")
-                        .env("GOPATH", format!("{}:/usr/share/gocode", gopath.display()))
-                        .env("GOFLAGS", "")
-                        .env("GOPROXY", "off")
-                        .env("GOTOOLCHAIN", "local")
-                        .env("GOCACHE", gopath.join("cache")),
-                    "go build (apt-get install golang-go golang-github-hashicorp-go-plugin-dev \
-                 golang-google-grpc-dev golang-goprotobuf-dev)",
-                );
-            }
-            // Another test binary may have built them meanwhile: either copy will do.
-            if std::fs::rename(&out, &done).is_err() {
-                assert!(done.exists(), "caching {}", done.display());
-            }
-            host
-        })
-        .as_path()
+    built("velero-host", &BUILT)
 }
 
 /// A test's directory, with the test plugin's state directory (`OPMON_TEST_STATE`).

@@ -1,10 +1,10 @@
-//! End-to-end: stock Velero through `opmon-velero-plugin`. A test host in Go, built with
-//! Debian's hashicorp go-plugin and gRPC (tests/go/velero-host), does what Velero's
-//! plugin manager and backup operations controller do: it starts the stand-in, lists its
-//! plugins, dispenses BackupItemAction v2 (or RestoreItemAction v2), calls AppliesTo and
-//! Execute, then Progress every interval until completed, and Cancel past the Backup's
-//! item operation timeout. The original plugin is the Go test plugin of
-//! tests/go/velero-plugin; the real agent polls its own copy of it.
+//! End-to-end: stock Velero through `opmon-velero-plugin`, where Velero's own controllers
+//! cannot be made to do it in a test (velero_go.rs runs those): a Go host on Velero's
+//! go-plugin and its generated gRPC clients (tests/go/velero/cmd/velero-host) does what
+//! Velero's plugin manager and controllers do, step by step, so that Velero can stop and
+//! start again mid-operation, the agent can go away, and single calls can be made. The
+//! original plugin is the test plugin on Velero's framework
+//! (tests/go/velero/cmd/test-plugin); the real agent polls its own copy of it.
 
 use std::io::{BufRead, BufReader, Lines};
 use std::path::PathBuf;

@@ -10,8 +10,8 @@
 //!
 //! It serves Velero's plugin lister and RestoreItemAction v2 Progress and Cancel for
 //! `example.io/restore-a`, with the operations of the Go plugin (done, steps-N, fail,
-//! error, noisy-N; see tests/go/velero-plugin/main.go), and writes the same journal in
-//! `$OPMON_TEST_STATE`. Its messages are declared here, apart from the agent's.
+//! error, noisy-N; see tests/go/velero/cmd/test-plugin/main.go), and writes the same
+//! journal in `$OPMON_TEST_STATE`. Its messages are declared here, apart from the agent's.
 
 use std::convert::Infallible;
 use std::io::Write;

@@ -134,9 +134,13 @@ func progress(kind, name, id, owner string) (velero.OperationProgress, error) {
 	return velero.OperationProgress{}, errors.New("unknown operation " + id)
 }
 
-// Every action applies to PVCs.
+// Every action applies to PVCs but backup-b, which applies to config maps: one
+// BackupItemAction starts each PVC's operation.
 func appliesTo(kind, name string) (velero.ResourceSelector, error) {
 	record("appliesTo %s %s", kind, name)
+	if name == backupB {
+		return velero.ResourceSelector{IncludedResources: []string{"configmaps"}}, nil
+	}
 	return velero.ResourceSelector{IncludedResources: []string{"persistentvolumeclaims"}}, nil
 }
 
@@ -234,7 +238,7 @@ func (a deleteAction) Execute(input *velero.DeleteItemActionExecuteInput) error 
 type objectStore struct{ name string }
 
 func objectPath(bucket, key string) string {
-	return state("object-" + strings.ReplaceAll(bucket+"-"+key, "/", "_"))
+	return filepath.Join(state("objects"), bucket, filepath.FromSlash(key))
 }
 
 func (s objectStore) Init(config map[string]string) error {
@@ -248,6 +252,9 @@ func (s objectStore) PutObject(bucket, key string, body io.Reader) error {
 		return err
 	}
 	record("put ObjectStore %s/%s %d bytes", bucket, key, len(data))
+	if err := os.MkdirAll(filepath.Dir(objectPath(bucket, key)), 0o755); err != nil {
+		return err
+	}
 	return os.WriteFile(objectPath(bucket, key), data, 0o644)
 }
 
@@ -273,23 +280,53 @@ func (s objectStore) GetObject(bucket, key string) (io.ReadCloser, error) {
 	return io.NopCloser(fourBytes{bytes.NewReader(data)}), nil
 }
 
-func (s objectStore) ListCommonPrefixes(bucket, prefix, delimiter string) ([]string, error) {
-	return nil, nil
+// keys is every object key in the bucket that begins with prefix.
+func keys(bucket, prefix string) ([]string, error) {
+	root := filepath.Join(state("objects"), bucket)
+	var found []string
+	err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			if os.IsNotExist(err) {
+				return nil
+			}
+			return err
+		}
+		if d.IsDir() {
+			return nil
+		}
+		rel, err := filepath.Rel(root, path)
+		if err != nil {
+			return err
+		}
+		if key := filepath.ToSlash(rel); strings.HasPrefix(key, prefix) {
+			found = append(found, key)
+		}
+		return nil
+	})
+	return found, err
 }
 
-func (s objectStore) ListObjects(bucket, prefix string) ([]string, error) {
-	entries, err := os.ReadDir(filepath.Dir(state("x")))
+func (s objectStore) ListCommonPrefixes(bucket, prefix, delimiter string) ([]string, error) {
+	all, err := keys(bucket, prefix)
 	if err != nil {
 		return nil, err
 	}
-	var keys []string
-	want := "object-" + strings.ReplaceAll(bucket+"-"+prefix, "/", "_")
-	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), want) {
-			keys = append(keys, e.Name())
+	seen := map[string]bool{}
+	var prefixes []string
+	for _, key := range all {
+		if i := strings.Index(key[len(prefix):], delimiter); i >= 0 {
+			p := key[:len(prefix)+i+len(delimiter)]
+			if !seen[p] {
+				seen[p] = true
+				prefixes = append(prefixes, p)
+			}
 		}
 	}
-	return keys, nil
+	return prefixes, nil
+}
+
+func (s objectStore) ListObjects(bucket, prefix string) ([]string, error) {
+	return keys(bucket, prefix)
 }
 
 func (s objectStore) DeleteObject(bucket, key string) error {

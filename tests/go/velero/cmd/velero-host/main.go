@@ -32,8 +32,11 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 
-	"opmontest/generated"
-	v2 "opmontest/v2"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/vmware-tanzu/velero/pkg/plugin/generated"
+	biav2 "github.com/vmware-tanzu/velero/pkg/plugin/generated/backupitemaction/v2"
+	riav2 "github.com/vmware-tanzu/velero/pkg/plugin/generated/restoreitemaction/v2"
 )
 
 var out = json.NewEncoder(os.Stdout)
@@ -73,7 +76,7 @@ func message(err error) string {
 	return err.Error()
 }
 
-func timeOf(t *generated.Timestamp) interface{} {
+func timeOf(t *timestamppb.Timestamp) interface{} {
 	if t == nil || t.Seconds == -62135596800 {
 		return nil // Go's zero time: Velero leaves the field unset
 	}
@@ -104,10 +107,10 @@ func main() {
 	plugins := map[string]plugin.Plugin{
 		"PluginLister": clientPlugin{dial: func(c *grpc.ClientConn) interface{} { return generated.NewPluginListerClient(c) }},
 		"BackupItemActionV2": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
-			return v2.NewBackupItemActionClient(c)
+			return biav2.NewBackupItemActionClient(c)
 		}},
 		"RestoreItemActionV2": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
-			return v2.NewRestoreItemActionClient(c)
+			return riav2.NewRestoreItemActionClient(c)
 		}},
 		"DeleteItemAction": clientPlugin{dial: func(c *grpc.ClientConn) interface{} {
 			return generated.NewDeleteItemActionClient(c)
@@ -178,25 +181,25 @@ func main() {
 		}
 	}
 	if *restore {
-		c := raw.(v2.RestoreItemActionClient)
+		c := raw.(riav2.RestoreItemActionClient)
 		progress = func(id string) (*generated.OperationProgress, error) {
-			r, err := c.Progress(ctx, &v2.RestoreItemActionProgressRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
+			r, err := c.Progress(ctx, &riav2.RestoreItemActionProgressRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
 			if err != nil {
 				return nil, err
 			}
 			return r.Progress, nil
 		}
 		cancel = func(id string) error {
-			_, err := c.Cancel(ctx, &v2.RestoreItemActionCancelRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
+			_, err := c.Cancel(ctx, &riav2.RestoreItemActionCancelRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
 			return err
 		}
 		if *resume == "" {
-			a, err := c.AppliesTo(ctx, &v2.RestoreItemActionAppliesToRequest{Plugin: *name})
+			a, err := c.AppliesTo(ctx, &riav2.RestoreItemActionAppliesToRequest{Plugin: *name})
 			if err != nil {
 				fail("AppliesTo: %s", message(err))
 			}
 			emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
-			r, err := c.Execute(ctx, &v2.RestoreItemActionExecuteRequest{Plugin: *name, Item: itemJSON, Restore: ownerJSON, ItemFromBackup: itemJSON})
+			r, err := c.Execute(ctx, &riav2.RestoreItemActionExecuteRequest{Plugin: *name, Item: itemJSON, Restore: ownerJSON, ItemFromBackup: itemJSON})
 			if err != nil {
 				emit("executeFailed", map[string]interface{}{"error": message(err)})
 				return
@@ -205,25 +208,25 @@ func main() {
 			emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item)})
 		}
 	} else {
-		c := raw.(v2.BackupItemActionClient)
+		c := raw.(biav2.BackupItemActionClient)
 		progress = func(id string) (*generated.OperationProgress, error) {
-			r, err := c.Progress(ctx, &v2.BackupItemActionProgressRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
+			r, err := c.Progress(ctx, &biav2.BackupItemActionProgressRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
 			if err != nil {
 				return nil, err
 			}
 			return r.Progress, nil
 		}
 		cancel = func(id string) error {
-			_, err := c.Cancel(ctx, &v2.BackupItemActionCancelRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
+			_, err := c.Cancel(ctx, &biav2.BackupItemActionCancelRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
 			return err
 		}
 		if *resume == "" {
-			a, err := c.AppliesTo(ctx, &v2.BackupItemActionAppliesToRequest{Plugin: *name})
+			a, err := c.AppliesTo(ctx, &biav2.BackupItemActionAppliesToRequest{Plugin: *name})
 			if err != nil {
 				fail("AppliesTo: %s", message(err))
 			}
 			emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
-			r, err := c.Execute(ctx, &v2.ExecuteRequest{Plugin: *name, Item: itemJSON, Backup: ownerJSON})
+			r, err := c.Execute(ctx, &biav2.ExecuteRequest{Plugin: *name, Item: itemJSON, Backup: ownerJSON})
 			if err != nil {
 				emit("executeFailed", map[string]interface{}{"error": message(err)})
 				return
