@@ -11,9 +11,11 @@
 //!   the answer;
 //! - `Progress` is answered from the agent's record of the operation (the agent polls
 //!   its own copy of the original, with its retries and deadlines); Velero's first
-//!   Progress of an owner ends its InProgress phase, since Velero asks only once it
-//!   waits for its plugins;
-//! - `Cancel` cancels through the agent;
+//!   Progress of an owner ends its InProgress phase, since Velero asks it once every
+//!   Execute of the backup is done, at the end of InProgress (`backup_controller.go`);
+//!   with the agent away, Progress answers at once what it last answered (not
+//!   completed), so Velero asks again rather than failing an operation the agent keeps;
+//! - `Cancel` cancels through the agent (or, with the agent away, the original itself);
 //! - go-plugin's Shutdown ends the stand-in and the original with it.
 //!
 //! It also serves a DeleteItemAction of its own, `opmon.io/forget-<this file's name>`:
@@ -61,6 +63,11 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Velero's plugin directory (`/plugins`, read recursively), an emptyDir volume of its
 /// own in Velero's pod.
 const ORIGINALS: &str = "/opmon/plugins";
+/// How long one call may take once the agent has been away for a whole agent timeout,
+/// and every Progress and Cancel: a call to an agent that answers takes milliseconds, so
+/// Velero's controller, which calls each operation's Progress in turn, is held at most
+/// this long per call while the agent is away.
+const ATTEMPT: Duration = Duration::from_secs(1);
 /// The backup server the owners belong to, for `server.started`.
 const SERVER: &str = "velero";
 /// The prefix of the stand-in's own DeleteItemAction, whose name goes on with the
@@ -159,6 +166,15 @@ struct StandIn {
     agent: tokio::sync::Mutex<Option<Client>>,
     /// How long a call may wait for the agent before Velero hears it is unreachable.
     timeout: Duration,
+    /// Since when the agent has been away, from the first call that could not reach it
+    /// to the first that does: the calls of an outage wait for the agent until this
+    /// plus [`StandIn::timeout`] in all, not each for a timeout of its own.
+    away: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// The last Progress answered for each operation (owner uid, plugin, operation
+    /// ID), answered again while the agent is away.
+    answered: std::sync::Mutex<
+        std::collections::HashMap<(String, String, String), wire::OperationProgress>,
+    >,
     /// The Velero process that started this one (see [`velero_instance`]).
     instance: String,
     /// The name of the stand-in's own DeleteItemAction, if the original serves a
@@ -204,42 +220,102 @@ impl StandIn {
     }
 
     fn unreachable(&self, e: &ClientError) -> Status {
-        velero_error(format!(
-            "opmon-velero-plugin: the opmon agent at {} cannot be reached ({e}); the \
+        velero_error(self.unreachable_text(&e.to_string()))
+    }
+
+    fn unreachable_text(&self, why: &str) -> String {
+        format!(
+            "opmon-velero-plugin: the opmon agent at {} cannot be reached ({why}); the \
              operation is not lost, the agent keeps it, but its state is unknown until \
              the agent answers",
             self.socket.display()
-        ))
+        )
     }
 
     /// One call, tried again while the agent cannot be reached (a restarting sidecar)
-    /// until the stand-in's deadline. Every call the stand-in makes is safe to repeat:
-    /// `start` and `addOperations` are idempotent, and a repeated `endInProgress` or
-    /// `cancel` answers 1003, which means done here.
+    /// until the outage's deadline: the first call that fails to reach the agent
+    /// starts it, [`StandIn::timeout`] away, and every call of the outage waits until
+    /// then at most; past it, each call makes one attempt of at most [`ATTEMPT`]. So
+    /// an agent away holds Velero once per outage, not once per call. Every call the
+    /// stand-in makes is safe to repeat: `start` and `addOperations` are idempotent,
+    /// and a repeated `endInProgress` or `cancel` answers 1003, which means done here.
     async fn call(&self, method: &str, params: Value) -> Result<Value, ClientError> {
-        let deadline = tokio::time::Instant::now() + self.timeout;
         let mut pause = Duration::from_millis(20);
         loop {
-            let answer = match self.agent().await {
-                Ok(agent) => agent.call(method, params.clone()).await,
-                Err(status) => Err(ClientError::Rpc {
-                    code: Code::Other(0),
-                    message: status.message().to_string(),
-                    data: None,
-                }),
+            let answer = self.attempt(method, &params, self.deadline()).await;
+            let Err(e) = answer else {
+                return answer;
             };
-            match answer {
-                Err(ClientError::Rpc { code, .. }) if code != Code::Other(0) => return answer,
-                Ok(_) => return answer,
-                Err(_) if tokio::time::Instant::now() + pause < deadline => {
-                    // The kept client may be what broke: connect afresh.
-                    *self.agent.lock().await = None;
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
-                }
-                Err(_) => return answer,
+            if tokio::time::Instant::now() + pause >= self.outage_end() {
+                return Err(e);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// One attempt only, of at most [`ATTEMPT`]: for Progress and Cancel, which have
+    /// an answer without the agent.
+    async fn call_once(&self, method: &str, params: Value) -> Result<Value, ClientError> {
+        let deadline = tokio::time::Instant::now() + ATTEMPT;
+        self.attempt(method, &params, deadline).await
+    }
+
+    /// The end of the current outage's wait; a whole agent timeout from now if the
+    /// agent is not away.
+    fn outage_end(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        let away = self.away.lock().map(|a| *a).unwrap_or(None);
+        away.unwrap_or(now) + self.timeout
+    }
+
+    /// Until when one attempt may wait for the agent: the end of the outage's wait, and
+    /// at least one [`ATTEMPT`].
+    fn deadline(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        self.outage_end().max(now + ATTEMPT.min(self.timeout))
+    }
+
+    /// One attempt, within `deadline`; says whether the agent was reached.
+    async fn attempt(
+        &self,
+        method: &str,
+        params: &Value,
+        deadline: tokio::time::Instant,
+    ) -> Result<Value, ClientError> {
+        let call = async {
+            match self.agent().await {
+                Ok(agent) => agent.call(method, params.clone()).await,
+                Err(status) => Err(unreached(status.message().to_string())),
+            }
+        };
+        let answer = match tokio::time::timeout_at(deadline, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(unreached(self.unreachable_text("no answer in time"))),
+        };
+        let reached = answer.as_ref().err().is_none_or(|e| !is_away(e));
+        let Ok(mut away) = self.away.lock() else {
+            return answer;
+        };
+        if reached {
+            if let Some(since) = away.take() {
+                tracing::info!(away = ?since.elapsed(), "the opmon agent answers again");
+            }
+        } else {
+            if away.is_none() {
+                tracing::warn!(
+                    "the opmon agent cannot be reached: calls wait for it {:?} in all",
+                    self.timeout
+                );
+            }
+            away.get_or_insert_with(tokio::time::Instant::now);
+            drop(away);
+            // The kept client may be what broke: connect afresh.
+            if let Ok(mut agent) = self.agent.try_lock() {
+                *agent = None;
             }
         }
+        answer
     }
 
     /// The call failed: Velero hears why, in words naming the agent.
@@ -393,31 +469,87 @@ impl StandIn {
         let request = wire::OperationRequest::decode(body)
             .map_err(|e| velero_error(format!("opmon-velero-plugin: a malformed Progress: {e}")))?;
         let owner = object(&request.owner, "Backup or Restore")?;
-        let (name, _) = name_and_uid(&owner)?;
+        let (name, uid) = name_and_uid(&owner)?;
+        let key = (
+            uid.clone(),
+            request.plugin.clone(),
+            request.operation_id.clone(),
+        );
+        let answer = match self.progress_of(kind, &request, &name, &uid).await {
+            Err(Away(e)) => {
+                // Velero fails an operation whose Progress fails, for good; the agent
+                // keeps it and will answer once back. Velero is answered what it was
+                // last (not completed) and asks again at its next poll.
+                tracing::warn!(
+                    operation = %request.operation_id,
+                    "Progress answered from the last answer: {}",
+                    self.unreachable(&e).message()
+                );
+                let last = self.answered.lock().ok().and_then(|a| a.get(&key).cloned());
+                let mut progress = last.unwrap_or_else(|| wire::OperationProgress {
+                    started: Some(go_zero()),
+                    updated: Some(go_zero()),
+                    ..Default::default()
+                });
+                progress.completed = false;
+                progress.err = String::new();
+                return Ok(wire::ProgressResponse {
+                    progress: Some(progress),
+                });
+            }
+            Ok(answer) => answer,
+        }?;
+        if let Ok(mut answered) = self.answered.lock() {
+            if answer.completed {
+                answered.remove(&key);
+            } else {
+                answered.insert(key, answer.clone());
+            }
+        }
+        Ok(wire::ProgressResponse {
+            progress: Some(answer),
+        })
+    }
+
+    /// The operation's progress from the agent: [`Away`] if the agent could not be
+    /// reached, else the answer or the error Velero hears.
+    async fn progress_of(
+        &self,
+        kind: Kind,
+        request: &wire::OperationRequest,
+        name: &str,
+        uid: &str,
+    ) -> Result<Result<wire::OperationProgress, Status>, Away> {
         let get = format!("{}.get", kind.owner());
-        let current = self
-            .call(&get, json!({"name": name}))
+        let current = match self
+            .call_once(&get, json!({"name": name, "uid": uid}))
             .await
-            .map_err(|e| self.agent_error(&get, e))?;
+        {
+            Ok(owner) => owner,
+            Err(e) => return away_or(e, |e| self.agent_error(&get, e)),
+        };
         if current["phase"] == "InProgress" {
-            // Velero asks Progress once its backup waits for its plugins: the owner
+            // Velero asks Progress once every Execute of its backup is done: the owner
             // stops taking operations and the agent polls them. Another process may
             // have done it meanwhile (1003); either way it is done.
             let end = format!("{}.endInProgress", kind.owner());
-            match self.call(&end, json!({"name": name})).await {
+            match self.call_once(&end, json!({"name": name})).await {
                 Ok(_) => {}
                 Err(ClientError::Rpc {
                     code: Code::WrongPhase,
                     ..
                 }) => {}
-                Err(e) => return Err(self.agent_error(&end, e)),
+                Err(e) => return away_or(e, |e| self.agent_error(&end, e)),
             }
         }
         let method = format!("{}.operations", kind.owner());
-        let operations = self
-            .call(&method, json!({"name": name}))
+        let operations = match self
+            .call_once(&method, json!({"name": name, "uid": uid}))
             .await
-            .map_err(|e| self.agent_error(&method, e))?;
+        {
+            Ok(operations) => operations,
+            Err(e) => return away_or(e, |e| self.agent_error(&method, e)),
+        };
         let operation = operations
             .as_array()
             .into_iter()
@@ -434,10 +566,8 @@ impl StandIn {
                     request.plugin,
                     kind.owner()
                 ))
-            })?;
-        Ok(wire::ProgressResponse {
-            progress: Some(velero_progress(operation)),
-        })
+            });
+        Ok(operation.map(velero_progress))
     }
 
     /// Cancel (Velero's item operation timeout), through the agent.
@@ -449,8 +579,15 @@ impl StandIn {
         let method = format!("{}.cancel", kind.owner());
         let params = json!({"name": name, "operations": [request.operation_id],
                             "reason": "Velero canceled it (its item operation timeout)"});
-        match self.call(&method, params).await {
+        match self.call_once(&method, params).await {
             Ok(_) => Ok(wire::Empty {}),
+            // The agent is away: the original cancels it, as it would under Velero
+            // alone; the agent, once back, sees it ended.
+            Err(e) if is_away(&e) => {
+                let path = PathAndQuery::from_static(kind.cancel_path());
+                let body = Bytes::from(request.encode_to_vec());
+                self.pass(path, body).await.map(|_| wire::Empty {})
+            }
             // Already finished: nothing is left to cancel, as Velero expects of a
             // plugin's Cancel.
             Err(ClientError::Rpc {
@@ -558,8 +695,8 @@ impl StandIn {
         result.map(|()| wire::Empty {})
     }
 
-    /// Removes the agent's owner `name` if it is the Backup's (uid `uid`): a later
-    /// backup may have taken the name. Its unfinished operations are cancelled.
+    /// Removes the agent's owner of the Backup, name and uid (current or retired: a
+    /// later backup may have taken the name). Its unfinished operations are cancelled.
     async fn forget_owner(&self, name: &str, uid: &str) -> Result<(), Status> {
         let gone = |e: &ClientError| {
             matches!(
@@ -570,23 +707,59 @@ impl StandIn {
                 }
             )
         };
-        match self.call("backup.get", json!({"name": name})).await {
-            Ok(owner) if owner["uid"] == uid => {
-                match self.call("backup.delete", json!({"name": name})).await {
-                    Ok(answer) => tracing::info!(
-                        backup = %name,
-                        canceled = %answer["canceled"],
-                        "Velero deletes the backup: its owner is removed from the agent"
-                    ),
-                    Err(e) if gone(&e) => {}
-                    Err(e) => return Err(self.agent_error("backup.delete", e)),
-                }
-            }
-            Ok(_) => {}
+        match self
+            .call("backup.delete", json!({"name": name, "uid": uid}))
+            .await
+        {
+            Ok(answer) => tracing::info!(
+                backup = %name,
+                canceled = %answer["canceled"],
+                "Velero deletes the backup: its owner is removed from the agent"
+            ),
             Err(e) if gone(&e) => {}
-            Err(e) => return Err(self.agent_error("backup.get", e)),
+            Err(e) => return Err(self.agent_error("backup.delete", e)),
         }
         Ok(())
+    }
+}
+
+/// A call's error as the stand-in's marker of an agent it could not reach.
+fn unreached(message: String) -> ClientError {
+    ClientError::Rpc {
+        code: Code::Other(0),
+        message,
+        data: None,
+    }
+}
+
+/// The agent could not be reached: the error, for the log.
+struct Away(ClientError);
+
+/// [`Away`] if `e` says the agent could not be reached, else what `answer` makes of it.
+fn away_or<T, E>(
+    e: ClientError,
+    answer: impl FnOnce(ClientError) -> E,
+) -> Result<Result<T, E>, Away> {
+    if is_away(&e) {
+        Err(Away(e))
+    } else {
+        Ok(Err(answer(e)))
+    }
+}
+
+/// Whether `e` says the agent could not be reached (rather than what it answered).
+fn is_away(e: &ClientError) -> bool {
+    match e {
+        ClientError::Rpc { code, .. } => *code == Code::Other(0),
+        _ => true,
+    }
+}
+
+/// Go's zero time, as Velero reads an unset one.
+fn go_zero() -> wire::Timestamp {
+    wire::Timestamp {
+        seconds: wire::GO_ZERO_SECONDS,
+        nanos: 0,
     }
 }
 
@@ -925,6 +1098,8 @@ async fn run() -> Result<(), String> {
         socket,
         socket_dir: dir.path().to_path_buf(),
         agent: tokio::sync::Mutex::new(None),
+        away: std::sync::Mutex::new(None),
+        answered: std::sync::Mutex::new(Default::default()),
         forget,
         forgotten: std::sync::Mutex::new(Default::default()),
     });
