@@ -321,7 +321,9 @@ pub async fn concurrent(ctx: &Ctx) -> Result<Vec<Row>, String> {
     let clients = ctx.sizes.concurrent_clients;
     rows.push(Row::absolute(
         "commit group size",
-        group.map_or("unknown (no metrics)".into(), |g| format!("{g:.1} at {clients} clients")),
+        group.map_or("unknown (no metrics)".into(), |g| {
+            format!("{g:.1} at {clients} clients")
+        }),
         format!("≥ {MIN_COMMIT_GROUP} at {clients} clients"),
         group.is_some_and(|g| g >= MIN_COMMIT_GROUP),
     ));
