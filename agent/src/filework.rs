@@ -98,9 +98,8 @@ impl FileWork {
         }
     }
 
-    /// Admits a finalize of peer `uid` (`None`: from within the agent), or refuses it
-    /// naming the limit it is over.
-    pub fn admit(&self, uid: Option<u32>) -> Result<Admitted, Error> {
+    /// Admits a finalize, or refuses it naming the limit it is over.
+    pub fn admit(&self) -> Result<Admitted, Error> {
         if self.shared.stopping.load(Ordering::SeqCst) {
             return Err(Error::Stopping);
         }
@@ -216,7 +215,7 @@ mod tests {
     #[tokio::test]
     async fn a_job_past_its_deadline_keeps_its_charge_until_its_thread_ends() {
         let pool = FileWork::start(1);
-        let admitted = pool.admit(Some(70_000)).unwrap();
+        let admitted = pool.admit().unwrap();
         let (gate, stuck) = std::sync::mpsc::channel::<()>();
         let late = pool
             .run(
@@ -232,7 +231,7 @@ mod tests {
             .unwrap_err();
         assert!(late.to_string().contains("did not finish"), "{late}");
         drop(admitted);
-        let refused = pool.admit(Some(70_000)).unwrap_err();
+        let refused = pool.admit().unwrap_err();
         assert_eq!(
             refused.to_string(),
             "1 of the 1 finalizes the agent holds at once for all its peers are held; try \
