@@ -581,8 +581,9 @@ pub fn rewrite_until<R: Read, W: Write + Send>(
     stop: &AtomicBool,
 ) -> Result<Outcome, RewriteError> {
     let result = std::thread::scope(|scope| {
-        // gzp writes what pigz writes: one gzip member of blocks each primed with the
-        // 32 KiB before it (Go's reader and gzip read it as any other).
+        // gzp writes one gzip member of 128 KiB blocks compressed apart, as `pigz -i`
+        // does (its priming with the previous block needs C zlib); Go's reader and gzip
+        // read it as any other.
         let mut gz: ParCompress<Gzip, W> = ParCompressBuilder::new()
             .compression_level(Compression::new(LEVEL))
             .num_threads(compress_threads())
