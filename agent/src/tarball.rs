@@ -1266,7 +1266,7 @@ mod tests {
 
     #[test]
     fn the_output_is_one_gzip_member_larger_than_a_compression_block() {
-        // Several 128 KiB compression blocks, each primed with the one before.
+        // Several 128 KiB compression blocks in the one member.
         let text: Vec<u8> = (0..400_000u32)
             .flat_map(|i| format!("{{\"n\":{}}}\n", i % 977).into_bytes())
             .collect();
