@@ -581,8 +581,9 @@ pub fn rewrite_until<R: Read, W: Write + Send>(
     stop: &AtomicBool,
 ) -> Result<Outcome, RewriteError> {
     let result = std::thread::scope(|scope| {
-        // gzp writes what pigz writes: one gzip member of blocks each primed with the
-        // 32 KiB before it (Go's reader and gzip read it as any other).
+        // gzp writes one gzip member of 128 KiB blocks compressed apart, as `pigz -i`
+        // does (its priming with the previous block needs C zlib); Go's reader and gzip
+        // read it as any other.
         let mut gz: ParCompress<Gzip, W> = ParCompressBuilder::new()
             .compression_level(Compression::new(LEVEL))
             .num_threads(compress_threads())
@@ -1265,7 +1266,7 @@ mod tests {
 
     #[test]
     fn the_output_is_one_gzip_member_larger_than_a_compression_block() {
-        // Several 128 KiB compression blocks, each primed with the one before.
+        // Several 128 KiB compression blocks in the one member.
         let text: Vec<u8> = (0..400_000u32)
             .flat_map(|i| format!("{{\"n\":{}}}\n", i % 977).into_bytes())
             .collect();
