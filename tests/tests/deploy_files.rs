@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use opmon_tests::deploy::{self, Image};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// The repository root.
 fn repo() -> PathBuf {
