@@ -9,16 +9,16 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::edge::server::Connection;
 use jsonrpsee::types::{ErrorObjectOwned, Params};
 use jsonrpsee::RpcModule;
 use opmon_client::methods::{self, Method};
 use opmon_client::{
     validate, AddOperationsParams, ApiVersion, Caller, CancelParams, EndInProgressParams,
     EventsParams, FinalizeParams, ListParams, NameParams, OperationPhase, OperationsParams,
-    OwnerKind, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams, WaitParams,
-    MAX_CHANGED_OPERATIONS,
+    OwnerKind, OwnerParams, OwnerPhase, Snapshotter, SnapshotterChangedParams, StartParams,
+    WaitParams, MAX_CHANGED_OPERATIONS,
 };
-use opmon_snapshotter::server::Connection;
 use serde::de::DeserializeOwned;
 use time::OffsetDateTime;
 
@@ -178,6 +178,15 @@ fn invalid(field: &str, reason: impl std::fmt::Display) -> Error {
 
 fn owner_name(name: &str) -> Result<(), Error> {
     validate::dns_subdomain(name).map_err(|e| invalid("name", e))
+}
+
+/// An owner's name and, when given, its uid.
+fn owner_of_uid(name: &str, uid: Option<&str>) -> Result<(), Error> {
+    owner_name(name)?;
+    match uid {
+        Some(uid) => validate::uid(uid).map_err(|e| invalid("uid", e)),
+        None => Ok(()),
+    }
 }
 
 /// The name of an owner to be created: a DNS subdomain whose files fit the file system
@@ -359,7 +368,7 @@ fn check_cancel(p: &CancelParams) -> Result<(), Error> {
 }
 
 fn check_events(p: &EventsParams) -> Result<(), Error> {
-    owner_name(&p.name)?;
+    owner_of_uid(&p.name, p.uid.as_deref())?;
     if p.limit.is_some_and(|l| l == 0 || l > events::MAX_PAGE) {
         return Err(invalid(
             "limit",
@@ -523,9 +532,13 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.end_in_progress(kind, p, caller).await
         },
     );
-    register::<methods::Get, _, _>(module, kind, move |core, p: NameParams| async move {
+    register::<methods::Get, _, _>(module, kind, move |core, p: OwnerParams| async move {
+        owner_of_uid(&p.name, p.uid.as_deref())?;
+        core.get(kind, p).await
+    });
+    register::<methods::History, _, _>(module, kind, move |core, p: NameParams| async move {
         owner_name(&p.name)?;
-        core.get(kind, p.name).await
+        core.history(kind, p.name).await
     });
     register::<methods::List, _, _>(module, kind, move |core, p: ListParams| async move {
         check_list(&p)?;
@@ -535,7 +548,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
         module,
         kind,
         move |core, p: OperationsParams| async move {
-            owner_name(&p.name)?;
+            owner_of_uid(&p.name, p.uid.as_deref())?;
             check_phases(&p.phases, OperationPhase::ALL)?;
             core.operations(kind, p).await
         },
@@ -547,9 +560,9 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
     register::<methods::ItemOperations, _, _>(
         module,
         kind,
-        move |core, p: NameParams| async move {
-            owner_name(&p.name)?;
-            core.item_operations(kind, p.name).await
+        move |core, p: OwnerParams| async move {
+            owner_of_uid(&p.name, p.uid.as_deref())?;
+            core.item_operations(kind, p).await
         },
     );
     register::<methods::Events, _, _>(module, kind, move |core, p: EventsParams| async move {
@@ -576,9 +589,9 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.cancel(kind, p, caller).await
         },
     );
-    register::<methods::Delete, _, _>(module, kind, move |core, p: NameParams| async move {
-        owner_name(&p.name)?;
-        core.delete(kind, p.name).await
+    register::<methods::Delete, _, _>(module, kind, move |core, p: OwnerParams| async move {
+        owner_of_uid(&p.name, p.uid.as_deref())?;
+        core.delete(kind, p).await
     });
 }
 
@@ -594,12 +607,8 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
             methods::Unsubscribe::DECL.name(kind),
             move |params, pending, core, extensions| async move {
                 // Held for as long as the subscription lasts.
-                let charge = match extensions.get::<Caller>() {
-                    Some(caller) => core.charge_subscription(caller.uid).map(Some),
-                    None => Ok(None),
-                };
-                let _charge = match charge {
-                    Ok(charge) => charge,
+                let _held = match core.take_subscription() {
+                    Ok(held) => held,
                     Err(e) => {
                         pending.reject(ErrorObjectOwned::from(e)).await;
                         return Ok(());
@@ -644,10 +653,7 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                     match updates.take().await {
                         None => return Ok(()),
                         Some(Ok(update)) => {
-                            opmon_snapshotter::traffic::notification(
-                                sink.method_name(),
-                                &update.json,
-                            );
+                            crate::edge::traffic::notification(sink.method_name(), &update.json);
                             if let Some(conn) = &conn {
                                 tokio::select! {
                                     _ = sink.closed() => return Ok(()),
@@ -706,7 +712,7 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
                 return Err(invalid("veleroPlugin", VELERO_PLUGIN_REFUSED));
             }
             match caller {
-                Some(caller) => core.register_snapshotter_for(s, caller.uid).await,
+                Some(_) => core.register_snapshotter_from_api(s).await,
                 None => core.register_snapshotter(s).await,
             }
         },

@@ -71,7 +71,11 @@ macro_rules! settings {
     ($(
         $(#[doc = $doc:literal])+
         $key:ident: $ty:ty = $default:expr, shown $shown:expr, check $check:expr;
-    )+) => {
+    )+
+    removed {$(
+        #[doc = $why:literal]
+        $gone:ident;
+    )+}) => {
         /// Every setting's value and where it came from.
         #[derive(Clone, Debug)]
         pub struct Values {
@@ -85,6 +89,23 @@ macro_rules! settings {
             $($key: Option<Spanned<$ty>>,)+
             #[serde(default)]
             snapshotter: Vec<FileSnapshotter>,
+            $($gone: Option<Spanned<toml::Value>>,)+
+        }
+
+        /// Settings an earlier agent had, and why each went. Found in the config file,
+        /// a variable or a flag, each is ignored with a warning naming it, so that an
+        /// upgrade neither fails nor is silently misread.
+        pub const REMOVED: &[(&str, &str)] = &[$((stringify!($gone), $why)),+];
+
+        impl FileConfig {
+            /// The removed settings the file has, and where.
+            fn removed(&self) -> Vec<(&'static str, std::ops::Range<usize>)> {
+                let mut found = Vec::new();
+                $(if let Some(v) = &self.$gone {
+                    found.push((stringify!($gone), v.span()));
+                })+
+                found
+            }
         }
 
         /// Every setting as declared, in order.
@@ -188,37 +209,12 @@ settings! {
     /// groups whose members may connect: the peer's primary or any supplementary group
     /// (SO_PEERGROUPS)
     allowed_gids: Vec<u32> = Vec::new(), shown Shown::Text("none"), check any;
-    /// connections one peer uid may hold at once (at most 4096, the agent's total)
+    /// connections one peer uid may hold at once (root's and the agent's own uid's are
+    /// not counted in the agent's total of 4096)
     max_connections_per_uid: u32 = DEFAULT_MAX_CONNECTIONS_PER_UID, shown Shown::Value,
-        check between(1, opmon_snapshotter::server::MAX_CONNECTIONS);
-    /// subscriptions one peer uid may hold at once, over all of its connections
-    max_subscriptions_per_uid: u32 = 1024, shown Shown::Value, check between(1, 1_000_000);
-    /// snapshotters one peer uid may register over the API (the config file's are not
-    /// counted); all peers together may register as many as the open-file and task
-    /// limits allow
-    max_snapshotters_per_uid: u32 = 64, shown Shown::Value, check between(1, 1_000_000);
-    /// finalizes one peer uid may have running or waiting at once (of at most 64 in all,
-    /// fewer at a low open-file limit, a quarter of them kept for root and the agent's
-    /// own uid)
-    max_finalizes_per_uid: u32 = 8, shown Shown::Value,
-        check between(1, crate::filework::MAX_ADMITTED as u32);
-    /// calls one peer uid may have running at once (methods that mostly wait aside; of
-    /// 64 in all, a quarter kept for root and the agent's own uid, and any other uid
-    /// runs at most a quarter of the rest, 12)
-    max_calls_per_uid: u32 = 32, shown Shown::Value, check between(1, 4096);
-    /// bytes of request bodies one peer uid may have being read or held by their calls
-    /// (at least `max_request_size` is allowed)
-    max_request_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
-        check between(1, u32::MAX);
-    /// bytes of answers one peer uid may have made and not yet read; past it its
-    /// listings and WebSocket calls wait for it to read and its batches stop (a
-    /// batch's own answers do not count)
-    max_unread_bytes_per_uid: u32 = 64 * 1024 * 1024, shown Shown::Value,
-        check between(1, u32::MAX);
+        check between(1, crate::caps::CONNECTIONS as u32);
     /// bytes held for all peers together: request bodies being read or held, answers
-    /// not yet read, over every uid's connections and subscriptions, and their
-    /// snapshotters' answers being read (a quarter kept for root and the agent's own
-    /// uid, any other uid at most a quarter of the rest)
+    /// not yet read, and snapshotters' answers being read
     max_held_bytes: u64 = 512 * 1024 * 1024, shown Shown::ValueAnd("(512 MiB)"),
         check |b: &u64| match *b >= 1 << 20 {
             true => Ok(()),
@@ -256,6 +252,20 @@ settings! {
     /// directory before (`agent.db` missing or empty), forgetting its backups and
     /// restores; without it such a start is refused, to restore the database instead
     start_anew: bool = false, shown Shown::Value, check any;
+    removed {
+        /// subscriptions are bounded for all peers together (see docs/trust.md)
+        max_subscriptions_per_uid;
+        /// snapshotters registered over the API are bounded for all peers together (see docs/trust.md)
+        max_snapshotters_per_uid;
+        /// finalizes are bounded for all peers together (see docs/trust.md)
+        max_finalizes_per_uid;
+        /// calls in flight are bounded for all peers together (see docs/trust.md)
+        max_calls_per_uid;
+        /// request bytes are bounded for all peers together by max_held_bytes (see docs/trust.md)
+        max_request_bytes_per_uid;
+        /// unread answers are bounded for all peers together by max_held_bytes (see docs/trust.md)
+        max_unread_bytes_per_uid;
+    }
 }
 
 /// How the configuration table shows a setting's default.
@@ -303,13 +313,17 @@ impl Declaration {
     fn clap_arg(&self) -> Arg {
         let plain = |text: &str| text.replace('`', "");
         let help = format!("{} [default: {}]", plain(&self.doc), plain(&self.default));
-        (self.arg)(
+        let arg = (self.arg)(
             Arg::new(self.key)
                 .long(self.key.replace('_', "-"))
                 .env(self.variable())
                 .value_name(self.key.to_uppercase())
                 .help(help),
-        )
+        );
+        // `--poll-interval -1s` reaches the duration's parser, which names the setting
+        // and refuses a negative value, rather than clap reading `-1` as a flag.
+        let duration = arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>();
+        arg.allow_hyphen_values(duration)
     }
 }
 
@@ -493,18 +507,28 @@ pub fn setting_variables() -> Vec<String> {
     known
 }
 
+/// The variables of [`REMOVED`] settings: warned of, not refused.
+fn removed_variables() -> Vec<String> {
+    REMOVED
+        .iter()
+        .map(|(key, _)| format!("OPMON_{}", key.to_uppercase()))
+        .collect()
+}
+
 /// Refuses an `OPMON_*` variable in `vars` that is neither a setting nor one of
 /// [`OTHER_PROGRAMS_VARIABLES`], naming it (and the settings it resembles).
 pub fn check_environment(
     vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
 ) -> Result<(), String> {
     let known = setting_variables();
+    let removed = removed_variables();
     let mut unknown: Vec<String> = vars
         .into_iter()
         .map(|(name, _)| name.to_string_lossy().into_owned())
         .filter(|name| name.starts_with("OPMON_"))
         .filter(|name| {
             !known.iter().any(|k| k == name)
+                && !removed.iter().any(|k| k == name)
                 && !OTHER_PROGRAMS_VARIABLES.iter().any(|(k, _)| k == name)
         })
         .collect();
@@ -560,9 +584,55 @@ pub enum LogFormat {
 /// The command line: [`Args`], and a flag (with its variable) for every declared
 /// setting.
 pub fn command() -> Command {
-    declarations()
+    let command = declarations()
         .iter()
-        .fold(Args::command(), |command, d| command.arg(d.clap_arg()))
+        .fold(Args::command(), |command, d| command.arg(d.clap_arg()));
+    // A removed setting's flag and variable still parse (unlisted), to be warned of.
+    REMOVED.iter().fold(command, |command, (key, _)| {
+        command.arg(
+            Arg::new(*key)
+                .long(key.replace('_', "-"))
+                .env(format!("OPMON_{}", key.to_uppercase()))
+                .hide(true)
+                .action(ArgAction::Set),
+        )
+    })
+}
+
+/// The warnings for removed settings given by flag, variable or file (`file`: each
+/// key with its span in `text`).
+fn removed_warnings(
+    matches: &ArgMatches,
+    file: &[(&'static str, std::ops::Range<usize>)],
+    path: Option<&Path>,
+    text: &str,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (key, why) in REMOVED {
+        let mut sources = Vec::new();
+        match matches.value_source(key) {
+            Some(ValueSource::EnvVariable) => {
+                sources.push(Source::Env(format!("OPMON_{}", key.to_uppercase())))
+            }
+            Some(ValueSource::CommandLine) => {
+                sources.push(Source::Flag(format!("--{}", key.replace('_', "-"))))
+            }
+            _ => {}
+        }
+        if let Some((_, span)) = file.iter().find(|(k, _)| k == key) {
+            sources.push(Source::File {
+                path: path.map(Path::to_path_buf).unwrap_or_default(),
+                line: line_of(text, span.clone()),
+            });
+        }
+        for source in sources {
+            warnings.push(format!(
+                "{key} (from {source}) is no longer a setting and is ignored: {}",
+                why.trim()
+            ));
+        }
+    }
+    warnings
 }
 
 /// The two flags that are not settings; every setting is read from the matches.
@@ -656,9 +726,6 @@ pub struct Settings {
     pub allowed_uids: Vec<u32>,
     pub allowed_gids: Vec<u32>,
     pub max_connections_per_uid: u32,
-    pub max_calls_per_uid: u32,
-    pub max_request_bytes_per_uid: u32,
-    pub max_unread_bytes_per_uid: u32,
     pub max_held_bytes: u64,
     pub log_format: LogFormat,
     pub log_level: String,
@@ -920,9 +987,6 @@ impl Values {
             allowed_uids: self.allowed_uids.value,
             allowed_gids: self.allowed_gids.value,
             max_connections_per_uid: self.max_connections_per_uid.value,
-            max_calls_per_uid: self.max_calls_per_uid.value,
-            max_request_bytes_per_uid: self.max_request_bytes_per_uid.value,
-            max_unread_bytes_per_uid: self.max_unread_bytes_per_uid.value,
             max_held_bytes: self.max_held_bytes.value,
             log_format: self.log_format.value,
             log_level: self.log_level.value,
@@ -942,9 +1006,6 @@ impl Values {
                 finalize: crate::core::FinalizeSettings {
                     dirs: self.finalize_dirs.value,
                     deadline: self.finalize_deadline.value.0,
-                    per_uid: self.max_finalizes_per_uid.value,
-                    // Set at start from the descriptor limit.
-                    total: crate::filework::MAX_ADMITTED,
                     state_dir: Some(state_dir.clone()),
                     socket: Some(socket.clone()),
                 },
@@ -958,9 +1019,6 @@ impl Values {
                 },
                 restore_finalize: self.restore_finalize.value,
                 in_progress_idle_timeout: (!idle.is_zero()).then_some(idle),
-                max_subscriptions_per_uid: self.max_subscriptions_per_uid.value,
-                max_snapshotters_per_uid: self.max_snapshotters_per_uid.value,
-                max_snapshotters: usize::MAX,
             },
             socket,
             state_dir,
@@ -1187,8 +1245,11 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
     };
     let mut values = Values::take(&layers, &mut file)?;
     values.sanitize()?;
+    let removed = removed_warnings(matches, &file.removed(), config_file.as_deref(), &file_text);
     let snapshotters = config_snapshotters(file.snapshotter)?;
-    values.into_settings(config_file, snapshotters)
+    let mut settings = values.into_settings(config_file, snapshotters)?;
+    settings.warnings.extend(removed);
+    Ok(settings)
 }
 
 #[cfg(test)]
@@ -1228,7 +1289,40 @@ mod tests {
             .try_get_matches_from(full)
             .map_err(|e| e.to_string())?;
         let args = Args::from_arg_matches(&matches).unwrap();
-        resolve(args, &matches).map_err(|e| e.replace(&path.display().to_string(), "FILE"))
+        let shown = path.display().to_string();
+        let mut s = resolve(args, &matches).map_err(|e| e.replace(&shown, "FILE"))?;
+        s.warnings = s
+            .warnings
+            .iter()
+            .map(|w| w.replace(&shown, "FILE"))
+            .collect();
+        Ok(s)
+    }
+
+    #[test]
+    fn a_removed_setting_is_warned_of_naming_it_and_why_wherever_it_is_given() {
+        let s = settings(
+            &["--max-calls-per-uid", "8"],
+            "batch_size = 5\nmax_unread_bytes_per_uid = 100\n",
+        )
+        .unwrap();
+        assert_eq!(
+            s.warnings,
+            vec![
+                "max_calls_per_uid (from flag --max-calls-per-uid) is no longer a setting and \
+                 is ignored: calls in flight are bounded for all peers together (see \
+                 docs/trust.md)"
+                    .to_string(),
+                "max_unread_bytes_per_uid (from FILE line 2) is no longer a setting and is \
+                 ignored: unread answers are bounded for all peers together by max_held_bytes \
+                 (see docs/trust.md)"
+                    .to_string(),
+            ]
+        );
+        assert!(!s.describe().contains("per_uid = 8"), "not printed back");
+        check_environment(vec![("OPMON_MAX_FINALIZES_PER_UID".into(), "8".into())]).unwrap();
+        let help = command().render_long_help().to_string();
+        assert!(!help.contains("max-calls-per-uid"), "{help}");
     }
 
     #[test]

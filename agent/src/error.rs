@@ -15,12 +15,8 @@ pub enum Error {
     #[error("{0}")]
     NotFound(NotFound),
     /// 1002.
-    #[error("{kind} {name} already exists with uid {uid}")]
-    AlreadyExists {
-        kind: OwnerKind,
-        name: String,
-        uid: String,
-    },
+    #[error("{0}")]
+    AlreadyExists(Taken),
     /// 1003.
     #[error("{0}")]
     WrongPhase(WrongPhase),
@@ -46,6 +42,9 @@ pub enum Error {
 pub enum NotFound {
     #[error("{0} {1} not found")]
     Owner(OwnerKind, String),
+    /// `uid` named an owner the name never had (or one removed since).
+    #[error("{0} {1} with uid {2} not found")]
+    OwnerOfUid(OwnerKind, String, String),
     /// Deleted while a subscription followed it.
     #[error("{0} {1} was deleted")]
     Deleted(OwnerKind, String),
@@ -64,6 +63,35 @@ pub enum NotFound {
         name: String,
         /// The ID as given, quoted, with its item when one was given.
         operation: String,
+    },
+}
+
+/// Why `start` cannot make an owner of a name and uid (error 1002). An owner is its
+/// backup server's object, name and uid: a name goes to a new uid once its owner has
+/// ended (Velero reuses a name only after the object of that name is gone).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Taken {
+    #[error(
+        "{kind} {name} already exists with uid {uid} and is still {phase}: its name goes \
+         to a new uid only once it has ended (a backup server reuses a name only after \
+         the object of that name is gone, and this one's operations are still \
+         monitored); cancel or delete it first (`opmon {kind} cancel {name}`, \
+         `opmon {kind} delete {name}`)"
+    )]
+    NotEnded {
+        kind: OwnerKind,
+        name: String,
+        uid: String,
+        phase: OwnerPhase,
+    },
+    #[error(
+        "{kind} {name} with uid {uid} has ended and was replaced by another uid: a uid \
+         names one object, which is not started again"
+    )]
+    Retired {
+        kind: OwnerKind,
+        name: String,
+        uid: String,
     },
 }
 
@@ -119,12 +147,12 @@ impl Error {
         match self {
             Error::InvalidParams(_) => codes::INVALID_PARAMS,
             Error::NotFound(_) => codes::NOT_FOUND,
-            Error::AlreadyExists { .. } => codes::ALREADY_EXISTS,
+            Error::AlreadyExists(_) => codes::ALREADY_EXISTS,
             Error::WrongPhase(_) => codes::WRONG_PHASE,
             Error::Storage(_) => codes::STORAGE_FAILURE,
             Error::Finalize(_) => codes::FINALIZE_FAILED,
-            Error::OverQuota(_) => crate::access::REFUSED,
-            Error::Stopping => opmon_snapshotter::server::GIVEN_UP,
+            Error::OverQuota(_) => crate::edge::access::REFUSED,
+            Error::Stopping => crate::edge::server::GIVEN_UP,
         }
     }
 }

@@ -5,17 +5,18 @@
 //! pure [`phase`] machine) → [`store`] (commit) → reply. The poller, inside [`core`],
 //! reaches snapshotters through [`remote`].
 
-pub mod access;
 pub mod api;
-pub mod budget;
+pub mod caps;
 pub mod changes;
 pub mod clock;
 pub mod config;
 pub mod confine;
 pub mod core;
+pub mod edge;
 pub mod error;
 pub mod filework;
 pub mod gojson;
+pub mod log_limit;
 pub mod metrics;
 pub mod openrpc;
 pub mod phase;
@@ -32,11 +33,10 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use opmon_snapshotter::server::{self, ServeConfig};
-
-use crate::access::PeerCheck;
 use crate::config::Settings;
 use crate::core::Core;
+use crate::edge::access::PeerCheck;
+use crate::edge::server::{self, ServeConfig};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -142,21 +142,6 @@ async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool
     Ok((listener, false))
 }
 
-/// Serves `GET /metrics` on a TCP address until `shutdown` is cancelled, with the
-/// same answer as the socket's.
-async fn serve_metrics_tcp(
-    address: std::net::SocketAddr,
-    page: server::MetricsPage,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> Result<(), String> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .map_err(|e| format!("binding the metrics listener {address}: {e}"))?;
-    tracing::info!(%address, "serving metrics");
-    tokio::spawn(metrics::serve_tcp(listener, page, shutdown));
-    Ok(())
-}
-
 /// Runs the agent until SIGTERM or SIGINT: opens the database, serves the socket,
 /// polls; then stops accepting, finishes in-flight requests and closes the database.
 /// SIGHUP reloads what [`reload`] says, through `reload_with`.
@@ -166,78 +151,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let terminated = opmon_snapshotter::termination();
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(|e| format!("installing the SIGHUP handler: {e}"))?;
-    // Before anything opens a descriptor: the totals that need them follow from it.
-    let descriptors = budget::raise_open_files();
-    let limits = budget::Limits {
-        descriptors,
-        tasks: budget::task_limit(),
-        own_tasks: budget::own_tasks(),
-    };
-    let calls = &settings.core.calls;
-    let totals = budget::Totals::of(
-        limits,
-        // A socket snapshotter holds a connection per batch in flight; a command one
-        // three pipes per process, and tasks for each; a Velero plugin a Go program's.
-        if settings.core.allow_api_command_snapshotters {
-            budget::PerSnapshotter {
-                descriptors: (calls.command_concurrency * 3).max(calls.socket_concurrency),
-                tasks: (calls.command_concurrency as u64 * budget::TASKS_PER_COMMAND)
-                    .max(budget::TASKS_PER_VELERO_PLUGIN),
-            }
-        } else {
-            budget::PerSnapshotter {
-                descriptors: calls.socket_concurrency,
-                tasks: 0,
-            }
-        },
-        server::MAX_CONNECTIONS,
-        filework::MAX_ADMITTED,
-    );
-    remote::limit_processes(totals.processes);
-    let mut settings = settings;
-    settings.core.max_snapshotters = totals.snapshotters;
-    settings.core.finalize.total = totals.finalizes;
+    caps::check_limits();
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
-    }
-    let own_tasks = limits.own_tasks + totals.finalizes as u64 * budget::FINALIZE_TASKS;
-    let tasks = limits
-        .tasks
-        .map_or("unbounded".to_string(), |t| t.to_string());
-    let processes = totals
-        .processes
-        .map_or("unbounded".to_string(), |p| p.to_string());
-    // One line with the totals: a warning when a limit leaves peers little.
-    macro_rules! totals {
-        ($level:ident, $($message:tt)+) => {
-            tracing::$level!(
-                descriptors,
-                tasks = %tasks,
-                connections = totals.connections,
-                finalizes = totals.finalizes,
-                snapshotters = totals.snapshotters,
-                processes = %processes,
-                $($message)+
-            )
-        };
-    }
-    if descriptors < 2 * budget::OWN_DESCRIPTORS {
-        totals!(
-            warn,
-            "the agent may open only {descriptors} files and keeps {} for its database and \
-             log: few are left for peers; raise the limit (LimitNOFILE= in the unit, \
-             ulimit -n)",
-            budget::OWN_DESCRIPTORS
-        );
-    } else if limits.tasks.is_some_and(|t| t < 2 * own_tasks) {
-        totals!(
-            warn,
-            "the agent's user may have only {tasks} tasks and the agent keeps {own_tasks} \
-             for its own threads: few are left for snapshotters' processes; raise the limit \
-             (TasksMax= in the unit, ulimit -u)"
-        );
-    } else {
-        totals!(info, "totals derived from the open-file and task limits");
     }
     ensure_dir(&settings.state_dir, 0o700, "state directory")?;
     store::log_sqlite_errors();
@@ -272,6 +188,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         let mut s = s.clone();
         let given = s.name.clone();
         api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
+        remote::warn_if_unrunnable(&s);
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;
@@ -284,7 +201,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     });
     let stop_metrics = tokio_util::sync::CancellationToken::new();
     if let Some(address) = settings.metrics_listen {
-        serve_metrics_tcp(address, page.clone(), stop_metrics.clone()).await?;
+        edge::metrics_listener::serve(address, page.clone(), stop_metrics.clone()).await?;
     }
     let background = tokio::spawn({
         let core = core.clone();
@@ -299,19 +216,14 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
             let metrics = metrics.clone();
             move |method: &str, code| metrics.rpc(method, code)
         })),
-        max_connections: totals.connections,
-        calls_per_peer: settings.max_calls_per_uid as usize,
-        request_bytes_per_peer: u64::from(settings.max_request_bytes_per_uid),
-        unread_bytes_per_peer: u64::from(settings.max_unread_bytes_per_uid),
-        held_bytes: settings.max_held_bytes,
-        held: Some(core.held_bytes()),
+        held: core.held_bytes(),
         ..ServeConfig::default()
     };
     let admission = PeerCheck::new(
         &settings.allowed_uids,
         &settings.allowed_gids,
         settings.max_connections_per_uid,
-        config.max_connections,
+        caps::CONNECTIONS,
         metrics.clone(),
     );
     let reloader = tokio::spawn({

@@ -114,11 +114,10 @@ fn main() -> std::process::ExitCode {
             handle.reload(filter).map_err(|e| e.to_string())
         }),
     };
-    // The blocking pool is bounded so that the agent's own tasks are known
-    // (`budget::own_tasks`): what the task limit leaves goes to snapshotters.
+    // The blocking pool is bounded so that the agent's own tasks are known (`caps::TASKS`).
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .max_blocking_threads(opmon_agent::budget::BLOCKING_THREADS)
+        .max_blocking_threads(opmon_agent::caps::BLOCKING_THREADS)
         .build()
     {
         Ok(rt) => rt,

@@ -17,6 +17,8 @@
 //! - The file is read on a blocking thread, within [`READ_DEADLINE`]: a FIFO or a hung
 //!   network file system holds up the reload, never the runtime that answers calls.
 //! - Every change is logged; systemd hears `RELOADING=1` and then `READY=1`.
+//! - A command snapshotter whose program cannot run is warned of at every reload, and
+//!   still registered (see [`crate::remote::warn_if_unrunnable`]).
 
 use std::time::Duration;
 
@@ -139,6 +141,8 @@ async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
         }
     }
     for s in &new.snapshotters {
+        // Every reload says so, changed or not: a reload is when the operator looks.
+        crate::remote::warn_if_unrunnable(s);
         let before = running.snapshotters.iter().find(|r| r.name == s.name);
         if before == Some(s) {
             continue;

@@ -17,7 +17,7 @@
 mod command;
 pub mod velero_plugin;
 
-pub use command::limit_processes;
+pub use command::warn_if_unrunnable;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -43,26 +43,19 @@ pub use command::{CommandRemote, COMMAND_PATH, MAX_STDOUT, STDERR_TAIL};
 const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Kept-alive connections per socket snapshotter.
 const POOL_SIZE: usize = 8;
-/// What the answers of one uid's snapshotters may hold at once: three of the largest.
-const ANSWER_BYTES_PER_UID: u32 = 3 * MAX_RESPONSE_BYTES as u32;
 
 /// Room for the bytes of snapshotters' answers while they are read: each answer is
-/// charged, as it arrives, to the uid that registered its snapshotter (the agent's own
-/// for the config file's; none for those stored before a restart) and to the total of
-/// bytes held for peers (`max_held_bytes`).
+/// charged, as it arrives, to the total of bytes held for peers (`max_held_bytes`).
 #[derive(Clone)]
 pub struct AnswerRoom {
-    budget: Arc<crate::budget::Budget>,
-    uid: Option<u32>,
+    total: crate::caps::Cap,
 }
 
 impl Default for AnswerRoom {
     /// A room of its own, the default `max_held_bytes`.
     fn default() -> Self {
-        AnswerRoom::within(&crate::budget::Budget::new(
-            "max_held_bytes",
-            "bytes",
-            u32::MAX,
+        AnswerRoom::within(&crate::caps::Cap::new(
+            "bytes held for peers",
             512 * 1024 * 1024,
         ))
     }
@@ -70,22 +63,9 @@ impl Default for AnswerRoom {
 
 impl AnswerRoom {
     /// Room drawn from `total`.
-    pub fn within(total: &crate::budget::Budget) -> AnswerRoom {
+    pub fn within(total: &crate::caps::Cap) -> AnswerRoom {
         AnswerRoom {
-            budget: Arc::new(total.sharing(
-                "snapshotters' answers per uid",
-                "bytes of snapshotters' answers",
-                ANSWER_BYTES_PER_UID,
-            )),
-            uid: None,
-        }
-    }
-
-    /// The same room, charging `uid`.
-    pub fn charging(&self, uid: Option<u32>) -> AnswerRoom {
-        AnswerRoom {
-            budget: self.budget.clone(),
-            uid,
+            total: total.clone(),
         }
     }
 
@@ -106,7 +86,7 @@ impl AnswerRoom {
 struct Held {
     room: AnswerRoom,
     charged: usize,
-    held: Vec<crate::budget::Held>,
+    held: Vec<crate::caps::Held>,
 }
 
 impl Held {
@@ -117,16 +97,12 @@ impl Held {
             return Ok(());
         }
         let more32 = u32::try_from(more).unwrap_or(u32::MAX);
-        let held = self
-            .room
-            .budget
-            .take_many(self.room.uid, more32)
-            .map_err(|why| {
-                format!(
-                    "its answer of {len} bytes so far found no room ({why}); asked again at the \
+        let held = self.room.total.take_many(more32).map_err(|why| {
+            format!(
+                "its answer of {len} bytes so far found no room ({why}); asked again at the \
                  next poll"
-                )
-            })?;
+            )
+        })?;
         self.held.push(held);
         self.charged += more;
         Ok(())
@@ -135,7 +111,7 @@ impl Held {
 
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Held({} bytes of uid {:?})", self.charged, self.room.uid)
+        write!(f, "Held({} bytes)", self.charged)
     }
 }
 
@@ -961,23 +937,20 @@ impl Registry {
             .unwrap_or_default()
     }
 
-    /// Registers `s` as stored: who registered it is not known after a restart, so its
-    /// answers are charged to no uid (within the share of uids other than the agent's).
+    /// Registers `s` as stored.
     pub fn insert(&self, s: &Snapshotter, settings: &CallSettings) {
-        let remote = Remote::with_hosts(s, settings, &self.hosts, self.room.charging(None));
+        let remote = Remote::with_hosts(s, settings, &self.hosts, self.room.clone());
         self.put(s, Arc::new(remote));
     }
 
     /// The remote `s` would be, its Velero plugin's process shared with the snapshotters
-    /// registered, its answers charged to `uid` (the one registering it; `None`: the
-    /// agent's own); [`Registry::put`] registers it.
-    pub fn build(&self, s: &Snapshotter, settings: &CallSettings, uid: Option<u32>) -> Arc<Remote> {
-        let uid = uid.unwrap_or_else(|| nix::unistd::geteuid().as_raw());
+    /// registered; [`Registry::put`] registers it.
+    pub fn build(&self, s: &Snapshotter, settings: &CallSettings) -> Arc<Remote> {
         Arc::new(Remote::with_hosts(
             s,
             settings,
             &self.hosts,
-            self.room.charging(Some(uid)),
+            self.room.clone(),
         ))
     }
 

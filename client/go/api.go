@@ -95,10 +95,18 @@ func (o Owners) EndInProgress(ctx context.Context, p EndInProgressParams) (*Owne
 	return &r, o.call(ctx, "endInProgress", p, &r)
 }
 
-// Get answers the owner.
-func (o Owners) Get(ctx context.Context, name string) (*Owner, error) {
+// Get answers the owner: the name's current one, or with p.UID the one of that uid,
+// current or retired.
+func (o Owners) Get(ctx context.Context, p OwnerParams) (*Owner, error) {
 	var r Owner
-	return &r, o.call(ctx, "get", nameParams{name}, &r)
+	return &r, o.call(ctx, "get", p, &r)
+}
+
+// History answers every owner that had the name: the current one first, then the
+// retired ones (start gave their name to a new uid), latest retired first.
+func (o Owners) History(ctx context.Context, name string) ([]Owner, error) {
+	var r []Owner
+	return r, o.call(ctx, "history", nameParams{name}, &r)
 }
 
 // List answers one page of owners.
@@ -149,9 +157,9 @@ func (o Owners) Wait(ctx context.Context, p WaitParams) (*WaitResult, error) {
 }
 
 // ItemOperations answers the records of the owner's -itemoperations.json.gz file.
-func (o Owners) ItemOperations(ctx context.Context, name string) ([]ItemOperation, error) {
+func (o Owners) ItemOperations(ctx context.Context, p OwnerParams) ([]ItemOperation, error) {
 	var r []ItemOperation
-	return r, o.call(ctx, "itemOperations", nameParams{name}, &r)
+	return r, o.call(ctx, "itemOperations", p, &r)
 }
 
 // Events answers one page of the owner's history, oldest first.
@@ -171,9 +179,9 @@ func (o Owners) Finalize(ctx context.Context, p FinalizeParams) (*FinalizeResult
 
 // Delete removes the owner, cancelling its unfinished operations. Not repeated after a
 // lost answer (it could delete an owner re-created under the same name meanwhile).
-func (o Owners) Delete(ctx context.Context, name string) (*DeleteResult, error) {
+func (o Owners) Delete(ctx context.Context, p OwnerParams) (*DeleteResult, error) {
 	var r DeleteResult
-	return &r, o.call(ctx, "delete", nameParams{name}, &r)
+	return &r, o.call(ctx, "delete", p, &r)
 }
 
 // Cancel cancels the whole owner (no p.Operations: it ends Failed) or the chosen

@@ -66,7 +66,7 @@ func TestABackupFromStartToFinalize(t *testing.T) {
 	if err != nil || waited.TimedOut || waited.Owner.Phase != opmon.PhaseFinalizing {
 		t.Fatalf("wait: %+v, %v", waited, err)
 	}
-	records, err := backups.ItemOperations(ctx(t), "nightly")
+	records, err := backups.ItemOperations(ctx(t), opmon.OwnerParams{Name: "nightly"})
 	if err != nil || len(records) != 2 || records[0].Spec.BackupName != "nightly" || records[0].Status.Phase != opmon.OperationCompleted {
 		t.Fatalf("itemOperations: %+v, %v", records, err)
 	}
@@ -94,7 +94,7 @@ func TestABackupFromStartToFinalize(t *testing.T) {
 	if err != nil || status.Owners["Completed"] != 1 || !status.HasFeature("cancel") || status.APIVersion == "" {
 		t.Fatalf("agent.status: %+v, %v", status, err)
 	}
-	deleted, err := backups.Delete(ctx(t), "nightly")
+	deleted, err := backups.Delete(ctx(t), opmon.OwnerParams{Name: "nightly"})
 	if err != nil || deleted.Count() != 0 {
 		t.Fatalf("delete: %+v, %v", deleted, err)
 	}
@@ -182,7 +182,7 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 	}
 	// delete cancels what is unfinished, and says how many under both spellings.
 	startWith(t, f, "doomed", op("gate-d", "d"))
-	deleted, err := f.client.Backups().Delete(ctx(t), "doomed")
+	deleted, err := f.client.Backups().Delete(ctx(t), opmon.OwnerParams{Name: "doomed"})
 	if err != nil || deleted.Canceled != 1 || deleted.Cancelled != 1 || deleted.Count() != 1 {
 		t.Fatalf("delete: %+v, %v", deleted, err)
 	}
@@ -199,7 +199,7 @@ func TestSnapshottersServersAndCancel(t *testing.T) {
 // The agent's error answers keep their code and message; the HTTP status comes along.
 func TestErrorsCarryTheCodeAndMessage(t *testing.T) {
 	f := newFixture(t)
-	_, err := f.client.Backups().Get(ctx(t), "missing")
+	_, err := f.client.Backups().Get(ctx(t), opmon.OwnerParams{Name: "missing"})
 	var rpc *opmon.RPCError
 	if !errors.As(err, &rpc) || rpc.Code != opmon.CodeNotFound || rpc.Message != "backup missing not found" || rpc.HTTPStatus != 200 {
 		t.Fatalf("get of a missing backup: %#v", err)
@@ -260,7 +260,7 @@ func TestACallWaitsForTheAgentToComeBack(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() {
-		_, err := f.client.Backups().Get(ctx(t), "b")
+		_, err := f.client.Backups().Get(ctx(t), opmon.OwnerParams{Name: "b"})
 		done <- err
 	}()
 	f.agent.Restart()
@@ -333,7 +333,7 @@ func TestAnUnsafeCallReportsItsOutcomeUnknownAcrossARestart(t *testing.T) {
 	}
 	f.snapshotter.Release("hold-a")
 	f.agent.Restart()
-	owner, err := f.client.Backups().Get(ctx(t), "e")
+	owner, err := f.client.Backups().Get(ctx(t), opmon.OwnerParams{Name: "e"})
 	if err != nil || owner.Phase != opmon.PhaseInProgress {
 		t.Fatalf("read back: %+v, %v", owner, err)
 	}
@@ -344,7 +344,7 @@ func TestAnUnsafeCallReportsItsOutcomeUnknownAcrossARestart(t *testing.T) {
 	// delete, also unsafe, sent to a stopped agent that is then killed.
 	f.agent.Stop()
 	c := writtenThen(ctx(t), func() { go f.agent.Kill() })
-	if _, err := f.client.Backups().Delete(c, "e"); !errors.Is(err, opmon.ErrOutcomeUnknown) {
+	if _, err := f.client.Backups().Delete(c, opmon.OwnerParams{Name: "e"}); !errors.Is(err, opmon.ErrOutcomeUnknown) {
 		t.Fatalf("delete interrupted by a kill: %v", err)
 	}
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log"
-	"time"
 
 	opmon "opmon/client"
 )
@@ -13,51 +11,10 @@ import (
 // The README's snippets are the bodies of these functions (readme_test.go checks it),
 // so they compile. Without an Output comment they are built, not run.
 
-func Example() {
-	ctx := context.Background()
-	client, err := opmon.Connect(ctx, opmon.DefaultSocketPath(), opmon.WithCallTimeout(2*time.Minute))
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer client.Close()
-	backups := client.Backups()
-
-	_, err = backups.Start(ctx, opmon.StartParams{Name: "nightly-1", UID: "3f5c9a1e"})
-	if err != nil {
-		log.Fatal(err)
-	}
-	_, err = backups.AddOperations(ctx, opmon.AddOperationsParams{Name: "nightly-1", Operations: []opmon.NewOperation{{
-		Plugin:      opmon.PluginRef{Kind: opmon.BackupItemAction, Name: "example.io/copier"},
-		Resource:    opmon.ResourceIdentifier{Resource: "persistentvolumeclaims", Namespace: "app", Name: "data"},
-		OperationID: "copy-42",
-	}}})
-	if err != nil {
-		log.Fatal(err)
-	}
-	owner, err := backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: "nightly-1"})
-	if errors.Is(err, opmon.ErrOutcomeUnknown) {
-		owner, err = backups.Get(ctx, "nightly-1") // the agent restarted: read back
-	}
-	if err != nil {
-		log.Fatal(err)
-	}
-	waited, err := backups.Wait(ctx, opmon.WaitParams{Name: owner.Name, Until: opmon.UntilReadyToFinalize, Timeout: opmon.D(time.Hour)})
-	if err != nil {
-		log.Fatal(err)
-	}
-	if waited.Owner.Phase.Finalizing() {
-		result, err := backups.Finalize(ctx, opmon.FinalizeParams{Name: "nightly-1"})
-		if err != nil {
-			log.Fatal(err)
-		}
-		fmt.Println(result.Owner.Phase, result.ItemOperationsFile)
-	}
-}
-
 func ExampleRPCError() {
 	ctx := context.Background()
 	client := opmon.New(opmon.DefaultSocketPath())
-	_, err := client.Backups().Get(ctx, "nightly-1")
+	_, err := client.Backups().Get(ctx, opmon.OwnerParams{Name: "nightly-1"})
 	var rpc *opmon.RPCError
 	switch {
 	case opmon.Code(err) == opmon.CodeNotFound:

@@ -34,6 +34,7 @@ var ownerVerbs = map[string]Retry{
 	"addOperations":  RetryAlways,
 	"endInProgress":  RetryIfNotSent,
 	"get":            RetryAlways,
+	"history":        RetryAlways,
 	"list":           RetryAlways,
 	"operations":     RetryAlways,
 	"wait":           RetryAlways, // sent again with the time that is left

@@ -38,6 +38,13 @@ type EndInProgressParams struct {
 	Failed bool `json:"failed,omitempty"`
 }
 
+// OwnerParams name one owner: the name's current one, or with UID the one of that uid,
+// current or retired (Owner.Retired).
+type OwnerParams struct {
+	Name string  `json:"name"`
+	UID  *string `json:"uid,omitempty"`
+}
+
 // ListParams are list's: every field optional.
 type ListParams struct {
 	Phases []OwnerPhase `json:"phases,omitempty"`
@@ -49,7 +56,9 @@ type ListParams struct {
 
 // OperationsParams are operations': all of the owner's, or those in Phases.
 type OperationsParams struct {
-	Name   string           `json:"name"`
+	Name string `json:"name"`
+	// The owner of this uid, current or retired; nil: the name's current owner.
+	UID    *string          `json:"uid,omitempty"`
 	Phases []OperationPhase `json:"phases,omitempty"`
 }
 
@@ -64,6 +73,8 @@ type WaitParams struct {
 // EventsParams are events'.
 type EventsParams struct {
 	Name string `json:"name"`
+	// The owner of this uid, current or retired; nil: the name's current owner.
+	UID *string `json:"uid,omitempty"`
 	// The previous page's Next.
 	After *uint64 `json:"after,omitempty"`
 	// Page size; default 100, at most 1000.

@@ -177,6 +177,9 @@ type Owner struct {
 	Created              time.Time            `json:"created"`
 	Updated              time.Time            `json:"updated"`
 	Completed            *time.Time           `json:"completed"`
+	// When start gave the name to a new uid (this owner had ended); nil while it is
+	// the name's current owner.
+	Retired *time.Time `json:"retired,omitempty"`
 }
 
 // OwnerProgress sums the owner's unfinished operations per unit.

@@ -990,7 +990,8 @@ impl Owners {
         })
     }
 
-    /// `get`: the owner `name`.
+    /// `get`: the owner `name` (its current one; [`Call::uid`] for the one of a uid,
+    /// current or retired).
     ///
     /// # Errors
     /// [`Error::is_not_found`].
@@ -1002,6 +1003,23 @@ impl Owners {
     /// # Ok(()) }
     /// ```
     pub fn get(&self, name: &str) -> Call<methods::Get> {
+        self.request(OwnerParams::current(name))
+    }
+
+    /// `history`: every owner that had the name `name`, the current one first, then
+    /// the retired ones (`start` gave their name to a new uid), latest retired first.
+    ///
+    /// # Errors
+    /// Only the call's own: an unknown name answers an empty list.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// for owner in client.backups().history("nightly-1").await? {
+    ///     println!("{} {} retired {:?}", owner.uid, owner.phase, owner.retired);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn history(&self, name: &str) -> Call<methods::History> {
         self.request(NameParams { name: name.into() })
     }
 
@@ -1074,6 +1092,7 @@ impl Owners {
     pub fn operations(&self, name: &str) -> Call<methods::Operations> {
         self.request(OperationsParams {
             name: name.into(),
+            uid: None,
             phases: None,
         })
     }
@@ -1137,7 +1156,7 @@ impl Owners {
     /// # Ok(()) }
     /// ```
     pub fn item_operations(&self, name: &str) -> Call<methods::ItemOperations> {
-        self.request(NameParams { name: name.into() })
+        self.request(OwnerParams::current(name))
     }
 
     /// `finalize`: for an owner in a Finalizing phase, writes the item-operations file,
@@ -1208,7 +1227,7 @@ impl Owners {
     /// # Ok(()) }
     /// ```
     pub fn delete(&self, name: &str) -> Call<methods::Delete> {
-        self.request(NameParams { name: name.into() })
+        self.request(OwnerParams::current(name))
     }
 
     /// `cancel`: the whole owner (it ends Failed with the reason) or, with
@@ -1418,6 +1437,30 @@ impl Call<methods::List> {
         self.with(|p| p.after = Some(name.into()))
     }
 }
+
+/// `uid` on the calls that name one owner.
+macro_rules! owner_of_uid {
+    ($($method:ident),+) => {$(
+        impl Call<methods::$method> {
+            /// The owner of the name with this uid, current or retired
+            /// ([`crate::Owner::retired`]), rather than the name's current owner.
+            ///
+            /// No error of its own: an owner the name never had with that uid is
+            /// [`Error::is_not_found`].
+            ///
+            /// ```no_run
+            /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+            /// let earlier = client.backups().get("nightly-1").uid("3f5c9a").await?;
+            /// # Ok(()) }
+            /// ```
+            pub fn uid(self, uid: impl Into<String>) -> Self {
+                self.with(|p| p.uid = Some(uid.into()))
+            }
+        }
+    )+};
+}
+
+owner_of_uid!(Get, Operations, ItemOperations, Events, Delete);
 
 impl Call<methods::Events> {
     /// Events after this `seq`: the previous page's `next`.

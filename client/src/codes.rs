@@ -117,7 +117,7 @@ error_table! {
         /// The named owner (or snapshotter) does not exist.
         NOT_FOUND = 1001, NotFound, "not found", "the named owner or snapshotter does not exist";
         /// The name is taken by another owner (different uid).
-        ALREADY_EXISTS = 1002, AlreadyExists, "already exists", "the name is taken by an owner with another uid";
+        ALREADY_EXISTS = 1002, AlreadyExists, "already exists", "the name is taken by an owner with another uid that has not ended (the message says its phase), or the uid is a retired owner's of the name";
         /// The owner is not in a phase that allows the request.
         WRONG_PHASE = 1003, WrongPhase, "wrong phase", "the owner is not in a phase that allows the request; the error's data says the phase: {\"phase\": ...} for the owner's, {\"operation\": {\"index\", \"operationId\", \"phase\"}} for a chosen operation that is finished";
         /// The database or the storage directory failed (disk full, I/O); the message says which.

@@ -48,11 +48,7 @@ pub(crate) async fn connect_trusted(path: &Path, agent_uids: &[u32]) -> io::Resu
     }
     Err(io::Error::new(
         io::ErrorKind::PermissionDenied,
-        format!(
-            "refusing the agent: the socket is served by uid {peer}, which is not root, \
-             this user (uid {own}) or a configured agent uid (--agent-uid, OPMON_AGENT_UID); \
-             another user may have put their socket in the agent's place"
-        ),
+        crate::error::UntrustedAgent { peer, own },
     ))
 }
 

@@ -321,3 +321,21 @@ pub fn chain(error: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// Why the client refused the process serving the socket: its uid (`SO_PEERCRED`) is
+/// not root, this process's own, or one it was told to trust
+/// ([`crate::ClientBuilder::agent_uid`]). It is the source of [`Error::Connect`]'s
+/// `io::Error` (kind `PermissionDenied`), so a caller can tell it from the socket's own
+/// permissions and name the uid to trust.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "refusing the agent: the socket is served by uid {peer}, which is not root, this user \
+     (uid {own}) or a configured agent uid; another user may have put their socket in the \
+     agent's place"
+)]
+pub struct UntrustedAgent {
+    /// The uid serving the socket.
+    pub peer: u32,
+    /// This process's effective uid.
+    pub own: u32,
+}

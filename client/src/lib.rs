@@ -20,7 +20,7 @@ mod websocket;
 
 pub use client::{Call, Client, ClientBuilder, Owners, Update};
 pub use duration::GoDuration;
-pub use error::Error;
+pub use error::{Error, UntrustedAgent};
 pub use paths::default_socket_path;
 #[cfg(feature = "internal")]
 pub use paths::{first_path_of, standard_socket_path};

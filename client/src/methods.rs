@@ -39,7 +39,7 @@ pub const OPERATION_CANCEL: &str = "operation.cancel";
 /// The API version `agent.status` reports and the OpenRPC document's `info.version`.
 /// The major number changes only when a call that worked stops working; additions show
 /// in [`FEATURES`].
-pub const API_VERSION: &str = "1.2.0";
+pub const API_VERSION: &str = "1.3.0";
 
 macro_rules! features {
     ($($(#[doc = $doc:literal])* $variant:ident = $name:literal,)+) => {
@@ -101,6 +101,9 @@ features! {
     Rate = "rate",
     /// `snapshotter.changed`: a snapshotter's hint makes the agent poll at once.
     SnapshotterChanged = "snapshotter.changed",
+    /// Owners are name and uid: `start` retires an ended owner for a new uid of its
+    /// name; `uid` on the calls that read an owner; `history`; `Owner.retired`.
+    Retire = "retire",
 }
 
 /// When the client may send a request again after the connection broke before the
@@ -264,7 +267,7 @@ declare! {
         // Same name and uid again returns the owner.
         retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, ALREADY_EXISTS, STORAGE_FAILURE],
         summary: "Starts monitoring a {kind} in InProgress; the same name and uid again returns it.",
-        details: "Same name with another uid: 1002. `finalize`: whether it waits in Finalizing for `finalize` (default: true for a backup, the `restore_finalize` setting for a restore).",
+        details: "An owner is its backup server's object, name and uid. Same name with another uid: the owner of the name is retired if it has ended (kept, with its history: see `history`), else 1002 saying its phase; the uid of a retired owner of the name: 1002. `finalize`: whether it waits in Finalizing for `finalize` (default: true for a backup, the `restore_finalize` setting for a restore).",
     }
     /// `addOperations`.
     owner AddOperations = "addOperations", types::AddOperationsParams => types::AddOperationsResult as "counts" {
@@ -279,19 +282,25 @@ declare! {
         details: "A repeat answers 1003: the owner is no longer InProgress.",
     }
     /// `get`.
-    owner Get = "get", types::NameParams => types::Owner as "owner" {
+    owner Get = "get", types::OwnerParams => types::Owner as "owner" {
         retry: Always, waits: false, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
-        summary: "The {kind}.",
+        summary: "The {kind}: the name's current one, or with `uid` the one of that uid, current or retired.",
+    }
+    /// `history`.
+    owner History = "history", types::NameParams => Vec<types::Owner> as "owners" {
+        retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, STORAGE_FAILURE],
+        summary: "Every {kind} that had the name: the current one first, then the retired ones, latest retired first.",
+        details: "An owner is retired when `start` gives its name to a new uid; it is kept until the retention period removes it. At most 1000. An unknown name: an empty list.",
     }
     /// `list`.
     owner List = "list", types::ListParams => types::OwnerList as "page" {
         retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, STORAGE_FAILURE],
-        summary: "A page of {kind}s in name order, optionally of some phases.",
+        summary: "A page of current {kind}s (not retired) in name order, optionally of some phases.",
     }
     /// `operations`.
     owner Operations = "operations", types::OperationsParams => Vec<types::Operation> as "operations" {
         retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
-        summary: "The {kind}'s operations, optionally of some phases.",
+        summary: "The {kind}'s operations, optionally of some phases; `uid` as in get.",
     }
     /// `wait`.
     owner Wait = "wait", types::WaitParams => types::WaitResult as "wait" {
@@ -300,14 +309,14 @@ declare! {
         summary: "Waits (at most `timeout`, at most 10m0s) until the {kind} is ready to finalize or terminal.",
     }
     /// `itemOperations`.
-    owner ItemOperations = "itemOperations", types::NameParams => Vec<types::ItemOperation> as "records" {
+    owner ItemOperations = "itemOperations", types::OwnerParams => Vec<types::ItemOperation> as "records" {
         retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
-        summary: "The records of the {kind}'s -itemoperations.json.gz, as Velero writes them.",
+        summary: "The records of the {kind}'s -itemoperations.json.gz, as Velero writes them; `uid` as in get.",
     }
     /// `events`.
     owner Events = "events", types::EventsParams => types::EventList as "page" {
         retry: Always, waits: false, grows: true, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
-        summary: "A page of the {kind}'s history, oldest first: phase changes, failures and the calls that changed it, with their callers.",
+        summary: "A page of the {kind}'s history, oldest first: phase changes, failures and the calls that changed it, with their callers; `uid` as in get.",
         details: "Paged by seq: pass the previous page's next as after. limit: default 100, at most 1000. Each owner keeps its latest 1000 events; they are removed with it.",
     }
     /// `finalize`.
@@ -318,10 +327,10 @@ declare! {
         details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`. A peer uid may have `max_finalizes_per_uid` finalizes running or waiting at once: one more is refused at once with -32003 naming the setting.",
     }
     /// `delete`.
-    owner Delete = "delete", types::NameParams => types::DeleteResult as "deleted" {
+    owner Delete = "delete", types::OwnerParams => types::DeleteResult as "deleted" {
         // A repeat could delete an owner re-created under the same name meanwhile.
         retry: IfNotSent, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE],
-        summary: "Deletes the {kind}, cancelling its unfinished operations.",
+        summary: "Deletes the {kind}, cancelling its unfinished operations; `uid` as in get (a retired one has none).",
     }
     /// `cancel`.
     owner Cancel = "cancel", types::CancelParams => types::CancelResult as "canceled" {

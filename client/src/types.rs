@@ -479,6 +479,17 @@ pub struct Owner {
     /// feature `rate`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<OwnerProgress>,
+    /// When `start` gave its name to a new uid (the owner had ended); absent while it
+    /// is the name's current owner. A retired owner is kept, with its history, until
+    /// the retention period removes it: `history` lists it, and calls that read an
+    /// owner find it by `uid`.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<crate::openrpc::Rfc3339>"))]
+    pub retired: Option<Timestamp>,
 }
 
 /// `agent.status` result.
@@ -668,6 +679,28 @@ pub struct NameParams {
     pub name: String,
 }
 
+/// Params of the methods that name one owner: its name and, optionally, its uid. Without
+/// `uid`, the name's current owner; with it, the owner of that name and uid, current
+/// or retired (`Owner.retired`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OwnerParams {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+}
+
+impl OwnerParams {
+    /// The current owner of `name`.
+    pub fn current(name: impl Into<String>) -> OwnerParams {
+        OwnerParams {
+            name: name.into(),
+            uid: None,
+        }
+    }
+}
+
 /// `*.list` params: optional phase filter and paging by name.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -698,6 +731,9 @@ pub struct OwnerList {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperationsParams {
     pub name: String,
+    /// The owner of this uid, current or retired; absent: the name's current owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases: Option<Vec<OperationPhase>>,
 }
@@ -793,7 +829,10 @@ wire_enum! {
         /// snapshotter): those `*.cancel` asked for, a deadline's (for its operation, with
         /// its `DeadlineExceeded`), or those of an owner that failed with unfinished
         /// operations.
-        CancelSent;
+        CancelSent,
+        /// `start` gave the owner's name to a new uid (the message names it); the
+        /// owner is kept, retired.
+        Retired;
         unknown Unknown
     }
 }
@@ -849,6 +888,9 @@ pub struct Event {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EventsParams {
     pub name: String,
+    /// The owner of this uid, current or retired; absent: the name's current owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
     /// Return events after this `seq` (the previous page's `next`); from the oldest kept
     /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -436,6 +436,18 @@ def drive(args):
     agent.call("restore.list", {})
     agent.call("restore.get", {"name": "r1"})
     agent.call("restore.events", {"name": "r1", "after": 1, "limit": 1000})
+    # A new uid takes the name of the ended restore; the old one is kept, retired.
+    taken = agent.call("restore.start", {"name": "r1", "uid": "ru1-again"})
+    expect(taken["uid"] == "ru1-again" and taken["phase"] == "InProgress",
+           "a new uid takes an ended restore's name")
+    owners = agent.call("restore.history", {"name": "r1"})
+    expect([o["uid"] for o in owners] == ["ru1-again", "ru1"] and "retired" in owners[1]
+           and "retired" not in owners[0], f"history: the current one, then the retired ({owners})")
+    retired = agent.call("restore.get", {"name": "r1", "uid": "ru1"})
+    expect(retired["phase"] == "PartiallyFailed", "the retired restore is found by its uid")
+    agent.error("restore.start", {"name": "r1", "uid": "ru1"}, 1002)
+    agent.error("restore.start", {"name": "r1", "uid": "ru1-third"}, 1002)
+    expect(agent.call("backup.history", {"name": "nope"}) == [], "an unknown name has no history")
     agent.error("restore.finalize", {"name": "r1", "contents": {"input": "a", "output": "b"}},
                 -32602)
 

@@ -593,15 +593,20 @@ fn the_cli_refuses_a_socket_served_by_another_user_unless_told_to_trust_it() {
         }
         cmd.output().expect("running opmon")
     };
+    // Root may open any socket: it is told what is true (it refused who serves it) and
+    // which uid to trust, not that it may not open the socket.
     for uid in [1001, 0] {
         let out = status(uid, None);
         assert!(!succeeded(&out), "uid {uid} trusted uid 1002's socket");
-        assert!(
-            stderr(&out).contains(&format!(
-                "refusing the agent: the socket is served by uid 1002, which is not root, this user (uid {uid})"
-            )),
-            "{}",
-            stderr(&out)
+        assert_eq!(
+            stderr(&out),
+            format!(
+                "opmon: cannot connect to the opmon agent at {socket}: refusing the agent: the \
+                 socket is served by uid 1002, which is not root, this user (uid {uid}) or a \
+                 configured agent uid; another user may have put their socket in the agent's \
+                 place. If uid 1002 runs the agent you mean, trust it with --agent-uid 1002 or \
+                 OPMON_AGENT_UID=1002."
+            )
         );
     }
     // Configured as the agent's uid, it is trusted.

@@ -1519,3 +1519,106 @@ fn each_commands_own_options_come_before_the_global_ones() {
         );
     }
 }
+
+/// An operation waiting for a snapshotter that cannot be reached looks as if it were
+/// running, but for its last error: `operations` and `wait` show it.
+#[tokio::test]
+async fn operations_and_wait_show_why_an_operation_waits() {
+    let f = Fixture::new(&[]).await;
+    let gone = f.dir.path().join("gone.sock");
+    let gone = gone.to_str().expect("utf-8");
+    for args in [
+        &[
+            "snapshotter",
+            "register",
+            "example.io/gone",
+            "--snapshotter-socket",
+            gone,
+        ][..],
+        &["backup", "start", "waits", "--uid", "u"],
+        &[
+            "backup",
+            "add-operation",
+            "waits",
+            "--plugin",
+            "example.io/gone",
+            "--item",
+            "pods/app/a",
+            "--operation-id",
+            "copy-1",
+        ],
+        &["backup", "end-in-progress", "waits"],
+    ] {
+        let out = opmon(&f, args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out).1);
+    }
+    // The agent polls it and records why it could not reach the snapshotter.
+    let last_error = opmon_tests::eventually(
+        "the operation's last error",
+        std::time::Duration::from_secs(60),
+        || {
+            let ops = json_of(&opmon(&f, &["-o", "json", "backup", "operations", "waits"]));
+            ops[0]["lastError"].as_str().map(str::to_string)
+        },
+    );
+    assert!(last_error.contains("gone.sock"), "{last_error}");
+
+    let (table, _) = text(&opmon(&f, &["backup", "operations", "waits"]));
+    let mut lines = table.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap_or_default()
+            .ends_with("ERROR  LAST ERROR"),
+        "{table}"
+    );
+    assert!(
+        lines.next().unwrap_or_default().ends_with(&last_error),
+        "{table}"
+    );
+
+    let out = opmon(&f, &["backup", "wait", "waits", "--timeout", "1s"]);
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.contains(&format!(
+            "  pods app/a copy-1 New 0 (last error: {last_error})\n"
+        )),
+        "{stdout}"
+    );
+}
+
+/// A negative Go duration reaches the duration's parser, which names the flag, in the
+/// CLI and the agent alike; clap would otherwise take `-1s` for a flag of its own.
+#[test]
+fn a_negative_duration_is_refused_naming_its_flag() {
+    let out = Command::new(workspace_binary("opmon"))
+        .args([
+            "backup",
+            "start",
+            "b",
+            "--uid",
+            "u",
+            "--item-operation-timeout",
+            "-1s",
+        ])
+        .output()
+        .expect("running opmon");
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out).1,
+        "error: invalid value '-1s' for '--item-operation-timeout <ITEM_OPERATION_TIMEOUT>': \
+         invalid duration \"-1s\": must not be negative\n\nFor more information, try '--help'.\n"
+    );
+    let out = Command::new(workspace_binary("opmon-agent"))
+        .args(["--poll-interval", "-1s"])
+        .output()
+        .expect("running opmon-agent");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out)
+            .1
+            .starts_with("error: invalid value '-1s' for '--poll-interval <POLL_INTERVAL>': "),
+        "{}",
+        text(&out).1
+    );
+}

@@ -112,7 +112,8 @@ async fn a_wrong_phase_error_says_the_phase_in_its_data() {
     let e = backups.get("nobody").await.unwrap_err();
     assert!(e.is_not_found() && !e.is_wrong_phase(), "{e:?}");
     assert_eq!(e.rpc_code(), Some(Code::NotFound));
-    let e = backups.start("b2", "another-uid").await.unwrap_err();
+    backups.start("b2b", "u").await.expect("start");
+    let e = backups.start("b2b", "another-uid").await.unwrap_err();
     assert!(e.is_already_exists(), "{e:?}");
 }
 

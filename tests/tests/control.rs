@@ -69,6 +69,7 @@ async fn history(f: &Fixture, name: &str) -> Vec<(String, Option<String>, bool, 
         .backups()
         .request::<opmon_client::methods::Events>(opmon_client::EventsParams {
             name: name.into(),
+            uid: None,
             after: None,
             limit: Some(1000),
         })

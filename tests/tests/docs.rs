@@ -447,7 +447,7 @@ fn the_variables_the_docs_name_are_read_by_a_program() {
     );
 }
 
-/// The commands of `program` in `text`: lines of its code blocks that start with
+/// The commands of `program` in `text`: lines of its shell code blocks that start with
 /// `program ` (or `$ program `), joined across `\` continuations, and prose code spans
 /// that are a command rather than a synopsis (no `<…>`, `[…]`, `a|b` or `…` for words).
 /// Each with whether it is a line to run: in prose, `opmon backup wait` may name a
@@ -455,11 +455,16 @@ fn the_variables_the_docs_name_are_read_by_a_program() {
 fn commands_of(program: &str, text: &str) -> Vec<(String, bool)> {
     let start = format!("{program} ");
     let mut commands = Vec::new();
-    let mut fenced = false;
+    let (mut fenced, mut shell) = (false, false);
     let mut lines = text.lines();
     while let Some(line) = lines.next() {
-        if line.trim_start().starts_with("```") {
+        if let Some(language) = line.trim_start().strip_prefix("```") {
             fenced = !fenced;
+            // A Go or Rust program's `opmon "opmon/client"` is no command.
+            shell = ["", "sh", "console"].contains(&language);
+            continue;
+        }
+        if fenced && !shell {
             continue;
         }
         if fenced {
@@ -692,4 +697,184 @@ async fn the_tables_the_docs_print_have_the_clis_columns() {
         }
     }
     assert!(checked >= 3, "{checked} tables checked");
+}
+
+/// A package of the workspace as `cargo metadata` describes it: what `cargo run` and
+/// `cargo build` can select.
+struct Package {
+    name: String,
+    bins: Vec<String>,
+    examples: Vec<String>,
+    default_run: Option<String>,
+}
+
+fn workspace_packages() -> Vec<Package> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .current_dir(repo())
+        .args([
+            "metadata",
+            "--no-deps",
+            "--format-version",
+            "1",
+            "--offline",
+        ])
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata");
+    let names = |package: &serde_json::Value, kind: &str| -> Vec<String> {
+        package["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|t| {
+                t["kind"]
+                    .as_array()
+                    .is_some_and(|k| k.iter().any(|k| k == kind))
+            })
+            .filter_map(|t| t["name"].as_str().map(str::to_string))
+            .collect()
+    };
+    metadata["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .map(|p| Package {
+            name: p["name"].as_str().expect("a name").to_string(),
+            bins: names(p, "bin"),
+            examples: names(p, "example"),
+            default_run: p["default_run"].as_str().map(str::to_string),
+        })
+        .collect()
+}
+
+/// The programs `cargo build ARGS` or `cargo run ARGS` selects, by cargo's rules for a
+/// virtual workspace: the packages of `-p` (else every member), and of those the
+/// targets `--bin`, `--bins`, `--example`, `--examples` name (else every binary).
+fn cargo_selects(packages: &[Package], args: &[String]) -> BTreeSet<String> {
+    let mut chosen: Vec<&str> = Vec::new();
+    let (mut bins, mut examples) = (Vec::new(), Vec::new());
+    let (mut all_bins, mut all_examples) = (false, false);
+    let mut words = args.iter().take_while(|w| *w != "--");
+    while let Some(word) = words.next() {
+        match word.as_str() {
+            "-p" | "--package" => chosen.extend(words.next().map(String::as_str)),
+            "--bin" => bins.extend(words.next().cloned()),
+            "--example" => examples.extend(words.next().cloned()),
+            "--bins" => all_bins = true,
+            "--examples" => all_examples = true,
+            _ => {}
+        }
+    }
+    let targeted = all_bins || all_examples || !bins.is_empty() || !examples.is_empty();
+    let mut selected = BTreeSet::new();
+    for p in packages {
+        if !chosen.is_empty() && !chosen.contains(&p.name.as_str()) {
+            continue;
+        }
+        for bin in &p.bins {
+            if !targeted || all_bins || bins.contains(bin) {
+                selected.insert(bin.clone());
+            }
+        }
+        for example in &p.examples {
+            if all_examples || examples.contains(example) {
+                selected.insert(example.clone());
+            }
+        }
+    }
+    selected
+}
+
+/// The words of a shell `line` in command position: first on the line, after a list
+/// operator or keyword, or opening a command substitution or subshell.
+fn commands_run(line: &str) -> Vec<&str> {
+    let mut commands = Vec::new();
+    let mut after_operator = true;
+    for word in line.split_whitespace() {
+        let opened = word.rfind('(').map(|i| &word[i + 1..]);
+        if let Some(command) = opened.filter(|c| !c.is_empty()) {
+            commands.push(command);
+        } else if after_operator {
+            commands.push(word);
+        }
+        after_operator = [
+            "|", "||", "&&", ";", "!", "{", "until", "while", "if", "then", "do",
+        ]
+        .contains(&word);
+    }
+    commands
+}
+
+/// Every `cargo run` the docs print runs one program, which cargo can tell without a
+/// `--bin` (a package with one binary, or its `default-run`); every quick start's `cargo
+/// build` line builds each workspace program its block runs, so that on a fresh clone
+/// the block does not run what nothing built.
+#[test]
+fn the_cargo_commands_the_docs_print_build_and_run_what_they_say() {
+    let packages = workspace_packages();
+    let programs: BTreeSet<String> = packages
+        .iter()
+        .flat_map(|p| p.bins.iter().chain(&p.examples).cloned())
+        .collect();
+    let mut checked = 0;
+    for path in markdown_files() {
+        let text = read(&path);
+        // A block is a quick start when it puts the build's output on PATH.
+        for block in text.split("```").skip(1).step_by(2) {
+            let Some(build) = block.lines().find(|l| l.starts_with("cargo build ")) else {
+                continue;
+            };
+            if !block.contains("$PWD/target/debug") {
+                continue;
+            }
+            let words = shlex::split(build).expect("a build line");
+            let built = cargo_selects(&packages, &words[2..]);
+            let run: BTreeSet<String> = block
+                .lines()
+                .flat_map(commands_run)
+                .filter(|w| programs.contains(*w))
+                .map(str::to_string)
+                .collect();
+            let missing: Vec<&String> = run.difference(&built).collect();
+            assert!(
+                missing.is_empty(),
+                "{}: `{build}` does not build {missing:?}, which its block runs",
+                path.display()
+            );
+            checked += 1;
+        }
+        for line in text.lines() {
+            let line = line.trim_start();
+            let line = line.strip_prefix("$ ").unwrap_or(line);
+            if !line.starts_with("cargo run ") {
+                continue;
+            }
+            let words = shlex::split(line).expect("a cargo run line");
+            let named = words.iter().any(|w| w == "--bin" || w == "--example");
+            let selected = cargo_selects(&packages, &words[2..]);
+            let one = if named {
+                selected.len() == 1
+            } else {
+                let chosen: Vec<&Package> = packages
+                    .iter()
+                    .filter(|p| p.bins.iter().any(|b| selected.contains(b)))
+                    .collect();
+                chosen.len() == 1 && (chosen[0].bins.len() == 1 || chosen[0].default_run.is_some())
+            };
+            assert!(
+                one,
+                "{}: `{line}` does not name one program to run (cargo: \"could not determine \
+                 which binary to run\"); it selects {selected:?}",
+                path.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "{checked} cargo commands checked");
 }

@@ -134,6 +134,7 @@ async fn a_finalize_does_not_complete_a_backup_deleted_and_started_again_under_a
         .backups()
         .request::<opmon_client::methods::Events>(opmon_client::EventsParams {
             name: "b".into(),
+            uid: None,
             after: None,
             limit: Some(1000),
         })

@@ -19,6 +19,7 @@ async fn all_events(client: &Client, name: &str, limit: u32) -> Vec<Event> {
             .backups()
             .request::<opmon_client::methods::Events>(EventsParams {
                 name: name.into(),
+                uid: None,
                 after,
                 limit: Some(limit),
             })
@@ -119,6 +120,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
     let page = backups
         .request::<opmon_client::methods::Events>(EventsParams {
             name: "b".into(),
+            uid: None,
             after: Some(5),
             limit: Some(2),
         })
@@ -131,6 +133,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
     let past = backups
         .request::<opmon_client::methods::Events>(EventsParams {
             name: "b".into(),
+            uid: None,
             after: Some(u64::MAX),
             limit: None,
         })
@@ -141,6 +144,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         (
             EventsParams {
                 name: "b".into(),
+                uid: None,
                 after: None,
                 limit: Some(0),
             },
@@ -150,6 +154,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         (
             EventsParams {
                 name: "b".into(),
+                uid: None,
                 after: None,
                 limit: Some(1001),
             },
@@ -159,6 +164,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         (
             EventsParams {
                 name: "nope".into(),
+                uid: None,
                 after: None,
                 limit: None,
             },
@@ -283,6 +289,7 @@ async fn an_owner_keeps_its_latest_1000_events() {
     let one_page = backups
         .request::<opmon_client::methods::Events>(EventsParams {
             name: "big".into(),
+            uid: None,
             after: None,
             limit: Some(1000),
         })

@@ -185,7 +185,8 @@ async fn status_reports_api_version_and_features_and_an_older_status_still_parse
             "retries",
             "events",
             "rate",
-            "snapshotter.changed"
+            "snapshotter.changed",
+            "retire"
         ]
     );
     let older: opmon_client::AgentStatus = serde_json::from_str(

@@ -699,3 +699,55 @@ async fn copy_start_refuses_bad_input_with_errors_that_name_the_field() {
         assert_eq!(state["operations"], json!({}), "{text}");
     }
 }
+
+/// The Rust client's README example, client/examples/backup.rs (the README shows the
+/// file whole), run as the README's line says beside a real agent and
+/// qemu-img-snapshotter: it prints what the README says it prints; run again, its backup
+/// already finalized, it says why it cannot in one plain line.
+#[tokio::test]
+async fn the_client_readmes_example_backs_up_a_disk_as_printed() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(repo.join("client/README.md")).expect("README");
+    let program =
+        std::fs::read_to_string(repo.join("client/examples/backup.rs")).expect("the example");
+    assert!(
+        readme.contains(&format!("```rust,no_run\n{program}```\n")),
+        "client/README.md does not show client/examples/backup.rs as it is"
+    );
+    let line = "\ncargo run --example backup -- \"$op\"\n";
+    assert!(
+        readme.contains(line),
+        "the README no longer runs it with{line}"
+    );
+    assert!(readme.contains("it prints `nightly-rust is Completed`"));
+
+    let example = example_binary().with_file_name("backup");
+    let dir = tempfile::tempdir().unwrap();
+    let disk = make_disk(dir.path(), "disk.qcow2", 8, &[(0xab, 0, 8)]);
+    let s = QemuImgSnapshotter::start(dir.path());
+    let (agent, _client) = agent_for(dir.path(), &s).await;
+    let run = |op: &str| {
+        Command::new(&example)
+            .arg(op)
+            .env("OPMON_SOCKET", &agent.socket)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running the client's example")
+    };
+    let out = run(&s.start_copy(&disk, None, None));
+    assert_eq!(
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).as_ref(),
+            String::from_utf8_lossy(&out.stderr).as_ref()
+        ),
+        (Some(0), "nightly-rust is Completed\n", "")
+    );
+    let out = run(&s.start_copy(&disk, None, None));
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "backup nightly-rust: backup nightly-rust is Completed; \
+         addOperations is allowed only while InProgress (code 1003)\n"
+    );
+}

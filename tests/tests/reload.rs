@@ -262,3 +262,50 @@ async fn a_reload_that_would_orphan_unfinished_operations_is_refused_naming_them
     agent.wait_for_lines("reading the configuration took longer than 5s", 1);
     assert_eq!(names(&client).await, ["example.io/busy"]);
 }
+
+/// A `[[snapshotter]]` whose command's program is missing is registered (a package or a
+/// volume may bring the program later), but start and every reload warn, naming the
+/// snapshotter and the program, until the program is there.
+#[tokio::test]
+async fn a_command_snapshotter_whose_program_is_missing_is_warned_of_at_start_and_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("snap");
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[snapshotter]]\nname = \"example.io/cmd\"\napi_version = \"v2\"\ncommand = [{:?}]\n",
+            program.display().to_string()
+        ),
+    )
+    .unwrap();
+    let agent = start(dir.path(), &config);
+    let warning = format!(
+        "the snapshotter's command cannot run: {}: No such file or directory (os error 2); \
+         its operations wait until it can, and fail once unreachable_grace has passed \
+         snapshotter=example.io/cmd program={}",
+        program.display(),
+        program.display()
+    );
+    agent.wait_for_lines(&warning, 1);
+    agent.hangup();
+    agent.wait_for_lines("configuration reloaded changes=0", 1);
+    agent.wait_for_lines(&warning, 2);
+
+    std::fs::write(&program, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(
+        &program,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    agent.hangup();
+    agent.wait_for_lines("configuration reloaded changes=0", 2);
+    let log = agent.log();
+    assert_eq!(
+        log.lines().filter(|l| l.contains("cannot run")).count(),
+        2,
+        "{log}"
+    );
+    let client = Client::connect(&agent.socket).await.unwrap();
+    assert_eq!(names(&client).await, ["example.io/cmd"]);
+}

@@ -432,7 +432,10 @@ async fn start_is_idempotent_per_uid_and_operations_per_plugin_and_id() {
     assert_eq!(other.code(), Some(codes::ALREADY_EXISTS));
     assert_eq!(
         other.to_string(),
-        "backup b already exists with uid uid-a (code 1002)"
+        "backup b already exists with uid uid-a and is still InProgress: its name goes to a \
+         new uid only once it has ended (a backup server reuses a name only after the object \
+         of that name is gone, and this one's operations are still monitored); cancel or \
+         delete it first (`opmon backup cancel b`, `opmon backup delete b`) (code 1002)"
     );
 
     let ops = vec![
@@ -443,6 +446,79 @@ async fn start_is_idempotent_per_uid_and_operations_per_plugin_and_id() {
     let again = backups.add_operations("b", ops).await.unwrap();
     assert_eq!((again.added, again.already_known), (0, 2));
     assert_eq!(backups.get("b").await.unwrap().operations_attempted, 2);
+}
+
+/// Velero's identity is name and uid: a Backup deleted without a call to the agent
+/// (no DeleteItemAction: a backup with no tarball, every restore) leaves its owner, and
+/// a new Backup of the same name (a new uid) starts once that owner has ended. The old
+/// owner is retired, not lost: found by its uid, listed by `history`, with its
+/// operations and events.
+#[tokio::test]
+async fn a_new_uid_takes_the_name_of_an_ended_owner_which_is_kept_retired() {
+    let f = Fixture::new(&[]).await;
+    let client = f.agent.client().await;
+    let backups = client.backups();
+    backups.start("b", "uid-a").finalize(false).await.unwrap();
+    backups
+        .add_operations("b", vec![operation(PLUGIN, "gate-r", "data", &[])])
+        .await
+        .unwrap();
+    backups.end_in_progress("b").failed().await.unwrap();
+
+    let new = backups.start("b", "uid-b").await.unwrap();
+    assert_eq!(
+        (new.uid.as_str(), new.phase),
+        ("uid-b", OwnerPhase::InProgress)
+    );
+    assert_eq!(new.retired, None);
+    // Every call by name means the current owner.
+    assert_eq!(backups.get("b").await.unwrap().uid, "uid-b");
+    assert!(backups.operations("b").await.unwrap().is_empty());
+    let listed = backups.list().await.unwrap();
+    assert_eq!(
+        listed
+            .items
+            .iter()
+            .map(|o| o.uid.as_str())
+            .collect::<Vec<_>>(),
+        ["uid-b"]
+    );
+    // The old one by its uid, with its operations and history.
+    let old = backups.get("b").uid("uid-a").await.unwrap();
+    assert_eq!(old.phase, OwnerPhase::Failed);
+    assert!(old.retired.is_some());
+    let ops = backups.operations("b").uid("uid-a").await.unwrap();
+    assert_eq!(ops.len(), 1);
+    assert_eq!(ops[0].phase, OperationPhase::Failed);
+    let events = backups.events("b").uid("uid-a").await.unwrap();
+    let last = events.items.last().unwrap();
+    assert_eq!(last.reason.as_str(), "Retired");
+    assert_eq!(last.message, "retired: backup b was started with uid uid-b");
+    let history = backups.history("b").await.unwrap();
+    assert_eq!(
+        history
+            .iter()
+            .map(|o| (o.uid.as_str(), o.retired.is_some()))
+            .collect::<Vec<_>>(),
+        [("uid-b", false), ("uid-a", true)]
+    );
+    // A uid is one object: the retired one is not started again.
+    let again = backups.start("b", "uid-a").await.unwrap_err();
+    assert_eq!(
+        again.to_string(),
+        "backup b with uid uid-a has ended and was replaced by another uid: a uid names one \
+         object, which is not started again (code 1002)"
+    );
+    let missing = backups.get("b").uid("uid-x").await.unwrap_err();
+    assert_eq!(
+        missing.to_string(),
+        "backup b with uid uid-x not found (code 1001)"
+    );
+    // Deleting the retired one leaves the current one.
+    backups.delete("b").uid("uid-a").await.unwrap();
+    let history = backups.history("b").await.unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].uid, "uid-b");
 }
 
 #[tokio::test]

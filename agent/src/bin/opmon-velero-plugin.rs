@@ -11,9 +11,11 @@
 //!   the answer;
 //! - `Progress` is answered from the agent's record of the operation (the agent polls
 //!   its own copy of the original, with its retries and deadlines); Velero's first
-//!   Progress of an owner ends its InProgress phase, since Velero asks only once it
-//!   waits for its plugins;
-//! - `Cancel` cancels through the agent;
+//!   Progress of an owner ends its InProgress phase, since Velero asks it once every
+//!   Execute of the backup is done, at the end of InProgress (`backup_controller.go`);
+//!   with the agent away, Progress answers at once what it last answered (not
+//!   completed), so Velero asks again rather than failing an operation the agent keeps;
+//! - `Cancel` cancels through the agent (or, with the agent away, the original itself);
 //! - go-plugin's Shutdown ends the stand-in and the original with it.
 //!
 //! It also serves a DeleteItemAction of its own, `opmon.io/forget-<this file's name>`:
@@ -24,11 +26,17 @@
 //! It keeps no state of its own: a Velero restarted with new plugin processes asks
 //! Progress of operations this process never saw, and gets the same answer.
 //!
-//! Environment (Velero passes its own to plugins; the Deployment sets these):
-//! `OPMON_VELERO_ORIGINAL`, the original binary (default: `opmon/<this file's name>` in
-//! this binary's directory, where Velero's plugin discovery does not look), and
-//! `OPMON_SOCKET`, the agent's socket (default: the client's default path);
-//! `OPMON_VELERO_AGENT_TIMEOUT`, how long to wait for an unreachable agent (`10s`).
+//! The original is not in Velero's plugin directory: Velero's discovery runs every
+//! executable file anywhere under it (subdirectories too) and refuses to start when two
+//! serve one name. `install` copies it to [`ORIGINALS`], a volume of opmon's own that
+//! Velero's container mounts elsewhere, and the stand-in finds it there by its own file
+//! name.
+//!
+//! Environment (Velero passes its own to plugins, and the stand-in passes it on to the
+//! original; the Deployment sets these): `OPMON_VELERO_ORIGINAL`, the original binary
+//! (default: `/opmon/plugins/<this file's name>`), `OPMON_SOCKET`, the agent's socket
+//! (default: the client's default path), and `OPMON_VELERO_AGENT_TIMEOUT`, how long to
+//! wait for an unreachable agent (`10s`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -51,6 +59,15 @@ use tonic::{Request, Response, Status};
 /// (`OPMON_VELERO_AGENT_TIMEOUT`, a Go duration): within Velero's own plugin call
 /// timeouts, and longer than an agent's restart.
 const AGENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Where `install` copies the originals and the stand-in looks for its own: outside
+/// Velero's plugin directory (`/plugins`, read recursively), an emptyDir volume of its
+/// own in Velero's pod.
+const ORIGINALS: &str = "/opmon/plugins";
+/// How long one call may take once the agent has been away for a whole agent timeout,
+/// and every Progress and Cancel: a call to an agent that answers takes milliseconds, so
+/// Velero's controller, which calls each operation's Progress in turn, is held at most
+/// this long per call while the agent is away.
+const ATTEMPT: Duration = Duration::from_secs(1);
 /// The backup server the owners belong to, for `server.started`.
 const SERVER: &str = "velero";
 /// The prefix of the stand-in's own DeleteItemAction, whose name goes on with the
@@ -149,6 +166,15 @@ struct StandIn {
     agent: tokio::sync::Mutex<Option<Client>>,
     /// How long a call may wait for the agent before Velero hears it is unreachable.
     timeout: Duration,
+    /// Since when the agent has been away, from the first call that could not reach it
+    /// to the first that does: the calls of an outage wait for the agent until this
+    /// plus [`StandIn::timeout`] in all, not each for a timeout of its own.
+    away: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// The last Progress answered for each operation (owner uid, plugin, operation
+    /// ID), answered again while the agent is away.
+    answered: std::sync::Mutex<
+        std::collections::HashMap<(String, String, String), wire::OperationProgress>,
+    >,
     /// The Velero process that started this one (see [`velero_instance`]).
     instance: String,
     /// The name of the stand-in's own DeleteItemAction, if the original serves a
@@ -194,42 +220,102 @@ impl StandIn {
     }
 
     fn unreachable(&self, e: &ClientError) -> Status {
-        velero_error(format!(
-            "opmon-velero-plugin: the opmon agent at {} cannot be reached ({e}); the \
+        velero_error(self.unreachable_text(&e.to_string()))
+    }
+
+    fn unreachable_text(&self, why: &str) -> String {
+        format!(
+            "opmon-velero-plugin: the opmon agent at {} cannot be reached ({why}); the \
              operation is not lost, the agent keeps it, but its state is unknown until \
              the agent answers",
             self.socket.display()
-        ))
+        )
     }
 
     /// One call, tried again while the agent cannot be reached (a restarting sidecar)
-    /// until the stand-in's deadline. Every call the stand-in makes is safe to repeat:
-    /// `start` and `addOperations` are idempotent, and a repeated `endInProgress` or
-    /// `cancel` answers 1003, which means done here.
+    /// until the outage's deadline: the first call that fails to reach the agent
+    /// starts it, [`StandIn::timeout`] away, and every call of the outage waits until
+    /// then at most; past it, each call makes one attempt of at most [`ATTEMPT`]. So
+    /// an agent away holds Velero once per outage, not once per call. Every call the
+    /// stand-in makes is safe to repeat: `start` and `addOperations` are idempotent,
+    /// and a repeated `endInProgress` or `cancel` answers 1003, which means done here.
     async fn call(&self, method: &str, params: Value) -> Result<Value, ClientError> {
-        let deadline = tokio::time::Instant::now() + self.timeout;
         let mut pause = Duration::from_millis(20);
         loop {
-            let answer = match self.agent().await {
-                Ok(agent) => agent.call(method, params.clone()).await,
-                Err(status) => Err(ClientError::Rpc {
-                    code: Code::Other(0),
-                    message: status.message().to_string(),
-                    data: None,
-                }),
+            let answer = self.attempt(method, &params, self.deadline()).await;
+            let Err(e) = answer else {
+                return answer;
             };
-            match answer {
-                Err(ClientError::Rpc { code, .. }) if code != Code::Other(0) => return answer,
-                Ok(_) => return answer,
-                Err(_) if tokio::time::Instant::now() + pause < deadline => {
-                    // The kept client may be what broke: connect afresh.
-                    *self.agent.lock().await = None;
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
-                }
-                Err(_) => return answer,
+            if tokio::time::Instant::now() + pause >= self.outage_end() {
+                return Err(e);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    /// One attempt only, of at most [`ATTEMPT`]: for Progress and Cancel, which have
+    /// an answer without the agent.
+    async fn call_once(&self, method: &str, params: Value) -> Result<Value, ClientError> {
+        let deadline = tokio::time::Instant::now() + ATTEMPT;
+        self.attempt(method, &params, deadline).await
+    }
+
+    /// The end of the current outage's wait; a whole agent timeout from now if the
+    /// agent is not away.
+    fn outage_end(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        let away = self.away.lock().map(|a| *a).unwrap_or(None);
+        away.unwrap_or(now) + self.timeout
+    }
+
+    /// Until when one attempt may wait for the agent: the end of the outage's wait, and
+    /// at least one [`ATTEMPT`].
+    fn deadline(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        self.outage_end().max(now + ATTEMPT.min(self.timeout))
+    }
+
+    /// One attempt, within `deadline`; says whether the agent was reached.
+    async fn attempt(
+        &self,
+        method: &str,
+        params: &Value,
+        deadline: tokio::time::Instant,
+    ) -> Result<Value, ClientError> {
+        let call = async {
+            match self.agent().await {
+                Ok(agent) => agent.call(method, params.clone()).await,
+                Err(status) => Err(unreached(status.message().to_string())),
+            }
+        };
+        let answer = match tokio::time::timeout_at(deadline, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(unreached(self.unreachable_text("no answer in time"))),
+        };
+        let reached = answer.as_ref().err().is_none_or(|e| !is_away(e));
+        let Ok(mut away) = self.away.lock() else {
+            return answer;
+        };
+        if reached {
+            if let Some(since) = away.take() {
+                tracing::info!(away = ?since.elapsed(), "the opmon agent answers again");
+            }
+        } else {
+            if away.is_none() {
+                tracing::warn!(
+                    "the opmon agent cannot be reached: calls wait for it {:?} in all",
+                    self.timeout
+                );
+            }
+            away.get_or_insert_with(tokio::time::Instant::now);
+            drop(away);
+            // The kept client may be what broke: connect afresh.
+            if let Ok(mut agent) = self.agent.try_lock() {
+                *agent = None;
             }
         }
+        answer
     }
 
     /// The call failed: Velero hears why, in words naming the agent.
@@ -383,31 +469,87 @@ impl StandIn {
         let request = wire::OperationRequest::decode(body)
             .map_err(|e| velero_error(format!("opmon-velero-plugin: a malformed Progress: {e}")))?;
         let owner = object(&request.owner, "Backup or Restore")?;
-        let (name, _) = name_and_uid(&owner)?;
+        let (name, uid) = name_and_uid(&owner)?;
+        let key = (
+            uid.clone(),
+            request.plugin.clone(),
+            request.operation_id.clone(),
+        );
+        let answer = match self.progress_of(kind, &request, &name, &uid).await {
+            Err(Away(e)) => {
+                // Velero fails an operation whose Progress fails, for good; the agent
+                // keeps it and will answer once back. Velero is answered what it was
+                // last (not completed) and asks again at its next poll.
+                tracing::warn!(
+                    operation = %request.operation_id,
+                    "Progress answered from the last answer: {}",
+                    self.unreachable(&e).message()
+                );
+                let last = self.answered.lock().ok().and_then(|a| a.get(&key).cloned());
+                let mut progress = last.unwrap_or_else(|| wire::OperationProgress {
+                    started: Some(go_zero()),
+                    updated: Some(go_zero()),
+                    ..Default::default()
+                });
+                progress.completed = false;
+                progress.err = String::new();
+                return Ok(wire::ProgressResponse {
+                    progress: Some(progress),
+                });
+            }
+            Ok(answer) => answer,
+        }?;
+        if let Ok(mut answered) = self.answered.lock() {
+            if answer.completed {
+                answered.remove(&key);
+            } else {
+                answered.insert(key, answer.clone());
+            }
+        }
+        Ok(wire::ProgressResponse {
+            progress: Some(answer),
+        })
+    }
+
+    /// The operation's progress from the agent: [`Away`] if the agent could not be
+    /// reached, else the answer or the error Velero hears.
+    async fn progress_of(
+        &self,
+        kind: Kind,
+        request: &wire::OperationRequest,
+        name: &str,
+        uid: &str,
+    ) -> Result<Result<wire::OperationProgress, Status>, Away> {
         let get = format!("{}.get", kind.owner());
-        let current = self
-            .call(&get, json!({"name": name}))
+        let current = match self
+            .call_once(&get, json!({"name": name, "uid": uid}))
             .await
-            .map_err(|e| self.agent_error(&get, e))?;
+        {
+            Ok(owner) => owner,
+            Err(e) => return away_or(e, |e| self.agent_error(&get, e)),
+        };
         if current["phase"] == "InProgress" {
-            // Velero asks Progress once its backup waits for its plugins: the owner
+            // Velero asks Progress once every Execute of its backup is done: the owner
             // stops taking operations and the agent polls them. Another process may
             // have done it meanwhile (1003); either way it is done.
             let end = format!("{}.endInProgress", kind.owner());
-            match self.call(&end, json!({"name": name})).await {
+            match self.call_once(&end, json!({"name": name})).await {
                 Ok(_) => {}
                 Err(ClientError::Rpc {
                     code: Code::WrongPhase,
                     ..
                 }) => {}
-                Err(e) => return Err(self.agent_error(&end, e)),
+                Err(e) => return away_or(e, |e| self.agent_error(&end, e)),
             }
         }
         let method = format!("{}.operations", kind.owner());
-        let operations = self
-            .call(&method, json!({"name": name}))
+        let operations = match self
+            .call_once(&method, json!({"name": name, "uid": uid}))
             .await
-            .map_err(|e| self.agent_error(&method, e))?;
+        {
+            Ok(operations) => operations,
+            Err(e) => return away_or(e, |e| self.agent_error(&method, e)),
+        };
         let operation = operations
             .as_array()
             .into_iter()
@@ -424,10 +566,8 @@ impl StandIn {
                     request.plugin,
                     kind.owner()
                 ))
-            })?;
-        Ok(wire::ProgressResponse {
-            progress: Some(velero_progress(operation)),
-        })
+            });
+        Ok(operation.map(velero_progress))
     }
 
     /// Cancel (Velero's item operation timeout), through the agent.
@@ -439,8 +579,15 @@ impl StandIn {
         let method = format!("{}.cancel", kind.owner());
         let params = json!({"name": name, "operations": [request.operation_id],
                             "reason": "Velero canceled it (its item operation timeout)"});
-        match self.call(&method, params).await {
+        match self.call_once(&method, params).await {
             Ok(_) => Ok(wire::Empty {}),
+            // The agent is away: the original cancels it, as it would under Velero
+            // alone; the agent, once back, sees it ended.
+            Err(e) if is_away(&e) => {
+                let path = PathAndQuery::from_static(kind.cancel_path());
+                let body = Bytes::from(request.encode_to_vec());
+                self.pass(path, body).await.map(|_| wire::Empty {})
+            }
             // Already finished: nothing is left to cancel, as Velero expects of a
             // plugin's Cancel.
             Err(ClientError::Rpc {
@@ -548,8 +695,8 @@ impl StandIn {
         result.map(|()| wire::Empty {})
     }
 
-    /// Removes the agent's owner `name` if it is the Backup's (uid `uid`): a later
-    /// backup may have taken the name. Its unfinished operations are cancelled.
+    /// Removes the agent's owner of the Backup, name and uid (current or retired: a
+    /// later backup may have taken the name). Its unfinished operations are cancelled.
     async fn forget_owner(&self, name: &str, uid: &str) -> Result<(), Status> {
         let gone = |e: &ClientError| {
             matches!(
@@ -560,23 +707,59 @@ impl StandIn {
                 }
             )
         };
-        match self.call("backup.get", json!({"name": name})).await {
-            Ok(owner) if owner["uid"] == uid => {
-                match self.call("backup.delete", json!({"name": name})).await {
-                    Ok(answer) => tracing::info!(
-                        backup = %name,
-                        canceled = %answer["canceled"],
-                        "Velero deletes the backup: its owner is removed from the agent"
-                    ),
-                    Err(e) if gone(&e) => {}
-                    Err(e) => return Err(self.agent_error("backup.delete", e)),
-                }
-            }
-            Ok(_) => {}
+        match self
+            .call("backup.delete", json!({"name": name, "uid": uid}))
+            .await
+        {
+            Ok(answer) => tracing::info!(
+                backup = %name,
+                canceled = %answer["canceled"],
+                "Velero deletes the backup: its owner is removed from the agent"
+            ),
             Err(e) if gone(&e) => {}
-            Err(e) => return Err(self.agent_error("backup.get", e)),
+            Err(e) => return Err(self.agent_error("backup.delete", e)),
         }
         Ok(())
+    }
+}
+
+/// A call's error as the stand-in's marker of an agent it could not reach.
+fn unreached(message: String) -> ClientError {
+    ClientError::Rpc {
+        code: Code::Other(0),
+        message,
+        data: None,
+    }
+}
+
+/// The agent could not be reached: the error, for the log.
+struct Away(ClientError);
+
+/// [`Away`] if `e` says the agent could not be reached, else what `answer` makes of it.
+fn away_or<T, E>(
+    e: ClientError,
+    answer: impl FnOnce(ClientError) -> E,
+) -> Result<Result<T, E>, Away> {
+    if is_away(&e) {
+        Err(Away(e))
+    } else {
+        Ok(Err(answer(e)))
+    }
+}
+
+/// Whether `e` says the agent could not be reached (rather than what it answered).
+fn is_away(e: &ClientError) -> bool {
+    match e {
+        ClientError::Rpc { code, .. } => *code == Code::Other(0),
+        _ => true,
+    }
+}
+
+/// Go's zero time, as Velero reads an unset one.
+fn go_zero() -> wire::Timestamp {
+    wire::Timestamp {
+        seconds: wire::GO_ZERO_SECONDS,
+        nanos: 0,
     }
 }
 
@@ -850,8 +1033,8 @@ impl<Out: Message + Send + 'static> Codec for RawIn<Out> {
     }
 }
 
-/// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else `opmon/<own name>` in
-/// this binary's directory.
+/// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else its file name (the
+/// stand-in's own) in [`ORIGINALS`].
 fn original_path(own: &Path) -> Result<PathBuf, String> {
     if let Some(path) = std::env::var_os("OPMON_VELERO_ORIGINAL") {
         return Ok(PathBuf::from(path));
@@ -859,8 +1042,7 @@ fn original_path(own: &Path) -> Result<PathBuf, String> {
     let name = own
         .file_name()
         .ok_or_else(|| format!("cannot tell this binary's name from {}", own.display()))?;
-    let dir = own.parent().unwrap_or(Path::new("."));
-    Ok(dir.join("opmon").join(name))
+    Ok(Path::new(ORIGINALS).join(name))
 }
 
 async fn run() -> Result<(), String> {
@@ -868,20 +1050,17 @@ async fn run() -> Result<(), String> {
     let original = original_path(&own)?;
     if !original.is_file() {
         return Err(format!(
-            "the original plugin {} does not exist (set OPMON_VELERO_ORIGINAL, or copy it \
-             there)",
+            "the original plugin {} does not exist (opmon-velero-plugin install puts it \
+             there; or set OPMON_VELERO_ORIGINAL)",
             original.display()
         ));
     }
-    // The original gets what Velero gave the stand-in: its flags and environment, less
-    // go-plugin's variables, which the host sets itself.
-    let env: BTreeMap<String, String> = std::env::vars()
-        .filter(|(k, _)| k != "VELERO_PLUGIN" && !k.starts_with("PLUGIN_"))
-        .collect();
+    // The original gets what Velero gave the stand-in: its flags, and its environment
+    // (which the host passes on, less go-plugin's variables, which it sets itself).
     let host = Host::new(HostKey {
         path: original.clone(),
         args: std::env::args().skip(1).collect(),
-        env,
+        env: BTreeMap::new(),
     });
     let connection = host.connection().await?;
     let served = connection.served.to_vec();
@@ -919,6 +1098,8 @@ async fn run() -> Result<(), String> {
         socket,
         socket_dir: dir.path().to_path_buf(),
         agent: tokio::sync::Mutex::new(None),
+        away: std::sync::Mutex::new(None),
+        answered: std::sync::Mutex::new(Default::default()),
         forget,
         forgotten: std::sync::Mutex::new(Default::default()),
     });
@@ -977,19 +1158,21 @@ async fn run() -> Result<(), String> {
     }
 }
 
-/// `install PATH`: puts the stand-in in the original plugin's place, as an init
-/// container of Velero's pod does after the original's own has copied it into the
-/// plugins volume: the original moves to `opmon/<name>` beside it (where Velero's
-/// plugin discovery does not look), and this binary takes its name. Run again, it
-/// changes nothing, or moves a freshly copied original again.
-fn install(target: &Path) -> Result<String, String> {
+/// `install PLUGIN [ORIGINALS]`: puts the stand-in in the original plugin's place, as an
+/// init container of Velero's pod does after the original's own has copied it into the
+/// plugins volume. The original is copied to `ORIGINALS/<its name>` ([`ORIGINALS`] unless
+/// given; another volume, so not renamed), outside the directory Velero's discovery
+/// reads, and this binary takes its name. Run again (a restarted pod), it changes
+/// nothing, or copies again an original its own init container copied over the
+/// stand-in. The original is copied before the stand-in replaces it, each file written
+/// whole and renamed into place: stopped at any point, a run again finishes the work.
+fn install(target: &Path, originals: &Path) -> Result<String, String> {
     let own = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
     let me = std::fs::read(&own).map_err(|e| format!("reading {}: {e}", own.display()))?;
-    let dir = target.parent().unwrap_or(Path::new("."));
     let name = target
         .file_name()
         .ok_or_else(|| format!("{} names no file", target.display()))?;
-    let original = dir.join("opmon").join(name);
+    let original = originals.join(name);
     let there = match std::fs::read(target) {
         Ok(bytes) => Some(bytes),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -1006,29 +1189,22 @@ fn install(target: &Path) -> Result<String, String> {
             }
             return Ok(format!("{} is already the stand-in", target.display()));
         }
-        Some(_) => {
-            std::fs::create_dir_all(original.parent().unwrap_or(dir))
-                .map_err(|e| format!("creating {}: {e}", dir.join("opmon").display()))?;
-            std::fs::rename(target, &original).map_err(|e| {
-                format!("moving {} to {}: {e}", target.display(), original.display())
-            })?;
+        // Two volumes: a copy, not a rename.
+        Some(bytes) => {
+            std::fs::create_dir_all(originals)
+                .map_err(|e| format!("creating {}: {e}", originals.display()))?;
+            write_whole(&original, &bytes)?
         }
         None if original.is_file() => {}
         None => {
             return Err(format!(
-            "no plugin {} to stand in for: the original's init container must copy it there first",
-            target.display()
-        ))
+                "no plugin {} to stand in for: the original's init container must copy it \
+                 there first",
+                target.display()
+            ))
         }
     }
-    let temporary = dir.join(format!(".{}.opmon-tmp", name.to_string_lossy()));
-    std::fs::write(&temporary, &me)
-        .and_then(|()| {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755))
-        })
-        .and_then(|()| std::fs::rename(&temporary, target))
-        .map_err(|e| format!("writing {}: {e}", target.display()))?;
+    write_whole(target, &me)?;
     Ok(format!(
         "{} stands in for the original, now {}",
         target.display(),
@@ -1036,17 +1212,36 @@ fn install(target: &Path) -> Result<String, String> {
     ))
 }
 
+/// Writes an executable file whole: a temporary beside it (not executable, so that
+/// Velero's discovery never runs it), then renamed over `path`.
+fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let temporary = dir.join(format!(".{name}.opmon-tmp"));
+    std::fs::write(&temporary, bytes)
+        .and_then(|()| std::fs::File::open(&temporary)?.sync_all())
+        .and_then(|()| std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755)))
+        .and_then(|()| std::fs::rename(&temporary, path))
+        .map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("install") {
-        let [_, target] = args.as_slice() else {
-            eprintln!(
-                "usage: opmon-velero-plugin install /target/<the original plugin's file name>"
-            );
-            std::process::exit(2);
+        let (target, originals) = match args.as_slice() {
+            [_, target] => (target.as_str(), ORIGINALS),
+            [_, target, originals] => (target.as_str(), originals.as_str()),
+            _ => {
+                eprintln!(
+                    "usage: opmon-velero-plugin install /target/<the original plugin's file \
+                     name> [<where the original goes: {ORIGINALS}>]"
+                );
+                std::process::exit(2);
+            }
         };
-        match install(Path::new(target)) {
+        match install(Path::new(target), Path::new(originals)) {
             Ok(done) => println!("{done}"),
             Err(e) => {
                 eprintln!("opmon-velero-plugin install: {e}");

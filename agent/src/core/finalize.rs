@@ -45,11 +45,6 @@ pub struct FinalizeSettings {
     pub dirs: Vec<PathBuf>,
     /// How long one finalize's file work may take.
     pub deadline: Duration,
-    /// Finalizes one peer uid may have running or waiting at once.
-    pub per_uid: u32,
-    /// Finalizes running or waiting at once over all peers (derived from the
-    /// descriptor limit: `budget::Totals`).
-    pub total: usize,
     /// The agent's own places, which finalize never touches.
     pub state_dir: Option<PathBuf>,
     pub socket: Option<PathBuf>,
@@ -60,8 +55,6 @@ impl Default for FinalizeSettings {
         FinalizeSettings {
             dirs: Vec::new(),
             deadline: Duration::from_secs(3600),
-            per_uid: 8,
-            total: crate::filework::MAX_ADMITTED,
             state_dir: None,
             socket: None,
         }
@@ -90,7 +83,7 @@ impl Finalizer {
                 settings.state_dir.as_deref(),
                 settings.socket.as_deref(),
             ),
-            pool: FileWork::start(settings.per_uid, settings.total),
+            pool: FileWork::start(crate::caps::FINALIZES),
             deadline: settings.deadline,
             turns: NameLocks::default(),
             outputs: KeyedLocks::default(),
@@ -155,7 +148,7 @@ impl Core {
         p: FinalizeParams,
         caller: Option<opmon_client::Caller>,
     ) -> Result<FinalizeResult, Error> {
-        let admitted = self.finalizer.pool.admit(caller.map(|c| c.uid))?;
+        let admitted = self.finalizer.pool.admit()?;
         let name = p.name.clone();
         let mut bound = None;
         let began = std::time::Instant::now();
@@ -424,7 +417,7 @@ impl Core {
                 let written = {
                     let file = temp.file().map_err(|e| Error::Finalize(e.to_string()))?;
                     let out = BufWriter::with_capacity(256 * 1024, file);
-                    tarball::rewrite_until(source, out, &updates, limit, &job.cpu())
+                    tarball::rewrite_until(source, out, &updates, limit, job.stop())
                 };
                 match written {
                     Ok(outcome) => Ok((temp, outcome)),

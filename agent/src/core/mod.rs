@@ -56,13 +56,6 @@ pub struct CoreSettings {
     /// InProgress owners with no call from their server for this long fail; `None`: never.
     pub in_progress_idle_timeout: Option<Duration>,
     pub finalize: FinalizeSettings,
-    /// Subscriptions one peer uid may hold at once.
-    pub max_subscriptions_per_uid: u32,
-    /// Snapshotters one peer uid may register over the API.
-    pub max_snapshotters_per_uid: u32,
-    /// Snapshotters all peers may register over the API (derived from the open-file
-    /// limit: see `budget::Totals`).
-    pub max_snapshotters: usize,
     /// Bytes held for all peers together (`max_held_bytes`): what the server holds for
     /// them and their snapshotters' answers being read.
     pub max_held_bytes: u64,
@@ -88,10 +81,10 @@ pub struct Core {
     poll_now: Notify,
     /// Snapshotters' hints waiting for their poll.
     hints: hints::Hints,
-    /// Who registered which snapshotter over the API (`max_snapshotters_per_uid`).
+    /// Snapshotters registered over the API ([`crate::caps::SNAPSHOTTERS`]).
     registrations: snapshotters::Registrations,
-    /// Subscriptions by peer uid (`max_subscriptions_per_uid`).
-    subscriptions: std::sync::Arc<crate::budget::PerUid>,
+    /// Subscriptions held ([`crate::caps::SUBSCRIPTIONS`]).
+    subscriptions: crate::caps::Cap,
     sweeps: TaskTracker,
     stopping: CancellationToken,
     /// Cancelled at SIGTERM, before in-flight requests are waited for: waits answer at
@@ -104,7 +97,7 @@ pub struct Core {
     started_at: UnixMs,
     /// The total of bytes held for peers, which the server and snapshotters' answers
     /// draw from.
-    held_bytes: crate::budget::Budget,
+    held_bytes: crate::caps::Cap,
 }
 
 /// Clears `flag` when dropped: a background job's "running" mark, reset however the job
@@ -148,6 +141,26 @@ fn require(conn: &Connection, kind: OwnerKind, name: &str) -> Result<OwnerRow, E
         .ok_or_else(|| Error::NotFound(NotFound::Owner(kind, name.to_string())))
 }
 
+/// The owner `kind` `name` of `uid`, current or retired; without `uid`, the name's
+/// current owner ([`require`]).
+fn require_owner(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+    uid: Option<&str>,
+) -> Result<OwnerRow, Error> {
+    let Some(uid) = uid else {
+        return require(conn, kind, name);
+    };
+    queries::owner_by_uid(conn, kind, name, uid)?.ok_or_else(|| {
+        Error::NotFound(NotFound::OwnerOfUid(
+            kind,
+            name.to_string(),
+            uid.to_string(),
+        ))
+    })
+}
+
 impl Core {
     /// Builds the core on an open store and loads the registered snapshotters.
     pub async fn new(
@@ -157,10 +170,8 @@ impl Core {
         settings: CoreSettings,
     ) -> Result<Arc<Core>, Error> {
         let finalizer = finalize::Finalizer::new(storage.root(), &settings.finalize);
-        let held_bytes = crate::budget::Budget::new(
-            "max_held_bytes",
-            "bytes",
-            u32::MAX,
+        let held_bytes = crate::caps::Cap::new(
+            "bytes held for peers",
             usize::try_from(settings.max_held_bytes).unwrap_or(usize::MAX),
         );
         let poller = poll::Poller::new(
@@ -169,15 +180,8 @@ impl Core {
             metrics.clone(),
             crate::remote::AnswerRoom::within(&held_bytes),
         );
-        let registrations = snapshotters::Registrations::new(
-            settings.max_snapshotters_per_uid,
-            settings.max_snapshotters,
-        );
-        let subscriptions = crate::budget::PerUid::new(
-            "max_subscriptions_per_uid",
-            "subscriptions",
-            settings.max_subscriptions_per_uid,
-        );
+        let registrations = snapshotters::Registrations::default();
+        let subscriptions = crate::caps::Cap::new("subscriptions", crate::caps::SUBSCRIPTIONS);
         let core = Arc::new(Core {
             store,
             storage,
@@ -222,9 +226,9 @@ impl Core {
         Ok(core)
     }
 
-    /// Charges one subscription to peer `uid`, given back when the charge is dropped.
-    pub fn charge_subscription(&self, uid: u32) -> Result<crate::budget::Charge, Error> {
-        self.subscriptions.charge(uid).map_err(Error::OverQuota)
+    /// Takes one of the subscriptions all peers may hold, given back when dropped.
+    pub fn take_subscription(&self) -> Result<crate::caps::Held, Error> {
+        self.subscriptions.take().map_err(Error::OverQuota)
     }
 
     /// `agent.status`.
@@ -337,7 +341,7 @@ impl Core {
     }
 
     /// The total of bytes held for peers (`max_held_bytes`), for the server to draw on.
-    pub fn held_bytes(&self) -> crate::budget::Budget {
+    pub fn held_bytes(&self) -> crate::caps::Cap {
         self.held_bytes.clone()
     }
 

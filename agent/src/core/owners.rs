@@ -8,16 +8,16 @@ use std::time::Duration;
 use opmon_client::{
     AddOperationsParams, AddOperationsResult, Caller, DeleteResult, EndInProgressParams, EventList,
     EventReason, EventsParams, ItemOperation, ListParams, Operation, OperationsParams, Owner,
-    OwnerKind, OwnerList, OwnerPhase, StartParams, WaitParams, WaitResult,
+    OwnerKind, OwnerList, OwnerParams, OwnerPhase, StartParams, WaitParams, WaitResult,
 };
 use rusqlite::Connection;
 use tokio::sync::broadcast::error::RecvError;
 
 use super::poll::{apply_changes, record_owner_phase, settle_owner, Ended, Settle};
-use super::{require, Core};
+use super::{require, require_owner, Core};
 use crate::changes::Urgency;
 use crate::clock::UnixMs;
-use crate::error::{Error, NotFound, WrongPhase};
+use crate::error::{Error, NotFound, Taken, WrongPhase};
 use crate::phase;
 use crate::store::events::{self, NewEvent};
 use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
@@ -26,6 +26,8 @@ use crate::store::queries::{self, NewOwner, OwnerRow, PollTarget, Targets};
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// Default and largest `list` page.
 pub const DEFAULT_PAGE: u32 = 100;
+/// The most owners `history` lists for one name.
+pub const HISTORY_LIMIT: u32 = 1000;
 
 fn require_in_progress(row: &OwnerRow, verb: &'static str) -> Result<(), Error> {
     require_phase_in_progress(row.owner.kind, &row.owner.name, row.owner.phase, verb)
@@ -94,7 +96,10 @@ pub(super) fn with_progress(conn: &Connection, row: OwnerRow) -> Result<Owner, E
 
 impl Core {
     /// `start`: creates the owner in InProgress. The same name and uid again returns the
-    /// existing owner, so a backup server may retry safely.
+    /// existing owner, so a backup server may retry safely. An owner is its backup
+    /// server's object, name and uid: a new uid of a name retires the name's owner if
+    /// that has ended (a server reuses a name once the object of that name is gone),
+    /// and is refused while it has not (its operations are still monitored).
     pub async fn start(
         &self,
         kind: OwnerKind,
@@ -113,23 +118,47 @@ impl Core {
         let now = UnixMs::now();
         // Serialized once here; the store keeps the text and polls parse it per owner.
         let object = p.object.as_ref().map(|o| o.to_string());
-        let owner = self
+        let (owner, replaced) = self
             .store
             .write(move |conn| {
-                if let Some(row) = queries::owner_by_name(conn, kind, &p.name)? {
-                    return if row.owner.uid == p.uid {
-                        // A repeated start is a call about the owner (a heartbeat for
-                        // the idle timeout); nothing else changes.
-                        queries::touch_owner(conn, row.id, now)?;
-                        with_progress(conn, row)
-                    } else {
-                        Err(Error::AlreadyExists {
+                let current = queries::owner_by_name(conn, kind, &p.name)?;
+                if let Some(row) = current.as_ref().filter(|r| r.owner.uid == p.uid) {
+                    // A repeated start is a call about the owner (a heartbeat for
+                    // the idle timeout); nothing else changes.
+                    queries::touch_owner(conn, row.id, now)?;
+                    return Ok((with_progress(conn, row.clone())?, false));
+                }
+                if queries::owner_by_uid(conn, kind, &p.name, &p.uid)?.is_some() {
+                    return Err(Error::AlreadyExists(Taken::Retired {
+                        kind,
+                        name: p.name,
+                        uid: p.uid,
+                    }));
+                }
+                let replaced = match current {
+                    Some(row) if !row.owner.phase.is_terminal() => {
+                        return Err(Error::AlreadyExists(Taken::NotEnded {
                             kind,
                             name: p.name,
                             uid: row.owner.uid,
-                        })
-                    };
-                }
+                            phase: row.owner.phase,
+                        }))
+                    }
+                    Some(row) => {
+                        queries::retire_owner(conn, row.id, now)?;
+                        let message =
+                            format!("retired: {kind} {} was started with uid {}", p.name, p.uid);
+                        let event = NewEvent {
+                            reason: EventReason::Retired,
+                            operation: None,
+                            caller,
+                            message: &message,
+                        };
+                        events::record(conn, row.id, &event, now)?;
+                        Some(row.owner.uid)
+                    }
+                    None => None,
+                };
                 let new = NewOwner {
                     kind,
                     name: &p.name,
@@ -152,6 +181,11 @@ impl Core {
                         server.name, server.instance
                     ));
                 }
+                if let Some(uid) = &replaced {
+                    message.push_str(&format!(", taking the name from the ended uid {uid}"));
+                    // The name's files were the retired owner's: this one's replace them.
+                    queries::mark_records_due(conn, id)?;
+                }
                 let event = NewEvent {
                     reason: EventReason::Started,
                     operation: None,
@@ -159,9 +193,14 @@ impl Core {
                     message: &message,
                 };
                 events::record(conn, id, &event, now)?;
-                reload(conn, id)
+                Ok((reload(conn, id)?, replaced.is_some()))
             })
             .await?;
+        if replaced {
+            tracing::info!(%kind, owner = %owner.name, uid = %owner.uid,
+                "started, retiring the ended owner of its name");
+            self.refresh_records([(kind, owner.name.clone())]).await;
+        }
         self.changes
             .notify(kind, &owner.name, Vec::new(), Urgency::Now);
         Ok(owner)
@@ -325,9 +364,21 @@ impl Core {
     }
 
     /// `get`: the owner with its aggregate progress.
-    pub async fn get(&self, kind: OwnerKind, name: String) -> Result<Owner, Error> {
+    pub async fn get(&self, kind: OwnerKind, p: OwnerParams) -> Result<Owner, Error> {
         self.store
-            .read(move |conn| with_progress(conn, require(conn, kind, &name)?))
+            .read(move |conn| {
+                with_progress(conn, require_owner(conn, kind, &p.name, p.uid.as_deref())?)
+            })
+            .await
+    }
+
+    /// `history`: every owner that had the name, the current one first.
+    pub async fn history(&self, kind: OwnerKind, name: String) -> Result<Vec<Owner>, Error> {
+        self.store
+            .read(move |conn| {
+                let rows = queries::owners_of_name(conn, kind, &name, HISTORY_LIMIT)?;
+                Ok(rows.into_iter().map(|r| r.owner).collect())
+            })
             .await
     }
 
@@ -337,7 +388,7 @@ impl Core {
         let mut items = self
             .store
             .read(move |conn| {
-                let row = require(conn, kind, &p.name)?;
+                let row = require_owner(conn, kind, &p.name, p.uid.as_deref())?;
                 Ok::<_, Error>(events::page(conn, row.id, p.after.unwrap_or(0), limit + 1)?)
             })
             .await?;
@@ -388,7 +439,7 @@ impl Core {
     ) -> Result<Vec<Operation>, Error> {
         self.store
             .read(move |conn| {
-                let row = require(conn, kind, &p.name)?;
+                let row = require_owner(conn, kind, &p.name, p.uid.as_deref())?;
                 Ok(queries::operations(conn, row.id, p.phases.as_deref())?)
             })
             .await
@@ -398,11 +449,11 @@ impl Core {
     pub async fn item_operations(
         &self,
         kind: OwnerKind,
-        name: String,
+        p: OwnerParams,
     ) -> Result<Vec<ItemOperation>, Error> {
         self.store
             .read(move |conn| {
-                let row = require(conn, kind, &name)?;
+                let row = require_owner(conn, kind, &p.name, p.uid.as_deref())?;
                 let ops = queries::operations(conn, row.id, None)?;
                 Ok(ops
                     .iter()
@@ -418,7 +469,7 @@ impl Core {
         let mut changed = self.changes.subscribe(kind, &p.name);
         let deadline = tokio::time::Instant::now() + p.timeout.map(|t| t.0).unwrap_or(DEFAULT_WAIT);
         loop {
-            let owner = self.get(kind, p.name.clone()).await?;
+            let owner = self.get(kind, OwnerParams::current(&p.name)).await?;
             if p.until.is_reached(owner.phase) {
                 return Ok(WaitResult {
                     owner,
@@ -443,28 +494,33 @@ impl Core {
         }
     }
 
-    /// `delete`: cancels the unfinished operations, then removes the owner.
-    pub async fn delete(&self, kind: OwnerKind, name: String) -> Result<DeleteResult, Error> {
-        let key = name.clone();
-        let targets = self
+    /// `delete`: cancels the unfinished operations, then removes the owner (the one of
+    /// `uid`, when given, current or retired).
+    pub async fn delete(&self, kind: OwnerKind, p: OwnerParams) -> Result<DeleteResult, Error> {
+        let key = p.clone();
+        let (id, targets) = self
             .store
             .read(move |conn| {
-                let row = require(conn, kind, &key)?;
-                Ok::<_, Error>(queries::poll_targets(conn, Targets::Owner(row.id))?)
+                let row = require_owner(conn, kind, &key.name, key.uid.as_deref())?;
+                let targets = queries::poll_targets(conn, Targets::Owner(row.id))?;
+                Ok::<_, Error>((row.id, targets))
             })
             .await?;
         let cancelled = self.poller.cancel_all(&targets).await;
-        let key = name.clone();
+        let key = p.clone();
         let removal = self
             .store
             .write(move |conn| {
-                let row = require(conn, kind, &key)?;
-                Ok::<_, Error>(queries::delete_owner(conn, row.id, kind, &key)?)
+                // The owner read above, though its name went to a new uid meanwhile.
+                if queries::owner_by_id(conn, id)?.is_none() {
+                    return Err(Error::NotFound(NotFound::Owner(kind, key.name)));
+                }
+                Ok::<_, Error>(queries::delete_owner(conn, id, kind, &key.name)?)
             })
             .await?;
-        tracing::info!(%kind, owner = %name, cancelled, "deleted");
-        self.remove_files(vec![removal]).await;
-        self.changes.notify(kind, &name, Vec::new(), Urgency::Now);
+        tracing::info!(%kind, owner = %p.name, cancelled, "deleted");
+        self.remove_files(removal.into_iter().collect()).await;
+        self.changes.notify(kind, &p.name, Vec::new(), Urgency::Now);
         Ok(DeleteResult::new(cancelled))
     }
 }

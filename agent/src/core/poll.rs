@@ -14,9 +14,9 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 
-use opmon_snapshotter::log_throttle::LogThrottles;
+use crate::log_limit::LogLimit;
 
 use opmon_client::{EventReason, OperationPhase, OwnerRef};
 use rusqlite::Connection;
@@ -158,7 +158,7 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
     let (t, next) = (&c.target, &c.next);
     match why {
         Why::RetryScheduled => {
-            OPERATION_LINES.log((t.plugin.name.clone(), "retrying", ""), || {
+            OPERATION_LINES.log(|| {
                 tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
                     operation = %t.operation_id, attempt = next.attempts,
                     reason = %next.last_error, next_attempt_ms = next.next_attempt_ms,
@@ -166,7 +166,7 @@ fn log_limit(c: &OperationChange, why: phase::Why) {
             });
         }
         Why::Recovered => {
-            OPERATION_LINES.log((t.plugin.name.clone(), "recovered", ""), || {
+            OPERATION_LINES.log(|| {
                 tracing::info!(owner = %t.owner.name, plugin = %t.plugin.name,
                     operation = %t.operation_id, attempts = next.attempts,
                     "answered again after transient errors")
@@ -229,59 +229,32 @@ impl Ended {
                 tracing::debug!(%owner, %plugin, %operation, "operation completed");
                 continue;
             }
-            let by = if e.outcome == Outcome::Failed {
-                e.by
-            } else {
-                ""
-            };
-            OPERATION_LINES.log((plugin.clone(), e.outcome.as_str(), by), || {
-                match e.outcome {
-                    Outcome::Completed => {}
-                    Outcome::Stalled => {
-                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
-                    }
-                    Outcome::TimedOut => {
-                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
-                    }
-                    Outcome::Canceled => {
-                        tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
-                    }
-                    Outcome::Failed => {
-                        tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
+            OPERATION_LINES.log(|| match e.outcome {
+                Outcome::Completed => {}
+                Outcome::Stalled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation stalled");
+                }
+                Outcome::TimedOut => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation timed out");
+                }
+                Outcome::Canceled => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, "operation canceled");
+                }
+                Outcome::Failed => {
+                    tracing::warn!(%owner, %plugin, %operation, %reason, by = e.by,
                         "operation failed");
-                    }
                 }
             });
         }
     }
 }
 
-/// The lines of operations retried, recovered or ended without completing, per plugin,
-/// outcome and cause: one plugin's failures cannot silence another's, nor a flood of
-/// them fill the log.
-static OPERATION_LINES: LazyLock<LogThrottles<(String, &'static str, &'static str)>> =
-    LazyLock::new(|| {
-        LogThrottles::new(|key: Option<&(String, _, &str)>, unlogged, window| {
-            match key {
-            Some((plugin, outcome, by)) => tracing::warn!(%plugin, outcome, by, unlogged, ?window,
-                "{unlogged} more operations of plugin {plugin} {outcome} not logged one by one; their owners' events have them"),
-            None => tracing::warn!(unlogged, ?window,
-                "{unlogged} more lines of operations of other plugins not logged one by one; their owners' events have them"),
-        }
-        })
-    });
+/// The lines of operations retried, recovered or ended without completing (their
+/// owners' events have them all).
+static OPERATION_LINES: LogLimit = LogLimit::new("operations retried, recovered or ended");
 
-/// A snapshotter's reachability changes, per plugin: one that flaps cannot fill the log.
-static REACHABILITY: LazyLock<LogThrottles<String>> = LazyLock::new(|| {
-    LogThrottles::new(|plugin: Option<&String>, unlogged, window| {
-        tracing::warn!(
-            snapshotter = plugin.map_or("(others)", String::as_str),
-            unlogged,
-            ?window,
-            "{unlogged} more changes of reachability not logged one by one"
-        )
-    })
-});
+/// Snapshotters' reachability changes.
+static REACHABILITY: LogLimit = LogLimit::new("snapshotters' reachability");
 
 impl Ended {}
 
@@ -698,9 +671,8 @@ impl Poller {
         let mut unreachable = lock(&self.unreachable);
         if reached || answers.is_empty() {
             if unreachable.remove(plugin).is_some() {
-                REACHABILITY.log(plugin.to_string(), || {
-                    tracing::info!(snapshotter = plugin, "snapshotter reachable again")
-                });
+                REACHABILITY
+                    .log(|| tracing::info!(snapshotter = plugin, "snapshotter reachable again"));
             }
             None
         } else {
@@ -711,7 +683,7 @@ impl Poller {
                     // A snapshotter's message may be megabytes: log what would be stored.
                     .map(|e| phase::bounded(e.message().to_string(), phase::MAX_ERROR))
                     .unwrap_or_default();
-                REACHABILITY.log(plugin.to_string(), || {
+                REACHABILITY.log(|| {
                     tracing::warn!(snapshotter = plugin, %error,
                         "snapshotter unreachable; its operations wait for the grace period")
                 });

@@ -2,84 +2,62 @@
 //! is the record; the in-memory registry follows each commit.
 
 //!
-//! A registration over the API is charged to the peer uid that made it (each one costs
-//! connections or processes once polled), in a [`Budget`]: at most
-//! `max_snapshotters_per_uid` per uid and `max_snapshotters` in all, of which uids other
-//! than root and the agent's own take at most three quarters. The config file's
-//! registrations are the operator's and are not charged. Charges are kept in memory:
-//! after a restart, the registrations stored earlier count for no one.
+//! Registrations over the API are bounded for all peers together
+//! ([`caps::SNAPSHOTTERS`]): each costs connections or processes once polled. The config
+//! file's are the operator's and are not counted. The count is kept in memory: after a
+//! restart, the registrations stored earlier are not counted.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::Mutex;
 
 use opmon_client::Snapshotter;
 
 use super::Core;
-use crate::budget::{Budget, Held};
+use crate::caps;
 use crate::error::{Error, NotFound};
 use crate::store::queries;
 use crate::sync::lock;
 
-/// Who registered which snapshotter over the API.
+/// The names of the snapshotters registered over the API.
+#[derive(Default)]
 pub(super) struct Registrations {
-    budget: Budget,
-    by_name: Mutex<HashMap<String, Held>>,
-}
-
-impl Registrations {
-    pub(super) fn new(per_uid: u32, total: usize) -> Registrations {
-        Registrations {
-            budget: Budget::new("max_snapshotters_per_uid", "snapshotters", per_uid, total),
-            by_name: Mutex::new(HashMap::new()),
-        }
-    }
+    by_name: Mutex<HashSet<String>>,
 }
 
 impl Core {
     /// Registers or replaces a snapshotter (already validated) from the config file.
     pub async fn register_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
         let name = s.name.clone();
-        let s = self.store_snapshotter(s, None).await?;
+        let s = self.store_snapshotter(s).await?;
         lock(&self.registrations.by_name).remove(&name);
         Ok(s)
     }
 
-    /// Registers or replaces a snapshotter (already validated) for peer `uid`, within
-    /// its quota; replacing one it registered costs nothing more.
-    pub async fn register_snapshotter_for(
+    /// Registers or replaces a snapshotter (already validated) for a peer, within
+    /// [`caps::SNAPSHOTTERS`]; replacing one costs nothing more.
+    pub async fn register_snapshotter_from_api(
         &self,
         s: Snapshotter,
-        uid: u32,
     ) -> Result<Snapshotter, Error> {
         let name = s.name.clone();
-        let charge = {
+        {
             let by_name = lock(&self.registrations.by_name);
-            let replaced = by_name.get(&name).and_then(Held::uid);
-            if replaced == Some(uid) {
-                None
-            } else {
-                Some(
-                    self.registrations
-                        .budget
-                        .take(Some(uid))
-                        .map_err(Error::OverQuota)?,
-                )
+            if !by_name.contains(&name) && by_name.len() >= caps::SNAPSHOTTERS {
+                return Err(Error::OverQuota(format!(
+                    "{} snapshotters are registered over the API, all the agent takes; \
+                     unregister one first",
+                    by_name.len()
+                )));
             }
-        };
-        let s = self.store_snapshotter(s, Some(uid)).await?;
-        if let Some(charge) = charge {
-            lock(&self.registrations.by_name).insert(name, charge);
         }
+        let s = self.store_snapshotter(s).await?;
+        lock(&self.registrations.by_name).insert(name);
         Ok(s)
     }
 
-    /// Stores `s`, its answers charged to `uid` (`None`: the agent's own).
-    async fn store_snapshotter(
-        &self,
-        s: Snapshotter,
-        uid: Option<u32>,
-    ) -> Result<Snapshotter, Error> {
-        let remote = self.poller.remotes.build(&s, &self.settings.calls, uid);
+    /// Stores `s`.
+    async fn store_snapshotter(&self, s: Snapshotter) -> Result<Snapshotter, Error> {
+        let remote = self.poller.remotes.build(&s, &self.settings.calls);
         // A Velero plugin is started now, so that a binary that does not serve the name
         // is refused here rather than failing every operation later.
         if let crate::remote::Remote::Called(crate::remote::Caller::VeleroPlugin(v)) = &*remote {

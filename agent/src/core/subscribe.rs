@@ -152,7 +152,8 @@ impl Core {
     ) -> Result<OwnerStream, Error> {
         // Subscribe before the first read, so no change falls between them.
         let changes = self.changes.subscribe(kind, &name);
-        self.get(kind, name.clone()).await?;
+        self.get(kind, opmon_client::OwnerParams::current(&name))
+            .await?;
         Ok(OwnerStream {
             core: self.clone(),
             kind,
@@ -231,9 +232,6 @@ mod tests {
             restore_finalize: false,
             in_progress_idle_timeout: None,
             finalize: Default::default(),
-            max_subscriptions_per_uid: 1024,
-            max_snapshotters_per_uid: 64,
-            max_snapshotters: 64,
         };
         Core::new(
             store,

@@ -17,12 +17,11 @@
 //! - the answer is what stdout held when the command exited: a process it left in the
 //!   background that keeps the pipe open does not hold the answer back;
 //! - a command starts only once it has one of the agent's process places
-//!   ([`limit_processes`]), so that when the task limit is full it waits for a place
-//!   rather than another snapshotter's command failing to fork.
+//!   ([`crate::caps::PROCESSES`]).
 
 use std::os::fd::AsFd;
 use std::process::Stdio;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use opmon_client::OperationRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -37,14 +36,48 @@ pub const MAX_STDOUT: usize = 16 * 1024 * 1024;
 /// How much of the end of a command's stderr is kept for its error message.
 pub const STDERR_TAIL: usize = 64 * 1024;
 
-/// Command processes running at once over all snapshotters, if bounded: the task limit
-/// is the process's, so its places are too.
-static PLACES: OnceLock<Arc<Semaphore>> = OnceLock::new();
+/// Command processes running at once over all snapshotters ([`crate::caps::PROCESSES`]),
+/// so that a full task limit makes a command wait rather than another's fork fail.
+static PLACES: std::sync::LazyLock<Arc<Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(Semaphore::new(crate::caps::PROCESSES)));
 
-/// Bounds command processes over all snapshotters to `places` (set once, at start).
-pub fn limit_processes(places: Option<usize>) {
-    if let Some(places) = places {
-        let _ = PLACES.set(Arc::new(Semaphore::new(places.max(1))));
+/// Why `program` cannot run as a command's program, looked up as a call looks it up
+/// (a path, else a name on [`COMMAND_PATH`]); `None` if it can run now.
+pub fn unrunnable(program: &str) -> Option<String> {
+    use nix::unistd::{access, AccessFlags};
+    use std::path::{Path, PathBuf};
+    let runs = |path: &Path| path.is_file() && access(path, AccessFlags::X_OK).is_ok();
+    if !program.contains('/') {
+        let found = COMMAND_PATH
+            .split(':')
+            .map(|dir| Path::new(dir).join(program))
+            .any(|path| runs(&path));
+        return (!found)
+            .then(|| format!("no program {program} on the commands' PATH ({COMMAND_PATH})"));
+    }
+    let path = PathBuf::from(program);
+    match std::fs::metadata(&path) {
+        Err(e) => Some(format!("{program}: {e}")),
+        Ok(m) if !m.is_file() => Some(format!("{program} is not a file")),
+        Ok(_) if !runs(&path) => Some(format!("{program} is not executable")),
+        Ok(_) => None,
+    }
+}
+
+/// Warns if the command of snapshotter `s` (from the config file, at start or reload)
+/// cannot run now. Not refused: whether it runs is a fact of the moment (a package or a
+/// volume may bring it later), checked again by every call.
+pub fn warn_if_unrunnable(s: &opmon_client::Snapshotter) {
+    let Some(program) = s.command.as_ref().and_then(|argv| argv.first()) else {
+        return;
+    };
+    if let Some(why) = unrunnable(program) {
+        tracing::warn!(
+            snapshotter = %s.name,
+            program = %program,
+            "the snapshotter's command cannot run: {why}; its operations wait until it can, \
+             and fail once unreachable_grace has passed"
+        );
     }
 }
 
@@ -157,10 +190,7 @@ impl CommandRemote {
     pub(super) async fn run(&self, verb: &str, op: &OperationRef) -> Answer<Vec<u8>> {
         let _permit = self.running.acquire().await;
         // Never closed; held until the call ends and its group is killed.
-        let _place = match PLACES.get() {
-            Some(places) => places.clone().acquire_owned().await.ok(),
-            None => None,
-        };
+        let _place = PLACES.clone().acquire_owned().await.ok();
         let Some((program, args)) = self.argv.split_first() else {
             return Err(self.failed("has an empty command"));
         };

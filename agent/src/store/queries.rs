@@ -103,7 +103,7 @@ impl OwnerRow {
 const OWNER_COLUMNS: &str = "id, kind, name, uid, phase, item_operation_timeout_ms, finalize, \
      errors, warnings, post_operation_items, created_ms, updated_ms, completed_ms, n_operations, \
      n_completed, n_failed, server_name, server_instance, failure_reason, stall_timeout_ms, \
-     start_timeout_ms";
+     start_timeout_ms, retired_ms";
 
 /// Reads the columns of one row, standing in a value for each that does not hold what
 /// the agent writes and noting which and why: one damaged row (a corrupted page) must
@@ -226,6 +226,15 @@ fn read_owner(row: &Row<'_>) -> rusqlite::Result<(OwnerRow, Vec<String>)> {
             },
             None,
         ),
+        retired: c.take(
+            21,
+            |row, i| {
+                row.get::<_, Option<UnixMs>>(i)?
+                    .map(|ms| stored_time(ms, i))
+                    .transpose()
+            },
+            None,
+        ),
         progress: None,
     };
     Ok((OwnerRow { id, owner }, c.damage))
@@ -275,17 +284,60 @@ fn optional_ms(d: Option<GoDuration>) -> Option<i64> {
     d.map(|d| crate::clock::millis(d.0))
 }
 
-/// The owner `kind`/`name`, with its counts.
+/// The current owner `kind`/`name` (not retired), with its counts.
 pub fn owner_by_name(
     conn: &Connection,
     kind: OwnerKind,
     name: &str,
 ) -> rusqlite::Result<Option<OwnerRow>> {
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2"
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2 \
+         AND retired_ms IS NULL"
     ))?;
     stmt.query_row(params![kind.as_str(), name], owner_from_row)
         .optional()
+}
+
+/// The owner `kind`/`name` of uid `uid`, current or retired.
+pub fn owner_by_uid(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+    uid: &str,
+) -> rusqlite::Result<Option<OwnerRow>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND uid = ?3 AND name = ?2 \
+         ORDER BY retired_ms IS NOT NULL, retired_ms DESC LIMIT 1"
+    ))?;
+    stmt.query_row(params![kind.as_str(), name, uid], owner_from_row)
+        .optional()
+}
+
+/// Every owner that had the name `kind`/`name`: the current one first, then the
+/// retired ones, latest retired first; at most `limit`.
+pub fn owners_of_name(
+    conn: &Connection,
+    kind: OwnerKind,
+    name: &str,
+    limit: u32,
+) -> rusqlite::Result<Vec<OwnerRow>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2 \
+         ORDER BY retired_ms IS NOT NULL, retired_ms DESC, id DESC LIMIT ?3"
+    ))?;
+    let rows = stmt.query_map(params![kind.as_str(), name, limit], owner_or_damaged)?;
+    rows.collect()
+}
+
+/// Retires an ended owner: its name is free for a new owner, its history is kept. Its
+/// item-operations file is no longer rewritten: the name's files are the new owner's
+/// (`start` marks the new owner's due, so its first write replaces them).
+pub fn retire_owner(conn: &Connection, id: i64, now: UnixMs) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE owners SET retired_ms = ?2 WHERE id = ?1")?
+        .execute(params![id, now])?;
+    conn.prepare_cached("DELETE FROM records_due WHERE owner_id = ?1")?
+        .execute([id])?;
+    Ok(())
 }
 
 /// What a call that adds to an owner needs of it: its row, phase and operations so
@@ -296,15 +348,18 @@ pub fn owner_phase_by_name(
     kind: OwnerKind,
     name: &str,
 ) -> rusqlite::Result<Option<(i64, OwnerPhase, u64)>> {
-    conn.prepare_cached("SELECT id, phase, n_operations FROM owners WHERE kind = ?1 AND name = ?2")?
-        .query_row(params![kind.as_str(), name], |row| {
-            Ok((
-                row.get(0)?,
-                parse_column(row, 1)?,
-                row.get::<_, i64>(2)?.max(0) as u64,
-            ))
-        })
-        .optional()
+    conn.prepare_cached(
+        "SELECT id, phase, n_operations FROM owners WHERE kind = ?1 AND name = ?2 \
+         AND retired_ms IS NULL",
+    )?
+    .query_row(params![kind.as_str(), name], |row| {
+        Ok((
+            row.get(0)?,
+            parse_column(row, 1)?,
+            row.get::<_, i64>(2)?.max(0) as u64,
+        ))
+    })
+    .optional()
 }
 
 /// The owner with row id `id`, with its counts.
@@ -391,7 +446,7 @@ pub fn idle_in_progress(conn: &Connection, before: UnixMs) -> rusqlite::Result<V
     rows.collect()
 }
 
-/// One page of owners of `kind`, by name, optionally filtered by phase.
+/// One page of the current owners of `kind`, by name, optionally filtered by phase.
 pub fn list_owners(
     conn: &Connection,
     kind: OwnerKind,
@@ -407,8 +462,8 @@ pub fn list_owners(
         None => String::new(),
     };
     let sql = format!(
-        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name > ?2 {phase_filter} \
-         ORDER BY name LIMIT ?3"
+        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name > ?2 \
+         AND retired_ms IS NULL {phase_filter} ORDER BY name LIMIT ?3"
     );
     let mut stmt = conn.prepare_cached(&sql)?;
     let rows = stmt.query_map(
@@ -451,16 +506,27 @@ pub struct Removal {
     pub name: String,
 }
 
-/// Removes an owner and (by cascade) its operations, and records that its files are to
-/// be removed; returns that record.
+/// Removes an owner and (by cascade) its operations, and, for a current owner, records
+/// that its files are to be removed; returns that record. A retired owner's files went
+/// when it was retired: the name's files are another owner's now.
 pub fn delete_owner(
     conn: &Connection,
     id: i64,
     kind: OwnerKind,
     name: &str,
-) -> rusqlite::Result<Removal> {
-    conn.prepare_cached("DELETE FROM owners WHERE id = ?1")?
-        .execute([id])?;
+) -> rusqlite::Result<Option<Removal>> {
+    let retired: Option<bool> = conn
+        .prepare_cached("DELETE FROM owners WHERE id = ?1 RETURNING retired_ms IS NOT NULL")?
+        .query_row([id], |r| r.get(0))
+        .optional()?;
+    match retired {
+        Some(false) => removal(conn, kind, name).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Records that the files of `kind`/`name` are to be removed.
+fn removal(conn: &Connection, kind: OwnerKind, name: &str) -> rusqlite::Result<Removal> {
     conn.prepare_cached("INSERT INTO removals (kind, name) VALUES (?1, ?2)")?
         .execute(params![kind.as_str(), name])?;
     Ok(Removal {
@@ -493,13 +559,15 @@ pub fn clear_removals(conn: &Connection, ids: &[i64]) -> rusqlite::Result<()> {
     Ok(())
 }
 
-/// Which of `names` (of `kind`) name an owner now.
+/// Which of `names` (of `kind`) name a current owner now.
 pub fn existing_names(
     conn: &Connection,
     kind: OwnerKind,
     names: &[&str],
 ) -> rusqlite::Result<std::collections::HashSet<String>> {
-    let mut stmt = conn.prepare_cached("SELECT 1 FROM owners WHERE kind = ?1 AND name = ?2")?;
+    let mut stmt = conn.prepare_cached(
+        "SELECT 1 FROM owners WHERE kind = ?1 AND name = ?2 AND retired_ms IS NULL",
+    )?;
     let mut found = std::collections::HashSet::new();
     for name in names {
         if stmt.exists(params![kind.as_str(), name])? {
@@ -1282,6 +1350,7 @@ pub fn owner_with_contents_file(
     let path = path.to_string_lossy();
     let mut stmt = conn.prepare_cached(
         "SELECT kind, name FROM owners WHERE id != ?2 AND finalize_result IS NOT NULL \
+         AND retired_ms IS NULL \
          AND CASE WHEN json_valid(finalize_result) \
          THEN json_extract(finalize_result, '$.contentsFile') END = ?1 LIMIT 1",
     )?;
@@ -1325,10 +1394,11 @@ pub fn delete_expired(
         })?;
         rows.collect::<rusqlite::Result<_>>()?
     };
-    expired
-        .into_iter()
-        .map(|(id, kind, name)| delete_owner(conn, id, kind, &name))
-        .collect()
+    let mut removals = Vec::new();
+    for (id, kind, name) in expired {
+        removals.extend(delete_owner(conn, id, kind, &name)?);
+    }
+    Ok(removals)
 }
 
 /// Owners counted by phase, and how many operations are unfinished in all.

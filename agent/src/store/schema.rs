@@ -309,6 +309,65 @@ pub const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX events_by_owner ON events (owner_id, seq);",
     // 15: Velero plugin snapshotters: `{"path", "args", "env"}` as JSON.
     "ALTER TABLE snapshotters ADD COLUMN velero_plugin TEXT;",
+    // 16: an owner is its object, name and uid, as in Velero (issue 47): a name is
+    // unique among the owners not retired, and `start` with a known name and a new uid
+    // retires the ended owner that had it (`retired_ms`), keeping its history. SQLite
+    // cannot drop the table's UNIQUE (kind, name), so the table is rebuilt with its
+    // rows and ids (foreign keys are off during migrations: see `migrate_to`); its
+    // indexes are made again as migrations 1 and 7 made them, and the count trigger,
+    // which names the table, as migration 9 made it.
+    "DROP TRIGGER operations_counted_on_phase;
+    CREATE TABLE owners_v16 (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL CHECK (kind IN ('backup', 'restore')),
+        name TEXT NOT NULL,
+        uid TEXT NOT NULL,
+        phase TEXT NOT NULL,
+        item_operation_timeout_ms INTEGER NOT NULL,
+        errors INTEGER NOT NULL DEFAULT 0,
+        warnings INTEGER NOT NULL DEFAULT 0,
+        post_operation_items TEXT,
+        created_ms INTEGER NOT NULL,
+        updated_ms INTEGER NOT NULL,
+        completed_ms INTEGER,
+        finalize INTEGER NOT NULL DEFAULT 0,
+        finalize_result TEXT,
+        n_operations INTEGER NOT NULL DEFAULT 0,
+        n_completed INTEGER NOT NULL DEFAULT 0,
+        n_failed INTEGER NOT NULL DEFAULT 0,
+        server_name TEXT NOT NULL DEFAULT '',
+        server_instance TEXT,
+        failure_reason TEXT NOT NULL DEFAULT '',
+        last_call_ms INTEGER NOT NULL DEFAULT 0,
+        object TEXT,
+        stall_timeout_ms INTEGER,
+        start_timeout_ms INTEGER,
+        retired_ms INTEGER
+    );
+    INSERT INTO owners_v16 (id, kind, name, uid, phase, item_operation_timeout_ms, errors, warnings,
+        post_operation_items, created_ms, updated_ms, completed_ms, finalize, finalize_result,
+        n_operations, n_completed, n_failed, server_name, server_instance, failure_reason,
+        last_call_ms, object, stall_timeout_ms, start_timeout_ms)
+    SELECT id, kind, name, uid, phase, item_operation_timeout_ms, errors, warnings,
+        post_operation_items, created_ms, updated_ms, completed_ms, finalize, finalize_result,
+        n_operations, n_completed, n_failed, server_name, server_instance, failure_reason,
+        last_call_ms, object, stall_timeout_ms, start_timeout_ms
+    FROM owners;
+    DROP TABLE owners;
+    ALTER TABLE owners_v16 RENAME TO owners;
+    CREATE INDEX owners_by_phase ON owners (phase);
+    CREATE INDEX owners_by_completion ON owners (completed_ms) WHERE completed_ms IS NOT NULL;
+    CREATE UNIQUE INDEX owners_current ON owners (kind, name) WHERE retired_ms IS NULL;
+    CREATE INDEX owners_by_uid ON owners (kind, uid);
+    CREATE TRIGGER operations_counted_on_phase AFTER UPDATE OF phase ON operations
+        WHEN OLD.phase != NEW.phase
+    BEGIN
+        UPDATE owners SET
+            n_completed = n_completed + (NEW.phase = 'Completed') - (OLD.phase = 'Completed'),
+            n_failed = n_failed + (NEW.phase IN ('Failed', 'Canceled'))
+                - (OLD.phase IN ('Failed', 'Canceled'))
+        WHERE id = NEW.owner_id;
+    END;",
 ];
 
 /// What runs after a migration's SQL, by the version it reaches: what SQL cannot do.
@@ -451,6 +510,29 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateErro
         return Ok(found);
     }
     let began = std::time::Instant::now();
+    // A migration that rebuilds a table (16) drops the old one: with foreign keys on,
+    // that would delete every row referring to it. SQLite's own procedure for it: keys
+    // off (outside the transaction, where the setting takes), back as they were after.
+    let keys: bool = conn
+        .query_row("PRAGMA foreign_keys", [], |r| r.get(0))
+        .map_err(sql_err(found + 1))?;
+    conn.pragma_update(None, "foreign_keys", false)
+        .map_err(sql_err(found + 1))?;
+    let migrated = apply(conn, found, target);
+    conn.pragma_update(None, "foreign_keys", keys)
+        .map_err(sql_err(target))?;
+    migrated?;
+    if found > 0 {
+        // An upgrade: say so, and what it took (migration 12 packs every operation).
+        tracing::info!(from = found, to = target, took = ?began.elapsed(),
+            "database schema upgraded");
+    }
+    Ok(target)
+}
+
+/// Migrations `found + 1` to `target`, in one transaction.
+fn apply(conn: &mut Connection, found: u32, target: u32) -> Result<(), MigrateError> {
+    let sql_err = |to| move |source| MigrateError::Sql { to, source };
     let tx = conn.transaction().map_err(sql_err(found + 1))?;
     for (index, step) in MIGRATIONS
         .iter()
@@ -466,11 +548,5 @@ pub fn migrate_to(conn: &mut Connection, target: u32) -> Result<u32, MigrateErro
         tx.pragma_update(None, "user_version", to)
             .map_err(sql_err(to))?;
     }
-    tx.commit().map_err(sql_err(target))?;
-    if found > 0 {
-        // An upgrade: say so, and what it took (migration 12 packs every operation).
-        tracing::info!(from = found, to = target, took = ?began.elapsed(),
-            "database schema upgraded");
-    }
-    Ok(target)
+    tx.commit().map_err(sql_err(target))
 }

@@ -213,6 +213,45 @@ fn fill_old_database(conn: &Connection, version: u32) {
     }
 }
 
+/// What migration 16 must leave: every owner current, with its id (its operations and
+/// events still its own); a name taken only while its owner is not retired.
+fn check_identity_after_migration_16(conn: &Connection, backup: i64, from: u32) {
+    let current = queries::owner_by_name(conn, OwnerKind::Backup, "old-backup")
+        .unwrap()
+        .expect("backup kept");
+    assert_eq!(
+        (current.id, current.owner.retired),
+        (backup, None),
+        "from version {from}"
+    );
+    let insert = "INSERT INTO owners (kind, name, uid, phase, item_operation_timeout_ms, \
+                  created_ms, updated_ms) VALUES ('backup', 'old-backup', 'new-uid', \
+                  'InProgress', 0, 0, 0)";
+    assert!(conn.execute(insert, []).is_err(), "from version {from}");
+    let now = crate::clock::UnixMs(5000);
+    queries::retire_owner(conn, backup, now).unwrap();
+    conn.execute(insert, []).unwrap();
+    let history = queries::owners_of_name(conn, OwnerKind::Backup, "old-backup", 10).unwrap();
+    let uids: Vec<&str> = history.iter().map(|r| r.owner.uid.as_str()).collect();
+    assert_eq!(
+        uids[1..],
+        [current.owner.uid.as_str()],
+        "from version {from}"
+    );
+    let retired = queries::owner_by_uid(conn, OwnerKind::Backup, "old-backup", &current.owner.uid)
+        .unwrap()
+        .expect("the retired one, by its uid");
+    assert_eq!(retired.id, backup);
+    assert_eq!(retired.owner.retired, Some(now.time()));
+    assert_eq!(unfinished(conn, backup), 1, "its operations stay its own");
+    // As it was, for the checks that follow.
+    conn.execute_batch(
+        "DELETE FROM owners WHERE uid = 'new-uid';
+         UPDATE owners SET retired_ms = NULL;",
+    )
+    .unwrap();
+}
+
 /// What the identity migration must leave: every operation with its id, state and
 /// counts; the plugin's updated time taken from the one recorded; the new key; the
 /// trigger, the partial index and the owner index in place.
@@ -606,6 +645,7 @@ fn every_older_schema_version_opens_and_keeps_its_data() {
                 .unwrap()
                 .expect("backup kept");
             check_events_after_migration_14(&conn, backup.id, version);
+            check_identity_after_migration_16(&conn, backup.id, version);
             let ops = queries::operations(&conn, backup.id, None).unwrap();
             let rate = (version >= 10).then_some(2.5);
             assert_eq!(ops[0].rate, rate, "from version {version}");

@@ -53,7 +53,7 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    Cli::command()
+    durations_take_hyphens(Cli::command())
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
@@ -61,6 +61,27 @@ pub fn command() -> clap::Command {
                 start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
+}
+
+/// `cmd` whose Go duration flags, in every subcommand, take a value starting with `-`:
+/// `--item-operation-timeout -1s` reaches the duration's parser, whose error names the
+/// flag and says negative durations are refused, instead of clap reading `-1` as a flag.
+fn durations_take_hyphens(cmd: clap::Command) -> clap::Command {
+    let durations: Vec<clap::Id> = cmd
+        .get_arguments()
+        .filter(|arg| arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>())
+        .map(|arg| arg.get_id().clone())
+        .collect();
+    let cmd = durations.iter().fold(cmd, |cmd, id| {
+        cmd.mut_arg(id, |arg| arg.allow_hyphen_values(true))
+    });
+    let subcommands: Vec<String> = cmd
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_string())
+        .collect();
+    subcommands.iter().fold(cmd, |cmd, name| {
+        cmd.mut_subcommand(name, durations_take_hyphens)
+    })
 }
 
 /// Shell completion of names, asked of the agent the line being completed names
@@ -310,6 +331,16 @@ pub enum OwnerCommand {
     Get {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
+    },
+    /// Every owner that had the name: the current one, then the retired ones (a new
+    /// uid took the name once they had ended), latest retired first.
+    History {
+        /// The backup's or restore's name.
+        name: String,
     },
     /// Owners, by name, a page at a time.
     List {
@@ -327,6 +358,10 @@ pub enum OwnerCommand {
     Operations {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Only operations in these phases (repeatable).
         #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
@@ -336,6 +371,10 @@ pub enum OwnerCommand {
     Describe {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Each operation in full, and every event kept.
         #[arg(long)]
         details: bool,
@@ -345,6 +384,10 @@ pub enum OwnerCommand {
     Events {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
         /// Start after this event (the previous page's last SEQ).
         #[arg(long)]
         after: Option<u64>,
@@ -383,11 +426,19 @@ pub enum OwnerCommand {
     ItemOperations {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
     },
     /// Removes it, cancelling unfinished operations.
     Delete {
         /// The backup's or restore's name.
         name: String,
+        /// The owner of this uid, current or retired (see `history`), rather than the
+        /// name's current owner.
+        #[arg(long)]
+        uid: Option<String>,
     },
     /// Cancels it (it ends Failed), or with --operation only those operations (they
     /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.

@@ -23,8 +23,8 @@ use opmon_client::{
     AddOperationsParams, ApiVersion, CancelParams, CancelResult, Client, Contents,
     EndInProgressParams, EventList, EventsParams, FinalizeParams, FinalizeResult, ListParams,
     NameParams, NewOperation, NoParams, OperationSelector, OperationsParams, Owner, OwnerKind,
-    PluginKind, PluginRef, ServerRef, ServerStartedParams, ServerStartedResult, Snapshotter,
-    StartParams, UpdatedItem, WaitUntil,
+    OwnerParams, PluginKind, PluginRef, ServerRef, ServerStartedParams, ServerStartedResult,
+    Snapshotter, StartParams, UpdatedItem, WaitUntil,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -121,6 +121,19 @@ fn unreachable_agent(socket: &Path, error: &opmon_client::Error) -> String {
     let opmon_client::Error::Connect { source, .. } = error else {
         return error.chain();
     };
+    // The client's own check of who serves the socket, not the socket's permissions:
+    // root may open any socket, and is told which uid to trust instead.
+    if let Some(refused) = source
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<opmon_client::UntrustedAgent>())
+    {
+        let uid = refused.peer;
+        return format!(
+            "{}. If uid {uid} runs the agent you mean, trust it with --agent-uid {uid} or \
+             OPMON_AGENT_UID={uid}.",
+            error.chain()
+        );
+    }
     let hint = match source.kind() {
         ErrorKind::NotFound => {
             "Is the agent running? Start opmon-agent, or give its socket with --socket or OPMON_SOCKET"
@@ -312,13 +325,19 @@ async fn owner_command(
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
         }
-        OwnerCommand::Get { name } => {
-            let value = call::<methods::Get>(client, kind, NameParams { name }).await?;
+        OwnerCommand::Get { name, uid } => {
+            let value = call::<methods::Get>(client, kind, OwnerParams { name, uid }).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o), time::OffsetDateTime::now_utc())
             })?;
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
+        }
+        OwnerCommand::History { name } => {
+            let value = call::<methods::History>(client, kind, NameParams { name }).await?;
+            print(out, &value, |owners: &Vec<Owner>| {
+                render::history(owners, time::OffsetDateTime::now_utc())
+            })
         }
         OwnerCommand::List {
             phases,
@@ -339,9 +358,10 @@ async fn owner_command(
                 text
             })
         }
-        OwnerCommand::Operations { name, phases } => {
+        OwnerCommand::Operations { name, uid, phases } => {
             let params = OperationsParams {
                 name,
+                uid,
                 phases: (!phases.is_empty()).then_some(phases),
             };
             let value = call::<methods::Operations>(client, kind, params).await?;
@@ -349,12 +369,16 @@ async fn owner_command(
                 render::operations(ops)
             })
         }
-        OwnerCommand::Describe { name, details } => {
-            let owner =
-                call::<methods::Get>(client, kind, NameParams { name: name.clone() }).await?;
+        OwnerCommand::Describe { name, uid, details } => {
+            let params = OwnerParams {
+                name: name.clone(),
+                uid: uid.clone(),
+            };
+            let owner = call::<methods::Get>(client, kind, params).await?;
             let ops = if details {
                 let params = OperationsParams {
                     name: name.clone(),
+                    uid: uid.clone(),
                     phases: None,
                 };
                 Some(call::<methods::Operations>(client, kind, params).await?)
@@ -365,6 +389,7 @@ async fn owner_command(
             // them all.
             let params = EventsParams {
                 name,
+                uid,
                 after: None,
                 limit: Some(EVENTS_PAGE),
             };
@@ -397,8 +422,18 @@ async fn owner_command(
             }
             Ok(render::exit_code(typed::<Owner>(&owner)?.phase))
         }
-        OwnerCommand::Events { name, after, limit } => {
-            let params = EventsParams { name, after, limit };
+        OwnerCommand::Events {
+            name,
+            uid,
+            after,
+            limit,
+        } => {
+            let params = EventsParams {
+                name,
+                uid,
+                after,
+                limit,
+            };
             let value = call::<methods::Events>(client, kind, params).await?;
             print(out, &value, |l: &EventList| {
                 let mut text = render::event_list(&l.items);
@@ -424,8 +459,7 @@ async fn owner_command(
                 Some(owner) => (owner, false),
                 None => {
                     let value =
-                        call::<methods::Get>(client, kind, NameParams { name: name.clone() })
-                            .await?;
+                        call::<methods::Get>(client, kind, OwnerParams::current(&name)).await?;
                     (typed(&value)?, true)
                 }
             };
@@ -497,8 +531,9 @@ async fn owner_command(
             })?;
             Ok(render::exit_code(result.owner.phase))
         }
-        OwnerCommand::ItemOperations { name } => {
-            let value = call::<methods::ItemOperations>(client, kind, NameParams { name }).await?;
+        OwnerCommand::ItemOperations { name, uid } => {
+            let params = OwnerParams { name, uid };
+            let value = call::<methods::ItemOperations>(client, kind, params).await?;
             print(out, &value, |r: &Vec<opmon_client::ItemOperation>| {
                 render::item_operations(r)
             })
@@ -535,8 +570,11 @@ async fn owner_command(
                 typed::<CancelResult>(&value)?.owner.phase,
             ))
         }
-        OwnerCommand::Delete { name } => {
-            let params = NameParams { name: name.clone() };
+        OwnerCommand::Delete { name, uid } => {
+            let params = OwnerParams {
+                name: name.clone(),
+                uid,
+            };
             let value = call::<methods::Delete>(client, kind, params).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::fmt::Write;
 
 use opmon_client::{
-    AgentStatus, Event, GoDuration, ItemOperation, Operation, Owner, OwnerPhase,
+    AgentStatus, Event, GoDuration, ItemOperation, Operation, OperationPhase, Owner, OwnerPhase,
     ResourceIdentifier, ServerStartedResult, Snapshotter, Timestamp,
 };
 
@@ -122,6 +122,44 @@ pub fn owners(list: &[Owner], now: Timestamp) -> String {
             "FAILED",
             "ERRORS",
             "AGE",
+        ],
+        &rows,
+    )
+}
+
+/// The last error of `op` while it is unfinished or after it failed (why it waits, or
+/// what came before its failure), cleaned; `None` if it has none, it is the failure's
+/// own error, or the operation ended otherwise (a completed one keeps an old one).
+pub fn last_error(op: &Operation) -> Option<Cow<'_, str>> {
+    let last = op.last_error.as_deref()?;
+    let shown = op.phase.is_unfinished() || op.phase == OperationPhase::Failed;
+    (shown && op.error.as_deref() != Some(last)).then(|| clean(last))
+}
+
+/// The owners that had one name (`history`): by uid, the current one marked so, the
+/// retired ones with the age of their retirement.
+pub fn history(list: &[Owner], now: Timestamp) -> String {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|o| {
+            vec![
+                clean(&o.uid).into_owned(),
+                o.phase.to_string(),
+                format!("{}/{}", o.operations_completed, o.operations_attempted),
+                o.operations_failed.to_string(),
+                age(o.created, now),
+                o.retired.map_or_else(|| "current".into(), |t| age(t, now)),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "UID",
+            "PHASE",
+            "OPERATIONS DONE",
+            "FAILED",
+            "AGE",
+            "RETIRED",
         ],
         &rows,
     )
@@ -326,6 +364,7 @@ pub fn operations(ops: &[Operation]) -> String {
                 op.phase.to_string(),
                 progress(op),
                 clean(op.error.as_deref().unwrap_or("")).into_owned(),
+                last_error(op).unwrap_or_default().into_owned(),
             ]
         })
         .collect();
@@ -337,6 +376,7 @@ pub fn operations(ops: &[Operation]) -> String {
             "PHASE",
             "PROGRESS",
             "ERROR",
+            "LAST ERROR",
         ],
         &rows,
     )
@@ -530,6 +570,9 @@ pub fn describe(owner: &Owner, details: Option<&[Operation]>, now: Timestamp) ->
     let _ = writeln!(out, "Updated:\t{}", velero_time(owner.updated));
     if let Some(t) = owner.completed {
         let _ = writeln!(out, "Completed:\t{}", velero_time(t));
+    }
+    if let Some(t) = owner.retired {
+        let _ = writeln!(out, "Retired:\t{} (a new uid has the name)", velero_time(t));
     }
     if let Some(rate) = owner_rate(owner, now) {
         let _ = writeln!(out, "Rate:\t{rate}");
@@ -948,6 +991,7 @@ mod tests {
             updated: datetime!(2026-01-01 0:00:30.5 UTC),
             completed: None,
             progress: None,
+            retired: None,
         }
     }
 

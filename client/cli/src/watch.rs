@@ -125,11 +125,14 @@ impl View for Lines {
             self.last_owner = Some(summary);
         }
         for op in &update.operations {
-            let error = if op.phase == OperationPhase::Failed {
+            let mut error = if op.phase == OperationPhase::Failed {
                 format!(": {}", clean(op.error.as_deref().unwrap_or("")))
             } else {
                 String::new()
             };
+            if let Some(last) = render::last_error(op) {
+                error.push_str(&format!(" (last error: {last})"));
+            }
             // The agent's rate and ETA while it runs (a finished one needs neither).
             let rate = render::rate_and_eta(op, now)
                 .filter(|_| op.phase.is_unfinished())
@@ -284,10 +287,13 @@ impl View for Bars {
                 bar.set_length(op.n_total as u64);
             }
             bar.set_position(op.n_completed.max(0) as u64);
+            let last = render::last_error(op)
+                .map(|e| format!(" (last error: {e})"))
+                .unwrap_or_default();
             match op.phase {
                 OperationPhase::Completed => bar.finish_with_message("completed"),
                 OperationPhase::Failed => bar.abandon_with_message(format!(
-                    "failed: {}",
+                    "failed: {}{last}",
                     clean(op.error.as_deref().unwrap_or(""))
                 )),
                 // Its error already says `canceled: <reason>`.
@@ -295,8 +301,8 @@ impl View for Bars {
                     bar.abandon_with_message(clean(op.error.as_deref().unwrap_or("")).into_owned())
                 }
                 _ => bar.set_message(match render::rate_and_eta(op, now) {
-                    Some(rate) => format!("{}  {rate}", op.phase),
-                    None => op.phase.to_string(),
+                    Some(rate) => format!("{}  {rate}{last}", op.phase),
+                    None => format!("{}{last}", op.phase),
                 }),
             }
         }

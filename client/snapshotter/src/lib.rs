@@ -1,10 +1,7 @@
 #![doc = include_str!("../README.md")]
 
-pub mod budget;
-pub mod log_throttle;
-pub mod server;
+mod server;
 mod store;
-pub mod traffic;
 
 use std::future::Future;
 use std::io;
@@ -21,7 +18,6 @@ pub use jsonrpsee::RpcModule;
 
 pub use crate::store::{child, OperationStore, StoreError};
 
-use crate::server::{AdmitAll, ServeConfig};
 use opmon_client::types::{OperationProgress, OperationRef};
 use opmon_client::{codes, methods};
 
@@ -448,21 +444,7 @@ pub async fn serve_methods(
     Ok(())
 }
 
-/// Serves `methods` on a bound socket until `shutdown` resolves.
-async fn serve_listener(
-    listener: tokio::net::UnixListener,
-    methods: impl Into<jsonrpsee::Methods>,
-    shutdown: impl Future<Output = ()>,
-) {
-    server::serve(
-        listener,
-        methods,
-        ServeConfig::default(),
-        AdmitAll,
-        shutdown,
-    )
-    .await;
-}
+use crate::server::serve_listener;
 
 /// Tells the agent when operations change, so it polls them at once rather than at its
 /// next poll (10 s by default): a finished copy reaches its owner in milliseconds.

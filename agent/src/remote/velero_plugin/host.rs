@@ -23,7 +23,7 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 
 use super::wire;
-use opmon_snapshotter::log_throttle::LogThrottles;
+use crate::log_limit::LogLimit;
 
 /// What Velero's framework announces in its handshake config (`framework.Handshake`).
 const MAGIC_COOKIE_KEY: &str = "VELERO_PLUGIN";
@@ -56,7 +56,19 @@ const LAST_LINE_CHARS: usize = 200;
 pub struct HostKey {
     pub path: PathBuf,
     pub args: Vec<String>,
+    /// Set on top of what the plugin inherits ([`inherited_env`]).
     pub env: BTreeMap<String, String>,
+}
+
+/// The environment a plugin inherits from the process that runs it, as Velero's plugins
+/// inherit Velero's (credential files, `KUBERNETES_SERVICE_*`, `VELERO_NAMESPACE`,
+/// proxies): all of it but go-plugin's own variables, which [`Host::start`] sets for this
+/// plugin (a stand-in started by Velero has Velero's in its environment).
+fn inherited_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
+    std::env::vars_os().filter(|(k, _)| {
+        let k = k.to_string_lossy();
+        k != MAGIC_COOKIE_KEY && !k.starts_with("PLUGIN_")
+    })
 }
 
 /// A plugin binary and, while it runs, its process and gRPC channel.
@@ -65,8 +77,8 @@ pub struct Host {
     /// The binary's file name, for the log.
     label: String,
     state: tokio::sync::Mutex<State>,
-    /// Its output's lines in the log, per stream, within a budget.
-    log: LogThrottles<&'static str>,
+    /// Its output's lines in the log, within a limit.
+    log: Arc<LogLimit>,
 }
 
 /// The last lines a plugin printed, for the error of a start that failed.
@@ -149,12 +161,7 @@ impl Host {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| key.path.display().to_string());
-        let shown = label.clone();
-        let log = LogThrottles::new(move |stream: Option<&&str>, unlogged, window| {
-            tracing::warn!(velero_plugin = %shown, unlogged, ?window,
-                "{unlogged} lines of velero plugin {shown}'s {} not logged one by one",
-                stream.copied().unwrap_or("output"))
-        });
+        let log = Arc::new(LogLimit::new("a Velero plugin's output"));
         Host {
             key,
             label,
@@ -251,7 +258,7 @@ impl Host {
         command
             .args(&self.key.args)
             .env_clear()
-            .env("PATH", crate::remote::COMMAND_PATH)
+            .envs(inherited_env())
             .envs(&self.key.env)
             // What go-plugin's client adds to the environment (Velero asks for no
             // multiplexing and no mTLS).
@@ -490,8 +497,7 @@ async fn stream_stdio(out: Output, channel: Channel) {
             buffer.clear();
         }
     }
-    out.log.finish(&"stdout");
-    out.log.finish(&"stderr");
+    out.log.flush();
 }
 
 /// Keeps reading a plugin's output to [`OUTPUT_RATE`].
@@ -545,7 +551,7 @@ async fn read_line<R: AsyncRead + Unpin>(
 struct Output {
     label: String,
     stream: &'static str,
-    log: LogThrottles<&'static str>,
+    log: Arc<LogLimit>,
     last: LastLines,
 }
 
@@ -562,7 +568,7 @@ impl Output {
             pace.read(line.len().max(LINE_COST)).await;
             self.line(self.stream, &line);
         }
-        self.log.finish(&self.stream);
+        self.log.flush();
     }
 
     /// One line of output: kept among the last, and logged within the budget.
@@ -573,7 +579,7 @@ impl Output {
             return;
         }
         self.last.push(text);
-        self.log.log(stream, || log_line(&self.label, stream, text));
+        self.log.log(|| log_line(&self.label, stream, text));
     }
 }
 

@@ -207,11 +207,13 @@ impl VeleroRemote {
         }
         match s.code() {
             // How Velero's framework returns a plugin's error (`common.NewGRPCError`).
+            // The operation's error is what Velero records of it (the Go client's
+            // error text): what Velero shows is the same through opmon as without it.
             Code::Unknown => {
                 if let Some(frame) = stack(s) {
                     tracing::debug!(snapshotter = %name, "plugin error at {frame}: {}", s.message());
                 }
-                CallError::Answered(format!("snapshotter {name}: {}", s.message()))
+                CallError::Answered(go_status_text(s))
             }
             Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
                 CallError::Unreachable(format!("snapshotter {name}: {}", s.message()))
@@ -221,9 +223,23 @@ impl VeleroRemote {
                 s.message(),
                 s.code()
             )),
-            code => CallError::Answered(format!("snapshotter {name}: {} ({code:?})", s.message())),
+            _ => CallError::Answered(go_status_text(s)),
         }
     }
+}
+
+/// A gRPC error as Velero records it: `err.Error()` of grpc-go's status error, which
+/// Velero's plugin client returns (`common.FromGRPCError`) and its operations
+/// controller stores as the operation's error.
+fn go_status_text(s: &tonic::Status) -> String {
+    use tonic::Code;
+    // grpc-go's `codes.Code.String()`; tonic spells two of them otherwise.
+    let code = match s.code() {
+        Code::Cancelled => "Canceled".to_string(),
+        Code::Ok => "OK".to_string(),
+        code => format!("{code:?}"),
+    };
+    format!("rpc error: code = {code} desc = {}", s.message())
 }
 
 /// The top frame of the `generated.Stack` a Velero plugin's error carries.

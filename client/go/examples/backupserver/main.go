@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	owner, err := backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: name})
 	if errors.Is(err, opmon.ErrOutcomeUnknown) {
 		// The agent went away with the call: read back, and end it if it was not.
-		if owner, err = backups.Get(ctx, name); err == nil && owner.Phase == opmon.PhaseInProgress {
+		if owner, err = backups.Get(ctx, opmon.OwnerParams{Name: name}); err == nil && owner.Phase == opmon.PhaseInProgress {
 			owner, err = backups.EndInProgress(ctx, opmon.EndInProgressParams{Name: name})
 		}
 	}

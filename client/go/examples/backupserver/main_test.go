@@ -30,7 +30,7 @@ func TestTheBackupServerExample(t *testing.T) {
 	// The copy of gate-disk ends once the backup is waiting for it.
 	go func() {
 		agenttest.Eventually(time.Minute, func() bool {
-			owner, err := client.Backups().Get(ctx, "vm-1")
+			owner, err := client.Backups().Get(ctx, opmon.OwnerParams{Name: "vm-1"})
 			return err == nil && owner.Phase == opmon.PhaseWaitingForPluginOperations
 		})
 		snapshotter.Open("gate-disk")
@@ -51,7 +51,7 @@ func TestTheBackupServerExample(t *testing.T) {
 			t.Errorf("the output lacks %q:\n%s", line, out.String())
 		}
 	}
-	records, err := client.Backups().ItemOperations(ctx, "vm-1")
+	records, err := client.Backups().ItemOperations(ctx, opmon.OwnerParams{Name: "vm-1"})
 	if err != nil || len(records) != 2 {
 		t.Fatalf("itemOperations: %v, %v", records, err)
 	}

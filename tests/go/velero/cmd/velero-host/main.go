@@ -252,8 +252,9 @@ func main() {
 	for {
 		p, err := progress(operationID)
 		if err != nil {
-			// Velero: the operation is Failed with the error.
-			emit("failed", map[string]interface{}{"operationID": operationID, "error": message(err), "by": "progressError"})
+			// Velero: the operation is Failed with the error's text, err.Error()
+			// (backup_operations_controller.go).
+			emit("failed", map[string]interface{}{"operationID": operationID, "error": err.Error(), "by": "progressError"})
 			return
 		}
 		emit("progress", map[string]interface{}{

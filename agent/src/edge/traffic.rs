@@ -4,8 +4,8 @@
 //! With the log filter `opmon_traffic=trace`, every call's request and response (and a
 //! batch's, as arrays) and every subscription notification is logged under the target
 //! [`TARGET`], one event per exchange with a single field `exchange` holding a JSON
-//! object, by the server's middleware (the agent and the snapshotter SDK both serve
-//! with it); the test harness turns it on for every agent and SDK snapshotter of the end-to-end suite and
+//! object, by the server's middleware; the test harness turns it on for every agent of
+//! the end-to-end suite and
 //! hands the logs to an independent validator (tests/openrpc/traffic.py), so the
 //! documents are checked against everything the suite does, not only against one
 //! scripted client. Off (the default), a call costs one filter lookup.

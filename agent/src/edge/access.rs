@@ -11,23 +11,29 @@
 //!   agent's user) out.
 //! - A peer is admitted if its uid is allowed, or its primary or any supplementary
 //!   group is in `allowed_gids`. The groups are those the peer had when it connected.
-//! - Connections are a [`Budget`]: no uid holds more than `max_connections_per_uid` at
-//!   once, and uids other than the agent's own and root together hold at most three
-//!   quarters of them, so other users cannot take every connection from the operator.
+//! - No uid holds more than `max_connections_per_uid` connections at once (the one
+//!   per-uid bound, as systemd's varlink has), and uids other than root and the agent's
+//!   own hold at most [`crate::caps::CONNECTIONS`] together: the operator can always connect.
 //! - A refused peer gets HTTP 403 (not allowed) or 429 (over a limit) with a JSON-RPC
 //!   error naming the rule (answered by the server within a bounded time), and the
-//!   refusal is counted and logged within a [`LogThrottle`], so a refused peer cannot
+//!   refusal is counted and logged within a [`LogLimit`], so a refused peer cannot
 //!   flood the log.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use opmon_snapshotter::server::{Admission, LogThrottle, Refusal};
 use tokio::net::UnixStream;
 
-use crate::budget::{is_operator, Budget, Held};
+use super::server::{Admission, Refusal};
+use crate::caps::{Cap, Held};
+use crate::log_limit::LogLimit;
 use crate::metrics::Metrics;
+
+/// Whether `uid` is root or the agent's own: the operator.
+pub fn is_operator(uid: u32) -> bool {
+    uid == 0 || uid == nix::unistd::geteuid().as_raw()
+}
 
 /// JSON-RPC error code of a refused connection (the implementation-defined server
 /// error range of JSON-RPC 2.0).
@@ -74,51 +80,62 @@ fn peer_groups(stream: &UnixStream) -> std::io::Result<Vec<u32>> {
     Err(std::io::Error::other("the peer's group list kept growing"))
 }
 
-/// A connection's slot in the connections' budget, given back when the connection ends.
-pub type Slot = Held;
+/// A connection's places (its uid's and, unless the operator's, the total's), given
+/// back when the connection ends.
+pub struct Slot {
+    uid: u32,
+    held: Arc<Mutex<HashMap<u32, u32>>>,
+    _total: Option<Held>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.uid);
+            }
+        }
+    }
+}
 
 pub struct PeerCheck {
     uids: HashSet<u32>,
     gids: HashSet<u32>,
-    connections: Budget,
-    log: LogThrottle,
+    per_uid: u32,
+    /// Connections held, by uid.
+    held: Arc<Mutex<HashMap<u32, u32>>>,
+    total: Cap,
     metrics: Arc<Metrics>,
 }
 
+static REFUSALS: LogLimit = LogLimit::new("refused connections");
+
 impl PeerCheck {
     /// Admits the agent's uid, root, `uids` and members of `gids`; at most `per_uid`
-    /// connections per uid, of `max_connections` in all.
+    /// connections per uid, and `total` in all for uids other than the operator's.
     pub fn new(
         uids: &[u32],
         gids: &[u32],
         per_uid: u32,
-        max_connections: u32,
+        total: usize,
         metrics: Arc<Metrics>,
     ) -> PeerCheck {
         PeerCheck {
             uids: uids.iter().copied().collect(),
             gids: gids.iter().copied().collect(),
-            connections: Budget::new(
-                "max_connections_per_uid",
-                "connections",
-                per_uid,
-                max_connections as usize,
-            ),
-            log: LogThrottle::new(|unlogged, window| {
-                tracing::warn!(
-                    unlogged,
-                    ?window,
-                    "refused connections: more than are logged one by one"
-                )
-            }),
+            per_uid,
+            held: Arc::default(),
+            total: Cap::new("connections", total),
             metrics,
         }
     }
 
-    /// Counts a refusal and logs it within the log's budget.
+    /// Counts a refusal and logs it within the log's limit.
     fn refused(&self, line: impl FnOnce()) {
         self.metrics.refused();
-        self.log.log(line);
+        REFUSALS.log(line);
     }
 
     /// Whether a peer with `uid`, primary `gid` and supplementary groups (read only if
@@ -146,9 +163,25 @@ impl PeerCheck {
 
     /// Takes a connection slot for `uid`, or says which limit it is over.
     fn take_slot(&self, uid: u32) -> Result<Slot, Refusal> {
-        self.connections
-            .take(Some(uid))
-            .map_err(|message| refused(hyper::StatusCode::TOO_MANY_REQUESTS, message))
+        let over = |message| refused(hyper::StatusCode::TOO_MANY_REQUESTS, message);
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(uid).or_insert(0);
+        if *n >= self.per_uid {
+            return Err(over(format!(
+                "uid {uid} already holds {n} connections, the most max_connections_per_uid \
+                 allows"
+            )));
+        }
+        let total = match is_operator(uid) {
+            true => None,
+            false => Some(self.total.take().map_err(over)?),
+        };
+        *n += 1;
+        Ok(Slot {
+            uid,
+            held: self.held.clone(),
+            _total: total,
+        })
     }
 }
 
@@ -205,7 +238,7 @@ impl Admission for PeerCheck {
 mod tests {
     use super::*;
 
-    fn check(uids: &[u32], gids: &[u32], per_uid: u32, max: u32) -> PeerCheck {
+    fn check(uids: &[u32], gids: &[u32], per_uid: u32, max: usize) -> PeerCheck {
         PeerCheck::new(uids, gids, per_uid, max, Metrics::new())
     }
 
@@ -247,56 +280,18 @@ mod tests {
     }
 
     #[test]
-    fn refusals_past_the_budget_are_summed_up_once_the_window_ends() {
-        let start = tokio::time::Instant::now();
-        let log = LogThrottle::starting(start, |_, _| {});
-        let own_lines = (0..LogThrottle::PER_WINDOW + 5)
-            .filter(|_| log.note(start).0)
-            .count();
-        assert_eq!(own_lines, LogThrottle::PER_WINDOW as usize);
-        // The next window opens with the sum of the last one's unlogged refusals.
-        assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 5));
-        assert_eq!(log.note(start + LogThrottle::WINDOW), (true, 0));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_windows_count_is_written_when_it_ends_though_no_refusal_follows() {
-        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
-        static SAID: AtomicU32 = AtomicU32::new(0);
-        static AT_DROP: AtomicU32 = AtomicU32::new(0);
-        let log = LogThrottle::new(|unlogged, _| {
-            SAID.fetch_add(unlogged, SeqCst);
-        });
-        for _ in 0..LogThrottle::PER_WINDOW + 7 {
-            log.log(|| {});
-        }
-        assert_eq!(SAID.load(SeqCst), 0, "said before the window ended");
-        // The paused clock runs the window's timer, then this.
-        tokio::time::sleep(LogThrottle::WINDOW * 2).await;
-        assert_eq!(SAID.load(SeqCst), 7);
-
-        let log = LogThrottle::new(|unlogged, _| {
-            AT_DROP.fetch_add(unlogged, SeqCst);
-        });
-        for _ in 0..LogThrottle::PER_WINDOW + 3 {
-            log.log(|| {});
-        }
-        drop(log);
-        assert_eq!(AT_DROP.load(SeqCst), 3, "said when the throttle is dropped");
-        tokio::time::sleep(LogThrottle::WINDOW * 2).await;
-        assert_eq!(AT_DROP.load(SeqCst), 3, "and only once");
-    }
-
-    #[test]
-    fn other_uids_leave_the_reserve_to_the_operator() {
-        let c = check(&[], &[], 10, 8);
-        let _held: Vec<Slot> = (0..6).map(|i| c.take_slot(1000 + i).unwrap()).collect();
-        let over = c.take_slot(1006).err().unwrap();
+    fn other_uids_share_the_total_and_the_operator_is_not_counted_in_it() {
+        let c = check(&[1000, 1001], &[], 8, 3);
+        let held: Vec<Slot> = (0..3).map(|_| c.take_slot(1000).unwrap()).collect();
+        let over = c.take_slot(1001).err().unwrap();
         assert_eq!(
             over.message,
-            "other uids hold 6 connections, all the agent takes from uids other than its own \
-             and root; try again later"
+            "3 of the 3 connections the agent holds at once for all its peers are held; try \
+             again later"
         );
-        assert!(c.take_slot(0).is_ok(), "root still gets in");
+        assert!(c.take_slot(0).is_ok(), "root connects whatever others hold");
+        drop(held);
+        assert!(c.take_slot(1001).is_ok());
+        assert!(c.held.lock().unwrap().is_empty(), "no uid is left counted");
     }
 }
