@@ -58,14 +58,6 @@ impl World {
         tmp
     }
 
-    /// What plugin processes left in their TMPDIR.
-    fn left_in_tmp(&self) -> Vec<String> {
-        std::fs::read_dir(self.tmp())
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .collect()
-    }
-
     fn journal(&self) -> Vec<String> {
         self.dir.journal()
     }
@@ -158,16 +150,6 @@ impl World {
             (owner["phase"] == phase).then_some(owner)
         })
     }
-
-    fn operation(&self, kind: &str, owner: &str, id: &str) -> Value {
-        let ops = self.call(&format!("{kind}.operations"), json!({"name": owner}));
-        ops.as_array()
-            .unwrap()
-            .iter()
-            .find(|op| op["operationId"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("{kind} {owner} has no operation {id}: {ops}"))
-    }
 }
 
 struct Running {
@@ -230,152 +212,6 @@ fn last(all: &[Value]) -> &Value {
     all.last().expect("the host printed nothing")
 }
 
-/// Velero lists the original's plugins under the stand-in, AppliesTo and Execute are the
-/// original's own answers, and Progress shows the original's progress as the agent
-/// polled it, to completion; the backup left InProgress when Velero began asking.
-#[test]
-fn velero_sees_the_original_plugins_progress_through_the_stand_in() {
-    let world = World::new("");
-    let all = world.back_up("b1", "steps-3-a", &[]);
-
-    let listed: Vec<(&str, &str)> = events(&all, "listed")
-        .iter()
-        .map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap()))
-        .collect();
-    assert!(
-        listed.contains(&("BackupItemActionV2", BACKUP_A)),
-        "{listed:?}"
-    );
-    assert!(
-        listed.contains(&("RestoreItemActionV2", RESTORE_A)),
-        "{listed:?}"
-    );
-    let standin = workspace_binary("opmon-velero-plugin");
-    assert_eq!(
-        events(&all, "listed")[0]["command"],
-        standin.to_str().unwrap()
-    );
-    assert_eq!(
-        events(&all, "appliesTo")[0]["includedResources"],
-        json!(["persistentvolumeclaims"])
-    );
-    let executed = events(&all, "executed")[0];
-    assert_eq!(executed["operationID"], "steps-3-a");
-    // The original's item, as it returned it.
-    let item: Value = serde_json::from_str(executed["item"].as_str().unwrap()).unwrap();
-    assert_eq!(
-        item["metadata"]["annotations"]["example.io/executed"],
-        BACKUP_A
-    );
-    assert_eq!(
-        executed["postOperationItems"],
-        json!(["volumesnapshots/app/snap-steps-3-a"])
-    );
-
-    let progress = events(&all, "progress");
-    let done = progress.last().unwrap();
-    assert_eq!(
-        (
-            &done["completed"],
-            &done["err"],
-            &done["nCompleted"],
-            &done["nTotal"]
-        ),
-        (&json!(true), &json!(""), &json!(3), &json!(3)),
-        "{all:?}"
-    );
-    assert_eq!(done["description"], "step 3 of 3");
-    assert_eq!(done["operationUnits"], "steps");
-    assert!(
-        done["started"].is_string() && done["updated"].is_string(),
-        "{done}"
-    );
-    assert_eq!(last(&all)["event"], "completed", "{all:?}");
-
-    // The agent has the Backup as Velero sent it, and the operation as it ended.
-    // It left InProgress when Velero began asking Progress, and ended with its
-    // operations, with no finalize (Velero writes its own files).
-    let owner = world.owner_in("backup", "b1", "Completed");
-    assert_eq!(owner["uid"], "uid-b1");
-    assert_eq!(owner["finalize"], false);
-    assert_eq!(owner["itemOperationTimeout"], "1m0s", "{owner}");
-    let op = world.operation("backup", "b1", "steps-3-a");
-    assert_eq!(op["phase"], "Completed");
-    assert_eq!(
-        op["resource"],
-        json!({"group": "", "resource": "persistentvolumeclaims", "namespace": "app", "name": "steps-3-a"})
-    );
-    assert_eq!(op["postOperationItems"][0]["name"], "snap-steps-3-a");
-    // Execute reached the original once; its Progress came from the agent's copy.
-    let journal = world.journal();
-    let executes = journal
-        .iter()
-        .filter(|l| l.starts_with("execute BackupItemActionV2 example.io/backup-a steps-3-a"))
-        .count();
-    assert_eq!(executes, 1, "{journal:?}");
-    // Velero's Kill (go-plugin's Shutdown) stopped the stand-in and its original, and
-    // their sockets went with them.
-    assert_eq!(world.left_in_tmp(), Vec::<String>::new());
-}
-
-/// A restore goes through RestoreItemAction v2 the same way, and ends without waiting
-/// for a finalize (Velero writes a restore's files itself).
-#[test]
-fn a_restore_goes_through_restore_item_action_v2() {
-    let world = World::new("");
-    let all = world.velero(&[
-        "-restore",
-        "-name",
-        RESTORE_A,
-        "-owner",
-        "r1",
-        "-uid",
-        "uid-r1",
-        "-item",
-        "steps-2-r",
-    ]);
-    assert_eq!(last(&all)["event"], "completed", "{all:?}");
-    assert_eq!(events(&all, "executed")[0]["operationID"], "steps-2-r");
-    let owner = world.owner_in("restore", "r1", "Completed");
-    assert_eq!(owner["operationsCompleted"], 1);
-}
-
-/// An Execute that starts no operation is Velero's synchronous case: nothing is
-/// registered, and the answer is the original's.
-#[test]
-fn an_execute_without_an_operation_registers_nothing() {
-    let world = World::new("");
-    let all = world.back_up("b2", "sync-1", &[]);
-    assert_eq!(events(&all, "executed")[0]["operationID"], "");
-    let mut http = RawHttp::connect(&world.agent.socket);
-    let answer = http.call(
-        &json!({"jsonrpc": "2.0", "id": 1, "method": "backup.get", "params": {"name": "b2"}})
-            .to_string(),
-    );
-    assert_eq!(answer["error"]["code"], 1001, "{answer}");
-}
-
-/// The original answers Progress with a transient error twice: the agent retries, and
-/// Velero sees the operation complete, never a failure (Velero fails an operation at
-/// the first Progress error a plugin returns).
-#[test]
-fn a_transient_progress_error_is_retried_and_velero_sees_no_failure() {
-    let world = World::new("retry_backoff = \"100ms\"");
-    let all = world.back_up("b3", "flaky-2-f", &[]);
-    assert!(events(&all, "failed").is_empty(), "{all:?}");
-    assert_eq!(last(&all)["event"], "completed", "{all:?}");
-    assert_eq!(
-        events(&all, "progress").last().unwrap()["operationUnits"],
-        "GB"
-    );
-    let op = world.operation("backup", "b3", "flaky-2-f");
-    assert_eq!(op["attempts"], 2, "{op}");
-    assert!(
-        op["lastError"].as_str().unwrap().contains("snapshot busy"),
-        "{op}"
-    );
-}
-
 /// An operation whose progress stands still is caught by the agent's stall deadline:
 /// Velero sees it fail with the agent's reason, and the original got its Cancel.
 #[test]
@@ -402,73 +238,6 @@ fn a_stall_caught_by_the_agent_reaches_velero_as_a_failure_with_its_reason() {
     );
     let owner = world.owner_in("backup", "b4", "PartiallyFailed");
     assert_eq!(owner["operationsFailed"], 1);
-}
-
-/// `opmon backup cancel NAME --operation ID` while Velero waits: Velero's next Progress
-/// shows the operation failed with the reason given, and the original got its Cancel.
-#[test]
-fn a_cancel_on_demand_reaches_velero_at_its_next_progress() {
-    let world = World::new("");
-    let mut velero = world.back_up_spawn("b5", "stall-k", &[]);
-    velero.until("progress");
-    let mut cli = Command::new(workspace_binary("opmon"));
-    without_opmon_env(&mut cli);
-    // Its exit status tells the backup's phase (partially failed now); its words, the cancel.
-    let out = cli
-        .args([
-            "backup",
-            "cancel",
-            "b5",
-            "--operation",
-            "stall-k",
-            "--reason",
-            "the storage is full",
-        ])
-        .env("OPMON_SOCKET", &world.agent.socket)
-        .output()
-        .expect("running opmon");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.starts_with("backup b5: 1 operation canceled"),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let all = velero.finish();
-    let end = last(&all);
-    assert_eq!(end["event"], "failed", "{all:?}");
-    assert_eq!(end["error"], "canceled: the storage is full");
-    let journal = world.journal();
-    assert!(
-        journal.contains(&"cancel BackupItemActionV2 example.io/backup-a stall-k".to_string()),
-        "{journal:?}"
-    );
-}
-
-/// Past the Backup's item operation timeout Velero calls Cancel itself: the stand-in
-/// cancels through the agent, which sends Cancel to the original.
-#[test]
-fn velero_cancels_past_its_timeout_through_the_agent() {
-    let world = World::new("");
-    let all = world.back_up("b6", "stall-t", &["-timeout", "1s"]);
-    let end = last(&all);
-    assert_eq!(end["event"], "failed", "{all:?}");
-    assert_eq!(end["error"], "Asynchronous action timed out");
-    assert!(end.get("cancelError").is_none(), "{end}");
-    let op = eventually("the operation ends", LONG, || {
-        let op = world.operation("backup", "b6", "stall-t");
-        (op["phase"] != "InProgress" && op["phase"] != "New").then_some(op)
-    });
-    assert!(
-        ["Canceled", "Failed"].contains(&op["phase"].as_str().unwrap()),
-        "{op}"
-    );
-    let journal = eventually("the original gets Cancel", LONG, || {
-        let journal = world.journal();
-        journal
-            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-t".to_string())
-            .then_some(journal)
-    });
-    assert!(!journal.is_empty());
 }
 
 /// The agent restarts while Velero waits: Velero's Progress calls go on (the stand-in
@@ -743,13 +512,17 @@ fn velero_deleting_the_backup_removes_its_owner_from_the_agent() {
         listed.contains(&("DeleteItemAction", "example.io/delete-a")),
         "{listed:?}"
     );
-    // It applies to what the original's BackupItemActions apply to: no pods.
+    // It applies to what the original's BackupItemActions apply to (backup-a's PVCs,
+    // backup-b's config maps): no pods.
     let applies = events(&all, "deleteAppliesTo");
     let ours = applies
         .iter()
         .find(|e| e["name"] == FORGET)
         .expect("AppliesTo");
-    assert_eq!(ours["includedResources"], json!(["persistentvolumeclaims"]));
+    assert_eq!(
+        ours["includedResources"],
+        json!(["configmaps", "persistentvolumeclaims"])
+    );
     let ours = deletes(&all, FORGET);
     assert_eq!(ours.len(), 2, "{all:?}");
     assert!(ours.iter().all(|(_, e)| e.is_empty()), "{ours:?}");
