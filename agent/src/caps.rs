@@ -24,9 +24,9 @@ pub const CONNECTIONS: usize = 4096;
 /// Calls running at once (methods that mostly wait aside).
 pub const CALLS: usize = 64;
 /// Listings and subscription updates being made at once.
-pub const LISTINGS: usize = 8;
+pub const LISTINGS: usize = 4;
 /// Subscriptions held at once (and 1,024 on one connection).
-pub const SUBSCRIPTIONS: usize = 4096;
+pub const SUBSCRIPTIONS: usize = 16384;
 /// Snapshotters registered over the API (the config file's are not counted).
 pub const SNAPSHOTTERS: usize = 256;
 /// Finalizes running or waiting at once.

@@ -101,7 +101,7 @@ error_table! {
         INVALID_PARAMS = -32602, InvalidParams, "Invalid params", "the params are wrong; the message starts with the offending field's path (`operations[3].resource.name: ...`)";
         /// The connection is not admitted (the agent's admission check, in the
         /// implementation-defined server error range).
-        REFUSED = -32003, Refused, "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections they may (HTTP 429); or a call would take the uid past a quota (the message names it), among them max_unread_bytes_per_uid: a batch stops before its next call while the uid has that much unread";
+        REFUSED = -32003, Refused, "refused", "the connection is not admitted: the peer's uid and groups are not allowed (HTTP 403), or its uid holds max_connections_per_uid connections, or other uids hold all the connections the agent takes (HTTP 429); or a call would pass a cap of the agent's over all peers (subscriptions, snapshotters, finalizes; the message names it), or max_held_bytes: a batch stops before its next call while the agent holds that much for its peers";
         /// JSON-RPC: a bug in the agent.
         INTERNAL_ERROR = -32603, InternalError, "Internal error", "a bug in the agent: report it with the agent's log";
         /// jsonrpsee's limit of subscriptions on one WebSocket connection.

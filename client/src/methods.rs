@@ -324,7 +324,7 @@ declare! {
         // A finalized owner answers with the first finalize's result.
         retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, WRONG_PHASE, STORAGE_FAILURE, FINALIZE_FAILED, REFUSED],
         summary: "Finalizes the {kind}: Finalizing goes to Completed, FinalizingPartiallyFailed to PartiallyFailed.",
-        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`. A peer uid may have `max_finalizes_per_uid` finalizes running or waiting at once: one more is refused at once with -32003 naming the setting.",
+        details: "A repeated finalize returns the first one's result. `contents` (backups only) rewrites the tarball with `updatedItems`. The agent runs or holds at most 64 finalizes at once over all peers: one more is refused at once with -32003 saying so.",
     }
     /// `delete`.
     owner Delete = "delete", types::OwnerParams => types::DeleteResult as "deleted" {
@@ -342,9 +342,9 @@ declare! {
     /// `subscribe`: WebSocket only; the client resubscribes after a reconnect. Its
     /// notifications are [`changed`].
     owner Subscribe = "subscribe", types::NameParams => types::SubscriptionId as "subscription" {
-        retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE, METHOD_NOT_FOUND, INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS],
+        retry: Always, waits: true, grows: false, errors: [INVALID_PARAMS, NOT_FOUND, STORAGE_FAILURE, METHOD_NOT_FOUND, INVALID_REQUEST, TOO_MANY_SUBSCRIPTIONS, REFUSED],
         summary: "WebSocket only: a notification `{kind}.changed` per change of the {kind} until it is terminal.",
-        details: "The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601; in a batch: -32600 (call it on its own). A deleted owner ends the subscription with an error notification. See x-notification.",
+        details: "The first notification, and any after the subscriber fell behind (lagged), carries every operation. Over plain HTTP: -32601; in a batch: -32600 (call it on its own). A deleted owner ends the subscription with an error notification. Past the agent's 16,384 subscriptions over all peers: -32003. See x-notification.",
     }
     /// `unsubscribe`: takes the subscription id by position (jsonrpsee's own method).
     owner Unsubscribe = "unsubscribe", types::NoParams => bool as "unsubscribed" {

@@ -1,5 +1,5 @@
 //! Every agent and SDK snapshotter the harness starts logs its JSON-RPC traffic
-//! (`opmon_traffic=trace`, see `opmon_snapshotter::traffic`); when the [`crate::Agent`] or
+//! (`opmon_traffic=trace`, see `opmon_agent::edge::traffic`); when the [`crate::Agent`] or
 //! [`crate::SdkSnapshotter`] is dropped, its log goes to tests/openrpc/traffic.py, which
 //! validates each exchange against the checked-in OpenRPC document (the agent's API, or
 //! the snapshotter protocol: the agent's calls and the snapshotter's answers) with

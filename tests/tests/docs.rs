@@ -8,9 +8,10 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use opmon_agent::{config, filework, phase, storage_dir, store};
+use opmon_agent::caps;
+use opmon_agent::edge::server::ServeConfig;
+use opmon_agent::{config, phase, storage_dir, store};
 use opmon_client::{openrpc, OwnerKind};
-use opmon_snapshotter::server::ServeConfig;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -273,15 +274,19 @@ fn the_limits_on_the_operations_page_are_the_codes() {
             "`max_connections_per_uid` ({})",
             config::DEFAULT_MAX_CONNECTIONS_PER_UID
         ),
-        format!("At most {} calls run at once", serve.calls_in_flight),
-        format!("{} for one uid", serve.calls_per_peer),
+        format!("At most {} calls run at once", caps::CALLS),
+        format!(
+            "uids other than root and the agent's own {} together",
+            count(caps::CONNECTIONS as u64)
+        ),
         format!(
             "disconnected once {} pass without the agent's write",
             seconds(serve.write_stall_timeout)
         ),
+        format!("`max_held_bytes` ({})", size(serve.held.total() as u64)),
         format!(
-            "holds {} of answers it has not read",
-            size(serve.unread_bytes_per_peer)
+            "At most {} listings and subscription updates are made at once",
+            caps::LISTINGS
         ),
         format!(
             "whose answer would pass {}",
@@ -303,8 +308,14 @@ fn the_limits_on_the_operations_page_are_the_codes() {
             count(store::events::MAX_PER_OWNER as u64)
         ),
         format!(
-            "at most {} finalizes run or wait at once",
-            filework::MAX_ADMITTED
+            "at most {} subscriptions, {} snapshotters registered over the API and {} finalizes",
+            count(caps::SUBSCRIPTIONS as u64),
+            caps::SNAPSHOTTERS,
+            caps::FINALIZES
+        ),
+        format!(
+            "processes run at most {} at once",
+            count(caps::PROCESSES as u64)
         ),
     ];
     let wrong: Vec<&String> = claims

@@ -825,17 +825,18 @@ fn batches_of_many_large_answers_are_cut_off_and_hold_no_one_else() {
     );
 }
 
-/// The answer to a batch of `calls` stopped because its uid holds its quota of answers
-/// it has not read: -32003, naming the setting and where the batch stopped.
+/// The answer to a batch of `calls` stopped because the agent holds all the bytes it
+/// holds for its peers (`max_held_bytes`): -32003, naming the setting and where the
+/// batch stopped.
 fn assert_stopped_for_unread_answers(answer: &Value, calls: usize) {
     assert_eq!(answer["error"]["code"], -32003, "{answer:.300}");
     let message = answer["error"]["message"].as_str().unwrap_or_default();
     assert!(
         message.starts_with("this batch stopped at call ")
-            && message.contains(&format!(" of its {calls}: this peer has "))
+            && message.contains(&format!(" of its {calls}: the agent holds "))
             && message.ends_with(
-                " bytes of answers it has not read, past its quota of 67108864 \
-                 (max_unread_bytes_per_uid); read them, then ask again"
+                " bytes for its peers, all max_held_bytes allows; read the answers, then ask \
+                 again"
             ),
         "{message}"
     );

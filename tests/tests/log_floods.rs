@@ -58,7 +58,7 @@ fn a_plugin_flooding_stderr_is_logged_within_a_bound_with_a_count() {
     );
     let summaries: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("velero plugin sh's stderr not logged one by one"))
+        .filter(|l| l.contains("more lines of a Velero plugin's output were not logged one by one"))
         .collect();
     assert_eq!(own.len() + unlogged(&summaries), lines + 1, "{summaries:?}");
     let message = answer["error"]["message"].as_str().unwrap_or_default();
@@ -113,7 +113,9 @@ fn operations_failing_for_one_cause_are_logged_within_a_bound_with_a_count() {
     let summaries: Vec<&str> = log
         .lines()
         .filter(|l| {
-            l.contains("more operations of plugin example.io/nobody failed not logged one by one")
+            l.contains(
+                "more lines of operations retried, recovered or ended were not logged one by one",
+            )
         })
         .collect();
     assert_eq!(failed.len() + unlogged(&summaries), count, "{summaries:?}");

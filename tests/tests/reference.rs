@@ -6,9 +6,11 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use opmon_agent::{access, api, changes, config, filework, phase, storage_dir};
+use opmon_agent::caps;
+use opmon_agent::edge::access;
+use opmon_agent::edge::server::{self, ServeConfig};
+use opmon_agent::{api, changes, config, phase, storage_dir};
 use opmon_client::{codes, methods, openrpc, validate, OwnerKind};
-use opmon_snapshotter::server::{self, ServeConfig};
 
 fn reference() -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../client/REFERENCE.md");
@@ -202,23 +204,17 @@ fn the_limits_are_the_codes_constants() {
             format!("{} bytes", serve.max_batch_response_bytes),
         ),
         ("batch calls", format!("{}", serve.max_batch_len)),
-        ("connections", format!("{}", server::MAX_CONNECTIONS)),
+        ("connections", format!("{}", caps::CONNECTIONS)),
         (
             "connections per uid",
             format!("{}", config::DEFAULT_MAX_CONNECTIONS_PER_UID),
         ),
-        ("calls in flight", format!("{}", serve.calls_in_flight)),
-        ("calls per uid", format!("{}", serve.calls_per_peer)),
-        ("listings per uid", format!("{}", server::LISTINGS_PER_PEER)),
-        (
-            "request bytes per uid",
-            format!("{} bytes", serve.request_bytes_per_peer),
-        ),
-        (
-            "unread bytes per uid",
-            format!("{} bytes", serve.unread_bytes_per_peer),
-        ),
-        ("held bytes", format!("{} bytes", serve.held_bytes)),
+        ("calls in flight", format!("{}", caps::CALLS)),
+        ("listings", format!("{}", caps::LISTINGS)),
+        ("held bytes", format!("{} bytes", serve.held.total())),
+        ("subscriptions", format!("{}", caps::SUBSCRIPTIONS)),
+        ("snapshotters", format!("{}", caps::SNAPSHOTTERS)),
+        ("processes", format!("{}", caps::PROCESSES)),
         (
             "unread bytes per connection",
             format!("{} bytes", serve.unread_bytes_per_connection),
@@ -236,7 +232,7 @@ fn the_limits_are_the_codes_constants() {
             "progress notifications",
             format!("{} seconds", changes::PROGRESS_EVERY.as_secs()),
         ),
-        ("finalizes", format!("{}", filework::MAX_ADMITTED)),
+        ("finalizes", format!("{}", caps::FINALIZES)),
     ];
     let rows = section(&reference(), "limits");
     for (key, value) in expected {

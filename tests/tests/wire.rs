@@ -336,13 +336,13 @@ fn padded_wait(id: &str, pad: usize) -> String {
 }
 
 /// Calls that wait, in bodies made large by whitespace, hold their bytes while they wait,
-/// charged to their uid (`max_request_bytes_per_uid`, 64 MiB), and no read of anyone
-/// else's: six such `backup.wait` of 8 MB each are all read, a large request is answered
+/// charged to the total of bytes held for peers (`max_held_bytes`), and no read of
+/// anyone else's: six such `backup.wait` of 8 MB each are all read, a large request is answered
 /// while they wait, and the agent's memory grows by what they hold, not more (before,
 /// four of them held every read of a large body for their ten minutes; 30 of 16 MB held
 /// 540 MiB).
 #[test]
-fn padded_waits_hold_their_bytes_within_their_uids_quota_and_no_one_elses_read() {
+fn padded_waits_hold_their_bytes_within_the_total_and_no_one_elses_read() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let mut http = RawHttp::connect(&agent.socket);

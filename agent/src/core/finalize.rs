@@ -13,7 +13,7 @@
 //!   place and the new owner is not completed;
 //! - an output is never another owner's finalized output: finalizes naming one output
 //!   hold its lock from that check until the result is stored;
-//! - a finalize is admitted (charged to its caller's uid, `max_finalizes_per_uid`) before
+//! - a finalize is admitted (one of `caps::FINALIZES` over all peers) before
 //!   it waits for its turn, or refused at once; its file work (open, rewrite, rename)
 //!   runs on the [`FileWork`] pool under the `finalize_deadline`, confined by
 //!   [`Confinement`]; shutdown stops it.

@@ -162,7 +162,7 @@ impl Default for ServeConfig {
             write_stall_timeout: Some(Duration::from_secs(30)),
             request_body_timeout: Some(Duration::from_secs(30)),
             calls_per_connection: 16,
-            held: Cap::new("bytes held for peers", 512 * 1024 * 1024),
+            held: Cap::new("bytes held for peers", 128 * 1024 * 1024),
             unread_bytes_per_connection: 1024 * 1024,
             stop_timeout: Duration::from_secs(10),
             metrics: None,
@@ -638,15 +638,30 @@ struct Metered {
     frames: OutFrames,
 }
 
-/// Follows the frames the server writes (unmasked, RFC 6455 5.2) to know when one ends.
+/// Follows the frames the server writes (unmasked, RFC 6455 5.2) to know when one ends,
+/// from the end of the 101 answer's head on.
 #[derive(Default)]
 struct OutFrames {
+    /// Bytes of the head's closing `\r\n\r\n` seen so far (4: the head has ended).
+    opened: usize,
     head: Vec<u8>,
     left: u64,
 }
 
 impl OutFrames {
     fn wrote(&mut self, mut bytes: &[u8]) {
+        while self.opened < 4 {
+            let Some((&b, rest)) = bytes.split_first() else {
+                return;
+            };
+            bytes = rest;
+            let next = b"\r\n\r\n"[self.opened];
+            self.opened = match b {
+                _ if b == next => self.opened + 1,
+                b'\r' => 1,
+                _ => 0,
+            };
+        }
         while !bytes.is_empty() {
             if self.left > 0 {
                 let n = (bytes.len() as u64).min(self.left);
@@ -678,7 +693,7 @@ impl OutFrames {
     }
 
     fn between(&self) -> bool {
-        self.head.is_empty() && self.left == 0
+        self.opened == 4 && self.head.is_empty() && self.left == 0
     }
 }
 
