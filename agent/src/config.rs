@@ -215,7 +215,7 @@ settings! {
         check between(1, crate::caps::CONNECTIONS as u32);
     /// bytes held for all peers together: request bodies being read or held, answers
     /// not yet read, and snapshotters' answers being read
-    max_held_bytes: u64 = 128 * 1024 * 1024, shown Shown::ValueAnd("(128 MiB)"),
+    max_held_bytes: u64 = 64 * 1024 * 1024, shown Shown::ValueAnd("(64 MiB)"),
         check |b: &u64| match *b >= 1 << 20 {
             true => Ok(()),
             false => Err("must be at least 1048576 (1 MiB)".to_string()),

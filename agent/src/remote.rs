@@ -56,7 +56,7 @@ impl Default for AnswerRoom {
     fn default() -> Self {
         AnswerRoom::within(&crate::caps::Cap::new(
             "bytes held for peers",
-            128 * 1024 * 1024,
+            64 * 1024 * 1024,
         ))
     }
 }

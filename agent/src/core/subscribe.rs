@@ -216,7 +216,7 @@ mod tests {
     async fn core(dir: &std::path::Path) -> Arc<Core> {
         let store = Arc::new(Store::open(&dir.join("agent.db"), |_, _| {}).unwrap());
         let settings = CoreSettings {
-            max_held_bytes: 128 * 1024 * 1024,
+            max_held_bytes: 64 * 1024 * 1024,
             poll_interval: Duration::from_secs(10),
             default_item_operation_timeout: GoDuration::from_secs(3600),
             retention: Duration::from_secs(3600),

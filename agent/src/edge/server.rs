@@ -162,7 +162,7 @@ impl Default for ServeConfig {
             write_stall_timeout: Some(Duration::from_secs(30)),
             request_body_timeout: Some(Duration::from_secs(30)),
             calls_per_connection: 16,
-            held: Cap::new("bytes held for peers", 128 * 1024 * 1024),
+            held: Cap::new("bytes held for peers", 64 * 1024 * 1024),
             unread_bytes_per_connection: 1024 * 1024,
             stop_timeout: Duration::from_secs(10),
             metrics: None,
