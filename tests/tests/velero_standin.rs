@@ -430,7 +430,7 @@ fn a_progress_error_reaches_velero_as_the_originals_text() {
         .host(&args)
         .env_remove("OPMON_VELERO_ORIGINAL")
         .arg("-plugin")
-        .arg(&go_programs().plugin)
+        .arg(test_plugin())
         .output()
         .expect("running the Go host on the original alone");
     let alone = parse(&String::from_utf8_lossy(&out.stdout));
