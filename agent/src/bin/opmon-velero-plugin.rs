@@ -30,7 +30,8 @@
 //! `OPMON_VELERO_ORIGINAL`, the original binary (default: `opmon/<this file's name>` in
 //! this binary's directory, where Velero's plugin discovery does not look), and
 //! `OPMON_SOCKET`, the agent's socket (default: the client's default path);
-//! `OPMON_VELERO_AGENT_TIMEOUT`, how long to wait for an unreachable agent (`10s`).
+//! `OPMON_VELERO_AGENT_TIMEOUT`, how long the calls of one outage of the agent wait for
+//! it in all (`10s`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -236,7 +237,8 @@ impl StandIn {
             let Err(e) = answer else {
                 return answer;
             };
-            if tokio::time::Instant::now() + pause >= self.outage_end() {
+            // An error the agent answered is its answer; only an agent away is waited for.
+            if !is_away(&e) || tokio::time::Instant::now() + pause >= self.outage_end() {
                 return Err(e);
             }
             tokio::time::sleep(pause).await;
