@@ -36,7 +36,8 @@
 //! original; the Deployment sets these): `OPMON_VELERO_ORIGINAL`, the original binary
 //! (default: `/opmon/plugins/<this file's name>`), `OPMON_SOCKET`, the agent's socket
 //! (default: the client's default path), and `OPMON_VELERO_AGENT_TIMEOUT`, how long to
-//! wait for an unreachable agent (`10s`).
+//! the calls of one outage of the agent wait for it in all
+//! (`10s`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -246,7 +247,8 @@ impl StandIn {
             let Err(e) = answer else {
                 return answer;
             };
-            if tokio::time::Instant::now() + pause >= self.outage_end() {
+            // An error the agent answered is its answer; only an agent away is waited for.
+            if !is_away(&e) || tokio::time::Instant::now() + pause >= self.outage_end() {
                 return Err(e);
             }
             tokio::time::sleep(pause).await;
