@@ -56,7 +56,7 @@ async fn each_bad_request_gets_its_error_and_leaves_connection_and_state_intact(
         (
             request("backup.get", json!("b")),
             -32602,
-            "params: invalid type: string \"b\", expected an object with name".into(),
+            "params: invalid type: string \"b\", expected an object with name, uid".into(),
         ),
         (
             request("snapshotter.register", json!(5)),
