@@ -200,7 +200,7 @@ async fn a_backup_through_its_phases_leaves_its_history_with_the_callers() {
         ),
         (
             r#"{"name":"b","before":6}"#,
-            "before: unknown field `before`, expected one of `name`, `after`, `limit`",
+            "before: unknown field `before`, expected one of `name`, `uid`, `after`, `limit`",
         ),
     ] {
         let answer = raw.post(
