@@ -592,7 +592,13 @@ pub fn rewrite<R: Read, W: Write + Send>(
     updates: &Updates,
     max_decompressed: u64,
 ) -> Result<Outcome, RewriteError> {
-    rewrite_until(input, output, updates, max_decompressed, &AtomicBool::new(false))
+    rewrite_until(
+        input,
+        output,
+        updates,
+        max_decompressed,
+        &AtomicBool::new(false),
+    )
 }
 
 /// [`rewrite`], giving up with [`RewriteError::Stopped`] soon after `stop` is raised.
@@ -756,10 +762,18 @@ fn copy<R: Read>(
             pending.held += size;
             let mut data = Vec::with_capacity(size as usize);
             let name = b"(header extension)";
-            pass(&mut entry, size, &mut buf, stop, name, &tap.ended, |piece| {
-                data.extend_from_slice(piece);
-                Ok(())
-            })?;
+            pass(
+                &mut entry,
+                size,
+                &mut buf,
+                stop,
+                name,
+                &tap.ended,
+                |piece| {
+                    data.extend_from_slice(piece);
+                    Ok(())
+                },
+            )?;
             pending.all.extend_from_slice(header.as_bytes());
             pending.all.extend_from_slice(&data);
             if kind == b'g' {
@@ -911,9 +925,15 @@ fn copy<R: Read>(
             None => {
                 out.write_all(&taken.all).map_err(write_error)?;
                 out.write_all(header.as_bytes()).map_err(write_error)?;
-                pass(&mut entry, size, &mut buf, stop, &name, &tap.ended, |data| {
-                    out.write_all(data).map_err(write_error)
-                })?;
+                pass(
+                    &mut entry,
+                    size,
+                    &mut buf,
+                    stop,
+                    &name,
+                    &tap.ended,
+                    |data| out.write_all(data).map_err(write_error),
+                )?;
                 padding.1 = Padding::Out;
             }
         }

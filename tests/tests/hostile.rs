@@ -1328,9 +1328,9 @@ fn websocket_headers_of_large_messages_that_never_come_keep_the_agent_under_its_
 /// quota, not 64 connections × 1 MiB (before, three uids of 256 such connections took
 /// the agent from 17 MB to 800 MB), and HTTP calls are still answered.
 #[test]
-fn unread_answers_over_many_websockets_are_held_to_the_uids_quota() {
+fn unread_answers_over_many_websockets_are_held_to_the_total() {
     let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &["--max-unread-bytes-per-uid", "4194304"]);
+    let agent = Agent::start(dir.path(), &["--max-held-bytes", "4194304"]);
     let pid = agent.pid();
     let mut http = RawHttp::connect(&agent.socket);
     http.call(&request("rpc.discover", json!({})));

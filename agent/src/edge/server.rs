@@ -831,6 +831,8 @@ impl AsyncRead for Metered {
                 }
                 if this.idle_ran_out(cx) {
                     let idle = this.idle.unwrap_or_default().as_secs();
+                    // Operators read this at debug level.
+                    tracing::debug!("closed an idle connection");
                     return Poll::Ready(Err(this.close(&format!(
                         "the client sent nothing for {idle}s (idle_timeout)"
                     ))));
