@@ -142,52 +142,6 @@ fn websocket_frames_without_a_mask_close_the_connection_and_hold_nothing() {
     );
 }
 
-/// A WebSocket is opened only by a connection's first request, with no body and
-/// nothing sent after it before the 101 (frames sent early would reach the server
-/// unseen by its checks of frames): such requests are refused with 400 saying what to
-/// do, a head ending in bare line feeds included, and a clean upgrade then works.
-#[test]
-fn a_websocket_with_bytes_sent_before_its_101_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &[]);
-    let call = frame(
-        true,
-        TEXT,
-        request("agent.status", json!({})).as_bytes(),
-        true,
-    );
-    let upgrade = opmon_tests::raw::WEBSOCKET_UPGRADE;
-    let bare = upgrade.replace("\r\n", "\n");
-    let with_body = upgrade.replace("\r\n\r\n", "\r\nContent-Length: 2\r\n\r\n{}");
-    let cases: [(&str, Vec<u8>); 3] = [
-        (
-            "a frame right after the head",
-            [upgrade.as_bytes(), &call].concat(),
-        ),
-        (
-            "a head of bare line feeds, a frame, then CRLF CRLF",
-            [bare.as_bytes(), &call, b"\r\n\r\n"].concat(),
-        ),
-        ("a head with a body", with_body.into_bytes()),
-    ];
-    for (what, bytes) in cases {
-        let response = read_to_close(&mut send(&agent.socket, &bytes));
-        assert_eq!(status_of(&response), 400, "{what}: {response}");
-        let error = &json_body(&response)["error"];
-        assert_eq!(error["code"], -32600, "{what}: {error}");
-        assert!(
-            error["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("wait for the 101")),
-            "{what}: {error}"
-        );
-    }
-    let mut ws = websocket(&agent.socket);
-    ws_send(&mut ws, request("agent.status", json!({})).as_bytes()).unwrap();
-    let answer = ws_answer(&mut ws);
-    assert!(answer["result"]["version"].is_string(), "{answer}");
-}
-
 /// A text message may come in fragments, a character split between two and a ping
 /// between them: it is answered. A text message that is not UTF-8 once its fragments
 /// are put together (one ends within a character, the next does not finish it) closes
