@@ -903,10 +903,10 @@ impl Owners {
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::{methods, NameParams};
+    /// use opmon_client::{methods, OwnerParams};
     /// let owner = client
     ///     .backups()
-    ///     .request::<methods::Get>(NameParams { name: "nightly-1".into() })
+    ///     .request::<methods::Get>(OwnerParams::current("nightly-1"))
     ///     .await?;
     /// # Ok(()) }
     /// ```
