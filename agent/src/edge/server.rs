@@ -37,8 +37,6 @@
 
 use std::future::Future;
 use std::io;
-use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -171,43 +169,7 @@ impl Default for ServeConfig {
     }
 }
 
-/// Binds `path`, replacing a stale socket file left by a dead process but refusing to
-/// steal the socket of a live one: if something answers a connect on `path`, the error
-/// is `AddrInUse` and names the path. The socket gets file mode `mode`.
-pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
-    let named = |e: io::Error, what: &str| {
-        io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))
-    };
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) => {
-            use std::os::unix::fs::FileTypeExt;
-            if !meta.file_type().is_socket() {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} exists and is not a socket", path.display()),
-                ));
-            }
-            match UnixStream::connect(path).await {
-                Ok(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::AddrInUse,
-                        format!("another process is serving on {}", path.display()),
-                    ))
-                }
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                    std::fs::remove_file(path).map_err(|e| named(e, "removing stale socket"))?;
-                }
-                Err(e) => return Err(named(e, "probing existing socket")),
-            }
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(named(e, "inspecting")),
-    }
-    let listener = UnixListener::bind(path).map_err(|e| named(e, "binding"))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| named(e, "setting mode of"))?;
-    Ok(listener)
-}
+pub use opmon_snapshotter::bind;
 
 /// The `GET /metrics` answer to `request`: the page in the format its `Accept` asks for.
 pub async fn metrics_response<B>(page: &MetricsPage, request: &hyper::Request<B>) -> HttpResponse {

@@ -15,6 +15,8 @@ use jsonrpsee::types::ErrorObjectOwned;
 pub use jsonrpsee;
 pub use jsonrpsee::types::ErrorObjectOwned as RpcError;
 pub use jsonrpsee::RpcModule;
+/// Binds a socket path as [`serve`] does (a stale socket replaced, a live one refused).
+pub use server::bind;
 
 pub use crate::store::{child, OperationStore, StoreError};
 

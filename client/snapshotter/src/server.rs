@@ -21,7 +21,7 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Binds `path` with file mode `mode`, replacing a stale socket file left by a dead
 /// process but refusing to take the socket of a live one (`AddrInUse`, naming the path).
-pub(crate) async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
+pub async fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     let named = |e: io::Error, what: &str| {
         io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))
     };
