@@ -101,7 +101,7 @@ async fn each_bad_request_gets_its_error_and_leaves_connection_and_state_intact(
         (
             request("backup.get", json!({"nmae": "b"})),
             -32602,
-            "nmae: unknown field `nmae`, expected `name`".into(),
+            "nmae: unknown field `nmae`, expected `name` or `uid`".into(),
         ),
         (
             request("backup.get", json!(["b"])),

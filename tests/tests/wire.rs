@@ -144,10 +144,11 @@ fn websocket_frames_without_a_mask_close_the_connection_and_hold_nothing() {
 
 /// A text message may come in fragments, a character split between two and a ping
 /// between them: it is answered. A text message that is not UTF-8 once its fragments
-/// are put together (one ends within a character, the next does not finish it) closes
-/// the connection with 1007 (RFC 6455, 8.1), and the agent serves everyone else.
+/// are put together (one ends within a character, the next does not finish it) is
+/// answered as an invalid request (jsonrpsee's own reading of it), the connection
+/// goes on, and the agent serves everyone else.
 #[test]
-fn text_in_fragments_is_answered_and_broken_utf8_across_them_closes_with_1007() {
+fn text_in_fragments_is_answered_and_broken_utf8_across_them_is_an_invalid_request() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     let call = request("backup.get", json!({"name": "é€😀"}));
@@ -175,7 +176,14 @@ fn text_in_fragments_is_answered_and_broken_utf8_across_them_closes_with_1007() 
     ]
     .concat();
     ws.write_all(&broken).unwrap();
-    assert_eq!(ws_closed(&mut ws), Some(1007), "closed with 1007");
+    let answer = ws_answer(&mut ws);
+    assert_eq!(answer["error"]["code"], -32600, "{answer}");
+    ws_send(&mut ws, request("agent.status", json!({})).as_bytes()).unwrap();
+    let answer = ws_answer(&mut ws);
+    assert!(
+        answer["result"]["version"].is_string(),
+        "the connection goes on: {answer}"
+    );
 
     let mut other = websocket(&agent.socket);
     ws_send(&mut other, request("agent.status", json!({})).as_bytes()).unwrap();

@@ -251,10 +251,12 @@ impl Ended {
 
 /// The lines of operations retried, recovered or ended without completing (their
 /// owners' events have them all).
-static OPERATION_LINES: LogLimit = LogLimit::new("operations retried, recovered or ended");
+static OPERATION_LINES: std::sync::LazyLock<LogLimit> =
+    std::sync::LazyLock::new(|| LogLimit::new("operations retried, recovered or ended"));
 
 /// Snapshotters' reachability changes.
-static REACHABILITY: LogLimit = LogLimit::new("snapshotters' reachability");
+static REACHABILITY: std::sync::LazyLock<LogLimit> =
+    std::sync::LazyLock::new(|| LogLimit::new("snapshotters' reachability"));
 
 impl Ended {}
 
@@ -844,7 +846,7 @@ impl Core {
     pub(super) async fn sweep(self: &Arc<Self>) {
         let plugins = match self
             .store
-            .read(|conn| queries::plugins_with_unfinished(conn).map_err(Error::from))
+            .read(|conn| queries::plugins_waited_on(conn).map_err(Error::from))
             .await
         {
             Ok(plugins) => plugins,

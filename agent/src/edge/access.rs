@@ -110,7 +110,8 @@ pub struct PeerCheck {
     metrics: Arc<Metrics>,
 }
 
-static REFUSALS: LogLimit = LogLimit::new("refused connections");
+static REFUSALS: std::sync::LazyLock<LogLimit> =
+    std::sync::LazyLock::new(|| LogLimit::new("refused connections"));
 
 impl PeerCheck {
     /// Admits the agent's uid, root, `uids` and members of `gids`; at most `per_uid`

@@ -22,7 +22,8 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest a connection is kept, whatever it does.
 pub const LIFETIME: Duration = Duration::from_secs(120);
 
-static ACCEPT_ERRORS: LogLimit = LogLimit::new("failed accepts of metrics connections");
+static ACCEPT_ERRORS: std::sync::LazyLock<LogLimit> =
+    std::sync::LazyLock::new(|| LogLimit::new("failed accepts of metrics connections"));
 
 /// Binds `address` and serves the metrics page there until `shutdown` is cancelled.
 pub async fn serve(

@@ -1437,7 +1437,8 @@ pub async fn serve(
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
     let refusals = Refusals::new();
-    static ACCEPT_ERRORS: LogLimit = LogLimit::new("failed accepts");
+    static ACCEPT_ERRORS: std::sync::LazyLock<LogLimit> =
+        std::sync::LazyLock::new(|| LogLimit::new("failed accepts"));
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {

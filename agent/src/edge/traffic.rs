@@ -10,6 +10,8 @@
 //! documents are checked against everything the suite does, not only against one
 //! scripted client. Off (the default), a call costs one filter lookup.
 
+use std::borrow::Cow;
+
 use serde_json::value::RawValue;
 
 /// The tracing target of traffic events.
@@ -23,8 +25,30 @@ pub(crate) fn enabled() -> bool {
 pub(crate) fn exchange(request: &str, response: &RawValue) {
     tracing::trace!(
         target: TARGET,
-        exchange = %format_args!(r#"{{"request":{request},"response":{}}}"#, response.get())
+        exchange = %format_args!(
+            r#"{{"request":{},"response":{}}}"#,
+            loggable(request),
+            loggable(response.get())
+        )
     );
+}
+
+/// `json` with the characters the log writes as Rust escapes (DEL and the C1 controls,
+/// which serde_json leaves raw: `tracing-subscriber` guards terminals from them) written
+/// as JSON escapes instead, so the logged text is still the same JSON.
+fn loggable(json: &str) -> Cow<'_, str> {
+    let guarded = |c: char| c == '\u{7f}' || ('\u{80}'..='\u{9f}').contains(&c);
+    if !json.contains(guarded) {
+        return Cow::Borrowed(json);
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        match guarded(c) {
+            true => out.push_str(&format!("\\u{:04x}", c as u32)),
+            false => out.push(c),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Logs a notification of subscription method `method` whose result is `result`.
@@ -33,7 +57,10 @@ pub fn notification(method: &str, result: &RawValue) {
         let method = serde_json::to_string(method).unwrap_or_default();
         tracing::trace!(
             target: TARGET,
-            exchange = %format_args!(r#"{{"notification":{method},"result":{}}}"#, result.get())
+            exchange = %format_args!(
+                r#"{{"notification":{method},"result":{}}}"#,
+                loggable(result.get())
+            )
         );
     }
 }

@@ -886,12 +886,17 @@ pub enum Targets<'a> {
     },
 }
 
-/// The plugins that have unfinished operations (of any owner).
-pub fn plugins_with_unfinished(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+/// The plugins that have unfinished operations of waiting owners: those the sweep
+/// polls. Driven by the waiting owners (by their phase index), so operations of owners
+/// still InProgress cost nothing, however many.
+pub fn plugins_waited_on(conn: &Connection) -> rusqlite::Result<Vec<String>> {
     let mut stmt = conn.prepare_cached(concat!(
-        "SELECT DISTINCT plugin_name FROM operations WHERE phase IN ",
+        "SELECT DISTINCT o.plugin_name FROM owners w JOIN operations o ON o.owner_id = w.id \
+         WHERE w.phase IN ",
+        waiting_owner!(),
+        " AND o.phase IN ",
         unfinished_operation!(),
-        " ORDER BY plugin_name"
+        " ORDER BY o.plugin_name"
     ))?;
     let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
