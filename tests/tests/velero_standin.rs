@@ -315,6 +315,46 @@ fn velero_restarted_during_in_progress_fails_the_owner_as_velero_does() {
     );
 }
 
+/// A backup that stopped after Execute (failed before its upload) leaves its owner
+/// InProgress in the agent; its Backup deleted and made again under the same name (a
+/// new uid), in the same Velero, backs up: the stand-in removes the old uid's owner,
+/// cancelling its operation, and the new backup completes under the name.
+#[test]
+fn a_backup_made_again_under_its_name_in_the_same_velero_completes() {
+    let world = World::new("");
+    let all = world.back_up(
+        "b12",
+        "stall-a",
+        &[
+            "-execute-only",
+            "-again-uid",
+            "uid-b12-again",
+            "-again-item",
+            "done-1",
+        ],
+    );
+    assert_eq!(events(&all, "stopped").len(), 1, "{all:?}");
+    assert!(events(&all, "executeFailed").is_empty(), "{all:?}");
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    let owner = world.owner_in("backup", "b12", "Completed");
+    assert_eq!(owner["uid"], "uid-b12-again", "{owner}");
+    eventually("the old uid's operation is cancelled", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel BackupItemActionV2 example.io/backup-a stall-a".to_string())
+    });
+    let mut http = RawHttp::connect(&world.agent.socket);
+    let old = http.call(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "backup.get",
+                "params": {"name": "b12", "uid": "uid-b12"}})
+        .to_string(),
+    );
+    assert_eq!(
+        old["error"]["code"], 1001,
+        "the old uid's owner is gone: {old}"
+    );
+}
+
 /// With no agent to answer, Execute fails for the item (the original's operation is
 /// cancelled rather than left unwatched), and a deletion is told so on each item.
 #[test]

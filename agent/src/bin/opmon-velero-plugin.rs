@@ -442,9 +442,15 @@ impl StandIn {
         // Velero writes its own files: the owner ends when its operations have.
         start["finalize"] = json!(false);
         let method = format!("{}.start", kind.owner());
-        self.call(&method, start)
-            .await
-            .map_err(|e| self.agent_error(&method, e))?;
+        match self.call(&method, start.clone()).await {
+            Ok(_) => {}
+            Err(e) if e.is_already_exists() && self.free_name(kind, &name, &uid).await? => {
+                self.call(&method, start)
+                    .await
+                    .map_err(|e| self.agent_error(&method, e))?;
+            }
+            Err(e) => return Err(self.agent_error(&method, e)),
+        }
         let post: Vec<Value> = post
             .iter()
             .map(|r| {
@@ -695,6 +701,50 @@ impl StandIn {
             forgotten.insert(uid, now);
         }
         result.map(|()| wire::Empty {})
+    }
+
+    /// The name of Velero's object (uid `uid`) is held in the agent by an unfinished
+    /// owner of another uid: Kubernetes names one live object at a time, so Velero no
+    /// longer has that object (a backup failed before its upload, deleted, and made
+    /// again). Removes that owner, cancelling its operations, and says whether the name
+    /// is free; not if it is this uid's own retired owner (a stale request).
+    async fn free_name(&self, kind: Kind, name: &str, uid: &str) -> Result<bool, Status> {
+        let get = format!("{}.get", kind.owner());
+        match self.call(&get, json!({"name": name, "uid": uid})).await {
+            // This uid's owner ended and the name went on to another.
+            Ok(_) => return Ok(false),
+            Err(ClientError::Rpc {
+                code: Code::NotFound,
+                ..
+            }) => {}
+            Err(e) => return Err(self.agent_error(&get, e)),
+        }
+        let current = self
+            .call(&get, json!({"name": name}))
+            .await
+            .map_err(|e| self.agent_error(&get, e))?;
+        let Some(held_by) = current["uid"].as_str().filter(|held| *held != uid) else {
+            return Ok(false);
+        };
+        let delete = format!("{}.delete", kind.owner());
+        match self
+            .call(&delete, json!({"name": name, "uid": held_by}))
+            .await
+        {
+            Ok(answer) => tracing::info!(
+                owner = %name,
+                uid = %held_by,
+                phase = %current["phase"],
+                canceled = %answer["canceled"],
+                "Velero made the object anew: the agent's owner of its old uid is removed"
+            ),
+            Err(ClientError::Rpc {
+                code: Code::NotFound,
+                ..
+            }) => {}
+            Err(e) => return Err(self.agent_error(&delete, e)),
+        }
+        Ok(true)
     }
 
     /// Removes the agent's owner of the Backup, name and uid (current or retired: a

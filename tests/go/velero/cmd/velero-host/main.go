@@ -97,6 +97,8 @@ func main() {
 	polls := flag.Int("polls", 0, "stop after this many Progress calls, as a Velero that restarts (0: never)")
 	executeOnly := flag.Bool("execute-only", false, "stop after Execute, as a Velero that restarts while the backup is InProgress")
 	deleteItems := flag.String("delete", "", "delete the backup instead: its items, resource/namespace/name separated by commas")
+	againUID := flag.String("again-uid", "", "then back up again under the same name with this uid, in the same process (the object deleted and made again)")
+	againItem := flag.String("again-item", "done-1", "the PVC of that second backup")
 	object := flag.String("object", "", "store this text as an object instead, in chunks of 5 bytes, and read it and a missing object back (the ObjectStore -name)")
 	flag.Parse()
 
@@ -161,131 +163,141 @@ func main() {
 		fail("dispensing %s: %v", kind, err)
 	}
 
-	ownerJSON, _ := json.Marshal(map[string]interface{}{
-		"apiVersion": "velero.io/v1", "kind": ownerKind,
-		"metadata": map[string]interface{}{"name": *owner, "namespace": "velero", "uid": *uid},
-		"spec":     map[string]interface{}{"itemOperationTimeout": timeout.String()},
-	})
-	itemJSON, _ := json.Marshal(map[string]interface{}{
-		"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-		"metadata": map[string]interface{}{"name": *item, "namespace": "app"},
-	})
-	ctx := context.Background()
-	var progress func(id string) (*generated.OperationProgress, error)
-	var cancel func(id string) error
-	var operationID string
-	started := time.Now()
-	if *created != "" {
-		if t, err := time.Parse(time.RFC3339Nano, *created); err == nil {
-			started = t
-		}
-	}
-	if *restore {
-		c := raw.(riav2.RestoreItemActionClient)
-		progress = func(id string) (*generated.OperationProgress, error) {
-			r, err := c.Progress(ctx, &riav2.RestoreItemActionProgressRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
-			if err != nil {
-				return nil, err
-			}
-			return r.Progress, nil
-		}
-		cancel = func(id string) error {
-			_, err := c.Cancel(ctx, &riav2.RestoreItemActionCancelRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
-			return err
-		}
-		if *resume == "" {
-			a, err := c.AppliesTo(ctx, &riav2.RestoreItemActionAppliesToRequest{Plugin: *name})
-			if err != nil {
-				fail("AppliesTo: %s", message(err))
-			}
-			emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
-			r, err := c.Execute(ctx, &riav2.RestoreItemActionExecuteRequest{Plugin: *name, Item: itemJSON, Restore: ownerJSON, ItemFromBackup: itemJSON})
-			if err != nil {
-				emit("executeFailed", map[string]interface{}{"error": message(err)})
-				return
-			}
-			operationID = r.OperationID
-			emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item)})
-		}
-	} else {
-		c := raw.(biav2.BackupItemActionClient)
-		progress = func(id string) (*generated.OperationProgress, error) {
-			r, err := c.Progress(ctx, &biav2.BackupItemActionProgressRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
-			if err != nil {
-				return nil, err
-			}
-			return r.Progress, nil
-		}
-		cancel = func(id string) error {
-			_, err := c.Cancel(ctx, &biav2.BackupItemActionCancelRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
-			return err
-		}
-		if *resume == "" {
-			a, err := c.AppliesTo(ctx, &biav2.BackupItemActionAppliesToRequest{Plugin: *name})
-			if err != nil {
-				fail("AppliesTo: %s", message(err))
-			}
-			emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
-			r, err := c.Execute(ctx, &biav2.ExecuteRequest{Plugin: *name, Item: itemJSON, Backup: ownerJSON})
-			if err != nil {
-				emit("executeFailed", map[string]interface{}{"error": message(err)})
-				return
-			}
-			operationID = r.OperationID
-			var post []string
-			for _, p := range r.PostOperationItems {
-				post = append(post, p.Resource+"/"+p.Namespace+"/"+p.Name)
-			}
-			emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item), "postOperationItems": post})
-		}
-	}
-	if *executeOnly {
-		emit("stopped", map[string]interface{}{"operationID": operationID})
-		return
-	}
-	if *resume != "" {
-		operationID = *resume
-	}
-	if operationID == "" {
-		return // a synchronous action: Velero has nothing to follow
-	}
-	for {
-		p, err := progress(operationID)
-		if err != nil {
-			// Velero: the operation is Failed with the error's text, err.Error()
-			// (backup_operations_controller.go).
-			emit("failed", map[string]interface{}{"operationID": operationID, "error": err.Error(), "by": "progressError"})
-			return
-		}
-		emit("progress", map[string]interface{}{
-			"completed": p.Completed, "err": p.Err, "nCompleted": p.NCompleted, "nTotal": p.NTotal,
-			"operationUnits": p.OperationUnits, "description": p.Description,
-			"started": timeOf(p.Started), "updated": timeOf(p.Updated),
+	// One backup (restore) of Velero's, of the object with uid `uid`.
+	backUp := func(uid, item string, executeOnly bool) {
+		ownerJSON, _ := json.Marshal(map[string]interface{}{
+			"apiVersion": "velero.io/v1", "kind": ownerKind,
+			"metadata": map[string]interface{}{"name": *owner, "namespace": "velero", "uid": uid},
+			"spec":     map[string]interface{}{"itemOperationTimeout": timeout.String()},
 		})
-		if p.Completed {
-			if p.Err != "" {
-				emit("failed", map[string]interface{}{"operationID": operationID, "error": p.Err, "by": "plugin"})
-			} else {
-				emit("completed", map[string]interface{}{"operationID": operationID})
+		itemJSON, _ := json.Marshal(map[string]interface{}{
+			"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+			"metadata": map[string]interface{}{"name": item, "namespace": "app"},
+		})
+		ctx := context.Background()
+		var progress func(id string) (*generated.OperationProgress, error)
+		var cancel func(id string) error
+		var operationID string
+		started := time.Now()
+		if *created != "" {
+			if t, err := time.Parse(time.RFC3339Nano, *created); err == nil {
+				started = t
 			}
+		}
+		if *restore {
+			c := raw.(riav2.RestoreItemActionClient)
+			progress = func(id string) (*generated.OperationProgress, error) {
+				r, err := c.Progress(ctx, &riav2.RestoreItemActionProgressRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
+				if err != nil {
+					return nil, err
+				}
+				return r.Progress, nil
+			}
+			cancel = func(id string) error {
+				_, err := c.Cancel(ctx, &riav2.RestoreItemActionCancelRequest{Plugin: *name, OperationID: id, Restore: ownerJSON})
+				return err
+			}
+			if *resume == "" {
+				a, err := c.AppliesTo(ctx, &riav2.RestoreItemActionAppliesToRequest{Plugin: *name})
+				if err != nil {
+					fail("AppliesTo: %s", message(err))
+				}
+				emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
+				r, err := c.Execute(ctx, &riav2.RestoreItemActionExecuteRequest{Plugin: *name, Item: itemJSON, Restore: ownerJSON, ItemFromBackup: itemJSON})
+				if err != nil {
+					emit("executeFailed", map[string]interface{}{"error": message(err)})
+					return
+				}
+				operationID = r.OperationID
+				emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item)})
+			}
+		} else {
+			c := raw.(biav2.BackupItemActionClient)
+			progress = func(id string) (*generated.OperationProgress, error) {
+				r, err := c.Progress(ctx, &biav2.BackupItemActionProgressRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
+				if err != nil {
+					return nil, err
+				}
+				return r.Progress, nil
+			}
+			cancel = func(id string) error {
+				_, err := c.Cancel(ctx, &biav2.BackupItemActionCancelRequest{Plugin: *name, OperationID: id, Backup: ownerJSON})
+				return err
+			}
+			if *resume == "" {
+				a, err := c.AppliesTo(ctx, &biav2.BackupItemActionAppliesToRequest{Plugin: *name})
+				if err != nil {
+					fail("AppliesTo: %s", message(err))
+				}
+				emit("appliesTo", map[string]interface{}{"includedResources": a.ResourceSelector.IncludedResources})
+				r, err := c.Execute(ctx, &biav2.ExecuteRequest{Plugin: *name, Item: itemJSON, Backup: ownerJSON})
+				if err != nil {
+					emit("executeFailed", map[string]interface{}{"error": message(err)})
+					return
+				}
+				operationID = r.OperationID
+				var post []string
+				for _, p := range r.PostOperationItems {
+					post = append(post, p.Resource+"/"+p.Namespace+"/"+p.Name)
+				}
+				emit("executed", map[string]interface{}{"operationID": r.OperationID, "item": string(r.Item), "postOperationItems": post})
+			}
+		}
+		if executeOnly {
+			emit("stopped", map[string]interface{}{"operationID": operationID})
 			return
 		}
-		if *polls > 0 {
-			if *polls--; *polls == 0 {
-				emit("stopped", map[string]interface{}{"operationID": operationID, "created": started.UTC().Format(time.RFC3339Nano)})
+		if *resume != "" {
+			operationID = *resume
+		}
+		if operationID == "" {
+			return // a synchronous action: Velero has nothing to follow
+		}
+		for {
+			p, err := progress(operationID)
+			if err != nil {
+				// Velero: the operation is Failed with the error's text, err.Error()
+				// (backup_operations_controller.go).
+				emit("failed", map[string]interface{}{"operationID": operationID, "error": err.Error(), "by": "progressError"})
 				return
 			}
-		}
-		if started.Add(*timeout).Before(time.Now()) {
-			err := cancel(operationID)
-			fields := map[string]interface{}{"operationID": operationID, "error": "Asynchronous action timed out", "by": "timeout"}
-			if err != nil {
-				fields["cancelError"] = message(err)
+			emit("progress", map[string]interface{}{
+				"completed": p.Completed, "err": p.Err, "nCompleted": p.NCompleted, "nTotal": p.NTotal,
+				"operationUnits": p.OperationUnits, "description": p.Description,
+				"started": timeOf(p.Started), "updated": timeOf(p.Updated),
+			})
+			if p.Completed {
+				if p.Err != "" {
+					emit("failed", map[string]interface{}{"operationID": operationID, "error": p.Err, "by": "plugin"})
+				} else {
+					emit("completed", map[string]interface{}{"operationID": operationID})
+				}
+				return
 			}
-			emit("failed", fields)
-			return
+			if *polls > 0 {
+				if *polls--; *polls == 0 {
+					emit("stopped", map[string]interface{}{"operationID": operationID, "created": started.UTC().Format(time.RFC3339Nano)})
+					return
+				}
+			}
+			if started.Add(*timeout).Before(time.Now()) {
+				err := cancel(operationID)
+				fields := map[string]interface{}{"operationID": operationID, "error": "Asynchronous action timed out", "by": "timeout"}
+				if err != nil {
+					fields["cancelError"] = message(err)
+				}
+				emit("failed", fields)
+				return
+			}
+			time.Sleep(*interval)
 		}
-		time.Sleep(*interval)
+	}
+	backUp(*uid, *item, *executeOnly)
+	if *againUID != "" {
+		// The object was deleted and made again under its name: a new uid, in the same
+		// Velero process (the stand-in's same instance).
+		emit("again", map[string]interface{}{"uid": *againUID})
+		backUp(*againUID, *againItem, false)
 	}
 }
 
