@@ -187,8 +187,14 @@ func (v *veleroServer) backupStore(t *testing.T, manager clientmgmt.Manager) per
 // operations through the stand-in's ObjectStore.
 func (v *veleroServer) backUp(t *testing.T, name string, timeout time.Duration) *velerov1api.Backup {
 	t.Helper()
+	return v.backUpAs(t, name, "uid-"+name, timeout)
+}
+
+// backUpAs is backUp of a Backup with uid `uid` (one made again under a name).
+func (v *veleroServer) backUpAs(t *testing.T, name, uid string, timeout time.Duration) *velerov1api.Backup {
+	t.Helper()
 	backup := builder.ForBackup(velerov1api.DefaultNamespace, name).
-		ObjectMeta(builder.WithUID("uid-" + name)).
+		ObjectMeta(builder.WithUID(uid)).
 		IncludedNamespaces("app").StorageLocation("default").
 		ItemOperationTimeout(timeout).Phase(velerov1api.BackupPhaseReadyToStart).Result()
 	if err := v.client.Create(context.Background(), backup); err != nil {
@@ -509,6 +515,27 @@ func TestVelerosBackupDeletionRemovesTheAgentsOwner(t *testing.T) {
 	}
 	if !w.journalHas("delete DeleteItemAction example.io/delete-a steps-2-d Backup/b7") {
 		t.Errorf("the original's DeleteItemAction was not called: %v", w.journal())
+	}
+	// The name made again, as Kubernetes makes it: a new uid. Velero backs it up and
+	// waits for its operations as for any other.
+	// (The original remembers the operation done: Velero may find it completed at once.)
+	again := v.backUpAs(t, "b7", "uid-b7-again", time.Hour)
+	if again.Status.Errors != 0 || again.Status.BackupItemOperationsAttempted != 1 {
+		t.Fatalf("the Backup made again is %s with %d errors, %d item operations", again.Status.Phase,
+			again.Status.Errors, again.Status.BackupItemOperationsAttempted)
+	}
+	if again.Status.Phase == velerov1api.BackupPhaseWaitingForPluginOperations {
+		again = v.waitForOperations(t, "b7")
+	}
+	if again.Status.Phase != velerov1api.BackupPhaseFinalizing {
+		t.Fatalf("the Backup made again is %s after its operations", again.Status.Phase)
+	}
+	result, rpcErr = w.call("backup.get", map[string]string{"name": "b7"})
+	if rpcErr != nil {
+		t.Fatalf("the agent has no owner b7 made again: %+v", rpcErr)
+	}
+	if err := json.Unmarshal(result, &owner); err != nil || owner.UID != "uid-b7-again" || owner.Phase != "Completed" {
+		t.Fatalf("the agent's owner b7 made again: %s %v", result, err)
 	}
 }
 
