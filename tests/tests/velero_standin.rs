@@ -355,6 +355,38 @@ fn a_backup_made_again_under_its_name_in_the_same_velero_completes() {
     );
 }
 
+/// The same for a Restore: `velero restore delete` calls no plugin, so a restore deleted
+/// unfinished leaves its owner; the Restore made again under its name restores.
+#[test]
+fn a_restore_made_again_under_its_name_in_the_same_velero_completes() {
+    let world = World::new("");
+    let all = world.velero(&[
+        "-restore",
+        "-name",
+        RESTORE_A,
+        "-owner",
+        "r12",
+        "-uid",
+        "uid-r12",
+        "-item",
+        "stall-r",
+        "-execute-only",
+        "-again-uid",
+        "uid-r12-again",
+        "-again-item",
+        "done-1",
+    ]);
+    assert!(events(&all, "executeFailed").is_empty(), "{all:?}");
+    assert_eq!(last(&all)["event"], "completed", "{all:?}");
+    let owner = world.owner_in("restore", "r12", "Completed");
+    assert_eq!(owner["uid"], "uid-r12-again", "{owner}");
+    eventually("the old uid's operation is cancelled", LONG, || {
+        world
+            .journal()
+            .contains(&"cancel RestoreItemActionV2 example.io/restore-a stall-r".to_string())
+    });
+}
+
 /// With no agent to answer, Execute fails for the item (the original's operation is
 /// cancelled rather than left unwatched), and a deletion is told so on each item.
 #[test]

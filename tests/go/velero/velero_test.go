@@ -454,6 +454,17 @@ func TestVelerosRestoreOperationsControllerCompletes(t *testing.T) {
 	if err != nil || len(recorded) != 1 || recorded[0].Status.Phase != itemoperation.OperationPhaseCompleted || recorded[0].Status.NCompleted != 2 {
 		t.Fatalf("the restore's operations as Velero uploaded them: %+v %v", recorded, err)
 	}
+	// The agent's owner ended with its operation. (Velero's restore finalizer, which
+	// takes the restore on to Completed without any plugin, needs a tracker of
+	// Velero's internal/hook that no code outside Velero's module can make.)
+	result, rpcErr := w.call("restore.get", map[string]string{"name": "r1"})
+	var owner struct {
+		UID   string `json:"uid"`
+		Phase string `json:"phase"`
+	}
+	if rpcErr != nil || json.Unmarshal(result, &owner) != nil || owner.UID != "uid-r1" || owner.Phase != "Completed" {
+		t.Fatalf("the agent's owner r1: %s %+v", result, rpcErr)
+	}
 }
 
 // Velero's backup deletion calls the stand-in's own DeleteItemAction with the Backup:
