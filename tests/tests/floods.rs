@@ -753,9 +753,11 @@ fn idle_connections_holding_every_slot_leave_root_answered_and_the_agent_bounded
         &request("backup.start", json!({"name": "b1", "uid": "u1"})),
     );
     assert!(started["result"].is_object(), "{started}");
+    // About one descriptor per connection: `before` may count one or two the agent
+    // closed since (the first call's connection, a database reader).
     let held = descriptors() - before;
     assert!(
-        (4096..4096 + 64).contains(&held),
+        (4096 - 16..4096 + 64).contains(&held),
         "4,096 idle connections hold {held} more descriptors"
     );
     let rss = opmon_tests::raw::status_bytes(pid, "VmHWM:");
