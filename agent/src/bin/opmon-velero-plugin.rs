@@ -711,20 +711,29 @@ impl StandIn {
     async fn free_name(&self, kind: Kind, name: &str, uid: &str) -> Result<bool, Status> {
         let get = format!("{}.get", kind.owner());
         match self.call(&get, json!({"name": name, "uid": uid})).await {
-            // This uid's owner ended and the name went on to another.
-            Ok(_) => return Ok(false),
+            // This uid's owner is retired (it ended and the name went on to another: a
+            // stale request), or current (another call of this object started it).
+            Ok(owner) => return Ok(owner["retired"].is_null()),
             Err(ClientError::Rpc {
                 code: Code::NotFound,
                 ..
             }) => {}
             Err(e) => return Err(self.agent_error(&get, e)),
         }
-        let current = self
-            .call(&get, json!({"name": name}))
-            .await
-            .map_err(|e| self.agent_error(&get, e))?;
-        let Some(held_by) = current["uid"].as_str().filter(|held| *held != uid) else {
-            return Ok(false);
+        // Velero executes items in parallel: another call of this object may have freed
+        // the name and started its owner meanwhile (`start` again is then the same owner).
+        let current = match self.call(&get, json!({"name": name})).await {
+            Ok(current) => current,
+            Err(ClientError::Rpc {
+                code: Code::NotFound,
+                ..
+            }) => return Ok(true),
+            Err(e) => return Err(self.agent_error(&get, e)),
+        };
+        let held_by = match current["uid"].as_str() {
+            Some(held) if held == uid => return Ok(true),
+            Some(held) => held,
+            None => return Ok(false),
         };
         let delete = format!("{}.delete", kind.owner());
         match self
