@@ -77,7 +77,7 @@ impl LogLimit {
     /// Writes `line` unless the window is full (then counts it).
     pub fn log(&self, line: impl FnOnce()) {
         let (written, left_out) = self.note(Instant::now());
-        self.left_out(left_out);
+        say_left_out(self.what, left_out);
         if written {
             line();
         }
@@ -89,11 +89,7 @@ impl LogLimit {
             let mut w = self.window.lock().unwrap_or_else(|p| p.into_inner());
             std::mem::take(&mut w.unlogged)
         };
-        self.left_out(left_out);
-    }
-
-    fn left_out(&self, n: u32) {
-        say_left_out(self.what, n);
+        say_left_out(self.what, left_out);
     }
 }
 

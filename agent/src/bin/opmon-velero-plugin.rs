@@ -689,7 +689,14 @@ impl StandIn {
             }
             _ => {}
         }
-        let result = self.forget_owner(&name, &uid).await;
+        let result = self
+            .forget_owner(
+                Kind::Backup,
+                &name,
+                &uid,
+                "Velero deletes the backup: its owner is removed from the agent",
+            )
+            .await;
         let now = match &result {
             Ok(()) => Forgetting::Done,
             Err(status) => Forgetting::Failed {
@@ -735,50 +742,32 @@ impl StandIn {
             Some(held) => held,
             None => return Ok(false),
         };
+        let why = format!(
+            "Velero made the object anew: the agent's owner of its old uid {held_by} ({}) is removed",
+            current["phase"]
+        );
+        self.forget_owner(kind, name, held_by, &why).await?;
+        Ok(true)
+    }
+
+    /// Removes the agent's owner of `kind`, name and uid (current or retired: a later
+    /// object may have taken the name), logging `why`; one already gone is fine. Its
+    /// unfinished operations are cancelled.
+    async fn forget_owner(
+        &self,
+        kind: Kind,
+        name: &str,
+        uid: &str,
+        why: &str,
+    ) -> Result<(), Status> {
         let delete = format!("{}.delete", kind.owner());
-        match self
-            .call(&delete, json!({"name": name, "uid": held_by}))
-            .await
-        {
-            Ok(answer) => tracing::info!(
-                owner = %name,
-                uid = %held_by,
-                phase = %current["phase"],
-                canceled = %answer["canceled"],
-                "Velero made the object anew: the agent's owner of its old uid is removed"
-            ),
+        match self.call(&delete, json!({"name": name, "uid": uid})).await {
+            Ok(answer) => tracing::info!(owner = %name, canceled = %answer["canceled"], "{why}"),
             Err(ClientError::Rpc {
                 code: Code::NotFound,
                 ..
             }) => {}
             Err(e) => return Err(self.agent_error(&delete, e)),
-        }
-        Ok(true)
-    }
-
-    /// Removes the agent's owner of the Backup, name and uid (current or retired: a
-    /// later backup may have taken the name). Its unfinished operations are cancelled.
-    async fn forget_owner(&self, name: &str, uid: &str) -> Result<(), Status> {
-        let gone = |e: &ClientError| {
-            matches!(
-                e,
-                ClientError::Rpc {
-                    code: Code::NotFound,
-                    ..
-                }
-            )
-        };
-        match self
-            .call("backup.delete", json!({"name": name, "uid": uid}))
-            .await
-        {
-            Ok(answer) => tracing::info!(
-                backup = %name,
-                canceled = %answer["canceled"],
-                "Velero deletes the backup: its owner is removed from the agent"
-            ),
-            Err(e) if gone(&e) => {}
-            Err(e) => return Err(self.agent_error("backup.delete", e)),
         }
         Ok(())
     }
