@@ -382,60 +382,16 @@ pub fn operations(ops: &[Operation]) -> String {
     )
 }
 
-/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, tabwidth 8,
-/// padding 2, padchar ' ', flags 0`): `\t` ends a cell; the cells of one column are
-/// padded to the widest in each run of consecutive lines that have that column; a
-/// line's last cell is not in any column. Cells must hold no tab or newline of their
-/// own (everything from outside went through [`clean`]).
+/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, padding 2`),
+/// by the tabwriter crate, a port of it. Cells hold no tab or newline of their own
+/// (everything from outside went through [`clean`]).
 pub fn tabwrite(text: &str) -> String {
-    const PADDING: usize = 2;
-    let lines: Vec<Vec<&str>> = text
-        .strip_suffix('\n')
-        .unwrap_or(text)
-        .split('\n')
-        .map(|l| l.split('\t').collect())
-        .collect();
-    let width = |cell: &str| cell.chars().count();
-    // widths[line][column]: the padded width of each tab-terminated cell.
-    let mut widths: Vec<Vec<usize>> = lines.iter().map(|l| vec![0; l.len() - 1]).collect();
-    fn blocks(
-        lines: &[Vec<&str>],
-        widths: &mut [Vec<usize>],
-        from: usize,
-        to: usize,
-        column: usize,
-        width: &dyn Fn(&str) -> usize,
-    ) {
-        let mut this = from;
-        while this < to {
-            if column >= lines[this].len() - 1 {
-                this += 1;
-                continue;
-            }
-            let start = this;
-            let mut w = 0;
-            while this < to && column < lines[this].len() - 1 {
-                w = w.max(width(lines[this][column]) + PADDING);
-                this += 1;
-            }
-            for row in widths.iter_mut().take(this).skip(start) {
-                row[column] = w;
-            }
-            blocks(lines, widths, start, this, column + 1, width);
-        }
-    }
-    blocks(&lines, &mut widths, 0, lines.len(), 0, &width);
-    let mut out = String::new();
-    for (line, w) in lines.iter().zip(&widths) {
-        for (i, cell) in line.iter().enumerate() {
-            out.push_str(cell);
-            if let Some(w) = w.get(i) {
-                out.extend(std::iter::repeat_n(' ', w - width(cell)));
-            }
-        }
-        out.push('\n');
-    }
-    out
+    use std::io::Write;
+    let mut w = tabwriter::TabWriter::new(Vec::new()).minwidth(0).padding(2);
+    // Writing to memory cannot fail.
+    let _ = w.write_all(text.as_bytes());
+    let bytes = w.into_inner().unwrap_or_default();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// A time as Velero's describers print a `metav1.Time`: Go's `Time.String()` of a
