@@ -328,14 +328,7 @@ pub enum OwnerCommand {
         failed: bool,
     },
     /// One owner.
-    Get {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    Get(Owner),
     /// Every owner that had the name: the current one, then the retired ones (a new
     /// uid took the name once they had ended), latest retired first.
     History {
@@ -356,12 +349,8 @@ pub enum OwnerCommand {
     },
     /// The owner's operations.
     Operations {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Only operations in these phases (repeatable).
         #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
@@ -369,12 +358,8 @@ pub enum OwnerCommand {
     /// The owner, readable, ending with its recent events; with --details, each
     /// operation and every event kept.
     Describe {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Each operation in full, and every event kept.
         #[arg(long)]
         details: bool,
@@ -382,12 +367,8 @@ pub enum OwnerCommand {
     /// The owner's history (phase changes, failures, calls and their callers), oldest
     /// first, a page at a time.
     Events {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Start after this event (the previous page's last SEQ).
         #[arg(long)]
         after: Option<u64>,
@@ -423,23 +404,9 @@ pub enum OwnerCommand {
         updated_items: Option<PathBuf>,
     },
     /// The -itemoperations.json.gz records.
-    ItemOperations {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    ItemOperations(Owner),
     /// Removes it, cancelling unfinished operations.
-    Delete {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    Delete(Owner),
     /// Cancels it (it ends Failed), or with --operation only those operations (they
     /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.
     Cancel {
@@ -454,6 +421,23 @@ pub enum OwnerCommand {
         #[arg(long)]
         reason: Option<String>,
     },
+}
+
+/// One owner: the name's current one, or with --uid the one of that uid.
+#[derive(Args, Debug)]
+pub struct Owner {
+    /// The backup's or restore's name.
+    pub name: String,
+    /// The owner of this uid, current or retired (see `history`), rather than the
+    /// name's current owner.
+    #[arg(long)]
+    pub uid: Option<String>,
+}
+
+impl From<Owner> for opmon_client::OwnerParams {
+    fn from(Owner { name, uid }: Owner) -> Self {
+        opmon_client::OwnerParams { name, uid }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
