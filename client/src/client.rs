@@ -497,12 +497,6 @@ impl Client {
     }
 
     /// The agent's socket.
-    ///
-    /// ```no_run
-    /// # fn demo(client: opmon_client::Client) {
-    /// println!("talking to {}", client.socket().display());
-    /// # }
-    /// ```
     pub fn socket(&self) -> &Path {
         &self.inner.path
     }
@@ -649,8 +643,6 @@ impl<M: Method> Call<M> {
 
     /// The params the call sends (`None` once it was polled).
     ///
-    /// No errors.
-    ///
     /// ```no_run
     /// # fn demo(client: opmon_client::Client) {
     /// let call = client.backups().get("nightly-1");
@@ -721,12 +713,6 @@ pub struct Owners {
 
 impl Owners {
     /// The kind of owners these methods are of.
-    ///
-    /// ```no_run
-    /// # fn demo(client: opmon_client::Client) {
-    /// assert_eq!(client.backups().kind(), opmon_client::OwnerKind::Backup);
-    /// # }
-    /// ```
     pub fn kind(&self) -> OwnerKind {
         self.kind
     }

@@ -53,7 +53,7 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    durations_take_hyphens(Cli::command())
+    Cli::command()
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
@@ -61,27 +61,6 @@ pub fn command() -> clap::Command {
                 start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
-}
-
-/// `cmd` whose Go duration flags, in every subcommand, take a value starting with `-`:
-/// `--item-operation-timeout -1s` reaches the duration's parser, whose error names the
-/// flag and says negative durations are refused, instead of clap reading `-1` as a flag.
-fn durations_take_hyphens(cmd: clap::Command) -> clap::Command {
-    let durations: Vec<clap::Id> = cmd
-        .get_arguments()
-        .filter(|arg| arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>())
-        .map(|arg| arg.get_id().clone())
-        .collect();
-    let cmd = durations.iter().fold(cmd, |cmd, id| {
-        cmd.mut_arg(id, |arg| arg.allow_hyphen_values(true))
-    });
-    let subcommands: Vec<String> = cmd
-        .get_subcommands()
-        .map(|sub| sub.get_name().to_string())
-        .collect();
-    subcommands.iter().fold(cmd, |cmd, name| {
-        cmd.mut_subcommand(name, durations_take_hyphens)
-    })
 }
 
 /// Shell completion of names, asked of the agent the line being completed names
@@ -285,7 +264,7 @@ pub enum OwnerCommand {
         #[arg(long)]
         uid: String,
         /// Go duration, e.g. 4h0m0s [default: the agent's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         item_operation_timeout: Option<GoDuration>,
         /// Restores only: pass through Finalizing and wait for `finalize`.
         #[arg(long)]
@@ -304,11 +283,11 @@ pub enum OwnerCommand {
         instance: Option<String>,
         /// Cancel and fail an operation whose progress stands still this long (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         start_timeout: Option<GoDuration>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
@@ -384,7 +363,7 @@ pub enum OwnerCommand {
         #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
         until: Until,
         /// Give up after this long (Go duration) with exit code 3 [default: never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         timeout: Option<GoDuration>,
     },
     /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
@@ -518,20 +497,20 @@ pub enum SnapshotterCommand {
         command: Vec<String>,
         /// Cancel and fail an operation whose progress stands still this long [default:
         /// never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created
         /// [default: never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         start_timeout: Option<GoDuration>,
         /// Transient errors retried per operation [default: 5].
         #[arg(long)]
         retry_attempts: Option<u32>,
         /// Delay before the first retry, doubled each time up to 5m [default: 1s].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         retry_backoff: Option<GoDuration>,
         /// How long an operation may fail transiently before it fails [default: 10m].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         retry_within: Option<GoDuration>,
     },
     /// All snapshotters.
