@@ -91,17 +91,6 @@ macro_rules! settings {
         /// upgrade neither fails nor is silently misread.
         pub const REMOVED: &[(&str, &str)] = &[$((stringify!($gone), $why)),+];
 
-        impl FileConfig {
-            /// The removed settings the file has, and where.
-            fn removed(&self) -> Vec<(&'static str, std::ops::Range<usize>)> {
-                let mut found = Vec::new();
-                $(if let Some(v) = &self.$gone {
-                    found.push((stringify!($gone), v.span()));
-                })+
-                found
-            }
-        }
-
         /// Every setting as declared, in order.
         pub fn declarations() -> Vec<Declaration> {
             vec![$(Declaration {
@@ -125,11 +114,23 @@ macro_rules! settings {
                     checked(&$key, $check).map_err(|e| bad(stringify!($key), &source, e))?;
                     sources.push((stringify!($key), source));
                 )+
+                let mut warnings = Vec::new();
+                $(
+                    let (_, source): (toml::Value, Source) =
+                        layers.take(stringify!($gone), file.$gone.take(), || false.into());
+                    if source != Source::Default {
+                        warnings.push(format!(
+                            "{} (from {source}) is no longer a setting and is ignored: {}",
+                            stringify!($gone),
+                            $why.trim()
+                        ));
+                    }
+                )+
                 Ok(Settings {
                     $($key,)+
                     config_file: None,
                     snapshotters: Vec::new(),
-                    warnings: Vec::new(),
+                    warnings,
                     sources,
                 })
             }
@@ -347,40 +348,38 @@ pub trait SettingType:
 }
 
 macro_rules! scalar_setting {
-    ($ty:ty, $parser:expr) => {
+    ($($ty:ty),+) => {$(
         impl SettingType for $ty {
             fn arg(arg: Arg) -> Arg {
-                arg.value_parser($parser).action(ArgAction::Set)
+                arg.value_parser(clap::value_parser!($ty)).action(ArgAction::Set)
             }
             fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
                 matches.try_get_one::<$ty>(id).ok().flatten().cloned()
             }
         }
-    };
+    )+};
 }
 
-scalar_setting!(PathBuf, clap::value_parser!(PathBuf));
-scalar_setting!(String, clap::value_parser!(String));
-scalar_setting!(GoDuration, clap::value_parser!(GoDuration));
-scalar_setting!(u32, clap::value_parser!(u32));
-scalar_setting!(u64, clap::value_parser!(u64));
-scalar_setting!(bool, clap::value_parser!(bool));
-scalar_setting!(
-    LogFormat,
-    clap::builder::EnumValueParser::<LogFormat>::new()
-);
-scalar_setting!(
-    Checkpoint,
-    clap::builder::EnumValueParser::<Checkpoint>::new()
-);
+scalar_setting!(PathBuf, String, GoDuration, u32, u64, bool, LogFormat, Checkpoint);
+
+/// A removed setting's value: whatever it was, read as text from a flag or variable.
+impl SettingType for toml::Value {
+    fn arg(arg: Arg) -> Arg {
+        arg.action(ArgAction::Set)
+    }
+    fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
+        let text = matches.try_get_one::<String>(id).ok().flatten()?;
+        Some(toml::Value::String(text.clone()))
+    }
+}
 
 /// Lists: comma-separated in a flag or variable (or the flag repeated), an array in
 /// the file. An empty list given by flag or variable counts as not given.
 macro_rules! list_setting {
-    ($item:ty, $parser:expr) => {
+    ($($item:ty),+) => {$(
         impl SettingType for Vec<$item> {
             fn arg(arg: Arg) -> Arg {
-                arg.value_parser($parser)
+                arg.value_parser(clap::value_parser!($item))
                     .value_delimiter(',')
                     .action(ArgAction::Append)
             }
@@ -390,11 +389,10 @@ macro_rules! list_setting {
                 (!list.is_empty()).then_some(list)
             }
         }
-    };
+    )+};
 }
 
-list_setting!(PathBuf, clap::value_parser!(PathBuf));
-list_setting!(u32, clap::value_parser!(u32));
+list_setting!(PathBuf, u32);
 
 /// The bound of a setting that has none.
 fn any<T>(_: &T) -> Result<(), String> {
@@ -594,42 +592,6 @@ pub fn command() -> Command {
                 .action(ArgAction::Set),
         )
     })
-}
-
-/// The warnings for removed settings given by flag, variable or file (`file`: each
-/// key with its span in `text`).
-fn removed_warnings(
-    matches: &ArgMatches,
-    file: &[(&'static str, std::ops::Range<usize>)],
-    path: Option<&Path>,
-    text: &str,
-) -> Vec<String> {
-    let mut warnings = Vec::new();
-    for (key, why) in REMOVED {
-        let mut sources = Vec::new();
-        match matches.value_source(key) {
-            Some(ValueSource::EnvVariable) => {
-                sources.push(Source::Env(format!("OPMON_{}", key.to_uppercase())))
-            }
-            Some(ValueSource::CommandLine) => {
-                sources.push(Source::Flag(format!("--{}", key.replace('_', "-"))))
-            }
-            _ => {}
-        }
-        if let Some((_, span)) = file.iter().find(|(k, _)| k == key) {
-            sources.push(Source::File {
-                path: path.map(Path::to_path_buf).unwrap_or_default(),
-                line: line_of(text, span.clone()),
-            });
-        }
-        for source in sources {
-            warnings.push(format!(
-                "{key} (from {source}) is no longer a setting and is ignored: {}",
-                why.trim()
-            ));
-        }
-    }
-    warnings
 }
 
 /// The two flags that are not settings; every setting is read from the matches.
@@ -892,7 +854,8 @@ impl Settings {
             }
         }
         self.socket_gid()?;
-        self.warnings = self.risks();
+        let risks = self.risks();
+        self.warnings.extend(risks);
         Ok(())
     }
 
@@ -987,12 +950,6 @@ fn config_snapshotters(tables: Vec<Snapshotter>) -> Result<Vec<Snapshotter>, Str
         .into_iter()
         .map(|mut s| {
             let given = s.name.clone();
-            // Checked here too, to name the file's key rather than the API's field.
-            if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
-                return Err(format!(
-                    "config snapshotter {given}: retry_backoff: must be greater than zero"
-                ));
-            }
             crate::api::check_snapshotter(&mut s).map_err(|e| {
                 format!("config snapshotter {given}: {}", file_keys(&e.to_string()))
             })?;
@@ -1163,8 +1120,6 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
     };
     let mut settings = Settings::take(&layers, &mut file)?;
     settings.sanitize()?;
-    let removed = removed_warnings(matches, &file.removed(), config_file.as_deref(), &file_text);
-    settings.warnings.extend(removed);
     settings.snapshotters = config_snapshotters(file.snapshotter)?;
     settings.config_file = config_file;
     Ok(settings)

@@ -179,11 +179,9 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     let core = Core::new(store.clone(), storage, metrics.clone(), settings.core())
         .await
         .map_err(|e| e.to_string())?;
+    // Checked when the settings were resolved.
     for s in &settings.snapshotters {
-        let mut s = s.clone();
-        let given = s.name.clone();
-        api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
-        remote::warn_if_unrunnable(&s);
+        remote::warn_if_unrunnable(s);
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;
