@@ -297,15 +297,23 @@ pub struct Declaration {
     arg: fn(Arg) -> Arg,
 }
 
+/// `OPMON_<KEY>`.
+fn variable(key: &str) -> String {
+    format!("OPMON_{}", key.to_uppercase())
+}
+
+/// `--key-with-dashes`.
+fn flag(key: &str) -> String {
+    format!("--{}", key.replace('_', "-"))
+}
+
 impl Declaration {
-    /// `OPMON_<KEY>`.
     pub fn variable(&self) -> String {
-        format!("OPMON_{}", self.key.to_uppercase())
+        variable(self.key)
     }
 
-    /// `--key-with-dashes`.
     pub fn flag(&self) -> String {
-        format!("--{}", self.key.replace('_', "-"))
+        flag(self.key)
     }
 
     fn clap_arg(&self) -> Arg {
@@ -502,28 +510,19 @@ pub fn setting_variables() -> Vec<String> {
     known
 }
 
-/// The variables of [`REMOVED`] settings: warned of, not refused.
-fn removed_variables() -> Vec<String> {
-    REMOVED
-        .iter()
-        .map(|(key, _)| format!("OPMON_{}", key.to_uppercase()))
-        .collect()
-}
-
 /// Refuses an `OPMON_*` variable in `vars` that is neither a setting nor one of
 /// [`OTHER_PROGRAMS_VARIABLES`], naming it (and the settings it resembles).
 pub fn check_environment(
     vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
 ) -> Result<(), String> {
     let known = setting_variables();
-    let removed = removed_variables();
     let mut unknown: Vec<String> = vars
         .into_iter()
         .map(|(name, _)| name.to_string_lossy().into_owned())
         .filter(|name| name.starts_with("OPMON_"))
         .filter(|name| {
             !known.iter().any(|k| k == name)
-                && !removed.iter().any(|k| k == name)
+                && !REMOVED.iter().any(|(k, _)| variable(k) == *name)
                 && !OTHER_PROGRAMS_VARIABLES.iter().any(|(k, _)| k == name)
         })
         .collect();
@@ -587,7 +586,7 @@ pub fn command() -> Command {
         command.arg(
             Arg::new(*key)
                 .long(key.replace('_', "-"))
-                .env(format!("OPMON_{}", key.to_uppercase()))
+                .env(variable(key))
                 .hide(true)
                 .action(ArgAction::Set),
         )
@@ -766,10 +765,8 @@ impl Layers<'_> {
     ) -> (T, Source) {
         if let Some(value) = T::given(self.matches, key) {
             let source = match self.matches.value_source(key) {
-                Some(ValueSource::EnvVariable) => {
-                    Source::Env(format!("OPMON_{}", key.to_uppercase()))
-                }
-                _ => Source::Flag(format!("--{}", key.replace('_', "-"))),
+                Some(ValueSource::EnvVariable) => Source::Env(variable(key)),
+                _ => Source::Flag(flag(key)),
             };
             return (value, source);
         }
