@@ -1191,6 +1191,17 @@ mod tests {
             ]
         );
         assert!(!s.describe().contains("per_uid = 8"), "not printed back");
+        let s = settings(&["--max-calls-per-uid", "8"], "max_calls_per_uid = 3\n").unwrap();
+        assert_eq!(
+            s.warnings,
+            vec![
+                "max_calls_per_uid (from flag --max-calls-per-uid) is no longer a setting and \
+                 is ignored: calls in flight are bounded for all peers together (see \
+                 docs/trust.md)"
+                    .to_string()
+            ],
+            "once, naming where it wins, as a setting's source is named"
+        );
         check_environment(vec![("OPMON_MAX_FINALIZES_PER_UID".into(), "8".into())]).unwrap();
         let help = command().render_long_help().to_string();
         assert!(!help.contains("max-calls-per-uid"), "{help}");
