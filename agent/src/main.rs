@@ -84,13 +84,13 @@ fn main() -> std::process::ExitCode {
         LogFormat::Json => registry
             .with(
                 logs.json()
-                    .map_event_format(|f| Prioritized::new(f, journal)),
+                    .map_event_format(|inner| Prioritized { inner, journal }),
             )
             .init(),
         LogFormat::Human => registry
             .with(
                 logs.fmt_fields(escaped_fields())
-                    .map_event_format(|f| Prioritized::new(f, journal)),
+                    .map_event_format(|inner| Prioritized { inner, journal }),
             )
             .init(),
     }
@@ -151,12 +151,6 @@ fn stderr_is_journal() -> bool {
 struct Prioritized<F> {
     inner: F,
     journal: bool,
-}
-
-impl<F> Prioritized<F> {
-    fn new(inner: F, journal: bool) -> Prioritized<F> {
-        Prioritized { inner, journal }
-    }
 }
 
 impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for Prioritized<F>
