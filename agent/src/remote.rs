@@ -149,18 +149,8 @@ pub enum Caller {
 }
 
 impl Remote {
-    #[cfg(test)]
-    pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
-        Remote::with_hosts(
-            s,
-            settings,
-            &velero_plugin::Hosts::default(),
-            Cap::new("bytes held for peers", 64 << 20),
-        )
-    }
-
-    /// As [`Remote::new`], a Velero plugin sharing the process of `hosts` that runs its
-    /// binary.
+    /// The remote that calls `s`; a Velero plugin shares the process of `hosts` that runs
+    /// its binary.
     pub fn with_hosts(
         s: &Snapshotter,
         settings: &CallSettings,
@@ -949,6 +939,18 @@ impl Registry {
     /// How many snapshotters are registered.
     pub fn count(&self) -> usize {
         read(&self.remotes).len()
+    }
+}
+
+#[cfg(test)]
+impl Remote {
+    pub fn new(s: &Snapshotter, settings: &CallSettings) -> Remote {
+        Remote::with_hosts(
+            s,
+            settings,
+            &velero_plugin::Hosts::default(),
+            Cap::new("bytes held for peers", 64 << 20),
+        )
     }
 }
 

@@ -66,11 +66,6 @@ impl<K: Eq + Hash + Clone> KeyedLocks<K> {
         // Dropping a guard without the lock still tidies the map.
         guard.guard.is_some().then_some(guard)
     }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        lock(&self.held).len()
-    }
 }
 
 impl NameLocks {
@@ -107,6 +102,12 @@ impl<K: Eq + Hash> Drop for KeyGuard<'_, K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl<K: Eq + Hash + Clone> KeyedLocks<K> {
+        fn len(&self) -> usize {
+            lock(&self.held).len()
+        }
+    }
 
     #[tokio::test]
     async fn a_name_is_held_by_one_at_a_time_and_forgotten_when_free() {

@@ -16,8 +16,6 @@ pub mod packed;
 pub mod queries;
 pub mod schema;
 mod tally;
-#[cfg(test)]
-mod tests;
 pub mod writer;
 
 use std::fs::{File, OpenOptions};
@@ -387,3 +385,6 @@ fn lock(db: &Path) -> Result<Lock, OpenError> {
         _pid_file: locked,
     })
 }
+
+#[cfg(test)]
+mod tests;
