@@ -18,7 +18,7 @@
 //! A relative path is relative to the storage directory. Every refusal is a
 //! [`Error::Finalize`] naming the field, the path and the rule.
 
-use std::ffi::{CString, OsStr, OsString};
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -177,7 +177,7 @@ impl Confinement {
     /// Resolves `given` (relative: under the storage directory) to the allowed
     /// directory it lies beneath. With `parent_only`, only its directory must exist.
     fn resolve(&self, field: &str, given: &Path) -> Result<Resolved, Error> {
-        if std::os::unix::ffi::OsStrExt::as_bytes(given.as_os_str()).contains(&0) {
+        if given.as_os_str().as_bytes().contains(&0) {
             return Err(Error::Finalize(format!(
                 "{field} {:?}: contains a NUL character, which no file name can",
                 given.display().to_string()
@@ -408,10 +408,6 @@ pub struct OutputTarget {
 /// Temporary names are unique within the process; the pid keeps two processes apart.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-fn cstring(name: &OsStr) -> io::Result<CString> {
-    CString::new(name.as_bytes()).map_err(|_| io::Error::other("a NUL byte in a file name"))
-}
-
 impl OutputTarget {
     /// Creates the temporary file the output is written to, beside its final name.
     pub fn create_temp(self) -> io::Result<TempOutput> {
@@ -465,12 +461,12 @@ impl TempOutput {
         if let Some(file) = self.file.take() {
             file.sync_all()?;
         }
-        let (from, to) = (cstring(&self.temp)?, cstring(&self.target.name)?);
+        let dir = &self.target.dir;
         nix::fcntl::renameat(
-            &self.target.dir,
-            from.as_c_str(),
-            &self.target.dir,
-            to.as_c_str(),
+            dir,
+            self.temp.as_os_str(),
+            dir,
+            self.target.name.as_os_str(),
         )
         .map_err(io::Error::from)?;
         self.persisted = true;

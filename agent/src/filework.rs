@@ -4,19 +4,14 @@
 //!
 //! Invariants:
 //! - work is [`FileWork::admit`]ted before it starts: at most [`crate::caps::FINALIZES`]
-//!   over all peers; one more is refused at once with a message naming the limit. The
-//!   charge is held by the work and by each
-//!   of its jobs' threads, so it is given back only once the work and its threads have
-//!   all ended (success, failure, deadline, a caller gone, shutdown);
-//! - each job runs on a thread of its own. No job waits behind another: a small
-//!   finalize is not held up by large ones (what one rewrite may write is bounded by
-//!   `max_decompressed_size`);
-//! - every job has a deadline, counted from its submission: past it the caller gets an
-//!   error, the job's stop flag is raised (a rewrite checks it every 64 KiB) and its
-//!   temporary output is removed;
-//! - [`FileWork::stop`] (shutdown) raises every job's stop flag and removes every
-//!   temporary output still registered, even one whose thread is stuck in a system
-//!   call; nothing waits for such a thread, and the process's exit ends it.
+//!   over all peers, one more refused at once naming the limit; the charge is given back
+//!   only once the work and all its threads have ended;
+//! - each job runs on a thread of its own, so a small finalize never waits behind
+//!   large ones;
+//! - every job has a deadline from its submission: past it the caller gets an error,
+//!   the job's stop flag is raised and its temporary output removed;
+//! - [`FileWork::stop`] (shutdown) raises every stop flag and removes every temporary
+//!   output still registered, without waiting for a thread stuck in a system call.
 
 use std::collections::HashMap;
 use std::ffi::OsString;

@@ -61,7 +61,7 @@ fn chosen_rows(
     let by_id: Option<HashMap<String, Vec<OperationKey>>> = if selectors.len() > LOOKUPS_ONE_BY_ONE
     {
         let mut map: HashMap<String, Vec<OperationKey>> = HashMap::new();
-        for key in queries::operation_keys(conn, row.id)? {
+        for key in queries::operation_keys(conn, row.id, None)? {
             map.entry(key.operation_id.clone()).or_default().push(key);
         }
         Some(map)
@@ -73,7 +73,7 @@ fn chosen_rows(
         let id = selector.operation_id();
         let mut found = match &by_id {
             Some(map) => map.get(id).cloned().unwrap_or_default(),
-            None => queries::operations_with_id(conn, row.id, id)?,
+            None => queries::operation_keys(conn, row.id, Some(id))?,
         };
         if let OperationSelector::Item(o) = selector {
             found.retain(|k| k.resource == o.resource);

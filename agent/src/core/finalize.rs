@@ -102,12 +102,24 @@ impl Finalizer {
 }
 
 /// What is stored of a finalize to answer a repeated one.
-#[derive(Serialize, Deserialize)]
+#[derive(Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Stored {
     contents_file: Option<PathBuf>,
     replaced: u64,
     added: u64,
+}
+
+impl Stored {
+    fn result(self, owner: opmon_client::Owner, records_file: PathBuf) -> FinalizeResult {
+        FinalizeResult {
+            owner,
+            item_operations_file: records_file,
+            contents_file: self.contents_file,
+            replaced: self.replaced,
+            added: self.added,
+        }
+    }
 }
 
 /// The owner a finalize started for.
@@ -220,13 +232,7 @@ impl Core {
                     p.name
                 ))
             })?;
-            return Ok(FinalizeResult {
-                owner: row.owner,
-                item_operations_file: records_file,
-                contents_file: stored.contents_file,
-                replaced: stored.replaced,
-                added: stored.added,
-            });
+            return Ok(stored.result(row.owner, records_file));
         }
         if !row.owner.finalize || !row.owner.phase.is_finalizing() {
             return Err(Error::WrongPhase(WrongPhase::NotFinalizing {
@@ -236,11 +242,7 @@ impl Core {
             }));
         }
 
-        let mut stored = Stored {
-            contents_file: None,
-            replaced: 0,
-            added: 0,
-        };
+        let mut stored = Stored::default();
         let mut _output = None;
         if let Some(contents) = &p.contents {
             let updates = Updates::new(&p.updated_items).map_err(Error::InvalidParams)?;
@@ -314,17 +316,9 @@ impl Core {
             replaced = stored.replaced, added = stored.added, "finalized");
         self.changes
             .notify(kind, &owner.name, Vec::new(), Urgency::Now);
-        Ok(FinalizeResult {
-            owner,
-            item_operations_file: records_file,
-            contents_file: stored.contents_file,
-            replaced: stored.replaced,
-            added: stored.added,
-        })
+        Ok(stored.result(owner, records_file))
     }
 
-    /// Rewrites `contents.input` into a temporary file beside `contents.output`, on the
-    /// file-work pool; the caller renames it into place.
     /// Whether `bound` is still the owner `name`, and `path` is no other owner's
     /// finalized output.
     async fn check_output(
@@ -393,6 +387,8 @@ impl Core {
             .await
     }
 
+    /// Rewrites `contents.input` into a temporary file beside `contents.output`, on the
+    /// file-work pool; the caller renames it into place.
     async fn rewrite(
         &self,
         admitted: &Admitted,

@@ -1,35 +1,18 @@
-//! Commits made durable off the writer's thread.
+//! Commits made durable off the writer's thread: the writer commits with
+//! `synchronous=NORMAL` and the syncer thread fsyncs the WAL once for every commit
+//! since its last, then sends their replies, while the writer runs the next group.
 //!
-//! The writer commits with `synchronous=NORMAL`: SQLite appends the transaction's frames
-//! to the WAL and makes them visible, without an fsync. The syncer, a thread of its own,
-//! then fsyncs the WAL once for every commit made since its last fsync and only then
-//! sends those commits' replies, while the writer already runs the next group. Under
-//! `synchronous=FULL` the writer itself waited for each fsync and ran nothing meanwhile.
-//!
-//! Invariants, the same as `synchronous=FULL` gave:
+//! Invariants (what `synchronous=FULL` gave):
 //! - a write's reply is sent only once the WAL holding its commit is on disk;
 //! - a read returns only once every commit it may have seen is on disk
-//!   ([`Durability::settle`], the read gate), so nothing acts on or shows a state that a
-//!   crash could take back. Commits are numbered, and the writer counts one as begun
-//!   before it asks SQLite to make it, so a reader that saw a commit finds it counted;
-//! - after a failed fsync nothing more is acknowledged. The kernel may have dropped the
-//!   pages it could not write, so what SQLite shows may not be on disk: every waiting
-//!   and later write and read fails, and the agent stops (`lib::run`), to be restarted
-//!   on what the disk holds.
+//!   ([`Durability::settle`]); the writer counts a commit as begun before SQLite makes
+//!   it, so a reader that saw a commit finds it counted;
+//! - after a failed fsync of the WAL nothing more is acknowledged and the agent stops
+//!   (the kernel may have dropped the pages). A failed fsync in a checkpoint is not
+//!   fatal: the WAL restarts only after a complete checkpoint, so nothing is lost.
 //!
-//! A failed fsync during a checkpoint loses nothing acknowledged, so it is not fatal:
-//! the WAL (fsynced by the syncer before any reply) is restarted only after a complete
-//! checkpoint, whose database fsync must succeed first (`walCheckpoint` stores the
-//! backfill mark only then); until one does, every frame stays in the WAL, the next
-//! checkpoint copies them again, and a restart's recovery replays them all. SQLite's
-//! own error log (where such a failure is reported) goes to the agent's log
-//! ([`log_sqlite_errors`]).
-//!
-//! Checkpoints stay SQLite's own, on the writer's connection (every
-//! [`CHECKPOINT_PAGES`](super::CHECKPOINT_PAGES)): made there, each completes before the
-//! writer appends again, so the WAL restarts from its start; a checkpoint made beside a
-//! writer that keeps appending rarely catches up, and the WAL grew to 25 MB under 32
-//! writers when the syncer made them.
+//! Checkpoints stay SQLite's own, on the writer's connection, so each completes before
+//! the writer appends again and the WAL restarts from its start.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -11,8 +11,10 @@
 //! - events are removed with their owner (`ON DELETE CASCADE`: `delete` and expiry);
 //! - progress alone is no event: the sweep's progress-only commits call nothing here.
 
-use opmon_client::{Caller, Event, EventOperation, EventReason, PluginRef, ResourceIdentifier};
+use opmon_client::{Caller, Event, EventOperation, EventReason, PluginRef};
 use rusqlite::{params, Connection, Row};
+
+use super::queries::{parse_column, resource_at};
 
 use crate::clock::UnixMs;
 
@@ -74,24 +76,10 @@ fn event_from_row(row: &Row<'_>) -> rusqlite::Result<Event> {
     let operation = match row.get::<_, Option<String>>(6)? {
         Some(operation_id) => Some(EventOperation {
             plugin: PluginRef {
-                kind: {
-                    let text: String = row.get(7)?;
-                    text.parse().map_err(|e: String| {
-                        rusqlite::Error::FromSqlConversionFailure(
-                            7,
-                            rusqlite::types::Type::Text,
-                            e.into(),
-                        )
-                    })?
-                },
+                kind: parse_column(row, 7)?,
                 name: row.get(8)?,
             },
-            resource: ResourceIdentifier {
-                group: row.get(9)?,
-                resource: row.get(10)?,
-                namespace: row.get(11)?,
-                name: row.get(12)?,
-            },
+            resource: resource_at(row, 9)?,
             operation_id,
         }),
         None => None,
@@ -136,7 +124,8 @@ pub fn page(
     rows.collect()
 }
 
-/// How many events the owner keeps now (tests and the bound's check).
+/// How many events the owner keeps now.
+#[cfg(test)]
 pub fn count(conn: &Connection, owner_id: i64) -> rusqlite::Result<i64> {
     conn.prepare_cached("SELECT COUNT(*) FROM events WHERE owner_id = ?1")?
         .query_row([owner_id], |r| r.get(0))

@@ -1,17 +1,9 @@
 //! An operation's mutable state as one column (migration 12): its errors, retries,
-//! counts, texts, times and rate, in a fixed little-endian layout of its own.
-//!
-//! A sweep reads and writes this state for every operation it polls. As one value it
-//! costs one column read and one bound parameter, where its 17 columns cost 17 of each
-//! and a rebuild of every one of them on each write (issue 17.2). What stays in columns
-//! is what SQL selects or counts by: identity, phase (with its indexes and count
-//! trigger) and `cancel_requested`.
-//!
-//! The layout is written out here rather than by a serialization crate: postcard, tried
-//! first, spent about 1,200 instructions packing and 1,200 unpacking each state (its
-//! generic per-field path), a tenth of all the agent does per polled operation; this
-//! layout spends about 330 packing and 750 unpacking, most of that copying the texts
-//! out. It is:
+//! counts, texts, times and rate, in a fixed little-endian layout of its own. A sweep
+//! reads and writes it for every operation it polls, and one value costs one column
+//! where 17 columns cost 17; what SQL selects or counts by (identity, phase,
+//! `cancel_requested`) stays in columns. The layout is hand-written because a generic
+//! serializer cost several times as much per state. It is:
 //!
 //! - byte 0: the layout's version, [`LAYOUT`];
 //! - bytes 1–2: which of the optional times (and the rate) are present, a bit each in
@@ -22,15 +14,10 @@
 //! - four texts, each its length (u32) then its UTF-8 bytes: the error, the units, the
 //!   description, the last transient error.
 //!
-//! All integers are little-endian. The size of a state depends on its texts alone, so
-//! a poll that changes counts and times rewrites the row in place: SQLite overwrites a
-//! cell of the same size where it stands, and otherwise deletes and inserts it, which
-//! on a sweep's first pass (when the times and the rate first appear) cost 600 more
-//! instructions per operation. Layout 1, which migration 12 wrote before, left absent
-//! values out; migration 13 reads it and rewrites every state in layout 2.
-//! A value that does not decode (a row damaged outside the agent) is read as a new
-//! operation's state with the reason ([`read_column`]): the agent goes on with the
-//! other operations and a poll writes the state afresh.
+//! A state's size depends on its texts alone, so SQLite rewrites a poll's change in
+//! place. Layout 1 left absent values out; migration 13 rewrites it as layout 2. A
+//! value that does not decode is read as a new operation's state with the reason
+//! ([`read_column`]), so one damaged row stops nothing else.
 
 use crate::phase::OperationState;
 use crate::rate::Rate;

@@ -3,7 +3,7 @@
 //! Times are stored as Unix milliseconds; JSON columns hold resource lists.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use opmon_client::{
     ApiVersion, GoDuration, NewOperation, Operation, OperationPhase, OwnerKind, OwnerPhase,
@@ -17,21 +17,53 @@ use crate::phase::OperationState;
 use crate::rate::Rate;
 use crate::store::packed;
 
-fn parse_column<T: std::str::FromStr<Err = String>>(
+/// Why text column `index` does not hold what the agent writes.
+fn not_text(
+    index: usize,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
+}
+
+pub(super) fn parse_column<T: std::str::FromStr<Err = String>>(
     row: &Row<'_>,
     index: usize,
 ) -> rusqlite::Result<T> {
     let text = row.get_ref(index)?.as_str()?;
-    text.parse().map_err(|e: String| {
-        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
-    })
+    text.parse().map_err(|e: String| not_text(index, e))
 }
 
 fn json_column<T: serde::de::DeserializeOwned>(row: &Row<'_>, index: usize) -> rusqlite::Result<T> {
     let text = row.get_ref(index)?.as_str()?;
-    serde_json::from_str(text).map_err(|e| {
-        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, e.into())
+    serde_json::from_str(text).map_err(|e| not_text(index, e))
+}
+
+/// The item of four columns from `first` on (group, resource, namespace, name).
+pub(super) fn resource_at(row: &Row<'_>, first: usize) -> rusqlite::Result<ResourceIdentifier> {
+    Ok(ResourceIdentifier {
+        group: row.get(first)?,
+        resource: row.get(first + 1)?,
+        namespace: row.get(first + 2)?,
+        name: row.get(first + 3)?,
     })
+}
+
+/// A JSON column that may be NULL.
+fn optional_json<T: serde::de::DeserializeOwned>(
+    row: &Row<'_>,
+    index: usize,
+) -> rusqlite::Result<Option<T>> {
+    match row.get_ref(index)? {
+        rusqlite::types::ValueRef::Null => Ok(None),
+        _ => json_column(row, index).map(Some),
+    }
+}
+
+/// A time column that may be NULL.
+fn optional_time(row: &Row<'_>, index: usize) -> rusqlite::Result<Option<opmon_client::Timestamp>> {
+    row.get::<_, Option<UnixMs>>(index)?
+        .map(|ms| stored_time(ms, index))
+        .transpose()
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> String {
@@ -39,41 +71,29 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "[]".into())
 }
 
-// Phase names as SQL literals, for statements that hold them in their text: a partial
-// index serves a statement only if its own text implies the index's condition, which a
-// bound parameter does not. Each is written once, here; the test
-// `sql_phase_literals_are_the_enums_names` ties them to the phase enums.
+/// The phases of `all` that `keep` keeps, as an SQL list: written into a statement's
+/// text, since a partial index serves a statement only if its text implies the
+/// index's condition, which a bound parameter does not.
+fn sql_list<T: Copy>(
+    all: &[T],
+    keep: impl Fn(T) -> bool,
+    name: impl Fn(T) -> &'static str,
+) -> String {
+    let kept: Vec<T> = all.iter().copied().filter(|p| keep(*p)).collect();
+    format!("({})", phase_list(&kept, name))
+}
 
-/// An owner in InProgress.
-macro_rules! in_progress_owner {
-    () => {
-        "'InProgress'"
-    };
-}
 /// The unfinished operation phases, New and InProgress.
-macro_rules! unfinished_operation {
-    () => {
-        "('New', 'InProgress')"
-    };
-}
+static UNFINISHED: LazyLock<String> = LazyLock::new(|| {
+    sql_list(
+        OperationPhase::ALL,
+        OperationPhase::is_unfinished,
+        OperationPhase::as_str,
+    )
+});
 /// The Waiting* owner phases.
-macro_rules! waiting_owner {
-    () => {
-        "('WaitingForPluginOperations', 'WaitingForPluginOperationsPartiallyFailed')"
-    };
-}
-/// A failed operation.
-macro_rules! failed_operation {
-    () => {
-        "'Failed'"
-    };
-}
-/// An operation canceled on request.
-macro_rules! canceled_operation {
-    () => {
-        "'Canceled'"
-    };
-}
+static WAITING: LazyLock<String> =
+    LazyLock::new(|| sql_list(OwnerPhase::ALL, OwnerPhase::is_waiting, OwnerPhase::as_str));
 
 /// How many operations are unfinished, from an owner's count columns (kept by
 /// [`insert_operations`] and [`update_operation`]): the one place that sum is made.
@@ -172,16 +192,7 @@ fn read_owner(row: &Row<'_>) -> rusqlite::Result<(OwnerRow, Vec<String>)> {
         row,
         damage: Vec::new(),
     };
-    let post_operation_items = c.take(
-        9,
-        |row, i| match row.get::<_, Option<String>>(i)? {
-            Some(text) => Ok(Some(serde_json::from_str(&text).map_err(|e| {
-                rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, e.into())
-            })?)),
-            None => Ok(None),
-        },
-        None,
-    );
+    let post_operation_items = c.take(9, optional_json, None);
     let server = c.take(
         17,
         |row, i| {
@@ -217,24 +228,8 @@ fn read_owner(row: &Row<'_>) -> rusqlite::Result<(OwnerRow, Vec<String>)> {
         post_operation_items,
         created: c.time(10),
         updated: c.time(11),
-        completed: c.take(
-            12,
-            |row, i| {
-                row.get::<_, Option<UnixMs>>(i)?
-                    .map(|ms| stored_time(ms, i))
-                    .transpose()
-            },
-            None,
-        ),
-        retired: c.take(
-            21,
-            |row, i| {
-                row.get::<_, Option<UnixMs>>(i)?
-                    .map(|ms| stored_time(ms, i))
-                    .transpose()
-            },
-            None,
-        ),
+        completed: c.take(12, optional_time, None),
+        retired: c.take(21, optional_time, None),
         progress: None,
     };
     Ok((OwnerRow { id, owner }, c.damage))
@@ -284,18 +279,25 @@ fn optional_ms(d: Option<GoDuration>) -> Option<i64> {
     d.map(|d| crate::clock::millis(d.0))
 }
 
+/// The owner the rest of a statement (`WHERE …`) selects, if any.
+fn one_owner(
+    conn: &Connection,
+    rest: &str,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<Option<OwnerRow>> {
+    conn.prepare_cached(&format!("SELECT {OWNER_COLUMNS} FROM owners {rest}"))?
+        .query_row(params, owner_from_row)
+        .optional()
+}
+
 /// The current owner `kind`/`name` (not retired), with its counts.
 pub fn owner_by_name(
     conn: &Connection,
     kind: OwnerKind,
     name: &str,
 ) -> rusqlite::Result<Option<OwnerRow>> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name = ?2 \
-         AND retired_ms IS NULL"
-    ))?;
-    stmt.query_row(params![kind.as_str(), name], owner_from_row)
-        .optional()
+    let rest = "WHERE kind = ?1 AND name = ?2 AND retired_ms IS NULL";
+    one_owner(conn, rest, params![kind.as_str(), name])
 }
 
 /// The owner `kind`/`name` of uid `uid`, current or retired.
@@ -305,12 +307,9 @@ pub fn owner_by_uid(
     name: &str,
     uid: &str,
 ) -> rusqlite::Result<Option<OwnerRow>> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND uid = ?3 AND name = ?2 \
-         ORDER BY retired_ms IS NOT NULL, retired_ms DESC LIMIT 1"
-    ))?;
-    stmt.query_row(params![kind.as_str(), name, uid], owner_from_row)
-        .optional()
+    let rest = "WHERE kind = ?1 AND uid = ?3 AND name = ?2 \
+         ORDER BY retired_ms IS NOT NULL, retired_ms DESC LIMIT 1";
+    one_owner(conn, rest, params![kind.as_str(), name, uid])
 }
 
 /// Every owner that had the name `kind`/`name`: the current one first, then the
@@ -364,9 +363,7 @@ pub fn owner_phase_by_name(
 
 /// The owner with row id `id`, with its counts.
 pub fn owner_by_id(conn: &Connection, id: i64) -> rusqlite::Result<Option<OwnerRow>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT {OWNER_COLUMNS} FROM owners WHERE id = ?1"))?;
-    stmt.query_row([id], owner_from_row).optional()
+    one_owner(conn, "WHERE id = ?1", [id])
 }
 
 /// What a new owner is created with.
@@ -425,11 +422,10 @@ pub fn in_progress_of_other_instances(
     name: &str,
     instance: &str,
 ) -> rusqlite::Result<Vec<i64>> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "SELECT id FROM owners WHERE phase = ",
-        in_progress_owner!(),
-        " AND server_name = ?1 \
-         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id"
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT id FROM owners WHERE phase = '{}' AND server_name = ?1 \
+         AND (server_instance IS NULL OR server_instance != ?2) ORDER BY id",
+        OwnerPhase::InProgress.as_str()
     ))?;
     let rows = stmt.query_map(params![name, instance], |r| r.get(0))?;
     rows.collect()
@@ -437,10 +433,10 @@ pub fn in_progress_of_other_instances(
 
 /// The InProgress owners with no call since `before`: row id and last call.
 pub fn idle_in_progress(conn: &Connection, before: UnixMs) -> rusqlite::Result<Vec<(i64, UnixMs)>> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "SELECT id, last_call_ms FROM owners WHERE phase = ",
-        in_progress_owner!(),
-        " AND last_call_ms < ?1 ORDER BY id"
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT id, last_call_ms FROM owners WHERE phase = '{}' AND last_call_ms < ?1 \
+         ORDER BY id",
+        OwnerPhase::InProgress.as_str()
     ))?;
     let rows = stmt.query_map([before], |r| Ok((r.get(0)?, r.get(1)?)))?;
     rows.collect()
@@ -454,13 +450,9 @@ pub fn list_owners(
     after: Option<&str>,
     limit: u32,
 ) -> rusqlite::Result<Vec<OwnerRow>> {
-    let phase_filter = match phases {
-        Some(list) => {
-            let names: Vec<String> = list.iter().map(|p| format!("'{}'", p.as_str())).collect();
-            format!("AND phase IN ({})", names.join(", "))
-        }
-        None => String::new(),
-    };
+    let phase_filter = phases
+        .map(|p| format!("AND phase IN ({})", phase_list(p, OwnerPhase::as_str)))
+        .unwrap_or_default();
     let sql = format!(
         "SELECT {OWNER_COLUMNS} FROM owners WHERE kind = ?1 AND name > ?2 \
          AND retired_ms IS NULL {phase_filter} ORDER BY name LIMIT ?3"
@@ -621,13 +613,9 @@ pub fn records_due(
     rows.collect()
 }
 
-/// Adds operations (New) with their state rows (migration 12), ignoring ones already
-/// known, counts them on the owner and records the call as its server's last
-/// ([`touch_owner`]'s work).
-/// An operation is known by its plugin (kind and name), its operation ID and its item
-/// (migration 8): the same ID on another item is another operation, as in Velero, and
-/// a retried call adds nothing twice. Returns the rows of the added ones. Each is
-/// created at its own `created`, else at `now`.
+/// Adds operations (New) with their state rows, ignoring ones already known by plugin,
+/// ID and item (a retried call adds nothing twice), counts them on the owner and
+/// records the call as its server's last. Returns the rows of the added ones.
 pub fn insert_operations(
     conn: &Connection,
     owner_id: i64,
@@ -677,11 +665,7 @@ const OPERATION_COLUMNS: &str = "o.plugin_kind, o.plugin_name, o.res_group, o.re
      o.created_ms, o.cancel_requested, s.state";
 
 /// Operations (`o`) with their packed state (`s`, migration 12).
-macro_rules! operations_with_state {
-    () => {
-        "operations o JOIN operation_state s ON s.op = o.id"
-    };
-}
+const OPERATIONS_WITH_STATE: &str = "operations o JOIN operation_state s ON s.op = o.id";
 
 fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
     let phase: OperationPhase = parse_column(row, 8)?;
@@ -704,12 +688,7 @@ fn operation_from_row(row: &Row<'_>) -> rusqlite::Result<Operation> {
             kind: parse_column(row, 0)?,
             name: row.get(1)?,
         },
-        resource: ResourceIdentifier {
-            group: row.get(2)?,
-            resource: row.get(3)?,
-            namespace: row.get(4)?,
-            name: row.get(5)?,
-        },
+        resource: resource_at(row, 2)?,
         operation_id: row.get(6)?,
         post_operation_items: json_column(row, 7)?,
         phase,
@@ -744,8 +723,8 @@ pub fn operations(
         .map(|p| format!("AND o.phase IN ({})", phase_list(p, OperationPhase::as_str)))
         .unwrap_or_default();
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {OPERATION_COLUMNS} FROM {} WHERE o.owner_id = ?1 {filter} ORDER BY o.id",
-        operations_with_state!()
+        "SELECT {OPERATION_COLUMNS} FROM {OPERATIONS_WITH_STATE} WHERE o.owner_id = ?1 \
+         {filter} ORDER BY o.id"
     ))?;
     let rows = stmt.query_map([owner_id], operation_from_row)?;
     rows.collect()
@@ -762,9 +741,8 @@ pub fn operations_by_rows(
     for chunk in rows.chunks(500) {
         let list: Vec<String> = chunk.iter().map(i64::to_string).collect();
         let mut stmt = conn.prepare(&format!(
-            "SELECT {OPERATION_COLUMNS} FROM {} WHERE o.owner_id = ?1 AND o.id IN ({}) \
-             ORDER BY o.id",
-            operations_with_state!(),
+            "SELECT {OPERATION_COLUMNS} FROM {OPERATIONS_WITH_STATE} WHERE o.owner_id = ?1 \
+             AND o.id IN ({}) ORDER BY o.id",
             list.join(", ")
         ))?;
         let ops = stmt.query_map([owner_id], operation_from_row)?;
@@ -779,11 +757,9 @@ pub fn operations_by_rows(
 /// counts and summed rates; and the latest of their ETAs, if every one has one.
 pub fn owner_progress(conn: &Connection, owner_id: i64) -> rusqlite::Result<OwnerProgress> {
     // Driven by the index on (owner_id, phase): only unfinished operations are read.
-    let mut stmt = conn.prepare_cached(concat!(
-        "SELECT s.state FROM ",
-        operations_with_state!(),
-        " WHERE o.owner_id = ?1 AND o.phase IN ",
-        unfinished_operation!()
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT s.state FROM {OPERATIONS_WITH_STATE} WHERE o.owner_id = ?1 AND o.phase IN {}",
+        *UNFINISHED
     ))?;
     let mut rows = stmt.query([owner_id])?;
     let mut units: BTreeMap<String, UnitsProgress> = BTreeMap::new();
@@ -890,13 +866,10 @@ pub enum Targets<'a> {
 /// polls. Driven by the waiting owners (by their phase index), so operations of owners
 /// still InProgress cost nothing, however many.
 pub fn plugins_waited_on(conn: &Connection) -> rusqlite::Result<Vec<String>> {
-    let mut stmt = conn.prepare_cached(concat!(
+    let mut stmt = conn.prepare_cached(&format!(
         "SELECT DISTINCT o.plugin_name FROM owners w JOIN operations o ON o.owner_id = w.id \
-         WHERE w.phase IN ",
-        waiting_owner!(),
-        " AND o.phase IN ",
-        unfinished_operation!(),
-        " ORDER BY o.plugin_name"
+         WHERE w.phase IN {} AND o.phase IN {} ORDER BY o.plugin_name",
+        *WAITING, *UNFINISHED
     ))?;
     let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
@@ -909,11 +882,10 @@ pub fn owners_waiting_on(
     plugin: &str,
     limit: i64,
 ) -> rusqlite::Result<(Vec<String>, i64)> {
-    let mut stmt = conn.prepare_cached(concat!(
+    let mut stmt = conn.prepare_cached(&format!(
         "SELECT o.kind, o.name, COUNT(*) FROM operations p JOIN owners o ON o.id = p.owner_id \
-         WHERE p.plugin_name = ?1 AND p.phase IN ",
-        unfinished_operation!(),
-        " GROUP BY o.id ORDER BY o.kind, o.name"
+         WHERE p.plugin_name = ?1 AND p.phase IN {} GROUP BY o.id ORDER BY o.kind, o.name",
+        *UNFINISHED
     ))?;
     let mut named = Vec::new();
     let mut all = 0;
@@ -946,22 +918,14 @@ fn owner_part(conn: &Connection, owner_row: i64) -> rusqlite::Result<OwnerPart> 
          start_timeout_ms FROM owners WHERE id = ?1",
     )?
     .query_row([owner_row], |row| {
-        let object = row.get_ref(3)?.as_str_or_null()?;
-        let object_bytes = object.map_or(0, str::len);
-        let object = match object {
-            Some(text) => Some(serde_json::from_str(text).map_err(|e| {
-                rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, e.into())
-            })?),
-            None => None,
-        };
         Ok(OwnerPart {
+            object_bytes: row.get_ref(3)?.as_str_or_null()?.map_or(0, str::len),
             owner: Arc::new(OwnerRef {
                 kind: parse_column(row, 0)?,
                 name: row.get(1)?,
                 uid: row.get(2)?,
-                object,
+                object: optional_json(row, 3)?,
             }),
-            object_bytes,
             timeout_ms: row.get(4)?,
             stall_timeout_ms: row.get(5)?,
             start_timeout_ms: row.get(6)?,
@@ -989,7 +953,7 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM owners w JOIN operations o ON o.owner_id = w.id {STATE} \
                  WHERE w.id = ?1 AND o.phase IN {} ORDER BY o.id",
-                unfinished_operation!()
+                *UNFINISHED
             ))?;
             rows = stmt.query([id])?;
         }
@@ -998,17 +962,14 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
             after,
             limit,
         } => {
-            // Driven by the partial index on unfinished operations by plugin. The
-            // waiting owners are listed once per page (by their phase index), not
-            // joined on every row: rows of owners still InProgress are passed over
-            // without their state or owner being read.
+            // Driven by the partial index on unfinished operations by plugin, the
+            // waiting owners listed once per page rather than joined on every row.
             stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM operations o {STATE} \
                  WHERE o.plugin_name = ?1 AND o.id > ?2 AND o.phase IN {} \
                  AND o.owner_id IN (SELECT id FROM owners WHERE phase IN {}) \
                  ORDER BY o.id LIMIT ?3",
-                unfinished_operation!(),
-                waiting_owner!()
+                *UNFINISHED, *WAITING
             ))?;
             rows = stmt.query(params![plugin, after, limit])?;
         }
@@ -1036,37 +997,22 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
                  {STATE} WHERE w.phase IN {} AND o.plugin_kind IN ({kinds}) AND o.plugin_name = ?1 \
                  AND o.operation_id IN (SELECT value FROM json_each(?2)) \
                  AND o.phase IN {} ORDER BY o.owner_id, o.id",
-                waiting_owner!(),
-                unfinished_operation!()
+                *WAITING, *UNFINISHED
             ))?;
             rows = stmt.query(params![plugin, operation_ids])?;
         }
     }
     let mut targets = Vec::with_capacity(expected);
     let mut plugin: Option<Arc<PluginRef>> = None;
-    // Each owner's part, found by its row; rows come in runs of one owner, so the last
-    // one found is looked at first.
-    let mut parts: Vec<OwnerPart> = Vec::new();
-    let mut by_row: HashMap<i64, usize> = HashMap::new();
-    let mut last: Option<(i64, usize)> = None;
+    // Each owner's part, read once per page.
+    let mut parts: HashMap<i64, OwnerPart> = HashMap::new();
     while let Some(row) = rows.next()? {
         let id: i64 = row.get(0)?;
         let owner_row: i64 = row.get(1)?;
-        let index = match last {
-            Some((r, i)) if r == owner_row => i,
-            _ => {
-                let i = match by_row.entry(owner_row) {
-                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
-                    std::collections::hash_map::Entry::Vacant(e) => {
-                        parts.push(owner_part(conn, owner_row)?);
-                        *e.insert(parts.len() - 1)
-                    }
-                };
-                last = Some((owner_row, i));
-                i
-            }
+        let part = match parts.entry(owner_row) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(owner_part(conn, owner_row)?),
         };
-        let part = &parts[index];
         // Rows of a page mostly name one plugin: compared as stored, parsed when new.
         let (kind, name) = (row.get_ref(2)?.as_bytes()?, row.get_ref(3)?.as_bytes()?);
         let plugin = match &plugin {
@@ -1108,10 +1054,8 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
 }
 
 /// Writes polled operations' new states, each only if the operation is still
-/// unfinished (a concurrent delete or failure wins). A sweep writes thousands of rows in
-/// one transaction: each statement is prepared once per batch, and a change that keeps
-/// the phase (most of a sweep's writes) is one packed value in the narrow
-/// `operation_state` row.
+/// unfinished (a concurrent delete or failure wins), with statements prepared once per
+/// batch: a sweep writes thousands of rows in one transaction.
 pub struct OperationUpdates<'c> {
     conn: &'c Connection,
     /// The operation's phase (and with it its index entry, count trigger and the phase
@@ -1143,7 +1087,14 @@ impl<'c> OperationUpdates<'c> {
         rate: &Rate,
     ) -> rusqlite::Result<bool> {
         if new.phase != old.phase {
-            let stmt = prepared(self.conn, &mut self.phase, UPDATE_PHASE)?;
+            let stmt = match self.phase.take() {
+                Some(stmt) => stmt,
+                None => self.conn.prepare_cached(&format!(
+                    "UPDATE operations SET phase = ?2 WHERE id = ?1 AND phase IN {}",
+                    *UNFINISHED
+                ))?,
+            };
+            let stmt = self.phase.insert(stmt);
             if stmt.execute(params![row, new.phase.as_str()])? == 0 {
                 return Ok(false);
             }
@@ -1159,24 +1110,6 @@ impl<'c> OperationUpdates<'c> {
         Ok(changed > 0)
     }
 }
-
-/// `slot`'s statement, prepared on first use.
-fn prepared<'s, 'c>(
-    conn: &'c Connection,
-    slot: &'s mut Option<CachedStatement<'c>>,
-    sql: &str,
-) -> rusqlite::Result<&'s mut CachedStatement<'c>> {
-    let stmt = match slot.take() {
-        Some(stmt) => stmt,
-        None => conn.prepare_cached(sql)?,
-    };
-    Ok(slot.insert(stmt))
-}
-
-const UPDATE_PHASE: &str = concat!(
-    "UPDATE operations SET phase = ?2 WHERE id = ?1 AND phase IN ",
-    unfinished_operation!()
-);
 
 /// The state row's write, guarded by `phase`, copied into the row. The phase is written
 /// into the statement: bound, it cost a tenth of the write (its text copied each time).
@@ -1229,36 +1162,21 @@ fn operation_key(r: &Row<'_>) -> rusqlite::Result<OperationKey> {
     Ok(OperationKey {
         row: r.get(0)?,
         operation_id: r.get(1)?,
-        resource: ResourceIdentifier {
-            group: r.get(2)?,
-            resource: r.get(3)?,
-            namespace: r.get(4)?,
-            name: r.get(5)?,
-        },
+        resource: resource_at(r, 2)?,
         phase: parse_column(r, 6)?,
     })
 }
 
-/// Every operation of `owner_id` as `*.cancel` picks them, in row order: one scan,
-/// for a cancel that names many operations.
-pub fn operation_keys(conn: &Connection, owner_id: i64) -> rusqlite::Result<Vec<OperationKey>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
-         FROM operations WHERE owner_id = ?1 ORDER BY id",
-    )?;
-    let rows = stmt.query_map([owner_id], operation_key)?;
-    rows.collect()
-}
-
-/// The operations of `owner_id` with operation ID `operation_id`, in row order.
-pub fn operations_with_id(
+/// The operations of `owner_id` with ID `operation_id` (all of them without one, for a
+/// cancel that names many), in row order.
+pub fn operation_keys(
     conn: &Connection,
     owner_id: i64,
-    operation_id: &str,
+    operation_id: Option<&str>,
 ) -> rusqlite::Result<Vec<OperationKey>> {
     let mut stmt = conn.prepare_cached(
         "SELECT id, operation_id, res_group, res_resource, res_namespace, res_name, phase \
-         FROM operations WHERE owner_id = ?1 AND operation_id = ?2 ORDER BY id",
+         FROM operations WHERE owner_id = ?1 AND (?2 IS NULL OR operation_id = ?2) ORDER BY id",
     )?;
     let rows = stmt.query_map(params![owner_id, operation_id], operation_key)?;
     rows.collect()
@@ -1273,11 +1191,11 @@ pub fn cancel_operations(
     error: &str,
     now: UnixMs,
 ) -> rusqlite::Result<Vec<i64>> {
-    let mut stmt = conn.prepare_cached(concat!(
-        "UPDATE operations SET phase = ",
-        canceled_operation!(),
-        ", cancel_requested = 1 WHERE id = ?1 AND owner_id = ?2 AND phase IN ",
-        unfinished_operation!()
+    let mut stmt = conn.prepare_cached(&format!(
+        "UPDATE operations SET phase = '{}', cancel_requested = 1 \
+         WHERE id = ?1 AND owner_id = ?2 AND phase IN {}",
+        OperationPhase::Canceled.as_str(),
+        *UNFINISHED
     ))?;
     let mut changed = Vec::new();
     for &row in rows {
@@ -1314,9 +1232,9 @@ pub fn fail_unfinished(
     // Which they are, before their phase changes; each state is then read and written
     // whole (a failure of a large owner's operations is rare: one row at a time).
     let unfinished: Vec<i64> = conn
-        .prepare_cached(concat!(
-            "SELECT id FROM operations WHERE owner_id = ?1 AND phase IN ",
-            unfinished_operation!()
+        .prepare_cached(&format!(
+            "SELECT id FROM operations WHERE owner_id = ?1 AND phase IN {}",
+            *UNFINISHED
         ))?
         .query_map([owner_id], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
@@ -1327,11 +1245,10 @@ pub fn fail_unfinished(
         })?;
     }
     let changed = conn
-        .prepare_cached(concat!(
-            "UPDATE operations SET phase = ",
-            failed_operation!(),
-            " WHERE owner_id = ?1 AND phase IN ",
-            unfinished_operation!()
+        .prepare_cached(&format!(
+            "UPDATE operations SET phase = '{}' WHERE owner_id = ?1 AND phase IN {}",
+            OperationPhase::Failed.as_str(),
+            *UNFINISHED
         ))?
         .execute([owner_id])?;
     Ok(changed as u64)
@@ -1379,20 +1296,12 @@ pub fn delete_expired(
     before: UnixMs,
     limit: i64,
 ) -> rusqlite::Result<Vec<Removal>> {
-    let terminal = phase_list(
-        &[
-            OwnerPhase::Completed,
-            OwnerPhase::PartiallyFailed,
-            OwnerPhase::Failed,
-            OwnerPhase::FailedValidation,
-        ],
-        OwnerPhase::as_str,
-    );
+    let terminal = sql_list(OwnerPhase::ALL, OwnerPhase::is_terminal, OwnerPhase::as_str);
     // Driven by the index on completion time; only terminal owners have one.
     let expired: Vec<(i64, OwnerKind, String)> = {
         let mut stmt = conn.prepare_cached(&format!(
             "SELECT id, kind, name FROM owners WHERE completed_ms < ?1 \
-             AND phase IN ({terminal}) ORDER BY completed_ms LIMIT ?2"
+             AND phase IN {terminal} ORDER BY completed_ms LIMIT ?2"
         ))?;
         let rows = stmt.query_map(params![before, limit], |r| {
             Ok((r.get(0)?, parse_column(r, 1)?, r.get(2)?))
@@ -1424,15 +1333,8 @@ pub fn tally(conn: &Connection) -> rusqlite::Result<super::Counts> {
 
 fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
     let api_version: ApiVersion = parse_column(row, 1)?;
-    let command: Option<String> = row.get(3)?;
     let attempts: Option<i64> = row.get(6)?;
-    let plugin: Option<VeleroPluginColumn> = match row.get::<_, Option<String>>(9)? {
-        Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
-            rusqlite::Error::FromSqlConversionFailure(9, rusqlite::types::Type::Text, e.into())
-        })?),
-        None => None,
-    };
-    let (velero_plugin, args, env) = match plugin {
+    let (velero_plugin, args, env) = match optional_json::<VeleroPluginColumn>(row, 9)? {
         Some(p) => (Some(p.path), p.args, p.env),
         None => (None, None, None),
     };
@@ -1448,12 +1350,7 @@ fn snapshotter_from_row(row: &Row<'_>) -> rusqlite::Result<Snapshotter> {
         name: row.get(0)?,
         api_version,
         socket: row.get::<_, Option<String>>(2)?.map(Into::into),
-        command: match command {
-            Some(text) => Some(serde_json::from_str(&text).map_err(|e| {
-                rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, e.into())
-            })?),
-            None => None,
-        },
+        command: optional_json(row, 3)?,
     })
 }
 
@@ -1501,71 +1398,23 @@ pub fn upsert_snapshotter(conn: &Connection, s: &Snapshotter) -> rusqlite::Resul
     Ok(())
 }
 
+const SNAPSHOTTER_COLUMNS: &str = "name, api_version, socket, command, stall_timeout_ms, \
+     start_timeout_ms, retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin";
+
 /// All snapshotters, by name.
 pub fn snapshotters(conn: &Connection) -> rusqlite::Result<Vec<Snapshotter>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
-         retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin FROM snapshotters ORDER BY name",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {SNAPSHOTTER_COLUMNS} FROM snapshotters ORDER BY name"
+    ))?;
     let rows = stmt.query_map([], snapshotter_from_row)?;
     rows.collect()
 }
 
 /// Removes a snapshotter; returns it if it existed.
 pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Option<Snapshotter>> {
-    let found = conn
-        .prepare_cached(
-            "SELECT name, api_version, socket, command, stall_timeout_ms, start_timeout_ms, \
-             retry_attempts, retry_backoff_ms, retry_within_ms, velero_plugin FROM snapshotters WHERE name = ?1",
-        )?
-        .query_row([name], snapshotter_from_row)
-        .optional()?;
-    if found.is_some() {
-        conn.prepare_cached("DELETE FROM snapshotters WHERE name = ?1")?
-            .execute([name])?;
-    }
-    Ok(found)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The phases of `all` that `keep` keeps, as an SQL list.
-    fn list<T: Copy>(
-        all: &[T],
-        keep: impl Fn(T) -> bool,
-        name: impl Fn(T) -> &'static str,
-    ) -> String {
-        let kept: Vec<T> = all.iter().copied().filter(|p| keep(*p)).collect();
-        format!("({})", phase_list(&kept, name))
-    }
-
-    #[test]
-    fn sql_phase_literals_are_the_enums_names() {
-        assert_eq!(
-            in_progress_owner!(),
-            format!("'{}'", OwnerPhase::InProgress.as_str())
-        );
-        assert_eq!(
-            failed_operation!(),
-            format!("'{}'", OperationPhase::Failed.as_str())
-        );
-        assert_eq!(
-            canceled_operation!(),
-            format!("'{}'", OperationPhase::Canceled.as_str())
-        );
-        assert_eq!(
-            unfinished_operation!(),
-            list(
-                OperationPhase::ALL,
-                OperationPhase::is_unfinished,
-                OperationPhase::as_str
-            )
-        );
-        assert_eq!(
-            waiting_owner!(),
-            list(OwnerPhase::ALL, OwnerPhase::is_waiting, OwnerPhase::as_str)
-        );
-    }
+    conn.prepare_cached(&format!(
+        "DELETE FROM snapshotters WHERE name = ?1 RETURNING {SNAPSHOTTER_COLUMNS}"
+    ))?
+    .query_row([name], snapshotter_from_row)
+    .optional()
 }

@@ -64,10 +64,8 @@ pub const MIGRATIONS: &[&str] = &[
     // 5: the sweep pages through each snapshotter's unfinished operations.
     "CREATE INDEX operations_unfinished_by_plugin ON operations (plugin_name, id)
         WHERE phase IN ('New', 'InProgress');",
-    // 6: each owner counts its operations by phase, so reading an owner no longer scans
-    // its operations. `insert_operations` counts what it adds (one update per call, not
-    // per row); a trigger counts phase changes in the transaction that makes them.
-    // Operations are only ever removed with their owner, so deletes need no counting.
+    // 6: each owner counts its operations by phase, so reading an owner scans none of
+    // them; a trigger counts phase changes in the transaction that makes them.
     "ALTER TABLE owners ADD COLUMN n_operations INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE owners ADD COLUMN n_completed INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE owners ADD COLUMN n_failed INTEGER NOT NULL DEFAULT 0;
@@ -85,13 +83,9 @@ pub const MIGRATIONS: &[&str] = &[
             n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
         WHERE id = NEW.owner_id;
     END;",
-    // 7: owners know the backup server (and its run) that started them, say why they
-    // failed, and when the server last called about them (the idle timeout). Result-file
-    // work is recorded in the transaction that makes it due and cleared once done, so a
-    // crash between the commit and the file system loses none of it: `records_due` lists
-    // owners whose item-operations file must be rewritten (`generation` tells a write
-    // from a newer mark), `removals` the files of deleted owners still to remove. Expiry
-    // finds its owners by completion time.
+    // 7: owners know the server (and run) that started them, why they failed and when
+    // the server last called; result-file work (`records_due`, `removals`) is recorded
+    // in the transaction that makes it due, so a crash loses none of it.
     "ALTER TABLE owners ADD COLUMN server_name TEXT NOT NULL DEFAULT '';
     ALTER TABLE owners ADD COLUMN server_instance TEXT;
     ALTER TABLE owners ADD COLUMN failure_reason TEXT NOT NULL DEFAULT '';
@@ -107,16 +101,9 @@ pub const MIGRATIONS: &[&str] = &[
         kind TEXT NOT NULL CHECK (kind IN ('backup', 'restore')),
         name TEXT NOT NULL
     );",
-    // 8: an operation is known by its item too: two items whose plugin returned the same
-    // operation ID are two operations, as in Velero. SQLite cannot change a table's
-    // UNIQUE constraint in place, so the table is rebuilt (rows, ids and so order kept);
-    // dropping the old table drops its indexes and trigger, which are made again as
-    // migrations 1, 5 and 6 made them. Nothing references `operations`, so the drop
-    // cascades nowhere. Also: the plugin's own `updated` (the item-operations file's
-    // `updated`; `updated_ms` stays the agent's time of the last change), filled from
-    // `updated_ms` so the file reads as before the upgrade; and each owner's `object`,
-    // the backup server's representation of it, passed to snapshotters. Only columns
-    // of migrations 1 to 6 are touched, so this applies after migration 7 or without it.
+    // 8: an operation is known by its item too, as in Velero: the table is rebuilt (ids
+    // kept) since SQLite cannot change a UNIQUE constraint, with its indexes and
+    // trigger made again. Also the plugin's own `updated`, and each owner's `object`.
     "ALTER TABLE owners ADD COLUMN object TEXT;
     CREATE TABLE operations_v8 (
         id INTEGER PRIMARY KEY,
@@ -163,14 +150,9 @@ pub const MIGRATIONS: &[&str] = &[
             n_failed = n_failed + (NEW.phase = 'Failed') - (OLD.phase = 'Failed')
         WHERE id = NEW.owner_id;
     END;",
-    // 9: control over operations (issue 16). An operation may be Canceled (counted with
-    // the failed ones, as Velero counts it), and says while its Cancel calls are out;
-    // when its progress last changed by the agent's clock (the stall deadline counts
-    // from it; filled from the last change for operations already running); and its
-    // transient errors: how many were retried, the last one, when the next Progress is
-    // due and since when the current run of them lasts. Owners and snapshotters carry
-    // their deadlines and snapshotters their retry budgets (NULL: unset). Touches only
-    // columns of migrations 1 to 8, so a migration 10 adding its own applies after it.
+    // 9: control over operations (issue 16): Canceled (counted as failed, as Velero
+    // counts it), the stall deadline's last progress, transient errors and retries;
+    // owners' and snapshotters' deadlines and retry budgets (NULL: unset).
     "ALTER TABLE operations ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE operations ADD COLUMN progressed_ms INTEGER;
     ALTER TABLE operations ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0;
@@ -196,14 +178,8 @@ pub const MIGRATIONS: &[&str] = &[
                 - (OLD.phase IN ('Failed', 'Canceled'))
         WHERE id = NEW.owner_id;
     END;",
-    // 10: history and rates (issue 16; it touches no table or column of migration 9).
-    // `events`: each owner's history, numbered per owner by
-    // `seq` (the paging cursor), stored in `seq` order inside the owner's key range and
-    // removed with the owner. `store::events` keeps at most `MAX_PER_OWNER` per owner.
-    // `operation_row` names the operation (operations are removed only with their
-    // owner, so the row outlives no event). On operations, the smoothed rate and the
-    // sample it was last moved by (`rate_n` units at `rate_at_ms`, seen by the agent at
-    // `rate_seen_ms`), so a restart keeps the rate.
+    // 10: each owner's history (`seq` numbers it per owner and pages it), and each
+    // operation's smoothed rate, so a restart keeps it.
     "CREATE TABLE events (
         owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
         seq INTEGER NOT NULL,
@@ -219,16 +195,10 @@ pub const MIGRATIONS: &[&str] = &[
     ALTER TABLE operations ADD COLUMN rate_n INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE operations ADD COLUMN rate_at_ms INTEGER;
     ALTER TABLE operations ADD COLUMN rate_seen_ms INTEGER;",
-    // 11: an operation's progress in a narrow table of its own (issue 17.2). A sweep
-    // writes progress for every operation it polls; rewriting the operation's 30-column
-    // row for it cost twice what the 12 columns here cost. `operation_progress` holds one
-    // row per operation, inserted with it by `insert_operations` (not by a trigger: a
-    // trigger makes every single-row INSERT keep a statement journal, which cost 15
-    // times the page writes per addOperations) and removed with it (cascade); its
-    // `phase` is the operation's, copied by a trigger in the statement that changes it
-    // (phase changes fire the count trigger already), so a progress write guards on the
-    // phase without reading the wide row. The columns move: `operations` keeps identity,
-    // phase, errors and retries.
+    // 11: an operation's progress in a narrow table of its own (issue 17.2), since a
+    // sweep writes it for every operation; inserted by `insert_operations` (a trigger
+    // would make every INSERT keep a statement journal), its phase copied by a trigger
+    // so a write guards on it without reading the wide row.
     "CREATE TABLE operation_progress (
         op INTEGER PRIMARY KEY REFERENCES operations (id) ON DELETE CASCADE,
         phase TEXT NOT NULL,
@@ -263,32 +233,20 @@ pub const MIGRATIONS: &[&str] = &[
     BEGIN
         UPDATE operation_progress SET phase = NEW.phase WHERE op = NEW.id;
     END;",
-    // 12: an operation's mutable state packed into one column (issue 17.2; the layout
-    // is `store::packed`'s). A sweep read 24 columns per operation and wrote 12; each
-    // column cost a read, a bound parameter and a rebuild on every write. The table
-    // `operation_state` replaces `operation_progress` (phase copied as there, so a
-    // write still guards on it without reading the wide row). SQL cannot pack: after
-    // this, `pack_states` fills the table from the old columns and drops them
-    // (`PACKED_COLUMNS_DROPPED`). `operations` keeps identity, phase and
-    // `cancel_requested`, which SQL selects and counts by.
+    // 12: an operation's mutable state packed into one column (`store::packed`), which
+    // costs a sweep one column instead of 17. SQL cannot pack: `pack_states` fills the
+    // table and drops the old columns (`PACKED_COLUMNS_DROPPED`).
     "CREATE TABLE operation_state (
         op INTEGER PRIMARY KEY REFERENCES operations (id) ON DELETE CASCADE,
         phase TEXT NOT NULL,
         state BLOB NOT NULL
     );",
-    // 13: every packed state rewritten in layout 2 (`repack_states`), where absent values
-    // keep their place, so that a poll's write is a cell of the same size. No table
-    // changes; the version is what stops an agent of schema 12, which reads only layout
-    // 1, from taking every state for damaged.
+    // 13: every packed state rewritten in layout 2 (`repack_states`); the version stops
+    // an agent of schema 12, which reads only layout 1.
     "",
-    // 14: events stored in the order they are recorded (issue 17.3). Keyed by owner
-    // (migration 10), each event went into its owner's own page, so a group commit of
-    // calls from many owners wrote one more page per call; now the rows of a commit
-    // share the table's last page, and only the small index entries are the owners'.
-    // `seq` stays each owner's numbering and paging cursor, found through the index on
-    // (owner_id, seq); nothing reads by `id`, which numbers the events kept here in the
-    // order of their times. Events of an owner that is gone (no agent leaves any: they
-    // go with it) could not be listed, and are not kept.
+    // 14: events stored in the order they are recorded (issue 17.3), so a group commit
+    // of many owners' events writes the table's last page, not one page per owner.
+    // Events of an owner that is gone could not be listed and are not kept.
     "CREATE TABLE events_v14 (
         id INTEGER PRIMARY KEY,
         owner_id INTEGER NOT NULL REFERENCES owners (id) ON DELETE CASCADE,
@@ -309,13 +267,9 @@ pub const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX events_by_owner ON events (owner_id, seq);",
     // 15: Velero plugin snapshotters: `{"path", "args", "env"}` as JSON.
     "ALTER TABLE snapshotters ADD COLUMN velero_plugin TEXT;",
-    // 16: an owner is its object, name and uid, as in Velero (issue 47): a name is
-    // unique among the owners not retired, and `start` with a known name and a new uid
-    // retires the ended owner that had it (`retired_ms`), keeping its history. SQLite
-    // cannot drop the table's UNIQUE (kind, name), so the table is rebuilt with its
-    // rows and ids (foreign keys are off during migrations: see `migrate_to`); its
-    // indexes are made again as migrations 1 and 7 made them, and the count trigger,
-    // which names the table, as migration 9 made it.
+    // 16: an owner is its name and uid, as in Velero (issue 47): a name is unique among
+    // owners not retired (`retired_ms`). The table is rebuilt to drop UNIQUE (kind,
+    // name), with foreign keys off (`migrate_to`), its indexes and trigger made again.
     "DROP TRIGGER operations_counted_on_phase;
     CREATE TABLE owners_v16 (
         id INTEGER PRIMARY KEY,

@@ -1,15 +1,8 @@
-//! The single writer, with group commit.
-//!
-//! One thread owns the only read-write connection. Requests queue up while a
-//! transaction runs; the next transaction takes all of them at once, so concurrent
-//! requests share one commit and one fsync. Each request runs in its own savepoint: one
-//! that fails is rolled back alone and does not spoil the others. The writer commits
-//! with `synchronous=NORMAL` and hands the replies to the [`durable`](super::durable)
-//! syncer, which fsyncs the WAL and only then sends them, while the writer goes on
-//! with the next group. Invariant: a request's reply is sent only after the transaction
-//! holding its changes is on disk, so anything acknowledged survives a crash. The
-//! writer also tells the [`Tally`] of every transaction it opens and ends, so
-//! `agent.status`'s cached counts never outlive a commit.
+//! The single writer, with group commit: one thread owns the only read-write
+//! connection, and each transaction takes every request queued, each in its own
+//! savepoint (one that fails is rolled back alone). Invariant: a reply is sent only
+//! after the [`durable`](super::durable) syncer has the transaction on disk. The
+//! [`Tally`] is told of every transaction, so cached counts never outlive a commit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
@@ -207,25 +200,20 @@ impl Writer {
     }
 }
 
-/// Runs one of the group transaction's or the request savepoint's statements, prepared
-/// once: parsed anew for every request (`execute_batch`), the savepoint's statements
-/// cost about 6,000 instructions of a one-row `addOperations`, prepared once about 4,000.
+/// Runs one of the transaction's or savepoint's statements, prepared once (parsing
+/// them for every request costs half as much again).
 fn execute_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
     conn.prepare_cached(sql)?.execute([]).map(|_| ())
 }
 
-/// Opens the group transaction. It and `COMMIT` are prepared once, like the request
-/// savepoint's statements.
+/// Opens the group transaction.
 fn begin(conn: &Connection) -> Result<(), StorageFailure> {
     execute_cached(conn, "BEGIN IMMEDIATE").map_err(StorageFailure::from)
 }
 
-/// Has SQLite set `flag` whenever a row of `owners` changes on `conn`. The hook is
-/// SQLite's own, registered directly: rusqlite's wrapper makes text of the database and
-/// table names on every row change and calls a boxed closure, about 280 instructions per
-/// operation a sweep writes; this compares the table's name in place, about 30. `flag`
-/// must stay alive until the hook is removed. (A rollback calls no update hook, so a
-/// connection dropped while unwinding cannot reach a `flag` already dropped.)
+/// Has SQLite set `flag` whenever a row of `owners` changes on `conn`, by SQLite's own
+/// hook (rusqlite's wrapper allocates the names on every row a sweep writes). `flag`
+/// must stay alive until the hook is removed.
 fn watch_owners(conn: &Connection, flag: &std::sync::atomic::AtomicBool) {
     use std::ffi::{c_char, c_int, c_void, CStr};
     unsafe extern "C" fn changed(
@@ -307,8 +295,7 @@ fn run(
     syncer: std_mpsc::Sender<Batch>,
 ) -> Connection {
     // Whether the open transaction changed an `owners` row: the counts are sums over
-    // that table alone. SQLite calls the hook for every row a statement or a trigger
-    // changes, on this thread.
+    // that table alone.
     let owners_changed = std::sync::atomic::AtomicBool::new(false);
     watch_owners(&conn, &owners_changed);
     while let Some(first) = rx.blocking_recv() {
