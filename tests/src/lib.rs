@@ -635,12 +635,18 @@ impl Fixture {
     /// Starts the snapshotter and an agent with `extra` flags, and registers the one
     /// with the other.
     pub async fn new(extra: &[&str]) -> Fixture {
+        Fixture::polling_every("100ms", extra).await
+    }
+
+    /// Like [`Fixture::new`], the agent polling every `interval` (`"1h"`: only calls and
+    /// hints poll).
+    pub async fn polling_every(interval: &str, extra: &[&str]) -> Fixture {
         let dir = tempfile::tempdir().expect("temporary directory");
         let gates = dir.path().join("gates");
         std::fs::create_dir(&gates).expect("gates directory");
         let journal = dir.path().join("journal");
         let snapshotter = SdkSnapshotter::start(dir.path(), "copier", &gates, &journal);
-        let agent = Agent::start(dir.path(), extra);
+        let agent = Agent::start_polling_every(dir.path(), interval, extra);
         let client = agent.client().await;
         client
             .register_snapshotter(opmon_client::Snapshotter {
