@@ -51,29 +51,27 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
 
 /// The invalid-params error serde_json's `e` says, worded for a client.
 fn said_of_params<T: DeserializeOwned>(e: serde_path_to_error::Error<serde_json::Error>) -> Error {
-    {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        // serde_json appends the position; the field path says more.
-        let reason = match inner.find(" at line ") {
-            Some(i) => inner[..i].to_string(),
-            None => inner,
-        };
-        if path == "." || path.is_empty() {
-            match reason.find("expected struct ") {
-                // The params as a whole are not an object: say what they should be,
-                // not the name of a Rust type.
-                Some(i) => Error::InvalidParams(format!(
-                    "params: {}expected an object with {}",
-                    &reason[..i],
-                    fields_of::<T>()
-                )),
-                // A missing field, bad syntax: said of the params, like any other.
-                None => Error::InvalidParams(format!("params: {reason}")),
-            }
-        } else {
-            Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
+    let path = e.path().to_string();
+    let inner = e.into_inner().to_string();
+    // serde_json appends the position; the field path says more.
+    let reason = match inner.find(" at line ") {
+        Some(i) => inner[..i].to_string(),
+        None => inner,
+    };
+    if path == "." || path.is_empty() {
+        match reason.find("expected struct ") {
+            // The params as a whole are not an object: say what they should be,
+            // not the name of a Rust type.
+            Some(i) => Error::InvalidParams(format!(
+                "params: {}expected an object with {}",
+                &reason[..i],
+                fields_of::<T>()
+            )),
+            // A missing field, bad syntax: said of the params, like any other.
+            None => Error::InvalidParams(format!("params: {reason}")),
         }
+    } else {
+        Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
     }
 }
 

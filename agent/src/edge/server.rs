@@ -1386,7 +1386,7 @@ pub async fn serve(
     });
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
-    let refusals = Refusals::new();
+    let refusals = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     static ACCEPT_ERRORS: std::sync::LazyLock<LogLimit> =
         std::sync::LazyLock::new(|| LogLimit::new("failed accepts"));
     tokio::pin!(shutdown);
@@ -1409,7 +1409,7 @@ pub async fn serve(
         let ticket = match admission.admit(&stream) {
             Ok(ticket) => ticket,
             Err(refusal) => {
-                refusals.answer(stream, refusal);
+                refuse(&refusals, stream, refusal);
                 continue;
             }
         };
@@ -1496,35 +1496,20 @@ const REFUSAL_DEADLINE: Duration = Duration::from_secs(2);
 /// small request is consumed and the close after the answer is clean.
 const REFUSAL_BODY_READ: usize = 64 * 1024;
 
-/// Answers refused connections, within [`REFUSALS_AT_ONCE`] and [`REFUSAL_DEADLINE`].
-struct Refusals {
-    slots: Arc<Semaphore>,
-}
-
-impl Refusals {
-    fn new() -> Refusals {
-        Refusals {
-            slots: Arc::new(Semaphore::new(REFUSALS_AT_ONCE)),
+/// Answers `stream` with `refusal` in a task of its own, within [`REFUSAL_DEADLINE`],
+/// or closes it at once if [`REFUSALS_AT_ONCE`] refusals are being answered already.
+fn refuse(slots: &Arc<Semaphore>, stream: UnixStream, refusal: Refusal) {
+    let Ok(slot) = slots.clone().try_acquire_owned() else {
+        tracing::debug!("closed a refused connection unanswered: too many refusals at once");
+        return;
+    };
+    tokio::spawn(async move {
+        let _slot = slot;
+        let answered = tokio::time::timeout(REFUSAL_DEADLINE, answer_refused(stream, refusal));
+        if answered.await.is_err() {
+            tracing::debug!("a refused peer took too long; closed");
         }
-    }
-
-    /// Answers `stream` with `refusal` in a task of its own, or closes it at once if
-    /// too many refusals are being answered already.
-    fn answer(&self, stream: UnixStream, refusal: Refusal) {
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-            tracing::debug!("closed a refused connection unanswered: too many refusals at once");
-            return;
-        };
-        tokio::spawn(async move {
-            let _slot = slot;
-            if tokio::time::timeout(REFUSAL_DEADLINE, answer_refused(stream, refusal))
-                .await
-                .is_err()
-            {
-                tracing::debug!("a refused peer took too long; closed");
-            }
-        });
-    }
+    });
 }
 
 /// Answers one HTTP request on `stream` (a WebSocket upgrade included) with `refusal`'s
