@@ -601,13 +601,12 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                         return Ok(());
                     }
                 };
-                let started = match parse::<NameParams>(&params) {
-                    Ok(p) => match owner_name(&p.name) {
-                        Ok(()) => core.subscribe(kind, p.name).await,
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
+                let started = async {
+                    let p: NameParams = parse(&params)?;
+                    owner_name(&p.name)?;
+                    core.subscribe(kind, p.name).await
                 };
+                let started = started.await;
                 let mut updates = match started {
                     Ok(updates) => updates,
                     Err(e) => {

@@ -407,37 +407,26 @@ impl Metrics {
         }
         self.unfinished_operations
             .set(status.unfinished_operations as i64);
-        // Snapshotters with nothing unfinished any more drop out rather than stay at
-        // their last values.
-        for family in [
-            &self.unfinished_by_snapshotter,
-            &self.stalled_operations,
-            &self.past_timeout_operations,
-            &self.unfinished_done_bytes,
-            &self.unfinished_size_bytes,
-        ] {
-            family.clear();
-        }
+        // The per-snapshotter sums, each read from an `Unfinished` by its gauge.
+        type Read = fn(&Unfinished) -> u64;
+        let sums: [(&Family<SnapshotterLabel, Gauge>, Read); 5] = [
+            (&self.unfinished_by_snapshotter, |s| s.count),
+            (&self.stalled_operations, |s| s.stalled),
+            (&self.past_timeout_operations, |s| s.past_timeout),
+            (&self.unfinished_done_bytes, |s| s.bytes_done),
+            (&self.unfinished_size_bytes, |s| s.bytes_total),
+        ];
+        // Snapshotters with nothing unfinished any more drop out, not stay at their last
+        // values.
+        sums.iter().for_each(|(family, _)| family.clear());
         self.oldest_unfinished_age.clear();
         let now = UnixMs::now().0;
         let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         for (name, sum) in &scraped.snapshotters {
             let label = snapshotter(name);
-            self.unfinished_by_snapshotter
-                .get_or_create(&label)
-                .set(as_i64(sum.count));
-            self.stalled_operations
-                .get_or_create(&label)
-                .set(as_i64(sum.stalled));
-            self.past_timeout_operations
-                .get_or_create(&label)
-                .set(as_i64(sum.past_timeout));
-            self.unfinished_done_bytes
-                .get_or_create(&label)
-                .set(as_i64(sum.bytes_done));
-            self.unfinished_size_bytes
-                .get_or_create(&label)
-                .set(as_i64(sum.bytes_total));
+            for (family, value) in &sums {
+                family.get_or_create(&label).set(as_i64(value(sum)));
+            }
             if let Some(oldest) = sum.oldest_created_ms {
                 let age = now.saturating_sub(oldest).max(0) as f64 / 1000.0;
                 self.oldest_unfinished_age.get_or_create(&label).set(age);
