@@ -92,18 +92,6 @@ pub struct ClientBuilder {
 impl ClientBuilder {
     /// How long [`connect`](Self::connect), and each reconnect attempt of a
     /// subscription, may take (default 5 s).
-    ///
-    /// No errors: it only sets the timeout.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
-    ///     .connect_timeout(Duration::from_secs(1))
-    ///     .connect()
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.config.connect_timeout = timeout;
         self
@@ -111,36 +99,12 @@ impl ClientBuilder {
 
     /// How long a call may take, reconnects and repeats included (default 2 min). A
     /// subscription that lost its connection gives up after this long without the agent.
-    ///
-    /// No errors: it only sets the timeout.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
-    ///     .call_timeout(Duration::from_secs(30))
-    ///     .connect()
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.config.call_timeout = timeout;
         self
     }
 
     /// How long a `finalize` may take (default 1 h): it streams the backup tarball.
-    ///
-    /// No errors: it only sets the timeout.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
-    ///     .finalize_timeout(Duration::from_secs(4 * 3600))
-    ///     .connect()
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
     pub fn finalize_timeout(mut self, timeout: Duration) -> Self {
         self.config.finalize_timeout = timeout;
         self
@@ -148,17 +112,6 @@ impl ClientBuilder {
 
     /// Connections a client opens at once for calls (default 32); more calls in
     /// parallel wait for one to be free (within their timeout).
-    ///
-    /// No errors: it only sets the bound (at least 1).
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// let client = opmon_client::Client::builder(opmon_client::default_socket_path())
-    ///     .max_connections(4)
-    ///     .connect()
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
     pub fn max_connections(mut self, n: usize) -> Self {
         self.config.max_connections = n.max(1);
         self
@@ -544,12 +497,6 @@ impl Client {
     }
 
     /// The agent's socket.
-    ///
-    /// ```no_run
-    /// # fn demo(client: opmon_client::Client) {
-    /// println!("talking to {}", client.socket().display());
-    /// # }
-    /// ```
     pub fn socket(&self) -> &Path {
         &self.inner.path
     }
@@ -618,23 +565,6 @@ impl Client {
         self.inner.call_raw(method, &body, retry, timeout).await
     }
 
-    /// `agent.status`: the agent's version, API version, features, uptime and counts.
-    ///
-    /// # Errors
-    /// Transport failures only, in practice (see [`Error`]).
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let status = client.status().await?;
-    /// if !status.supports(opmon_client::methods::Feature::Cancel) {
-    ///     eprintln!("agent {} cannot cancel", status.version);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn status(&self) -> Call<methods::Status> {
-        self.request(NoParams {})
-    }
-
     /// The backup methods (`backup.*`): an owned handle, cheap to clone.
     ///
     /// ```no_run
@@ -670,109 +600,6 @@ impl Client {
             client: self.clone(),
             kind,
         }
-    }
-
-    /// `server.started`: the backup server `name` now runs as `instance`. The agent
-    /// fails the InProgress owners that earlier instances of `name` started (with a
-    /// failure reason) and answers which; calling it again fails nothing more. `""`
-    /// names the owners started without a server.
-    ///
-    /// # Errors
-    /// [`Error::is_invalid_params`] for a name or instance that is not printable text of
-    /// at most 253 bytes.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let failed = client.server_started("velero/velero", "velero-5d8f-abcde").await?;
-    /// for owner in failed.failed {
-    ///     println!("{} {} failed: the server restarted", owner.kind, owner.name);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn server_started(&self, name: &str, instance: &str) -> Call<methods::ServerStarted> {
-        self.request(ServerStartedParams {
-            name: name.into(),
-            instance: instance.into(),
-        })
-    }
-
-    /// `snapshotter.register`: persisted, replaces an earlier registration of the name.
-    ///
-    /// # Errors
-    /// [`Error::is_invalid_params`] naming the field: a name that is not
-    /// `<DNS subdomain>/<name>`, a v2 snapshotter without exactly one of socket and
-    /// command, a relative socket, a command while the agent does not allow them over
-    /// the API.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::Snapshotter;
-    /// let s = Snapshotter::socket("example.io/copier", "/run/copier/copier.sock");
-    /// client.register_snapshotter(s).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn register_snapshotter(
-        &self,
-        snapshotter: Snapshotter,
-    ) -> Call<methods::RegisterSnapshotter> {
-        self.request(snapshotter)
-    }
-
-    /// `snapshotter.list`: the registered snapshotters.
-    ///
-    /// # Errors
-    /// Transport failures only, in practice (see [`Error`]).
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// for s in client.snapshotters().await? {
-    ///     println!("{}", s.name);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn snapshotters(&self) -> Call<methods::ListSnapshotters> {
-        self.request(NoParams {})
-    }
-
-    /// `snapshotter.unregister`: returns what was registered. Not repeated after a lost
-    /// answer ([`Error::Interrupted`]): list to see.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`] if no snapshotter has the name.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// match client.unregister_snapshotter("example.io/copier").await {
-    ///     Err(e) if e.is_not_found() => {}
-    ///     other => { other?; }
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn unregister_snapshotter(&self, name: &str) -> Call<methods::UnregisterSnapshotter> {
-        self.request(NameParams { name: name.into() })
-    }
-
-    /// `snapshotter.changed`: tells the agent that operations of `plugin` changed, so
-    /// it polls them now; all of its operations unless [`Call::operations`] names some.
-    /// The SDK's `snapshotter::Hints` sends these for a snapshotter.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`] if no snapshotter is registered for `plugin`;
-    /// [`Error::is_invalid_params`] for more than 1,000 IDs.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client
-    ///     .snapshotter_changed("example.io/copier")
-    ///     .operations(vec!["copy-42".into()])
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn snapshotter_changed(&self, plugin: &str) -> Call<methods::SnapshotterChanged> {
-        self.request(SnapshotterChangedParams {
-            plugin: plugin.into(),
-            operations: None,
-        })
     }
 }
 
@@ -815,8 +642,6 @@ impl<M: Method> Call<M> {
     }
 
     /// The params the call sends (`None` once it was polled).
-    ///
-    /// No errors.
     ///
     /// ```no_run
     /// # fn demo(client: opmon_client::Client) {
@@ -888,12 +713,6 @@ pub struct Owners {
 
 impl Owners {
     /// The kind of owners these methods are of.
-    ///
-    /// ```no_run
-    /// # fn demo(client: opmon_client::Client) {
-    /// assert_eq!(client.backups().kind(), opmon_client::OwnerKind::Backup);
-    /// # }
-    /// ```
     pub fn kind(&self) -> OwnerKind {
         self.kind
     }
@@ -914,191 +733,8 @@ impl Owners {
         Call::new(self.client.clone(), self.kind, params)
     }
 
-    /// `start`: creates the owner `name` (the backup server's object's `uid`) in
-    /// InProgress; the same name and uid again returns it. Options: [`Call::item_operation_timeout`],
-    /// [`Call::stall_timeout`], [`Call::start_timeout`], [`Call::finalize`] (restores),
-    /// [`Call::object`], [`Call::server`].
-    ///
-    /// # Errors
-    /// [`Error::is_already_exists`] if an owner of that name has another uid;
-    /// [`Error::is_invalid_params`] naming the field (a name that is not a DNS
-    /// subdomain, `finalize` for a backup, an object over 64 KiB).
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use std::time::Duration;
-    /// let owner = client
-    ///     .backups()
-    ///     .start("nightly-1", "3f5c9a")
-    ///     .item_operation_timeout(Duration::from_secs(3600))
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn start(&self, name: &str, uid: &str) -> Call<methods::Start> {
-        self.request(StartParams {
-            name: name.into(),
-            uid: uid.into(),
-            ..Default::default()
-        })
-    }
-
-    /// `addOperations`: the operations the plugins returned for the owner `name`, while
-    /// it is InProgress. Idempotent on (plugin, operationId, item): repeats count as
-    /// `alreadyKnown`.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] once the owner left InProgress;
-    /// [`Error::is_invalid_params`] naming the operation and field.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
-    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
-    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42");
-    /// let counts = client.backups().add_operations("nightly-1", vec![op]).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn add_operations(
-        &self,
-        name: &str,
-        operations: Vec<NewOperation>,
-    ) -> Call<methods::AddOperations> {
-        self.request(AddOperationsParams {
-            name: name.into(),
-            operations,
-        })
-    }
-
-    /// `endInProgress`: ends the owner's InProgress phase with the backup server's
-    /// verdict ([`Call::errors`], [`Call::warnings`], [`Call::failed`]) and answers the
-    /// owner in its new phase. Not repeated after a lost answer ([`Error::Interrupted`]):
-    /// read the owner back.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] if it is no longer InProgress.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let owner = client.backups().end_in_progress("nightly-1").errors(2).await?;
-    /// println!("{} is {}", owner.name, owner.phase);
-    /// # Ok(()) }
-    /// ```
-    pub fn end_in_progress(&self, name: &str) -> Call<methods::EndInProgress> {
-        self.request(EndInProgressParams {
-            name: name.into(),
-            ..Default::default()
-        })
-    }
-
-    /// `get`: the owner `name` (its current one; [`Call::uid`] for the one of a uid,
-    /// current or retired).
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let owner = client.backups().get("nightly-1").await?;
-    /// println!("{}: {} of {} operations done", owner.phase, owner.operations_completed, owner.operations_attempted);
-    /// # Ok(()) }
-    /// ```
-    pub fn get(&self, name: &str) -> Call<methods::Get> {
-        self.request(OwnerParams::current(name))
-    }
-
-    /// `history`: every owner that had the name `name`, the current one first, then
-    /// the retired ones (`start` gave their name to a new uid), latest retired first.
-    ///
-    /// # Errors
-    /// Only the call's own: an unknown name answers an empty list.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// for owner in client.backups().history("nightly-1").await? {
-    ///     println!("{} {} retired {:?}", owner.uid, owner.phase, owner.retired);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn history(&self, name: &str) -> Call<methods::History> {
-        self.request(NameParams { name: name.into() })
-    }
-
-    /// `list`: one page of owners in name order (options: [`Call::phases`],
-    /// [`Call::limit`], default 100 and at most 1,000, [`Call::after`] a name).
-    ///
-    /// # Errors
-    /// [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::OwnerPhase;
-    /// let mut after = None;
-    /// loop {
-    ///     let mut call = client.backups().list().phases(vec![OwnerPhase::Finalizing]);
-    ///     if let Some(name) = after.take() {
-    ///         call = call.after(name);
-    ///     }
-    ///     let page = call.await?;
-    ///     for owner in &page.items {
-    ///         println!("{}", owner.name);
-    ///     }
-    ///     match page.next {
-    ///         Some(next) => after = Some(next),
-    ///         None => break,
-    ///     }
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn list(&self) -> Call<methods::List> {
-        self.request(ListParams::default())
-    }
-
-    /// `events`: one page of the owner's history, oldest first (options:
-    /// [`Call::after_seq`], the previous page's `next`, and [`Call::limit`]).
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`]; [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let page = client.backups().events("nightly-1").limit(50).await?;
-    /// for event in &page.items {
-    ///     println!("{} {}", event.reason, event.message);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn events(&self, name: &str) -> Call<methods::Events> {
-        self.request(EventsParams {
-            name: name.into(),
-            ..Default::default()
-        })
-    }
-
-    /// `operations`: all of the owner's operations, or those in [`Call::phases`].
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::OperationPhase;
-    /// let failed = client
-    ///     .backups()
-    ///     .operations("nightly-1")
-    ///     .phases(vec![OperationPhase::Failed])
-    ///     .await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn operations(&self, name: &str) -> Call<methods::Operations> {
-        self.request(OperationsParams {
-            name: name.into(),
-            uid: None,
-            phases: None,
-        })
-    }
-
     /// `wait`: until the owner reaches `until` or `timeout` passes. Long timeouts are
-    /// split into several requests; the result is the same as one long wait. After a
+    /// split into several requests with the same result as one long wait; after a
     /// reconnect the slice in flight is asked again, so the wait may overrun `timeout`
     /// by up to a minute.
     ///
@@ -1144,48 +780,6 @@ impl Owners {
         }
     }
 
-    /// `itemOperations`: the owner's `-itemoperations.json.gz` records, as Velero
-    /// writes them.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let records = client.backups().item_operations("nightly-1").await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn item_operations(&self, name: &str) -> Call<methods::ItemOperations> {
-        self.request(OwnerParams::current(name))
-    }
-
-    /// `finalize`: for an owner in a Finalizing phase, writes the item-operations file,
-    /// rewrites the backup tarball if [`Call::contents`] is given (with
-    /// [`Call::updated_items`]), and moves the owner to its terminal phase. Idempotent:
-    /// a finalized owner answers with the first result. Bounded by the finalize timeout
-    /// (default 1 h), not the call timeout.
-    ///
-    /// # Errors
-    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] before Finalizing;
-    /// [`Error::is_finalize_failed`] if the files could not be written.
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let done = client
-    ///     .backups()
-    ///     .finalize("nightly-1")
-    ///     .contents("/var/backups/nightly-1.tar.gz", "/var/backups/nightly-1.final.tar.gz")
-    ///     .await?;
-    /// println!("{} is {}", done.owner.name, done.owner.phase);
-    /// # Ok(()) }
-    /// ```
-    pub fn finalize(&self, name: &str) -> Call<methods::Finalize> {
-        self.request(FinalizeParams {
-            name: name.into(),
-            ..Default::default()
-        })
-    }
-
     /// `subscribe`: every change of the owner and its operations, until the update that
     /// shows a terminal phase. Fails at once if the owner does not exist. The stream
     /// lives through agent restarts: after a reconnect it resubscribes, and the first
@@ -1213,23 +807,164 @@ impl Owners {
     pub async fn subscribe(&self, name: &str) -> Result<Subscription, Error> {
         Subscription::start(self.client.clone(), self.kind, name).await
     }
+}
 
-    /// `delete`: removes the owner, cancelling its unfinished operations. Not repeated
-    /// after a lost answer ([`Error::Interrupted`]): a repeat could delete an owner
-    /// re-created under the same name meanwhile.
+/// The typed calls, declared once: each becomes a method of the handle that builds its
+/// params from the required arguments (the rest default; see [`setters!`]).
+macro_rules! calls {
+    ($on:ty { $($(#[doc = $doc:literal])* $name:ident($($arg:ident: $ty:ty),*) -> $method:ident = $params:expr;)+ }) => {
+        impl $on {
+            $($(#[doc = $doc])* pub fn $name(&self, $($arg: $ty),*) -> Call<methods::$method> {
+                self.request($params)
+            })+
+        }
+    };
+}
+
+calls!(Owners {
+    /// `start`: creates the owner `name` (the backup server's object's `uid`) in
+    /// InProgress; the same name and uid again returns it. Options:
+    /// [`Call::item_operation_timeout`], [`Call::stall_timeout`], [`Call::start_timeout`],
+    /// [`Call::finalize`] (restores), [`Call::object`], [`Call::server`].
     ///
     /// # Errors
-    /// [`Error::is_not_found`].
+    /// [`Error::is_already_exists`] if an owner of that name has another uid;
+    /// [`Error::is_invalid_params`] naming the field (a name that is not a DNS
+    /// subdomain, `finalize` for a backup, an object over 64 KiB).
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let deleted = client.backups().delete("nightly-1").await?;
+    /// use std::time::Duration;
+    /// let owner = client
+    ///     .backups()
+    ///     .start("nightly-1", "3f5c9a")
+    ///     .item_operation_timeout(Duration::from_secs(3600))
+    ///     .server("velero/velero", "velero-5d8f-abcde")
+    ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn delete(&self, name: &str) -> Call<methods::Delete> {
-        self.request(OwnerParams::current(name))
-    }
-
+    start(name: &str, uid: &str) -> Start = StartParams {
+        name: name.into(),
+        uid: uid.into(),
+        ..Default::default()
+    };
+    /// `addOperations`: the operations the plugins returned for the owner `name`, while
+    /// it is InProgress. Idempotent on (plugin, operationId, item): repeats count as
+    /// `alreadyKnown`.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] once the owner left InProgress;
+    /// [`Error::is_invalid_params`] naming the operation and field.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
+    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
+    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42");
+    /// let counts = client.backups().add_operations("nightly-1", vec![op]).await?;
+    /// # Ok(()) }
+    /// ```
+    add_operations(name: &str, operations: Vec<NewOperation>) -> AddOperations =
+        AddOperationsParams { name: name.into(), operations };
+    /// `endInProgress`: ends the owner's InProgress phase with the backup server's
+    /// verdict ([`Call::errors`], [`Call::warnings`], [`Call::failed`]) and answers the
+    /// owner in its new phase. Not repeated after a lost answer ([`Error::Interrupted`]):
+    /// read the owner back.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] if it is no longer InProgress.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let owner = client.backups().end_in_progress("nightly-1").errors(2).await?;
+    /// println!("{} is {}", owner.name, owner.phase);
+    /// # Ok(()) }
+    /// ```
+    end_in_progress(name: &str) -> EndInProgress = EndInProgressParams {
+        name: name.into(),
+        ..Default::default()
+    };
+    /// `get`: the owner `name` (its current one; [`Call::uid`] for the one of a uid,
+    /// current or retired). [`Error::is_not_found`] if there is none.
+    get(name: &str) -> Get = OwnerParams::current(name);
+    /// `history`: every owner that had the name `name`, the current one first, then
+    /// the retired ones (`start` gave their name to a new uid), latest retired first.
+    /// An unknown name answers an empty list.
+    history(name: &str) -> History = NameParams { name: name.into() };
+    /// `list`: one page of owners in name order (options: [`Call::phases`],
+    /// [`Call::limit`], default 100 and at most 1,000, [`Call::after`] a name).
+    ///
+    /// # Errors
+    /// [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// use opmon_client::OwnerPhase;
+    /// let mut after = None;
+    /// loop {
+    ///     let mut call = client.backups().list().phases(vec![OwnerPhase::Finalizing]);
+    ///     if let Some(name) = after.take() {
+    ///         call = call.after(name);
+    ///     }
+    ///     let page = call.await?;
+    ///     for owner in &page.items {
+    ///         println!("{}", owner.name);
+    ///     }
+    ///     match page.next {
+    ///         Some(next) => after = Some(next),
+    ///         None => break,
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    list() -> List = ListParams::default();
+    /// `events`: one page of the owner's history, oldest first (options:
+    /// [`Call::after_seq`], the previous page's `next`, and [`Call::limit`]).
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_invalid_params`] for a limit of 0 or over 1,000.
+    events(name: &str) -> Events = EventsParams {
+        name: name.into(),
+        ..Default::default()
+    };
+    /// `operations`: all of the owner's operations, or those in [`Call::phases`].
+    /// [`Error::is_not_found`] if there is no such owner.
+    operations(name: &str) -> Operations = OperationsParams {
+        name: name.into(),
+        uid: None,
+        phases: None,
+    };
+    /// `itemOperations`: the owner's `-itemoperations.json.gz` records, as Velero
+    /// writes them. [`Error::is_not_found`] if there is no such owner.
+    item_operations(name: &str) -> ItemOperations = OwnerParams::current(name);
+    /// `finalize`: for an owner in a Finalizing phase, writes the item-operations file,
+    /// rewrites the backup tarball if [`Call::contents`] is given (with
+    /// [`Call::updated_items`]), and moves the owner to its terminal phase. Idempotent:
+    /// a finalized owner answers with the first result. Bounded by the finalize timeout
+    /// (default 1 h), not the call timeout.
+    ///
+    /// # Errors
+    /// [`Error::is_not_found`]; [`Error::is_wrong_phase`] before Finalizing;
+    /// [`Error::is_finalize_failed`] if the files could not be written.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+    /// let done = client
+    ///     .backups()
+    ///     .finalize("nightly-1")
+    ///     .contents("/var/backups/nightly-1.tar.gz", "/var/backups/nightly-1.final.tar.gz")
+    ///     .await?;
+    /// println!("{} is {}", done.owner.name, done.owner.phase);
+    /// # Ok(()) }
+    /// ```
+    finalize(name: &str) -> Finalize = FinalizeParams {
+        name: name.into(),
+        ..Default::default()
+    };
+    /// `delete`: removes the owner, cancelling its unfinished operations. Not repeated
+    /// after a lost answer ([`Error::Interrupted`]): a repeat could delete an owner
+    /// re-created under the same name meanwhile. [`Error::is_not_found`] if there is none.
+    delete(name: &str) -> Delete = OwnerParams::current(name);
     /// `cancel`: the whole owner (it ends Failed with the reason) or, with
     /// [`Call::operations`], only those operations (they end Canceled); [`Call::reason`]
     /// says why. Not repeated after a lost answer ([`Error::Interrupted`]): read back.
@@ -1248,383 +983,222 @@ impl Owners {
     ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn cancel(&self, name: &str) -> Call<methods::Cancel> {
-        self.request(CancelParams {
-            name: name.into(),
-            operations: None,
-            reason: None,
-        })
-    }
-}
+    cancel(name: &str) -> Cancel = CancelParams {
+        name: name.into(),
+        operations: None,
+        reason: None,
+    };
+});
 
-impl Call<methods::Start> {
-    /// How long the owner's operations may take (default `4h0m0s`, as in Velero).
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
+calls!(Client {
+    /// `agent.status`: the agent's version, API version, features, uptime and counts.
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use std::time::Duration;
-    /// client.backups().start("nightly-1", "3f5c9a").item_operation_timeout(Duration::from_secs(3600)).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn item_operation_timeout(self, timeout: Duration) -> Self {
-        self.with(|p| p.item_operation_timeout = Some(GoDuration(timeout)))
-    }
-
-    /// Fail an operation whose progress has not changed for this long (overrides the
-    /// snapshotter's `stallTimeout`; zero turns it off for this owner).
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use std::time::Duration;
-    /// client.backups().start("nightly-1", "3f5c9a").stall_timeout(Duration::from_secs(600)).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn stall_timeout(self, timeout: Duration) -> Self {
-        self.with(|p| p.stall_timeout = Some(GoDuration(timeout)))
-    }
-
-    /// Fail an operation still New this long after it was created (overrides the
-    /// snapshotter's `startTimeout`; zero turns it off for this owner).
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use std::time::Duration;
-    /// client.backups().start("nightly-1", "3f5c9a").start_timeout(Duration::from_secs(300)).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn start_timeout(self, timeout: Duration) -> Self {
-        self.with(|p| p.start_timeout = Some(GoDuration(timeout)))
-    }
-
-    /// Restores only: pass through Finalizing and wait for `restore.finalize` (default:
-    /// the agent's `restore_finalize` setting).
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.restores().start("restore-1", "9b1e").finalize(true).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn finalize(self, finalize: bool) -> Self {
-        self.with(|p| p.finalize = Some(finalize))
-    }
-
-    /// The backup server's own representation of the backup or restore (a JSON object
-    /// of at most 64 KiB), passed to the snapshotters in every Progress and Cancel.
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let backup = serde_json::json!({"metadata": {"name": "nightly-1"}});
-    /// client.backups().start("nightly-1", "3f5c9a").object(backup).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn object(self, object: serde_json::Value) -> Self {
-        self.with(|p| p.object = Some(object))
-    }
-
-    /// The backup server starting it (`name`, running as `instance`), so that
-    /// `server.started` of a later instance fails it if it is still InProgress.
-    ///
-    /// No error of its own: the call's are those of [`Owners::start`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.backups().start("nightly-1", "3f5c9a").server("velero/velero", "velero-5d8f-abcde").await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn server(self, name: &str, instance: &str) -> Self {
-        self.with(|p| {
-            p.server = Some(ServerRef {
-                name: name.into(),
-                instance: instance.into(),
-            })
-        })
-    }
-}
-
-impl Call<methods::EndInProgress> {
-    /// Errors the server counted while the owner was InProgress.
-    ///
-    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.backups().end_in_progress("nightly-1").errors(2).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn errors(self, errors: u32) -> Self {
-        self.with(|p| p.errors = errors)
-    }
-
-    /// Warnings the server counted.
-    ///
-    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.backups().end_in_progress("nightly-1").warnings(1).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn warnings(self, warnings: u32) -> Self {
-        self.with(|p| p.warnings = warnings)
-    }
-
-    /// The backup or restore failed outright: Failed, unfinished operations cancelled.
-    ///
-    /// No error of its own: the call's are those of [`Owners::end_in_progress`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let owner = client.backups().end_in_progress("nightly-1").failed().await?;
-    /// assert!(owner.phase.is_terminal() || owner.phase.is_waiting());
-    /// # Ok(()) }
-    /// ```
-    pub fn failed(self) -> Self {
-        self.with(|p| p.failed = true)
-    }
-}
-
-impl Call<methods::List> {
-    /// Only owners in these phases.
-    ///
-    /// No error of its own: the call's are those of [`Owners::list`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::OwnerPhase;
-    /// let page = client.backups().list().phases(vec![OwnerPhase::InProgress]).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn phases(self, phases: Vec<OwnerPhase>) -> Self {
-        self.with(|p| p.phases = Some(phases))
-    }
-
-    /// At most this many owners (default 100, at most 1,000).
-    ///
-    /// No error of its own: the call's are those of [`Owners::list`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let page = client.backups().list().limit(1000).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn limit(self, limit: u32) -> Self {
-        self.with(|p| p.limit = Some(limit))
-    }
-
-    /// Owners whose names sort after this one: the previous page's `next`.
-    ///
-    /// No error of its own: the call's are those of [`Owners::list`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let first = client.backups().list().await?;
-    /// if let Some(next) = first.next {
-    ///     let second = client.backups().list().after(next).await?;
+    /// let status = client.status().await?;
+    /// if !status.supports(opmon_client::methods::Feature::Cancel) {
+    ///     eprintln!("agent {} cannot cancel", status.version);
     /// }
     /// # Ok(()) }
     /// ```
-    pub fn after(self, name: impl Into<String>) -> Self {
-        self.with(|p| p.after = Some(name.into()))
-    }
-}
-
-/// `uid` on the calls that name one owner.
-macro_rules! owner_of_uid {
-    ($($method:ident),+) => {$(
-        impl Call<methods::$method> {
-            /// The owner of the name with this uid, current or retired
-            /// ([`crate::Owner::retired`]), rather than the name's current owner.
-            ///
-            /// No error of its own: an owner the name never had with that uid is
-            /// [`Error::is_not_found`].
-            ///
-            /// ```no_run
-            /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-            /// let earlier = client.backups().get("nightly-1").uid("3f5c9a").await?;
-            /// # Ok(()) }
-            /// ```
-            pub fn uid(self, uid: impl Into<String>) -> Self {
-                self.with(|p| p.uid = Some(uid.into()))
-            }
-        }
-    )+};
-}
-
-owner_of_uid!(Get, Operations, ItemOperations, Events, Delete);
-
-impl Call<methods::Events> {
-    /// Events after this `seq`: the previous page's `next`.
-    ///
-    /// No error of its own: the call's are those of [`Owners::events`].
+    status() -> Status = NoParams {};
+    /// `server.started`: the backup server `name` now runs as `instance`. The agent
+    /// fails the InProgress owners that earlier instances of `name` started (with a
+    /// failure reason) and answers which; calling it again fails nothing more. `""`
+    /// names the owners started without a server. [`Error::is_invalid_params`] for a
+    /// name or instance that is not printable text of at most 253 bytes.
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let first = client.backups().events("nightly-1").await?;
-    /// if let Some(next) = first.next {
-    ///     let second = client.backups().events("nightly-1").after_seq(next).await?;
+    /// let failed = client.server_started("velero/velero", "velero-5d8f-abcde").await?;
+    /// for owner in failed.failed {
+    ///     println!("{} {} failed: the server restarted", owner.kind, owner.name);
     /// }
     /// # Ok(()) }
     /// ```
-    pub fn after_seq(self, seq: u64) -> Self {
-        self.with(|p| p.after = Some(seq))
-    }
-
-    /// At most this many events (default 100, at most 1,000).
+    server_started(name: &str, instance: &str) -> ServerStarted = ServerStartedParams {
+        name: name.into(),
+        instance: instance.into(),
+    };
+    /// `snapshotter.register`: persisted, replaces an earlier registration of the name.
     ///
-    /// No error of its own: the call's are those of [`Owners::events`].
+    /// # Errors
+    /// [`Error::is_invalid_params`] naming the field: a name that is not
+    /// `<DNS subdomain>/<name>`, a v2 snapshotter without exactly one of socket and
+    /// command, a relative socket, a command while the agent does not allow them over
+    /// the API.
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// let page = client.backups().events("nightly-1").limit(1000).await?;
+    /// use opmon_client::Snapshotter;
+    /// let s = Snapshotter::socket("example.io/copier", "/run/copier/copier.sock");
+    /// client.register_snapshotter(s).await?;
     /// # Ok(()) }
     /// ```
-    pub fn limit(self, limit: u32) -> Self {
-        self.with(|p| p.limit = Some(limit))
-    }
-}
-
-impl Call<methods::Operations> {
-    /// Only operations in these phases.
+    register_snapshotter(snapshotter: Snapshotter) -> RegisterSnapshotter = snapshotter;
+    /// `snapshotter.list`: the registered snapshotters.
+    snapshotters() -> ListSnapshotters = NoParams {};
+    /// `snapshotter.unregister`: returns what was registered; [`Error::is_not_found`] if
+    /// no snapshotter has the name. Not repeated after a lost answer
+    /// ([`Error::Interrupted`]): list to see.
+    unregister_snapshotter(name: &str) -> UnregisterSnapshotter = NameParams { name: name.into() };
+    /// `snapshotter.changed`: tells the agent that operations of `plugin` changed, so
+    /// it polls them now; all of its operations unless [`Call::operations`] names some.
+    /// The SDK's `snapshotter::Hints` sends these for a snapshotter.
     ///
-    /// No error of its own: the call's are those of [`Owners::operations`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::OperationPhase;
-    /// let running = client.backups().operations("nightly-1").phases(vec![OperationPhase::InProgress]).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn phases(self, phases: Vec<OperationPhase>) -> Self {
-        self.with(|p| p.phases = Some(phases))
-    }
-}
-
-impl Call<methods::Finalize> {
-    /// Backups only: rewrite the tarball `input` into `output` (which may be `input`
-    /// itself), with the [`updated_items`](Self::updated_items).
-    ///
-    /// No error of its own: the call's are those of [`Owners::finalize`].
+    /// # Errors
+    /// [`Error::is_not_found`] if no snapshotter is registered for `plugin`;
+    /// [`Error::is_invalid_params`] for more than 1,000 IDs.
     ///
     /// ```no_run
     /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.backups().finalize("nightly-1").contents("nightly-1.tar.gz", "nightly-1.tar.gz").await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn contents(self, input: impl Into<PathBuf>, output: impl Into<PathBuf>) -> Self {
-        self.with(|p| {
-            p.contents = Some(Contents {
-                input: input.into(),
-                output: output.into(),
-            })
-        })
-    }
-
-    /// Items to put into the tarball in place of (or beside) what it has: the
-    /// post-operation items the plugins updated.
-    ///
-    /// No error of its own: the call's are those of [`Owners::finalize`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::{ResourceIdentifier, UpdatedItem};
-    /// let pv = UpdatedItem {
-    ///     resource: ResourceIdentifier::cluster("persistentvolumes", "pv-1"),
-    ///     object: serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolume"}),
-    /// };
     /// client
-    ///     .backups()
-    ///     .finalize("nightly-1")
-    ///     .contents("nightly-1.tar.gz", "nightly-1.tar.gz")
-    ///     .updated_items(vec![pv])
+    ///     .snapshotter_changed("example.io/copier")
+    ///     .operations(vec!["copy-42".into()])
     ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn updated_items(self, items: Vec<UpdatedItem>) -> Self {
-        self.with(|p| p.updated_items = items)
-    }
+    snapshotter_changed(plugin: &str) -> SnapshotterChanged = SnapshotterChangedParams {
+        plugin: plugin.into(),
+        operations: None,
+    };
+});
 
-    /// Errors the backup server's finalize step found: added to the owner's; any makes
-    /// it PartiallyFailed.
-    ///
-    /// No error of its own: the call's are those of [`Owners::finalize`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.restores().finalize("restore-1").errors(1).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn errors(self, errors: u32) -> Self {
-        self.with(|p| p.errors = errors)
-    }
-
-    /// Warnings the finalize step found: added to the owner's.
-    ///
-    /// No error of its own: the call's are those of [`Owners::finalize`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.restores().finalize("restore-1").warnings(3).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn warnings(self, warnings: u32) -> Self {
-        self.with(|p| p.warnings = warnings)
-    }
+/// The optional arguments of the typed calls, declared once: each becomes a builder
+/// method of `Call<methods::M>` for every method it is listed under, setting a field of
+/// the method's params; the errors are those of the call that made it.
+macro_rules! setters {
+    () => {};
+    ($($method:ident),+ => $setters:tt $($rest:tt)*) => {
+        $(setters!(@impl $method $setters);)+
+        setters!($($rest)*);
+    };
+    (@impl $method:ident {
+        $($(#[doc = $doc:literal])* $setter:ident($($arg:ident: $ty:ty),*) => |$p:ident| $set:expr;)+
+    }) => {
+        impl Call<methods::$method> {
+            $($(#[doc = $doc])* pub fn $setter(self, $($arg: $ty),*) -> Self {
+                self.with(|$p| $set)
+            })+
+        }
+    };
 }
 
-impl Call<methods::Cancel> {
-    /// Cancel only these operations (each an ID, or an ID and its item); the owner
-    /// goes on.
-    ///
-    /// No error of its own: the call's are those of [`Owners::cancel`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// use opmon_client::OperationSelector;
-    /// let ids = vec![OperationSelector::Id("copy-42".into())];
-    /// client.backups().cancel("nightly-1").operations(ids).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn operations(self, operations: Vec<OperationSelector>) -> Self {
-        self.with(|p| p.operations = Some(operations))
+setters! {
+    Start => {
+        /// How long the owner's operations may take (default `4h0m0s`, as in Velero).
+        item_operation_timeout(timeout: Duration) => |p| {
+            p.item_operation_timeout = Some(GoDuration(timeout))
+        };
+        /// Fail an operation whose progress has not changed for this long (overrides the
+        /// snapshotter's `stallTimeout`; zero turns it off for this owner).
+        stall_timeout(timeout: Duration) => |p| p.stall_timeout = Some(GoDuration(timeout));
+        /// Fail an operation still New this long after it was created (overrides the
+        /// snapshotter's `startTimeout`; zero turns it off for this owner).
+        start_timeout(timeout: Duration) => |p| p.start_timeout = Some(GoDuration(timeout));
+        /// Restores only: pass through Finalizing and wait for `restore.finalize` (default:
+        /// the agent's `restore_finalize` setting).
+        finalize(finalize: bool) => |p| p.finalize = Some(finalize);
+        /// The backup server's own representation of the backup or restore (a JSON object
+        /// of at most 64 KiB), passed to the snapshotters in every Progress and Cancel.
+        ///
+        /// ```no_run
+        /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+        /// let backup = serde_json::json!({"metadata": {"name": "nightly-1"}});
+        /// client.backups().start("nightly-1", "3f5c9a").object(backup).await?;
+        /// # Ok(()) }
+        /// ```
+        object(object: serde_json::Value) => |p| p.object = Some(object);
+        /// The backup server starting it (`name`, running as `instance`), so that
+        /// `server.started` of a later instance fails it if it is still InProgress.
+        server(name: &str, instance: &str) => |p| {
+            p.server = Some(ServerRef { name: name.into(), instance: instance.into() })
+        };
     }
-
-    /// Why (at most 1,024 bytes): in the owner's failure reason or the operations'
-    /// errors, and passed on to the snapshotters.
-    ///
-    /// No error of its own: the call's are those of [`Owners::cancel`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.backups().cancel("nightly-1").reason("the user deleted the backup").await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn reason(self, reason: impl Into<String>) -> Self {
-        self.with(|p| p.reason = Some(reason.into()))
+    EndInProgress, Finalize => {
+        /// Errors the backup server counted (while InProgress, or in its finalize step):
+        /// added to the owner's; any makes it PartiallyFailed.
+        errors(errors: u32) => |p| p.errors = errors;
+        /// Warnings the backup server counted: added to the owner's.
+        warnings(warnings: u32) => |p| p.warnings = warnings;
     }
-}
-
-impl Call<methods::SnapshotterChanged> {
-    /// Only these operations changed (at most 1,000 IDs).
-    ///
-    /// No error of its own: the call's are those of [`Client::snapshotter_changed`].
-    ///
-    /// ```no_run
-    /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
-    /// client.snapshotter_changed("example.io/copier").operations(vec!["copy-42".into()]).await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn operations(self, operations: Vec<String>) -> Self {
-        self.with(|p| p.operations = Some(operations))
+    EndInProgress => {
+        /// The backup or restore failed outright: Failed, unfinished operations cancelled.
+        failed() => |p| p.failed = true;
+    }
+    List => {
+        /// Only owners in these phases.
+        phases(phases: Vec<OwnerPhase>) => |p| p.phases = Some(phases);
+        /// Owners whose names sort after this one: the previous page's `next`.
+        after(name: impl Into<String>) => |p| p.after = Some(name.into());
+    }
+    List, Events => {
+        /// At most this many (default 100, at most 1,000).
+        limit(limit: u32) => |p| p.limit = Some(limit);
+    }
+    Get, Operations, ItemOperations, Events, Delete => {
+        /// The owner of the name with this uid, current or retired
+        /// ([`crate::Owner::retired`]), rather than the name's current owner; one the name
+        /// never had is [`Error::is_not_found`].
+        ///
+        /// ```no_run
+        /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+        /// let earlier = client.backups().get("nightly-1").uid("3f5c9a").await?;
+        /// # Ok(()) }
+        /// ```
+        uid(uid: impl Into<String>) => |p| p.uid = Some(uid.into());
+    }
+    Events => {
+        /// Events after this `seq`: the previous page's `next`.
+        after_seq(seq: u64) => |p| p.after = Some(seq);
+    }
+    Operations => {
+        /// Only operations in these phases.
+        phases(phases: Vec<OperationPhase>) => |p| p.phases = Some(phases);
+    }
+    Finalize => {
+        /// Backups only: rewrite the tarball `input` into `output` (which may be `input`
+        /// itself), with the [`updated_items`](Self::updated_items).
+        contents(input: impl Into<PathBuf>, output: impl Into<PathBuf>) => |p| {
+            p.contents = Some(Contents { input: input.into(), output: output.into() })
+        };
+        /// Items to put into the tarball in place of (or beside) what it has: the
+        /// post-operation items the plugins updated.
+        ///
+        /// ```no_run
+        /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+        /// use opmon_client::{ResourceIdentifier, UpdatedItem};
+        /// let pv = UpdatedItem {
+        ///     resource: ResourceIdentifier::cluster("persistentvolumes", "pv-1"),
+        ///     object: serde_json::json!({"apiVersion": "v1", "kind": "PersistentVolume"}),
+        /// };
+        /// let finalize = client.backups().finalize("nightly-1");
+        /// finalize.contents("nightly-1.tar.gz", "nightly-1.tar.gz").updated_items(vec![pv]).await?;
+        /// # Ok(()) }
+        /// ```
+        updated_items(items: Vec<UpdatedItem>) => |p| p.updated_items = items;
+    }
+    Cancel => {
+        /// Cancel only these operations (each an ID, or an ID and its item); the owner
+        /// goes on.
+        ///
+        /// ```no_run
+        /// # async fn demo(client: opmon_client::Client) -> Result<(), opmon_client::Error> {
+        /// use opmon_client::OperationSelector;
+        /// let ids = vec![OperationSelector::Id("copy-42".into())];
+        /// client.backups().cancel("nightly-1").operations(ids).await?;
+        /// # Ok(()) }
+        /// ```
+        operations(operations: Vec<OperationSelector>) => |p| {
+            p.operations = Some(operations)
+        };
+        /// Why (at most 1,024 bytes): in the owner's failure reason or the operations'
+        /// errors, and passed on to the snapshotters.
+        reason(reason: impl Into<String>) => |p| p.reason = Some(reason.into());
+    }
+    SnapshotterChanged => {
+        /// Only these operations changed (at most 1,000 IDs).
+        operations(operations: Vec<String>) => |p| p.operations = Some(operations);
     }
 }
 

@@ -1,12 +1,9 @@
 //! HTTP/1.1 on the agent's Unix socket, for calls: hyper's client connections, one
 //! request at a time per connection, kept alive and pooled here.
 //!
-//! hyper splits a connection into a handle that sends requests and a driver future that
-//! does the I/O. The driver is polled by the calling task itself, next to its request,
-//! and not by a task of its own: a round trip then costs the two socket operations and
-//! no wake-up of another task (a spawned driver, like the WebSocket client this once
-//! replaced, doubled `agent.status`'s round trip). An idle connection's driver is not
-//! polled at all; it is probed once when the connection is taken from the pool.
+//! hyper's driver future, which does a connection's I/O, is polled by the calling task
+//! next to its request rather than by a task of its own, so a round trip wakes no other
+//! task; an idle connection's driver is probed once when it is taken from the pool.
 //!
 //! Whether a failed request reached the agent is kept apart ([`Failure::NotSent`] vs
 //! [`Failure::Lost`]), because only the caller knows whether its method may be repeated.

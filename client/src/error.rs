@@ -107,6 +107,40 @@ pub enum Error {
     },
 }
 
+/// The predicates on the agent's error codes, declared once: `is_x()` is true when the
+/// agent answered with that code.
+macro_rules! code_predicates {
+    ($($(#[doc = $doc:literal])* $name:ident = $code:ident;)+) => {
+        impl Error {
+            $($(#[doc = $doc])* pub fn $name(&self) -> bool {
+                self.rpc_code() == Some(Code::$code)
+            })+
+        }
+    };
+}
+
+code_predicates! {
+    /// The named owner or snapshotter does not exist (code 1001).
+    is_not_found = NotFound;
+    /// The name is taken by an owner with another uid (code 1002).
+    is_already_exists = AlreadyExists;
+    /// The owner is not in a phase that allows the request (code 1003); [`Error::phase`]
+    /// says which phase it is in.
+    ///
+    /// ```
+    /// # use opmon_client::{codes::Code, Error};
+    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: None };
+    /// assert!(e.is_wrong_phase() && !e.is_not_found());
+    /// ```
+    is_wrong_phase = WrongPhase;
+    /// The params were refused (code -32602); the message names the field.
+    is_invalid_params = InvalidParams;
+    /// The agent's database or storage directory failed (code 1004).
+    is_storage_failure = StorageFailure;
+    /// `finalize` could not produce its results (code 1005).
+    is_finalize_failed = FinalizeFailed;
+}
+
 impl Error {
     /// The JSON-RPC error code's number, if the agent answered with an error.
     ///
@@ -139,12 +173,6 @@ impl Error {
     }
 
     /// The `data` of the agent's error answer, if it sent one.
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: None };
-    /// assert_eq!(e.data(), None);
-    /// ```
     pub fn data(&self) -> Option<&serde_json::Value> {
         match self {
             Error::Rpc { data, .. } => data.as_ref(),
@@ -152,59 +180,8 @@ impl Error {
         }
     }
 
-    /// The named owner or snapshotter does not exist (code 1001).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::NotFound, message: "…".into(), data: None };
-    /// assert!(e.is_not_found());
-    /// ```
-    pub fn is_not_found(&self) -> bool {
-        self.rpc_code() == Some(Code::NotFound)
-    }
-
-    /// The name is taken by an owner with another uid (code 1002).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::AlreadyExists, message: "…".into(), data: None };
-    /// assert!(e.is_already_exists());
-    /// ```
-    pub fn is_already_exists(&self) -> bool {
-        self.rpc_code() == Some(Code::AlreadyExists)
-    }
-
-    /// The owner is not in a phase that allows the request (code 1003); [`Error::phase`]
-    /// says which phase it is in.
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::WrongPhase, message: "…".into(), data: None };
-    /// assert!(e.is_wrong_phase() && !e.is_not_found());
-    /// ```
-    pub fn is_wrong_phase(&self) -> bool {
-        self.rpc_code() == Some(Code::WrongPhase)
-    }
-
-    /// The params were refused (code -32602); the message names the field.
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::InvalidParams, message: "…".into(), data: None };
-    /// assert!(e.is_invalid_params());
-    /// ```
-    pub fn is_invalid_params(&self) -> bool {
-        self.rpc_code() == Some(Code::InvalidParams)
-    }
-
     /// The request or its answer was over a limit of the agent (codes -32007, -32008,
     /// -32010, -32011, or HTTP 413).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::OversizedRequest, message: "…".into(), data: None };
-    /// assert!(e.is_too_big());
-    /// ```
     pub fn is_too_big(&self) -> bool {
         matches!(
             self.rpc_code(),
@@ -218,12 +195,6 @@ impl Error {
     }
 
     /// The agent did not admit this client (code -32003, or HTTP 403 or 429).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::Refused, message: "…".into(), data: None };
-    /// assert!(e.is_refused());
-    /// ```
     pub fn is_refused(&self) -> bool {
         self.rpc_code() == Some(Code::Refused)
             || matches!(
@@ -233,28 +204,6 @@ impl Error {
                     ..
                 }
             )
-    }
-
-    /// The agent's database or storage directory failed (code 1004).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::StorageFailure, message: "…".into(), data: None };
-    /// assert!(e.is_storage_failure());
-    /// ```
-    pub fn is_storage_failure(&self) -> bool {
-        self.rpc_code() == Some(Code::StorageFailure)
-    }
-
-    /// `finalize` could not produce its results (code 1005).
-    ///
-    /// ```
-    /// # use opmon_client::{codes::Code, Error};
-    /// let e = Error::Rpc { code: Code::FinalizeFailed, message: "…".into(), data: None };
-    /// assert!(e.is_finalize_failed());
-    /// ```
-    pub fn is_finalize_failed(&self) -> bool {
-        self.rpc_code() == Some(Code::FinalizeFailed)
     }
 
     /// The owner's phase a wrong-phase error reports (its `data.phase`), if the agent

@@ -16,7 +16,7 @@ use crate::codes::*;
 use crate::types;
 use crate::OwnerKind;
 
-/// `snapshotter.changed` etc. as plain names, for callers that build requests by hand.
+/// `agent.status` etc. as plain names, for callers that build requests by hand.
 pub const AGENT_STATUS: &str = Status::DECL.verb;
 /// `snapshotter.register`.
 pub const SNAPSHOTTER_REGISTER: &str = RegisterSnapshotter::DECL.verb;
@@ -24,10 +24,6 @@ pub const SNAPSHOTTER_REGISTER: &str = RegisterSnapshotter::DECL.verb;
 pub const SNAPSHOTTER_LIST: &str = ListSnapshotters::DECL.verb;
 /// `snapshotter.unregister`.
 pub const SNAPSHOTTER_UNREGISTER: &str = UnregisterSnapshotter::DECL.verb;
-/// `server.started`: a backup server says it (re)started.
-pub const SERVER_STARTED: &str = ServerStarted::DECL.verb;
-/// `snapshotter.changed`: a snapshotter's hint that some of its operations changed.
-pub const SNAPSHOTTER_CHANGED: &str = SnapshotterChanged::DECL.verb;
 /// `rpc.discover`: the agent's OpenRPC document (client/openrpc/opmon.json).
 pub const RPC_DISCOVER: &str = Discover::DECL.verb;
 

@@ -15,7 +15,6 @@
 //! answers nothing). A stream nobody polls sends no pings, and the agent may close it as
 //! idle; the next poll then resumes it.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -36,8 +35,9 @@ pub(crate) const PING_EVERY: Duration = Duration::from_secs(30);
 /// The updates of one owner; see the module's documentation. Implements
 /// [`futures_core::Stream`]; [`Subscription::next`] needs no extension trait.
 pub struct Subscription {
-    state: Option<State>,
-    pending: Option<Pin<Box<dyn Future<Output = Step> + Send>>>,
+    kind: OwnerKind,
+    name: String,
+    updates: Pin<Box<dyn futures_core::Stream<Item = Result<Update, Error>> + Send>>,
 }
 
 /// What one poll of the state machine gives: an item (or the end), and the state to go
@@ -218,11 +218,8 @@ impl State {
         }
     }
 
-    /// Subscribes again after a lost connection, with backoff, until the call timeout
-    /// (counted from the loss) is over.
-    async fn resume(&mut self) -> Result<(), Error> {
-        let after = self.client.config().call_timeout;
-        let deadline = *self.lost_at.get_or_insert_with(Instant::now) + after;
+    /// Subscribes, with backoff while the agent is not reachable, until `deadline`.
+    async fn subscribe_by(&mut self, deadline: Instant) -> Result<(), Attempt> {
         let mut backoff = Backoff::new();
         loop {
             match self.attempt().await {
@@ -231,29 +228,36 @@ impl State {
                     self.lost_at = None;
                     return Ok(());
                 }
-                Err(Attempt::Fatal(Error::Rpc {
-                    code: crate::codes::Code::NotFound,
-                    message,
-                    ..
-                })) => {
-                    return Err(Error::SubscriptionEnded {
-                        kind: self.kind,
-                        name: self.name.clone(),
-                        reason: message,
-                    })
+                Err(Attempt::Again(_)) if Instant::now() < deadline => {
+                    backoff.sleep(deadline).await
                 }
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Again(e)) => {
-                    if Instant::now() >= deadline {
-                        return Err(Error::AgentGone {
-                            path: self.client.socket().to_path_buf(),
-                            after,
-                            source: Box::new(e),
-                        });
-                    }
-                    backoff.sleep(deadline).await;
-                }
+                Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Subscribes again after a lost connection, until the call timeout (counted from
+    /// the loss) is over.
+    async fn resume(&mut self) -> Result<(), Error> {
+        let after = self.client.config().call_timeout;
+        let deadline = *self.lost_at.get_or_insert_with(Instant::now) + after;
+        match self.subscribe_by(deadline).await {
+            Ok(()) => Ok(()),
+            Err(Attempt::Fatal(Error::Rpc {
+                code: crate::codes::Code::NotFound,
+                message,
+                ..
+            })) => Err(Error::SubscriptionEnded {
+                kind: self.kind,
+                name: self.name.clone(),
+                reason: message,
+            }),
+            Err(Attempt::Fatal(e)) => Err(e),
+            Err(Attempt::Again(e)) => Err(Error::AgentGone {
+                path: self.client.socket().to_path_buf(),
+                after,
+                source: Box::new(e),
+            }),
         }
     }
 
@@ -405,27 +409,18 @@ impl Subscription {
             resumed: false,
             lost_at: None,
         };
-        let after = state.client.config().call_timeout;
-        let deadline = Instant::now() + after;
-        let mut backoff = Backoff::new();
-        loop {
-            match state.attempt().await {
-                Ok(live) => {
-                    state.live = Some(live);
-                    break;
-                }
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Again(e)) => {
-                    if Instant::now() >= deadline {
-                        return Err(e);
-                    }
-                    backoff.sleep(deadline).await;
-                }
-            }
+        let deadline = Instant::now() + state.client.config().call_timeout;
+        if let Err(Attempt::Again(e) | Attempt::Fatal(e)) = state.subscribe_by(deadline).await {
+            return Err(e);
         }
+        let updates = futures_util::stream::unfold(Some(state), |state| async move {
+            let (item, next) = state?.step().await;
+            item.map(|item| (item, next))
+        });
         Ok(Subscription {
-            state: Some(state),
-            pending: None,
+            kind,
+            name: name.to_string(),
+            updates: Box::pin(updates),
         })
     }
 
@@ -450,27 +445,7 @@ impl Subscription {
     /// # Ok(()) }
     /// ```
     pub async fn next(&mut self) -> Option<Result<Update, Error>> {
-        std::future::poll_fn(|cx| Pin::new(&mut *self).poll_next_item(cx)).await
-    }
-
-    fn poll_next_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Update, Error>>> {
-        if self.pending.is_none() {
-            let Some(state) = self.state.take() else {
-                return Poll::Ready(None);
-            };
-            self.pending = Some(Box::pin(state.step()));
-        }
-        let Some(pending) = self.pending.as_mut() else {
-            return Poll::Ready(None);
-        };
-        match pending.as_mut().poll(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready((item, state)) => {
-                self.pending = None;
-                self.state = state;
-                Poll::Ready(item)
-            }
-        }
+        std::future::poll_fn(|cx| self.updates.as_mut().poll_next(cx)).await
     }
 }
 
@@ -478,19 +453,15 @@ impl futures_core::Stream for Subscription {
     type Item = Result<Update, Error>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut().poll_next_item(cx)
+        self.get_mut().updates.as_mut().poll_next(cx)
     }
 }
 
 impl std::fmt::Debug for Subscription {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("Subscription");
-        if let Some(s) = &self.state {
-            d.field("kind", &s.kind)
-                .field("name", &s.name)
-                .field("connected", &s.live.is_some());
-        }
-        d.field("ended", &(self.state.is_none() && self.pending.is_none()))
+        f.debug_struct("Subscription")
+            .field("kind", &self.kind)
+            .field("name", &self.name)
             .finish()
     }
 }

@@ -161,11 +161,6 @@ impl OwnerPhase {
     }
 
     /// The phases in which the poller watches the owner's operations.
-    ///
-    /// ```
-    /// use opmon_client::OwnerPhase;
-    /// assert!(OwnerPhase::WaitingForPluginOperations.is_waiting());
-    /// ```
     pub fn is_waiting(self) -> bool {
         matches!(
             self,
@@ -175,11 +170,6 @@ impl OwnerPhase {
     }
 
     /// The phases that wait for `finalize`.
-    ///
-    /// ```
-    /// use opmon_client::OwnerPhase;
-    /// assert!(OwnerPhase::FinalizingPartiallyFailed.is_finalizing());
-    /// ```
     pub fn is_finalizing(self) -> bool {
         matches!(
             self,
@@ -216,11 +206,6 @@ impl OperationPhase {
     }
 
     /// Failed or Canceled: counted in `operationsFailed`, as Velero counts them.
-    ///
-    /// ```
-    /// use opmon_client::OperationPhase;
-    /// assert!(OperationPhase::Canceled.is_failure());
-    /// ```
     pub fn is_failure(self) -> bool {
         matches!(self, OperationPhase::Failed | OperationPhase::Canceled)
     }
@@ -1421,22 +1406,11 @@ impl ResourceIdentifier {
     }
 
     /// A cluster-scoped item of the core group (`persistentvolumes`).
-    ///
-    /// ```
-    /// let pv = opmon_client::ResourceIdentifier::cluster("persistentvolumes", "pv-1");
-    /// assert!(pv.namespace.is_empty());
-    /// ```
     pub fn cluster(resource: &str, name: &str) -> Self {
         ResourceIdentifier::namespaced(resource, "", name)
     }
 
     /// The same item in API group `group` (`snapshot.storage.k8s.io`).
-    ///
-    /// ```
-    /// use opmon_client::ResourceIdentifier;
-    /// let snap = ResourceIdentifier::namespaced("volumesnapshots", "app", "s1")
-    ///     .in_group("snapshot.storage.k8s.io");
-    /// ```
     pub fn in_group(mut self, group: &str) -> Self {
         self.group = group.into();
         self
@@ -1473,13 +1447,6 @@ impl NewOperation {
 
     /// Items to back up (or restore) again once the operation is done, as Velero's
     /// `PostOperationItems`.
-    ///
-    /// ```
-    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
-    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
-    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
-    ///     .post_operation_items(vec![ResourceIdentifier::cluster("persistentvolumes", "pv-1")]);
-    /// ```
     pub fn post_operation_items(mut self, items: Vec<ResourceIdentifier>) -> Self {
         self.post_operation_items = items;
         self
@@ -1487,13 +1454,6 @@ impl NewOperation {
 
     /// When the plugin returned the operation (the item operation timeout counts from
     /// it).
-    ///
-    /// ```
-    /// use opmon_client::{NewOperation, PluginKind, ResourceIdentifier};
-    /// let pvc = ResourceIdentifier::namespaced("persistentvolumeclaims", "app", "data");
-    /// let op = NewOperation::new(PluginKind::BackupItemAction, "example.io/copier", pvc, "copy-42")
-    ///     .created(opmon_client::time::OffsetDateTime::now_utc());
-    /// ```
     pub fn created(mut self, created: Timestamp) -> Self {
         self.created = Some(created);
         self

@@ -53,7 +53,7 @@ pub fn command() -> clap::Command {
             })
         }
     };
-    durations_take_hyphens(Cli::command())
+    Cli::command()
         .mut_subcommand("backup", owners(OwnerKind::Backup))
         .mut_subcommand("restore", owners(OwnerKind::Restore))
         .mut_subcommand("backup", |backup| {
@@ -61,27 +61,6 @@ pub fn command() -> clap::Command {
                 start.mut_arg("finalize", |finalize| finalize.hide(true))
             })
         })
-}
-
-/// `cmd` whose Go duration flags, in every subcommand, take a value starting with `-`:
-/// `--item-operation-timeout -1s` reaches the duration's parser, whose error names the
-/// flag and says negative durations are refused, instead of clap reading `-1` as a flag.
-fn durations_take_hyphens(cmd: clap::Command) -> clap::Command {
-    let durations: Vec<clap::Id> = cmd
-        .get_arguments()
-        .filter(|arg| arg.get_value_parser().type_id() == std::any::TypeId::of::<GoDuration>())
-        .map(|arg| arg.get_id().clone())
-        .collect();
-    let cmd = durations.iter().fold(cmd, |cmd, id| {
-        cmd.mut_arg(id, |arg| arg.allow_hyphen_values(true))
-    });
-    let subcommands: Vec<String> = cmd
-        .get_subcommands()
-        .map(|sub| sub.get_name().to_string())
-        .collect();
-    subcommands.iter().fold(cmd, |cmd, name| {
-        cmd.mut_subcommand(name, durations_take_hyphens)
-    })
 }
 
 /// Shell completion of names, asked of the agent the line being completed names
@@ -285,7 +264,7 @@ pub enum OwnerCommand {
         #[arg(long)]
         uid: String,
         /// Go duration, e.g. 4h0m0s [default: the agent's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         item_operation_timeout: Option<GoDuration>,
         /// Restores only: pass through Finalizing and wait for `finalize`.
         #[arg(long)]
@@ -304,11 +283,11 @@ pub enum OwnerCommand {
         instance: Option<String>,
         /// Cancel and fail an operation whose progress stands still this long (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created (Go
         /// duration; 0s: never) [default: its snapshotter's].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         start_timeout: Option<GoDuration>,
     },
     /// Registers operations a plugin returned: one from flags, or many from a JSON file.
@@ -328,14 +307,7 @@ pub enum OwnerCommand {
         failed: bool,
     },
     /// One owner.
-    Get {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    Get(Owner),
     /// Every owner that had the name: the current one, then the retired ones (a new
     /// uid took the name once they had ended), latest retired first.
     History {
@@ -356,12 +328,8 @@ pub enum OwnerCommand {
     },
     /// The owner's operations.
     Operations {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Only operations in these phases (repeatable).
         #[arg(long = "phase")]
         phases: Vec<OperationPhase>,
@@ -369,12 +337,8 @@ pub enum OwnerCommand {
     /// The owner, readable, ending with its recent events; with --details, each
     /// operation and every event kept.
     Describe {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Each operation in full, and every event kept.
         #[arg(long)]
         details: bool,
@@ -382,12 +346,8 @@ pub enum OwnerCommand {
     /// The owner's history (phase changes, failures, calls and their callers), oldest
     /// first, a page at a time.
     Events {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
+        #[command(flatten)]
+        owner: Owner,
         /// Start after this event (the previous page's last SEQ).
         #[arg(long)]
         after: Option<u64>,
@@ -403,7 +363,7 @@ pub enum OwnerCommand {
         #[arg(long, value_enum, default_value_t = Until::ReadyToFinalize)]
         until: Until,
         /// Give up after this long (Go duration) with exit code 3 [default: never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         timeout: Option<GoDuration>,
     },
     /// Finalizes: rewrites the backup tarball (with --contents-input/--contents-output)
@@ -423,23 +383,9 @@ pub enum OwnerCommand {
         updated_items: Option<PathBuf>,
     },
     /// The -itemoperations.json.gz records.
-    ItemOperations {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    ItemOperations(Owner),
     /// Removes it, cancelling unfinished operations.
-    Delete {
-        /// The backup's or restore's name.
-        name: String,
-        /// The owner of this uid, current or retired (see `history`), rather than the
-        /// name's current owner.
-        #[arg(long)]
-        uid: Option<String>,
-    },
+    Delete(Owner),
     /// Cancels it (it ends Failed), or with --operation only those operations (they
     /// end Canceled). Allowed while InProgress or WaitingForPluginOperations*.
     Cancel {
@@ -454,6 +400,23 @@ pub enum OwnerCommand {
         #[arg(long)]
         reason: Option<String>,
     },
+}
+
+/// One owner: the name's current one, or with --uid the one of that uid.
+#[derive(Args, Debug)]
+pub struct Owner {
+    /// The backup's or restore's name.
+    pub name: String,
+    /// The owner of this uid, current or retired (see `history`), rather than the
+    /// name's current owner.
+    #[arg(long)]
+    pub uid: Option<String>,
+}
+
+impl From<Owner> for opmon_client::OwnerParams {
+    fn from(Owner { name, uid }: Owner) -> Self {
+        opmon_client::OwnerParams { name, uid }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -534,20 +497,20 @@ pub enum SnapshotterCommand {
         command: Vec<String>,
         /// Cancel and fail an operation whose progress stands still this long [default:
         /// never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         stall_timeout: Option<GoDuration>,
         /// Cancel and fail an operation still New this long after it was created
         /// [default: never].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         start_timeout: Option<GoDuration>,
         /// Transient errors retried per operation [default: 5].
         #[arg(long)]
         retry_attempts: Option<u32>,
         /// Delay before the first retry, doubled each time up to 5m [default: 1s].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         retry_backoff: Option<GoDuration>,
         /// How long an operation may fail transiently before it fails [default: 10m].
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         retry_within: Option<GoDuration>,
     },
     /// All snapshotters.

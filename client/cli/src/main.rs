@@ -325,8 +325,8 @@ async fn owner_command(
             let owner: Owner = typed(&value)?;
             Ok(render::exit_code(owner.phase))
         }
-        OwnerCommand::Get { name, uid } => {
-            let value = call::<methods::Get>(client, kind, OwnerParams { name, uid }).await?;
+        OwnerCommand::Get(owner) => {
+            let value = call::<methods::Get>(client, kind, owner.into()).await?;
             print(out, &value, |o: &Owner| {
                 render::owners(std::slice::from_ref(o), time::OffsetDateTime::now_utc())
             })?;
@@ -358,10 +358,10 @@ async fn owner_command(
                 text
             })
         }
-        OwnerCommand::Operations { name, uid, phases } => {
+        OwnerCommand::Operations { owner, phases } => {
             let params = OperationsParams {
-                name,
-                uid,
+                name: owner.name,
+                uid: owner.uid,
                 phases: (!phases.is_empty()).then_some(phases),
             };
             let value = call::<methods::Operations>(client, kind, params).await?;
@@ -369,7 +369,8 @@ async fn owner_command(
                 render::operations(ops)
             })
         }
-        OwnerCommand::Describe { name, uid, details } => {
+        OwnerCommand::Describe { owner, details } => {
+            let args::Owner { name, uid } = owner;
             let params = OwnerParams {
                 name: name.clone(),
                 uid: uid.clone(),
@@ -423,14 +424,13 @@ async fn owner_command(
             Ok(render::exit_code(typed::<Owner>(&owner)?.phase))
         }
         OwnerCommand::Events {
-            name,
-            uid,
+            owner,
             after,
             limit,
         } => {
             let params = EventsParams {
-                name,
-                uid,
+                name: owner.name,
+                uid: owner.uid,
                 after,
                 limit,
             };
@@ -531,9 +531,8 @@ async fn owner_command(
             })?;
             Ok(render::exit_code(result.owner.phase))
         }
-        OwnerCommand::ItemOperations { name, uid } => {
-            let params = OwnerParams { name, uid };
-            let value = call::<methods::ItemOperations>(client, kind, params).await?;
+        OwnerCommand::ItemOperations(owner) => {
+            let value = call::<methods::ItemOperations>(client, kind, owner.into()).await?;
             print(out, &value, |r: &Vec<opmon_client::ItemOperation>| {
                 render::item_operations(r)
             })
@@ -570,12 +569,9 @@ async fn owner_command(
                 typed::<CancelResult>(&value)?.owner.phase,
             ))
         }
-        OwnerCommand::Delete { name, uid } => {
-            let params = OwnerParams {
-                name: name.clone(),
-                uid,
-            };
-            let value = call::<methods::Delete>(client, kind, params).await?;
+        OwnerCommand::Delete(owner) => {
+            let name = owner.name.clone();
+            let value = call::<methods::Delete>(client, kind, owner.into()).await?;
             print(out, &value, |r: &opmon_client::DeleteResult| {
                 format!(
                     "{kind} {} deleted, {} canceled\n",

@@ -99,32 +99,36 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
         .collect()
 }
 
+/// One column of a [`columns`] table: its header and how a cell of it reads.
+type Column<'a, T> = (&'a str, &'a dyn Fn(&T) -> String);
+
+/// A [`table`] of `items`, one row each, with `columns`.
+pub fn columns<T>(items: &[T], columns: &[Column<'_, T>]) -> String {
+    let headers: Vec<&str> = columns.iter().map(|(header, _)| *header).collect();
+    let rows: Vec<Vec<String>> = items
+        .iter()
+        .map(|item| columns.iter().map(|(_, cell)| cell(item)).collect())
+        .collect();
+    table(&headers, &rows)
+}
+
 /// Owners as `kubectl get` lists objects: how old each is in the `AGE` column.
 pub fn owners(list: &[Owner], now: Timestamp) -> String {
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|o| {
-            vec![
-                clean(&o.name).into_owned(),
-                o.phase.to_string(),
-                format!("{}/{}", o.operations_completed, o.operations_attempted),
-                o.operations_failed.to_string(),
-                o.errors.to_string(),
-                age(o.created, now),
-            ]
-        })
-        .collect();
-    table(
+    columns(
+        list,
         &[
-            "NAME",
-            "PHASE",
-            "OPERATIONS DONE",
-            "FAILED",
-            "ERRORS",
-            "AGE",
+            ("NAME", &|o| clean(&o.name).into_owned()),
+            ("PHASE", &|o| o.phase.to_string()),
+            ("OPERATIONS DONE", &operations_done),
+            ("FAILED", &|o| o.operations_failed.to_string()),
+            ("ERRORS", &|o| o.errors.to_string()),
+            ("AGE", &|o| age(o.created, now)),
         ],
-        &rows,
     )
+}
+
+fn operations_done(o: &Owner) -> String {
+    format!("{}/{}", o.operations_completed, o.operations_attempted)
 }
 
 /// The last error of `op` while it is unfinished or after it failed (why it waits, or
@@ -139,29 +143,18 @@ pub fn last_error(op: &Operation) -> Option<Cow<'_, str>> {
 /// The owners that had one name (`history`): by uid, the current one marked so, the
 /// retired ones with the age of their retirement.
 pub fn history(list: &[Owner], now: Timestamp) -> String {
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|o| {
-            vec![
-                clean(&o.uid).into_owned(),
-                o.phase.to_string(),
-                format!("{}/{}", o.operations_completed, o.operations_attempted),
-                o.operations_failed.to_string(),
-                age(o.created, now),
-                o.retired.map_or_else(|| "current".into(), |t| age(t, now)),
-            ]
-        })
-        .collect();
-    table(
+    columns(
+        list,
         &[
-            "UID",
-            "PHASE",
-            "OPERATIONS DONE",
-            "FAILED",
-            "AGE",
-            "RETIRED",
+            ("UID", &|o| clean(&o.uid).into_owned()),
+            ("PHASE", &|o| o.phase.to_string()),
+            ("OPERATIONS DONE", &operations_done),
+            ("FAILED", &|o| o.operations_failed.to_string()),
+            ("AGE", &|o| age(o.created, now)),
+            ("RETIRED", &|o| {
+                o.retired.map_or_else(|| "current".into(), |t| age(t, now))
+            }),
         ],
-        &rows,
     )
 }
 
@@ -273,6 +266,14 @@ fn event_source(e: &Event) -> String {
     }
 }
 
+/// The operation an event is about, or `-`.
+fn event_operation(e: &Event) -> String {
+    e.operation.as_ref().map_or_else(
+        || "-".into(),
+        |o| format!("{} {}", item(&o.resource), clean(&o.operation_id)),
+    )
+}
+
 /// An owner's events as `kubectl describe` ends with them: a table of age, reason,
 /// source, operation and message, oldest first. `omitted` earlier events are said in
 /// the title (they are in `opmon backup|restore events`).
@@ -280,30 +281,23 @@ pub fn events(events: &[Event], omitted: usize, now: Timestamp) -> String {
     if events.is_empty() {
         return "\nEvents:  <none>\n".into();
     }
-    let rows: Vec<Vec<String>> = events
-        .iter()
-        .map(|e| {
-            let operation = e
-                .operation
-                .as_ref()
-                .map(|o| format!("{} {}", item(&o.resource), clean(&o.operation_id)))
-                .unwrap_or_else(|| "-".into());
-            vec![
-                age(e.time, now),
-                e.reason.to_string(),
-                event_source(e),
-                operation,
-                clean(&e.message).into_owned(),
-            ]
-        })
-        .collect();
     let title = if omitted > 0 {
         format!("\nEvents (the last {}; {omitted} earlier):\n", events.len())
     } else {
         "\nEvents:\n".to_string()
     };
     let mut out = title;
-    for line in table(&["AGE", "REASON", "FROM", "OPERATION", "MESSAGE"], &rows).lines() {
+    let table = columns(
+        events,
+        &[
+            ("AGE", &|e| age(e.time, now)),
+            ("REASON", &|e| e.reason.to_string()),
+            ("FROM", &event_source),
+            ("OPERATION", &event_operation),
+            ("MESSAGE", &|e| clean(&e.message).into_owned()),
+        ],
+    );
+    for line in table.lines() {
         let _ = writeln!(out, "  {line}");
     }
     out
@@ -311,25 +305,16 @@ pub fn events(events: &[Event], omitted: usize, now: Timestamp) -> String {
 
 /// Events as `opmon backup events` lists them: with their number and time.
 pub fn event_list(events: &[Event]) -> String {
-    let rows: Vec<Vec<String>> = events
-        .iter()
-        .map(|e| {
-            vec![
-                e.seq.to_string(),
-                velero_time(e.time),
-                e.reason.to_string(),
-                event_source(e),
-                e.operation
-                    .as_ref()
-                    .map(|o| format!("{} {}", item(&o.resource), clean(&o.operation_id)))
-                    .unwrap_or_else(|| "-".into()),
-                clean(&e.message).into_owned(),
-            ]
-        })
-        .collect();
-    table(
-        &["SEQ", "TIME", "REASON", "FROM", "OPERATION", "MESSAGE"],
-        &rows,
+    columns(
+        events,
+        &[
+            ("SEQ", &|e| e.seq.to_string()),
+            ("TIME", &|e| velero_time(e.time)),
+            ("REASON", &|e| e.reason.to_string()),
+            ("FROM", &event_source),
+            ("OPERATION", &event_operation),
+            ("MESSAGE", &|e| clean(&e.message).into_owned()),
+        ],
     )
 }
 
@@ -354,88 +339,34 @@ fn human(value: f64) -> String {
 }
 
 pub fn operations(ops: &[Operation]) -> String {
-    let rows: Vec<Vec<String>> = ops
-        .iter()
-        .map(|op| {
-            vec![
-                clean(&op.operation_id).into_owned(),
-                clean(&op.plugin.name).into_owned(),
-                item(&op.resource),
-                op.phase.to_string(),
-                progress(op),
-                clean(op.error.as_deref().unwrap_or("")).into_owned(),
-                last_error(op).unwrap_or_default().into_owned(),
-            ]
-        })
-        .collect();
-    table(
+    columns(
+        ops,
         &[
-            "OPERATION ID",
-            "PLUGIN",
-            "ITEM",
-            "PHASE",
-            "PROGRESS",
-            "ERROR",
-            "LAST ERROR",
+            ("OPERATION ID", &|op| clean(&op.operation_id).into_owned()),
+            ("PLUGIN", &|op| clean(&op.plugin.name).into_owned()),
+            ("ITEM", &|op| item(&op.resource)),
+            ("PHASE", &|op| op.phase.to_string()),
+            ("PROGRESS", &progress),
+            ("ERROR", &|op| {
+                clean(op.error.as_deref().unwrap_or("")).into_owned()
+            }),
+            ("LAST ERROR", &|op| {
+                last_error(op).unwrap_or_default().into_owned()
+            }),
         ],
-        &rows,
     )
 }
 
-/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, tabwidth 8,
-/// padding 2, padchar ' ', flags 0`): `\t` ends a cell; the cells of one column are
-/// padded to the widest in each run of consecutive lines that have that column; a
-/// line's last cell is not in any column. Cells must hold no tab or newline of their
-/// own (everything from outside went through [`clean`]).
+/// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, padding 2`),
+/// by the tabwriter crate, a port of it. Cells hold no tab or newline of their own
+/// (everything from outside went through [`clean`]).
 pub fn tabwrite(text: &str) -> String {
-    const PADDING: usize = 2;
-    let lines: Vec<Vec<&str>> = text
-        .strip_suffix('\n')
-        .unwrap_or(text)
-        .split('\n')
-        .map(|l| l.split('\t').collect())
-        .collect();
-    let width = |cell: &str| cell.chars().count();
-    // widths[line][column]: the padded width of each tab-terminated cell.
-    let mut widths: Vec<Vec<usize>> = lines.iter().map(|l| vec![0; l.len() - 1]).collect();
-    fn blocks(
-        lines: &[Vec<&str>],
-        widths: &mut [Vec<usize>],
-        from: usize,
-        to: usize,
-        column: usize,
-        width: &dyn Fn(&str) -> usize,
-    ) {
-        let mut this = from;
-        while this < to {
-            if column >= lines[this].len() - 1 {
-                this += 1;
-                continue;
-            }
-            let start = this;
-            let mut w = 0;
-            while this < to && column < lines[this].len() - 1 {
-                w = w.max(width(lines[this][column]) + PADDING);
-                this += 1;
-            }
-            for row in widths.iter_mut().take(this).skip(start) {
-                row[column] = w;
-            }
-            blocks(lines, widths, start, this, column + 1, width);
-        }
-    }
-    blocks(&lines, &mut widths, 0, lines.len(), 0, &width);
-    let mut out = String::new();
-    for (line, w) in lines.iter().zip(&widths) {
-        for (i, cell) in line.iter().enumerate() {
-            out.push_str(cell);
-            if let Some(w) = w.get(i) {
-                out.extend(std::iter::repeat_n(' ', w - width(cell)));
-            }
-        }
-        out.push('\n');
-    }
-    out
+    use std::io::Write;
+    let mut w = tabwriter::TabWriter::new(Vec::new()).minwidth(0).padding(2);
+    // Writing to memory cannot fail.
+    let _ = w.write_all(text.as_bytes());
+    let bytes = w.into_inner().unwrap_or_default();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// A time as Velero's describers print a `metav1.Time`: Go's `Time.String()` of a
@@ -660,29 +591,27 @@ pub fn snapshotters(list: &[Snapshotter]) -> String {
 }
 
 pub fn item_operations(records: &[ItemOperation]) -> String {
-    let rows: Vec<Vec<String>> = records
-        .iter()
-        .map(|r| {
-            let (id, plugin) = match &r.spec {
-                opmon_client::ItemOperationSpec::Backup(s) => {
-                    (&s.operation_id, &s.backup_item_action)
-                }
-                opmon_client::ItemOperationSpec::Restore(s) => {
-                    (&s.operation_id, &s.restore_item_action)
-                }
-            };
-            vec![
-                clean(id).into_owned(),
-                clean(plugin).into_owned(),
-                r.status.phase.to_string(),
-                format!("{}/{}", r.status.n_completed, r.status.n_total),
-                clean(&r.status.error).into_owned(),
-            ]
-        })
-        .collect();
-    table(
-        &["OPERATION ID", "PLUGIN", "PHASE", "PROGRESS", "ERROR"],
-        &rows,
+    let spec = |r: &ItemOperation| match &r.spec {
+        opmon_client::ItemOperationSpec::Backup(s) => (
+            clean(&s.operation_id).into_owned(),
+            clean(&s.backup_item_action).into_owned(),
+        ),
+        opmon_client::ItemOperationSpec::Restore(s) => (
+            clean(&s.operation_id).into_owned(),
+            clean(&s.restore_item_action).into_owned(),
+        ),
+    };
+    columns(
+        records,
+        &[
+            ("OPERATION ID", &|r| spec(r).0),
+            ("PLUGIN", &|r| spec(r).1),
+            ("PHASE", &|r| r.status.phase.to_string()),
+            ("PROGRESS", &|r| {
+                format!("{}/{}", r.status.n_completed, r.status.n_total)
+            }),
+            ("ERROR", &|r| clean(&r.status.error).into_owned()),
+        ],
     )
 }
 

@@ -71,12 +71,6 @@ impl SnapshotterError {
     }
 
     /// The item is not this snapshotter's (code 2001).
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// let e = SnapshotterError::operations_not_supported("not a qcow2 volume");
-    /// assert_eq!(e.kind(), ErrorKind::OperationsNotSupported);
-    /// ```
     pub fn operations_not_supported(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::OperationsNotSupported, message)
     }
@@ -93,35 +87,17 @@ impl SnapshotterError {
     }
 
     /// A failure that may pass: the agent asks again later (code 2003).
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// let e = SnapshotterError::transient("the backend is busy");
-    /// assert_eq!(e.kind(), ErrorKind::Transient);
-    /// ```
     pub fn transient(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::Transient, message)
     }
 
     /// Any other failure: the operation fails with the message.
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// let e = SnapshotterError::other("the disk is gone");
-    /// assert_eq!(e.kind(), ErrorKind::Other);
-    /// ```
     pub fn other(message: impl Into<String>) -> Self {
         SnapshotterError::new(ErrorKind::Other, message)
     }
 
     /// The same error, caused by `source` (kept as [`std::error::Error::source`], and
     /// its message sent to the agent after this one's).
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// let e = SnapshotterError::other("reading the copy").caused_by(std::io::Error::other("EIO"));
-    /// assert!(std::error::Error::source(&e).is_some());
-    /// ```
     pub fn caused_by(
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -131,21 +107,11 @@ impl SnapshotterError {
     }
 
     /// What kind of failure it is.
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// assert_eq!(SnapshotterError::transient("busy").kind(), ErrorKind::Transient);
-    /// ```
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }
 
     /// The message, without its causes.
-    ///
-    /// ```
-    /// use opmon_snapshotter::{ErrorKind, SnapshotterError};
-    /// assert_eq!(SnapshotterError::invalid_operation_id("copy-42").message(), "copy-42");
-    /// ```
     pub fn message(&self) -> &str {
         &self.message
     }
@@ -271,35 +237,7 @@ pub async fn serve<S: OperationHandler>(
     socket: impl AsRef<Path>,
     snapshotter: S,
 ) -> io::Result<()> {
-    serve_until(socket, snapshotter, termination()).await
-}
-
-/// Serves `snapshotter` on `socket` until `shutdown` resolves, then finishes the calls
-/// in flight and returns.
-///
-/// # Errors
-/// The socket could not be bound.
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// # use opmon_snapshotter::*;
-/// # use opmon_client::{OperationProgress, OperationRef};
-/// # struct Copier;
-/// # impl OperationHandler for Copier {
-/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
-/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
-/// # }
-/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-/// # drop(stop);
-/// serve_until("/run/copier/copier.sock", Copier, async { let _ = stopped.await; }).await?;
-/// # Ok(()) }
-/// ```
-pub async fn serve_until<S: OperationHandler>(
-    socket: impl AsRef<Path>,
-    snapshotter: S,
-    shutdown: impl Future<Output = ()>,
-) -> io::Result<()> {
-    serve_methods(socket, rpc_module(snapshotter), shutdown).await
+    serve_methods(socket, rpc_module(snapshotter), termination()).await
 }
 
 /// Why [`serve_and_register`] stopped.
@@ -323,42 +261,11 @@ pub enum ServeError {
 }
 
 /// Binds `socket`, registers it with the agent as the v2 snapshotter `registration`
-/// (its `socket` set to `socket`), and serves `snapshotter` there until SIGTERM or
-/// SIGINT: the agent polls it from the moment the registration is answered, and no
-/// caller needs to wait for the socket file. The registration stays when it stops
-/// (the agent keeps polling, and finds the snapshotter again once it is back).
-///
-/// # Errors
-/// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
-/// the agent did not take the registration (nothing is served then).
-///
-/// ```no_run
-/// # use opmon_snapshotter::*;
-/// # use opmon_client::{OperationProgress, OperationRef};
-/// # struct Copier;
-/// # impl OperationHandler for Copier {
-/// #     async fn progress(&self, _: OperationRef) -> Result<OperationProgress, SnapshotterError> { todo!() }
-/// #     async fn cancel(&self, _: OperationRef) -> Result<(), SnapshotterError> { Ok(()) }
-/// # }
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// let agent = opmon_client::Client::connect(opmon_client::default_socket_path()).await?;
-/// let socket = "/run/copier/copier.sock";
-/// let registration = opmon_client::Snapshotter::socket("example.io/copier", socket);
-/// serve_and_register(&agent, registration, socket, Copier).await?;
-/// # Ok(()) }
-/// ```
-pub async fn serve_and_register<S: OperationHandler>(
-    agent: &opmon_client::Client,
-    registration: opmon_client::Snapshotter,
-    socket: impl AsRef<Path>,
-    snapshotter: S,
-) -> Result<(), ServeError> {
-    serve_methods_and_register(agent, registration, socket, rpc_module(snapshotter)).await
-}
-
-/// [`serve_and_register`] for a snapshotter with methods of its own beside
-/// [`rpc_module`]'s (say, a `copy.start` that starts operations): binds `socket`,
-/// registers it, and serves `methods` there until SIGTERM or SIGINT.
+/// (its `socket` set to `socket`), and serves `methods` ([`rpc_module`]'s, and any of
+/// the snapshotter's own such as a `copy.start`) there until SIGTERM or SIGINT: the
+/// agent polls it from the moment the registration is answered, and no caller needs to
+/// wait for the socket file. The registration stays when it stops (the agent finds the
+/// snapshotter again once it is back).
 ///
 /// # Errors
 /// [`ServeError::Bind`] if the socket could not be bound, [`ServeError::Register`] if
@@ -380,10 +287,10 @@ pub async fn serve_and_register<S: OperationHandler>(
 /// })?;
 /// let socket = "/run/copier/copier.sock";
 /// let registration = opmon_client::Snapshotter::socket("example.io/copier", socket);
-/// serve_methods_and_register(&agent, registration, socket, methods).await?;
+/// serve_and_register(&agent, registration, socket, methods).await?;
 /// # Ok(()) }
 /// ```
-pub async fn serve_methods_and_register(
+pub async fn serve_and_register(
     agent: &opmon_client::Client,
     registration: opmon_client::Snapshotter,
     socket: impl AsRef<Path>,
@@ -486,27 +393,12 @@ impl Drop for HintsInner {
 
 impl Hints {
     /// Hints that go nowhere: for a snapshotter not told its agent's socket.
-    ///
-    /// No errors.
-    ///
-    /// ```
-    /// let hints = opmon_snapshotter::Hints::none();
-    /// hints.changed("copy-1"); // goes nowhere
-    /// ```
     pub fn none() -> Hints {
         Hints { inner: None }
     }
 
     /// Hints for `plugin`'s operations, sent to the agent on `agent_socket`. Must be
     /// called within a tokio runtime (it spawns the sender task).
-    ///
-    /// No errors: an agent that cannot be reached only loses the hints.
-    ///
-    /// ```no_run
-    /// # async fn demo() {
-    /// let hints = opmon_snapshotter::Hints::new(opmon_client::default_socket_path(), "example.io/copier");
-    /// # }
-    /// ```
     pub fn new(agent_socket: impl AsRef<Path>, plugin: impl Into<String>) -> Hints {
         let wake = Arc::new(tokio::sync::Notify::new());
         let inner = Arc::new(HintsInner {
@@ -523,27 +415,11 @@ impl Hints {
     }
 
     /// Operation `operation_id` changed.
-    ///
-    /// No errors (see [`Hints`]).
-    ///
-    /// ```no_run
-    /// # fn demo(hints: opmon_snapshotter::Hints) {
-    /// hints.changed("copy-1");
-    /// # }
-    /// ```
     pub fn changed(&self, operation_id: &str) {
         self.add(Some(operation_id));
     }
 
     /// Any of the plugin's operations may have changed (after a restart, say).
-    ///
-    /// No errors (see [`Hints`]).
-    ///
-    /// ```no_run
-    /// # fn demo(hints: opmon_snapshotter::Hints) {
-    /// hints.all_changed();
-    /// # }
-    /// ```
     pub fn all_changed(&self) {
         self.add(None);
     }

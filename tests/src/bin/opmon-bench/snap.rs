@@ -1,4 +1,4 @@
-//! The snapshotter the agent polls: an SDK snapshotter (`serve_until`) served from a
+//! The snapshotter the agent polls: an SDK snapshotter (`serve_methods`) served from a
 //! task of this process on a Unix socket of its own, so the agent talks to it across a
 //! real socket and process boundary. It answers at once:
 //!
@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opmon_client::{ApiVersion, Client, OperationProgress, OperationRef, Snapshotter};
-use opmon_snapshotter::{serve_until, OperationHandler, SnapshotterError};
+use opmon_snapshotter::{rpc_module, serve_methods, OperationHandler, SnapshotterError};
 use time::OffsetDateTime;
 use tokio::sync::{oneshot, watch, Notify};
 
@@ -162,7 +162,7 @@ impl Bench {
         let path = socket.to_path_buf();
         let snap = Snap(state.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_until(&path, snap, async {
+            if let Err(e) = serve_methods(&path, rpc_module(snap), async {
                 let _ = stopped.await;
             })
             .await
