@@ -51,29 +51,27 @@ fn parse<T: DeserializeOwned>(params: &Params<'_>) -> Result<T, Error> {
 
 /// The invalid-params error serde_json's `e` says, worded for a client.
 fn said_of_params<T: DeserializeOwned>(e: serde_path_to_error::Error<serde_json::Error>) -> Error {
-    {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        // serde_json appends the position; the field path says more.
-        let reason = match inner.find(" at line ") {
-            Some(i) => inner[..i].to_string(),
-            None => inner,
-        };
-        if path == "." || path.is_empty() {
-            match reason.find("expected struct ") {
-                // The params as a whole are not an object: say what they should be,
-                // not the name of a Rust type.
-                Some(i) => Error::InvalidParams(format!(
-                    "params: {}expected an object with {}",
-                    &reason[..i],
-                    fields_of::<T>()
-                )),
-                // A missing field, bad syntax: said of the params, like any other.
-                None => Error::InvalidParams(format!("params: {reason}")),
-            }
-        } else {
-            Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
+    let path = e.path().to_string();
+    let inner = e.into_inner().to_string();
+    // serde_json appends the position; the field path says more.
+    let reason = match inner.find(" at line ") {
+        Some(i) => inner[..i].to_string(),
+        None => inner,
+    };
+    if path == "." || path.is_empty() {
+        match reason.find("expected struct ") {
+            // The params as a whole are not an object: say what they should be,
+            // not the name of a Rust type.
+            Some(i) => Error::InvalidParams(format!(
+                "params: {}expected an object with {}",
+                &reason[..i],
+                fields_of::<T>()
+            )),
+            // A missing field, bad syntax: said of the params, like any other.
+            None => Error::InvalidParams(format!("params: {reason}")),
         }
+    } else {
+        Error::InvalidParams(format!("{path}: {}", plain_types(&reason)))
     }
 }
 
@@ -470,20 +468,9 @@ pub const VELERO_PLUGIN_REFUSED: &str = "only the config file may register a vel
     true in the agent's configuration to allow it over the API";
 
 /// Registers the declared method `M` (named for `kind` if it is an owner method): parse
-/// its params, run `handler`, map its error to a code.
+/// its params, run `handler` with who called (the connection's peer credentials, for the
+/// owner's history), map its error to a code.
 fn register<M, F, Fut>(module: &mut RpcModule<Core>, kind: OwnerKind, handler: F)
-where
-    M: Method,
-    F: Fn(Arc<Core>, M::Params) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<M::Result, Error>> + Send + 'static,
-{
-    register_called::<M, _, _>(module, kind, move |core, p, _| handler(core, p));
-}
-
-/// [`register`] for a method that changes state: the handler also gets who called (the
-/// connection's peer credentials, which the server puts in the call's extensions), to
-/// be recorded in the owner's history.
-fn register_called<M, F, Fut>(module: &mut RpcModule<Core>, kind: OwnerKind, handler: F)
 where
     M: Method,
     F: Fn(Arc<Core>, M::Params, Option<Caller>) -> Fut + Clone + Send + Sync + 'static,
@@ -508,7 +495,7 @@ where
 
 /// The owner methods of `kind`, as declared in `opmon_client::methods`.
 fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
-    register_called::<methods::Start, _, _>(
+    register::<methods::Start, _, _>(
         module,
         kind,
         move |core, p: StartParams, caller| async move {
@@ -516,7 +503,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.start(kind, p, caller).await
         },
     );
-    register_called::<methods::AddOperations, _, _>(
+    register::<methods::AddOperations, _, _>(
         module,
         kind,
         move |core, mut p: AddOperationsParams, caller| async move {
@@ -524,7 +511,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.add_operations(kind, p, caller).await
         },
     );
-    register_called::<methods::EndInProgress, _, _>(
+    register::<methods::EndInProgress, _, _>(
         module,
         kind,
         move |core, p: EndInProgressParams, caller| async move {
@@ -532,44 +519,44 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.end_in_progress(kind, p, caller).await
         },
     );
-    register::<methods::Get, _, _>(module, kind, move |core, p: OwnerParams| async move {
+    register::<methods::Get, _, _>(module, kind, move |core, p: OwnerParams, _| async move {
         owner_of_uid(&p.name, p.uid.as_deref())?;
         core.get(kind, p).await
     });
-    register::<methods::History, _, _>(module, kind, move |core, p: NameParams| async move {
+    register::<methods::History, _, _>(module, kind, move |core, p: NameParams, _| async move {
         owner_name(&p.name)?;
         core.history(kind, p.name).await
     });
-    register::<methods::List, _, _>(module, kind, move |core, p: ListParams| async move {
+    register::<methods::List, _, _>(module, kind, move |core, p: ListParams, _| async move {
         check_list(&p)?;
         core.list(kind, p).await
     });
     register::<methods::Operations, _, _>(
         module,
         kind,
-        move |core, p: OperationsParams| async move {
+        move |core, p: OperationsParams, _| async move {
             owner_of_uid(&p.name, p.uid.as_deref())?;
             check_phases(&p.phases, OperationPhase::ALL)?;
             core.operations(kind, p).await
         },
     );
-    register::<methods::Wait, _, _>(module, kind, move |core, p: WaitParams| async move {
+    register::<methods::Wait, _, _>(module, kind, move |core, p: WaitParams, _| async move {
         check_wait(&p)?;
         core.wait(kind, p).await
     });
     register::<methods::ItemOperations, _, _>(
         module,
         kind,
-        move |core, p: OwnerParams| async move {
+        move |core, p: OwnerParams, _| async move {
             owner_of_uid(&p.name, p.uid.as_deref())?;
             core.item_operations(kind, p).await
         },
     );
-    register::<methods::Events, _, _>(module, kind, move |core, p: EventsParams| async move {
+    register::<methods::Events, _, _>(module, kind, move |core, p: EventsParams, _| async move {
         check_events(&p)?;
         core.events(kind, p).await
     });
-    register_called::<methods::Finalize, _, _>(
+    register::<methods::Finalize, _, _>(
         module,
         kind,
         move |core, p: FinalizeParams, caller| async move {
@@ -581,7 +568,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
                 .map_err(|e| Error::Finalize(format!("the finalize ended abnormally: {e}")))?
         },
     );
-    register_called::<methods::Cancel, _, _>(
+    register::<methods::Cancel, _, _>(
         module,
         kind,
         move |core, p: CancelParams, caller| async move {
@@ -589,7 +576,7 @@ fn register_owner_methods(module: &mut RpcModule<Core>, kind: OwnerKind) {
             core.cancel(kind, p, caller).await
         },
     );
-    register::<methods::Delete, _, _>(module, kind, move |core, p: OwnerParams| async move {
+    register::<methods::Delete, _, _>(module, kind, move |core, p: OwnerParams, _| async move {
         owner_of_uid(&p.name, p.uid.as_deref())?;
         core.delete(kind, p).await
     });
@@ -614,13 +601,12 @@ fn register_subscription(module: &mut RpcModule<Core>, kind: OwnerKind) {
                         return Ok(());
                     }
                 };
-                let started = match parse::<NameParams>(&params) {
-                    Ok(p) => match owner_name(&p.name) {
-                        Ok(()) => core.subscribe(kind, p.name).await,
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
+                let started = async {
+                    let p: NameParams = parse(&params)?;
+                    owner_name(&p.name)?;
+                    core.subscribe(kind, p.name).await
                 };
+                let started = started.await;
                 let mut updates = match started {
                     Ok(updates) => updates,
                     Err(e) => {
@@ -677,30 +663,24 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
     // Agent-wide methods take no kind; any will do.
     const AGENT: OwnerKind = OwnerKind::Backup;
     let mut module = RpcModule::from_arc(core);
-    register::<methods::Status, _, _>(
-        &mut module,
-        AGENT,
-        |core, _| async move { core.status().await },
-    );
+    register::<methods::Status, _, _>(&mut module, AGENT, |core, _, _| async move {
+        core.status().await
+    });
     for kind in OwnerKind::ALL {
         register_owner_methods(&mut module, kind);
         register_subscription(&mut module, kind);
     }
-    register_called::<methods::ServerStarted, _, _>(
-        &mut module,
-        AGENT,
-        |core, p, caller| async move {
-            check_server(
-                &opmon_client::ServerRef {
-                    name: p.name.clone(),
-                    instance: p.instance.clone(),
-                },
-                "",
-            )?;
-            core.server_started(p, caller).await
-        },
-    );
-    register_called::<methods::RegisterSnapshotter, _, _>(
+    register::<methods::ServerStarted, _, _>(&mut module, AGENT, |core, p, caller| async move {
+        check_server(
+            &opmon_client::ServerRef {
+                name: p.name.clone(),
+                instance: p.instance.clone(),
+            },
+            "",
+        )?;
+        core.server_started(p, caller).await
+    });
+    register::<methods::RegisterSnapshotter, _, _>(
         &mut module,
         AGENT,
         |core, mut s, caller| async move {
@@ -717,17 +697,21 @@ pub fn rpc_module(core: Arc<Core>) -> RpcModule<Core> {
             }
         },
     );
-    register::<methods::SnapshotterChanged, _, _>(&mut module, AGENT, |core, mut p| async move {
-        check_changed(&mut p)?;
-        core.snapshotter_changed(p.plugin, p.operations).await
-    });
-    register::<methods::ListSnapshotters, _, _>(&mut module, AGENT, |core, _| async move {
+    register::<methods::SnapshotterChanged, _, _>(
+        &mut module,
+        AGENT,
+        |core, mut p, _| async move {
+            check_changed(&mut p)?;
+            core.snapshotter_changed(p.plugin, p.operations).await
+        },
+    );
+    register::<methods::ListSnapshotters, _, _>(&mut module, AGENT, |core, _, _| async move {
         core.snapshotters().await
     });
     register::<methods::UnregisterSnapshotter, _, _>(
         &mut module,
         AGENT,
-        |core, mut p| async move {
+        |core, mut p, _| async move {
             snapshotter_name(&mut p.name)?;
             core.unregister_snapshotter(p.name).await
         },

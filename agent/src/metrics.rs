@@ -205,203 +205,110 @@ pub fn file_sizes(database: &Path, scraped: &mut Scraped) {
     }
 }
 
-pub struct Metrics {
-    registry: Registry,
+/// Declares the metrics once: each field's type, its constructor when not the default,
+/// its name (after the `opmon_` prefix) and its help; `Metrics::new` registers them in
+/// this order.
+macro_rules! metrics {
+    ($($field:ident: $ty:ty $(= $init:expr)?, $name:literal, $help:expr;)*) => {
+        pub struct Metrics {
+            registry: Registry,
+            /// When each snapshotter last answered anything (set by polls, read at scrape).
+            last_answers: Mutex<HashMap<String, Instant>>,
+            /// Setting the scrape-time gauges and encoding take turns.
+            encoding: Mutex<()>,
+            $($field: $ty,)*
+        }
+
+        impl Metrics {
+            pub fn new() -> Arc<Metrics> {
+                let mut registry = Registry::with_prefix("opmon");
+                $(
+                    let $field: $ty = or_default!($($init)?);
+                    registry.register($name, $help, $field.clone());
+                )*
+                Arc::new(Metrics {
+                    registry,
+                    last_answers: Mutex::new(HashMap::new()),
+                    encoding: Mutex::new(()),
+                    $($field,)*
+                })
+            }
+        }
+    };
+}
+
+macro_rules! or_default {
+    () => {
+        Default::default()
+    };
+    ($init:expr) => {
+        $init
+    };
+}
+
+metrics! {
+    owners: Family<PhaseLabel, Gauge>, "owners", "Backups and restores by phase";
+    unfinished_operations: Gauge, "unfinished_operations", "Operations New or InProgress";
     poll_calls: Family<SnapshotterLabel, Counter>,
+        "poll_calls", "Progress calls made, by snapshotter";
     poll_errors: Family<SnapshotterLabel, Counter>,
-    poll_latency: HistogramFamily<SnapshotterLabel>,
+        "poll_errors", "Progress calls that failed, by snapshotter";
+    poll_latency: HistogramFamily<SnapshotterLabel> =
+        Family::new_with_constructor(latency_histogram),
+        "poll_latency_seconds", "Time for one snapshotter to answer a chunk of progress calls";
     cancel_calls: Family<SnapshotterLabel, Counter>,
+        "cancel_calls", "Cancel calls made, by snapshotter";
     cancel_errors: Family<SnapshotterLabel, Counter>,
-    commit_batch_size: Histogram,
-    commit_latency: Histogram,
+        "cancel_errors",
+        "Cancel calls that failed or were abandoned at the call deadline, by snapshotter";
+    commit_batch_size: Histogram = Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+        "commit_batch_size", "Requests committed together in one transaction";
+    commit_latency: Histogram = latency_histogram(),
+        "commit_latency_seconds", "Time from BEGIN to a durable COMMIT";
     rpc_requests: Family<RpcLabels, Counter>,
+        "rpc_requests", "JSON-RPC requests by method and result code (0 for success)";
     refused_connections: Counter,
-    owners: Family<PhaseLabel, Gauge>,
-    unfinished_operations: Gauge,
+        "refused_connections", "Connections refused by the peer credential check";
     operations_ended: Family<EndedLabels, Counter>,
-    finalize_duration: Histogram,
+        "operations_ended",
+        concat!(
+            "Operations that ended, by snapshotter and outcome ",
+            "(completed, failed, canceled, timed_out, stalled)"
+        );
+    finalize_duration: Histogram = Histogram::new(exponential_buckets(0.01, 2.0, 21)),
+        "finalize_duration_seconds", "Time one finalize took, from its start to its answer";
     snapshotter_up: Family<SnapshotterLabel, Gauge>,
+        "snapshotter_up",
+        "Whether the snapshotter answered its last calls (1) or could not be reached (0)";
     last_answer_age: Family<SnapshotterLabel, FloatGauge>,
-    /// When each snapshotter last answered anything (set by polls, read at scrape).
-    last_answers: Mutex<HashMap<String, Instant>>,
+        "snapshotter_last_answer_age_seconds", "Seconds since the snapshotter last answered a call";
     unfinished_by_snapshotter: Family<SnapshotterLabel, Gauge>,
+        "snapshotter_unfinished_operations", "Operations New or InProgress, by snapshotter";
     oldest_unfinished_age: Family<SnapshotterLabel, FloatGauge>,
+        "oldest_unfinished_operation_age_seconds",
+        "Age of the oldest operation New or InProgress, by snapshotter";
     stalled_operations: Family<SnapshotterLabel, Gauge>,
+        "stalled_operations",
+        "Unfinished operations whose progress stood still for their stall deadline, by snapshotter";
     past_timeout_operations: Family<SnapshotterLabel, Gauge>,
+        "operations_past_timeout",
+        "Unfinished operations older than their item operation timeout, by snapshotter";
     unfinished_done_bytes: Family<SnapshotterLabel, Gauge>,
+        "unfinished_done_bytes",
+        "Bytes done by the unfinished operations counted in bytes, by snapshotter";
     unfinished_size_bytes: Family<SnapshotterLabel, Gauge>,
-    database_size_bytes: Gauge,
-    wal_size_bytes: Gauge,
+        "unfinished_size_bytes",
+        "Bytes to do in all by the unfinished operations counted in bytes, by snapshotter";
+    database_size_bytes: Gauge, "database_size_bytes", "Size of the SQLite database file";
+    wal_size_bytes: Gauge, "database_wal_size_bytes", "Size of the database's write-ahead log";
     filesystem_size_bytes: Gauge,
+        "database_filesystem_size_bytes", "Size of the file system holding the database";
     filesystem_available_bytes: Gauge,
-    /// Setting the scrape-time gauges and encoding take turns.
-    encoding: Mutex<()>,
+        "database_filesystem_available_bytes",
+        "Bytes still available to the agent on the file system holding the database";
 }
 
 impl Metrics {
-    pub fn new() -> Arc<Metrics> {
-        let mut registry = Registry::with_prefix("opmon");
-        let metrics = Metrics {
-            poll_calls: Family::default(),
-            poll_errors: Family::default(),
-            poll_latency: Family::new_with_constructor(latency_histogram),
-            cancel_calls: Family::default(),
-            cancel_errors: Family::default(),
-            commit_batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
-            commit_latency: latency_histogram(),
-            rpc_requests: Family::default(),
-            refused_connections: Counter::default(),
-            owners: Family::default(),
-            unfinished_operations: Gauge::default(),
-            operations_ended: Family::default(),
-            // 10 ms to ~3 h.
-            finalize_duration: Histogram::new(exponential_buckets(0.01, 2.0, 21)),
-            snapshotter_up: Family::default(),
-            last_answer_age: Family::default(),
-            last_answers: Mutex::new(HashMap::new()),
-            unfinished_by_snapshotter: Family::default(),
-            oldest_unfinished_age: Family::default(),
-            stalled_operations: Family::default(),
-            past_timeout_operations: Family::default(),
-            unfinished_done_bytes: Family::default(),
-            unfinished_size_bytes: Family::default(),
-            database_size_bytes: Gauge::default(),
-            wal_size_bytes: Gauge::default(),
-            filesystem_size_bytes: Gauge::default(),
-            filesystem_available_bytes: Gauge::default(),
-            encoding: Mutex::new(()),
-            registry: Registry::default(),
-        };
-        let m = &metrics;
-        let r = &mut registry;
-        r.register("owners", "Backups and restores by phase", m.owners.clone());
-        r.register(
-            "unfinished_operations",
-            "Operations New or InProgress",
-            m.unfinished_operations.clone(),
-        );
-        r.register(
-            "poll_calls",
-            "Progress calls made, by snapshotter",
-            m.poll_calls.clone(),
-        );
-        r.register(
-            "poll_errors",
-            "Progress calls that failed, by snapshotter",
-            m.poll_errors.clone(),
-        );
-        r.register(
-            "poll_latency_seconds",
-            "Time for one snapshotter to answer a chunk of progress calls",
-            m.poll_latency.clone(),
-        );
-        r.register(
-            "cancel_calls",
-            "Cancel calls made, by snapshotter",
-            m.cancel_calls.clone(),
-        );
-        r.register(
-            "cancel_errors",
-            "Cancel calls that failed or were abandoned at the call deadline, by snapshotter",
-            m.cancel_errors.clone(),
-        );
-        r.register(
-            "commit_batch_size",
-            "Requests committed together in one transaction",
-            m.commit_batch_size.clone(),
-        );
-        r.register(
-            "commit_latency_seconds",
-            "Time from BEGIN to a durable COMMIT",
-            m.commit_latency.clone(),
-        );
-        r.register(
-            "rpc_requests",
-            "JSON-RPC requests by method and result code (0 for success)",
-            m.rpc_requests.clone(),
-        );
-        r.register(
-            "refused_connections",
-            "Connections refused by the peer credential check",
-            m.refused_connections.clone(),
-        );
-        r.register(
-            "operations_ended",
-            "Operations that ended, by snapshotter and outcome \
-             (completed, failed, canceled, timed_out, stalled)",
-            m.operations_ended.clone(),
-        );
-        r.register(
-            "finalize_duration_seconds",
-            "Time one finalize took, from its start to its answer",
-            m.finalize_duration.clone(),
-        );
-        r.register(
-            "snapshotter_up",
-            "Whether the snapshotter answered its last calls (1) or could not be reached (0)",
-            m.snapshotter_up.clone(),
-        );
-        r.register(
-            "snapshotter_last_answer_age_seconds",
-            "Seconds since the snapshotter last answered a call",
-            m.last_answer_age.clone(),
-        );
-        r.register(
-            "snapshotter_unfinished_operations",
-            "Operations New or InProgress, by snapshotter",
-            m.unfinished_by_snapshotter.clone(),
-        );
-        r.register(
-            "oldest_unfinished_operation_age_seconds",
-            "Age of the oldest operation New or InProgress, by snapshotter",
-            m.oldest_unfinished_age.clone(),
-        );
-        r.register(
-            "stalled_operations",
-            "Unfinished operations whose progress stood still for their stall deadline, by snapshotter",
-            m.stalled_operations.clone(),
-        );
-        r.register(
-            "operations_past_timeout",
-            "Unfinished operations older than their item operation timeout, by snapshotter",
-            m.past_timeout_operations.clone(),
-        );
-        r.register(
-            "unfinished_done_bytes",
-            "Bytes done by the unfinished operations counted in bytes, by snapshotter",
-            m.unfinished_done_bytes.clone(),
-        );
-        r.register(
-            "unfinished_size_bytes",
-            "Bytes to do in all by the unfinished operations counted in bytes, by snapshotter",
-            m.unfinished_size_bytes.clone(),
-        );
-        r.register(
-            "database_size_bytes",
-            "Size of the SQLite database file",
-            m.database_size_bytes.clone(),
-        );
-        r.register(
-            "database_wal_size_bytes",
-            "Size of the database's write-ahead log",
-            m.wal_size_bytes.clone(),
-        );
-        r.register(
-            "database_filesystem_size_bytes",
-            "Size of the file system holding the database",
-            m.filesystem_size_bytes.clone(),
-        );
-        r.register(
-            "database_filesystem_available_bytes",
-            "Bytes still available to the agent on the file system holding the database",
-            m.filesystem_available_bytes.clone(),
-        );
-        Arc::new(Metrics {
-            registry,
-            ..metrics
-        })
-    }
-
     /// Records one chunk of progress calls to `snapshotter`.
     pub fn polled(&self, snapshotter_name: &str, calls: usize, errors: usize, took: Duration) {
         let label = snapshotter(snapshotter_name);
@@ -500,37 +407,26 @@ impl Metrics {
         }
         self.unfinished_operations
             .set(status.unfinished_operations as i64);
-        // Snapshotters with nothing unfinished any more drop out rather than stay at
-        // their last values.
-        for family in [
-            &self.unfinished_by_snapshotter,
-            &self.stalled_operations,
-            &self.past_timeout_operations,
-            &self.unfinished_done_bytes,
-            &self.unfinished_size_bytes,
-        ] {
-            family.clear();
-        }
+        // The per-snapshotter sums, each read from an `Unfinished` by its gauge.
+        type Read = fn(&Unfinished) -> u64;
+        let sums: [(&Family<SnapshotterLabel, Gauge>, Read); 5] = [
+            (&self.unfinished_by_snapshotter, |s| s.count),
+            (&self.stalled_operations, |s| s.stalled),
+            (&self.past_timeout_operations, |s| s.past_timeout),
+            (&self.unfinished_done_bytes, |s| s.bytes_done),
+            (&self.unfinished_size_bytes, |s| s.bytes_total),
+        ];
+        // Snapshotters with nothing unfinished any more drop out, not stay at their last
+        // values.
+        sums.iter().for_each(|(family, _)| family.clear());
         self.oldest_unfinished_age.clear();
         let now = UnixMs::now().0;
         let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         for (name, sum) in &scraped.snapshotters {
             let label = snapshotter(name);
-            self.unfinished_by_snapshotter
-                .get_or_create(&label)
-                .set(as_i64(sum.count));
-            self.stalled_operations
-                .get_or_create(&label)
-                .set(as_i64(sum.stalled));
-            self.past_timeout_operations
-                .get_or_create(&label)
-                .set(as_i64(sum.past_timeout));
-            self.unfinished_done_bytes
-                .get_or_create(&label)
-                .set(as_i64(sum.bytes_done));
-            self.unfinished_size_bytes
-                .get_or_create(&label)
-                .set(as_i64(sum.bytes_total));
+            for (family, value) in &sums {
+                family.get_or_create(&label).set(as_i64(value(sum)));
+            }
             if let Some(oldest) = sum.oldest_created_ms {
                 let age = now.saturating_sub(oldest).max(0) as f64 / 1000.0;
                 self.oldest_unfinished_age.get_or_create(&label).set(age);

@@ -1,25 +1,15 @@
-//! Rates and ETAs: pure functions of the progress samples the poller sees.
+//! Rates and ETAs: pure functions of the progress samples the poller sees. A rate is a
+//! time-weighted moving average (a sample [`RATE_HALF_LIFE_SECONDS`] old counts half), so
+//! a steady pace reads as itself however often it is polled; it lives in the operation's
+//! row, so a restart keeps it.
 //!
-//! An operation's rate is an exponentially weighted moving average of the rates between
-//! consecutive samples that moved `nCompleted`, weighted by time (a sample
-//! [`RATE_HALF_LIFE_SECONDS`] old counts half), so a steady pace reads as itself however
-//! often it is polled. A sample is `nCompleted` at the snapshotter's `updated` when it
-//! reports one (its own clock times its own progress), else at the agent's time of the
-//! poll. Robustness, each tested below:
-//! - the first sample only anchors: one point has no rate;
-//! - `nCompleted` going backwards (a copy started over) forgets the rate and anchors anew;
-//! - a sample no later than the anchor (a clock that did not move, or went back) changes
-//!   nothing: the anchor stays, so the next sample measures from it;
-//! - every rate is finite and at least zero, so no NaN or infinity reaches the API, and
-//!   counts at the ends of the 64-bit range (a snapshotter may report any) overflow
-//!   nothing.
-//!
-//! The ETA is counted on the agent's clock, from when the agent saw the anchoring
-//! sample: a snapshotter's clock times its own progress well, but may be off from
-//! everyone else's, and an ETA is read against the reader's clock.
-//!
-//! The state lives in the operation's row (`rate`, `rate_n`, `rate_at_ms`,
-//! `rate_seen_ms`), written with the progress that moved it, so a restart keeps it.
+//! Invariants (each tested below):
+//! - one sample only anchors; `nCompleted` going backwards anchors anew; a sample no
+//!   later than the anchor changes nothing;
+//! - every rate is finite and at least zero, and no count a snapshotter reports
+//!   overflows;
+//! - the ETA counts on the agent's clock, from when it saw the anchor: an ETA is read
+//!   against the reader's clock, not the snapshotter's.
 
 use opmon_client::RATE_HALF_LIFE_SECONDS;
 

@@ -7,16 +7,12 @@
 //! - Hints are merged while they wait: per plugin, a set of operation IDs (at most
 //!   [`MAX_PENDING_IDS`]; past that, "all of the plugin's operations"). Plugins are
 //!   registered ones only, so what waits is bounded.
-//! - One hinted poll runs at a time, and after each the next waits at least
-//!   [`REST_FACTOR`] times as long as it took (and at least [`MIN_GAP`]): hints can take
-//!   at most 1 / (1 + [`REST_FACTOR`]) of the agent's time however fast they come.
-//!   Hints that arrive meanwhile are merged into the next poll.
-//! - An operation is hint-polled at most once per [`POLL_GAP`] (a hint for all of a
-//!   plugin's operations, the plugin as a whole): its hints coalesce, so however fast
-//!   they come an operation is polled about once a second by them.
-//! - A hinted poll takes the plugin's sweep turn, like the periodic sweep, so the same
-//!   operation is never polled by two tasks that could commit out of order; a hint
-//!   for a plugin whose sweep runs waits for the next round.
+//! - One hinted poll runs at a time, the next at least [`REST_FACTOR`] times its length
+//!   later: hints take at most 1 / (1 + [`REST_FACTOR`]) of the agent's time.
+//! - An operation (or a plugin as a whole) is hint-polled at most once per
+//!   [`POLL_GAP`]; its hints meanwhile coalesce.
+//! - A hinted poll takes the plugin's sweep turn, so no operation is polled by two tasks
+//!   that could commit out of order.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};

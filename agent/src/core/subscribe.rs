@@ -132,15 +132,6 @@ impl OwnerStream {
         }
         Some(update)
     }
-
-    /// The next update, serialized; `None` once the owner was terminal (or deleted)
-    /// and said so.
-    pub async fn next(&mut self) -> Option<Result<Arc<Rendered>, Error>> {
-        if !self.changed().await {
-            return None;
-        }
-        self.take().await
-    }
 }
 
 impl Core {
@@ -257,7 +248,8 @@ mod tests {
         let parse = |r: Arc<crate::changes::Rendered>| {
             serde_json::from_str::<opmon_client::OwnerUpdate>(r.json.get()).unwrap()
         };
-        let first = parse(stream.next().await.unwrap().unwrap());
+        assert!(stream.changed().await);
+        let first = parse(stream.take().await.unwrap().unwrap());
         assert!(!first.lagged);
         // Far more changes than the buffer holds, none read: the committer never waits.
         for _ in 0..1000 {
@@ -268,7 +260,8 @@ mod tests {
                 crate::changes::Urgency::Now,
             );
         }
-        let next = parse(stream.next().await.unwrap().unwrap());
+        assert!(stream.changed().await);
+        let next = parse(stream.take().await.unwrap().unwrap());
         assert!(next.lagged, "the subscriber is told it lagged");
         assert_eq!(next.owner.name, "b");
     }

@@ -1,39 +1,21 @@
-//! Serving the agent's JSON-RPC on its Unix socket.
+//! Serving the agent's JSON-RPC on its Unix socket: jsonrpsee's tower service over
+//! accepted Unix streams (HTTP/1.1 `POST /`, or an upgrade to WebSocket), after an
+//! [`Admission`] has decided, before a byte is read, whether a connection is served.
 //!
-//! jsonrpsee's own server binds TCP only, so this module runs its tower service over
-//! accepted Unix streams: each connection speaks HTTP/1.1 (`POST /`) or upgrades to
-//! WebSocket. Shutdown is graceful: once `shutdown` resolves no connection is accepted,
-//! in-flight requests finish, and [`serve`] returns after every connection has ended.
-//!
-//! Before a byte of a connection is read, an [`Admission`] decides whether it is
-//! served; a refused peer gets its refusal's HTTP status (403, 429) and a JSON-RPC error
-//! body, within a fixed time and byte budget.
-//!
-//! The limits are jsonrpsee's own ([`ServeConfig`] names which) plus the global caps
-//! (`caps.rs`), over all peers together:
-//! - calls running at once: [`caps::CALLS`], whose places a call waits for; a method
-//!   declared as mostly waiting (`methods::Decl::waits`) takes no place, and a batch
-//!   takes one place per call as it runs them one after another;
-//! - bytes held for peers (`Bytes`): one total (`max_held_bytes`). An HTTP body over
-//!   [`SMALL_BODY`] is charged from before it is read until its answer is made; any
-//!   body, and any WebSocket message, must come whole within `request_body_timeout`.
-//!   Each answer (and each subscription update) is charged until the stream has written
-//!   it. Listings and subscription updates are made [`caps::LISTINGS`] at a time, each
-//!   begun only while the total has room; an update is sent only once it has room for
-//!   all of it, so a subscriber that does not read holds one update per subscription. A
-//!   WebSocket connection runs its calls and sends its updates one at a time, each once
-//!   it owes less than `unread_bytes_per_connection`, and is not read while it owes that
-//!   much or has `calls_per_connection` calls unfinished. A batch stops before its next
-//!   call while the total has no room besides the batch's own answers (which
-//!   `max_batch_response_bytes` bounds);
-//! - a peer that takes nothing for `write_stall_timeout`, or sends nothing for
-//!   `idle_timeout`, has its connection closed: a WebSocket is sent a close frame (1008)
-//!   saying which, unless it takes nothing at all.
-//!
-//! Errors jsonrpsee words for itself are reworded where a client could not act on them:
-//! an unknown method is named, a subscription over plain HTTP says it needs a WebSocket,
-//! a wrong `Content-Type` names the header. A notification gets an empty body over HTTP;
-//! a request whose id is not a string, an integer or null gets -32600 with id null.
+//! Invariants:
+//! - Framing and its limits are jsonrpsee's ([`ServeConfig`] names which); the global
+//!   caps (`caps.rs`) bound calls in flight ([`caps::CALLS`], mostly-waiting methods
+//!   aside) and all bytes held for peers (`max_held_bytes`): bodies being read, answers
+//!   not yet written, listings and updates being made ([`caps::LISTINGS`] at a time).
+//! - A WebSocket is not read while it owes `unread_bytes_per_connection` or has
+//!   `calls_per_connection` calls unfinished, so a peer that does not read holds one
+//!   answer per subscription at most.
+//! - Every body and WebSocket message comes whole within `request_body_timeout`; a peer
+//!   that takes nothing for `write_stall_timeout` or sends nothing for `idle_timeout` is
+//!   closed, a WebSocket with a close frame (1008) saying which: never a silent close
+//!   of a peer that can still read.
+//! - jsonrpsee's errors a client could not act on are reworded (an unknown method
+//!   named, a subscription over HTTP, a wrong `Content-Type`, an invalid id).
 
 use std::future::Future;
 use std::io;
@@ -50,7 +32,7 @@ use jsonrpsee::server::middleware::rpc::{
     Batch, BatchEntry, BatchEntryErr, Notification, RpcService, RpcServiceBuilder, RpcServiceT,
 };
 
-use opmon_client::methods::Decl;
+use opmon_client::methods::{decl_of, Decl};
 
 use super::traffic;
 use crate::log_limit::LogLimit;
@@ -343,15 +325,13 @@ fn has_invalid_id(body: &[u8]) -> bool {
         id: Option<&'a serde_json::value::RawValue>,
     }
     let bad = |probe: &Probe<'_>| {
-        probe.id.is_some_and(|id| {
-            !matches!(
-                serde_json::from_str::<serde_json::Value>(id.get()),
-                Ok(serde_json::Value::String(_) | serde_json::Value::Null)
-            ) && !matches!(
-                serde_json::from_str::<serde_json::Value>(id.get()),
-                Ok(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64()
-            )
-        })
+        probe
+            .id
+            .is_some_and(|id| match serde_json::from_str(id.get()) {
+                Ok(serde_json::Value::String(_) | serde_json::Value::Null) => false,
+                Ok(serde_json::Value::Number(n)) => !(n.is_i64() || n.is_u64()),
+                _ => true,
+            })
     };
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'[') => {
@@ -363,20 +343,16 @@ fn has_invalid_id(body: &[u8]) -> bool {
 
 const INVALID_ID: &str = "Invalid request: an id must be a string, an integer or null";
 
-/// The bytes the server holds for its peers, all drawn from one total
-/// (`max_held_bytes`, shared with snapshotters' answers): request bodies being read or
-/// held by their calls, and answers made and not yet written. Answers that may be large
-/// (listings, subscription updates) are made a few at a time ([`caps::LISTINGS`]), each
-/// holding its place until its bytes are charged, so what is made and not yet charged
-/// is a few answers whatever the number of peers.
+/// The bytes held for peers (`max_held_bytes`, shared with snapshotters' answers), and
+/// the few places where large answers are made, so what is made and not yet charged is
+/// a few answers whatever the number of peers.
 struct Bytes {
     held: Cap,
     makers: Cap,
 }
 
-/// One served connection, as its calls and its stream see it: what it owes its peer
-/// (answers not yet written) and whether it has failed. Every request's extensions
-/// carry it; a subscription takes [`Connection::room`] before it sends.
+/// One served connection as its calls and its stream see it: what it owes its peer and
+/// whether it has failed. Every request's extensions carry it.
 pub struct Connection {
     bytes: Arc<Bytes>,
     /// Bytes of answers not yet written whole (an answer counts whole until its last
@@ -574,10 +550,8 @@ impl Drop for Running {
 }
 
 /// The stream a connection is served on: pays its connection's charge as bytes are
-/// written, fails once its peer takes nothing for `write_stall` or sends nothing for
-/// `idle` (or, over WebSocket, not the rest of a message within `message_timeout`), and
-/// (WebSocket) is not read while its connection is full. A WebSocket it fails is sent
-/// a close frame saying why, if its peer can take one.
+/// written, applies the stall, idle and message deadlines, and is not read while a
+/// WebSocket connection is full.
 struct Metered {
     inner: UnixStream,
     conn: Arc<Connection>,
@@ -864,12 +838,6 @@ impl AsyncWrite for Metered {
     }
 }
 
-/// The declaration of `method` (a snapshotter's own methods have none): one that
-/// `waits` takes no place among the calls in flight, one that `grows` is a listing.
-fn declared(method: &str) -> Option<&'static Decl> {
-    opmon_client::methods::decl_of(method)
-}
-
 /// The RPC middleware of every call: charges it to its peer's budget (see the module's
 /// doc), rewords jsonrpsee's errors a client cannot act on, logs the exchange
 /// ([`crate::traffic`]) and tells [`ServeConfig::answered`].
@@ -897,11 +865,9 @@ impl Rules {
         }
     }
 
-    /// Runs `call` of `conn`, declared `decl`, in a place among the calls in flight
-    /// (none if it waits). A listing takes a place among those being made, then waits
-    /// until the total has room, not counting `own` bytes its batch has made: what all
-    /// peers hold unread passes the total by at most [`caps::LISTINGS`] answers, or a
-    /// batch's answer.
+    /// Runs `call` in a place among the calls in flight (none if it waits); a listing
+    /// first takes a place among those being made and waits for the total's room (unless
+    /// its batch has `own` answers already).
     async fn run(
         &self,
         inner: &RpcService,
@@ -1090,10 +1056,8 @@ impl RpcServiceT for Guard {
     ) -> impl Future<Output = MethodResponse> + Send + 'a {
         let inner = self.inner.clone();
         async move {
-            // jsonrpsee runs no notification, and takes a request whose id is not a
-            // string, an integer or null for one; over HTTP `route` tells the two apart
-            // from the body, over WebSocket no hook sees it, so every lone notification
-            // is answered as an invalid request.
+            // jsonrpsee takes a request with an invalid id for a notification; over
+            // WebSocket no hook tells them apart, and the agent runs no notifications.
             if n.extensions()
                 .get::<Arc<Connection>>()
                 .is_some_and(|c| c.websocket())
@@ -1127,7 +1091,7 @@ impl Guard {
         if let Some(e) = rules.refusal(request.method_name(), &conn) {
             return MethodResponse::error(request.id().into_owned(), e);
         }
-        let decl = declared(request.method_name());
+        let decl = decl_of(request.method_name());
         if decl.is_some_and(|d| d.waits) {
             return unless_given_up(&conn, inner.call(request).await).await;
         }
@@ -1144,10 +1108,9 @@ impl Guard {
         response
     }
 
-    /// Runs a batch's calls one after another, each taking its place as it runs, and
-    /// stops before its next call once its connection has ended, its answer would pass
-    /// `max_batch_response_bytes`, or its peer owes `unread_bytes_per_peer` besides
-    /// this batch's own answers.
+    /// Runs a batch's calls one after another, stopping before the next once the
+    /// connection has ended, the answer would pass `max_batch_response_bytes`, or the
+    /// total is full besides this batch's own answers.
     async fn charged_batch(self, mut requests: Batch<'_>) -> MethodResponse {
         let Guard { inner, rules } = self;
         let Some(conn) = requests.extensions().get::<Arc<Connection>>().cloned() else {
@@ -1169,7 +1132,7 @@ impl Guard {
             .filter(|entry| !matches!(entry, Ok(BatchEntry::Notification(_))))
             .count();
         let metered = requests.iter().any(|entry| {
-            matches!(entry, Ok(BatchEntry::Call(call)) if !declared(call.method_name()).is_some_and(|d| d.waits))
+            matches!(entry, Ok(BatchEntry::Call(call)) if !decl_of(call.method_name()).is_some_and(|d| d.waits))
         });
         let _turn = match conn.websocket() && metered {
             true => Some(conn.room().await),
@@ -1200,7 +1163,7 @@ impl Guard {
             }
             let response = match entry {
                 Ok(BatchEntry::Call(call)) => {
-                    let decl = declared(call.method_name());
+                    let decl = decl_of(call.method_name());
                     let (response, making) =
                         rules.run(&inner, &conn, decl, call, charged as u64).await;
                     own.charge(&conn, response.as_json().get().len());
@@ -1247,9 +1210,8 @@ impl Guard {
     }
 }
 
-/// Answers `GET /metrics` from the page when there is one; everything else is JSON-RPC.
-/// A POST's body is charged to its peer and read here, up to `max_request_body_size`
-/// and within `request_body_timeout`, and stays charged until its answer is made.
+/// Answers `GET /metrics`; everything else is JSON-RPC. A POST's body is read here,
+/// charged to the total from before it is read until its answer is made.
 async fn route<H, W>(
     request: hyper::Request<hyper::body::Incoming>,
     mut http: H,
@@ -1303,9 +1265,7 @@ where
         drain(body, &parts.headers, 0, drain_bound);
         return Ok(too_big(max_body));
     }
-    // Charged before it is read, so bodies that come slowly (or never) hold the total
-    // until their deadline; one of unknown length is charged the most it may be. A
-    // small body is not charged: a connection holds at most one.
+    // Charged before it is read (the most it may be, if its length is unknown).
     let charge = declared.unwrap_or(u64::from(max_body));
     let mut held = match charge > SMALL_BODY {
         true => Some(conn.bytes.held.acquire_many(charge as u32).await),
@@ -1382,16 +1342,6 @@ pub struct Refusal {
     pub message: String,
 }
 
-/// Admits every connection: the socket's file mode is the only gate.
-pub struct AdmitAll;
-
-impl Admission for AdmitAll {
-    type Ticket = ();
-    fn admit(&self, _stream: &UnixStream) -> Result<(), Refusal> {
-        Ok(())
-    }
-}
-
 /// Serves `methods` on `listener` until `shutdown` resolves, then drains.
 pub async fn serve(
     listener: UnixListener,
@@ -1436,7 +1386,7 @@ pub async fn serve(
     });
     let (stop_handle, server_handle) = stop_channel();
     let connections = TaskTracker::new();
-    let refusals = Refusals::new();
+    let refusals = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     static ACCEPT_ERRORS: std::sync::LazyLock<LogLimit> =
         std::sync::LazyLock::new(|| LogLimit::new("failed accepts"));
     tokio::pin!(shutdown);
@@ -1459,7 +1409,7 @@ pub async fn serve(
         let ticket = match admission.admit(&stream) {
             Ok(ticket) => ticket,
             Err(refusal) => {
-                refusals.answer(stream, refusal);
+                refuse(&refusals, stream, refusal);
                 continue;
             }
         };
@@ -1546,41 +1496,24 @@ const REFUSAL_DEADLINE: Duration = Duration::from_secs(2);
 /// small request is consumed and the close after the answer is clean.
 const REFUSAL_BODY_READ: usize = 64 * 1024;
 
-/// Answers refused connections, within [`REFUSALS_AT_ONCE`] and [`REFUSAL_DEADLINE`].
-struct Refusals {
-    slots: Arc<Semaphore>,
-}
-
-impl Refusals {
-    fn new() -> Refusals {
-        Refusals {
-            slots: Arc::new(Semaphore::new(REFUSALS_AT_ONCE)),
+/// Answers `stream` with `refusal` in a task of its own, within [`REFUSAL_DEADLINE`],
+/// or closes it at once if [`REFUSALS_AT_ONCE`] refusals are being answered already.
+fn refuse(slots: &Arc<Semaphore>, stream: UnixStream, refusal: Refusal) {
+    let Ok(slot) = slots.clone().try_acquire_owned() else {
+        tracing::debug!("closed a refused connection unanswered: too many refusals at once");
+        return;
+    };
+    tokio::spawn(async move {
+        let _slot = slot;
+        let answered = tokio::time::timeout(REFUSAL_DEADLINE, answer_refused(stream, refusal));
+        if answered.await.is_err() {
+            tracing::debug!("a refused peer took too long; closed");
         }
-    }
-
-    /// Answers `stream` with `refusal` in a task of its own, or closes it at once if
-    /// too many refusals are being answered already.
-    fn answer(&self, stream: UnixStream, refusal: Refusal) {
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-            tracing::debug!("closed a refused connection unanswered: too many refusals at once");
-            return;
-        };
-        tokio::spawn(async move {
-            let _slot = slot;
-            if tokio::time::timeout(REFUSAL_DEADLINE, answer_refused(stream, refusal))
-                .await
-                .is_err()
-            {
-                tracing::debug!("a refused peer took too long; closed");
-            }
-        });
-    }
+    });
 }
 
-/// Serves one HTTP request on `stream` (any method, a WebSocket upgrade included) with
-/// `refusal`'s status and a JSON-RPC error body (id null), then closes. The request
-/// head is bounded by hyper's smallest buffer, the body read by [`REFUSAL_BODY_READ`];
-/// the caller bounds the time.
+/// Answers one HTTP request on `stream` (a WebSocket upgrade included) with `refusal`'s
+/// status and JSON-RPC error, then closes.
 async fn answer_refused(stream: UnixStream, refusal: Refusal) {
     let body = hyper::body::Bytes::from(error_body(refusal.code, &refusal.message));
     let status = refusal.status;

@@ -1,14 +1,8 @@
-//! A server's JSON-RPC traffic as the peer saw it, for checking against the OpenRPC
-//! documents.
-//!
-//! With the log filter `opmon_traffic=trace`, every call's request and response (and a
-//! batch's, as arrays) and every subscription notification is logged under the target
-//! [`TARGET`], one event per exchange with a single field `exchange` holding a JSON
-//! object, by the server's middleware; the test harness turns it on for every agent of
-//! the end-to-end suite and
-//! hands the logs to an independent validator (tests/openrpc/traffic.py), so the
-//! documents are checked against everything the suite does, not only against one
-//! scripted client. Off (the default), a call costs one filter lookup.
+//! The JSON-RPC traffic as the peer saw it: with the log filter `opmon_traffic=trace`,
+//! each exchange (a call, a batch, a subscription notification) is one event under
+//! [`TARGET`] whose field `exchange` is a JSON object, so the end-to-end suite checks
+//! the OpenRPC documents against everything it does (tests/openrpc/traffic.py). Off,
+//! a call costs one filter lookup.
 
 use std::borrow::Cow;
 
