@@ -3,19 +3,11 @@
 //! exists), and the defaults.
 //!
 //! Each setting is declared once, in the `settings!` invocation below: its key, type,
-//! default, bound and doc. The declaration makes the config file's key, the
-//! `OPMON_<KEY>` variable, the `--key-with-dashes` flag (with its `--help`), the
-//! `--print-config` line and the table of docs/configuration.md (a test compares it);
-//! adding a setting is one entry, plus its field in [`Settings`] if the agent reads it.
-//! Every resolved value remembers where it came from, so `--print-config` can show it
-//! and an error can say which flag, variable or file line to fix.
-//!
-//! Resolving is three steps: `Layers::take` picks each value from its layers and checks
-//! its declared bound; `Values::sanitize` makes directories absolute and derives the
-//! storage directory's default; `Values::into_settings` turns the values (group names,
-//! addresses, modes) into the typed [`Settings`] the agent runs on. The config file's
-//! `[[snapshotter]]` tables are checked here too, so a bad one stops the agent before
-//! it opens the database or binds the socket.
+//! default, bound and doc. From it come the field of [`Settings`], the config file's
+//! key, the `OPMON_<KEY>` variable, the `--key-with-dashes` flag (with its `--help`),
+//! the `--print-config` line and the table of docs/configuration.md (a test compares
+//! it). Every value remembers where it came from, so that an error can say which flag,
+//! variable or file line to fix.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -27,7 +19,7 @@ use clap::{
     Arg, ArgAction, ArgMatches, Command, CommandFactory, FromArgMatches, Parser, ValueEnum,
 };
 use opmon_client::first_path_of;
-use opmon_client::{ApiVersion, GoDuration, Snapshotter};
+use opmon_client::{GoDuration, Snapshotter};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use toml::Spanned;
@@ -42,14 +34,9 @@ pub const DEFAULT_CONFIG: &str = "/etc/opmon/agent.toml";
 /// Connections one peer uid may hold at once unless configured.
 pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u32 = 256;
 
-/// `OPMON_*` variables that are not settings of the agent but belong to other opmon
-/// programs: an operator's shell or a pod may set them for those, and the agent must
-/// still start. `OPMON_SOCKET`, the one variable the CLI reads, is also a setting. A
-/// variable the CLI (or a snapshotter SDK) starts reading belongs in this list.
-///
-/// Every other `OPMON_*` variable that is not a setting stops the agent (a misspelt
-/// setting must not be silently ignored). Programs that start the agent with variables
-/// of their own (test harnesses) remove those from its environment.
+/// `OPMON_*` variables of other opmon programs, which an operator's shell or a pod may
+/// set beside the agent. Any other `OPMON_*` variable that is no setting stops the agent,
+/// so that a misspelt setting is not silently ignored.
 pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
     ("OPMON_PLUGIN", "command snapshotters"),
     ("OPMON_PLUGIN_KIND", "command snapshotters"),
@@ -64,9 +51,9 @@ pub const OTHER_PROGRAMS_VARIABLES: &[(&str, &str)] = &[
 /// The variable of `--config`, the one flag with a variable that is not a setting.
 const CONFIG_VARIABLE: &str = "OPMON_CONFIG";
 
-/// Declares the settings: see the module's doc. Makes [`Values`] (every setting with
-/// its source), the config file's form, [`declarations`] (what the flags, `--help` and
-/// the configuration table are made from) and [`Values::provenance`].
+/// Declares the settings: see the module's doc. Makes [`Settings`], the config file's
+/// form, [`declarations`] (what the flags, `--help` and the configuration table are made
+/// from) and [`Settings::provenance`].
 macro_rules! settings {
     ($(
         $(#[doc = $doc:literal])+
@@ -76,10 +63,17 @@ macro_rules! settings {
         #[doc = $why:literal]
         $gone:ident;
     )+}) => {
-        /// Every setting's value and where it came from.
+        /// The settings the agent runs on: every declared setting's value, and the
+        /// config file's `[[snapshotter]]` tables.
         #[derive(Clone, Debug)]
-        pub struct Values {
-            $(pub $key: Layered<$ty>,)+
+        pub struct Settings {
+            $(pub $key: $ty,)+
+            pub config_file: Option<PathBuf>,
+            /// The `[[snapshotter]]` tables, checked and with their names in canonical form.
+            pub snapshotters: Vec<Snapshotter>,
+            /// What works but is likely a mistake or a risk, each naming its key.
+            pub warnings: Vec<String>,
+            sources: Vec<(&'static str, Source)>,
         }
 
         /// The config file's form: each setting under its key, and `[[snapshotter]]`.
@@ -88,7 +82,7 @@ macro_rules! settings {
         struct FileConfig {
             $($key: Option<Spanned<$ty>>,)+
             #[serde(default)]
-            snapshotter: Vec<FileSnapshotter>,
+            snapshotter: Vec<Snapshotter>,
             $($gone: Option<Spanned<toml::Value>>,)+
         }
 
@@ -96,17 +90,6 @@ macro_rules! settings {
         /// a variable or a flag, each is ignored with a warning naming it, so that an
         /// upgrade neither fails nor is silently misread.
         pub const REMOVED: &[(&str, &str)] = &[$((stringify!($gone), $why)),+];
-
-        impl FileConfig {
-            /// The removed settings the file has, and where.
-            fn removed(&self) -> Vec<(&'static str, std::ops::Range<usize>)> {
-                let mut found = Vec::new();
-                $(if let Some(v) = &self.$gone {
-                    found.push((stringify!($gone), v.span()));
-                })+
-                found
-            }
-        }
 
         /// Every setting as declared, in order.
         pub fn declarations() -> Vec<Declaration> {
@@ -121,24 +104,43 @@ macro_rules! settings {
             }),+]
         }
 
-        impl Values {
+        impl Settings {
             /// Each setting from the first layer that has it, checked against its bound.
-            fn take(layers: &Layers<'_>, file: &mut FileConfig) -> Result<Values, String> {
+            fn take(layers: &Layers<'_>, file: &mut FileConfig) -> Result<Settings, String> {
+                let mut sources = Vec::new();
                 $(
-                    let $key: Layered<$ty> =
+                    let ($key, source): ($ty, Source) =
                         layers.take(stringify!($key), file.$key.take(), || $default);
-                    checked(&$key.value, $check)
-                        .map_err(|e| bad(stringify!($key), &$key.source, e))?;
+                    checked(&$key, $check).map_err(|e| bad(stringify!($key), &source, e))?;
+                    sources.push((stringify!($key), source));
                 )+
-                Ok(Values { $($key),+ })
+                let mut warnings = Vec::new();
+                $(
+                    let (_, source): (toml::Value, Source) =
+                        layers.take(stringify!($gone), file.$gone.take(), || false.into());
+                    if source != Source::Default {
+                        warnings.push(format!(
+                            "{} (from {source}) is no longer a setting and is ignored: {}",
+                            stringify!($gone),
+                            $why.trim()
+                        ));
+                    }
+                )+
+                Ok(Settings {
+                    $($key,)+
+                    config_file: None,
+                    snapshotters: Vec::new(),
+                    warnings,
+                    sources,
+                })
             }
 
             /// The `--print-config` lines, in declaration order.
             pub fn provenance(&self) -> Vec<Provenance> {
                 vec![$(Provenance {
                     key: stringify!($key),
-                    value: SettingType::to_toml(&self.$key.value),
-                    source: self.$key.source.clone(),
+                    value: SettingType::to_toml(&self.$key),
+                    source: self.source(stringify!($key)).clone(),
                 }),+]
             }
         }
@@ -233,20 +235,16 @@ settings! {
     /// the client's choosing as the agent's user); those in the config file always work
     allow_api_command_snapshotters: bool = false, shown Shown::Value, check any;
     /// restores started without `finalize` pass through Finalizing and wait for
-    /// `restore.finalize`; `true` matches Velero 1.14 and later (every restore has a
-    /// Finalizing phase since 1.14.0, PR #7377), `false` Velero 1.11–1.13, the first with
-    /// plugin operations (restores go straight to Completed / PartiallyFailed)
+    /// `restore.finalize`, as in Velero 1.14 and later; `false` matches Velero 1.11–1.13
     restore_finalize: bool = false, shown Shown::Value, check any;
     /// an InProgress owner no call has touched for this long (`start` again or
     /// `addOperations`, even with no operations, count as calls) fails with a failure
     /// reason saying since when; time the agent was down does not count
     in_progress_idle_timeout: GoDuration = GoDuration::from_secs(0),
         shown Shown::ValueAnd("(off)"), check any;
-    /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically, every 4,000
-    /// pages: the WAL file takes up to about 21 MB, cut back to that after a larger
-    /// transaction) or `"external"` (the agent never does; Litestream does, once it has
-    /// copied the WAL: see docs/operations.md, "Surviving the loss of a node"). Without a
-    /// replicator running, `"external"` lets the WAL grow until the agent stops
+    /// who checkpoints the WAL into `agent.db`: `"sqlite"` (automatically) or
+    /// `"external"` (Litestream, once it has copied the WAL: see docs/operations.md,
+    /// "Surviving the loss of a node"; without one running the WAL grows)
     checkpoint: Checkpoint = Checkpoint::Sqlite, shown Shown::Value, check any;
     /// start with an empty database although an agent has run with this storage
     /// directory before (`agent.db` missing or empty), forgetting its backups and
@@ -299,15 +297,23 @@ pub struct Declaration {
     arg: fn(Arg) -> Arg,
 }
 
+/// `OPMON_<KEY>`.
+fn variable(key: &str) -> String {
+    format!("OPMON_{}", key.to_uppercase())
+}
+
+/// `--key-with-dashes`.
+fn flag(key: &str) -> String {
+    format!("--{}", key.replace('_', "-"))
+}
+
 impl Declaration {
-    /// `OPMON_<KEY>`.
     pub fn variable(&self) -> String {
-        format!("OPMON_{}", self.key.to_uppercase())
+        variable(self.key)
     }
 
-    /// `--key-with-dashes`.
     pub fn flag(&self) -> String {
-        format!("--{}", self.key.replace('_', "-"))
+        flag(self.key)
     }
 
     fn clap_arg(&self) -> Arg {
@@ -350,40 +356,38 @@ pub trait SettingType:
 }
 
 macro_rules! scalar_setting {
-    ($ty:ty, $parser:expr) => {
+    ($($ty:ty),+) => {$(
         impl SettingType for $ty {
             fn arg(arg: Arg) -> Arg {
-                arg.value_parser($parser).action(ArgAction::Set)
+                arg.value_parser(clap::value_parser!($ty)).action(ArgAction::Set)
             }
             fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
                 matches.try_get_one::<$ty>(id).ok().flatten().cloned()
             }
         }
-    };
+    )+};
 }
 
-scalar_setting!(PathBuf, clap::value_parser!(PathBuf));
-scalar_setting!(String, clap::value_parser!(String));
-scalar_setting!(GoDuration, clap::value_parser!(GoDuration));
-scalar_setting!(u32, clap::value_parser!(u32));
-scalar_setting!(u64, clap::value_parser!(u64));
-scalar_setting!(bool, clap::value_parser!(bool));
-scalar_setting!(
-    LogFormat,
-    clap::builder::EnumValueParser::<LogFormat>::new()
-);
-scalar_setting!(
-    Checkpoint,
-    clap::builder::EnumValueParser::<Checkpoint>::new()
-);
+scalar_setting!(PathBuf, String, GoDuration, u32, u64, bool, LogFormat, Checkpoint);
+
+/// A removed setting's value: whatever it was, read as text from a flag or variable.
+impl SettingType for toml::Value {
+    fn arg(arg: Arg) -> Arg {
+        arg.action(ArgAction::Set)
+    }
+    fn given(matches: &ArgMatches, id: &str) -> Option<Self> {
+        let text = matches.try_get_one::<String>(id).ok().flatten()?;
+        Some(toml::Value::String(text.clone()))
+    }
+}
 
 /// Lists: comma-separated in a flag or variable (or the flag repeated), an array in
 /// the file. An empty list given by flag or variable counts as not given.
 macro_rules! list_setting {
-    ($item:ty, $parser:expr) => {
+    ($($item:ty),+) => {$(
         impl SettingType for Vec<$item> {
             fn arg(arg: Arg) -> Arg {
-                arg.value_parser($parser)
+                arg.value_parser(clap::value_parser!($item))
                     .value_delimiter(',')
                     .action(ArgAction::Append)
             }
@@ -393,11 +397,10 @@ macro_rules! list_setting {
                 (!list.is_empty()).then_some(list)
             }
         }
-    };
+    )+};
 }
 
-list_setting!(PathBuf, clap::value_parser!(PathBuf));
-list_setting!(u32, clap::value_parser!(u32));
+list_setting!(PathBuf, u32);
 
 /// The bound of a setting that has none.
 fn any<T>(_: &T) -> Result<(), String> {
@@ -507,28 +510,19 @@ pub fn setting_variables() -> Vec<String> {
     known
 }
 
-/// The variables of [`REMOVED`] settings: warned of, not refused.
-fn removed_variables() -> Vec<String> {
-    REMOVED
-        .iter()
-        .map(|(key, _)| format!("OPMON_{}", key.to_uppercase()))
-        .collect()
-}
-
 /// Refuses an `OPMON_*` variable in `vars` that is neither a setting nor one of
 /// [`OTHER_PROGRAMS_VARIABLES`], naming it (and the settings it resembles).
 pub fn check_environment(
     vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
 ) -> Result<(), String> {
     let known = setting_variables();
-    let removed = removed_variables();
     let mut unknown: Vec<String> = vars
         .into_iter()
         .map(|(name, _)| name.to_string_lossy().into_owned())
         .filter(|name| name.starts_with("OPMON_"))
         .filter(|name| {
             !known.iter().any(|k| k == name)
-                && !removed.iter().any(|k| k == name)
+                && !REMOVED.iter().any(|(k, _)| variable(k) == *name)
                 && !OTHER_PROGRAMS_VARIABLES.iter().any(|(k, _)| k == name)
         })
         .collect();
@@ -592,47 +586,11 @@ pub fn command() -> Command {
         command.arg(
             Arg::new(*key)
                 .long(key.replace('_', "-"))
-                .env(format!("OPMON_{}", key.to_uppercase()))
+                .env(variable(key))
                 .hide(true)
                 .action(ArgAction::Set),
         )
     })
-}
-
-/// The warnings for removed settings given by flag, variable or file (`file`: each
-/// key with its span in `text`).
-fn removed_warnings(
-    matches: &ArgMatches,
-    file: &[(&'static str, std::ops::Range<usize>)],
-    path: Option<&Path>,
-    text: &str,
-) -> Vec<String> {
-    let mut warnings = Vec::new();
-    for (key, why) in REMOVED {
-        let mut sources = Vec::new();
-        match matches.value_source(key) {
-            Some(ValueSource::EnvVariable) => {
-                sources.push(Source::Env(format!("OPMON_{}", key.to_uppercase())))
-            }
-            Some(ValueSource::CommandLine) => {
-                sources.push(Source::Flag(format!("--{}", key.replace('_', "-"))))
-            }
-            _ => {}
-        }
-        if let Some((_, span)) = file.iter().find(|(k, _)| k == key) {
-            sources.push(Source::File {
-                path: path.map(Path::to_path_buf).unwrap_or_default(),
-                line: line_of(text, span.clone()),
-            });
-        }
-        for source in sources {
-            warnings.push(format!(
-                "{key} (from {source}) is no longer a setting and is ignored: {}",
-                why.trim()
-            ));
-        }
-    }
-    warnings
 }
 
 /// The two flags that are not settings; every setting is read from the matches.
@@ -652,28 +610,6 @@ pub struct Args {
     /// Print the effective configuration, with where each value came from, and exit
     #[arg(long)]
     pub print_config: bool,
-}
-
-/// A `[[snapshotter]]` table: registered at every start, and printed back by
-/// `--print-config`.
-#[derive(Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-struct FileSnapshotter {
-    name: String,
-    /// Optional for a `velero_plugin` table, which is always v2.
-    api_version: Option<ApiVersion>,
-    socket: Option<PathBuf>,
-    command: Option<Vec<String>>,
-    /// A Velero plugin binary, with its arguments and environment.
-    velero_plugin: Option<PathBuf>,
-    args: Option<Vec<String>>,
-    env: Option<std::collections::BTreeMap<String, String>>,
-    /// The snapshotter's deadlines and retry budget (see `Snapshotter`).
-    stall_timeout: Option<GoDuration>,
-    start_timeout: Option<GoDuration>,
-    retry_attempts: Option<u32>,
-    retry_backoff: Option<GoDuration>,
-    retry_within: Option<GoDuration>,
 }
 
 /// Where a value came from.
@@ -696,13 +632,6 @@ impl fmt::Display for Source {
     }
 }
 
-/// A setting's value and where it came from.
-#[derive(Clone, Debug)]
-pub struct Layered<T> {
-    pub value: T,
-    pub source: Source,
-}
-
 /// One line of `--print-config`.
 #[derive(Clone, Debug)]
 pub struct Provenance {
@@ -712,40 +641,59 @@ pub struct Provenance {
     pub source: Source,
 }
 
-/// Resolved settings.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    pub config_file: Option<PathBuf>,
-    pub socket: PathBuf,
-    pub socket_mode: u32,
-    pub socket_group: Option<u32>,
-    pub state_dir: PathBuf,
-    pub storage_dir: PathBuf,
-    pub max_request_size: u32,
-    /// Uids allowed besides the agent's own and root, which are always allowed.
-    pub allowed_uids: Vec<u32>,
-    pub allowed_gids: Vec<u32>,
-    pub max_connections_per_uid: u32,
-    pub max_held_bytes: u64,
-    pub log_format: LogFormat,
-    pub log_level: String,
-    pub metrics_listen: Option<SocketAddr>,
-    pub idle_timeout: Duration,
-    /// The config file's `[[snapshotter]]` tables, checked and with their names in
-    /// canonical form.
-    pub snapshotters: Vec<Snapshotter>,
-    pub checkpoint: Checkpoint,
-    /// Start on a missing or empty database where an agent has run before.
-    pub start_anew: bool,
-    /// Settings that work but are likely a mistake or a risk, each naming its key.
-    pub warnings: Vec<String>,
-    pub core: CoreSettings,
-    pub provenance: Vec<Provenance>,
-}
-
 impl Settings {
     pub fn database(&self) -> PathBuf {
         self.state_dir.join("agent.db")
+    }
+
+    /// Where setting `key` came from.
+    fn source(&self, key: &str) -> &Source {
+        let found = self.sources.iter().find(|(k, _)| *k == key);
+        found.map_or(&Source::Default, |(_, source)| source)
+    }
+
+    /// The socket's mode (checked when resolved).
+    pub fn socket_mode_bits(&self) -> u32 {
+        usable_socket_mode(&self.socket_mode).unwrap_or(0o660)
+    }
+
+    /// The socket's group, looked up by name; none for the agent's.
+    pub fn socket_gid(&self) -> Result<Option<u32>, String> {
+        group_id(&self.socket_group)
+            .map_err(|e| bad("socket_group", self.source("socket_group"), e))
+    }
+
+    /// The metrics listener's address (checked when resolved); none when off.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        listen_address(&self.metrics_listen).ok().flatten()
+    }
+
+    /// What the core runs with.
+    pub fn core(&self) -> CoreSettings {
+        let idle = self.in_progress_idle_timeout.0;
+        CoreSettings {
+            max_held_bytes: self.max_held_bytes,
+            poll_interval: self.poll_interval.0,
+            default_item_operation_timeout: self.item_operation_timeout,
+            retention: self.retention.0,
+            max_decompressed_size: self.max_decompressed_size,
+            finalize: crate::core::FinalizeSettings {
+                dirs: self.finalize_dirs.clone(),
+                deadline: self.finalize_deadline.0,
+                state_dir: Some(self.state_dir.clone()),
+                socket: Some(self.socket.clone()),
+            },
+            unreachable_grace: self.unreachable_grace.0,
+            allow_api_command_snapshotters: self.allow_api_command_snapshotters,
+            calls: CallSettings {
+                deadline: self.call_deadline.0,
+                batch_size: self.batch_size as usize,
+                socket_concurrency: self.socket_concurrency as usize,
+                command_concurrency: self.command_concurrency as usize,
+            },
+            restore_finalize: self.restore_finalize,
+            in_progress_idle_timeout: (!idle.is_zero()).then_some(idle),
+        }
     }
 
     /// The `--print-config` text: valid TOML, each value commented with its source.
@@ -754,47 +702,26 @@ impl Settings {
         if let Some(file) = &self.config_file {
             out.push_str(&format!("# config file: {}\n", file.display()));
         }
-        let width = self
-            .provenance
+        let provenance = self.provenance();
+        let width = provenance
             .iter()
             .map(|p| p.key.len() + p.value.len() + 3)
             .max()
             .unwrap_or(0);
-        for p in &self.provenance {
+        for p in &provenance {
             let line = format!("{} = {}", p.key, p.value);
             out.push_str(&format!("{line:<width$}  # {}\n", p.source));
         }
         for s in &self.snapshotters {
             out.push_str("\n[[snapshotter]]\n");
             // Key by key, so that `env` stays an inline table on its line.
-            if let Ok(toml::Value::Table(table)) = toml::Value::try_from(FileSnapshotter::of(s)) {
+            if let Ok(toml::Value::Table(table)) = toml::Value::try_from(s) {
                 for (key, value) in table {
-                    out.push_str(&format!("{key} = {value}\n"));
+                    out.push_str(&format!("{} = {value}\n", file_keys(&key)));
                 }
             }
         }
         out
-    }
-}
-
-impl FileSnapshotter {
-    /// The table that registers `s`.
-    fn of(s: &Snapshotter) -> FileSnapshotter {
-        let s = s.clone();
-        FileSnapshotter {
-            name: s.name,
-            api_version: Some(s.api_version),
-            socket: s.socket,
-            command: s.command,
-            velero_plugin: s.velero_plugin,
-            args: s.args,
-            env: s.env,
-            stall_timeout: s.stall_timeout,
-            start_timeout: s.start_timeout,
-            retry_attempts: s.retry_attempts,
-            retry_backoff: s.retry_backoff,
-            retry_within: s.retry_within,
-        }
     }
 }
 
@@ -835,28 +762,20 @@ impl Layers<'_> {
         key: &'static str,
         file: Option<Spanned<T>>,
         default: impl FnOnce() -> T,
-    ) -> Layered<T> {
+    ) -> (T, Source) {
         if let Some(value) = T::given(self.matches, key) {
             let source = match self.matches.value_source(key) {
-                Some(ValueSource::EnvVariable) => {
-                    Source::Env(format!("OPMON_{}", key.to_uppercase()))
-                }
-                _ => Source::Flag(format!("--{}", key.replace('_', "-"))),
+                Some(ValueSource::EnvVariable) => Source::Env(variable(key)),
+                _ => Source::Flag(flag(key)),
             };
-            return Layered { value, source };
+            return (value, source);
         }
         if let Some(spanned) = file {
             let line = line_of(self.file_text, spanned.span());
             let path = self.file_path.map(Path::to_path_buf).unwrap_or_default();
-            return Layered {
-                value: spanned.into_inner(),
-                source: Source::File { path, line },
-            };
+            return (spanned.into_inner(), Source::File { path, line });
         }
-        Layered {
-            value: default(),
-            source: Source::Default,
-        }
+        (default(), Source::Default)
     }
 }
 
@@ -896,30 +815,29 @@ fn bad(key: &str, source: &Source, reason: impl fmt::Display) -> String {
     format!("{key} (from {source}): {reason}")
 }
 
-impl Values {
+impl Settings {
     /// What involves the machine or more than one setting: directories made absolute
-    /// (once, at start: clients are handed paths under them, and a relative one means
-    /// nothing to them), the storage directory's default under the state directory, the
-    /// uid list in order.
+    /// (clients are handed paths under them), the storage directory's default under the
+    /// state directory, the uid list in order.
     fn sanitize(&mut self) -> Result<(), String> {
-        self.state_dir.value = absolute("state_dir", &self.state_dir.value)?;
-        self.storage_dir.value = if self.storage_dir.source == Source::Default {
-            self.state_dir.value.join("storage")
+        self.state_dir = absolute("state_dir", &self.state_dir)?;
+        self.storage_dir = if *self.source("storage_dir") == Source::Default {
+            self.state_dir.join("storage")
         } else {
-            absolute("storage_dir", &self.storage_dir.value)?
+            absolute("storage_dir", &self.storage_dir)?
         };
-        self.allowed_uids.value.sort_unstable();
-        self.allowed_uids.value.dedup();
-        for (key, layered) in [
+        self.allowed_uids.sort_unstable();
+        self.allowed_uids.dedup();
+        for (key, dir) in [
             ("state_dir", &self.state_dir),
             ("storage_dir", &self.storage_dir),
         ] {
-            if let Some(why) = kernel_file_system(&layered.value) {
-                return Err(bad(key, &layered.source, why));
+            if let Some(why) = kernel_file_system(dir) {
+                return Err(bad(key, self.source(key), why));
             }
         }
-        for dir in &self.finalize_dirs.value {
-            let source = &self.finalize_dirs.source;
+        let source = self.source("finalize_dirs");
+        for dir in &self.finalize_dirs {
             if dir.parent().is_none() {
                 return Err(bad(
                     "finalize_dirs",
@@ -932,153 +850,103 @@ impl Values {
                 return Err(bad("finalize_dirs", source, why));
             }
         }
+        self.socket_gid()?;
+        let risks = self.risks();
+        self.warnings.extend(risks);
         Ok(())
     }
 
     /// What works but is likely a mistake or a risk, each naming its key: logged at start.
-    fn warnings(&self) -> Vec<String> {
+    fn risks(&self) -> Vec<String> {
         let mut warnings = Vec::new();
-        let mode = parse_mode(&self.socket_mode.value).unwrap_or(0);
-        if mode & 0o002 != 0 {
+        if self.socket_mode_bits() & 0o002 != 0 {
             warnings.push(format!(
                 "socket_mode (from {}): {} lets every local user connect; only allowed_uids \
                  and allowed_gids then stand between them and the API",
-                self.socket_mode.source, self.socket_mode.value
+                self.source("socket_mode"),
+                self.socket_mode
             ));
         }
-        for dir in &self.finalize_dirs.value {
-            if self.state_dir.value.starts_with(dir) {
+        for dir in &self.finalize_dirs {
+            if self.state_dir.starts_with(dir) {
                 warnings.push(format!(
                     "finalize_dirs (from {}): {} holds the state directory {}",
-                    self.finalize_dirs.source,
+                    self.source("finalize_dirs"),
                     dir.display(),
-                    self.state_dir.value.display()
+                    self.state_dir.display()
                 ));
             }
         }
         warnings
     }
-
-    /// The typed settings the agent runs on.
-    fn into_settings(
-        self,
-        config_file: Option<PathBuf>,
-        snapshotters: Vec<Snapshotter>,
-    ) -> Result<Settings, String> {
-        let provenance = self.provenance();
-        let warnings = self.warnings();
-        let socket_mode = usable_socket_mode(&self.socket_mode.value)
-            .map_err(|e| bad("socket_mode", &self.socket_mode.source, e))?;
-        let socket_group = group_id(&self.socket_group.value)
-            .map_err(|e| bad("socket_group", &self.socket_group.source, e))?;
-        let metrics_listen = listen_address(&self.metrics_listen.value)
-            .map_err(|e| bad("metrics_listen", &self.metrics_listen.source, e))?;
-        let socket = self.socket.value;
-        let state_dir = self.state_dir.value;
-        let idle = self.in_progress_idle_timeout.value.0;
-        Ok(Settings {
-            config_file,
-            socket_mode,
-            socket_group,
-            storage_dir: self.storage_dir.value,
-            max_request_size: self.max_request_size.value,
-            // The agent's own uid and root are always admitted (see access.rs): these
-            // lists only add to them, so no setting can lock the operator out.
-            allowed_uids: self.allowed_uids.value,
-            allowed_gids: self.allowed_gids.value,
-            max_connections_per_uid: self.max_connections_per_uid.value,
-            max_held_bytes: self.max_held_bytes.value,
-            log_format: self.log_format.value,
-            log_level: self.log_level.value,
-            metrics_listen,
-            idle_timeout: self.idle_timeout.value.0,
-            snapshotters,
-            checkpoint: self.checkpoint.value,
-            start_anew: self.start_anew.value,
-            warnings,
-            provenance,
-            core: CoreSettings {
-                max_held_bytes: self.max_held_bytes.value,
-                poll_interval: self.poll_interval.value.0,
-                default_item_operation_timeout: self.item_operation_timeout.value,
-                retention: self.retention.value.0,
-                max_decompressed_size: self.max_decompressed_size.value,
-                finalize: crate::core::FinalizeSettings {
-                    dirs: self.finalize_dirs.value,
-                    deadline: self.finalize_deadline.value.0,
-                    state_dir: Some(state_dir.clone()),
-                    socket: Some(socket.clone()),
-                },
-                unreachable_grace: self.unreachable_grace.value.0,
-                allow_api_command_snapshotters: self.allow_api_command_snapshotters.value,
-                calls: CallSettings {
-                    deadline: self.call_deadline.value.0,
-                    batch_size: self.batch_size.value as usize,
-                    socket_concurrency: self.socket_concurrency.value as usize,
-                    command_concurrency: self.command_concurrency.value as usize,
-                },
-                restore_finalize: self.restore_finalize.value,
-                in_progress_idle_timeout: (!idle.is_zero()).then_some(idle),
-            },
-            socket,
-            state_dir,
-        })
-    }
 }
 
-/// `snapshotter.register`'s words for its fields, as the config file spells its keys.
+/// The fields of [`Snapshotter`] the config file spells in snake case, as its other keys.
+const FILE_KEYS: &[(&str, &str)] = &[
+    ("veleroPlugin", "velero_plugin"),
+    ("apiVersion", "api_version"),
+    ("stallTimeout", "stall_timeout"),
+    ("startTimeout", "start_timeout"),
+    ("retryAttempts", "retry_attempts"),
+    ("retryBackoff", "retry_backoff"),
+    ("retryWithin", "retry_within"),
+];
+
+/// The API's words for [`Snapshotter`]'s fields, as the config file spells them.
 fn file_keys(message: &str) -> String {
-    [
-        ("veleroPlugin", "velero_plugin"),
-        ("apiVersion", "api_version"),
-        ("stallTimeout", "stall_timeout"),
-        ("startTimeout", "start_timeout"),
-        ("retryAttempts", "retry_attempts"),
-        ("retryBackoff", "retry_backoff"),
-        ("retryWithin", "retry_within"),
-    ]
-    .iter()
-    .fold(message.to_string(), |m, (api, key)| m.replace(api, key))
+    FILE_KEYS
+        .iter()
+        .fold(message.to_string(), |m, (api, key)| m.replace(api, key))
+}
+
+/// The file's `[[snapshotter]]` tables in the API's spelling, so that they read as
+/// [`Snapshotter`]s: `api_version` as `apiVersion` (`"v2"` when a `velero_plugin` table
+/// leaves it out); a key already in the API's spelling is refused, naming its line.
+fn api_spelling(
+    file: &mut toml::de::DeTable<'_>,
+) -> Result<(), (std::ops::Range<usize>, String, String)> {
+    use toml::de::{DeString, DeValue};
+    let Some(DeValue::Array(tables)) = file.get_mut("snapshotter").map(|v| v.get_mut()) else {
+        return Ok(());
+    };
+    for (index, table) in tables.iter_mut().enumerate() {
+        let span = table.span();
+        let DeValue::Table(table) = table.get_mut() else {
+            continue;
+        };
+        let mut renamed = toml::de::DeTable::new();
+        for (key, value) in std::mem::take(table) {
+            if let Some((api, file)) = FILE_KEYS.iter().find(|(api, _)| *key.get_ref() == *api) {
+                return Err((
+                    key.span(),
+                    format!("snapshotter[{index}]"),
+                    format!("unknown field `{api}`, spelt `{file}` in the file"),
+                ));
+            }
+            let api = FILE_KEYS.iter().find(|(_, file)| *key.get_ref() == *file);
+            let name = api.map_or(key.get_ref().clone(), |(api, _)| DeString::from(*api));
+            renamed.insert(toml::Spanned::new(key.span(), name), value);
+        }
+        if renamed.contains_key("veleroPlugin") && !renamed.contains_key("apiVersion") {
+            let v2 = DeValue::String(DeString::from("v2"));
+            renamed.insert(
+                toml::Spanned::new(span.clone(), DeString::from("apiVersion")),
+                toml::Spanned::new(span, v2),
+            );
+        }
+        *table = renamed;
+    }
+    Ok(())
 }
 
 /// The config file's `[[snapshotter]]` tables, each checked as `snapshotter.register`
 /// checks one (its name made canonical), so a bad table stops the agent (or refuses a
 /// reload) before anything is opened.
-fn config_snapshotters(tables: Vec<FileSnapshotter>) -> Result<Vec<Snapshotter>, String> {
+fn config_snapshotters(tables: Vec<Snapshotter>) -> Result<Vec<Snapshotter>, String> {
     let snapshotters: Vec<Snapshotter> = tables
         .into_iter()
-        .map(|table| {
-            let api_version = match (table.api_version, &table.velero_plugin) {
-                (Some(v), _) => v,
-                (None, Some(_)) => ApiVersion::V2,
-                (None, None) => {
-                    return Err(format!(
-                        "config snapshotter {}: missing field `api_version`",
-                        table.name
-                    ))
-                }
-            };
-            let mut s = Snapshotter {
-                name: table.name,
-                api_version,
-                socket: table.socket,
-                command: table.command,
-                velero_plugin: table.velero_plugin,
-                args: table.args,
-                env: table.env,
-                stall_timeout: table.stall_timeout,
-                start_timeout: table.start_timeout,
-                retry_attempts: table.retry_attempts,
-                retry_backoff: table.retry_backoff,
-                retry_within: table.retry_within,
-            };
+        .map(|mut s| {
             let given = s.name.clone();
-            // Checked here too, to name the file's key rather than the API's field.
-            if s.retry_backoff.is_some_and(|d| d.0.is_zero()) {
-                return Err(format!(
-                    "config snapshotter {given}: retry_backoff: must be greater than zero"
-                ));
-            }
             crate::api::check_snapshotter(&mut s).map_err(|e| {
                 format!("config snapshotter {given}: {}", file_keys(&e.to_string()))
             })?;
@@ -1219,42 +1087,45 @@ pub fn resolve(args: Args, matches: &ArgMatches) -> Result<Settings, String> {
         Some(path) => read_config_file(path)?,
         None => String::new(),
     };
-    // The key's path (serde_path_to_error's) beside the line: toml's message names only
-    // the value ("invalid value: integer `-1`, expected u32").
-    let parsed = toml::Deserializer::parse(&file_text)
-        .map_err(|e| (String::new(), e))
-        .and_then(|de| {
-            serde_path_to_error::deserialize::<_, FileConfig>(de).map_err(|e| {
-                let key = key_of(e.path(), e.inner().message());
-                (key, e.into_inner())
-            })
-        });
-    let mut file = parsed.map_err(|(key, e)| {
+    let failed = |span: Option<std::ops::Range<usize>>, key: String, message: &str| {
         let path = config_file.as_deref().unwrap_or(Path::new("")).display();
-        let at = match e.span() {
+        let at = match span {
             Some(span) => format!(" line {}", line_of(&file_text, span)),
             None => String::new(),
         };
         let key = if key.is_empty() { key } else { key + ": " };
-        format!("config file {path}{at}: {key}{}", e.message())
-    })?;
+        format!("config file {path}{at}: {key}{message}")
+    };
+    let mut table = toml::de::DeTable::parse(&file_text)
+        .map_err(|e| failed(e.span(), String::new(), e.message()))?;
+    api_spelling(table.get_mut()).map_err(|(span, key, e)| failed(Some(span), key, &e))?;
+    // The key's path (serde_path_to_error's) beside the line: toml's message names only
+    // the value ("invalid value: integer `-1`, expected u32").
+    let mut file: FileConfig =
+        serde_path_to_error::deserialize(toml::de::Deserializer::from(table)).map_err(|e| {
+            let key = key_of(e.path(), e.inner().message());
+            failed(
+                e.inner().span(),
+                file_keys(&key),
+                &file_keys(e.inner().message()),
+            )
+        })?;
     let layers = Layers {
         matches,
         file_path: config_file.as_deref(),
         file_text: &file_text,
     };
-    let mut values = Values::take(&layers, &mut file)?;
-    values.sanitize()?;
-    let removed = removed_warnings(matches, &file.removed(), config_file.as_deref(), &file_text);
-    let snapshotters = config_snapshotters(file.snapshotter)?;
-    let mut settings = values.into_settings(config_file, snapshotters)?;
-    settings.warnings.extend(removed);
+    let mut settings = Settings::take(&layers, &mut file)?;
+    settings.sanitize()?;
+    settings.snapshotters = config_snapshotters(file.snapshotter)?;
+    settings.config_file = config_file;
     Ok(settings)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opmon_client::ApiVersion;
 
     #[test]
     fn the_variables_of_opmons_other_programs_do_not_stop_the_agent() {
@@ -1320,6 +1191,17 @@ mod tests {
             ]
         );
         assert!(!s.describe().contains("per_uid = 8"), "not printed back");
+        let s = settings(&["--max-calls-per-uid", "8"], "max_calls_per_uid = 3\n").unwrap();
+        assert_eq!(
+            s.warnings,
+            vec![
+                "max_calls_per_uid (from flag --max-calls-per-uid) is no longer a setting and \
+                 is ignored: calls in flight are bounded for all peers together (see \
+                 docs/trust.md)"
+                    .to_string()
+            ],
+            "once, naming where it wins, as a setting's source is named"
+        );
         check_environment(vec![("OPMON_MAX_FINALIZES_PER_UID".into(), "8".into())]).unwrap();
         let help = command().render_long_help().to_string();
         assert!(!help.contains("max-calls-per-uid"), "{help}");
@@ -1332,11 +1214,11 @@ mod tests {
             "batch_size = 32\npoll_interval = \"2s\"\n",
         )
         .unwrap();
-        assert_eq!(s.core.calls.batch_size, 64);
-        assert_eq!(s.core.poll_interval, Duration::from_secs(2));
-        assert_eq!(s.core.calls.deadline, Duration::from_secs(30));
+        assert_eq!(s.core().calls.batch_size, 64);
+        assert_eq!(s.core().poll_interval, Duration::from_secs(2));
+        assert_eq!(s.core().calls.deadline, Duration::from_secs(30));
         let source = |key: &str| {
-            s.provenance
+            s.provenance()
                 .iter()
                 .find(|p| p.key == key)
                 .unwrap()
@@ -1411,8 +1293,8 @@ mod tests {
     #[test]
     fn restore_finalize_and_the_idle_timeout_are_off_unless_set() {
         let s = settings(&[], "").unwrap();
-        assert!(!s.core.restore_finalize);
-        assert_eq!(s.core.in_progress_idle_timeout, None);
+        assert!(!s.core().restore_finalize);
+        assert_eq!(s.core().in_progress_idle_timeout, None);
         let text = s.describe();
         assert!(text.contains("restore_finalize = false"), "{text}");
         assert!(text.contains("in_progress_idle_timeout = \"0s\""), "{text}");
@@ -1421,9 +1303,9 @@ mod tests {
             "restore_finalize = false\nin_progress_idle_timeout = \"1h\"\n",
         )
         .unwrap();
-        assert!(s.core.restore_finalize, "the flag wins over the file");
+        assert!(s.core().restore_finalize, "the flag wins over the file");
         assert_eq!(
-            s.core.in_progress_idle_timeout,
+            s.core().in_progress_idle_timeout,
             Some(Duration::from_secs(3600))
         );
         let e = settings(&["--restore-finalize", "yes"], "").err().unwrap();
@@ -1438,7 +1320,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.allowed_uids, vec![0, 1000]);
-        assert_eq!(s.socket_mode, 0o600);
+        assert_eq!(s.socket_mode_bits(), 0o600);
         assert_eq!(s.snapshotters.len(), 1);
         assert_eq!(
             s.snapshotters[0].socket.as_deref(),
@@ -1501,18 +1383,18 @@ mod tests {
     #[test]
     fn command_snapshotters_over_the_api_are_off_unless_allowed() {
         let s = settings(&[], "").unwrap();
-        assert!(!s.core.allow_api_command_snapshotters);
+        assert!(!s.core().allow_api_command_snapshotters);
         assert!(s
             .describe()
             .contains("allow_api_command_snapshotters = false"));
         let s = settings(&[], "allow_api_command_snapshotters = true\n").unwrap();
-        assert!(s.core.allow_api_command_snapshotters);
+        assert!(s.core().allow_api_command_snapshotters);
         let s = settings(
             &["--allow-api-command-snapshotters", "false"],
             "allow_api_command_snapshotters = true\n",
         )
         .unwrap();
-        assert!(!s.core.allow_api_command_snapshotters, "the flag wins");
+        assert!(!s.core().allow_api_command_snapshotters, "the flag wins");
     }
 
     /// The table row of the `[[snapshotter]]` tables, which are not a key=value setting.
@@ -1551,7 +1433,7 @@ mod tests {
     fn every_setting_has_a_flag_a_variable_and_a_print_config_line() {
         let keys: Vec<&str> = declarations().iter().map(|d| d.key).collect();
         let s = settings(&[], "").unwrap();
-        let printed: Vec<&str> = s.provenance.iter().map(|p| p.key).collect();
+        let printed: Vec<&str> = s.provenance().iter().map(|p| p.key).collect();
         assert_eq!(printed, keys);
         let command = command();
         for d in declarations() {
@@ -1578,7 +1460,7 @@ mod tests {
         );
         let s = settings(&["--finalize-dirs", "/a,/b"], "").unwrap();
         assert_eq!(
-            s.core.finalize.dirs,
+            s.core().finalize.dirs,
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         let e = settings(&[], "finalize_dirs = [\"/a\", \"rel\"]\n")
@@ -1601,6 +1483,51 @@ mod tests {
         assert!(s
             .describe()
             .contains(&format!("storage_dir = \"{}\"", cwd.join("out").display())));
+    }
+
+    #[test]
+    fn snapshotter_tables_are_the_apis_type_in_the_files_spelling() {
+        let e = settings(
+            &[],
+            "[[snapshotter]]\nname = \"example.io/a\"\napiVersion = \"v2\"\nsocket = \"/a.sock\"\n",
+        )
+        .err()
+        .unwrap();
+        assert_eq!(
+            e,
+            "config file FILE line 3: snapshotter[0]: unknown field `apiVersion`, spelt `api_version` in the file"
+        );
+        let e = settings(
+            &[],
+            "[[snapshotter]]\nname = \"example.io/a\"\nsocket = \"/a.sock\"\n",
+        )
+        .err()
+        .unwrap();
+        assert!(
+            e.starts_with("config file FILE line 1: snapshotter[0]: missing field `api_version`"),
+            "{e}"
+        );
+        let e = settings(
+            &[],
+            "[[snapshotter]]\nname = \"example.io/a\"\napi_version = \"v2\"\nsockett = \"/a.sock\"\n",
+        )
+        .err()
+        .unwrap();
+        assert!(
+            e.starts_with("config file FILE line 4: snapshotter[0]: unknown field `sockett`, expected one of `name`, `api_version`, `socket`, `command`, `velero_plugin`"),
+            "{e}"
+        );
+        let s = settings(
+            &[],
+            "[[snapshotter]]\nname = \"example.io/p\"\nvelero_plugin = \"/bin/p\"\nenv = { A = \"1\" }\n",
+        )
+        .unwrap();
+        assert_eq!(s.snapshotters[0].api_version, ApiVersion::V2);
+        let text = s.describe();
+        assert!(
+            text.contains("api_version = \"v2\"\nvelero_plugin = \"/bin/p\"\nenv = { A = \"1\" }"),
+            "{text}"
+        );
     }
 
     #[test]

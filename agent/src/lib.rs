@@ -125,13 +125,13 @@ async fn listener(settings: &Settings) -> Result<(tokio::net::UnixListener, bool
         ensure_dir(parent, 0o750, "socket directory")?;
         check_socket_dir(parent)?;
     }
-    let listener = server::bind(&settings.socket, settings.socket_mode)
+    let listener = server::bind(&settings.socket, settings.socket_mode_bits())
         .await
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => format!("{e}: is another opmon-agent running?"),
             _ => e.to_string(),
         })?;
-    if let Some(gid) = settings.socket_group {
+    if let Some(gid) = settings.socket_gid()? {
         nix::unistd::chown(
             &settings.socket,
             None,
@@ -176,19 +176,12 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     if let Err(e) = storage.mark_ran() {
         tracing::warn!(error = %e, "could not mark the storage directory as used");
     }
-    let core = Core::new(
-        store.clone(),
-        storage,
-        metrics.clone(),
-        settings.core.clone(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let core = Core::new(store.clone(), storage, metrics.clone(), settings.core())
+        .await
+        .map_err(|e| e.to_string())?;
+    // Checked when the settings were resolved.
     for s in &settings.snapshotters {
-        let mut s = s.clone();
-        let given = s.name.clone();
-        api::check_snapshotter(&mut s).map_err(|e| format!("config snapshotter {given}: {e}"))?;
-        remote::warn_if_unrunnable(&s);
+        remote::warn_if_unrunnable(s);
         core.register_snapshotter(s.clone())
             .await
             .map_err(|e| format!("registering snapshotter {} from the config: {e}", s.name))?;
@@ -200,7 +193,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
         Box::pin(async move { core.metrics_page(accept.as_deref()).await })
     });
     let stop_metrics = tokio_util::sync::CancellationToken::new();
-    if let Some(address) = settings.metrics_listen {
+    if let Some(address) = settings.metrics_address() {
         edge::metrics_listener::serve(address, page.clone(), stop_metrics.clone()).await?;
     }
     let background = tokio::spawn({
@@ -210,7 +203,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     tracing::info!(socket = %settings.socket.display(), database = %db.display(), "serving");
     let config = ServeConfig {
         max_request_body_size: settings.max_request_size,
-        idle_timeout: Some(settings.idle_timeout),
+        idle_timeout: Some(settings.idle_timeout.0),
         metrics: Some(page),
         answered: Some(Arc::new({
             let metrics = metrics.clone();
@@ -228,7 +221,7 @@ pub async fn run(settings: Settings, reload_with: reload::Reload) -> Result<(), 
     );
     let reloader = tokio::spawn({
         let core = core.clone();
-        let mut running = reload::Running::of(&settings);
+        let mut running = settings.clone();
         async move {
             while hangups.recv().await.is_some() {
                 tracing::info!("SIGHUP: reloading the configuration");

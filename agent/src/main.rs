@@ -6,13 +6,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{reload, EnvFilter};
 
-/// The human format's fields with control characters escaped in every value.
-///
-/// tracing-subscriber 0.3.23 escapes ESC, BEL, BS, FF, DEL and C1 in the message only,
-/// and CR and LF nowhere; a field like `error = %e` carrying a snapshotter's text could
-/// otherwise recolour a terminal or forge a log line of its own. Field values are
-/// written as the default formatter writes them (`name=value`, the message bare), then
-/// escaped with the same rule the CLI uses.
+/// The human format's fields with control characters escaped in every value (not only
+/// the message), so a peer's text in a field cannot recolour a terminal or forge a line.
 fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
     use tracing_subscriber::field::MakeExt;
     tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
@@ -27,10 +22,8 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 
     .delimited(" ")
 }
 
-/// mimalloc rather than glibc's malloc: the poll path allocates on one thread (a page
-/// read, an answer decoded) and frees on another (the writer), which glibc serves from
-/// locked arena bins at about 200 instructions an allocation. With mimalloc a sweep costs
-/// about 1,100 fewer instructions per operation (the bench's `instructions` row).
+/// mimalloc rather than glibc's malloc: the poll path allocates on one thread and frees
+/// on another, which glibc serves from locked arena bins (the bench's `instructions` row).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -40,15 +33,9 @@ const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Memory freed goes back to the system at once and arenas are committed as used, as
-/// glibc does: with mimalloc's defaults (commit whole arenas on overcommitting systems,
-/// purge after 10 ms) the agent's RSS after the bench's 100,000-operation sweep was 41–57
-/// MiB and its peak while finalizing 72 MiB, against 25–26 and 24 with these (glibc:
-/// 37–48 and 24). An arena's commit is decided when it is made, at Rust's first
-/// allocation, which comes before `main`: so this runs from `.init_array`, as the
-/// executable is loaded (not in the unit tests, which read the options as mimalloc
-/// found them). An option the operator sets (`MIMALLOC_PURGE_DELAY`,
-/// `MIMALLOC_ARENA_EAGER_COMMIT`) is left to mimalloc, which reads it; the variables are
-/// looked up with `getenv`, which allocates nothing.
+/// glibc does, to keep the resident size low (the bench's RSS rows). Runs from
+/// `.init_array`, before Rust's first allocation makes an arena; an option the operator
+/// sets (`MIMALLOC_PURGE_DELAY`, `MIMALLOC_ARENA_EAGER_COMMIT`) is left to mimalloc.
 #[cfg(all(target_os = "linux", not(test)))]
 extern "C" fn tune_allocator() {
     for (option, variable) in [
@@ -97,13 +84,13 @@ fn main() -> std::process::ExitCode {
         LogFormat::Json => registry
             .with(
                 logs.json()
-                    .map_event_format(|f| Prioritized::new(f, journal)),
+                    .map_event_format(|inner| Prioritized { inner, journal }),
             )
             .init(),
         LogFormat::Human => registry
             .with(
                 logs.fmt_fields(escaped_fields())
-                    .map_event_format(|f| Prioritized::new(f, journal)),
+                    .map_event_format(|inner| Prioritized { inner, journal }),
             )
             .init(),
     }
@@ -164,12 +151,6 @@ fn stderr_is_journal() -> bool {
 struct Prioritized<F> {
     inner: F,
     journal: bool,
-}
-
-impl<F> Prioritized<F> {
-    fn new(inner: F, journal: bool) -> Prioritized<F> {
-        Prioritized { inner, journal }
-    }
 }
 
 impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for Prioritized<F>

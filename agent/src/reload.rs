@@ -22,9 +22,7 @@
 
 use std::time::Duration;
 
-use opmon_client::Snapshotter;
-
-use crate::config::{CommandLine, Provenance, Settings};
+use crate::config::{CommandLine, Settings};
 use crate::core::Core;
 
 /// How long reading and resolving the config file may take before the reload is
@@ -40,26 +38,12 @@ pub struct Reload {
     pub set_log_level: SetLogLevel,
 }
 
-/// The part of the configuration a reload compares against: what runs now.
-pub struct Running {
-    log_level: String,
-    snapshotters: Vec<Snapshotter>,
-    provenance: Vec<Provenance>,
-}
-
-impl Running {
-    pub fn of(settings: &Settings) -> Running {
-        Running {
-            log_level: settings.log_level.clone(),
-            snapshotters: settings.snapshotters.clone(),
-            provenance: settings.provenance.clone(),
-        }
-    }
-}
-
 /// Reads the configuration again and applies what may change while running; logs
 /// what changed, or why nothing did.
-pub async fn reload(core: &Core, running: &mut Running, reload: &Reload) {
+///
+/// `running` is what runs now: the settings of the start, with the `log_level` and the
+/// `[[snapshotter]]` tables that reloads applied since.
+pub async fn reload(core: &Core, running: &mut Settings, reload: &Reload) {
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Reloading]);
     apply(core, running, reload).await;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
@@ -108,7 +92,7 @@ async fn orphans(core: &Core, gone: &[String]) -> Result<(), String> {
     ))
 }
 
-async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
+async fn apply(core: &Core, running: &mut Settings, reload: &Reload) {
     let refused = |e: String| {
         tracing::error!("reload refused, the running configuration is unchanged: {e}");
     };
@@ -177,11 +161,12 @@ async fn apply(core: &Core, running: &mut Running, reload: &Reload) {
         changes += 1;
         running.snapshotters.retain(|r| r.name != name);
     }
-    for p in &new.provenance {
+    let now = running.provenance();
+    for p in &new.provenance() {
         if p.key == "log_level" {
             continue;
         }
-        let now = running.provenance.iter().find(|r| r.key == p.key);
+        let now = now.iter().find(|r| r.key == p.key);
         if let Some(now) = now.filter(|now| now.value != p.value) {
             tracing::warn!(
                 key = p.key,

@@ -23,6 +23,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::caps::Cap;
 use crate::sync::{lock, read, write};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
@@ -44,52 +45,25 @@ const MAX_RESPONSE_BYTES: usize = 16 * 1024 * 1024;
 /// Kept-alive connections per socket snapshotter.
 const POOL_SIZE: usize = 8;
 
-/// Room for the bytes of snapshotters' answers while they are read: each answer is
-/// charged, as it arrives, to the total of bytes held for peers (`max_held_bytes`).
-#[derive(Clone)]
-pub struct AnswerRoom {
-    total: crate::caps::Cap,
-}
-
-impl Default for AnswerRoom {
-    /// A room of its own, the default `max_held_bytes`.
-    fn default() -> Self {
-        AnswerRoom::within(&crate::caps::Cap::new(
-            "bytes held for peers",
-            64 * 1024 * 1024,
-        ))
-    }
-}
-
-impl AnswerRoom {
-    /// Room drawn from `total`.
-    pub fn within(total: &crate::caps::Cap) -> AnswerRoom {
-        AnswerRoom {
-            total: total.clone(),
-        }
-    }
-
-    /// Room for an answer as it arrives, charged as its bytes come ([`Held::grow`]).
-    /// Nothing waits for room: an answer that finds none fails its call, giving back
-    /// what it held, and is asked for again at the next poll, so that answers half read
-    /// cannot hold each other (or the calls behind them) up.
-    fn begin(&self) -> Held {
-        Held {
-            room: self.clone(),
-            charged: 0,
-            held: Vec::new(),
-        }
-    }
-}
-
-/// The bytes an answer being read holds; given back when dropped.
+/// The bytes an answer being read holds of the total held for peers (`max_held_bytes`),
+/// charged as they arrive and given back when dropped. Nothing waits for room: an answer
+/// that finds none fails its call and is asked for again at the next poll, so that
+/// answers half read cannot hold each other (or the calls behind them) up.
 struct Held {
-    room: AnswerRoom,
+    total: Cap,
     charged: usize,
     held: Vec<crate::caps::Held>,
 }
 
 impl Held {
+    fn begin(total: &Cap) -> Held {
+        Held {
+            total: total.clone(),
+            charged: 0,
+            held: Vec::new(),
+        }
+    }
+
     /// Makes room for `len` bytes in all, or says whose room is full.
     fn grow(&mut self, len: usize) -> Result<(), String> {
         let more = len.max(1).saturating_sub(self.charged);
@@ -97,7 +71,7 @@ impl Held {
             return Ok(());
         }
         let more32 = u32::try_from(more).unwrap_or(u32::MAX);
-        let held = self.room.total.take_many(more32).map_err(|why| {
+        let held = self.total.take_many(more32).map_err(|why| {
             format!(
                 "its answer of {len} bytes so far found no room ({why}); asked again at the \
                  next poll"
@@ -181,7 +155,7 @@ impl Remote {
             s,
             settings,
             &velero_plugin::Hosts::default(),
-            AnswerRoom::default(),
+            Cap::new("bytes held for peers", 64 << 20),
         )
     }
 
@@ -191,7 +165,7 @@ impl Remote {
         s: &Snapshotter,
         settings: &CallSettings,
         hosts: &velero_plugin::Hosts,
-        room: AnswerRoom,
+        room: Cap,
     ) -> Remote {
         if let (ApiVersion::V2, Some(host)) = (s.api_version, hosts.of(s)) {
             return Remote::Called(Caller::VeleroPlugin(velero_plugin::VeleroRemote::new(
@@ -370,7 +344,7 @@ pub struct SocketRemote {
     pool: Mutex<Vec<SendRequest<Full<Bytes>>>>,
     settings: CallSettings,
     in_flight: Semaphore,
-    room: AnswerRoom,
+    room: Cap,
 }
 
 #[derive(Deserialize)]
@@ -750,7 +724,7 @@ impl SocketRemote {
         };
         // The answer's bytes are charged as they arrive; a length said up front is
         // charged before any is read.
-        let mut held = self.room.begin();
+        let mut held = Held::begin(&self.room);
         let said = response
             .headers()
             .get(hyper::header::CONTENT_LENGTH)
@@ -911,12 +885,12 @@ pub struct Registry {
     /// Velero plugin binaries, one process each however many snapshotters name them.
     hosts: velero_plugin::Hosts,
     /// The room all snapshotters' answers share.
-    room: AnswerRoom,
+    room: Cap,
 }
 
 impl Registry {
     /// An empty registry whose snapshotters' answers draw on `room`.
-    pub fn new(room: AnswerRoom) -> Registry {
+    pub fn new(room: Cap) -> Registry {
         Registry {
             remotes: Default::default(),
             policies: Default::default(),
@@ -1144,7 +1118,7 @@ mod tests {
                 command_concurrency: 1,
             },
             in_flight: Semaphore::new(1),
-            room: AnswerRoom::default(),
+            room: Cap::new("bytes held for peers", 64 << 20),
         }
     }
 

@@ -1,23 +1,11 @@
 //! Cooperation with an external replicator of the database (Litestream).
 //!
-//! Litestream copies the WAL to a replica (a file path or S3) as it grows, and restores a
-//! database from it on another node. Two things are the agent's part:
-//!
-//! - **Checkpoints.** With `checkpoint = "external"` the writer's connection never
-//!   checkpoints by itself (`wal_autocheckpoint = 0`): Litestream holds a read
-//!   transaction, copies the WAL and then checkpoints, so no frame is checkpointed
-//!   before it has been copied (which would force a full snapshot) and the WAL stays
-//!   bounded by Litestream's own checkpoint thresholds. Without a replicator running,
-//!   that WAL would grow until the agent stops (closing the last connection still
-//!   checkpoints), so the setting is for deployments that run one.
-//! - **Restored files.** `litestream restore` (like `cp` or `tar`) creates the database
-//!   under the umask, so group and others may read it (0644), where the agent creates
-//!   its files 0600. Whatever made them, a database file readable or writable by anyone
-//!   but its owner is not one the agent made: at start, before opening the database,
-//!   the agent sets `agent.db`, its `-wal`, `-shm` and `.lock` files to 0600 and logs
-//!   each one it changed with the mode it had. The check is on modes, not on a marker
-//!   file, because a restore leaves no marker and a copy made any other way needs the
-//!   same repair.
+//! - **Checkpoints.** With `checkpoint = "external"` the writer never checkpoints
+//!   (`wal_autocheckpoint = 0`), so no frame is checkpointed before Litestream has copied
+//!   it.
+//! - **Restored files.** A restore or a copy makes the database files under the umask
+//!   (0644); at start the agent sets them back to its 0600, logging each, since a restore
+//!   leaves no marker to go by.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

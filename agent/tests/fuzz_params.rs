@@ -755,7 +755,7 @@ impl Harness {
             store,
             StorageDir::new(storage.clone()),
             Metrics::new(),
-            settings.core.clone(),
+            settings.core(),
         )
         .await
         .unwrap();

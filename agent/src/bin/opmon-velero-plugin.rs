@@ -901,147 +901,121 @@ fn timestamp(v: &Value) -> wire::Timestamp {
 
 type Body = tonic::body::Body;
 
-/// One HTTP/2 request: a gRPC call, routed by its path.
+/// What a call's path is answered by: the stand-in itself, or (`None`) the original.
+#[derive(Clone, Copy)]
+enum Own {
+    ListPlugins,
+    HealthCheck,
+    Shutdown,
+    Execute(Kind),
+    Progress(Kind),
+    Cancel(Kind),
+    /// DeleteItemAction: the stand-in's own, or the original's passed on.
+    Delete,
+}
+
+impl Own {
+    fn of(path: &str) -> Option<Own> {
+        let kind = if path.starts_with("/v2.BackupItemAction/") {
+            Some(Kind::Backup)
+        } else if path.starts_with("/v2.RestoreItemAction/") {
+            Some(Kind::Restore)
+        } else {
+            None
+        };
+        match (path, kind, path.rsplit('/').next()) {
+            (wire::LIST_PLUGINS, _, _) => Some(Own::ListPlugins),
+            (wire::HEALTH_CHECK, _, _) => Some(Own::HealthCheck),
+            (wire::CONTROLLER_SHUTDOWN, _, _) => Some(Own::Shutdown),
+            (wire::DELETE_APPLIES_TO | wire::DELETE_EXECUTE, _, _) => Some(Own::Delete),
+            (_, Some(kind), Some("Execute")) => Some(Own::Execute(kind)),
+            (_, Some(kind), Some("Progress")) => Some(Own::Progress(kind)),
+            (_, Some(kind), Some("Cancel")) => Some(Own::Cancel(kind)),
+            _ => None,
+        }
+    }
+}
+
+impl StandIn {
+    /// The answer to a call the stand-in handles itself, encoded.
+    async fn answer(self: Arc<Self>, own: Own, path: &str, body: Bytes) -> Result<Bytes, Status> {
+        let path =
+            PathAndQuery::try_from(path).map_err(|e| Status::unimplemented(e.to_string()))?;
+        let encoded = match own {
+            Own::ListPlugins => {
+                let forget = self.forget.iter().map(|name| wire::PluginIdentifier {
+                    command: String::new(),
+                    kind: wire::KIND_DELETE.to_string(),
+                    name: name.clone(),
+                });
+                let plugins = self.served.iter().cloned().chain(forget);
+                let plugins = plugins
+                    .map(|p| wire::PluginIdentifier {
+                        command: self.command.clone(),
+                        ..p
+                    })
+                    .collect();
+                wire::ListPluginsResponse { plugins }.encode_to_vec()
+            }
+            Own::HealthCheck => wire::HealthCheckResponse { status: 1 }.encode_to_vec(),
+            Own::Shutdown => {
+                // Answer first, then go, leaving no process or socket behind.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    self.original.stop().await;
+                    let _ = std::fs::remove_dir_all(&self.socket_dir);
+                    std::process::exit(0);
+                });
+                wire::Empty {}.encode_to_vec()
+            }
+            Own::Execute(kind) => return self.execute(kind, path, body).await,
+            Own::Progress(kind) => self.progress(kind, body).await?.encode_to_vec(),
+            Own::Cancel(kind) => self.cancel(kind, body).await?.encode_to_vec(),
+            Own::Delete => {
+                let plugin = wire::PluginRequest::decode(body.clone()).map(|r| r.plugin);
+                if self.forget.is_none() || plugin.ok() != self.forget {
+                    return self.pass(path, body).await;
+                }
+                if path.path() == wire::DELETE_APPLIES_TO {
+                    self.forget_applies_to().await.encode_to_vec()
+                } else {
+                    self.forget(body).await?.encode_to_vec()
+                }
+            }
+        };
+        Ok(Bytes::from(encoded))
+    }
+}
+
+/// One HTTP/2 request: a gRPC call, routed by its path. Requests are decoded and answers
+/// encoded by the handlers, so a malformed request gets the stand-in's own error.
 async fn route(
     standin: Arc<StandIn>,
     request: HttpRequest<hyper::body::Incoming>,
 ) -> Result<HttpResponse<Body>, std::convert::Infallible> {
     let path = request.uri().path().to_string();
     let request = request.map(Body::new);
-    let (kind, method) = match path.split_once('/').map(|(_, p)| p) {
-        Some(p) if p.starts_with("v2.BackupItemAction/") => {
-            (Some(Kind::Backup), p.rsplit('/').next())
-        }
-        Some(p) if p.starts_with("v2.RestoreItemAction/") => {
-            (Some(Kind::Restore), p.rsplit('/').next())
-        }
-        _ => (None, None),
-    };
-    let response = match (path.as_str(), kind, method) {
-        (wire::LIST_PLUGINS, _, _) => {
-            let s = standin.clone();
-            let service = tower::service_fn(move |_: Request<wire::Empty>| {
-                let s = s.clone();
-                async move {
-                    let own = s.forget.iter().map(|name| wire::PluginIdentifier {
-                        command: String::new(),
-                        kind: wire::KIND_DELETE.to_string(),
-                        name: name.clone(),
-                    });
-                    let plugins = s
-                        .served
-                        .iter()
-                        .cloned()
-                        .chain(own)
-                        .map(|p| wire::PluginIdentifier {
-                            command: s.command.clone(),
-                            ..p
-                        })
-                        .collect();
-                    Ok::<_, Status>(Response::new(wire::ListPluginsResponse { plugins }))
-                }
-            });
-            grpc::<wire::ListPluginsResponse, wire::Empty>()
-                .unary(service, request)
-                .await
-        }
-        (wire::HEALTH_CHECK, _, _) => {
-            let service = tower::service_fn(|_: Request<wire::Empty>| async {
-                Ok::<_, Status>(Response::new(wire::HealthCheckResponse { status: 1 }))
-            });
-            grpc::<wire::HealthCheckResponse, wire::Empty>()
-                .unary(service, request)
-                .await
-        }
-        (wire::CONTROLLER_SHUTDOWN, _, _) => {
-            let s = standin.clone();
-            let service = tower::service_fn(move |_: Request<wire::Empty>| {
-                let s = s.clone();
-                async move {
-                    // Answer first, then go, leaving no process or socket behind.
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        s.original.stop().await;
-                        let _ = std::fs::remove_dir_all(&s.socket_dir);
-                        std::process::exit(0);
-                    });
-                    Ok::<_, Status>(Response::new(wire::Empty {}))
-                }
-            });
-            grpc::<wire::Empty, wire::Empty>()
-                .unary(service, request)
-                .await
-        }
-        (_, Some(kind), Some("Progress")) => {
-            let s = standin.clone();
+    let response = match Own::of(&path) {
+        Some(own) => {
             let service = tower::service_fn(move |r: Request<Bytes>| {
-                let s = s.clone();
-                async move { s.progress(kind, r.into_inner()).await.map(Response::new) }
-            });
-            tonic::server::Grpc::new(RawIn::<wire::ProgressResponse>::default())
-                .unary(service, request)
-                .await
-        }
-        (_, Some(kind), Some("Cancel")) => {
-            let s = standin.clone();
-            let service = tower::service_fn(move |r: Request<Bytes>| {
-                let s = s.clone();
-                async move { s.cancel(kind, r.into_inner()).await.map(Response::new) }
-            });
-            tonic::server::Grpc::new(RawIn::<wire::Empty>::default())
-                .unary(service, request)
-                .await
-        }
-        (_, Some(kind), Some("Execute")) => {
-            let s = standin.clone();
-            let service = tower::service_fn(move |r: Request<Bytes>| {
-                let s = s.clone();
-                let path = PathAndQuery::from_static(match kind {
-                    Kind::Backup => wire::BACKUP_EXECUTE,
-                    Kind::Restore => wire::RESTORE_EXECUTE,
-                });
+                let (s, path) = (standin.clone(), path.clone());
                 async move {
-                    s.execute(kind, path, r.into_inner())
+                    s.answer(own, &path, r.into_inner())
                         .await
                         .map(Response::new)
                 }
             });
             tonic::server::Grpc::new(Raw).unary(service, request).await
         }
-        // DeleteItemAction: the stand-in's own, or the original's passed on.
-        (wire::DELETE_APPLIES_TO | wire::DELETE_EXECUTE, _, _) => {
-            let s = standin.clone();
-            let service = tower::service_fn(move |r: Request<Bytes>| {
-                let s = s.clone();
-                let path = PathAndQuery::try_from(path.clone());
-                async move {
-                    let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
-                    let body = r.into_inner();
-                    let plugin = wire::PluginRequest::decode(body.clone()).map(|r| r.plugin);
-                    if s.forget.is_none() || plugin.ok() != s.forget {
-                        return s.pass(path, body).await.map(Response::new);
-                    }
-                    let answer = if path.path() == wire::DELETE_APPLIES_TO {
-                        s.forget_applies_to().await.encode_to_vec()
-                    } else {
-                        s.forget(body).await?.encode_to_vec()
-                    };
-                    Ok(Response::new(Bytes::from(answer)))
-                }
-            });
-            tonic::server::Grpc::new(Raw).unary(service, request).await
-        }
         // go-plugin's broker and stdio stream: the stand-in has neither.
-        (p, _, _) if p.starts_with("/plugin.") => {
-            Status::unimplemented(format!("opmon-velero-plugin does not serve {p}")).into_http()
+        None if path.starts_with("/plugin.") => {
+            Status::unimplemented(format!("opmon-velero-plugin does not serve {path}")).into_http()
         }
         // Everything else, streaming or not (gRPC frames a unary call as a stream of one
         // message each way): passed on message by message.
-        _ => {
-            let s = standin.clone();
+        None => {
             let service = tower::service_fn(move |r: Request<tonic::Streaming<Bytes>>| {
-                let s = s.clone();
-                let path = PathAndQuery::try_from(path.clone());
+                let (s, path) = (standin.clone(), PathAndQuery::try_from(path.clone()));
                 async move {
                     let path = path.map_err(|e| Status::unimplemented(e.to_string()))?;
                     s.pass_streaming(path, r.into_inner()).await
@@ -1053,34 +1027,6 @@ async fn route(
         }
     };
     Ok(response)
-}
-
-fn grpc<Out: Message + Send + 'static, In: Message + Default + Send + 'static>(
-) -> tonic::server::Grpc<tonic_prost::ProstCodec<Out, In>> {
-    tonic::server::Grpc::new(tonic_prost::ProstCodec::default())
-}
-
-/// Raw bytes in, a prost message out: a request decoded by the handler itself, so a
-/// malformed one gets the stand-in's own error.
-struct RawIn<Out>(std::marker::PhantomData<Out>);
-
-impl<Out> Default for RawIn<Out> {
-    fn default() -> Self {
-        RawIn(std::marker::PhantomData)
-    }
-}
-
-impl<Out: Message + Send + 'static> Codec for RawIn<Out> {
-    type Encode = Out;
-    type Decode = Bytes;
-    type Encoder = tonic_prost::ProstEncoder<Out>;
-    type Decoder = Raw;
-    fn encoder(&mut self) -> Self::Encoder {
-        tonic_prost::ProstCodec::<Out, wire::Empty>::default().encoder()
-    }
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
 }
 
 /// Where the original plugin is: `OPMON_VELERO_ORIGINAL`, else its file name (the

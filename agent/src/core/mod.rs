@@ -178,7 +178,7 @@ impl Core {
             settings.calls.clone(),
             settings.unreachable_grace,
             metrics.clone(),
-            crate::remote::AnswerRoom::within(&held_bytes),
+            held_bytes.clone(),
         );
         let registrations = snapshotters::Registrations::default();
         let subscriptions = crate::caps::Cap::new("subscriptions", crate::caps::SUBSCRIPTIONS);

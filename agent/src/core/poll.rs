@@ -500,7 +500,7 @@ impl Poller {
         calls: CallSettings,
         unreachable_grace: Duration,
         metrics: Arc<Metrics>,
-        room: crate::remote::AnswerRoom,
+        room: crate::caps::Cap,
     ) -> Poller {
         Poller {
             remotes: Registry::new(room),

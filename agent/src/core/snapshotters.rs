@@ -1,11 +1,7 @@
 //! `snapshotter.*`: the registry of who owns which plugin's operations. The database
-//! is the record; the in-memory registry follows each commit.
-
-//!
-//! Registrations over the API are bounded for all peers together
-//! ([`caps::SNAPSHOTTERS`]): each costs connections or processes once polled. The config
-//! file's are the operator's and are not counted. The count is kept in memory: after a
-//! restart, the registrations stored earlier are not counted.
+//! is the record; the in-memory registry follows each commit. Registrations over the API
+//! are bounded for all peers together ([`caps::SNAPSHOTTERS`]), counted in memory; the
+//! config file's are the operator's and are not counted.
 
 use std::collections::HashSet;
 use std::sync::Mutex;

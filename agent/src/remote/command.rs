@@ -100,7 +100,7 @@ pub struct CommandRemote {
     pub(super) settings: CallSettings,
     pub(super) running: Semaphore,
     /// Where stdout's bytes are charged while read.
-    pub(super) room: super::AnswerRoom,
+    pub(super) room: crate::caps::Cap,
 }
 
 /// Kills a process group when dropped: however a call ends, nothing of it survives.
@@ -176,7 +176,7 @@ impl CommandRemote {
         })
     }
 
-    /// Stdout found no room (see [`super::AnswerRoom`]): asked again later.
+    /// Stdout found no room (see [`super::Held`]): asked again later.
     fn full(&self, why: String) -> CallError {
         CallError::Unreachable(format!("snapshotter {}: {why}", self.name))
     }
@@ -265,8 +265,8 @@ impl CommandRemote {
         tokio::pin!(feed);
         let mut fed = false;
         let mut out = Vec::new();
-        // Charged from its first byte on (see [`super::AnswerRoom::begin`]).
-        let mut room = self.room.begin();
+        // Charged from its first byte on.
+        let mut room = super::Held::begin(&self.room);
         let mut err = Tail::default();
         let (mut out_open, mut err_open) = (true, true);
         let mut chunk = vec![0u8; 64 * 1024];
