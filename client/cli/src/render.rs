@@ -565,29 +565,30 @@ pub fn status(s: &AgentStatus) -> String {
 }
 
 pub fn snapshotters(list: &[Snapshotter]) -> String {
-    let rows: Vec<Vec<String>> = list
-        .iter()
-        .map(|s| {
-            let target = match (&s.socket, &s.command, &s.velero_plugin) {
-                (Some(socket), _, _) => socket.display().to_string(),
-                (None, Some(command), _) => command.join(" "),
-                // A Velero plugin binary, marked as such, with its arguments.
-                (None, None, Some(plugin)) => {
-                    std::iter::once(format!("velero_plugin {}", plugin.display()))
-                        .chain(s.args.iter().flatten().cloned())
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                }
-                (None, None, None) => "-".into(),
-            };
-            vec![
-                clean(&s.name).into_owned(),
-                s.api_version.as_str().into(),
-                clean(&target).into_owned(),
-            ]
-        })
-        .collect();
-    table(&["NAME", "API", "SOCKET OR COMMAND"], &rows)
+    columns(
+        list,
+        &[
+            ("NAME", &|s| clean(&s.name).into_owned()),
+            ("API", &|s| s.api_version.as_str().into()),
+            ("SOCKET OR COMMAND", &|s| clean(&target(s)).into_owned()),
+        ],
+    )
+}
+
+/// Where a snapshotter is reached: its socket, its command, or a Velero plugin binary
+/// (marked as such) with its arguments.
+fn target(s: &Snapshotter) -> String {
+    match (&s.socket, &s.command, &s.velero_plugin) {
+        (Some(socket), _, _) => socket.display().to_string(),
+        (None, Some(command), _) => command.join(" "),
+        (None, None, Some(plugin)) => {
+            std::iter::once(format!("velero_plugin {}", plugin.display()))
+                .chain(s.args.iter().flatten().cloned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+        (None, None, None) => "-".into(),
+    }
 }
 
 pub fn item_operations(records: &[ItemOperation]) -> String {

@@ -36,16 +36,14 @@ impl OpKey {
     }
 }
 
-/// How the changes are shown.
+/// How the changes are shown; by default, not at all.
 trait View {
-    fn show(
-        &mut self,
-        update: &OwnerUpdate,
-        ops: &BTreeMap<OpKey, Operation>,
-    ) -> Result<(), String>;
-    fn finish(&mut self);
+    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<OpKey, Operation>) -> Result<(), String> {
+        Ok(())
+    }
+    fn finish(&mut self) {}
     /// The agent cannot be reached: the subscription is reconnecting.
-    fn agent_gone(&mut self);
+    fn agent_gone(&mut self) {}
 }
 
 /// What the agent's absence looks like on screen.
@@ -149,8 +147,6 @@ impl View for Lines {
         }
         out::emit(&text)
     }
-
-    fn finish(&mut self) {}
 
     fn agent_gone(&mut self) {
         if !self.gone {
@@ -405,13 +401,7 @@ fn remember(ops: &mut BTreeMap<OpKey, Operation>, update: &opmon_client::Update)
 /// No progress output (for `-o json`, which prints only the result).
 struct Quiet;
 
-impl View for Quiet {
-    fn show(&mut self, _: &OwnerUpdate, _: &BTreeMap<OpKey, Operation>) -> Result<(), String> {
-        Ok(())
-    }
-    fn finish(&mut self) {}
-    fn agent_gone(&mut self) {}
-}
+impl View for Quiet {}
 
 #[cfg(test)]
 mod tests {
