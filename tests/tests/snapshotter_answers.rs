@@ -54,11 +54,11 @@ async fn a_silent_snapshotter_does_not_hold_end_in_progress() {
 
 /// Snapshotters a peer registered answer valid JSON padded to 15 MiB, each holding its
 /// last byte until all of them are sent but that byte (or cut off): an agent that held
-/// every answer whole would hold 16 × 15 MiB at once. The answers are charged to the
-/// peer's uid and a total, so the agent's peak stays far under that, and the operations
-/// still complete, a few answers at a time.
+/// every answer whole would hold 16 × 15 MiB at once. The answers are charged to the one
+/// total of bytes held for peers (`max_held_bytes`, 64 MiB), so the agent's peak stays far
+/// under that, and the operations still complete, a few answers at a time.
 #[tokio::test]
-async fn fat_answers_of_a_peers_snapshotters_are_held_to_its_share() {
+async fn fat_answers_of_snapshotters_are_held_to_the_agents_total() {
     if !nix::unistd::geteuid().is_root() {
         assert!(std::env::var_os("CI").is_none(), "must run as root in CI");
         eprintln!("skipped: needs root to register snapshotters as another uid");
@@ -110,7 +110,7 @@ async fn fat_answers_of_a_peers_snapshotters_are_held_to_its_share() {
     let owner = backup.wait(WaitUntil::ReadyToFinalize).await;
     assert_eq!(owner.phase, OwnerPhase::Finalizing);
     let peak = status_bytes(agent.pid(), "VmHWM:");
-    // 16 answers of 15 MiB would be 240 MiB; the peer's share is 48 MiB.
+    // 16 answers of 15 MiB would be 240 MiB; the total held is 64 MiB.
     assert!(
         peak < 160 << 20,
         "the agent's peak resident set: {peak} bytes"
