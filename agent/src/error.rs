@@ -26,8 +26,8 @@ pub enum Error {
     /// 1005.
     #[error("finalize failed: {0}")]
     Finalize(String),
-    /// -32003: the peer is over one of its quotas (`budget`); the message names the
-    /// setting.
+    /// -32003: one of the agent's global bounds is full (connections of a uid, calls,
+    /// bytes held, subscriptions, snapshotters, finalizes); the message names it.
     #[error("{0}")]
     OverQuota(String),
     /// The agent is stopping and gave the call up. The call is not answered, as if the

@@ -9,8 +9,10 @@
 //! `archive/tar`, reads it (a GNU long name over a PAX `path` over the header's name),
 //! so Velero reads the output as the agent wrote it; a form the crate would read
 //! otherwise than Go is refused, never misread. Refused too, to protect the agent and
-//! whoever extracts the result: absolute paths, `..`, links, devices, FIFOs, a truncated
-//! archive, header extensions past 1 MiB, and a decompressed size past the limit.
+//! Velero's restore: absolute paths, `..`, links, devices, FIFOs, a truncated archive,
+//! header extensions past 1 MiB (headers included), and a decompressed size past the
+//! limit. Other extractors (GNU tar) may name an entry otherwise than Go where the
+//! backup server's input was ambiguous; the agent checks the names Go reads.
 //! Nothing after the first end-of-archive block is copied.
 
 use std::cell::{Cell, RefCell};
@@ -295,7 +297,7 @@ struct Pax {
 /// not whole records, one a line, each starting with its length (the crate splits at
 /// newlines and stops at an empty line; Go goes by the lengths and refuses the rest);
 /// what Go refuses (an empty key, a NUL in a key or a path). A repeated key counts
-/// once, the last, as in Go.
+/// once, the last, as in Go; an empty value leaves the header's own.
 fn parse_pax(data: &[u8]) -> Result<Pax, String> {
     let whole_lines = data.is_empty()
         || data.strip_suffix(b"\n").is_some_and(|lines| {
@@ -326,6 +328,11 @@ fn parse_pax(data: &[u8]) -> Result<Pax, String> {
             ));
         }
         match key.as_str() {
+            // Go keeps the header's own value for an empty one (`mergePAX`).
+            "path" | "size" if value.is_empty() => {
+                pax.path = pax.path.filter(|_| key != "path");
+                pax.size = pax.size.filter(|_| key != "size");
+            }
             "path" => {
                 if value.contains(&0) {
                     return Err("a NUL byte in the PAX path".into());
@@ -355,7 +362,7 @@ struct Pending {
     /// Those of global PAX headers alone: written before an entry that is replaced
     /// (the local ones described the old entry and go with it).
     global: Vec<u8>,
-    /// Data bytes held, to bound them together.
+    /// Bytes held in `all` (headers, data and padding), to bound them together.
     held: u64,
     long_name: Option<Vec<u8>>,
     pax: Option<Pax>,
@@ -702,9 +709,10 @@ fn copy<R: Read>(
                     kind as char
                 )));
             }
-            // Bound them together too: a run of extensions before one entry is held
-            // in memory until that entry comes.
-            if pending.held + size > MAX_EXTENSION {
+            // Bound them together too, headers and padding included: a run of
+            // extensions before one entry (empty ones too) is held until that entry comes.
+            let held = BLOCK as u64 + size.div_ceil(BLOCK as u64) * BLOCK as u64;
+            if pending.held + held > MAX_EXTENSION {
                 return Err(RewriteError::Archive(format!(
                     "the header extensions before one entry exceed the {MAX_EXTENSION} bytes allowed"
                 )));
@@ -716,7 +724,7 @@ fn copy<R: Read>(
                      (Go drops those extensions there)",
                 ));
             }
-            pending.held += size;
+            pending.held += held;
             let mut data = Vec::with_capacity(size as usize);
             let name = b"(header extension)";
             pass(
@@ -787,7 +795,8 @@ fn copy<R: Read>(
             ));
         }
         // Go reads an old-style regular entry (type NUL) whose name ends in '/' as a
-        // directory, and a directory as having no data.
+        // directory; a directory with data is refused (readers disagree on where the
+        // next header starts).
         let directory = kind == b'5' || (kind == 0 && name.ends_with(b"/"));
         if directory && size > 0 {
             return Err(reject(
@@ -893,6 +902,16 @@ mod tests {
     use opmon_client::ResourceIdentifier;
     use serde_json::json;
     use tar::{EntryType, Header};
+
+    #[test]
+    fn an_empty_pax_path_or_size_leaves_the_headers_own_as_in_go() {
+        let pax = parse_pax(b"12 path=a/b\n8 path=\n").unwrap();
+        assert_eq!(pax.path, None);
+        let pax = parse_pax(b"8 size=\n").unwrap();
+        assert_eq!(pax.size, None);
+        let pax = parse_pax(b"8 path=\n12 path=a/b\n").unwrap();
+        assert_eq!(pax.path.as_deref(), Some(&b"a/b"[..]));
+    }
 
     fn gz(tar: &[u8]) -> Vec<u8> {
         let mut e = GzEncoder::new(Vec::new(), Compression::fast());

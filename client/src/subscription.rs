@@ -413,10 +413,13 @@ impl Subscription {
         if let Err(Attempt::Again(e) | Attempt::Fatal(e)) = state.subscribe_by(deadline).await {
             return Err(e);
         }
+        // Fused: after its end the stream keeps answering `None` (an unfold would panic).
+        use futures_util::StreamExt;
         let updates = futures_util::stream::unfold(Some(state), |state| async move {
             let (item, next) = state?.step().await;
             item.map(|item| (item, next))
-        });
+        })
+        .fuse();
         Ok(Subscription {
             kind,
             name: name.to_string(),

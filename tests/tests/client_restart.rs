@@ -210,6 +210,8 @@ async fn a_deleted_owner_ends_the_stream_saying_so() {
         "backup doomed: the agent ended the subscription: backup doomed was deleted"
     );
     assert!(updates.next().await.is_none());
+    // An ended stream goes on answering `None` when asked again (as a select! loop may).
+    assert!(updates.next().await.is_none());
     // Subscribing to an owner that does not exist fails at once with the agent's code.
     let e = backups.subscribe("doomed").await.unwrap_err();
     assert_eq!(e.code(), Some(opmon_client::codes::NOT_FOUND));

@@ -397,11 +397,9 @@ async fn a_small_finalize_is_not_held_up_by_other_owners_large_ones() {
     }
 }
 
-/// File work's CPU is shared per uid, not per finalize: one peer holding all its
-/// finalizes mid-rewrite (their disk stops answering) holds none of the CPU another
-/// uid's finalize or root's needs, and both are run to their end while it waits.
-/// (Before, each finalize's threads competed on their own: root's finalize of a
-/// 200 MB tarball took 20 s beside one peer's eight, 3.5 s alone.)
+/// Finalizes stuck mid-rewrite hold only their own threads: one peer's, whose disk stops
+/// answering, leave the CPU to another uid's finalize and root's, which run to their end
+/// while it waits.
 #[test]
 fn one_peer_s_finalizes_mid_rewrite_leave_the_cpu_to_another_uid_s_and_root_s() {
     if !opmon_tests::root_or_skip("to run clients as other uids and mount a FUSE file system") {

@@ -838,9 +838,9 @@ impl AsyncWrite for Metered {
     }
 }
 
-/// The RPC middleware of every call: charges it to its peer's budget (see the module's
+/// The RPC middleware of every call: charges it to the agent's bounds (see the module's
 /// doc), rewords jsonrpsee's errors a client cannot act on, logs the exchange
-/// ([`crate::traffic`]) and tells [`ServeConfig::answered`].
+/// ([`crate::edge::traffic`]) and tells [`ServeConfig::answered`].
 #[derive(Clone)]
 struct Guard {
     inner: RpcService,
@@ -1152,7 +1152,7 @@ impl Guard {
                 break;
             }
             // The batch's own answers, made and not yet sent, do not count: a batch
-            // whose answer is over the quota is bounded by `max_batch_response_bytes`.
+            // whose answer is over the total is bounded by `max_batch_response_bytes`.
             if let Some(owed) = conn.over_total(&own).filter(|_| charged > 0) {
                 let why = rules.over_total(
                     owed,

@@ -1418,3 +1418,19 @@ pub fn delete_snapshotter(conn: &Connection, name: &str) -> rusqlite::Result<Opt
     .query_row([name], snapshotter_from_row)
     .optional()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SQLite uses a partial index only for a query whose condition is the index's own
+    /// text: the derived list must read as the schema writes it.
+    #[test]
+    fn the_unfinished_list_is_the_partial_indexs_condition() {
+        let condition = format!("WHERE phase IN {}", *UNFINISHED);
+        assert_eq!(condition, "WHERE phase IN ('New', 'InProgress')");
+        assert!(crate::store::schema::MIGRATIONS
+            .iter()
+            .any(|m| m.contains("operations_unfinished_by_plugin") && m.contains(&condition)));
+    }
+}

@@ -359,7 +359,9 @@ pub fn operations(ops: &[Operation]) -> String {
 
 /// Go's `text/tabwriter` as Velero's describers set it up (`minwidth 0, padding 2`),
 /// by the tabwriter crate, a port of it. Cells hold no tab or newline of their own
-/// (everything from outside went through [`clean`]).
+/// (everything from outside went through [`clean`]). The crate measures a cell by its
+/// display width, Go by its characters: the two align alike but for wide (CJK, emoji)
+/// or combining characters, which the crate lines up as a terminal shows them.
 pub fn tabwrite(text: &str) -> String {
     use std::io::Write;
     let mut w = tabwriter::TabWriter::new(Vec::new()).minwidth(0).padding(2);

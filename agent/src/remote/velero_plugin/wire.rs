@@ -143,10 +143,6 @@ pub struct StdioData {
 // The stand-in (`opmon-velero-plugin`) reads these from the calls it passes on; it
 // forwards the bytes themselves, so fields not declared here reach Velero unchanged.
 
-/// BackupItemAction v2 and RestoreItemAction v2 (proto package `v2`): the calls the
-/// stand-in passes to the original plugin and reads.
-pub const BACKUP_EXECUTE: &str = "/v2.BackupItemAction/Execute";
-pub const RESTORE_EXECUTE: &str = "/v2.RestoreItemAction/Execute";
 /// go-plugin's controller (the host's `Kill`) and gRPC health (its `Ping`).
 pub const CONTROLLER_SHUTDOWN: &str = "/plugin.GRPCController/Shutdown";
 pub const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
