@@ -172,27 +172,16 @@ impl Core {
                     format!("{} of its operations", canceled.len())
                 };
                 let message = format!("cancel of {what} asked for: {asked}");
-                let event = |reason, operation, message: &str| {
-                    events::record(
-                        conn,
-                        row.id,
-                        &NewEvent {
-                            reason,
-                            operation,
-                            caller,
-                            message,
-                        },
-                        now,
-                    )
-                };
-                event(EventReason::CancelRequested, None, &message)?;
+                let event = NewEvent::new(EventReason::CancelRequested, caller, &message);
+                events::record(conn, row.id, &event, now)?;
                 for t in &targets {
                     let message = format!(
                         "{} → {}: {error}",
                         t.state.phase,
                         opmon_client::OperationPhase::Canceled
                     );
-                    event(EventReason::OperationPhaseChanged, Some(t.row), &message)?;
+                    let event = NewEvent::new(EventReason::OperationPhaseChanged, caller, &message);
+                    events::record(conn, row.id, &event.about(t.row), now)?;
                 }
                 if p.operations.is_none() {
                     let was = row.owner.phase;
@@ -231,26 +220,20 @@ impl Core {
             .iter()
             .filter(|r| !cancels.confirmed.contains(r))
             .count() as u64;
-        let rows = canceled.clone();
+        let (rows, gone) = (canceled.clone(), name.clone());
         let owner = self
             .store
             .write(move |conn| {
                 queries::clear_cancel_requested(conn, &rows)?;
+                // Deleted meanwhile: say so, as any request about a gone owner does.
                 let row = queries::owner_by_id(conn, owner_id)?
-                    .ok_or(Error::NotFound(NotFound::Owner(kind, String::new())))?;
-                let outcome = CancelsOutcome::of(&rows, &cancels);
-                record_cancels_sent(conn, owner_id, ("operation", ""), &outcome, now)?;
-                Ok(row.owner)
+                    .ok_or(Error::NotFound(NotFound::Deleted(kind, gone)))?;
+                let message = CancelsOutcome::of(&rows, &cancels).message(("operation", ""));
+                let event = NewEvent::new(EventReason::CancelSent, None, &message);
+                events::record(conn, owner_id, &event, now)?;
+                Ok::<_, Error>(row.owner)
             })
-            .await;
-        let owner = match owner {
-            Ok(owner) => owner,
-            // Deleted meanwhile: say so, as any request about a gone owner does.
-            Err(Error::NotFound(_)) => {
-                return Err(Error::NotFound(NotFound::Deleted(kind, name)));
-            }
-            Err(e) => return Err(e),
-        };
+            .await?;
         tracing::info!(%kind, owner = %name, canceled = canceled.len(), unconfirmed,
             "cancel calls over");
         self.changes
@@ -284,8 +267,9 @@ impl Core {
                         continue;
                     }
                     let what = ("unfinished operation", " of the failed owner");
-                    let outcome = CancelsOutcome::of(&rows, &cancels);
-                    record_cancels_sent(conn, owner, what, &outcome, now)?;
+                    let message = CancelsOutcome::of(&rows, &cancels).message(what);
+                    let event = NewEvent::new(EventReason::CancelSent, None, &message);
+                    events::record(conn, owner, &event, now)?;
                 }
                 Ok::<_, Error>(())
             })
@@ -395,25 +379,4 @@ impl CancelsOutcome {
             ),
         }
     }
-}
-
-/// The owner's `CancelSent` event: Cancel calls for `what` are over, as `outcome` says.
-fn record_cancels_sent(
-    conn: &Connection,
-    owner: i64,
-    what: (&str, &str),
-    outcome: &CancelsOutcome,
-    now: UnixMs,
-) -> rusqlite::Result<()> {
-    events::record(
-        conn,
-        owner,
-        &NewEvent {
-            reason: EventReason::CancelSent,
-            operation: None,
-            caller: None,
-            message: &outcome.message(what),
-        },
-        now,
-    )
 }

@@ -148,12 +148,7 @@ impl Core {
                         queries::retire_owner(conn, row.id, now)?;
                         let message =
                             format!("retired: {kind} {} was started with uid {}", p.name, p.uid);
-                        let event = NewEvent {
-                            reason: EventReason::Retired,
-                            operation: None,
-                            caller,
-                            message: &message,
-                        };
+                        let event = NewEvent::new(EventReason::Retired, caller, &message);
                         events::record(conn, row.id, &event, now)?;
                         Some(row.owner.uid)
                     }
@@ -186,12 +181,7 @@ impl Core {
                     // The name's files were the retired owner's: this one's replace them.
                     queries::mark_records_due(conn, id)?;
                 }
-                let event = NewEvent {
-                    reason: EventReason::Started,
-                    operation: None,
-                    caller,
-                    message: &message,
-                };
+                let event = NewEvent::new(EventReason::Started, caller, &message);
                 events::record(conn, id, &event, now)?;
                 Ok((reload(conn, id)?, replaced.is_some()))
             })
@@ -232,12 +222,7 @@ impl Core {
                         p.operations.len() - added.len(),
                         attempted + added.len() as u64
                     );
-                    let event = NewEvent {
-                        reason: EventReason::OperationsAdded,
-                        operation: None,
-                        caller,
-                        message: &message,
-                    };
+                    let event = NewEvent::new(EventReason::OperationsAdded, caller, &message);
                     events::record(conn, id, &event, now)?;
                 }
                 Ok::<_, Error>(added)
@@ -394,11 +379,7 @@ impl Core {
             .await?;
         let more = items.len() > limit as usize;
         items.truncate(limit as usize);
-        let next = if more {
-            items.last().map(|e| e.seq)
-        } else {
-            None
-        };
+        let next = items.last().filter(|_| more).map(|e| e.seq);
         Ok(EventList { items, next })
     }
 
@@ -420,11 +401,7 @@ impl Core {
             .await?;
         let more = rows.len() > limit as usize;
         rows.truncate(limit as usize);
-        let next = if more {
-            rows.last().map(|r| r.owner.name.clone())
-        } else {
-            None
-        };
+        let next = rows.last().filter(|_| more).map(|r| r.owner.name.clone());
         Ok(OwnerList {
             items: rows.into_iter().map(|r| r.owner).collect(),
             next,
@@ -506,7 +483,8 @@ impl Core {
                 Ok::<_, Error>((row.id, targets))
             })
             .await?;
-        let cancelled = self.poller.cancel_all(&targets).await;
+        self.poller.cancel_each(&targets).await;
+        let cancelled = targets.len() as u64;
         let key = p.clone();
         let removal = self
             .store

@@ -35,6 +35,26 @@ pub struct NewEvent<'a> {
     pub message: &'a str,
 }
 
+impl<'a> NewEvent<'a> {
+    /// An event about the owner as a whole; [`NewEvent::about`] names an operation.
+    pub fn new(reason: EventReason, caller: Option<Caller>, message: &'a str) -> Self {
+        NewEvent {
+            reason,
+            operation: None,
+            caller,
+            message,
+        }
+    }
+
+    /// The same event, about the operation of row `operation`.
+    pub fn about(self, operation: i64) -> Self {
+        NewEvent {
+            operation: Some(operation),
+            ..self
+        }
+    }
+}
+
 /// Records `event` for owner row `owner_id` at `now`, inside the caller's write
 /// transaction, and drops the owner's oldest event once it has more than
 /// [`MAX_PER_OWNER`]. The one way events are written: every change that is an event
