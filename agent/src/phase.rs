@@ -311,26 +311,12 @@ pub enum Why {
     Recovered,
 }
 
-/// Applies `observation` to `current`. Returns `None` when nothing changed, so an
-/// unchanged operation costs no write. Order follows Velero's controller: a completed
-/// report wins; otherwise a passed timeout cancels and fails; otherwise the progress is
-/// recorded and a reported start moves New to InProgress.
-pub fn observe(
-    current: &OperationState,
-    observation: Observation,
-    timeout_ms: i64,
-    now_ms: i64,
-) -> Option<Decision> {
-    let limits = Limits {
-        timeout_ms,
-        ..Limits::default()
-    };
-    observe_within(current, observation, &limits, now_ms)
-}
-
-/// A deadline other than the item operation timeout that has passed for `op`, as the
-/// error it fails with: the start deadline (still New), then the stall deadline.
+/// A deadline that has passed for `op`, as the error it fails with: the item operation
+/// timeout, then the start deadline (still New), then the stall deadline.
 fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<(Why, String)> {
+    if now_ms > op.created_ms.saturating_add(limits.timeout_ms) {
+        return Some((Why::TimedOut, TIMED_OUT.to_string()));
+    }
     if let Some(start) = limits.start_ms.filter(|&d| d > 0) {
         if op.phase == OperationPhase::New && now_ms.saturating_sub(op.created_ms) >= start {
             return Some((Why::NotStarted, not_started_reason(start)));
@@ -345,9 +331,12 @@ fn deadline_passed(op: &OperationState, limits: &Limits, now_ms: i64) -> Option<
     None
 }
 
-/// [`observe`] with every limit: the item operation timeout, the stall and start
-/// deadlines (which cancel and fail like the timeout, saying what was seen last), and
-/// the retry budget for transient errors.
+/// Applies `observation` to `current` within every limit: the item operation timeout,
+/// the stall and start deadlines (which cancel and fail like the timeout, saying what was
+/// seen last), and the retry budget for transient errors. Returns `None` when nothing
+/// changed, so an unchanged operation costs no write. Order follows Velero's controller:
+/// a completed report wins; otherwise a passed deadline cancels and fails; otherwise the
+/// progress is recorded and a reported start moves New to InProgress.
 pub fn observe_within(
     current: &OperationState,
     observation: Observation,
@@ -357,7 +346,6 @@ pub fn observe_within(
     if !current.phase.is_unfinished() {
         return None;
     }
-    let timeout_ms = limits.timeout_ms;
     let mut next = match observation {
         Observation::Progress(_) => current.without_progress_text(),
         _ => current.clone(),
@@ -379,13 +367,7 @@ pub fn observe_within(
         Observation::Transient(message) => {
             let message = bounded(message, MAX_ERROR);
             let since = current.retrying_since_ms.unwrap_or(now_ms);
-            if now_ms > current.created_ms.saturating_add(timeout_ms) {
-                cancel = true;
-                why = Some(Why::TimedOut);
-                next.phase = OperationPhase::Failed;
-                next.error = TIMED_OUT.to_string();
-                next.next_attempt_ms = None;
-            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
+            if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
                 why = Some(deadline);
                 next.phase = OperationPhase::Failed;
@@ -417,12 +399,7 @@ pub fn observe_within(
             since_ms,
             grace_ms,
         } => {
-            if now_ms > current.created_ms.saturating_add(timeout_ms) {
-                cancel = true;
-                why = Some(Why::TimedOut);
-                next.phase = OperationPhase::Failed;
-                next.error = TIMED_OUT.to_string();
-            } else if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
+            if let Some((deadline, reason)) = deadline_passed(&next, limits, now_ms) {
                 cancel = true;
                 why = Some(deadline);
                 next.phase = OperationPhase::Failed;
@@ -486,11 +463,6 @@ pub fn observe_within(
                         next.error = bounded(err, MAX_ERROR);
                     }
                 }
-            } else if now_ms > current.created_ms.saturating_add(timeout_ms) {
-                cancel = true;
-                why = Some(Why::TimedOut);
-                next.phase = OperationPhase::Failed;
-                next.error = TIMED_OUT.to_string();
             } else if next.phase == OperationPhase::New && next.started_ms.is_some() {
                 next.phase = OperationPhase::InProgress;
             }
@@ -597,6 +569,20 @@ mod tests {
     use time::OffsetDateTime;
 
     const HOUR: i64 = 3_600_000;
+
+    /// [`observe_within`] with the item operation timeout as the only limit.
+    fn observe(
+        current: &OperationState,
+        observation: Observation,
+        timeout_ms: i64,
+        now_ms: i64,
+    ) -> Option<Decision> {
+        let limits = Limits {
+            timeout_ms,
+            ..Limits::default()
+        };
+        observe_within(current, observation, &limits, now_ms)
+    }
 
     fn new_op(created_ms: i64) -> OperationState {
         OperationState {

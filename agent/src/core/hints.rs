@@ -144,10 +144,8 @@ pub(super) struct Hints {
 
 impl Hints {
     fn add(&self, plugin: String, ids: Option<Vec<String>>) {
-        lock(&self.pending)
-            .entry(plugin)
-            .or_insert_with(|| Hinted::Some(HashSet::new()))
-            .add(ids);
+        let hinted = ids.map_or(Hinted::All, |ids| Hinted::Some(ids.into_iter().collect()));
+        self.put_back(plugin, hinted);
         // Stores a permit if the task is busy: it looks again when done.
         self.wake.notify_one();
     }
@@ -254,10 +252,7 @@ impl Core {
                 queries::poll_targets(conn, which).map_err(Error::from)
             })
             .await?;
-        if targets.is_empty() {
-            return Ok(());
-        }
-        let changes = self.poller.poll_group(plugin, targets).await;
+        let changes = self.poller.poll_group(plugin, targets, None).await;
         if !changes.is_empty() {
             self.commit_sweep(changes).await?;
         }

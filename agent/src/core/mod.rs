@@ -117,7 +117,6 @@ impl Drop for Running<'_> {
     }
 }
 
-/// Why a command snapshotter not in the config file is not run.
 /// `n` and `noun`, plural unless `n` is 1: "1 operation", "2 operations".
 pub(crate) fn counted(n: impl Into<u64>, noun: &str) -> String {
     let n = n.into();
@@ -128,6 +127,7 @@ pub(crate) fn counted(n: impl Into<u64>, noun: &str) -> String {
     }
 }
 
+/// Why a command snapshotter not in the config file is not run.
 fn command_refusal(name: &str) -> String {
     format!(
         "snapshotter {name} runs a command, which only the config file may register \
@@ -180,8 +180,6 @@ impl Core {
             metrics.clone(),
             held_bytes.clone(),
         );
-        let registrations = snapshotters::Registrations::default();
-        let subscriptions = crate::caps::Cap::new("subscriptions", crate::caps::SUBSCRIPTIONS);
         let core = Arc::new(Core {
             store,
             storage,
@@ -195,8 +193,8 @@ impl Core {
             changes: Changes::default(),
             poll_now: Notify::new(),
             hints: hints::Hints::default(),
-            registrations,
-            subscriptions,
+            registrations: snapshotters::Registrations::default(),
+            subscriptions: crate::caps::Cap::new("subscriptions", crate::caps::SUBSCRIPTIONS),
             sweeps: TaskTracker::new(),
             stopping: CancellationToken::new(),
             requests_stopping: CancellationToken::new(),

@@ -114,8 +114,6 @@ pub(super) fn apply_changes(
     ended: &mut Vec<Ended>,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
-    // Changes come in runs of one owner: its count is kept here until the run ends.
-    let mut run: Option<(i64, u32)> = None;
     let mut updates = queries::OperationUpdates::new(conn);
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
@@ -126,19 +124,8 @@ pub(super) fn apply_changes(
             if phase_changed && !c.next.phase.is_unfinished() {
                 ended.push(Ended::of(c));
             }
-            let owner = c.target.owner_row;
-            let failed = match &mut run {
-                Some((row, failed)) if *row == owner => failed,
-                _ => {
-                    if let Some((row, failed)) = run.take() {
-                        *touched.entry(row).or_default() += failed;
-                    }
-                    &mut run.insert((owner, 0)).1
-                }
-            };
-            if c.next.phase == OperationPhase::Failed {
-                *failed += 1;
-            }
+            let failed = u32::from(c.next.phase == OperationPhase::Failed);
+            *touched.entry(c.target.owner_row).or_default() += failed;
             // Progress alone is no event: a phase change is, and so is what a limit
             // decided (a deadline, a retry scheduled or spent, a recovery).
             if phase_changed || c.why.is_some() {
@@ -146,13 +133,10 @@ pub(super) fn apply_changes(
             }
         }
     }
-    if let Some((row, failed)) = run {
-        *touched.entry(row).or_default() += failed;
-    }
     Ok(touched)
 }
 
-/// Logs a retry a limit decided, once it is written (an ending is [`ended`]'s).
+/// Logs a retry a limit decided, once it is written (an ending is [`Ended`]'s).
 fn log_limit(c: &OperationChange, why: phase::Why) {
     use phase::Why;
     let (t, next) = (&c.target, &c.next);
@@ -258,8 +242,6 @@ static OPERATION_LINES: std::sync::LazyLock<LogLimit> =
 static REACHABILITY: std::sync::LazyLock<LogLimit> =
     std::sync::LazyLock::new(|| LogLimit::new("snapshotters' reachability"));
 
-impl Ended {}
-
 /// The events of a polled operation's change: what a limit decided (a deadline passed,
 /// a retry scheduled or spent, a recovery), and the phase change unless the limit's
 /// event already says it (a failure).
@@ -270,18 +252,9 @@ fn record_operation_change(
 ) -> rusqlite::Result<()> {
     use phase::Why;
     let next = &c.next;
-    let record = |reason: EventReason, message: &str| {
-        events::record(
-            conn,
-            c.target.owner_row,
-            &NewEvent {
-                reason,
-                operation: Some(c.target.row),
-                caller: None,
-                message,
-            },
-            now,
-        )
+    let record = |reason, message: &str| {
+        let event = NewEvent::new(reason, None, message).about(c.target.row);
+        events::record(conn, c.target.owner_row, &event, now)
     };
     let failed = next.phase == OperationPhase::Failed;
     match c.why {
@@ -454,17 +427,7 @@ pub(super) fn record_owner_phase(
             ),
         )
     };
-    events::record(
-        conn,
-        row.id,
-        &NewEvent {
-            reason,
-            operation: None,
-            caller,
-            message: &message,
-        },
-        now,
-    )
+    events::record(conn, row.id, &NewEvent::new(reason, caller, &message), now)
 }
 
 /// What polling remembers between passes, and the calls it makes.
@@ -532,7 +495,7 @@ impl Poller {
         let groups = by_plugin(targets);
         let polls = groups
             .into_iter()
-            .map(|(plugin, group)| async move { self.poll_until(&plugin, group, deadline).await });
+            .map(|(plugin, group)| async move { self.poll_group(&plugin, group, deadline).await });
         futures::future::join_all(polls)
             .await
             .into_iter()
@@ -540,32 +503,20 @@ impl Poller {
             .collect()
     }
 
-    /// Polls the operations of one plugin. Operations backing off after a transient
-    /// error are left out until their next attempt is due.
-    pub async fn poll_group(&self, plugin: &str, targets: Vec<PollTarget>) -> Vec<OperationChange> {
-        self.poll_until(plugin, targets, None).await
-    }
-
-    /// [`Poller::poll_group`], its calls still unanswered at `deadline` counted as
-    /// unreachable.
-    async fn poll_until(
+    /// Polls the operations of one plugin, its calls still unanswered at `deadline`
+    /// counted as unreachable. Operations backing off after a transient error are left
+    /// out until their next attempt is due.
+    pub async fn poll_group(
         &self,
         plugin: &str,
         targets: Vec<PollTarget>,
         deadline: Option<tokio::time::Instant>,
     ) -> Vec<OperationChange> {
         let due = UnixMs::now().ms();
-        let targets: Vec<PollTarget> = if targets
-            .iter()
-            .any(|t| t.state.next_attempt_ms.is_some_and(|at| at > due))
-        {
-            targets
-                .into_iter()
-                .filter(|t| t.state.next_attempt_ms.is_none_or(|at| at <= due))
-                .collect()
-        } else {
-            targets
-        };
+        let targets: Vec<PollTarget> = targets
+            .into_iter()
+            .filter(|t| t.state.next_attempt_ms.is_none_or(|at| at <= due))
+            .collect();
         if targets.is_empty() {
             return Vec::new();
         }
@@ -698,14 +649,8 @@ impl Poller {
     /// Calls Cancel for each target: batched per snapshotter like Progress, every
     /// snapshotter at once, and over within one call deadline. Cancel is best effort:
     /// failures are logged, and calls still unanswered at the deadline are abandoned
-    /// (and logged). Returns how many Cancel calls were made.
-    pub async fn cancel_all(&self, targets: &[PollTarget]) -> u64 {
-        self.cancel_each(targets).await;
-        targets.len() as u64
-    }
-
-    /// [`Poller::cancel_all`], saying which rows the snapshotters confirmed (answered
-    /// Cancel without an error within the deadline) and which were not sent at all.
+    /// (and logged). Says which rows the snapshotters confirmed (answered Cancel
+    /// without an error within the deadline) and which were not sent at all.
     pub async fn cancel_each(&self, targets: &[PollTarget]) -> Cancels {
         let deadline = tokio::time::Instant::now() + self.calls.deadline;
         let groups = by_plugin(targets.to_vec());
@@ -896,7 +841,7 @@ impl Core {
             };
             after = last.row;
             let full = page.len() == SWEEP_CHUNK;
-            let changes = self.poller.poll_group(plugin, page).await;
+            let changes = self.poller.poll_group(plugin, page, None).await;
             if !changes.is_empty() {
                 self.commit_sweep(changes).await?;
             }

@@ -29,40 +29,29 @@ impl Core {
         caller: Option<opmon_client::Caller>,
     ) -> Result<ServerStartedResult, Error> {
         let now = UnixMs::now();
-        let (failed, targets) = self
+        let (failed, owners, targets) = self
             .store
             .write(move |conn| {
-                let mut failed = Vec::new();
-                let mut targets = Vec::new();
+                let (mut failed, mut owners, mut targets) = (Vec::new(), Vec::new(), Vec::new());
                 for id in queries::in_progress_of_other_instances(conn, &p.name, &p.instance)? {
                     let Some(mut row) = queries::owner_by_id(conn, id)? else {
                         continue;
                     };
                     let reason = phase::server_restarted_reason(row.owner.kind);
                     targets.extend(fail_owner(conn, &mut row, &reason, caller, now)?);
-                    failed.push((row.owner.kind, row.owner.name, row.owner.uid, reason));
+                    let o = row.owner;
+                    failed.push((o.kind, o.name.clone(), reason));
+                    owners.push(FailedOwner {
+                        kind: o.kind,
+                        name: o.name,
+                        uid: o.uid,
+                    });
                 }
-                Ok::<_, Error>((failed, targets))
+                Ok::<_, Error>((failed, owners, targets))
             })
             .await?;
-        let result = ServerStartedResult {
-            failed: failed
-                .iter()
-                .map(|(kind, name, uid, _)| FailedOwner {
-                    kind: *kind,
-                    name: name.clone(),
-                    uid: uid.clone(),
-                })
-                .collect(),
-        };
-        self.finish_failing(
-            failed
-                .into_iter()
-                .map(|(kind, name, _, reason)| (kind, name, reason))
-                .collect(),
-            targets,
-        );
-        Ok(result)
+        self.finish_failing(failed, targets);
+        Ok(ServerStartedResult { failed: owners })
     }
 
     /// Fails the InProgress owners no call has touched for `in_progress_idle_timeout`

@@ -30,7 +30,6 @@ pub struct OwnerStream {
     kind: OwnerKind,
     name: String,
     changes: broadcast::Receiver<Changed>,
-    started: bool,
     done: bool,
     pending: Option<Pending>,
 }
@@ -53,11 +52,6 @@ impl OwnerStream {
             return false;
         }
         if self.pending.is_some() {
-            return true;
-        }
-        if !self.started {
-            self.started = true;
-            self.pending = Some(Pending::Everything { lagged: false });
             return true;
         }
         loop {
@@ -93,11 +87,7 @@ impl OwnerStream {
             };
             pending = match pending {
                 Pending::Everything { lagged } => Pending::Everything { lagged },
-                Pending::One(first) => {
-                    let mut rows = first.rows.clone();
-                    rows.extend_from_slice(&more.rows);
-                    Pending::Rows(rows)
-                }
+                Pending::One(first) => Pending::Rows([&first.rows[..], &more.rows[..]].concat()),
                 Pending::Rows(mut rows) => {
                     rows.extend_from_slice(&more.rows);
                     Pending::Rows(rows)
@@ -150,9 +140,8 @@ impl Core {
             kind,
             name,
             changes,
-            started: false,
             done: false,
-            pending: None,
+            pending: Some(Pending::Everything { lagged: false }),
         })
     }
 
