@@ -100,6 +100,12 @@ mod generate {
         schema.to_value()
     }
 
+    /// The schema of `T` where it is used: a reference to a named type, or inline.
+    fn schema_of<T: JsonSchema>(g: &mut SchemaGenerator) -> Value {
+        let schema = g.subschema_for::<T>();
+        transformed(g, schema)
+    }
+
     /// The params of a method taking `P` by name: one content descriptor per field.
     fn params_of<P: JsonSchema>(g: &mut SchemaGenerator) -> Value {
         let schema = P::json_schema(g);
@@ -126,8 +132,7 @@ mod generate {
 
     /// A result named `name` of type `R`.
     fn result_of<R: JsonSchema>(g: &mut SchemaGenerator, name: &str) -> Value {
-        let schema = g.subschema_for::<R>();
-        json!({"name": name, "schema": transformed(g, schema)})
+        json!({"name": name, "schema": schema_of::<R>(g)})
     }
 
     /// What the document says about one method besides its types.
@@ -175,16 +180,13 @@ mod generate {
         let mut doc = method::<M::Params, M::Result>(g, meta, decl.result, all);
         if decl.verb == methods::Unsubscribe::DECL.verb {
             // jsonrpsee's own method, which takes the id by position, not by name.
-            let id = g.subschema_for::<SubscriptionId>();
-            let id = transformed(g, id);
+            let id = schema_of::<SubscriptionId>(g);
             doc["paramStructure"] = json!("by-position");
             doc["params"] = json!([{"name": "subscription", "required": true, "schema": id}]);
         }
         if decl.verb == methods::Subscribe::DECL.verb {
-            let update = g.subschema_for::<OwnerUpdate>();
-            let update = transformed(g, update);
-            let id = g.subschema_for::<SubscriptionId>();
-            let id = transformed(g, id);
+            let update = schema_of::<OwnerUpdate>(g);
+            let id = schema_of::<SubscriptionId>(g);
             doc["x-notification"] = json!({
                 "method": methods::changed(kind),
                 "description": "Sent on the subscribing WebSocket connection, JSON-RPC notifications without an id. params.result is an update; params.error (instead of result) says why the agent ended the subscription (the owner was deleted).",

@@ -78,12 +78,7 @@ pub fn plugin_name(value: &str) -> Result<(), String> {
     if domain.is_empty() || name.is_empty() {
         return Err(format!("both parts must be non-empty ({FORMAT})"));
     }
-    if dns_subdomain(domain).is_err() {
-        return Err(format!(
-            "the first part {domain:?} must be a DNS subdomain (lowercase letters, digits, \
-             '-' and '.', starting and ending with a letter or digit, at most 253 characters)"
-        ));
-    }
+    dns_subdomain(domain).map_err(|e| format!("the first part {domain:?} {e}"))?;
     if name.len() > MAX_PLUGIN_NAME_PART {
         return Err(format!(
             "the part after '/' must be at most {MAX_PLUGIN_NAME_PART} bytes (got {})",
@@ -174,9 +169,14 @@ pub fn operation_id(value: &str) -> Result<(), String> {
 
 /// An owner's uid: non-empty, at most 256 bytes, printable.
 pub fn uid(value: &str) -> Result<(), String> {
-    if value.is_empty() || value.len() > MAX_UID_LEN || value.chars().any(char::is_control) {
+    printable(value, MAX_UID_LEN)
+}
+
+/// Non-empty text of at most `max` bytes without control characters.
+fn printable(value: &str, max: usize) -> Result<(), String> {
+    if value.is_empty() || value.len() > max || value.chars().any(char::is_control) {
         return Err(format!(
-            "must be non-empty printable text of at most {MAX_UID_LEN} bytes"
+            "must be non-empty printable text of at most {max} bytes"
         ));
     }
     Ok(())
@@ -217,13 +217,7 @@ pub fn server_name(value: &str) -> Result<(), String> {
 /// A backup server's instance (a pod uid, a boot time): non-empty, printable, at most
 /// 253 bytes.
 pub fn server_instance(value: &str) -> Result<(), String> {
-    if value.is_empty() || value.len() > MAX_SERVER_FIELD_LEN || value.chars().any(char::is_control)
-    {
-        return Err(format!(
-            "must be non-empty printable text of at most {MAX_SERVER_FIELD_LEN} bytes"
-        ));
-    }
-    Ok(())
+    printable(value, MAX_SERVER_FIELD_LEN)
 }
 
 /// A Kubernetes object reference, by Kubernetes' rules: the group a DNS subdomain (or
@@ -272,9 +266,6 @@ pub fn created(value: Timestamp, now: Timestamp) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks one operation of `addOperations` at time `now` (its plugin name already
-/// through [`legacy_plugin_name`]), returning the bad field's path below it
-/// (`resource.name`, `postOperationItems[2].namespace`) and the reason.
 /// Refuses the catch-all of a wire enum (a name this version does not know), naming
 /// the values it knows.
 pub fn known<T: Copy + PartialEq + std::fmt::Display>(value: T, all: &[T]) -> Result<(), String> {
@@ -288,6 +279,9 @@ pub fn known<T: Copy + PartialEq + std::fmt::Display>(value: T, all: &[T]) -> Re
     ))
 }
 
+/// Checks one operation of `addOperations` at time `now` (its plugin name already
+/// through [`legacy_plugin_name`]), returning the bad field's path below it
+/// (`resource.name`, `postOperationItems[2].namespace`) and the reason.
 pub fn new_operation(op: &NewOperation, now: Timestamp) -> Result<(), (String, String)> {
     let PluginRef { name, kind } = &op.plugin;
     known(*kind, PluginKind::ALL).map_err(|e| ("plugin.kind".to_string(), e))?;

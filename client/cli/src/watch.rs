@@ -355,7 +355,8 @@ pub async fn wait(
                 }
                 continue;
             }
-            _ = until_deadline(deadline) => {
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)),
+                if deadline.is_some() => {
                 view.finish();
                 return Ok(None);
             }
@@ -376,14 +377,6 @@ pub async fn wait(
             view.finish();
             return Ok(Some(update.update.owner));
         }
-    }
-}
-
-/// Resolves at `deadline`, or never.
-async fn until_deadline(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }
 
