@@ -190,24 +190,29 @@ pub fn send_from_thread(
 
 /// Reads one WebSocket frame: its opcode and payload.
 pub fn ws_recv(stream: &mut UnixStream) -> (u8, Vec<u8>) {
+    try_ws_recv(stream).expect("a whole frame")
+}
+
+/// [`ws_recv`], saying how the stream ended if it ended before a whole frame.
+pub fn try_ws_recv(stream: &mut UnixStream) -> std::io::Result<(u8, Vec<u8>)> {
     let mut head = [0u8; 2];
-    stream.read_exact(&mut head).expect("frame head");
+    stream.read_exact(&mut head)?;
     let n = match head[1] & 0x7f {
         126 => {
             let mut b = [0u8; 2];
-            stream.read_exact(&mut b).expect("frame length");
+            stream.read_exact(&mut b)?;
             u16::from_be_bytes(b) as usize
         }
         127 => {
             let mut b = [0u8; 8];
-            stream.read_exact(&mut b).expect("frame length");
+            stream.read_exact(&mut b)?;
             u64::from_be_bytes(b) as usize
         }
         n => n as usize,
     };
     let mut payload = vec![0; n];
-    stream.read_exact(&mut payload).expect("frame payload");
-    (head[0] & 0x0f, payload)
+    stream.read_exact(&mut payload)?;
+    Ok((head[0] & 0x0f, payload))
 }
 
 /// The next answer on `ws` (a message with an `id`), past control frames and the
