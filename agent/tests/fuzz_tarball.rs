@@ -1510,13 +1510,7 @@ fn a_header_extension_may_have_1_mib_and_not_a_byte_more() {
         let record = pax_record("comment", &vec![b'c'; size - 16 - (record.len() - size)]);
         assert_eq!(record.len(), size);
         push_extension(&mut tar, b'x', &record);
-        let mut h = Header::new_ustar();
-        put(&mut h.as_old_mut().name, b"metadata/version");
-        h.set_size(1);
-        h.set_mode(0o644);
-        h.set_cksum();
-        push_entry(&mut tar, &h, b"1");
-        tar.extend([0u8; 1024]);
+        end_with_one_entry(&mut tar);
         let input = gzip(&tar);
         let updates = Updates::new(&[]).unwrap();
         let mut output = Vec::new();
@@ -1541,6 +1535,17 @@ fn a_header_extension_may_have_1_mib_and_not_a_byte_more() {
     }
 }
 
+/// Ends `tar` with one small Velero entry (`metadata/version`) and the end-of-archive.
+fn end_with_one_entry(tar: &mut Vec<u8>) {
+    let mut h = Header::new_ustar();
+    put(&mut h.as_old_mut().name, b"metadata/version");
+    h.set_size(1);
+    h.set_mode(0o644);
+    h.set_cksum();
+    push_entry(tar, &h, b"1");
+    tar.extend([0u8; 1024]);
+}
+
 /// Many header extensions before one entry, each within the 1 MiB a single one may
 /// have: what they may hold in memory together is bounded too, not only each one.
 #[test]
@@ -1550,13 +1555,7 @@ fn a_run_of_header_extensions_does_not_accumulate_in_memory() {
         let filler = pax_record("comment", &vec![b'c'; 1_000_000]);
         push_extension(&mut tar, b'x', &filler);
     }
-    let mut h = Header::new_ustar();
-    put(&mut h.as_old_mut().name, b"metadata/version");
-    h.set_size(1);
-    h.set_mode(0o644);
-    h.set_cksum();
-    push_entry(&mut tar, &h, b"1");
-    tar.extend([0u8; 1024]);
+    end_with_one_entry(&mut tar);
     let input = gzip(&tar);
     assert!(input.len() < 1024 * 1024, "the input compresses well");
     let updates = Updates::new(&[]).unwrap();
@@ -1580,13 +1579,7 @@ fn a_run_of_empty_header_extensions_is_bounded_by_its_headers() {
     for _ in 0..100_000 {
         push_extension(&mut tar, b'K', b"");
     }
-    let mut h = Header::new_ustar();
-    put(&mut h.as_old_mut().name, b"metadata/version");
-    h.set_size(1);
-    h.set_mode(0o644);
-    h.set_cksum();
-    push_entry(&mut tar, &h, b"1");
-    tar.extend([0u8; 1024]);
+    end_with_one_entry(&mut tar);
     let input = gzip(&tar);
     let updates = Updates::new(&[]).unwrap();
     let mut output = Vec::new();
