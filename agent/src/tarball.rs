@@ -10,8 +10,8 @@
 //! so Velero reads the output as the agent wrote it; a form the crate would read
 //! otherwise than Go is refused, never misread. Refused too, to protect the agent and
 //! Velero's restore: absolute paths, `..`, links, devices, FIFOs, a truncated archive,
-//! header extensions past 1 MiB (headers included), and a decompressed size past the
-//! limit. Other extractors (GNU tar) may name an entry otherwise than Go where the
+//! a header extension past 1 MiB (or a run of them past 2 MiB, headers included), and a
+//! decompressed size past the limit. Other extractors (GNU tar) may name an entry otherwise than Go where the
 //! backup server's input was ambiguous; the agent checks the names Go reads.
 //! Nothing after the first end-of-archive block is copied.
 
@@ -32,6 +32,9 @@ use tar::{Archive, EntryType, Header, PaxExtensions};
 /// Largest GNU long-name or PAX header accepted, in bytes (Go's reader has the same
 /// limit for its "special files").
 const MAX_EXTENSION: u64 = 1024 * 1024;
+/// Bytes of extensions (headers, data, padding) held before one entry: room for a full
+/// long name and a full PAX header, which the entry's copy needs verbatim.
+const MAX_EXTENSIONS_HELD: u64 = 2 * MAX_EXTENSION + 4 * BLOCK as u64;
 const BLOCK: usize = 512;
 /// The gzip level of the output: `gzip -6`, Go's default, what Velero writes.
 const LEVEL: u32 = 6;
@@ -712,9 +715,9 @@ fn copy<R: Read>(
             // Bound them together too, headers and padding included: a run of
             // extensions before one entry (empty ones too) is held until that entry comes.
             let held = BLOCK as u64 + size.div_ceil(BLOCK as u64) * BLOCK as u64;
-            if pending.held + held > MAX_EXTENSION {
+            if pending.held + held > MAX_EXTENSIONS_HELD {
                 return Err(RewriteError::Archive(format!(
-                    "the header extensions before one entry exceed the {MAX_EXTENSION} bytes allowed"
+                    "the header extensions before one entry exceed the {MAX_EXTENSIONS_HELD} bytes allowed"
                 )));
             }
             if kind == b'g' && pending.all.len() > pending.global.len() {

@@ -1587,7 +1587,7 @@ fn a_run_of_empty_header_extensions_is_bounded_by_its_headers() {
     let error = result.map(|_| ()).map_err(|e| e.to_string());
     assert_eq!(
         error,
-        Err("the header extensions before one entry exceed the 1048576 bytes allowed".to_string())
+        Err("the header extensions before one entry exceed the 2099200 bytes allowed".to_string())
     );
     let bound = MEMORY_ALLOWANCE + 3 * output.capacity();
     assert!(
