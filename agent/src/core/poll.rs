@@ -114,6 +114,9 @@ pub(super) fn apply_changes(
     ended: &mut Vec<Ended>,
 ) -> rusqlite::Result<HashMap<i64, u32>> {
     let mut touched: HashMap<i64, u32> = HashMap::new();
+    // Changes come in runs of one owner: its count is kept here until the run ends (one
+    // map entry per owner, not per operation: this is the sweep's hot path).
+    let mut run: Option<(i64, u32)> = None;
     let mut updates = queries::OperationUpdates::new(conn);
     for c in changes {
         let phase_changed = c.next.phase != c.target.state.phase;
@@ -124,14 +127,28 @@ pub(super) fn apply_changes(
             if phase_changed && !c.next.phase.is_unfinished() {
                 ended.push(Ended::of(c));
             }
-            let failed = u32::from(c.next.phase == OperationPhase::Failed);
-            *touched.entry(c.target.owner_row).or_default() += failed;
+            let owner = c.target.owner_row;
+            let failed = match &mut run {
+                Some((row, failed)) if *row == owner => failed,
+                _ => {
+                    if let Some((row, failed)) = run.take() {
+                        *touched.entry(row).or_default() += failed;
+                    }
+                    &mut run.insert((owner, 0)).1
+                }
+            };
+            if c.next.phase == OperationPhase::Failed {
+                *failed += 1;
+            }
             // Progress alone is no event: a phase change is, and so is what a limit
             // decided (a deadline, a retry scheduled or spent, a recovery).
             if phase_changed || c.why.is_some() {
                 record_operation_change(conn, c, now)?;
             }
         }
+    }
+    if let Some((row, failed)) = run {
+        *touched.entry(row).or_default() += failed;
     }
     Ok(touched)
 }

@@ -1004,15 +1004,29 @@ pub fn poll_targets(conn: &Connection, which: Targets<'_>) -> rusqlite::Result<V
     }
     let mut targets = Vec::with_capacity(expected);
     let mut plugin: Option<Arc<PluginRef>> = None;
-    // Each owner's part, read once per page.
-    let mut parts: HashMap<i64, OwnerPart> = HashMap::new();
+    // Each owner's part, found by its row; rows come in runs of one owner, so the last
+    // one found is looked at first (no hashing per row: this is the sweep's hot path).
+    let mut parts: Vec<OwnerPart> = Vec::new();
+    let mut by_row: HashMap<i64, usize> = HashMap::new();
+    let mut last: Option<(i64, usize)> = None;
     while let Some(row) = rows.next()? {
         let id: i64 = row.get(0)?;
         let owner_row: i64 = row.get(1)?;
-        let part = match parts.entry(owner_row) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(owner_part(conn, owner_row)?),
+        let index = match last {
+            Some((r, i)) if r == owner_row => i,
+            _ => {
+                let i = match by_row.entry(owner_row) {
+                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        parts.push(owner_part(conn, owner_row)?);
+                        *e.insert(parts.len() - 1)
+                    }
+                };
+                last = Some((owner_row, i));
+                i
+            }
         };
+        let part = &parts[index];
         // Rows of a page mostly name one plugin: compared as stored, parsed when new.
         let (kind, name) = (row.get_ref(2)?.as_bytes()?, row.get_ref(3)?.as_bytes()?);
         let plugin = match &plugin {
